@@ -1,0 +1,1 @@
+"""Benchmarks: each writes one JSON object."""

@@ -1,0 +1,187 @@
+"""Softmax attention layers (GQA and MLA) over a dense per-request cache, pure jnp reference path.
+
+Cache layouts (one dict per layer):
+  full GQA     {"k": [B, S, Hkv, Dk], "v": [B, S, Hkv, Dv]}   position p lives at index p
+  sliding GQA  {"k": [B, W, Hkv, Dk], "v": [B, W, Hkv, Dv]}   ring: position p lives at slot p % W
+  full MLA     {"kv": [B, S, 1, L + R]}                        compressed latent (L) + rope key (R)
+MLA runs in the absorbed form: queries are projected into the latent space, attention is multi-query
+over the latent cache, and the value up-projection is applied to the attended latent. The Pallas
+kernels (flash prefill, paged decode) plug in behind `attend`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .batch import Batch
+from .config import GQASpec, MLASpec
+from .modules import Linear, RMSNorm
+from .params import ParamInfo, declare
+from .rope import apply_rope
+
+_NEG = -1e30
+
+
+def attend(q, k, v, q_pos, k_pos, k_valid, *, scale: float, window: int | None = None, sinks=None):
+    """Masked GQA attention, softmax in float32.
+
+    q [B, T, Hq, Dk]; k [B, S, Hkv, Dk]; v [B, S, Hkv, Dv]; q_pos [B, T]; k_pos [B, S]; k_valid [B, S] bool;
+    sinks [Hq] (logit joining the denominator) -> [B, T, Hq, Dv]
+    """
+    B, T, Hq, Dk = q.shape
+    Hkv = k.shape[2]
+    G = Hq // Hkv
+    qg = q.reshape(B, T, Hkv, G, Dk)
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    mask = k_valid[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])  # [B, T, S]
+    if window is not None:
+        mask = mask & (k_pos[:, None, :] > q_pos[:, :, None] - window)
+    s = jnp.where(mask[:, None, None], s, _NEG)
+    m = s.max(-1, keepdims=True)
+    if sinks is not None:
+        sk = sinks.astype(jnp.float32).reshape(1, Hkv, G, 1, 1)
+        m = jnp.maximum(m, sk)
+    p = jnp.exp(s - m)
+    denom = p.sum(-1, keepdims=True)
+    if sinks is not None:
+        denom = denom + jnp.exp(sk - m)
+    p = (p / denom).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", p, v, preferred_element_type=jnp.float32)
+    return out.reshape(B, T, Hq, v.shape[-1]).astype(q.dtype)
+
+
+def write_full(cache, new, batch: Batch):
+    """Write new entries [B, T, ...] at their positions into a full cache [B, S, ...]; padding is dropped."""
+    S = cache.shape[1]
+    idx = jnp.where(batch.valid, batch.positions, S)
+    return cache.at[jnp.arange(cache.shape[0])[:, None], idx].set(new.astype(cache.dtype), mode="drop")
+
+
+def full_positions(S: int, batch: Batch):
+    k_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[None, :], (batch.start.shape[0], S))
+    return k_pos, k_pos < batch.end[:, None]
+
+
+def ring_positions(start, W: int):
+    """Position held by each slot of a ring of W slots after `start` tokens: ([B, W] pos, [B, W] valid)."""
+    last = (start - 1)[:, None]
+    pos = last - jnp.mod(last - jnp.arange(W, dtype=jnp.int32)[None, :], W)
+    return pos, pos >= 0
+
+
+def ring_update(ring, new, batch: Batch):
+    """Ring [B, W, ...] after appending `new` [B, T, ...]: each slot keeps the newest position mapping to it."""
+    W, T = ring.shape[1], new.shape[1]
+    pos, _ = ring_positions(batch.end, W)
+    from_new = pos >= batch.start[:, None]
+    t = jnp.clip(pos - batch.start[:, None], 0, T - 1)
+    picked = jnp.take_along_axis(new, t.reshape(t.shape + (1,) * (new.ndim - 2)), axis=1)
+    mask = from_new.reshape(from_new.shape + (1,) * (new.ndim - 2))
+    return jnp.where(mask, picked.astype(ring.dtype), ring)
+
+
+def kv_attention(q, k_new, v_new, cache: dict, batch: Batch, *, scale, window, sinks=None):
+    """Append this step's K/V to the layer cache and attend. Returns (out [B, T, Hq, Dv], new cache)."""
+    if window is None:
+        k = write_full(cache["k"], k_new, batch)
+        v = write_full(cache["v"], v_new, batch)
+        k_pos, k_valid = full_positions(k.shape[1], batch)
+        out = attend(q, k, v, batch.positions, k_pos, k_valid, scale=scale, sinks=sinks)
+        return out, {"k": k, "v": v}
+    W = cache["k"].shape[1]
+    r_pos, r_valid = ring_positions(batch.start, W)
+    k_all = jnp.concatenate([cache["k"], k_new.astype(cache["k"].dtype)], axis=1)
+    v_all = jnp.concatenate([cache["v"], v_new.astype(cache["v"].dtype)], axis=1)
+    k_pos = jnp.concatenate([r_pos, batch.positions], axis=1)
+    k_valid = jnp.concatenate([r_valid, batch.valid], axis=1)
+    out = attend(q, k_all, v_all, batch.positions, k_pos, k_valid, scale=scale, window=window, sinks=sinks)
+    return out, {"k": ring_update(cache["k"], k_new, batch), "v": ring_update(cache["v"], v_new, batch)}
+
+
+class GQAAttention(nnx.Module):
+    """Grouped-query attention: Llama/Qwen3 (q/k norm), Qwen3-Next (output gate), gpt-oss and MiMo (sinks,
+    sliding window, separate value head dim, value scale)."""
+
+    def __init__(self, prefix: str, hidden: int, spec: GQASpec, eps: float, dtype, norm_plus_one=False):
+        self.spec = spec
+        H, Hkv, D, Dv = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.v_head_dim
+        q_out = H * D * (2 if spec.output_gate else 1)
+        self.q_proj = Linear(f"{prefix}.q_proj", hidden, q_out, dtype, spec.qkv_bias, tp="col")
+        self.k_proj = Linear(f"{prefix}.k_proj", hidden, Hkv * D, dtype, spec.qkv_bias, tp="col")
+        self.v_proj = Linear(f"{prefix}.v_proj", hidden, Hkv * Dv, dtype, spec.qkv_bias, tp="col")
+        self.o_proj = Linear(f"{prefix}.o_proj", H * Dv, hidden, dtype, spec.o_bias, tp="row")
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(f"{prefix}.q_norm", D, eps, dtype, norm_plus_one)
+            self.k_norm = RMSNorm(f"{prefix}.k_norm", D, eps, dtype, norm_plus_one)
+        if spec.sinks:
+            declare(self, "sinks", (H,), dtype, ParamInfo(((f"{prefix}.{spec.sinks_name}",),), tp_axis=0))
+
+    def __call__(self, x, batch: Batch, cache: dict):  # x [B, T, hidden]
+        s = self.spec
+        B, T, _ = x.shape
+        q = self.q_proj(x)
+        gate = None
+        if s.output_gate:
+            q, gate = jnp.split(q.reshape(B, T, s.num_heads, 2 * s.head_dim), 2, axis=-1)
+            gate = gate.reshape(B, T, -1)
+        q = q.reshape(B, T, s.num_heads, s.head_dim)
+        k = self.k_proj(x).reshape(B, T, s.num_kv_heads, s.head_dim)
+        v = self.v_proj(x).reshape(B, T, s.num_kv_heads, s.v_head_dim)
+        if s.v_scale != 1.0:
+            v = v * jnp.asarray(s.v_scale, v.dtype)
+        if s.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if s.rope is not None:
+            q, k = apply_rope(q, batch.positions, s.rope), apply_rope(k, batch.positions, s.rope)
+        sinks = self.sinks[...] if s.sinks else None
+        out, cache = kv_attention(q, k, v, cache, batch, scale=s.scale, window=s.window, sinks=sinks)
+        out = out.reshape(B, T, -1)
+        if gate is not None:
+            out = out * jax.nn.sigmoid(gate)
+        return self.o_proj(out), cache
+
+
+class MLAAttention(nnx.Module):
+    """Multi-head latent attention (DeepSeek-V3, Kimi Linear), absorbed form over the latent cache."""
+
+    def __init__(self, prefix: str, hidden: int, spec: MLASpec, eps: float, dtype):
+        self.spec = spec
+        H, nope, rope, L = spec.num_heads, spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.kv_lora_rank
+        qk = nope + rope
+        if spec.q_lora_rank is None:
+            self.q_proj = Linear(f"{prefix}.q_proj", hidden, H * qk, dtype, tp="col")
+        else:
+            self.q_a_proj = Linear(f"{prefix}.q_a_proj", hidden, spec.q_lora_rank, dtype, spec.attention_bias)
+            self.q_a_layernorm = RMSNorm(f"{prefix}.q_a_layernorm", spec.q_lora_rank, 1e-6, dtype)
+            self.q_b_proj = Linear(f"{prefix}.q_b_proj", spec.q_lora_rank, H * qk, dtype, tp="col")
+        self.kv_a_proj_with_mqa = Linear(f"{prefix}.kv_a_proj_with_mqa", hidden, L + rope, dtype, spec.attention_bias)
+        self.kv_a_layernorm = RMSNorm(f"{prefix}.kv_a_layernorm", L, 1e-6, dtype)
+        self.kv_b_proj = Linear(f"{prefix}.kv_b_proj", L, H * (nope + spec.v_head_dim), dtype, tp="col")
+        self.o_proj = Linear(f"{prefix}.o_proj", H * spec.v_head_dim, hidden, dtype, spec.attention_bias, tp="row")
+
+    def __call__(self, x, batch: Batch, cache: dict):  # x [B, T, hidden]
+        s = self.spec
+        B, T, _ = x.shape
+        H, nope, L = s.num_heads, s.qk_nope_head_dim, s.kv_lora_rank
+        if s.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.reshape(B, T, H, nope + s.qk_rope_head_dim)
+        q_nope, q_rot = q[..., :nope], q[..., nope:]
+        ckv = self.kv_a_proj_with_mqa(x)
+        c, k_rot = self.kv_a_layernorm(ckv[..., :L]), ckv[..., L:]
+        k_rot = k_rot[:, :, None, :]
+        if s.rope is not None:
+            q_rot, k_rot = apply_rope(q_rot, batch.positions, s.rope), apply_rope(k_rot, batch.positions, s.rope)
+        kv_new = jnp.concatenate([c[:, :, None, :], k_rot], axis=-1)  # [B, T, 1, L + R]
+        kv = write_full(cache["kv"], kv_new, batch)
+        w = self.kv_b_proj.weight[...].reshape(H, nope + s.v_head_dim, L)
+        q_lat = jnp.einsum("bthn,hnl->bthl", q_nope, w[:, :nope])
+        qf = jnp.concatenate([q_lat, q_rot], axis=-1)
+        k_pos, k_valid = full_positions(kv.shape[1], batch)
+        out_lat = attend(qf, kv, kv[..., :L], batch.positions, k_pos, k_valid, scale=s.scale)
+        out = jnp.einsum("bthl,hvl->bthv", out_lat, w[:, nope:]).reshape(B, T, H * s.v_head_dim)
+        return self.o_proj(out), {"kv": kv}

@@ -1,0 +1,108 @@
+"""The decoder shared by every family: embeddings, a stack of (mixer, MLP/MoE) layers, final norm, LM head.
+
+What differs between families lives in the per-layer specs (config.py) and in the checkpoint names
+(`CHECKPOINT_ALIASES`, plus the prefixes each module records). `CausalLM.__call__` is one forward step over
+a `Batch` and a per-layer cache; prefill, chunked prefill and decode are all calls of it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .attention import GQAAttention, MLAAttention
+from .batch import Batch
+from .config import GDNSpec, GQASpec, KDASpec, MLASpec, MLPSpec, ModelConfig
+from .linear_attention import GatedDeltaNet, KimiDeltaAttention
+from .modules import MLP, Linear, MoE, RMSNorm
+from .params import ParamInfo, declare
+
+# Alternative spellings of checkpoint tensor names, per family: (regex, replacement) tried in order when
+# the canonical name is absent. Kimi Linear's hub checkpoints keep `block_sparse_moe` and w1/w2/w3.
+CHECKPOINT_ALIASES: dict[str, tuple[tuple[str, str], ...]] = {
+    "kimi_linear": (
+        (r"\.mlp\.experts\.(\d+)\.gate_proj\.", r".block_sparse_moe.experts.\1.w1."),
+        (r"\.mlp\.experts\.(\d+)\.up_proj\.", r".block_sparse_moe.experts.\1.w3."),
+        (r"\.mlp\.experts\.(\d+)\.down_proj\.", r".block_sparse_moe.experts.\1.w2."),
+        (r"\.mlp\.", ".block_sparse_moe."),
+    ),
+}
+
+
+def _mixer(prefix, hidden, spec, cfg: ModelConfig, dtype):
+    if isinstance(spec, GQASpec):
+        return GQAAttention(prefix, hidden, spec, cfg.rms_norm_eps, dtype, cfg.norm_plus_one)
+    if isinstance(spec, MLASpec):
+        return MLAAttention(prefix, hidden, spec, cfg.rms_norm_eps, dtype)
+    if isinstance(spec, GDNSpec):
+        return GatedDeltaNet(prefix, hidden, spec, cfg.rms_norm_eps, dtype)
+    if isinstance(spec, KDASpec):
+        return KimiDeltaAttention(prefix, hidden, spec, cfg.rms_norm_eps, dtype)
+    raise TypeError(type(spec))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, i: int, dtype):
+        spec = cfg.layers[i]
+        p = f"model.layers.{i}"
+        H = cfg.hidden_size
+        self.input_layernorm = RMSNorm(f"{p}.input_layernorm", H, cfg.rms_norm_eps, dtype, cfg.norm_plus_one)
+        self.post_attention_layernorm = RMSNorm(f"{p}.post_attention_layernorm", H, cfg.rms_norm_eps, dtype,
+                                                cfg.norm_plus_one)
+        self.mixer = _mixer(f"{p}.{spec.mixer_name}", H, spec.mixer, cfg, dtype)
+        if isinstance(spec.mlp, MLPSpec):
+            self.mlp = MLP(f"{p}.mlp", H, spec.mlp, dtype)
+        else:
+            gpt = cfg.model_type == "gpt_oss"
+            self.mlp = MoE(f"{p}.mlp", H, spec.mlp, dtype, router_name="router" if gpt else "gate",
+                           shared_name="shared_expert" if cfg.model_type == "qwen3_next" else "shared_experts")
+
+    def __call__(self, x, batch: Batch, cache: dict):
+        h, cache = self.mixer(self.input_layernorm(x), batch, cache)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), cache
+
+
+class CausalLM(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype):
+        self.cfg = cfg
+        V, H = cfg.vocab_size, cfg.hidden_size
+        declare(self, "embed_tokens", (V, H), dtype, ParamInfo((("model.embed_tokens.weight",),)))
+        self.layers = nnx.List([DecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers)])
+        self.norm = RMSNorm("model.norm", H, cfg.rms_norm_eps, dtype, cfg.norm_plus_one)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = Linear("lm_head", H, V, dtype, tp="col")
+
+    def __call__(self, batch: Batch, cache: list[dict], logits_idx):
+        """batch: B sequences of T new tokens; cache: per-layer dicts; logits_idx [B, P] token indices in [0, T)
+        -> (logits [B, P, V] float32, new cache)"""
+        x = self.embed_tokens[...][batch.tokens]
+        new_cache = []
+        for layer, c in zip(self.layers, cache):
+            x, c = layer(x, batch, c)
+            new_cache.append(c)
+        x = self.norm(x)
+        x = jnp.take_along_axis(x, logits_idx[..., None], axis=1)
+        if self.cfg.tie_word_embeddings:
+            logits = jnp.einsum("bph,vh->bpv", x, self.embed_tokens[...])
+        else:
+            logits = self.lm_head(x)
+        return logits.astype(jnp.float32), new_cache
+
+
+def abstract_model(cfg: ModelConfig, dtype) -> CausalLM:
+    """The model with shape-only parameters (nothing allocated)."""
+    return nnx.eval_shape(lambda: CausalLM(cfg, dtype))
+
+
+def make_forward(graphdef):
+    """Pure function (state, batch, cache, logits_idx) -> (logits, cache) over the split model."""
+    def forward(state, batch: Batch, cache, logits_idx):
+        return nnx.merge(graphdef, state)(batch, cache, logits_idx)
+    return forward
+
+
+def jit_forward(graphdef):
+    """The forward step, jitted with the cache donated (it is updated in place)."""
+    return jax.jit(make_forward(graphdef), donate_argnums=(2,))

@@ -1,0 +1,188 @@
+"""Shared building blocks: linear layers, RMSNorm variants, SwiGLU MLP, mixture of experts.
+
+All modules are Flax NNX modules whose weights keep the Hugging Face layout ([out, in] for linear
+layers) so loading is a name lookup; experts are stored [E, in, out] for `lax.ragged_dot`. Shapes in
+comments: B batch, T tokens, H hidden, I intermediate, E experts, K top-k.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .config import MLPSpec, MoESpec
+from .params import ParamInfo, declare
+
+
+class Linear(nnx.Module):
+    """y = x @ W.T (+ b) with W [out, in] as stored in checkpoints.
+
+    tp: "col" shards the output features, "row" the input features, None replicates.
+    """
+
+    def __init__(self, prefix: str, d_in: int, d_out: int, dtype, bias: bool = False, tp: str | None = None):
+        tp_axis = {"col": 0, "row": 1, None: None}[tp]
+        declare(self, "weight", (d_out, d_in), dtype, ParamInfo(((f"{prefix}.weight",),), tp_axis=tp_axis))
+        self.has_bias = bias
+        if bias:
+            declare(self, "bias", (d_out,), dtype, ParamInfo(((f"{prefix}.bias",),), tp_axis=0 if tp == "col" else None))
+
+    def __call__(self, x):  # x [..., in] -> [..., out]
+        y = jnp.einsum("...i,oi->...o", x, self.weight[...])
+        return y + self.bias[...] if self.has_bias else y
+
+
+def rms_norm(x, weight, eps: float, plus_one: bool = False):
+    """RMSNorm in float32; the scale multiplies after casting back (transformers' Llama convention)."""
+    dtype = x.dtype
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if plus_one:  # Qwen3-Next: output = norm(x) * (1 + w), all in float32
+        return (xf * (1.0 + weight.astype(jnp.float32))).astype(dtype)
+    return weight * xf.astype(dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, prefix: str, dim: int, eps: float, dtype, plus_one: bool = False):
+        declare(self, "weight", (dim,), dtype, ParamInfo(((f"{prefix}.weight",),)), init=0.0 if plus_one else 1.0)
+        self.eps, self.plus_one = eps, plus_one
+
+    def __call__(self, x):  # [..., dim]
+        return rms_norm(x, self.weight[...], self.eps, self.plus_one)
+
+
+def gated_rms_norm(x, gate, weight, eps: float, activation: str):
+    """Norm(x) * w * act(gate) in float32 (Qwen3-Next: silu, Kimi: sigmoid). x, gate [..., D]; weight [D]."""
+    dtype = x.dtype
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if activation == "silu":  # Qwen3-Next casts the normalised x to the model dtype before the weight
+        xf = weight * xf.astype(dtype)
+    else:
+        xf = weight.astype(jnp.float32) * xf
+    act = jax.nn.silu if activation == "silu" else jax.nn.sigmoid
+    return (xf * act(gate.astype(jnp.float32))).astype(dtype)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, prefix: str, hidden: int, spec: MLPSpec, dtype, names=("gate_proj", "up_proj", "down_proj")):
+        g, u, d = names
+        self.gate_proj = Linear(f"{prefix}.{g}", hidden, spec.intermediate_size, dtype, spec.bias, tp="col")
+        self.up_proj = Linear(f"{prefix}.{u}", hidden, spec.intermediate_size, dtype, spec.bias, tp="col")
+        self.down_proj = Linear(f"{prefix}.{d}", spec.intermediate_size, hidden, dtype, spec.bias, tp="row")
+
+    def __call__(self, x):  # [..., H] -> [..., H]
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoE(nnx.Module):
+    """Routed experts (+ optional shared expert), dispatched by sorting token-expert pairs by expert and
+    running grouped matmuls (`lax.ragged_dot`), so compute scales with top-k, not with the expert count.
+
+    Routers: "sigmoid_group" (DeepSeek-V3 noaux: sigmoid scores + correction bias, group-limited top-k),
+    "softmax" (Qwen: softmax then top-k), "topk_softmax" (gpt-oss: top-k logits then softmax).
+    """
+
+    def __init__(self, prefix: str, hidden: int, spec: MoESpec, dtype, *, router_name="gate",
+                 expert_names=("gate_proj", "up_proj", "down_proj"), shared_name="shared_experts"):
+        self.spec = spec
+        E, I = spec.num_experts, spec.intermediate_size
+
+        def alts(suffix):
+            return (f"{prefix}.{suffix}",)
+
+        rw = ParamInfo((alts(f"{router_name}.weight"),), fp32=spec.router == "sigmoid_group")
+        declare(self, "router_weight", (E, hidden), dtype, rw)
+        if spec.router == "sigmoid_group":
+            declare(self, "router_bias", (E,), dtype,
+                    ParamInfo((alts(f"{router_name}.e_score_correction_bias"),), fp32=True))
+        elif spec.router == "topk_softmax":
+            declare(self, "router_bias", (E,), dtype, ParamInfo((alts(f"{router_name}.bias"),)))
+        if spec.expert_style == "gpt_oss":  # fused, already [E, in, out], gate/up interleaved on the last axis
+            declare(self, "w_gate_up", (E, hidden, 2 * I), dtype, ParamInfo((alts("experts.gate_up_proj"),), tp_axis=0))
+            declare(self, "b_gate_up", (E, 2 * I), dtype, ParamInfo((alts("experts.gate_up_proj_bias"),), tp_axis=0))
+            declare(self, "w_down", (E, I, hidden), dtype, ParamInfo((alts("experts.down_proj"),), tp_axis=0))
+            declare(self, "b_down", (E, hidden), dtype, ParamInfo((alts("experts.down_proj_bias"),), tp_axis=0))
+        else:
+            g, u, d = expert_names
+
+            def stacked(n):
+                return ParamInfo(tuple(alts(f"experts.{e}.{n}.weight") for e in range(E)), combine="stack",
+                                 perm=(1, 0), tp_axis=0)
+
+            declare(self, "w_gate", (E, hidden, I), dtype, stacked(g))
+            declare(self, "w_up", (E, hidden, I), dtype, stacked(u))
+            declare(self, "w_down", (E, I, hidden), dtype, stacked(d))
+        self.has_shared = spec.shared_intermediate_size > 0
+        if self.has_shared:
+            self.shared = MLP(f"{prefix}.{shared_name}", hidden, MLPSpec(spec.shared_intermediate_size), dtype)
+        if spec.shared_expert_gate:
+            self.shared_gate = Linear(f"{prefix}.shared_expert_gate", hidden, 1, dtype)
+
+    def route(self, x):  # x [N, H] -> weights [N, K] float32, experts [N, K] int32
+        s = self.spec
+        if s.router == "sigmoid_group":
+            logits = x.astype(jnp.float32) @ self.router_weight[...].astype(jnp.float32).T
+            scores = jax.nn.sigmoid(logits)
+            choice = scores + self.router_bias[...]
+            N = x.shape[0]
+            grouped = choice.reshape(N, s.n_group, s.num_experts // s.n_group)
+            group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [N, G]
+            _, gidx = jax.lax.top_k(group_scores, s.topk_group)
+            gmask = jnp.zeros_like(group_scores).at[jnp.arange(N)[:, None], gidx].set(1.0)
+            emask = jnp.repeat(gmask, s.num_experts // s.n_group, axis=1) > 0
+            choice = jnp.where(emask, choice, -jnp.inf)
+            _, idx = jax.lax.top_k(choice, s.top_k)
+            w = jnp.take_along_axis(scores, idx, axis=1)
+            if s.norm_topk_prob:
+                w = w / (w.sum(-1, keepdims=True) + 1e-20)
+            return w * s.routed_scaling_factor, idx
+        if s.router == "softmax":
+            logits = x @ self.router_weight[...].T
+            probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+            w, idx = jax.lax.top_k(probs, s.top_k)
+            if s.norm_topk_prob:
+                w = w / w.sum(-1, keepdims=True)
+            return w.astype(x.dtype).astype(jnp.float32), idx
+        logits = x @ self.router_weight[...].T + self.router_bias[...]
+        top, idx = jax.lax.top_k(logits, s.top_k)
+        return jax.nn.softmax(top.astype(jnp.float32), axis=-1).astype(x.dtype).astype(jnp.float32), idx
+
+    def experts(self, x, weights, idx):  # x [N, H], weights/idx [N, K] -> [N, H]
+        s = self.spec
+        N, H = x.shape
+        K = idx.shape[1]
+        flat = idx.reshape(-1)
+        order = jnp.argsort(flat)
+        token_of = order // K
+        xs = x[token_of]  # [N*K, H] sorted by expert
+        sizes = jnp.bincount(flat, length=s.num_experts).astype(jnp.int32)
+        if s.expert_style == "gpt_oss":
+            gu = jax.lax.ragged_dot(xs, self.w_gate_up[...], sizes)
+            gu = gu + self.b_gate_up[...][flat[order]]
+            gate, up = gu[:, ::2], gu[:, 1::2]
+            gate = jnp.minimum(gate, s.swiglu_limit)
+            up = jnp.clip(up, -s.swiglu_limit, s.swiglu_limit)
+            h = (up + 1) * (gate * jax.nn.sigmoid(gate * s.swiglu_alpha))
+            y = jax.lax.ragged_dot(h, self.w_down[...], sizes) + self.b_down[...][flat[order]]
+        else:
+            h = jax.nn.silu(jax.lax.ragged_dot(xs, self.w_gate[...], sizes)) * jax.lax.ragged_dot(
+                xs, self.w_up[...], sizes)
+            y = jax.lax.ragged_dot(h, self.w_down[...], sizes)
+        y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
+        return jnp.zeros((N, H), y.dtype).at[token_of].add(y)
+
+    def __call__(self, x):  # [B, T, H] -> [B, T, H]
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        w, idx = self.route(x2)
+        out = self.experts(x2, w, idx)
+        if self.has_shared:
+            sh = self.shared(x2)
+            if self.spec.shared_expert_gate:
+                sh = jax.nn.sigmoid(self.shared_gate(x2)) * sh
+            out = out + sh
+        return out.reshape(shape).astype(x.dtype)

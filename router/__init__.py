@@ -1,0 +1,1 @@
+"""Global scheduler and routing policies (arrives with the router issues)."""

@@ -1,0 +1,1 @@
+"""KV transfer layer (arrives with the disaggregation issue)."""
