@@ -29,6 +29,19 @@ def _prep(q, k, g, use_qk_l2norm_in_kernel):
     return q, k, g
 
 
+def _unit_lower_inverse(A):
+    """(I + A)^-1 for strictly lower-triangular A [..., C, C]: A is nilpotent, so the inverse is exactly
+    prod_k (I + (-A)^(2^k)) over 2^k < C; log2(C) matmuls, which partition like any matmul under SPMD."""
+    C = A.shape[-1]
+    eye = jnp.eye(C, dtype=A.dtype)
+    N, inv, p = -A, eye + -A, 1
+    while 2 * p < C:
+        N = N @ N
+        inv = inv @ (eye + N)
+        p *= 2
+    return inv
+
+
 def ref_chunk_gated_delta_rule(q, k, v, g, beta, *, chunk_size=64, initial_state=None, output_final_state=False,
                                use_qk_l2norm_in_kernel=False, interpret=False):
     """q, k [B, T, H, Dk]; v [B, T, H, Dv]; g [B, T, H] or [B, T, H, Dk]; beta [B, T, H];
@@ -53,7 +66,6 @@ def ref_chunk_gated_delta_rule(q, k, v, g, beta, *, chunk_size=64, initial_state
     qs, ks, vs, gs, bs = map(chunks, (q, k, v, g, beta))
     incl = jnp.tril(jnp.ones((C, C), bool))
     strict = jnp.tril(jnp.ones((C, C), bool), -1)
-    eye = jnp.eye(C, dtype=jnp.float32)
 
     def step(S, xs):  # S [B, H, Dk, Dv]
         qc, kc, vc, gc, bc = xs  # [B, H, C, Dk], .., [B, H, C, Dv], [B, H, C, Dg], [B, H, C]
@@ -67,9 +79,8 @@ def ref_chunk_gated_delta_rule(q, k, v, g, beta, *, chunk_size=64, initial_state
         else:
             kk = jnp.einsum("bhid,bhjd,bhijd->bhij", kb, kc, decay)
             qk = jnp.einsum("bhid,bhjd,bhijd->bhij", qc, kc, decay)
-        A = eye + jnp.where(strict, kk, 0.0)
         rhs = jnp.concatenate([vc * bc[..., None], kb * jnp.exp(G)], axis=-1)
-        X = jax.lax.linalg.triangular_solve(A, rhs, left_side=True, lower=True, unit_diagonal=True)
+        X = jnp.einsum("bhij,bhjd->bhid", _unit_lower_inverse(jnp.where(strict, kk, 0.0)), rhs)
         U, W = X[..., :Dv], X[..., Dv:]
         v_new = U - jnp.einsum("bhck,bhkv->bhcv", W, S)
         o = jnp.einsum("bhck,bhkv->bhcv", qc * jnp.exp(G), S) + jnp.einsum("bhij,bhjv->bhiv", qk, v_new)

@@ -102,20 +102,21 @@ class MoE(nnx.Module):
         elif spec.router == "topk_softmax":
             declare(self, "router_bias", (E,), dtype, ParamInfo((alts(f"{router_name}.bias"),)))
         if spec.expert_style == "gpt_oss":  # fused, already [E, in, out], gate/up interleaved on the last axis
-            declare(self, "w_gate_up", (E, hidden, 2 * I), dtype, ParamInfo((alts("experts.gate_up_proj"),), tp_axis=0))
-            declare(self, "b_gate_up", (E, 2 * I), dtype, ParamInfo((alts("experts.gate_up_proj_bias"),), tp_axis=0))
-            declare(self, "w_down", (E, I, hidden), dtype, ParamInfo((alts("experts.down_proj"),), tp_axis=0))
-            declare(self, "b_down", (E, hidden), dtype, ParamInfo((alts("experts.down_proj_bias"),), tp_axis=0))
+            declare(self, "w_gate_up", (E, hidden, 2 * I), dtype, ParamInfo((alts("experts.gate_up_proj"),), tp_axis=2))
+            declare(self, "b_gate_up", (E, 2 * I), dtype, ParamInfo((alts("experts.gate_up_proj_bias"),), tp_axis=1))
+            declare(self, "w_down", (E, I, hidden), dtype, ParamInfo((alts("experts.down_proj"),), tp_axis=1))
+            declare(self, "b_down", (E, hidden), dtype, ParamInfo((alts("experts.down_proj_bias"),)))
         else:
             g, u, d = expert_names
 
-            def stacked(n):
+            def stacked(n, tp_axis):
                 return ParamInfo(tuple(alts(f"experts.{e}.{n}.weight") for e in range(E)), combine="stack",
-                                 perm=(1, 0), tp_axis=0)
+                                 perm=(1, 0), tp_axis=tp_axis)
 
-            declare(self, "w_gate", (E, hidden, I), dtype, stacked(g))
-            declare(self, "w_up", (E, hidden, I), dtype, stacked(u))
-            declare(self, "w_down", (E, I, hidden), dtype, stacked(d))
+            # tensor parallel inside each expert: gate/up split their outputs, down its inputs
+            declare(self, "w_gate", (E, hidden, I), dtype, stacked(g, 2))
+            declare(self, "w_up", (E, hidden, I), dtype, stacked(u, 2))
+            declare(self, "w_down", (E, I, hidden), dtype, stacked(d, 1))
         self.has_shared = spec.shared_intermediate_size > 0
         if self.has_shared:
             self.shared = MLP(f"{prefix}.{shared_name}", hidden, MLPSpec(spec.shared_intermediate_size), dtype)
@@ -140,16 +141,21 @@ class MoE(nnx.Module):
             if s.norm_topk_prob:
                 w = w / (w.sum(-1, keepdims=True) + 1e-20)
             return w * s.routed_scaling_factor, idx
+        xf = x.astype(jnp.float32)  # routing decisions in float32 whatever the model dtype
         if s.router == "softmax":
-            logits = x @ self.router_weight[...].T
-            probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+            logits = xf @ self.router_weight[...].astype(jnp.float32).T
+            probs = jax.nn.softmax(logits, axis=-1)
             w, idx = jax.lax.top_k(probs, s.top_k)
             if s.norm_topk_prob:
                 w = w / w.sum(-1, keepdims=True)
-            return w.astype(x.dtype).astype(jnp.float32), idx
-        logits = x @ self.router_weight[...].T + self.router_bias[...]
+            return w, idx
+        logits = xf @ self.router_weight[...].astype(jnp.float32).T + self.router_bias[...].astype(jnp.float32)
         top, idx = jax.lax.top_k(logits, s.top_k)
-        return jax.nn.softmax(top.astype(jnp.float32), axis=-1).astype(x.dtype).astype(jnp.float32), idx
+        return jax.nn.softmax(top, axis=-1), idx
+
+    @staticmethod
+    def _gmm(x, w, sizes):  # grouped matmul with float32 accumulation, result in x's dtype
+        return jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32).astype(x.dtype)
 
     def experts(self, x, weights, idx):  # x [N, H], weights/idx [N, K] -> [N, H]
         s = self.spec
@@ -161,17 +167,16 @@ class MoE(nnx.Module):
         xs = x[token_of]  # [N*K, H] sorted by expert
         sizes = jnp.bincount(flat, length=s.num_experts).astype(jnp.int32)
         if s.expert_style == "gpt_oss":
-            gu = jax.lax.ragged_dot(xs, self.w_gate_up[...], sizes)
+            gu = self._gmm(xs, self.w_gate_up[...], sizes)
             gu = gu + self.b_gate_up[...][flat[order]]
             gate, up = gu[:, ::2], gu[:, 1::2]
             gate = jnp.minimum(gate, s.swiglu_limit)
             up = jnp.clip(up, -s.swiglu_limit, s.swiglu_limit)
             h = (up + 1) * (gate * jax.nn.sigmoid(gate * s.swiglu_alpha))
-            y = jax.lax.ragged_dot(h, self.w_down[...], sizes) + self.b_down[...][flat[order]]
+            y = self._gmm(h, self.w_down[...], sizes) + self.b_down[...][flat[order]]
         else:
-            h = jax.nn.silu(jax.lax.ragged_dot(xs, self.w_gate[...], sizes)) * jax.lax.ragged_dot(
-                xs, self.w_up[...], sizes)
-            y = jax.lax.ragged_dot(h, self.w_down[...], sizes)
+            h = jax.nn.silu(self._gmm(xs, self.w_gate[...], sizes)) * self._gmm(xs, self.w_up[...], sizes)
+            y = self._gmm(h, self.w_down[...], sizes)
         y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
         return jnp.zeros((N, H), y.dtype).at[token_of].add(y)
 

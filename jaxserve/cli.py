@@ -1,0 +1,49 @@
+"""The `jaxserve` command line."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="jaxserve: JAX LLM serving")
+
+
+@app.command()
+def convert(hf_dir: str = typer.Argument(..., help="Hugging Face checkpoint directory"),
+            out_dir: str = typer.Argument(..., help="output directory (new or empty)"),
+            dtype: str = typer.Option("bfloat16", help="float32 | bfloat16")):
+    """Convert a Hugging Face safetensors checkpoint to an Orbax checkpoint."""
+    from .checkpoint import convert as _convert
+    from .models.config import ConfigError, load_config
+    from .models.safetensors_io import CheckpointError
+    if dtype not in ("float32", "bfloat16"):
+        raise typer.BadParameter("must be float32 or bfloat16", param_hint="--dtype")
+    try:
+        _convert(hf_dir, out_dir, load_config(hf_dir), dtype)
+    except (ConfigError, CheckpointError, FileNotFoundError, FileExistsError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+    typer.echo(f"wrote {out_dir}")
+
+
+@app.command()
+def generate(model: str = typer.Argument(..., help="checkpoint directory (Hugging Face or Orbax)"),
+             prompt: str = typer.Option(None, help="text prompt (needs tokenizer.json)"),
+             token_ids: str = typer.Option(None, help="comma-separated token ids instead of text"),
+             max_tokens: int = 32, temperature: float = 0.0, seed: int = 0,
+             dtype: str = typer.Option("float32", help="float32 | bfloat16")):
+    """Generate a completion from the terminal."""
+    from . import LLM, SamplingParams
+    if (prompt is None) == (token_ids is None):
+        raise typer.BadParameter("give exactly one of --prompt or --token-ids")
+    llm = LLM(model, dtype=dtype)
+    p = [int(t) for t in token_ids.split(",")] if token_ids else prompt
+    out = llm.generate([p], SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed))[0]
+    json.dump({"token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason}, sys.stdout)
+    sys.stdout.write("\n")
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,59 @@
+"""Sampling parameters and generation outputs (the offline API's value types) and host-side sampling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no limit
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k must be >= 0, got {self.top_k}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+
+@dataclass
+class Output:
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str | None = None
+    finish_reason: str | None = None  # "stop" | "length"
+
+
+def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> np.ndarray:
+    """logits [B, V] float32 -> token ids [B]."""
+    if params.temperature == 0.0:
+        return logits.argmax(-1)
+    z = logits / params.temperature
+    if params.top_k:
+        kth = np.partition(z, -params.top_k, axis=-1)[:, -params.top_k][:, None]
+        z = np.where(z < kth, -np.inf, z)
+    z = z - z.max(-1, keepdims=True)
+    p = np.exp(z)
+    p /= p.sum(-1, keepdims=True)
+    if params.top_p < 1.0:
+        order = np.argsort(-p, axis=-1)
+        sp = np.take_along_axis(p, order, -1)
+        keep = np.cumsum(sp, -1) - sp < params.top_p
+        sp = np.where(keep, sp, 0.0)
+        p = np.zeros_like(p)
+        np.put_along_axis(p, order, sp, -1)
+        p /= p.sum(-1, keepdims=True)
+    return np.array([rng.choice(p.shape[-1], p=row) for row in p])
