@@ -17,7 +17,11 @@ import jax
 import jax.numpy as jnp
 
 
-def _prep(q, k, g, use_qk_l2norm_in_kernel):
+def _prep(q, k, v, g, beta, initial_state, use_qk_l2norm_in_kernel):
+    """float32 inputs, optional L2 norm, q scaled by Dk^-1/2, g as [B, T, H, Dg], and the initial state."""
+    B, T, H, Dk = q.shape
+    S0 = (jnp.zeros((B, H, Dk, v.shape[-1]), jnp.float32) if initial_state is None
+          else initial_state.astype(jnp.float32))
     q, k = q.astype(jnp.float32), k.astype(jnp.float32)
     if use_qk_l2norm_in_kernel:
         q = q * jax.lax.rsqrt(jnp.sum(q * q, -1, keepdims=True) + 1e-6)
@@ -26,7 +30,7 @@ def _prep(q, k, g, use_qk_l2norm_in_kernel):
     g = g.astype(jnp.float32)
     if g.ndim == 3:
         g = g[..., None]  # scalar decay broadcast over key channels: [B, T, H, 1]
-    return q, k, g
+    return q, k, v.astype(jnp.float32), g, beta.astype(jnp.float32), S0
 
 
 def _unit_lower_inverse(A):
@@ -50,8 +54,7 @@ def ref_chunk_gated_delta_rule(q, k, v, g, beta, *, chunk_size=64, initial_state
     B, T, H, Dk = q.shape
     Dv = v.shape[-1]
     out_dtype = v.dtype
-    q, k, g = _prep(q, k, g, use_qk_l2norm_in_kernel)
-    v, beta = v.astype(jnp.float32), beta.astype(jnp.float32)
+    q, k, v, g, beta, S0 = _prep(q, k, v, g, beta, initial_state, use_qk_l2norm_in_kernel)
     C = chunk_size
     pad = (-T) % C
     if pad:
@@ -89,8 +92,6 @@ def ref_chunk_gated_delta_rule(q, k, v, g, beta, *, chunk_size=64, initial_state
             "bhck,bhcv->bhkv", kc * jnp.exp(G_last - G), v_new)
         return S, o
 
-    S0 = (jnp.zeros((B, H, Dk, Dv), jnp.float32) if initial_state is None
-          else initial_state.astype(jnp.float32))
     S, o = jax.lax.scan(step, S0, (qs, ks, vs, gs, bs))  # o [N, B, H, C, Dv]
     o = jnp.moveaxis(o, (0, 2), (1, 3)).reshape(B, N * C, H, Dv)[:, :T]
     return o.astype(out_dtype), (S if output_final_state else None)
@@ -103,8 +104,7 @@ def ref_recurrent_gated_delta_rule(q, k, v, g, beta, *, initial_state=None, outp
     B, T, H, Dk = q.shape
     Dv = v.shape[-1]
     out_dtype = v.dtype
-    q, k, g = _prep(q, k, g, use_qk_l2norm_in_kernel)
-    v, beta = v.astype(jnp.float32), beta.astype(jnp.float32)
+    q, k, v, g, beta, S0 = _prep(q, k, v, g, beta, initial_state, use_qk_l2norm_in_kernel)
 
     def step(S, xs):
         qt, kt, vt, gt, bt = xs  # [B, H, Dk], [B, H, Dk], [B, H, Dv], [B, H, Dg], [B, H]
@@ -113,8 +113,6 @@ def ref_recurrent_gated_delta_rule(q, k, v, g, beta, *, initial_state=None, outp
         S = S + kt[..., None] * delta[:, :, None, :]
         return S, jnp.einsum("bhkv,bhk->bhv", S, qt)
 
-    S0 = (jnp.zeros((B, H, Dk, Dv), jnp.float32) if initial_state is None
-          else initial_state.astype(jnp.float32))
     tm = lambda x: jnp.moveaxis(x, 1, 0)
     S, o = jax.lax.scan(step, S0, tuple(map(tm, (q, k, v, g, beta))))
     return tm(o).astype(out_dtype), (S if output_final_state else None)
