@@ -3,7 +3,6 @@
 Two fake CPU devices are configured before JAX starts so mesh / TP=2 tests run on any machine.
 """
 
-import json
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -15,7 +14,7 @@ jax.config.update("jax_num_cpu_devices", 2)
 
 import pytest  # noqa: E402
 
-from tests.tiny_models import FAMILIES, build_checkpoint  # noqa: E402
+from tests.tiny_models import build_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -47,7 +46,3 @@ def hf_model():
 
     return get
 
-
-def read_config(path: str) -> dict:
-    with open(os.path.join(path, "config.json")) as f:
-        return json.load(f)

@@ -62,7 +62,9 @@ def build_checkpoint(name: str, path: str, seed: int = 0) -> None:
     with torch.no_grad():  # random (not zero/one) norms, biases and gates so every parameter matters
         for n, p in model.named_parameters():
             if n.endswith("norm.weight") or "layernorm" in n:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p) if "qwen3_next" != model_type else 0.2 * torch.randn_like(p))
+                # Qwen3-Next norms scale by (1 + w), the others by w
+                offset = 0.0 if model_type == "qwen3_next" else 1.0
+                p.copy_(offset + 0.2 * torch.randn_like(p))
             elif n.endswith("bias") or "sinks" in n or "dt_bias" in n:
                 p.copy_(0.5 * torch.randn_like(p))
         for n, b in model.named_buffers():

@@ -164,16 +164,17 @@ class MoE(nnx.Module):
         flat = idx.reshape(-1)
         order = jnp.argsort(flat)
         token_of = order // K
+        expert_of = flat[order]  # [N*K] expert of each sorted row
         xs = x[token_of]  # [N*K, H] sorted by expert
         sizes = jnp.bincount(flat, length=s.num_experts).astype(jnp.int32)
         if s.expert_style == "gpt_oss":
             gu = self._gmm(xs, self.w_gate_up[...], sizes)
-            gu = gu + self.b_gate_up[...][flat[order]]
+            gu = gu + self.b_gate_up[...][expert_of]
             gate, up = gu[:, ::2], gu[:, 1::2]
             gate = jnp.minimum(gate, s.swiglu_limit)
             up = jnp.clip(up, -s.swiglu_limit, s.swiglu_limit)
             h = (up + 1) * (gate * jax.nn.sigmoid(gate * s.swiglu_alpha))
-            y = self._gmm(h, self.w_down[...], sizes) + self.b_down[...][flat[order]]
+            y = self._gmm(h, self.w_down[...], sizes) + self.b_down[...][expert_of]
         else:
             h = jax.nn.silu(self._gmm(xs, self.w_gate[...], sizes)) * self._gmm(xs, self.w_up[...], sizes)
             y = self._gmm(h, self.w_down[...], sizes)
