@@ -1,4 +1,6 @@
-"""Sampling parameters and generation outputs (the offline API's value types) and host-side sampling."""
+"""Sampling parameters and generation outputs (the offline API's value types) and host-side sampling.
+
+`sample` is the host reference; the engine samples on device (engine/sampler.py) with the same rules."""
 
 from __future__ import annotations
 
@@ -13,9 +15,16 @@ class SamplingParams:
     temperature: float = 1.0  # 0: greedy
     top_p: float = 1.0
     top_k: int = 0  # 0: no limit
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
+    stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None  # top log-probabilities per output token (0: only the sampled token's)
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -26,6 +35,21 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"SamplingParams.top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"SamplingParams.repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"SamplingParams.{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.n < 1:
+            raise ValueError(f"SamplingParams.n must be >= 1, got {self.n}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"SamplingParams.logprobs must be in [0, 20], got {self.logprobs}")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if any(not s for s in stop):
+            raise ValueError("SamplingParams.stop strings must be non-empty")
+        object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
 
@@ -34,7 +58,9 @@ class Output:
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
     text: str | None = None
-    finish_reason: str | None = None  # "stop" | "length"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    logprobs: list | None = None  # per token: (logprob, [(token id, logprob), ...])
+    cached_tokens: int = 0
 
 
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> np.ndarray:

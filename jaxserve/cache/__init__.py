@@ -1,0 +1,1 @@
+"""The KV cache: segment allocator and block manager (plain Python), device pool layout (layout.py)."""

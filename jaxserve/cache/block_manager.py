@@ -1,0 +1,195 @@
+"""Block manager: reference-counted blocks of the shared pool, prefix caching, LRU eviction.
+
+A block holds `block_size` consecutive tokens of one request for every full-attention layer. Blocks come
+from the segment allocator (allocator.py), so a request's blocks are contiguous whenever possible.
+
+Prefix cache (vLLM style): a full block of prompt tokens gets the hash of (hash of the previous block, its
+tokens), a chain that names the whole prefix. A new request reuses the longest chain of cached blocks
+(reference count + 1), always leaving at least one prompt token to compute. Blocks whose count drops to 0
+keep their hash and wait in an LRU list; they are evicted (hash dropped, returned to the allocator) only
+when fresh blocks are needed.
+
+Request-level state (linear-attention and sliding-window layers) cannot be cut at any length: the
+`SnapshotPool` keeps copies of it taken at block boundaries, keyed by the chain hash at that boundary, so
+it is reusable only at exactly that length. A model with such state reuses a prefix only up to a boundary
+that has a snapshot.
+
+Invariant (checked by `check()`): free + evictable + referenced blocks == total. Plain Python; the engine
+thread owns it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+
+import numpy as np
+
+from .allocator import OutOfBlocks, SegmentAllocator
+
+
+def block_hashes(tokens, block_size: int) -> list[bytes]:
+    """Chain hash of every full block of `tokens`."""
+    out, prev = [], b""
+    arr = np.asarray(tokens, np.int64)
+    for i in range(len(arr) // block_size):
+        prev = hashlib.blake2b(prev + arr[i * block_size:(i + 1) * block_size].tobytes(), digest_size=16).digest()
+        out.append(prev)
+    return out
+
+
+class SnapshotPool:
+    """`capacity` state rows holding request-level state at block boundaries; LRU replacement."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._rows: OrderedDict[bytes, int] = OrderedDict()  # hash -> row, oldest first
+        self._free = list(range(capacity))
+
+    def lookup(self, h: bytes) -> int | None:
+        row = self._rows.get(h)
+        if row is not None:
+            self._rows.move_to_end(h)
+        return row
+
+    def __contains__(self, h: bytes) -> bool:
+        return h in self._rows
+
+    def acquire(self, h: bytes, pinned: set[int] = frozenset()) -> int | None:
+        """A row to save the snapshot for `h` into (None when all rows are pinned or there are none)."""
+        if h in self._rows:
+            return None  # already held
+        if self._free:
+            row = self._free.pop()
+        else:
+            victim = next((k for k, r in self._rows.items() if r not in pinned), None)
+            if victim is None:
+                return None
+            row = self._rows.pop(victim)
+        self._rows[h] = row
+        return row
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, num_snapshots: int = 0, prefix_caching: bool = True):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.allocator = SegmentAllocator(num_blocks)
+        self.prefix_caching = prefix_caching
+        self.ref = [0] * num_blocks
+        self.block_hash: dict[int, bytes] = {}
+        self.hash_block: dict[bytes, int] = {}
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 but hashed, oldest first
+        self.snapshots = SnapshotPool(num_snapshots if prefix_caching else 0)
+        self.query_tokens = 0
+        self.hit_tokens = 0
+
+    # ---- capacity
+    @property
+    def num_free(self) -> int:
+        """Blocks obtainable right now (free + evictable)."""
+        return self.allocator.num_free + len(self.evictable)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache
+    def match(self, tokens, needs_snapshot: bool) -> tuple[list[int], int, int | None]:
+        """Longest reusable prefix: (cached block ids, cached tokens, snapshot row or None)."""
+        if not self.prefix_caching:
+            return [], 0, None
+        hashes = block_hashes(tokens, self.block_size)
+        hits: list[int] = []
+        for i, h in enumerate(hashes):
+            if (i + 1) * self.block_size >= len(tokens):
+                break
+            b = self.hash_block.get(h)
+            if b is None:
+                break
+            hits.append(b)
+        row = None
+        if needs_snapshot:
+            while hits and hashes[len(hits) - 1] not in self.snapshots:
+                hits.pop()
+            if hits:
+                row = self.snapshots.lookup(hashes[len(hits) - 1])
+        return hits, len(hits) * self.block_size, row
+
+    def record_query(self, num_tokens: int, num_hit: int) -> None:
+        self.query_tokens += num_tokens
+        self.hit_tokens += num_hit
+
+    def register(self, block_ids: list[int], tokens, num_computed: int) -> list[bytes]:
+        """Hash the full blocks among the first `num_computed` tokens; returns the chain hashes."""
+        hashes = block_hashes(list(tokens)[:num_computed], self.block_size)
+        if self.prefix_caching:
+            for b, h in zip(block_ids, hashes):
+                if b not in self.block_hash and h not in self.hash_block:
+                    self.block_hash[b], self.hash_block[h] = h, b
+        return hashes
+
+    # ---- allocation
+    def allocate(self, hits: list[int], num_tokens: int) -> list[int]:
+        """Blocks for a request of `num_tokens` tokens whose first blocks are the cached `hits`."""
+        new = self.blocks_for(num_tokens) - len(hits)
+        if new > self.num_free - sum(1 for b in hits if b in self.evictable):
+            raise OutOfBlocks(f"need {new} blocks, {self.num_free} free")
+        for b in hits:
+            self._incref(b)
+        return hits + self._fresh(new, hint=hits[-1] + 1 if hits else None)
+
+    def grow(self, block_ids: list[int], num_tokens: int) -> None:
+        """Extend `block_ids` in place to cover `num_tokens` tokens (raises OutOfBlocks, changing nothing)."""
+        need = self.blocks_for(num_tokens) - len(block_ids)
+        if need > 0:
+            block_ids += self._fresh(need, hint=block_ids[-1] + 1 if block_ids else None)
+
+    def _incref(self, b: int) -> None:
+        if self.ref[b] == 0:
+            self.evictable.pop(b, None)
+        self.ref[b] += 1
+
+    def _fresh(self, n: int, hint: int | None) -> list[int]:
+        if n <= 0:
+            return []
+        if n > self.num_free:
+            raise OutOfBlocks(f"need {n} blocks, {self.num_free} free")
+        evict = []
+        while self.allocator.num_free + len(evict) < n:
+            b, _ = self.evictable.popitem(last=False)
+            del self.hash_block[self.block_hash.pop(b)]
+            evict.append(b)
+        self.allocator.free(evict)
+        out = self.allocator.allocate(n, hint)
+        for b in out:
+            self.ref[b] = 1
+        return out
+
+    def free(self, block_ids: list[int]) -> None:
+        """Drop one reference to each block; tail blocks are freed first so they are evicted first."""
+        released = []
+        for b in reversed(block_ids):
+            if self.ref[b] <= 0:
+                raise ValueError(f"block {b} freed more often than referenced")
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                if b in self.block_hash:
+                    self.evictable[b] = None
+                else:
+                    released.append(b)
+        self.allocator.free(released)
+
+    # ---- stats and invariants
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    def num_referenced(self) -> int:
+        return sum(1 for r in self.ref if r > 0)
+
+    def check(self) -> None:
+        free, evict, used = self.allocator.num_free, len(self.evictable), self.num_referenced()
+        if free + evict + used != self.num_blocks:
+            raise AssertionError(f"block leak: free {free} + evictable {evict} + used {used} != {self.num_blocks}")

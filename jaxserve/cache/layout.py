@@ -1,0 +1,186 @@
+"""Device layout of the cache pool and the gather/scatter between it and the model's per-layer caches.
+
+Per cache group (models/cache_spec.py):
+  full      one array [num_blocks, layers_in_group, E, block_size, kv_heads, D] indexed by block id
+            (block-major, FlowKV's (B, L, 2, H): all layers of one block are contiguous). Block ids are shared
+            by all full groups: a block is `block_size` tokens of one request across every full layer.
+  sliding   [rows, layers_in_group, E, window, kv_heads, D]: a ring of the last `window` tokens per request
+  linear    {"conv": [rows, layers_in_group, K-1, C], "ssm": [rows, layers_in_group, H, Dk, Dv] float32}
+Entries E: 2 (K and V) when their head dims agree; 1 with K and V concatenated on D when they differ;
+1 for MLA (latent + rope key). Request-level groups (sliding, linear) have `rows` state rows: one per
+decode slot, then the prefix-cache snapshots, then one scratch row that padding rows of a batch write to.
+
+`gather` builds the dense per-request caches the model reads (attention.py / linear_attention.py layouts)
+for a batch from block tables and state rows; `scatter` writes back what the step added: the new tokens'
+K/V into their blocks, and the request-level state into its row (and a snapshot row when asked). Padding
+(invalid) tokens are dropped. This is the reference path; the paged Pallas kernels read blocks directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from ..models.batch import Batch
+from ..models.cache_spec import CacheGroup, CacheSpec
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    group: CacheGroup
+    entries: int  # E
+    width: int  # D
+
+    @property
+    def kind(self) -> str:
+        return self.group.kind
+
+    @property
+    def mla(self) -> bool:
+        return self.group.v_dim == 0
+
+
+def group_layout(g: CacheGroup) -> GroupLayout:
+    if g.kind == "linear":
+        return GroupLayout(g, 0, 0)
+    if g.v_dim == 0:
+        return GroupLayout(g, 1, g.k_dim)
+    if g.k_dim == g.v_dim:
+        return GroupLayout(g, 2, g.k_dim)
+    return GroupLayout(g, 1, g.k_dim + g.v_dim)
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    groups: tuple[GroupLayout, ...]
+    num_layers: int
+    block_size: int
+    num_blocks: int
+    num_rows: int  # state rows: slots + snapshots + 1 scratch
+
+    @staticmethod
+    def build(spec: CacheSpec, block_size: int, num_blocks: int, num_slots: int, num_snapshots: int) -> "PoolLayout":
+        n = max(max(g.layers) for g in spec.groups) + 1
+        return PoolLayout(tuple(group_layout(g) for g in spec.groups), n, block_size, num_blocks,
+                          num_slots + num_snapshots + 1)
+
+    @property
+    def scratch_row(self) -> int:
+        return self.num_rows - 1
+
+    @property
+    def has_request_state(self) -> bool:
+        return any(g.kind != "full" for g in self.groups)
+
+    def shapes(self, dtype) -> list:
+        """jax.ShapeDtypeStruct pytree of the pool (one entry per group)."""
+        out = []
+        for gl in self.groups:
+            g, L = gl.group, len(gl.group.layers)
+            if g.kind == "full":
+                out.append(jax.ShapeDtypeStruct(
+                    (self.num_blocks, L, gl.entries, self.block_size, g.kv_heads, gl.width), dtype))
+            elif g.kind == "sliding":
+                out.append(jax.ShapeDtypeStruct((self.num_rows, L, gl.entries, g.window, g.kv_heads, gl.width), dtype))
+            else:
+                out.append({"conv": jax.ShapeDtypeStruct((self.num_rows, L) + g.conv_shape, dtype),
+                            "ssm": jax.ShapeDtypeStruct((self.num_rows, L) + g.ssm_shape, jnp.float32)})
+        return out
+
+    def bytes(self, dtype) -> int:
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.shapes(dtype)))
+
+
+def init_pool(layout: PoolLayout, dtype, sharding=None) -> list:
+    def zeros(s):
+        return jnp.zeros(s.shape, s.dtype, device=sharding)
+    return jax.tree.map(zeros, layout.shapes(dtype))
+
+
+def _to_layer(gl: GroupLayout, x):
+    """[B, E, S, H, D] -> the model's per-layer cache dict."""
+    if gl.mla:
+        return {"kv": x[:, 0]}
+    if gl.entries == 2:
+        return {"k": x[:, 0], "v": x[:, 1]}
+    return {"k": x[:, 0, ..., :gl.group.k_dim], "v": x[:, 0, ..., gl.group.k_dim:]}
+
+
+def _from_layer(gl: GroupLayout, c):
+    """The model's per-layer cache dict -> [B, E, S, H, D]."""
+    if gl.mla:
+        return c["kv"][:, None]
+    if gl.entries == 2:
+        return jnp.stack([c["k"], c["v"]], axis=1)
+    return jnp.concatenate([c["k"], c["v"]], axis=-1)[:, None]
+
+
+def gather(layout: PoolLayout, pool: list, block_table, src_rows, start) -> list[dict]:
+    """Dense per-layer caches for a batch.
+
+    block_table [B, W] int32 block ids (capacity W * block_size tokens); src_rows [B] int32 state rows;
+    start [B] int32 tokens already cached (state of rows with start == 0 reads as zeros).
+    """
+    B, W = block_table.shape
+    cache: list[dict | None] = [None] * layout.num_layers
+    fresh = start == 0
+    for gl, arr in zip(layout.groups, pool):
+        g = gl.group
+        if g.kind == "full":
+            x = arr[block_table]  # [B, W, L, E, bs, H, D]
+            x = jnp.moveaxis(x, 2, 0)  # [L, B, W, E, bs, H, D]
+            x = jnp.swapaxes(x, 2, 3).reshape((len(g.layers), B, gl.entries, W * layout.block_size) + x.shape[-2:])
+            for j, layer in enumerate(g.layers):
+                cache[layer] = _to_layer(gl, x[j])
+            continue
+        rows = jax.tree.map(lambda a: a[src_rows], arr)
+        rows = jax.tree.map(lambda a: jnp.where(fresh.reshape((B,) + (1,) * (a.ndim - 1)), 0, a), rows)
+        for j, layer in enumerate(g.layers):
+            if g.kind == "sliding":
+                cache[layer] = _to_layer(gl, rows[:, j])
+            else:
+                cache[layer] = {"conv": rows["conv"][:, j], "ssm": rows["ssm"][:, j]}
+    return cache
+
+
+def scatter(layout: PoolLayout, pool: list, cache: list[dict], batch: Batch, block_table, dst_rows, snap_rows) -> list:
+    """Write what a step added back into the pool.
+
+    cache: the model's updated per-layer caches (dense, from `gather`); block_table [B, W]; dst_rows [B] and
+    snap_rows [B] int32 state rows (the scratch row where nothing is to be saved).
+    """
+    bs = layout.block_size
+    pos = batch.positions  # [B, T]
+    blk = jnp.take_along_axis(block_table, jnp.clip(pos // bs, 0, block_table.shape[1] - 1), axis=1)
+    blk = jnp.where(batch.valid, blk, layout.num_blocks)  # out of range: dropped
+    off = pos % bs
+    out = []
+    for gl, arr in zip(layout.groups, pool):
+        g = gl.group
+        if g.kind == "full":
+            S = block_table.shape[1] * bs
+            idx = jnp.clip(pos, 0, S - 1)
+            new = []
+            for layer in g.layers:
+                x = _from_layer(gl, cache[layer])  # [B, E, S, H, D]
+                new.append(jnp.take_along_axis(x, idx[:, None, :, None, None], axis=2))  # [B, E, T, H, D]
+            vals = jnp.stack(new, axis=0)  # [L, B, E, T, H, D]
+            vals = jnp.transpose(vals, (1, 3, 0, 2, 4, 5))  # [B, T, L, E, H, D]
+            out.append(arr.at[blk, :, :, off].set(vals.astype(arr.dtype), mode="drop"))
+            continue
+        if g.kind == "sliding":
+            vals = jnp.stack([_from_layer(gl, cache[layer]) for layer in g.layers], axis=1)
+        else:
+            vals = {k: jnp.stack([cache[layer][k] for layer in g.layers], axis=1) for k in ("conv", "ssm")}
+        arr = jax.tree.map(lambda a, v: a.at[dst_rows].set(v.astype(a.dtype)), arr, vals)
+        arr = jax.tree.map(lambda a, v: a.at[snap_rows].set(v.astype(a.dtype)), arr, vals)
+        out.append(arr)
+    return out
+
+
+def copy_rows(layout: PoolLayout, pool: list, src, dst) -> list:
+    """Copy request-level state rows src [N] -> dst [N] (restoring or taking snapshots outside a step)."""
+    return [arr if gl.kind == "full" else jax.tree.map(lambda a: a.at[dst].set(a[src]), arr)
+            for gl, arr in zip(layout.groups, pool)]

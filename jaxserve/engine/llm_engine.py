@@ -1,0 +1,238 @@
+"""The engine loop: schedule -> prefill program -> insert -> decode program -> postprocess (stop checks).
+
+`LLMEngine` owns the model, the block manager, the scheduler and the device `Engine`; `step()` runs one
+iteration and returns the requests that changed. Detokenisation is incremental per request; stop strings
+are matched on the text and the text is cut before them. Single-threaded: the offline `LLM` calls it
+directly, the server drives it from one engine thread (async_engine.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from ..cache.block_manager import BlockManager
+from ..cache.layout import PoolLayout
+from ..checkpoint import load_any
+from ..models.cache_spec import cache_spec
+from ..models.config import load_config
+from ..sampling import SamplingParams
+from ..tokenizer import Tokenizer
+from .runner import DecodeRow, Engine, PrefillRow
+from .scheduler import Scheduler, SchedulerConfig
+from .sequence import Sequence
+
+DTYPES = {"float32": jax.numpy.float32, "bfloat16": jax.numpy.bfloat16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16
+    num_blocks: int = 512
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 512
+    chunk_size: int = 256
+    max_prefill_seqs: int = 4
+    max_waiting: int = 256
+    max_model_len: int | None = None  # default: the model's context, capped by the pool
+    prefix_caching: bool = True
+    num_snapshots: int = 32  # request-level state snapshots kept for prefix reuse
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, int) and not isinstance(v, bool) and v < (0 if f.name == "num_snapshots" else 1):
+                raise ValueError(f"engine.{f.name} must be >= 1, got {v}")
+
+
+class RequestError(ValueError):
+    """A request the engine cannot take (the server answers 400)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class LLMEngine:
+    def __init__(self, model: str, dtype: str = "float32", config: EngineConfig | None = None, mesh=None,
+                 progress: bool = True):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        if not os.path.isdir(model):
+            raise FileNotFoundError(f"{model}: not a model directory")
+        self.cfg = cfg = config or EngineConfig()
+        self.path, self.dtype, self.mesh = model, DTYPES[dtype], mesh
+        self.model_config = load_config(model)
+        self.cache_spec = cache_spec(self.model_config)
+        self.graphdef, self.state = load_any(model, self.model_config, dtype, mesh, progress)
+        self.tokenizer = Tokenizer.maybe_load(model)
+        bs = cfg.block_size
+        self.max_model_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,
+                                 self.model_config.max_position_embeddings, cfg.num_blocks * bs)
+        self.layout = PoolLayout.build(self.cache_spec, bs, cfg.num_blocks, cfg.max_num_seqs, cfg.num_snapshots)
+        self.snapshot_base = cfg.max_num_seqs
+        self.blocks = BlockManager(cfg.num_blocks, bs, cfg.num_snapshots, cfg.prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(
+            cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.chunk_size, cfg.max_prefill_seqs, cfg.max_waiting, bs,
+            self.layout.has_request_state), self.blocks)
+        self.engine = Engine(self.graphdef, self.state, self.layout, self.model_config.vocab_size, self.dtype,
+                             num_slots=cfg.max_num_seqs, max_prefill_seqs=cfg.max_prefill_seqs,
+                             chunk_size=cfg.chunk_size, max_blocks_per_seq=-(-self.max_model_len // bs), mesh=mesh)
+        self.eos = set(self.model_config.eos_token_ids)
+        self.requests: dict[str, Sequence] = {}
+        self._rng = np.random.default_rng()
+
+    # ---- requests
+    def encode(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this model has no tokenizer.json: send token ids", "prompt")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        return ids
+
+    def validate(self, ids: list[int], params: SamplingParams) -> None:
+        V = self.model_config.vocab_size
+        if not ids:
+            raise RequestError("the prompt is empty", "prompt")
+        bad = [t for t in ids if not 0 <= t < V]
+        if bad:
+            raise RequestError(f"token ids out of range [0, {V}): {bad[:5]}", "prompt")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the maximum "
+                               f"context length {self.max_model_len}", "max_tokens")
+        if params.stop and self.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer; use stop_token_ids", "stop")
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams) -> list[Sequence]:
+        """Queue a request (n sequences for n > 1, seeds seed, seed + 1, ...). Raises RequestError / QueueFull."""
+        ids = self.encode(prompt)
+        self.validate(ids, params)
+        base = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31))
+        seqs = []
+        for i in range(params.n):
+            rid = request_id if params.n == 1 else f"{request_id}-{i}"
+            if rid in self.requests:
+                raise RequestError(f"duplicate request id {rid!r}", "request_id")
+            seq = Sequence(rid, list(ids), dataclasses.replace(params, seed=base + i, n=1))
+            seq.detok = Detokenizer(self.tokenizer, seq.params.stop)
+            self.scheduler.add(seq)
+            self.requests[rid] = seq
+            seqs.append(seq)
+        return seqs
+
+    def abort(self, request_id: str) -> None:
+        seq = self.requests.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.abort(seq)
+
+    def release(self, seq: Sequence) -> None:
+        """Forget a finished request (its caller has read the result)."""
+        self.requests.pop(seq.request_id, None)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # ---- one iteration
+    def step(self) -> list[Sequence]:
+        plan = self.scheduler.schedule()
+        changed: list[Sequence] = []
+        if plan.prefills:
+            rows = []
+            for c in plan.prefills:
+                seq = c.seq
+                src = seq.state_src + self.snapshot_base if seq.state_src is not None else seq.slot
+                snap = c.snapshot_row + self.snapshot_base if c.snapshot_row is not None else None
+                rows.append(PrefillRow(seq.request_id, seq.tokens[c.start:c.end], c.start, seq.block_ids, src,
+                                       seq.slot, snap, c.last, seq.params, len(seq.output),
+                                       seq.tokens if c.last else None))
+            for c, prefix in zip(plan.prefills, self.engine.prefill(rows)):
+                self.scheduler.complete_prefill(c)
+                if prefix is not None:
+                    self.engine.insert(prefix, c.seq.slot)
+                    self._append(c.seq, prefix.token, prefix.logprob, prefix.top)
+                    changed.append(c.seq)
+        if plan.decodes:
+            rows = [DecodeRow(s.slot, s.output[-1] if s.output else s.prompt[-1], s.num_tokens - 1, s.block_ids,
+                              s.params, len(s.output)) for s in plan.decodes]
+            for seq, (tok, lp, top) in zip(plan.decodes, self.engine.generate(rows)):
+                self._append(seq, tok, lp, top)
+                changed.append(seq)
+        return changed
+
+    def _append(self, seq: Sequence, tok: int, lp: float, top) -> None:
+        now = time.monotonic()
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.output.append(tok)
+        if seq.params.logprobs is not None:
+            seq.logprobs.append((lp, top))
+        p = seq.params
+        reason = None
+        if tok in p.stop_token_ids or (tok in self.eos and not p.ignore_eos):
+            reason = "stop"
+        elif seq.detok.add(tok):
+            reason = "stop"
+        elif len(seq.output) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            seq.detok.finish(stop_token=reason == "stop" and tok in (set(p.stop_token_ids) | self.eos))
+            self.engine.free(seq.slot)
+            self.scheduler.finish(seq, reason)
+            seq.finish_time = now
+        else:
+            self.scheduler.complete_decode(seq)
+
+    # ---- introspection
+    def stats(self) -> dict:
+        b = self.blocks
+        return {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
+                "blocks_total": b.num_blocks, "blocks_free": b.num_free, "blocks_used": b.num_referenced(),
+                "prefix_hit_rate": b.hit_rate, "compiled_programs": len(self.engine.programs),
+                "preemptions": self.scheduler.num_preemptions}
+
+
+class Detokenizer:
+    """Incremental text of one request: `text` is what may be shown now; stop strings end it.
+
+    Text that could still turn into a stop string, or that ends in an incomplete UTF-8 character, is held
+    back until it cannot."""
+
+    def __init__(self, tokenizer: Tokenizer | None, stop: tuple[str, ...]):
+        self.tok, self.stop = tokenizer, stop
+        self.ids: list[int] = []
+        self.full = ""
+        self.text = ""
+        self.stopped = False
+
+    def add(self, tok: int) -> bool:
+        """Append a token; True when a stop string was hit (the text is cut before it)."""
+        if self.tok is None:
+            return False
+        self.ids.append(tok)
+        self.full = self.tok.decode(self.ids)
+        for s in self.stop:
+            i = self.full.find(s)
+            if i >= 0:
+                self.text, self.stopped = self.full[:i], True
+                return True
+        hold = max((len(s) - 1 for s in self.stop), default=0)
+        visible = self.full[:len(self.full) - hold] if hold else self.full
+        if visible.endswith("\ufffd"):
+            visible = visible.rstrip("\ufffd")
+        if len(visible) > len(self.text):
+            self.text = visible
+        return False
+
+    def finish(self, stop_token: bool) -> None:
+        if self.tok is None or self.stopped:
+            return
+        ids = self.ids[:-1] if stop_token else self.ids
+        self.text = self.tok.decode(ids)

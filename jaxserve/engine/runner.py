@@ -1,0 +1,202 @@
+"""The device side of the engine, in JetStream's shape: `prefill` -> `Prefix`, `insert`, `generate`, `free`.
+
+The cache pool (cache/layout.py), the per-slot penalty state (prompt token mask, output token counts) and
+the model parameters live on device. Two jitted programs do all the work, each with the pool donated:
+  prefill   B chunks of T tokens (padded to buckets) -> cache written, first token sampled for chunks that
+            complete their prompt
+  generate  one token for every decode slot (inactive slots are padding)
+Shapes are bucketed (B and T in powers of two up to their limits, block-table width W in powers of two) so a
+workload compiles a bounded number of programs; `programs` records every shape compiled so far.
+
+Colocated mode uses one Engine for both roles: prefill writes straight into the blocks and state row that
+decode then reads, so `insert` only records the slot's sampling state. The disaggregated arrangement
+inserts a Prefix received from another process (the disaggregation issue).
+
+Not thread-safe: one thread (the engine loop) drives it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ..cache.layout import PoolLayout, gather, init_pool, scatter
+from ..models.batch import Batch
+from ..sampling import SamplingParams
+from .sampler import MAX_LOGPROBS, SamplingTensors, sample
+
+_IDLE = SamplingParams(temperature=0.0, seed=0)  # sampling parameters of idle decode slots
+
+
+def pow2_bucket(n: int, lo: int, hi: int) -> int:
+    """Smallest power of two >= n, clamped to [lo, hi] (hi itself when n exceeds the powers below it)."""
+    b = lo
+    while b < n and b < hi:
+        b *= 2
+    return min(b, hi) if n <= hi else n
+
+
+@dataclass
+class Prefix:
+    """What prefill hands to decode for one request: where its cache is and the first sampled token."""
+    request_id: str
+    slot: int
+    block_ids: list[int]
+    num_tokens: int  # tokens in the cache
+    token: int  # first sampled token
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+    prompt_mask: np.ndarray | None = None  # [V] bool tokens of the prompt (repetition penalty)
+
+
+@dataclass
+class PrefillRow:
+    request_id: str
+    tokens: list[int]  # the chunk's tokens
+    start: int  # tokens already cached
+    block_ids: list[int]
+    src_row: int  # state row to read request-level state from
+    dst_row: int  # state row to write it to (the slot)
+    snap_row: int | None  # also save the state here
+    sample: bool  # the chunk completes the prompt: sample the first token
+    params: object = None  # SamplingParams
+    step: int = 0  # output index of the token sampled
+    prompt: list[int] | None = None  # whole prompt (for the prompt mask), when sampling
+
+
+@dataclass
+class DecodeRow:
+    slot: int
+    token: int  # input token
+    position: int  # its position (= tokens already cached)
+    block_ids: list[int]
+    params: object
+    step: int
+
+
+class Engine:
+    def __init__(self, graphdef, state, layout: PoolLayout, vocab_size: int, dtype, *, num_slots: int,
+                 max_prefill_seqs: int, chunk_size: int, max_blocks_per_seq: int, mesh=None):
+        self.layout, self.V, self.dtype = layout, vocab_size, dtype
+        self.num_slots, self.max_prefill_seqs, self.chunk_size = num_slots, max_prefill_seqs, chunk_size
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.state = state
+        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None else None
+        self.pool = init_pool(layout, dtype, sharding)
+        self.prompt_mask = jnp.zeros((num_slots, vocab_size), bool, device=sharding)
+        self.out_counts = jnp.zeros((num_slots, vocab_size), jnp.int32, device=sharding)
+        self.programs: set[tuple] = set()
+        model = lambda st: nnx.merge(graphdef, st)  # noqa: E731
+
+        def prefill_fn(state, pool, batch, table, src, dst, snap, st, pmask):
+            cache = gather(layout, pool, table, src, batch.start)
+            logits, cache = model(state)(batch, cache, jnp.maximum(batch.lengths - 1, 0)[:, None])
+            pool = scatter(layout, pool, cache, batch, table, dst, snap)
+            zeros = jnp.zeros(pmask.shape, jnp.int32)
+            return (pool,) + sample(logits[:, 0], st, pmask, zeros)
+
+        def decode_fn(state, pool, prompt_mask, out_counts, batch, table, rows, st):
+            cache = gather(layout, pool, table, rows, batch.start)
+            logits, cache = model(state)(batch, cache, jnp.zeros((batch.tokens.shape[0], 1), jnp.int32))
+            pool = scatter(layout, pool, cache, batch, table, rows, jnp.full_like(rows, layout.scratch_row))
+            tok, lp, ids, tlp = sample(logits[:, 0], st, prompt_mask, out_counts)
+            out_counts = out_counts.at[jnp.arange(tok.shape[0]), tok].add(batch.lengths)
+            return pool, out_counts, tok, lp, ids, tlp
+
+        def insert_fn(prompt_mask, out_counts, slot, mask_row, token):
+            return prompt_mask.at[slot].set(mask_row), out_counts.at[slot].set(0).at[slot, token].set(1)
+
+        self._prefill = jax.jit(prefill_fn, donate_argnums=(1,))
+        self._decode = jax.jit(decode_fn, donate_argnums=(1, 3))
+        self._insert = jax.jit(insert_fn, donate_argnums=(0, 1))
+
+    # ---- helpers
+    def _table(self, rows_blocks: list[list[int]], B: int, min_width: int) -> np.ndarray:
+        W = pow2_bucket(max([min_width] + [len(b) for b in rows_blocks]), 1, self.max_blocks_per_seq)
+        table = np.zeros((B, W), np.int32)
+        for i, blocks in enumerate(rows_blocks):
+            table[i, :len(blocks)] = blocks
+        return table
+
+    def _prompt_mask(self, prompt: list[int] | None) -> np.ndarray:
+        m = np.zeros(self.V, bool)
+        if prompt:
+            m[np.asarray(prompt)] = True
+        return m
+
+    # ---- protocol
+    def prefill(self, rows: list[PrefillRow]) -> list[Prefix | None]:
+        if not rows or len(rows) > self.max_prefill_seqs:
+            raise ValueError(f"prefill takes 1..{self.max_prefill_seqs} rows, got {len(rows)}")
+        B = pow2_bucket(len(rows), 1, self.max_prefill_seqs)
+        T = pow2_bucket(max(len(r.tokens) for r in rows), 16, self.chunk_size)
+        bs = self.layout.block_size
+        tokens = np.zeros((B, T), np.int32)
+        start, lengths = np.zeros(B, np.int32), np.zeros(B, np.int32)
+        scratch = self.layout.scratch_row
+        src, dst, snap = (np.full(B, scratch, np.int32) for _ in range(3))
+        pmask = np.zeros((B, self.V), bool)
+        for i, r in enumerate(rows):
+            tokens[i, :len(r.tokens)] = r.tokens
+            start[i], lengths[i] = r.start, len(r.tokens)
+            src[i], dst[i] = r.src_row, r.dst_row
+            snap[i] = scratch if r.snap_row is None else r.snap_row
+            if r.sample:
+                pmask[i] = self._prompt_mask(r.prompt)
+        # the dense view must hold every row's end
+        min_w = max(-(-(r.start + len(r.tokens)) // bs) for r in rows)
+        table = self._table([r.block_ids for r in rows], B, min_w)
+        st = SamplingTensors.from_params([r.params for r in rows], [r.step for r in rows], B)
+        self.programs.add(("prefill", B, T, table.shape[1]))
+        batch = Batch(jnp.asarray(tokens), jnp.asarray(start), jnp.asarray(lengths))
+        self.pool, tok, lp, ids, tlp = self._prefill(self.state, self.pool, batch, jnp.asarray(table), jnp.asarray(src),
+                                                     jnp.asarray(dst), jnp.asarray(snap), st, jnp.asarray(pmask))
+        tok, lp, ids, tlp = (np.asarray(x) for x in (tok, lp, ids, tlp))
+        out: list[Prefix | None] = []
+        for i, r in enumerate(rows):
+            if not r.sample:
+                out.append(None)
+                continue
+            out.append(Prefix(r.request_id, r.dst_row, list(r.block_ids), r.start + len(r.tokens), int(tok[i]),
+                              float(lp[i]), self._top(r.params, ids[i], tlp[i]), pmask[i]))
+        return out
+
+    def insert(self, prefix: Prefix, slot: int) -> None:
+        """Make `slot` decode the request of `prefix` (colocated: its cache is already in place)."""
+        mask = prefix.prompt_mask if prefix.prompt_mask is not None else np.zeros(self.V, bool)
+        self.prompt_mask, self.out_counts = self._insert(self.prompt_mask, self.out_counts, jnp.int32(slot),
+                                                         jnp.asarray(mask), jnp.int32(prefix.token))
+
+    def generate(self, rows: list[DecodeRow]) -> list[tuple[int, float, list[tuple[int, float]]]]:
+        """One decode step for the given slots (the others idle): per row (token, logprob, top logprobs)."""
+        S = self.num_slots
+        tokens, start, lengths = np.zeros((S, 1), np.int32), np.zeros(S, np.int32), np.zeros(S, np.int32)
+        slot_rows = np.full(S, self.layout.scratch_row, np.int32)
+        blocks = [[] for _ in range(S)]
+        params: list = [None] * S
+        steps = [0] * S
+        for r in rows:
+            tokens[r.slot, 0], start[r.slot], lengths[r.slot] = r.token, r.position, 1
+            slot_rows[r.slot], blocks[r.slot], params[r.slot], steps[r.slot] = r.slot, r.block_ids, r.params, r.step
+        bs = self.layout.block_size
+        min_w = max([-(-(r.position + 1) // bs) for r in rows] + [1])
+        table = self._table(blocks, S, min_w)
+        st = SamplingTensors.from_params([p or _IDLE for p in params], steps, S)
+        self.programs.add(("decode", S, 1, table.shape[1]))
+        batch = Batch(jnp.asarray(tokens), jnp.asarray(start), jnp.asarray(lengths))
+        self.pool, self.out_counts, tok, lp, ids, tlp = self._decode(
+            self.state, self.pool, self.prompt_mask, self.out_counts, batch, jnp.asarray(table),
+            jnp.asarray(slot_rows), st)
+        tok, lp, ids, tlp = (np.asarray(x) for x in (tok, lp, ids, tlp))
+        return [(int(tok[r.slot]), float(lp[r.slot]), self._top(r.params, ids[r.slot], tlp[r.slot])) for r in rows]
+
+    def _top(self, params, ids, tlp) -> list[tuple[int, float]]:
+        k = min(params.logprobs or 0, MAX_LOGPROBS, self.V)
+        return list(zip(ids[:k].tolist(), tlp[:k].tolist()))
+
+    def free(self, slot: int) -> None:
+        """Nothing on device: the slot's rows are overwritten by the next insert / first chunk."""

@@ -1,0 +1,205 @@
+"""Continuous-batching scheduler: admission, chunked prefill, decode slots, preemption by recompute.
+
+Each engine step runs one prefill program (chunks of several requests, padded to a bucket) and one
+decode program (every running request that finished its prefill, one token each). `schedule()` plans a
+step; `complete_prefill()` / `complete_decode()` apply its results.
+
+- Decode first: every decoding request needs room for one more token. When the pool is out of blocks the
+  most recently admitted request is preempted: its blocks and slot are released and it goes back to the
+  front of the queue to be recomputed (prompt + tokens generated so far) later, instead of crashing.
+- Prefill under a token budget (`max_num_batched_tokens`) and at most `chunk_size` tokens per request per
+  step: partially prefilled requests continue first, then waiting requests are admitted in arrival order
+  while a decode slot and blocks for the whole prompt are available. A request's prefix cache hit is
+  taken at admission.
+- Chunk ends fall on block boundaries (except a prompt's final chunk), and for models with request-level
+  state the prompt is cut at its last block boundary, so the state can be snapshotted where a later
+  request can reuse it (block_manager.SnapshotPool).
+
+Plain Python, no JAX; single-threaded (the engine thread owns it).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..cache.allocator import OutOfBlocks
+from ..cache.block_manager import BlockManager, block_hashes
+from .sequence import Sequence, Status
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 8  # decode slots
+    max_num_batched_tokens: int = 512  # prefill tokens per step
+    chunk_size: int = 256  # prefill tokens per request per step (a multiple of block_size)
+    max_prefill_seqs: int = 4  # requests per prefill step
+    max_waiting: int = 256  # queued requests before new ones are refused
+    block_size: int = 16
+    has_request_state: bool = False  # linear / sliding layers: snapshots needed for prefix reuse
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "max_prefill_seqs", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SchedulerConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.chunk_size % self.block_size:
+            raise ValueError(f"SchedulerConfig.chunk_size ({self.chunk_size}) must be a multiple of block_size "
+                             f"({self.block_size})")
+
+
+@dataclass
+class PrefillChunk:
+    seq: Sequence
+    start: int
+    length: int
+    snapshot_row: int | None = None  # save request-level state here after the chunk
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+    @property
+    def last(self) -> bool:
+        return self.end == self.seq.prefill_target
+
+
+@dataclass
+class StepPlan:
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    decodes: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+
+class QueueFull(RuntimeError):
+    pass
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, blocks: BlockManager):
+        self.cfg, self.blocks = cfg, blocks
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order
+        self.free_slots = list(range(cfg.max_num_seqs - 1, -1, -1))
+        self.num_preemptions = 0
+
+    # ---- requests
+    def add(self, seq: Sequence) -> None:
+        if len(self.waiting) >= self.cfg.max_waiting:
+            raise QueueFull(f"{len(self.waiting)} requests already queued (limit {self.cfg.max_waiting})")
+        need = self.blocks.blocks_for(len(seq.prompt) + seq.params.max_tokens)
+        if need > self.blocks.num_blocks:
+            raise ValueError(f"prompt + max_tokens needs {need} cache blocks; the pool has {self.blocks.num_blocks}")
+        self.waiting.append(seq)
+
+    def abort(self, seq: Sequence, reason: str = "abort") -> None:
+        if seq.finished:
+            return
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        self._release(seq)
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+
+    def _release(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq.block_ids:
+            self.blocks.free(seq.block_ids)
+            seq.block_ids = []
+        if seq.slot is not None:
+            self.free_slots.append(seq.slot)
+            seq.slot = None
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- planning
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        for seq in list(self.running):
+            if seq.is_prefilling or seq not in self.running:
+                continue
+            while True:
+                try:
+                    self.blocks.grow(seq.block_ids, seq.num_tokens)
+                    plan.decodes.append(seq)
+                    break
+                except OutOfBlocks:
+                    victim = self.running[-1]
+                    self._preempt(victim, plan)
+                    if victim is seq:
+                        break
+        budget = self.cfg.max_num_batched_tokens
+        pinned: set[int] = set()
+        for seq in self.running:
+            if seq.is_prefilling and budget > 0 and len(plan.prefills) < self.cfg.max_prefill_seqs:
+                budget -= self._chunk(seq, budget, plan, pinned)
+        while (self.waiting and budget > 0 and self.free_slots and len(plan.prefills) < self.cfg.max_prefill_seqs
+               and not plan.preempted):
+            seq = self.waiting[0]
+            if not self._admit(seq):
+                break
+            self.waiting.popleft()
+            budget -= self._chunk(seq, budget, plan, pinned)
+        return plan
+
+    def _admit(self, seq: Sequence) -> bool:
+        tokens = seq.tokens
+        hits, cached, row = self.blocks.match(tokens, self.cfg.has_request_state)
+        try:
+            seq.block_ids = self.blocks.allocate(hits, len(tokens))
+        except OutOfBlocks:
+            return False
+        self.blocks.record_query(len(tokens), cached)
+        seq.slot = self.free_slots.pop()
+        seq.prefill_target, seq.num_computed, seq.num_cached, seq.state_src = len(tokens), cached, cached, row
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        return True
+
+    def _chunk(self, seq: Sequence, budget: int, plan: StepPlan, pinned: set[int]) -> int:
+        bs, start, target = self.cfg.block_size, seq.num_computed, seq.prefill_target
+        end = min(start + min(self.cfg.chunk_size, budget), target)
+        if end < target and end // bs * bs > start:
+            end = end // bs * bs
+        last_boundary = (target - 1) // bs * bs
+        if self.cfg.has_request_state and start < last_boundary < end:
+            end = last_boundary
+        chunk = PrefillChunk(seq, start, end - start)
+        if seq.state_src is not None:
+            pinned.add(seq.state_src)
+        if self.cfg.has_request_state and end % bs == 0 and self.blocks.snapshots.capacity:
+            h = block_hashes(seq.tokens[:end], bs)[-1]  # registered only once computed (complete_prefill)
+            chunk.snapshot_row = self.blocks.snapshots.acquire(h, pinned)
+            if chunk.snapshot_row is not None:
+                pinned.add(chunk.snapshot_row)
+        plan.prefills.append(chunk)
+        return chunk.length
+
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        self._release(seq)
+        seq.status, seq.num_computed, seq.state_src = Status.WAITING, 0, None
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        plan.preempted.append(seq)
+        if seq in plan.decodes:
+            plan.decodes.remove(seq)
+
+    # ---- results
+    def complete_prefill(self, chunk: PrefillChunk) -> None:
+        seq = chunk.seq
+        seq.num_computed = chunk.end
+        seq.state_src = None
+        self.blocks.register(seq.block_ids, seq.tokens, chunk.end)
+
+    def complete_decode(self, seq: Sequence) -> None:
+        seq.num_computed = seq.num_tokens - 1  # the newest token is the next step's input
