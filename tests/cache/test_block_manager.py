@@ -1,0 +1,76 @@
+"""Block manager: reference counts, prefix hash chain, state snapshots, LRU eviction, no leaks. No JAX."""
+
+import pytest
+
+from jaxserve.cache.allocator import OutOfBlocks
+from jaxserve.cache.block_manager import BlockManager, block_hashes
+
+
+def test_hash_chain_names_the_whole_prefix():
+    a = block_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4)
+    b = block_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9], 4)
+    c = block_hashes([0, 2, 3, 4, 5, 6, 7, 8], 4)
+    assert a == b and len(a) == 2
+    assert a[1] != c[1]  # same second block, different first: different chain
+
+
+def test_prefix_hit_shares_blocks_and_leaves_one_token():
+    m = BlockManager(16, 4)
+    p = list(range(10))
+    blocks = m.allocate([], len(p))
+    m.register(blocks, p, len(p))
+    hits, cached, _ = m.match(p, needs_snapshot=False)
+    assert hits == blocks[:2] and cached == 8
+    exact = list(range(8))  # a prompt of exactly two blocks reuses only the first
+    assert m.match(exact, False)[1] == 4
+    other = m.allocate(hits, len(p))
+    assert other[:2] == blocks[:2] and m.ref[blocks[0]] == 2
+    m.free(blocks)
+    m.free(other)
+    m.check()
+    assert m.num_free == 16 and len(m.evictable) == 2  # hashed blocks stay cached
+
+
+def test_eviction_is_lru_and_drops_hashes():
+    m = BlockManager(4, 2)
+    a, b = [1, 2, 3, 4, 5], [6, 7, 8, 9, 10]
+    ba = m.allocate([], 4)
+    m.register(ba, a, 4)
+    m.free(ba)
+    bb = m.allocate([], 4)  # the pool has 4 blocks: a's two cached blocks are still free
+    m.register(bb, b, 4)
+    m.free(bb)
+    assert m.match(a, False)[1] == 4 and m.match(b, False)[1] == 4
+    got = m.allocate([], 4)  # no free block left: evicts the 2 least recently released (a's)
+    m.check()
+    assert sorted(got) == sorted(ba) and m.num_free == 2
+    assert m.match(a, False)[1] == 0 and m.match(b, False)[1] == 4
+    with pytest.raises(OutOfBlocks):
+        m.allocate([], 6)
+    m.free(got)
+    m.check()
+
+
+def test_snapshots_gate_reuse_for_request_state():
+    m = BlockManager(16, 4, num_snapshots=2)
+    p = list(range(13))
+    blocks = m.allocate([], len(p))
+    hashes = m.register(blocks, p, 12)
+    assert m.match(p, needs_snapshot=True)[1] == 0  # blocks cached, but no state snapshot anywhere
+    row = m.snapshots.acquire(hashes[1])
+    hits, cached, got = m.match(p, needs_snapshot=True)
+    assert cached == 8 and got == row and hits == blocks[:2]
+    # LRU over snapshot rows, pinned rows are never replaced
+    r2 = m.snapshots.acquire(hashes[0])
+    assert m.snapshots.acquire(hashes[2], pinned={row, r2}) is None
+    assert m.snapshots.acquire(hashes[2], pinned={r2}) == row  # `row` was least recently used... replaced
+    m.free(blocks)
+    m.check()
+
+
+def test_refcount_errors():
+    m = BlockManager(4, 2)
+    b = m.allocate([], 2)
+    m.free(b)
+    with pytest.raises(ValueError, match="freed more often"):
+        m.free(b)

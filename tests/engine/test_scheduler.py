@@ -1,0 +1,129 @@
+"""Scheduler without JAX: budgets, chunk boundaries, admission, preemption by recompute, no leaks."""
+
+import pytest
+
+from jaxserve.cache.block_manager import BlockManager
+from jaxserve.engine.scheduler import QueueFull, Scheduler, SchedulerConfig
+from jaxserve.engine.sequence import Sequence
+from jaxserve.sampling import SamplingParams
+
+
+def make(num_blocks=64, bs=4, snapshots=0, **kw):
+    cfg = SchedulerConfig(block_size=bs, has_request_state=snapshots > 0, **kw)
+    return Scheduler(cfg, BlockManager(num_blocks, bs, snapshots))
+
+
+def run_step(s: Scheduler, plan, token=7):
+    """What the engine does with a plan: complete chunks, append one token per finished prompt / decode."""
+    for c in plan.prefills:
+        s.complete_prefill(c)
+        if c.last:
+            c.seq.output.append(token)
+            s.complete_decode(c.seq)
+    for seq in plan.decodes:
+        seq.output.append(token)
+        s.complete_decode(seq)
+    for seq in list(s.running):
+        if len(seq.output) >= seq.params.max_tokens:
+            s.finish(seq, "length")
+
+
+def drain(s: Scheduler, limit=500):
+    plans = []
+    while s.has_work and len(plans) < limit:
+        plan = s.schedule()
+        plans.append(plan)
+        run_step(s, plan)
+    assert not s.has_work
+    return plans
+
+
+def seq(rid, n, max_tokens=4, start=0):
+    return Sequence(rid, list(range(start, start + n)), SamplingParams(max_tokens=max_tokens))
+
+
+def test_chunked_prefill_budget_and_alignment():
+    s = make(chunk_size=8, max_num_batched_tokens=12)
+    a, b = seq("a", 21), seq("b", 6)
+    s.add(a)
+    s.add(b)
+    plan = s.schedule()
+    assert [(c.seq.request_id, c.start, c.length) for c in plan.prefills] == [("a", 0, 8), ("b", 0, 4)]
+    run_step(s, plan)
+    plan = s.schedule()  # a continues first; chunk ends stay on block boundaries
+    assert [(c.seq.request_id, c.start, c.length) for c in plan.prefills] == [("a", 8, 8), ("b", 4, 2)]
+    assert all(c.end % 4 == 0 or c.last for c in plan.prefills)
+    assert sum(c.length for c in plan.prefills) <= 12
+    run_step(s, plan)
+    drain(s)
+    s.blocks.check()
+    assert s.blocks.num_free == 64 and sorted(s.free_slots) == list(range(s.cfg.max_num_seqs))
+    assert a.output == [7] * 4 and b.output == [7] * 4
+
+
+def test_request_state_cuts_prompt_at_last_boundary_and_snapshots():
+    s = make(snapshots=4, chunk_size=16, max_num_batched_tokens=64)
+    a = seq("a", 11)
+    s.add(a)
+    plan = s.schedule()
+    (c,) = plan.prefills
+    assert (c.start, c.length) == (0, 8) and c.snapshot_row is not None  # cut at the last boundary (8)
+    run_step(s, plan)
+    (c,) = s.schedule().prefills
+    assert (c.start, c.length) == (8, 3) and c.last
+    drain(s)
+    b = seq("b", 13)  # shares a's first 11 tokens: reuse up to the snapshot at 8
+    s.add(b)
+    plan = s.schedule()
+    assert b.num_cached == 8 and b.state_src is not None and plan.prefills[0].start == 8
+    drain(s)
+    s.blocks.check()
+
+
+def test_prefix_hit_without_request_state():
+    s = make()
+    s.add(seq("a", 10))
+    drain(s)
+    b = seq("b", 14)
+    s.add(b)
+    s.schedule()
+    assert b.num_cached == 8
+    drain(s)
+    assert s.blocks.hit_rate == pytest.approx(8 / 24)
+    s.blocks.check()
+
+
+def test_preemption_recomputes_instead_of_crashing():
+    s = make(num_blocks=6, bs=4, max_num_seqs=4)  # 24 token slots
+    seqs = [seq(str(i), 7, max_tokens=8, start=100 * i) for i in range(3)]  # each needs 4 blocks eventually
+    for x in seqs:
+        s.add(x)
+    plans = drain(s)
+    assert s.num_preemptions > 0 and any(p.preempted for p in plans)
+    assert all(len(x.output) == 8 for x in seqs)
+    s.blocks.check()
+    assert s.blocks.num_free == 6
+
+
+def test_limits():
+    s = make(num_blocks=4, max_waiting=1)
+    with pytest.raises(ValueError, match="cache blocks"):
+        s.add(seq("big", 20))
+    s.add(seq("a", 4))
+    with pytest.raises(QueueFull):
+        s.add(seq("b", 4))
+    with pytest.raises(ValueError, match="multiple of block_size"):
+        SchedulerConfig(chunk_size=10, block_size=4)
+
+
+def test_abort_frees_everything():
+    s = make()
+    a, b = seq("a", 9), seq("b", 9, start=50)
+    s.add(a)
+    s.add(b)
+    s.schedule()
+    s.abort(a)
+    s.abort(b)
+    assert a.finish_reason == "abort" and not s.has_work
+    s.blocks.check()
+    assert s.blocks.num_free == 64 and len(s.free_slots) == s.cfg.max_num_seqs
