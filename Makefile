@@ -22,7 +22,7 @@ test-fast: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not slow" tests
 
 serve: $(STAMP)
-	HF_HUB_OFFLINE=1 $(PY) -m jaxserve.demo
+	HF_HUB_OFFLINE=1 $(PY) -m jaxserve.cli serve $(if $(CONFIG),--config $(CONFIG))
 
 clean:
 	rm -rf $(VENV)

@@ -45,5 +45,34 @@ def generate(model: str = typer.Argument(..., help="checkpoint directory (Huggin
     sys.stdout.write("\n")
 
 
+@app.command()
+def serve(config: str = typer.Option(None, "--config", "-c", help="cluster YAML (default: the embedded local.yaml)"),
+          port: int = typer.Option(None, help="override server.port"),
+          host: str = typer.Option(None, help="override server.host")):
+    """Serve the OpenAI-compatible API for the cluster a config describes."""
+    from .config import ConfigFileError, load
+    from .server.serve import serve as _serve
+    try:
+        cfg = load(config)
+        _serve(cfg, port, host)
+    except ConfigFileError as e:
+        typer.echo(f"config error: {e}", err=True)
+        raise typer.Exit(2)
+
+
+@app.command()
+def bench(name: str = typer.Argument(..., help="benchmark module under bench/ (e.g. serving, kv_footprint)"),
+          json_out: str = typer.Option(..., "--json", help="where to write the JSON result"),
+          args: list[str] = typer.Argument(None, help="extra arguments passed to the benchmark")):
+    """Run a benchmark (`python -m bench.NAME --json OUT`)."""
+    import importlib
+    try:
+        mod = importlib.import_module(f"bench.{name}")
+    except ModuleNotFoundError:
+        typer.echo(f"error: no benchmark named {name!r} (bench/{name}.py)", err=True)
+        raise typer.Exit(2)
+    mod.main(["--json", json_out] + list(args or []))
+
+
 if __name__ == "__main__":
     app()

@@ -198,5 +198,30 @@ class Engine:
         k = min(params.logprobs or 0, MAX_LOGPROBS, self.V)
         return list(zip(ids[:k].tolist(), tlp[:k].tolist()))
 
+    def warmup(self, progress: bool = True) -> int:
+        """Compile the decode program for every block-table width and the prefill program for every chunk
+        bucket (one request). Writes land in block 0 and slot 0's rows, which are rewritten before use."""
+        from tqdm import tqdm
+        bs = self.layout.block_size
+        widths, w = [], 1
+        while w < self.max_blocks_per_seq:
+            widths.append(w)
+            w *= 2
+        widths.append(self.max_blocks_per_seq)
+        lengths, t = [], 16
+        while t < self.chunk_size:
+            lengths.append(t)
+            t *= 2
+        lengths.append(self.chunk_size)
+        jobs = [("decode", w) for w in widths] + [("prefill", t) for t in lengths]
+        for kind, n in tqdm(jobs, desc="compiling", unit="program", disable=not progress):
+            if kind == "decode":
+                self.generate([DecodeRow(0, 0, n * bs - 1, [0] * n, _IDLE, 0)])
+            else:
+                scratch = self.layout.scratch_row
+                self.prefill([PrefillRow("warmup", [0] * n, 0, [0] * -(-n // bs), scratch, scratch, None, True,
+                                         _IDLE, 0, [0])])
+        return len(self.programs)
+
     def free(self, slot: int) -> None:
         """Nothing on device: the slot's rows are overwritten by the next insert / first chunk."""

@@ -1,0 +1,154 @@
+"""Cluster / server configuration: YAML validated by pydantic, frozen, unknown keys rejected.
+
+Errors name the file and the field (`ConfigFileError: configs/x.yaml: engine.block_size: ...`). Presets live
+in `configs/`; `configs/local.yaml` is also embedded in the package as the default.
+"""
+
+from __future__ import annotations
+
+import os
+from importlib import resources
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .engine.llm_engine import EngineConfig
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSection(_Strict):
+    path: str = Field("bundled", description="checkpoint directory, or 'bundled' for the bundled demo model")
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    name: str | None = Field(None, description="served model name (default: the directory name)")
+
+
+class EngineSection(_Strict):
+    block_size: int = Field(16, ge=1, le=1024)
+    num_blocks: int = Field(512, ge=1)
+    max_num_seqs: int = Field(8, ge=1)
+    max_num_batched_tokens: int = Field(512, ge=1)
+    chunk_size: int = Field(256, ge=1)
+    max_prefill_seqs: int = Field(4, ge=1)
+    max_model_len: int | None = Field(None, ge=1)
+    prefix_caching: bool = True
+    num_snapshots: int = Field(32, ge=0)
+    warmup: bool = Field(True, description="compile the decode programs before serving")
+
+    @model_validator(mode="after")
+    def _chunk(self):
+        if self.chunk_size % self.block_size:
+            raise ValueError(f"chunk_size ({self.chunk_size}) must be a multiple of block_size ({self.block_size})")
+        return self
+
+    def engine_config(self, max_waiting: int) -> EngineConfig:
+        d = self.model_dump()
+        d.pop("warmup")
+        return EngineConfig(max_waiting=max_waiting, **d)
+
+
+class InstanceSection(_Strict):
+    name: str
+    role: Literal["prefill", "decode", "both"] = "both"
+    devices: list[int] = Field(default_factory=lambda: [0])
+    tp: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _devices(self):
+        if len(self.devices) < self.tp:
+            raise ValueError(f"tp={self.tp} needs {self.tp} devices, {len(self.devices)} listed")
+        return self
+
+
+class ClusterSection(_Strict):
+    name: str
+    kind: Literal["pd", "prfaas"] = "pd"
+    instances: list[InstanceSection] = Field(min_length=1)
+
+
+class LinkSection(_Strict):
+    src: str
+    dst: str
+    bandwidth_gbps: float = Field(10.0, gt=0)
+    latency_ms: float = Field(0.0, ge=0)
+    loss: float = Field(0.0, ge=0, lt=1)
+    connections: int = Field(4, ge=1)
+
+
+class PolicySection(_Strict):
+    name: str = "local"
+    params: dict = Field(default_factory=dict)
+
+
+class ServerSection(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    api_keys: list[str] = Field(default_factory=list)
+    max_waiting: int = Field(64, ge=1, description="queued requests beyond which new ones get 429")
+    max_tokens_limit: int = Field(4096, ge=1, description="largest max_tokens a request may ask for")
+    max_n: int = Field(8, ge=1)
+    request_timeout_s: float = Field(600.0, gt=0)
+    profile_dir: str = "profiles"
+
+
+class Config(_Strict):
+    model: ModelSection = Field(default_factory=ModelSection)
+    engine: EngineSection = Field(default_factory=EngineSection)
+    clusters: list[ClusterSection] = Field(
+        default_factory=lambda: [ClusterSection(name="local", instances=[InstanceSection(name="local-0")])])
+    links: list[LinkSection] = Field(default_factory=list)
+    policy: PolicySection = Field(default_factory=PolicySection)
+    server: ServerSection = Field(default_factory=ServerSection)
+
+    @model_validator(mode="after")
+    def _names(self):
+        names = [i.name for c in self.clusters for i in c.instances]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"instance names must be unique: {sorted(dup)}")
+        clusters = {c.name for c in self.clusters}
+        for link in self.links:
+            for end in (link.src, link.dst):
+                if end not in clusters:
+                    raise ValueError(f"link end {end!r} is not a cluster ({sorted(clusters)})")
+        return self
+
+    def instances(self) -> list[InstanceSection]:
+        return [i for c in self.clusters for i in c.instances]
+
+
+class ConfigFileError(ValueError):
+    pass
+
+
+def parse(data, source: str = "<config>") -> Config:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigFileError(f"{source}: the top level must be a mapping, got {type(data).__name__}")
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
+            lines.append(f"{source}: {loc}: {err['msg']}")
+        raise ConfigFileError("\n".join(lines)) from None
+
+
+def load(path: str | None = None) -> Config:
+    """A config file, or the embedded `local.yaml` when `path` is None."""
+    if path is None:
+        text = resources.files("jaxserve").joinpath("configs/local.yaml").read_text()
+        return parse(yaml.safe_load(text), "local.yaml (embedded)")
+    if not os.path.isfile(path):
+        raise ConfigFileError(f"{path}: no such config file")
+    with open(path) as f:
+        try:
+            data = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            raise ConfigFileError(f"{path}: not valid YAML: {e}") from None
+    return parse(data, path)

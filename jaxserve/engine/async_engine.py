@@ -1,0 +1,152 @@
+"""Runs an `LLMEngine` on its own thread for an asyncio server.
+
+Concurrency model: one engine thread owns the LLMEngine (scheduler, block manager, device programs) and is
+the only code that touches it. Callers on the asyncio loop send commands (add, abort, call) through a
+thread-safe queue and get results back as concurrent futures; per-request updates are pushed onto the
+request's asyncio.Queue with `loop.call_soon_threadsafe`. The thread blocks on the command queue when there
+is no work, so an idle server uses no CPU. If a step raises, every in-flight request fails with the error
+(and its blocks are released) rather than hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+
+from ..sampling import SamplingParams
+from .llm_engine import LLMEngine
+from .sequence import Sequence
+
+log = logging.getLogger("jaxserve.engine")
+
+
+@dataclass
+class Update:
+    """A snapshot of one sequence after a step (safe to read on the loop: nothing in it is shared)."""
+    index: int  # choice index (0..n-1)
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    logprobs: list
+    cached_tokens: int
+    prompt_tokens: int
+    error: str | None = None
+    ttft_s: float | None = None  # arrival -> first token
+
+
+@dataclass
+class _Request:
+    seqs: list[Sequence]
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    done: set = field(default_factory=set)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, on_finish=None):
+        self.engine = engine
+        self.on_finish = on_finish  # called on the engine thread with each finished Sequence
+        self._cmds: queue.Queue = queue.Queue()
+        self._requests: dict[str, _Request] = {}  # engine thread only
+        self._stop = False
+        self.error: str | None = None
+        self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
+        self._thread.start()
+
+    # ---- loop side
+    async def call(self, fn, *args):
+        """Run fn(engine, *args) on the engine thread and await its result."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._cmds.put((fn, args, fut))
+        return await asyncio.wrap_future(fut)
+
+    async def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> asyncio.Queue:
+        """Queue a request; returns the asyncio.Queue its Updates arrive on. Raises RequestError / QueueFull."""
+        q: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def add(eng: LLMEngine):
+            seqs = eng.add_request(request_id, prompt_ids, params)
+            self._requests[request_id] = _Request(seqs, q, loop)
+        await self.call(add)
+        return q
+
+    def abort(self, request_id: str) -> None:
+        """Abort (e.g. the client went away): releases its slot and blocks. Fire and forget."""
+        def abort(eng: LLMEngine):
+            req = self._requests.pop(request_id, None)
+            if req is not None:
+                for s in req.seqs:
+                    eng.abort(s.request_id)
+        self._cmds.put((abort, (), None))
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._cmds.put((lambda eng: None, (), None))
+        self._thread.join(timeout=30)
+
+    # ---- engine thread
+    def _run(self) -> None:
+        eng = self.engine
+        while not self._stop:
+            block = not eng.has_work
+            try:
+                while True:
+                    fn, args, fut = self._cmds.get(block=block)
+                    block = False
+                    try:
+                        res = fn(eng, *args)
+                        if fut is not None:
+                            fut.set_result(res)
+                    except Exception as e:  # noqa: BLE001 - handed to the caller
+                        if fut is not None:
+                            fut.set_exception(e)
+            except queue.Empty:
+                pass
+            if self._stop or not eng.has_work:
+                continue
+            try:
+                changed = eng.step()
+            except Exception as e:  # noqa: BLE001 - fail every request cleanly, keep serving
+                log.exception("engine step failed")
+                self.error = f"{type(e).__name__}: {e}"
+                self._fail_all(self.error)
+                continue
+            self._publish(changed)
+
+    def _publish(self, changed: list[Sequence]) -> None:
+        by_req: dict[str, list[Sequence]] = {}
+        for s in changed:
+            base = s.request_id if s.request_id in self._requests else s.request_id.rsplit("-", 1)[0]
+            by_req.setdefault(base, []).append(s)
+        for rid, seqs in by_req.items():
+            req = self._requests.get(rid)
+            if req is None:
+                continue
+            for s in seqs:
+                idx = req.seqs.index(s)
+                ttft = None if s.first_token_time is None else s.first_token_time - s.arrival
+                u = Update(idx, list(s.output), s.detok.text, s.finished, s.finish_reason,
+                           list(s.logprobs), s.num_cached, len(s.prompt), ttft_s=ttft)
+                req.loop.call_soon_threadsafe(req.queue.put_nowait, u)
+                if s.finished:
+                    req.done.add(idx)
+                    self.engine.release(s)
+                    if self.on_finish is not None:
+                        self.on_finish(s)
+            if len(req.done) == len(req.seqs):
+                del self._requests[rid]
+
+    def _fail_all(self, error: str) -> None:
+        for rid, req in list(self._requests.items()):
+            for i, s in enumerate(req.seqs):
+                self.engine.abort(s.request_id)
+                u = Update(i, list(s.output), "", True, "error", [], 0, len(s.prompt), error)
+                req.loop.call_soon_threadsafe(req.queue.put_nowait, u)
+        self._requests.clear()
+        self.engine.scheduler.waiting.clear()

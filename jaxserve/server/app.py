@@ -1,0 +1,287 @@
+"""The OpenAI-compatible HTTP server (FastAPI): completions, chat completions, models, health, metrics, profile.
+
+Requests are validated (protocol.py), tokenized, and queued on the AsyncEngine; responses are plain JSON or
+server-sent events. Every error is an OpenAI-shaped body with a 4xx status (503 when the engine cannot take
+work). A streaming client that disconnects aborts its request, which releases its slot and blocks; a
+non-streaming one is checked for disconnection while it waits. Concurrency: asyncio on the server's event
+loop; the engine runs on its own thread (engine/async_engine.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..config import Config
+from ..engine.async_engine import AsyncEngine, Update
+from ..engine.llm_engine import RequestError
+from ..engine.scheduler import QueueFull
+from .metrics import Metrics
+from .protocol import APIError, ChatRequest, CompletionRequest
+
+def _logprobs_block(u: Update, start: int, tokenizer, chat: bool):
+    items = u.logprobs[start:]
+    toks = u.token_ids[start:start + len(items)]
+
+    def piece(t):
+        return tokenizer.decode([t], skip_special_tokens=False) if tokenizer is not None else str(t)
+    if chat:
+        return {"content": [{"token": piece(t), "logprob": lp, "bytes": None,
+                             "top_logprobs": [{"token": piece(i), "logprob": v} for i, v in top]}
+                            for t, (lp, top) in zip(toks, items)]}
+    return {"tokens": [piece(t) for t in toks], "token_logprobs": [lp for lp, _ in items],
+            "top_logprobs": [{piece(i): v for i, v in top} for _, top in items], "text_offset": []}
+
+
+def create_app(config: Config, engine: AsyncEngine, model_name: str, metrics: Metrics) -> FastAPI:
+    app = FastAPI(title="jaxserve", version="0.1.0")
+    llm = engine.engine
+    tok = llm.tokenizer
+    srv = config.server
+    app.state.profiling = False
+    instance = config.instances()[0].name
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        metrics.errors.labels(str(e.status)).inc()
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError):
+        errs = e.errors()
+        first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        if first.get("type") == "json_invalid":
+            msg, param = "the request body is not valid JSON", None
+        else:
+            param = ".".join(loc) or None
+            msg = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+        return await _api_error(request, APIError(400, msg, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException):
+        return await _api_error(request, APIError(e.status_code, str(e.detail),
+                                                  "not_found_error" if e.status_code == 404 else "invalid_request_error"))
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if srv.api_keys and (request.url.path.startswith("/v1/") or request.url.path.startswith("/debug/")):
+            h = request.headers.get("authorization", "")
+            if not h.startswith("Bearer ") or h[7:] not in srv.api_keys:
+                err = APIError(401, "invalid or missing API key (Authorization: Bearer <key>)",
+                               "authentication_error", code="invalid_api_key")
+                metrics.errors.labels("401").inc()
+                return JSONResponse(err.body(), status_code=401)
+        return await call_next(request)
+
+    # ---- helpers
+    def check_model(name: str):
+        if name != model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
+                           "not_found_error", "model", "model_not_found")
+
+    def sampling(body, logprobs):
+        max_tokens = body.max_tokens
+        if isinstance(body, ChatRequest) and body.max_completion_tokens is not None:
+            max_tokens = body.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = 16 if isinstance(body, CompletionRequest) else min(srv.max_tokens_limit, 256)
+        if max_tokens > srv.max_tokens_limit:
+            raise APIError(400, f"max_tokens ({max_tokens}) exceeds this server's limit {srv.max_tokens_limit}",
+                           param="max_tokens")
+        if body.n > srv.max_n:
+            raise APIError(400, f"n ({body.n}) exceeds this server's limit {srv.max_n}", param="n")
+        if body.stream and body.n > 1:
+            raise APIError(400, "stream with n > 1 is not supported", param="n")
+        try:
+            return body.params(max_tokens, logprobs)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+
+    async def submit(prompt, params):
+        if engine.error is not None and not llm.has_work:
+            engine.error = None  # the failed step's requests are gone; try again
+        rid = uuid.uuid4().hex
+        try:
+            ids = llm.encode(prompt)
+            q = await engine.add(rid, ids, params)
+        except RequestError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        except QueueFull as e:
+            raise APIError(429, f"server busy: {e}; retry later", "rate_limit_exceeded", code="queue_full") from None
+        return rid, ids, q
+
+    async def collect(request: Request, rid: str, q: asyncio.Queue, n: int):
+        final: dict[int, Update] = {}
+        deadline = time.monotonic() + srv.request_timeout_s
+        try:
+            while len(final) < n:
+                try:
+                    u = await asyncio.wait_for(q.get(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        raise APIError(499, "client disconnected")
+                    if time.monotonic() > deadline:
+                        raise APIError(408, f"request timed out after {srv.request_timeout_s}s", "timeout")
+                    continue
+                if u.finished:
+                    final[u.index] = u
+        except BaseException:
+            engine.abort(rid)
+            raise
+        errors = [u.error for u in final.values() if u.error]
+        if errors:
+            raise APIError(503, f"the engine failed: {errors[0]}", "server_error", code="engine_error")
+        return [final[i] for i in range(n)]
+
+    def meta(updates: list[Update]):
+        ttft = [u.ttft_s for u in updates if u.ttft_s is not None]
+        return {"route": "local", "prefill_instance": instance, "decode_instance": instance,
+                "cached_tokens": max(u.cached_tokens for u in updates), "kv_bytes_transferred": 0,
+                "ttft_s": round(min(ttft), 6) if ttft else None}
+
+    def usage(updates: list[Update]):
+        p = updates[0].prompt_tokens
+        c = sum(len(u.token_ids) for u in updates)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                "prompt_tokens_details": {"cached_tokens": max(u.cached_tokens for u in updates)}}
+
+    async def stream(rid, q, chat: bool, body):
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        created, sent_text, sent_lp = int(time.time()), "", 0
+        want_lp = bool(body.logprobs) if chat else body.logprobs is not None
+
+        def chunk(delta_text, finish, u=None, extra=None):
+            if chat:
+                choice = {"index": 0, "delta": {"content": delta_text} if delta_text or finish is None else {},
+                          "finish_reason": finish, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": delta_text, "finish_reason": finish, "logprobs": None}
+            if u is not None and want_lp and len(u.logprobs) > sent_lp:
+                choice["logprobs"] = _logprobs_block(u, sent_lp, tok, chat)
+            d = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": [choice]}
+            if extra:
+                d.update(extra)
+            return f"data: {json.dumps(d)}\n\n"
+
+        try:
+            if chat:
+                d = {"id": rid, "object": obj, "created": created, "model": model_name,
+                     "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+                yield f"data: {json.dumps(d)}\n\n"
+            deadline = time.monotonic() + srv.request_timeout_s
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    yield f"data: {json.dumps(APIError(408, 'request timed out', 'timeout').body())}\n\n"
+                    break
+                try:
+                    u = await asyncio.wait_for(q.get(), timeout=remaining)
+                except asyncio.TimeoutError:
+                    continue
+                if u.error:
+                    yield f"data: {json.dumps(APIError(503, u.error, 'server_error').body())}\n\n"
+                    break
+                text = u.text if tok is not None else ""
+                delta = text[len(sent_text):]
+                if u.finished:
+                    extra = {"jaxserve": meta([u])}
+                    yield chunk(delta, u.finish_reason, u, extra)
+                    if body.stream_options is not None and body.stream_options.include_usage:
+                        d = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": [],
+                             "usage": usage([u])}
+                        yield f"data: {json.dumps(d)}\n\n"
+                    break
+                if delta or (want_lp and len(u.logprobs) > sent_lp):
+                    yield chunk(delta, None, u)
+                    sent_text, sent_lp = text, len(u.logprobs)
+            yield "data: [DONE]\n\n"
+        finally:
+            engine.abort(rid)  # no-op when finished; frees the slot when the client went away
+
+    # ---- routes
+    @app.get("/health")
+    async def health():
+        if engine.error is not None:
+            return JSONResponse({"status": "degraded", "error": engine.error}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "jaxserve",
+                                            "max_model_len": llm.max_model_len}]}
+
+    @app.get("/metrics")
+    async def prom():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body.model)
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise APIError(400, "a list of several prompts is not supported; send one request per prompt",
+                               param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str) and tok is None:
+            raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
+        params = sampling(body, body.logprobs)
+        rid, ids, q = await submit(prompt, params)
+        if body.stream:
+            return StreamingResponse(stream(rid, q, False, body), media_type="text/event-stream")
+        ups = await collect(request, rid, q, params.n)
+        choices = [{"index": u.index, "text": u.text, "finish_reason": u.finish_reason,
+                    "logprobs": _logprobs_block(u, 0, tok, False) if body.logprobs is not None else None}
+                   for u in ups]
+        return {"id": f"cmpl-{rid}", "object": "text_completion", "created": int(time.time()), "model": model_name,
+                "choices": choices, "usage": usage(ups), "jaxserve": meta(ups)}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request):
+        check_model(body.model)
+        if tok is None or not tok.chat_template:
+            raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+        prompt = tok.apply_chat_template([m.model_dump(exclude_none=True) for m in body.messages])
+        params = sampling(body, (body.top_logprobs or 0) if body.logprobs else None)
+        rid, ids, q = await submit(prompt, params)
+        if body.stream:
+            return StreamingResponse(stream(rid, q, True, body), media_type="text/event-stream")
+        ups = await collect(request, rid, q, params.n)
+        choices = [{"index": u.index, "message": {"role": "assistant", "content": u.text},
+                    "finish_reason": u.finish_reason,
+                    "logprobs": _logprobs_block(u, 0, tok, True) if body.logprobs else None} for u in ups]
+        return {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time()),
+                "model": model_name, "choices": choices, "usage": usage(ups), "jaxserve": meta(ups)}
+
+    @app.post("/debug/profile")
+    async def profile(request: Request):
+        try:
+            body = await request.json() if await request.body() else {}
+        except json.JSONDecodeError:
+            raise APIError(400, "the request body is not valid JSON") from None
+        seconds = body.get("seconds", 5) if isinstance(body, dict) else None
+        if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 < seconds <= 300:
+            raise APIError(400, "seconds must be a number in (0, 300]", param="seconds")
+        if app.state.profiling:
+            raise APIError(409, "a profile is already being captured", code="busy")
+        import jax
+        out = os.path.abspath(os.path.join(srv.profile_dir, time.strftime("%Y%m%d-%H%M%S")))
+        app.state.profiling = True
+        try:
+            jax.profiler.start_trace(out)
+            await asyncio.sleep(seconds)  # the capture window the caller asked for
+            jax.profiler.stop_trace()
+        finally:
+            app.state.profiling = False
+        return {"trace_dir": out, "seconds": seconds}
+
+    return app

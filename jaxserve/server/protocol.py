@@ -1,0 +1,83 @@
+"""OpenAI request bodies (validated by pydantic; unknown fields rejected) and the OpenAI error shape."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
+
+from ..sampling import SamplingParams
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Body):
+    include_usage: StrictBool = False
+
+
+class _Sampling(_Body):
+    model: StrictStr
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: StrictInt = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    seed: StrictInt | None = Field(None, ge=0)
+    stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[StrictInt] = Field(default_factory=list)
+    ignore_eos: StrictBool = False
+    n: StrictInt = Field(1, ge=1)
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    user: StrictStr | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("stop takes up to 4 non-empty strings")
+        return v
+
+    def params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=max(self.top_k, 0), min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                              seed=self.seed, stop=stop, stop_token_ids=tuple(self.stop_token_ids),
+                              ignore_eos=self.ignore_eos, n=self.n, logprobs=logprobs)
+
+
+class CompletionRequest(_Sampling):
+    prompt: StrictStr | list[StrictInt] | list[StrictStr]
+    logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    echo: Literal[False] = False
+    suffix: None = None
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: StrictStr
+    name: StrictStr | None = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
