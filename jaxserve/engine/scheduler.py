@@ -34,7 +34,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512  # prefill tokens per step
     chunk_size: int = 256  # prefill tokens per request per step (a multiple of block_size)
     max_prefill_seqs: int = 4  # requests per prefill step
-    max_waiting: int = 256  # queued requests before new ones are refused
+    max_waiting: int = 256  # requests queued beyond the free decode slots before new ones are refused
     block_size: int = 16
     has_request_state: bool = False  # linear / sliding layers: snapshots needed for prefix reuse
 
@@ -88,8 +88,10 @@ class Scheduler:
 
     # ---- requests
     def add(self, seq: Sequence) -> None:
-        if len(self.waiting) >= self.cfg.max_waiting:
-            raise QueueFull(f"{len(self.waiting)} requests already queued (limit {self.cfg.max_waiting})")
+        queued = len(self.waiting) - len(self.free_slots)  # beyond the slots about to be taken
+        if queued >= self.cfg.max_waiting:
+            raise QueueFull(f"{queued} requests already queued beyond the {self.cfg.max_num_seqs} decode slots "
+                            f"(limit {self.cfg.max_waiting})")
         need = self.blocks.blocks_for(len(seq.prompt) + seq.params.max_tokens)
         if need > self.blocks.num_blocks:
             raise ValueError(f"prompt + max_tokens needs {need} cache blocks; the pool has {self.blocks.num_blocks}")

@@ -106,10 +106,11 @@ def test_preemption_recomputes_instead_of_crashing():
 
 
 def test_limits():
-    s = make(num_blocks=4, max_waiting=1)
+    s = make(num_blocks=4, max_waiting=1, max_num_seqs=2)
     with pytest.raises(ValueError, match="cache blocks"):
         s.add(seq("big", 20))
-    s.add(seq("a", 4))
+    for i in range(3):  # two take the free slots, one may queue
+        s.add(seq(str(i), 4))
     with pytest.raises(QueueFull):
         s.add(seq("b", 4))
     with pytest.raises(ValueError, match="multiple of block_size"):

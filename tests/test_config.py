@@ -1,0 +1,44 @@
+"""YAML configs: presets validate, errors name the file and the field."""
+
+import pytest
+
+from jaxserve.config import ConfigFileError, load, parse
+from jaxserve.server.serve import check_servable
+
+
+@pytest.mark.parametrize("path", ["configs/local.yaml", "configs/colocated.yaml", None])
+def test_presets_load(path):
+    cfg = load(path)
+    check_servable(cfg)
+    assert cfg.engine.chunk_size % cfg.engine.block_size == 0
+    cfg.engine.engine_config(cfg.server.max_waiting)  # the engine accepts it too
+
+
+def test_errors_name_file_and_field(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("engine:\n  block_size: 0\nserver:\n  port: 'x'\n")
+    with pytest.raises(ConfigFileError) as e:
+        load(str(f))
+    msg = str(e.value)
+    assert f"{f}: engine.block_size" in msg and f"{f}: server.port" in msg
+    f.write_text("modle:\n  path: x\n")
+    with pytest.raises(ConfigFileError, match="modle: Extra inputs are not permitted"):
+        load(str(f))
+    f.write_text("engine: [1, 2\n")
+    with pytest.raises(ConfigFileError, match="not valid YAML"):
+        load(str(f))
+    with pytest.raises(ConfigFileError, match="no such config file"):
+        load(str(tmp_path / "missing.yaml"))
+    with pytest.raises(ConfigFileError, match="chunk_size .* multiple of block_size"):
+        parse({"engine": {"block_size": 16, "chunk_size": 24}})
+    with pytest.raises(ConfigFileError, match="model.dtype"):
+        parse({"model": {"dtype": "float8"}})
+    with pytest.raises(ConfigFileError, match="instance names must be unique"):
+        parse({"clusters": [{"name": "a", "instances": [{"name": "x"}, {"name": "x"}]}]})
+
+
+def test_disaggregated_layout_is_refused_by_the_colocated_server():
+    cfg = parse({"clusters": [{"name": "a", "instances": [{"name": "p", "role": "prefill"},
+                                                          {"name": "d", "role": "decode"}]}]})
+    with pytest.raises(ConfigFileError, match="one colocated instance"):
+        check_servable(cfg)
