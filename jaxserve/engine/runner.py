@@ -5,8 +5,9 @@ the model parameters live on device. Two jitted programs do all the work, each w
   prefill   B chunks of T tokens (padded to buckets) -> cache written, first token sampled for chunks that
             complete their prompt
   generate  one token for every decode slot (inactive slots are padding)
-Shapes are bucketed (B and T in powers of two up to their limits, block-table width W in powers of two) so a
-workload compiles a bounded number of programs; `programs` records every shape compiled so far.
+Shapes are bucketed (prefill B is 1 or max_prefill_seqs, T a power of two up to chunk_size, block-table width W
+a power of two up to the longest sequence) so a workload compiles a bounded number of programs: at most
+2 * |T buckets| * |W buckets| prefill and |W buckets| decode programs. `programs` records the shapes compiled.
 
 Colocated mode uses one Engine for both roles: prefill writes straight into the blocks and state row that
 decode then reads, so `insert` only records the slot's sampling state. The disaggregated arrangement
@@ -132,7 +133,7 @@ class Engine:
     def prefill(self, rows: list[PrefillRow]) -> list[Prefix | None]:
         if not rows or len(rows) > self.max_prefill_seqs:
             raise ValueError(f"prefill takes 1..{self.max_prefill_seqs} rows, got {len(rows)}")
-        B = pow2_bucket(len(rows), 1, self.max_prefill_seqs)
+        B = 1 if len(rows) == 1 else self.max_prefill_seqs  # two batch shapes: fewer programs to compile
         T = pow2_bucket(max(len(r.tokens) for r in rows), 16, self.chunk_size)
         bs = self.layout.block_size
         tokens = np.zeros((B, T), np.int32)
