@@ -100,7 +100,7 @@ class LLMEngine:
     def validate(self, ids: list[int], params: SamplingParams) -> None:
         V = self.model_config.vocab_size
         if not ids:
-            raise RequestError("the prompt is empty", "prompt")
+            raise RequestError("empty prompt: send at least one token", "prompt")
         bad = [t for t in ids if not 0 <= t < V]
         if bad:
             raise RequestError(f"token ids out of range [0, {V}): {bad[:5]}", "prompt")

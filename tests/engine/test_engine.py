@@ -103,7 +103,7 @@ def test_sampling_seeded_penalties_logprobs_n_stop(engines):
 
 def test_bad_requests(engines):
     llm = engines("llama")
-    with pytest.raises(RequestError, match="empty"):
+    with pytest.raises(RequestError, match="empty prompt"):
         llm.generate([[]])
     with pytest.raises(RequestError, match="out of range"):
         llm.generate([[1, 10**6]])

@@ -81,7 +81,7 @@ def test_missing_files_are_named(tmp_path, checkpoint_dir):
     with pytest.raises(CheckpointError, match="no \\*.safetensors"):
         LLM(d, progress=False)
     llm = LLM(checkpoint_dir("llama"), progress=False)
-    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+    with pytest.raises(ValueError, match="tokenizer.json"):
         llm.generate(["hello"])
 
 
