@@ -198,7 +198,6 @@ def test_bad_json_keys_and_chat_errors(server):
                                                   "top_logprobs": 50, "logprobs": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
     for headers in ({"Authorization": "Bearer wrong"}, {"Authorization": ""}):
-        r = httpx.post(f"{client.base_url}/v1/models", headers=headers)
         r = httpx.get(f"{client.base_url}/v1/models", headers=headers)
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     assert httpx.get(f"{client.base_url}/health").status_code == 200  # health needs no key
