@@ -53,6 +53,7 @@ class AsyncEngine:
         self.on_finish = on_finish  # called on the engine thread with each finished Sequence
         self._cmds: queue.Queue = queue.Queue()
         self._requests: dict[str, _Request] = {}  # engine thread only
+        self._owner: dict[str, str] = {}  # sequence id -> request id (n > 1 gives several sequences)
         self._stop = False
         self.error: str | None = None
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
@@ -73,6 +74,7 @@ class AsyncEngine:
         def add(eng: LLMEngine):
             seqs = eng.add_request(request_id, prompt_ids, params)
             self._requests[request_id] = _Request(seqs, q, loop)
+            self._owner.update((s.request_id, request_id) for s in seqs)
         await self.call(add)
         return q
 
@@ -83,6 +85,7 @@ class AsyncEngine:
             if req is not None:
                 for s in req.seqs:
                     eng.abort(s.request_id)
+                    self._owner.pop(s.request_id, None)
         self._cmds.put((abort, (), None))
 
     def shutdown(self) -> None:
@@ -122,8 +125,7 @@ class AsyncEngine:
     def _publish(self, changed: list[Sequence]) -> None:
         by_req: dict[str, list[Sequence]] = {}
         for s in changed:
-            base = s.request_id if s.request_id in self._requests else s.request_id.rsplit("-", 1)[0]
-            by_req.setdefault(base, []).append(s)
+            by_req.setdefault(self._owner.get(s.request_id, ""), []).append(s)
         for rid, seqs in by_req.items():
             req = self._requests.get(rid)
             if req is None:
@@ -136,6 +138,7 @@ class AsyncEngine:
                 req.loop.call_soon_threadsafe(req.queue.put_nowait, u)
                 if s.finished:
                     req.done.add(idx)
+                    self._owner.pop(s.request_id, None)
                     self.engine.release(s)
                     if self.on_finish is not None:
                         self.on_finish(s)
@@ -149,4 +152,5 @@ class AsyncEngine:
                 u = Update(i, list(s.output), "", True, "error", [], 0, len(s.prompt), error)
                 req.loop.call_soon_threadsafe(req.queue.put_nowait, u)
         self._requests.clear()
+        self._owner.clear()
         self.engine.scheduler.waiting.clear()
