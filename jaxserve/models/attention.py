@@ -6,7 +6,8 @@ Cache layouts (one dict per layer):
   full MLA     {"kv": [B, S, 1, L + R]}                        compressed latent (L) + rope key (R)
 MLA runs in the absorbed form: queries are projected into the latent space, attention is multi-query
 over the latent cache, and the value up-projection is applied to the attended latent. The Pallas
-kernels (flash prefill, paged decode) plug in behind `attend`.
+attention itself is `batched_attention` from pallas_kernels, the jnp reference or the Pallas kernel as the
+model's `kernels` mode selects (pallas_kernels/select.py).
 """
 
 from __future__ import annotations
@@ -15,42 +16,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.select import select
+
 from .batch import Batch
 from .config import GQASpec, MLASpec
 from .modules import Linear, RMSNorm
 from .params import ParamInfo, declare
 from .rope import apply_rope
-
-_NEG = -1e30
-
-
-def attend(q, k, v, q_pos, k_pos, k_valid, *, scale: float, window: int | None = None, sinks=None):
-    """Masked GQA attention, softmax in float32.
-
-    q [B, T, Hq, Dk]; k [B, S, Hkv, Dk]; v [B, S, Hkv, Dv]; q_pos [B, T]; k_pos [B, S]; k_valid [B, S] bool;
-    sinks [Hq] (logit joining the denominator) -> [B, T, Hq, Dv]
-    """
-    B, T, Hq, Dk = q.shape
-    Hkv = k.shape[2]
-    G = Hq // Hkv
-    qg = q.reshape(B, T, Hkv, G, Dk)
-    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
-    mask = k_valid[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])  # [B, T, S]
-    if window is not None:
-        mask = mask & (k_pos[:, None, :] > q_pos[:, :, None] - window)
-    s = jnp.where(mask[:, None, None], s, _NEG)
-    m = s.max(-1, keepdims=True)
-    if sinks is not None:
-        sk = sinks.astype(jnp.float32).reshape(1, Hkv, G, 1, 1)
-        m = jnp.maximum(m, sk)
-    p = jnp.exp(s - m)
-    denom = p.sum(-1, keepdims=True)
-    if sinks is not None:
-        denom = denom + jnp.exp(sk - m)
-    p = (p / denom).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", p, v, preferred_element_type=jnp.float32)
-    return out.reshape(B, T, Hq, v.shape[-1]).astype(q.dtype)
-
 
 def write_full(cache, new, batch: Batch):
     """Write new entries [B, T, ...] at their positions into a full cache [B, S, ...]; padding is dropped."""
@@ -82,8 +54,9 @@ def ring_update(ring, new, batch: Batch):
     return jnp.where(mask, picked.astype(ring.dtype), ring)
 
 
-def kv_attention(q, k_new, v_new, cache: dict, batch: Batch, *, scale, window, sinks=None):
+def kv_attention(q, k_new, v_new, cache: dict, batch: Batch, *, scale, window, sinks=None, kernels="reference"):
     """Append this step's K/V to the layer cache and attend. Returns (out [B, T, Hq, Dv], new cache)."""
+    attend = select("batched_attention", kernels)
     if window is None:
         k = write_full(cache["k"], k_new, batch)
         v = write_full(cache["v"], v_new, batch)
@@ -104,8 +77,9 @@ class GQAAttention(nnx.Module):
     """Grouped-query attention: Llama/Qwen3 (q/k norm), Qwen3-Next (output gate), gpt-oss and MiMo (sinks,
     sliding window, separate value head dim, value scale)."""
 
-    def __init__(self, prefix: str, hidden: int, spec: GQASpec, eps: float, dtype, norm_plus_one=False):
-        self.spec = spec
+    def __init__(self, prefix: str, hidden: int, spec: GQASpec, eps: float, dtype, norm_plus_one=False,
+                 kernels: str = "reference"):
+        self.spec, self.kernels = spec, kernels
         H, Hkv, D, Dv = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.v_head_dim
         q_out = H * D * (2 if spec.output_gate else 1)
         self.q_proj = Linear(f"{prefix}.q_proj", hidden, q_out, dtype, spec.qkv_bias, tp="col")
@@ -136,7 +110,8 @@ class GQAAttention(nnx.Module):
         if s.rope is not None:
             q, k = apply_rope(q, batch.positions, s.rope), apply_rope(k, batch.positions, s.rope)
         sinks = self.sinks[...] if s.sinks else None
-        out, cache = kv_attention(q, k, v, cache, batch, scale=s.scale, window=s.window, sinks=sinks)
+        out, cache = kv_attention(q, k, v, cache, batch, scale=s.scale, window=s.window, sinks=sinks,
+                                  kernels=self.kernels)
         out = out.reshape(B, T, -1)
         if gate is not None:
             out = out * jax.nn.sigmoid(gate)
@@ -146,8 +121,8 @@ class GQAAttention(nnx.Module):
 class MLAAttention(nnx.Module):
     """Multi-head latent attention (DeepSeek-V3, Kimi Linear), absorbed form over the latent cache."""
 
-    def __init__(self, prefix: str, hidden: int, spec: MLASpec, eps: float, dtype):
-        self.spec = spec
+    def __init__(self, prefix: str, hidden: int, spec: MLASpec, eps: float, dtype, kernels: str = "reference"):
+        self.spec, self.kernels = spec, kernels
         H, nope, rope, L = spec.num_heads, spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.kv_lora_rank
         qk = nope + rope
         if spec.q_lora_rank is None:
@@ -182,6 +157,6 @@ class MLAAttention(nnx.Module):
         q_lat = jnp.einsum("bthn,hnl->bthl", q_nope, w[:, :nope])
         qf = jnp.concatenate([q_lat, q_rot], axis=-1)
         k_pos, k_valid = full_positions(kv.shape[1], batch)
-        out_lat = attend(qf, kv, kv[..., :L], batch.positions, k_pos, k_valid, scale=s.scale)
+        out_lat = select("batched_attention", self.kernels)(qf, kv, kv[..., :L], batch.positions, k_pos, k_valid, scale=s.scale)
         out = jnp.einsum("bthl,hvl->bthv", out_lat, w[:, nope:]).reshape(B, T, H * s.v_head_dim)
         return self.o_proj(out), {"kv": kv}

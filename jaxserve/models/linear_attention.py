@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels.gated_delta_rule import ref_chunk_gated_delta_rule, ref_recurrent_gated_delta_rule
+from pallas_kernels.select import select
 
 from .batch import Batch
 from .config import GDNSpec, KDASpec
@@ -35,9 +35,9 @@ def causal_conv(x, state, weight, lengths):
     return jax.nn.silu(y), new_state.astype(state.dtype)
 
 
-def delta_rule(q, k, v, g, beta, state, T: int):
+def delta_rule(q, k, v, g, beta, state, T: int, kernels: str):
     """Chunked form for prefill, recurrent step for decode (T == 1); returns (out, final state)."""
-    fn = ref_recurrent_gated_delta_rule if T == 1 else ref_chunk_gated_delta_rule
+    fn = select("recurrent_gated_delta_rule" if T == 1 else "chunk_gated_delta_rule", kernels)
     return fn(q, k, v, g, beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
 
 
@@ -48,8 +48,8 @@ def _conv_weight(prefix, names, conv_dim, K, dtype, module):
 
 
 class GatedDeltaNet(nnx.Module):
-    def __init__(self, prefix: str, hidden: int, spec: GDNSpec, eps: float, dtype):
-        self.spec, self.eps = spec, eps
+    def __init__(self, prefix: str, hidden: int, spec: GDNSpec, eps: float, dtype, kernels: str = "reference"):
+        self.spec, self.eps, self.kernels = spec, eps, kernels
         kd, vd = spec.num_k_heads * spec.head_k_dim, spec.num_v_heads * spec.head_v_dim
         self.in_proj_qkvz = Linear(f"{prefix}.in_proj_qkvz", hidden, 2 * kd + 2 * vd, dtype)
         self.in_proj_ba = Linear(f"{prefix}.in_proj_ba", hidden, 2 * spec.num_v_heads, dtype)
@@ -82,14 +82,14 @@ class GatedDeltaNet(nnx.Module):
         g = jnp.where(batch.valid[..., None], g, 0.0)
         if r > 1:
             q, k = jnp.repeat(q, r, axis=2), jnp.repeat(k, r, axis=2)
-        o, ssm = delta_rule(q, k, v, g, beta, cache["ssm"], T)
+        o, ssm = delta_rule(q, k, v, g, beta, cache["ssm"], T, self.kernels)
         o = gated_rms_norm(o, z.reshape(B, T, Hv, Dv), self.norm_weight[...], self.eps, "silu")
         return self.out_proj(o.reshape(B, T, Hv * Dv)), {"conv": conv, "ssm": ssm}
 
 
 class KimiDeltaAttention(nnx.Module):
-    def __init__(self, prefix: str, hidden: int, spec: KDASpec, eps: float, dtype):
-        self.spec, self.eps = spec, eps
+    def __init__(self, prefix: str, hidden: int, spec: KDASpec, eps: float, dtype, kernels: str = "reference"):
+        self.spec, self.eps, self.kernels = spec, eps, kernels
         H, D = spec.num_heads, spec.head_dim
         for n in ("q_proj", "k_proj", "v_proj"):
             setattr(self, n, Linear(f"{prefix}.{n}", hidden, H * D, dtype))
@@ -117,7 +117,7 @@ class KimiDeltaAttention(nnx.Module):
         g = -jnp.exp(self.A_log[...].reshape(1, 1, H, 1)) * jnp.where(f > 20.0, f, jnp.log1p(jnp.exp(f)))
         g = jnp.where(batch.valid[:, :, None, None], g, 0.0)
         beta = jnp.where(batch.valid[..., None], jax.nn.sigmoid(self.b_proj(x)), 0)
-        o, ssm = delta_rule(q, k, v, g, beta, cache["ssm"], T)
+        o, ssm = delta_rule(q, k, v, g, beta, cache["ssm"], T, self.kernels)
         gate = self.g_b_proj(self.g_a_proj(x)).reshape(B, T, H, D)
         o = gated_rms_norm(o, gate, self.o_norm_weight[...], self.eps, "sigmoid")
         return self.o_proj(o.reshape(B, T, H * D)), {"conv": conv, "ssm": ssm}

@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.select import resolve
+
 from .attention import GQAAttention, MLAAttention
 from .batch import Batch
 from .config import GDNSpec, GQASpec, KDASpec, MLASpec, MLPSpec, ModelConfig
@@ -30,27 +32,27 @@ CHECKPOINT_ALIASES: dict[str, tuple[tuple[str, str], ...]] = {
 }
 
 
-def _mixer(prefix, hidden, spec, cfg: ModelConfig, dtype):
+def _mixer(prefix, hidden, spec, cfg: ModelConfig, dtype, kernels: str):
     if isinstance(spec, GQASpec):
-        return GQAAttention(prefix, hidden, spec, cfg.rms_norm_eps, dtype, cfg.norm_plus_one)
+        return GQAAttention(prefix, hidden, spec, cfg.rms_norm_eps, dtype, cfg.norm_plus_one, kernels)
     if isinstance(spec, MLASpec):
-        return MLAAttention(prefix, hidden, spec, cfg.rms_norm_eps, dtype)
+        return MLAAttention(prefix, hidden, spec, cfg.rms_norm_eps, dtype, kernels)
     if isinstance(spec, GDNSpec):
-        return GatedDeltaNet(prefix, hidden, spec, cfg.rms_norm_eps, dtype)
+        return GatedDeltaNet(prefix, hidden, spec, cfg.rms_norm_eps, dtype, kernels)
     if isinstance(spec, KDASpec):
-        return KimiDeltaAttention(prefix, hidden, spec, cfg.rms_norm_eps, dtype)
+        return KimiDeltaAttention(prefix, hidden, spec, cfg.rms_norm_eps, dtype, kernels)
     raise TypeError(type(spec))
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, i: int, dtype):
+    def __init__(self, cfg: ModelConfig, i: int, dtype, kernels: str):
         spec = cfg.layers[i]
         p = f"model.layers.{i}"
         H = cfg.hidden_size
         self.input_layernorm = RMSNorm(f"{p}.input_layernorm", H, cfg.rms_norm_eps, dtype, cfg.norm_plus_one)
         self.post_attention_layernorm = RMSNorm(f"{p}.post_attention_layernorm", H, cfg.rms_norm_eps, dtype,
                                                 cfg.norm_plus_one)
-        self.mixer = _mixer(f"{p}.{spec.mixer_name}", H, spec.mixer, cfg, dtype)
+        self.mixer = _mixer(f"{p}.{spec.mixer_name}", H, spec.mixer, cfg, dtype, kernels)
         if isinstance(spec.mlp, MLPSpec):
             self.mlp = MLP(f"{p}.mlp", H, spec.mlp, dtype)
         else:
@@ -65,11 +67,13 @@ class DecoderLayer(nnx.Module):
 
 
 class CausalLM(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype):
+    def __init__(self, cfg: ModelConfig, dtype, kernels: str = "reference"):
+        """kernels: "reference", "pallas", "interpret" or "auto" (pallas_kernels/select.py)."""
         self.cfg = cfg
+        kernels = resolve(kernels)
         V, H = cfg.vocab_size, cfg.hidden_size
         declare(self, "embed_tokens", (V, H), dtype, ParamInfo((("model.embed_tokens.weight",),)))
-        self.layers = nnx.List([DecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, i, dtype, kernels) for i in range(cfg.num_layers)])
         self.norm = RMSNorm("model.norm", H, cfg.rms_norm_eps, dtype, cfg.norm_plus_one)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear("lm_head", H, V, dtype, tp="col")
@@ -91,9 +95,15 @@ class CausalLM(nnx.Module):
         return logits.astype(jnp.float32), new_cache
 
 
-def abstract_model(cfg: ModelConfig, dtype) -> CausalLM:
+def abstract_model(cfg: ModelConfig, dtype, kernels: str = "reference") -> CausalLM:
     """The model with shape-only parameters (nothing allocated)."""
-    return nnx.eval_shape(lambda: CausalLM(cfg, dtype))
+    return nnx.eval_shape(lambda: CausalLM(cfg, dtype, kernels))
+
+
+def model_graphdef(cfg: ModelConfig, dtype, kernels: str):
+    """The graph definition of the model with the given kernel mode: it pairs with any loaded state of `cfg`
+    (the mode is static structure, the state is the same)."""
+    return nnx.split(abstract_model(cfg, dtype, kernels))[0]
 
 
 def make_forward(graphdef):

@@ -1,0 +1,226 @@
+"""Paged decode attention (Pallas) over the engine's block pool, GQA and MLA, with pure-jnp references.
+
+The pool (jaxserve/cache/layout.py) keeps one array per full-attention cache group,
+    pool [num_blocks, layers_in_group, E, block_size, kv_heads, D]   (block-major: a block holds every layer)
+E = 2: K in entry 0 and V in entry 1 (D = Dk = Dv); E = 1: K and V concatenated on D (K = [..., :Dk],
+V = [..., Dk:]); MLA: E = 1, one "head" holding the latent (kv_lora_rank) and the rope key, values are the
+latent itself. A request's tokens live in the blocks of its block-table row: token t in block
+table[t // block_size] at offset t % block_size. The kernels read blocks in place: no gather of the pool.
+
+Grid (B, Hkv, P): program (b, h, p) takes the G = Hq / Hkv query heads of KV head h as a [G, Dk] matrix and
+walks partition p of the block table in tiles of `pages_per_tile` blocks (online softmax in float32). The
+partitions are the split-KV ("flash decoding") form: each returns an unnormalised (O, m, l) triple and
+merge.py combines them (BanaServe eqs. 6-10); sinks join the merge as a part with no value. With a sliding
+window, tiles wholly before the window are skipped. Slots with length 0 give zeros.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from .flash_attention import NEG, ref_batched_attention
+from .merge import add_sinks, merge_partials, normalize
+
+TILE_TOKENS = 128  # keys per tile: pages_per_tile = max(1, TILE_TOKENS // block_size)
+MAX_PARTITIONS = 8
+
+
+def _paged_kernel(len_ref, tbl_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block_size: int, ppt: int,
+                  ppp: int, k_dim: int, v_lo: int, v_hi: int, scale: float, window: int | None):
+    # len_ref [B] int32; tbl_ref [Wp] int32; q_ref [G, Dk]; k_ref, v_ref [NB, bs, D];
+    # o_ref [G, Dv] float32; m_ref, l_ref [G] float32
+    b, p = pl.program_id(0), pl.program_id(2)
+    n = len_ref[b]
+    q = q_ref[...]
+    G, Dv = o_ref.shape
+    tok_lo = 0 if window is None else jnp.maximum(n - window, 0)
+    page_lo = jnp.maximum(p * ppp, tok_lo // block_size)
+    page_hi = jnp.minimum((p + 1) * ppp, (n + block_size - 1) // block_size)
+    tile_lo = page_lo // ppt
+    tile_hi = jnp.where(page_hi > page_lo, (page_hi + ppt - 1) // ppt, tile_lo)
+    tk = ppt * block_size
+
+    def body(j, carry):
+        m, l, acc = carry
+        ids = tbl_ref[pl.ds(j * ppt, ppt)]
+        k = k_ref[ids].reshape(tk, -1)[:, :k_dim]
+        v = v_ref[ids].reshape(tk, -1)[:, v_lo:v_hi]
+        pos = j * tk + jax.lax.broadcasted_iota(jnp.int32, (1, tk), 1)
+        mask = (pos < n) & (pos >= tok_lo)  # [1, tk]
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+        s = jnp.where(mask, s, NEG)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        pr = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
+        c = jnp.exp(m - m_new)
+        return m_new, c * l + pr.sum(axis=1), c[:, None] * acc + jnp.dot(
+            pr.astype(v.dtype), v, preferred_element_type=jnp.float32)
+
+    init = (jnp.full((G,), NEG, jnp.float32), jnp.zeros((G,), jnp.float32), jnp.zeros((G, Dv), jnp.float32))
+    m, l, acc = jax.lax.fori_loop(tile_lo, tile_hi, body, init)
+    o_ref[...], m_ref[...], l_ref[...] = acc, m, l
+
+
+def _pages(block_size: int, W: int, pages_per_tile: int | None, pages_per_partition: int | None):
+    ppt = pages_per_tile or max(1, TILE_TOKENS // block_size)
+    if pages_per_partition is None:
+        tiles = -(-W // ppt)
+        pages_per_partition = -(-tiles // min(tiles, MAX_PARTITIONS)) * ppt
+    if pages_per_partition % ppt:
+        raise ValueError(f"pages_per_partition {pages_per_partition} must be a multiple of pages_per_tile {ppt}")
+    return ppt, pages_per_partition
+
+
+@functools.partial(jax.jit, static_argnames=("layer", "k_dim", "v_entry", "v_lo", "v_hi", "scale", "window", "ppt",
+                                             "ppp", "interpret"))
+def _paged(q, pool, block_tables, lengths, sinks, *, layer: int, k_dim: int, v_entry: int, v_lo: int, v_hi: int,
+           scale: float, window: int | None, ppt: int, ppp: int, interpret: bool):
+    """q [B, Hq, Dk]; pool [NB, L, E, bs, Hkv, D]; block_tables [B, W]; lengths [B]; sinks [Hq] or None
+    -> [B, Hq, v_hi - v_lo] in q's dtype"""
+    B, Hq, Dk = q.shape
+    NB, _, _, bs, Hkv, D = pool.shape
+    G, Dv = Hq // Hkv, v_hi - v_lo
+    W = block_tables.shape[1]
+    P = -(-W // ppp)
+    table = jnp.pad(block_tables.astype(jnp.int32), [(0, 0), (0, P * ppp - W)])
+    kernel = functools.partial(_paged_kernel, block_size=bs, ppt=ppt, ppp=ppp, k_dim=k_dim, v_lo=v_lo, v_hi=v_hi,
+                               scale=scale, window=window)
+    o, m, l = pl.pallas_call(
+        kernel,
+        grid=(B, Hkv, P),
+        in_specs=[
+            pl.BlockSpec((B,), lambda b, h, p: (0,)),
+            pl.BlockSpec((None, P * ppp), lambda b, h, p: (b, 0)),
+            pl.BlockSpec((None, None, G, Dk), lambda b, h, p: (b, h, 0, 0)),
+            pl.BlockSpec((NB, None, None, bs, None, D), lambda b, h, p: (0, layer, 0, 0, h, 0)),
+            pl.BlockSpec((NB, None, None, bs, None, D), lambda b, h, p: (0, layer, v_entry, 0, h, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, G, Dv), lambda b, h, p: (b, h, p, 0, 0)),
+            pl.BlockSpec((None, None, None, G), lambda b, h, p: (b, h, p, 0)),
+            pl.BlockSpec((None, None, None, G), lambda b, h, p: (b, h, p, 0)),
+        ],
+        out_shape=[jax.ShapeDtypeStruct((B, Hkv, P, G, Dv), jnp.float32),
+                   jax.ShapeDtypeStruct((B, Hkv, P, G), jnp.float32),
+                   jax.ShapeDtypeStruct((B, Hkv, P, G), jnp.float32)],
+        interpret=interpret,
+        name="paged_attention",
+    )(lengths.astype(jnp.int32), table, q.reshape(B, Hkv, G, Dk), pool, pool)
+    o, m, l = merge_partials(o, m, l, axis=2)  # [B, Hkv, G, Dv], [B, Hkv, G]
+    if sinks is not None:
+        o, m, l = add_sinks(o, m, l, sinks.reshape(1, Hkv, G))
+    return normalize(o, l).reshape(B, Hq, Dv).astype(q.dtype)
+
+
+def _views(q, pool, block_tables, lengths, layer):
+    """Validate and return (E, Dk, D)."""
+    if pool.ndim != 6:
+        raise ValueError(f"pool must be [num_blocks, layers, E, block_size, kv_heads, D], got {pool.shape}")
+    if q.ndim != 3:
+        raise ValueError(f"q must be [B, Hq, Dk], got {q.shape}")
+    B = q.shape[0]
+    if block_tables.ndim != 2 or block_tables.shape[0] != B or lengths.shape != (B,):
+        raise ValueError(f"block_tables must be [{B}, W] and lengths [{B}], got {block_tables.shape}, {lengths.shape}")
+    if not 0 <= layer < pool.shape[1]:
+        raise ValueError(f"layer {layer} outside the group's {pool.shape[1]} layers")
+    if q.dtype != pool.dtype:
+        raise ValueError(f"q dtype {q.dtype} differs from the pool's {pool.dtype}")
+    if q.shape[1] % pool.shape[4]:
+        raise ValueError(f"query heads {q.shape[1]} are not a multiple of KV heads {pool.shape[4]}")
+    return pool.shape[2], q.shape[2], pool.shape[5]
+
+
+def _gqa_layout(E: int, Dk: int, D: int):
+    """(v_entry, v_lo, v_hi) of a GQA group."""
+    if E == 2:
+        if Dk != D:
+            raise ValueError(f"q head dim {Dk} differs from the pool's {D}")
+        return 1, 0, D
+    if E == 1 and Dk < D:
+        return 0, Dk, D
+    raise ValueError(f"a GQA pool has E=2, or E=1 with K|V concatenated on D; got E={E}, D={D}, Dk={Dk}")
+
+
+def paged_attention(q, pool, block_tables, lengths, *, layer, sliding_window=None, sinks=None, scale=None,
+                    interpret=False, pages_per_tile=None, pages_per_partition=None):
+    """Decode attention, one query token per request, K/V read through block tables.
+
+    q [B, Hq, Dk]; pool [NB, L, E, block_size, Hkv, D] one full group of the engine's pool; block_tables [B, W]
+    int32; lengths [B] int32 tokens in the cache including the query's own (it sits at position lengths - 1;
+    0 marks an empty slot); layer: index within the group; sliding_window: the query sees the last
+    `sliding_window` positions including itself; sinks [Hq] float32; scale defaults to Dk**-0.5
+    -> [B, Hq, Dv] in q's dtype
+    """
+    E, Dk, D = _views(q, pool, block_tables, lengths, layer)
+    v_entry, v_lo, v_hi = _gqa_layout(E, Dk, D)
+    if sinks is not None and sinks.shape != (q.shape[1],):
+        raise ValueError(f"sinks must be [{q.shape[1]}], got {sinks.shape}")
+    if sliding_window is not None and int(sliding_window) < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    ppt, ppp = _pages(pool.shape[3], block_tables.shape[1], pages_per_tile, pages_per_partition)
+    return _paged(q, pool, block_tables, lengths, sinks, layer=int(layer), k_dim=Dk, v_entry=v_entry, v_lo=v_lo,
+                  v_hi=v_hi, scale=Dk ** -0.5 if scale is None else float(scale),
+                  window=None if sliding_window is None else int(sliding_window), ppt=ppt, ppp=ppp,
+                  interpret=bool(interpret))
+
+
+def _dense_view(pool, block_tables, lengths, layer):
+    """Reference gather: pool blocks -> ([B, W*bs, E, Hkv, D], k_pos [B, W*bs])."""
+    B, W = block_tables.shape
+    bs = pool.shape[3]
+    x = pool[block_tables, layer]  # [B, W, E, bs, Hkv, D]
+    x = jnp.swapaxes(x, 2, 3).reshape((B, W * bs) + x.shape[2:3] + pool.shape[4:])
+    return x, jnp.broadcast_to(jnp.arange(W * bs, dtype=jnp.int32), (B, W * bs))
+
+
+def ref_paged_attention(q, pool, block_tables, lengths, *, layer, sliding_window=None, sinks=None, scale=None,
+                        interpret=False, pages_per_tile=None, pages_per_partition=None):
+    """Gather-then-attend reference of `paged_attention`, same arguments and result."""
+    del interpret, pages_per_tile, pages_per_partition
+    E, Dk, D = _views(q, pool, block_tables, lengths, layer)
+    v_entry, v_lo, v_hi = _gqa_layout(E, Dk, D)
+    x, k_pos = _dense_view(pool, block_tables, lengths, layer)
+    k, v = x[:, :, 0, :, :Dk], x[:, :, v_entry, :, v_lo:v_hi]
+    out = ref_batched_attention(q[:, None], k, v, (lengths - 1)[:, None], k_pos, k_pos < lengths[:, None],
+                                scale=Dk ** -0.5 if scale is None else scale, window=sliding_window, sinks=sinks)
+    return out[:, 0]
+
+
+def _check_mla(q, pool, kv_lora_rank):
+    if pool.shape[2] != 1 or pool.shape[4] != 1:
+        raise ValueError(f"an MLA pool has E=1 and one head, got {pool.shape}")
+    if q.shape[2] != pool.shape[5] or not 0 < kv_lora_rank < pool.shape[5]:
+        raise ValueError(f"q width {q.shape[2]} must equal the pool's latent+rope width {pool.shape[5]}, "
+                         f"with kv_lora_rank {kv_lora_rank} inside it")
+
+
+def paged_mla_attention(q, pool, block_tables, lengths, *, layer, kv_lora_rank, scale, interpret=False,
+                        pages_per_tile=None, pages_per_partition=None):
+    """MLA decode attention in the absorbed form over the latent cache.
+
+    q [B, H, L + R]: the query projected into the latent space (q_nope @ W_UK) followed by its rope part;
+    pool [NB, layers, 1, block_size, 1, L + R] latent (L = kv_lora_rank) + rope key per token; block_tables,
+    lengths, layer as in `paged_attention`; scale: the model's softmax scale (of the unabsorbed head dim)
+    -> [B, H, L] attended latent in q's dtype (the value up-projection W_UV is applied by the caller)
+    """
+    _views(q, pool, block_tables, lengths, layer)
+    _check_mla(q, pool, kv_lora_rank)
+    ppt, ppp = _pages(pool.shape[3], block_tables.shape[1], pages_per_tile, pages_per_partition)
+    return _paged(q, pool, block_tables, lengths, None, layer=int(layer), k_dim=q.shape[2], v_entry=0, v_lo=0,
+                  v_hi=int(kv_lora_rank), scale=float(scale), window=None, ppt=ppt, ppp=ppp, interpret=bool(interpret))
+
+
+def ref_paged_mla_attention(q, pool, block_tables, lengths, *, layer, kv_lora_rank, scale, interpret=False,
+                            pages_per_tile=None, pages_per_partition=None):
+    """Gather-then-attend reference of `paged_mla_attention`, same arguments and result."""
+    del interpret, pages_per_tile, pages_per_partition
+    _views(q, pool, block_tables, lengths, layer)
+    _check_mla(q, pool, kv_lora_rank)
+    x, k_pos = _dense_view(pool, block_tables, lengths, layer)
+    kv = x[:, :, 0]  # [B, S, 1, L + R]
+    out = ref_batched_attention(q[:, None], kv, kv[..., :kv_lora_rank], (lengths - 1)[:, None], k_pos,
+                                k_pos < lengths[:, None], scale=scale)
+    return out[:, 0]

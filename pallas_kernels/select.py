@@ -1,0 +1,56 @@
+"""The one place that decides kernel or reference.
+
+Every kernel is registered here with its pure-jnp twin (same signature). `select(name, mode)` returns the
+callable for a mode:
+  reference   the jnp references (what XLA compiles on any backend)
+  pallas      the Pallas kernels, compiled (GPU)
+  interpret   the Pallas kernels in interpret mode: the kernel bodies evaluated on the CPU (tests)
+  auto        pallas on GPU, reference elsewhere
+Models take the mode at construction (`CausalLM(..., kernels=mode)`), the engine from its config
+(`engine.kernels`); nothing reads the environment.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+import jax
+
+from .flash_attention import batched_attention, flash_attention, ref_batched_attention, ref_flash_attention
+from .gated_delta_rule import (chunk_gated_delta_rule, recurrent_gated_delta_rule, ref_chunk_gated_delta_rule,
+                               ref_recurrent_gated_delta_rule)
+from .paged_attention import (paged_attention, paged_mla_attention, ref_paged_attention,
+                              ref_paged_mla_attention)
+
+Mode = Literal["auto", "reference", "pallas", "interpret"]
+MODES: tuple[str, ...] = ("auto", "reference", "pallas", "interpret")
+
+KERNELS = {  # name -> (reference, kernel)
+    "flash_attention": (ref_flash_attention, flash_attention),
+    "batched_attention": (ref_batched_attention, batched_attention),
+    "paged_attention": (ref_paged_attention, paged_attention),
+    "paged_mla_attention": (ref_paged_mla_attention, paged_mla_attention),
+    "chunk_gated_delta_rule": (ref_chunk_gated_delta_rule, chunk_gated_delta_rule),
+    "recurrent_gated_delta_rule": (ref_recurrent_gated_delta_rule, recurrent_gated_delta_rule),
+}
+
+
+def resolve(mode: str) -> str:
+    """'auto' -> 'pallas' on GPU, 'reference' elsewhere; other modes are returned after validation."""
+    if mode not in MODES:
+        raise ValueError(f"kernels must be one of {', '.join(MODES)}; got {mode!r}")
+    if mode == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "reference"
+    return mode
+
+
+def select(name: str, mode: str):
+    """The implementation of kernel `name` for `mode`."""
+    if name not in KERNELS:
+        raise KeyError(f"no kernel {name!r}; known: {', '.join(KERNELS)}")
+    ref, kernel = KERNELS[name]
+    mode = resolve(mode)
+    if mode == "reference":
+        return ref
+    return functools.partial(kernel, interpret=mode == "interpret")
