@@ -1,0 +1,97 @@
+"""paged_attention / paged_mla_attention (Pallas, interpret mode, jitted) against their references, and the
+references against attention over K/V laid out densely by hand."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.flash_attention import ref_batched_attention
+from pallas_kernels.paged_attention import (paged_attention, paged_mla_attention, ref_paged_attention,
+                                            ref_paged_mla_attention)
+from tests.pallas_kernels.conftest import close, randn
+
+
+def _tables(r, B, W, NB):
+    """Distinct shuffled block ids per request (a request never shares a block with itself)."""
+    return jnp.asarray(np.stack([r.permutation(NB)[:W] for _ in range(B)]), jnp.int32)
+
+
+CASES = [  # dtype, E, Hq, Hkv, Dk, D, block_size, lengths, window, sinks, pages_per_tile, pages_per_partition
+    (jnp.float32, 2, 4, 2, 8, 8, 4, [0, 1, 4, 13, 24], None, False, None, None),  # empty, 1, one block, ragged, full
+    (jnp.bfloat16, 2, 4, 2, 8, 8, 4, [0, 1, 4, 13, 24], None, False, None, None),
+    (jnp.float32, 2, 8, 2, 16, 16, 8, [3, 17, 48, 8], 6, True, 1, 2),
+    (jnp.bfloat16, 2, 2, 2, 16, 16, 8, [3, 17, 48, 8], 9, True, 2, 2),
+    (jnp.float32, 1, 4, 1, 12, 20, 4, [24, 5, 9], None, True, 2, 4),  # K|V concatenated (Dv = 8 != Dk)
+    (jnp.float32, 2, 4, 4, 8, 8, 16, [1, 16, 33, 96], 20, False, 1, 1),  # MHA, one block per partition
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_paged_attention_matches_reference(case):
+    dtype, E, Hq, Hkv, Dk, D, bs, lengths, window, use_sinks, ppt, ppp = case
+    r = np.random.RandomState(bs + Hq)
+    B, L, NB = len(lengths), 3, 40
+    W = -(-max(lengths) // bs)
+    pool = randn(r, (NB, L, E, bs, Hkv, D), dtype)
+    q = randn(r, (B, Hq, Dk), dtype)
+    table = _tables(r, B, W, NB)
+    lens = jnp.asarray(lengths, jnp.int32)
+    kw = dict(layer=1, sliding_window=window, sinks=randn(r, (Hq,)) if use_sinks else None, pages_per_tile=ppt,
+              pages_per_partition=ppp)
+    got = jax.jit(functools.partial(paged_attention, interpret=True, **kw))(q, pool, table, lens)
+    want = ref_paged_attention(q, pool, table, lens, **kw)
+    assert got.shape == (B, Hq, D if E == 2 else D - Dk) and got.dtype == dtype
+    close(got, want, dtype)
+    if lengths[0] == 0:
+        assert not np.asarray(got[0], np.float32).any()
+
+
+def test_paged_reference_reads_the_right_tokens():
+    """Write a dense K/V sequence into scattered blocks by hand; the paged reference equals dense attention."""
+    r = np.random.RandomState(0)
+    bs, NB, Hkv, D, n = 4, 12, 2, 8, 10
+    k, v = r.randn(n, Hkv, D).astype(np.float32), r.randn(n, Hkv, D).astype(np.float32)
+    blocks = [7, 2, 9]
+    pool = np.zeros((NB, 2, 2, bs, Hkv, D), np.float32)
+    for t in range(n):
+        pool[blocks[t // bs], 1, 0, t % bs], pool[blocks[t // bs], 1, 1, t % bs] = k[t], v[t]
+    q = jnp.asarray(r.randn(1, 4, D), jnp.float32)
+    got = ref_paged_attention(q, jnp.asarray(pool), jnp.asarray([blocks], jnp.int32), jnp.asarray([n], jnp.int32),
+                              layer=1)
+    pos = jnp.arange(n, dtype=jnp.int32)[None]
+    want = ref_batched_attention(q[:, None], jnp.asarray(k)[None], jnp.asarray(v)[None], jnp.asarray([[n - 1]]), pos,
+                                 pos >= 0, scale=D ** -0.5)[:, 0]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype,bs,ppt,ppp", [(jnp.float32, 4, 1, 2), (jnp.bfloat16, 8, None, None)])
+def test_paged_mla_attention_matches_reference(dtype, bs, ppt, ppp):
+    r = np.random.RandomState(bs)
+    B, H, Lr, R, NB = 4, 4, 16, 8, 30
+    lengths = [1, bs, 3 * bs + 1, 0]
+    W = -(-max(lengths) // bs)
+    pool = randn(r, (NB, 2, 1, bs, 1, Lr + R), dtype)
+    q = randn(r, (B, H, Lr + R), dtype)
+    table, lens = _tables(r, B, W, NB), jnp.asarray(lengths, jnp.int32)
+    kw = dict(layer=0, kv_lora_rank=Lr, scale=0.2, pages_per_tile=ppt, pages_per_partition=ppp)
+    got = jax.jit(functools.partial(paged_mla_attention, interpret=True, **kw))(q, pool, table, lens)
+    assert got.shape == (B, H, Lr)
+    close(got, ref_paged_mla_attention(q, pool, table, lens, **kw), dtype)
+
+
+def test_paged_attention_rejects_bad_inputs():
+    pool = jnp.zeros((8, 2, 2, 4, 2, 8))
+    q, table, lens = jnp.zeros((2, 4, 8)), jnp.zeros((2, 3), jnp.int32), jnp.zeros(2, jnp.int32)
+    with pytest.raises(ValueError, match="layer 2 outside"):
+        paged_attention(q, pool, table, lens, layer=2)
+    with pytest.raises(ValueError, match="block_tables must be"):
+        paged_attention(q, pool, table[:1], lens, layer=0)
+    with pytest.raises(ValueError, match="dtype"):
+        paged_attention(q.astype(jnp.bfloat16), pool, table, lens, layer=0)
+    with pytest.raises(ValueError, match="multiple of pages_per_tile"):
+        paged_attention(q, pool, table, lens, layer=0, pages_per_tile=2, pages_per_partition=3)
+    with pytest.raises(ValueError, match="MLA pool"):
+        paged_mla_attention(q, pool, table, lens, layer=0, kv_lora_rank=4, scale=1.0)
