@@ -36,6 +36,8 @@ class EngineSection(_Strict):
     max_model_len: int | None = Field(None, ge=1)
     prefix_caching: bool = True
     num_snapshots: int = Field(32, ge=0)
+    kernels: Literal["auto", "reference", "pallas", "interpret"] = Field(
+        "auto", description="Pallas kernels (GPU) or jnp references; auto: kernels on GPU")
     warmup: bool = Field(True, description="compile the decode programs before serving")
 
     @model_validator(mode="after")

@@ -13,7 +13,8 @@ decode slot, then the prefix-cache snapshots, then one scratch row that padding 
 `gather` builds the dense per-request caches the model reads (attention.py / linear_attention.py layouts)
 for a batch from block tables and state rows; `scatter` writes back what the step added: the new tokens'
 K/V into their blocks, and the request-level state into its row (and a snapshot row when asked). Padding
-(invalid) tokens are dropped. This is the reference path; the paged Pallas kernels read blocks directly.
+(invalid) tokens are dropped. Decode gathers with `paged=True`: full groups are then not copied; their
+layers get `PagedKV` views (models/paged.py), write into the blocks and run paged attention over them.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import jax.numpy as jnp
 
 from ..models.batch import Batch
 from ..models.cache_spec import CacheGroup, CacheSpec
+from ..models.paged import PagedKV
 
 
 @dataclass(frozen=True)
@@ -117,17 +119,21 @@ def _from_layer(gl: GroupLayout, c):
     return jnp.concatenate([c["k"], c["v"]], axis=-1)[:, None]
 
 
-def gather(layout: PoolLayout, pool: list, block_table, src_rows, start) -> list[dict]:
-    """Dense per-layer caches for a batch.
+def gather(layout: PoolLayout, pool: list, block_table, src_rows, start, paged: bool = False) -> list:
+    """Per-layer caches for a batch: dense copies, or with `paged` (decode) `PagedKV` views of the full groups.
 
     block_table [B, W] int32 block ids (capacity W * block_size tokens); src_rows [B] int32 state rows;
     start [B] int32 tokens already cached (state of rows with start == 0 reads as zeros).
     """
     B, W = block_table.shape
-    cache: list[dict | None] = [None] * layout.num_layers
+    cache: list = [None] * layout.num_layers
     fresh = start == 0
-    for gl, arr in zip(layout.groups, pool):
+    for gi, (gl, arr) in enumerate(zip(layout.groups, pool)):
         g = gl.group
+        if g.kind == "full" and paged:
+            for j, layer in enumerate(g.layers):
+                cache[layer] = PagedKV(arr, block_table, gi, j)
+            continue
         if g.kind == "full":
             x = arr[block_table]  # [B, W, L, E, bs, H, D]
             x = jnp.moveaxis(x, 2, 0)  # [L, B, W, E, bs, H, D]
@@ -148,7 +154,7 @@ def gather(layout: PoolLayout, pool: list, block_table, src_rows, start) -> list
 def scatter(layout: PoolLayout, pool: list, cache: list[dict], batch: Batch, block_table, dst_rows, snap_rows) -> list:
     """Write what a step added back into the pool.
 
-    cache: the model's updated per-layer caches (dense, from `gather`); block_table [B, W]; dst_rows [B] and
+    cache: the model's updated per-layer caches (from `gather`); block_table [B, W]; dst_rows [B] and
     snap_rows [B] int32 state rows (the scratch row where nothing is to be saved).
     """
     bs = layout.block_size
@@ -159,6 +165,9 @@ def scatter(layout: PoolLayout, pool: list, cache: list[dict], batch: Batch, blo
     out = []
     for gl, arr in zip(layout.groups, pool):
         g = gl.group
+        if isinstance(cache[g.layers[0]], PagedKV):  # the layers wrote their tokens into the blocks themselves
+            out.append(cache[g.layers[-1]].pool)
+            continue
         if g.kind == "full":
             S = block_table.shape[1] * bs
             idx = jnp.clip(pos, 0, S - 1)

@@ -16,11 +16,14 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+from pallas_kernels.select import MODES, resolve
+
 from ..cache.block_manager import BlockManager
 from ..cache.layout import PoolLayout
 from ..checkpoint import load_any
 from ..models.cache_spec import cache_spec
 from ..models.config import load_config
+from ..models.model import model_graphdef
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
 from .runner import DecodeRow, Engine, PrefillRow
@@ -42,8 +45,11 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's context, capped by the pool
     prefix_caching: bool = True
     num_snapshots: int = 32  # request-level state snapshots kept for prefix reuse
+    kernels: str = "auto"  # Pallas kernels or jnp references: auto / reference / pallas / interpret
 
     def __post_init__(self):
+        if self.kernels not in MODES:
+            raise ValueError(f"engine.kernels must be one of {', '.join(MODES)}, got {self.kernels!r}")
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if isinstance(v, int) and not isinstance(v, bool) and v < (0 if f.name == "num_snapshots" else 1):
@@ -69,7 +75,9 @@ class LLMEngine:
         self.path, self.dtype, self.mesh = model, DTYPES[dtype], mesh
         self.model_config = load_config(model)
         self.cache_spec = cache_spec(self.model_config)
-        self.graphdef, self.state = load_any(model, self.model_config, dtype, mesh, progress)
+        _, self.state = load_any(model, self.model_config, dtype, mesh, progress)
+        self.kernels = resolve(cfg.kernels)
+        self.graphdef = model_graphdef(self.model_config, self.dtype, self.kernels)
         self.tokenizer = Tokenizer.maybe_load(model)
         bs = cfg.block_size
         self.max_model_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,

@@ -4,7 +4,10 @@ The cache pool (cache/layout.py), the per-slot penalty state (prompt token mask,
 the model parameters live on device. Two jitted programs do all the work, each with the pool donated:
   prefill   B chunks of T tokens (padded to buckets) -> cache written, first token sampled for chunks that
             complete their prompt
-  generate  one token for every decode slot (inactive slots are padding)
+  generate  one token for every decode slot (inactive slots are padding); full-attention layers write into
+            their blocks and read them with paged attention (no dense copy of the pool), request-level
+            state (sliding rings, linear state) is gathered by row
+The model's kernel mode (engine.kernels) picks Pallas kernels or jnp references for both programs.
 Shapes are bucketed (prefill B is 1 or max_prefill_seqs, T a power of two up to chunk_size, block-table width W
 a power of two up to the longest sequence) so a workload compiles a bounded number of programs: at most
 2 * |T buckets| * |W buckets| prefill and |W buckets| decode programs. `programs` records the shapes compiled.
@@ -101,7 +104,7 @@ class Engine:
             return (pool,) + sample(logits[:, 0], st, pmask, zeros)
 
         def decode_fn(state, pool, prompt_mask, out_counts, batch, table, rows, st):
-            cache = gather(layout, pool, table, rows, batch.start)
+            cache = gather(layout, pool, table, rows, batch.start, paged=True)
             logits, cache = model(state)(batch, cache, jnp.zeros((batch.tokens.shape[0], 1), jnp.int32))
             pool = scatter(layout, pool, cache, batch, table, rows, jnp.full_like(rows, layout.scratch_row))
             tok, lp, ids, tlp = sample(logits[:, 0], st, prompt_mask, out_counts)

@@ -21,6 +21,7 @@ from pallas_kernels.select import select
 from .batch import Batch
 from .config import GQASpec, MLASpec
 from .modules import Linear, RMSNorm
+from .paged import PagedKV
 from .params import ParamInfo, declare
 from .rope import apply_rope
 
@@ -56,6 +57,15 @@ def ring_update(ring, new, batch: Batch):
 
 def kv_attention(q, k_new, v_new, cache: dict, batch: Batch, *, scale, window, sinks=None, kernels="reference"):
     """Append this step's K/V to the layer cache and attend. Returns (out [B, T, Hq, Dv], new cache)."""
+    if isinstance(cache, PagedKV):
+        if cache.pool.shape[2] == 2:
+            vals = jnp.stack([k_new, v_new], axis=2)
+        else:
+            vals = jnp.concatenate([k_new, v_new.astype(k_new.dtype)], axis=-1)[:, :, None]
+        cache = cache.write(vals, batch)
+        out = select("paged_attention", kernels)(q[:, 0], cache.pool, cache.table, PagedKV.lengths(batch),
+                                                 layer=cache.layer, sliding_window=window, sinks=sinks, scale=scale)
+        return out[:, None], cache
     attend = select("batched_attention", kernels)
     if window is None:
         k = write_full(cache["k"], k_new, batch)
@@ -152,11 +162,19 @@ class MLAAttention(nnx.Module):
         if s.rope is not None:
             q_rot, k_rot = apply_rope(q_rot, batch.positions, s.rope), apply_rope(k_rot, batch.positions, s.rope)
         kv_new = jnp.concatenate([c[:, :, None, :], k_rot], axis=-1)  # [B, T, 1, L + R]
-        kv = write_full(cache["kv"], kv_new, batch)
         w = self.kv_b_proj.weight[...].reshape(H, nope + s.v_head_dim, L)
         q_lat = jnp.einsum("bthn,hnl->bthl", q_nope, w[:, :nope])
-        qf = jnp.concatenate([q_lat, q_rot], axis=-1)
-        k_pos, k_valid = full_positions(kv.shape[1], batch)
-        out_lat = select("batched_attention", self.kernels)(qf, kv, kv[..., :L], batch.positions, k_pos, k_valid, scale=s.scale)
+        qf = jnp.concatenate([q_lat, q_rot], axis=-1)  # absorbed query [B, T, H, L + R]
+        if isinstance(cache, PagedKV):
+            cache = cache.write(kv_new[:, :, None], batch)
+            out_lat = select("paged_mla_attention", self.kernels)(
+                qf[:, 0], cache.pool, cache.table, PagedKV.lengths(batch), layer=cache.layer, kv_lora_rank=L,
+                scale=s.scale)[:, None]
+        else:
+            kv = write_full(cache["kv"], kv_new, batch)
+            k_pos, k_valid = full_positions(kv.shape[1], batch)
+            out_lat = select("batched_attention", self.kernels)(qf, kv, kv[..., :L], batch.positions, k_pos, k_valid,
+                                                                scale=s.scale)
+            cache = {"kv": kv}
         out = jnp.einsum("bthl,hvl->bthv", out_lat, w[:, nope:]).reshape(B, T, H * s.v_head_dim)
-        return self.o_proj(out), {"kv": kv}
+        return self.o_proj(out), cache

@@ -18,6 +18,7 @@ from .batch import Batch
 from .config import GDNSpec, GQASpec, KDASpec, MLASpec, MLPSpec, ModelConfig
 from .linear_attention import GatedDeltaNet, KimiDeltaAttention
 from .modules import MLP, Linear, MoE, RMSNorm
+from .paged import PagedKV
 from .params import ParamInfo, declare
 
 # Alternative spellings of checkpoint tensor names, per family: (regex, replacement) tried in order when
@@ -79,12 +80,18 @@ class CausalLM(nnx.Module):
             self.lm_head = Linear("lm_head", H, V, dtype, tp="col")
 
     def __call__(self, batch: Batch, cache: list[dict], logits_idx):
-        """batch: B sequences of T new tokens; cache: per-layer dicts; logits_idx [B, P] token indices in [0, T)
+        """batch: B sequences of T new tokens; cache: per-layer dicts (or PagedKV views of the engine's pool, in
+        decode); logits_idx [B, P] token indices in [0, T)
         -> (logits [B, P, V] float32, new cache)"""
         x = self.embed_tokens[...][batch.tokens]
         new_cache = []
+        shared = {}  # paged groups: the pool array as the last layer of the group left it
         for layer, c in zip(self.layers, cache):
+            if isinstance(c, PagedKV) and c.group in shared:
+                c = PagedKV(shared[c.group], c.table, c.group, c.layer)
             x, c = layer(x, batch, c)
+            if isinstance(c, PagedKV):
+                shared[c.group] = c.pool
             new_cache.append(c)
         x = self.norm(x)
         x = jnp.take_along_axis(x, logits_idx[..., None], axis=1)

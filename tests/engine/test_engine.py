@@ -5,6 +5,8 @@ prefixes so later ones hit the prefix cache (and, for hybrid models, restore lin
 snapshot); a tiny pool forces preemption.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -110,3 +112,15 @@ def test_bad_requests(engines):
     with pytest.raises(RequestError, match="maximum context"):
         llm.generate([[1, 2]], SamplingParams(max_tokens=10**6))
     assert llm.engine.stats()["waiting"] == 0
+
+
+@pytest.mark.parametrize("family", ["kimi_linear", "gpt_oss", "mimo_v2_flash"])
+def test_engine_with_pallas_kernels_matches_references(engines, family):
+    """Interpret-mode kernels in the engine: flash prefill, paged decode over the pool (GQA with sinks, K|V
+    concatenated, MLA), the delta-rule kernels; same greedy tokens as the jnp references."""
+    ref = engines(family).generate(PROMPTS[:3], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    llm = engines(family, dataclasses.replace(ENGINE, kernels="interpret"))
+    assert llm.engine.kernels == "interpret"
+    outs = llm.generate(PROMPTS[:3], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    llm.engine.blocks.check()

@@ -1,0 +1,42 @@
+"""A full-attention layer's view of the engine's block pool, for decode without a dense copy of the cache.
+
+The engine hands each layer of a full cache group a `PagedKV`: the group's pool array
+[num_blocks, layers_in_group, E, block_size, kv_heads, D] (cache/layout.py), the batch's block tables and
+the layer's index in the group. The layer writes its new token's K/V (or MLA latent) into the blocks and
+attends with paged attention (pallas_kernels/paged_attention.py), which reads the blocks in place. Layers
+of one group share the array: the model passes each layer the array the previous one returned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+
+from .batch import Batch
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class PagedKV:
+    pool: jax.Array  # [NB, L, E, bs, Hkv, D] the layer's cache group
+    table: jax.Array  # [B, W] int32 block ids per request
+    group: int = field(metadata=dict(static=True))  # index of the group in the pool list
+    layer: int = field(metadata=dict(static=True))  # index of this layer within the group
+
+    def write(self, vals, batch: Batch) -> "PagedKV":
+        """Store vals [B, T, E, Hkv, D] at the batch's positions (padding tokens are dropped)."""
+        NB, _, _, bs = self.pool.shape[:4]
+        pos = batch.positions
+        blk = jnp.take_along_axis(self.table, jnp.clip(pos // bs, 0, self.table.shape[1] - 1), axis=1)
+        blk = jnp.where(batch.valid, blk, NB)
+        pool = self.pool.at[blk, self.layer, :, pos % bs].set(vals.astype(self.pool.dtype), mode="drop")
+        return PagedKV(pool, self.table, self.group, self.layer)
+
+    @staticmethod
+    def lengths(batch: Batch):
+        """[B] tokens in the cache after this step; 0 for rows with nothing to attend (idle decode slots)."""
+        if batch.tokens.shape[1] != 1:
+            raise ValueError("paged attention runs one token per request (decode)")
+        return jnp.where(batch.lengths > 0, batch.end, 0)
