@@ -1,0 +1,171 @@
+"""Kernel benchmark: each Pallas kernel against its jnp reference, same inputs, same run.
+
+Per kernel and shape: median wall time over `--iters` calls (after a compile-and-warm-up call), the bytes a
+kernel must at least move (inputs read once, outputs written once; for paged attention the K/V of every
+token in context), the FLOPs of the useful work (visible query-key pairs only), the achieved GB/s and
+TFLOP/s, the reference / kernel time ratio, and the largest difference between the two outputs.
+
+Modes: `pallas` compiles the kernels for the device (GPU), `interpret` runs the kernel bodies in Pallas
+interpret mode (CPU; that times the interpreter, not the kernel: only the correctness columns and the
+reference's rates mean something there). Default: pallas on GPU with production shapes, interpret with
+small shapes elsewhere. On a GPU the JSON also gives decode attention's bandwidth as a fraction of the
+device's HBM peak and prefill attention's FLOP rate as a fraction of its dense bf16 peak (targets: 80% and 60%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import platform
+import time
+
+import numpy as np
+
+PEAKS = {  # device_kind substring -> (HBM bytes/s, dense bf16 FLOP/s)
+    "H100": (3.35e12, 989e12),
+    "H200": (4.8e12, 989e12),
+    "A100": (2.0e12, 312e12),
+}
+
+SHAPES = {
+    "gpu": dict(flash=dict(lens=[1024, 2048, 512, 512], Hq=32, Hkv=8, D=128),
+                paged=dict(B=32, ctx=2048, Hq=32, Hkv=8, D=128, bs=16),
+                mla=dict(B=32, ctx=2048, H=16, L=512, R=64, bs=16),
+                gdn=dict(B=1, T=4096, H=16, Dk=128, Dv=128, C=64),
+                rec=dict(B=64, H=16, Dk=128, Dv=128)),
+    "cpu": dict(flash=dict(lens=[96, 160], Hq=8, Hkv=2, D=64),
+                paged=dict(B=8, ctx=256, Hq=8, Hkv=2, D=64, bs=16),
+                mla=dict(B=8, ctx=256, H=8, L=64, R=16, bs=16),
+                gdn=dict(B=1, T=256, H=4, Dk=64, Dv=64, C=64),
+                rec=dict(B=8, H=4, Dk=64, Dv=64)),
+}
+
+
+def _time(fn, args, iters: int) -> float:
+    import jax
+    jax.block_until_ready(fn(*args))  # compile + warm up
+    ts = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts))
+
+
+def _cases(shapes: dict, dtype):
+    """(name, shape description, kernel name, args, kwargs, bytes, flops, kind) per benchmark."""
+    import jax.numpy as jnp
+    r = np.random.RandomState(0)
+    it = jnp.dtype(dtype).itemsize
+    rnd = lambda *s: jnp.asarray(r.randn(*s) * 0.5, dtype)  # noqa: E731
+    out = []
+    f = shapes["flash"]
+    T, Hq, Hkv, D = sum(f["lens"]), f["Hq"], f["Hkv"], f["D"]
+    pairs = sum(n * (n + 1) // 2 for n in f["lens"])
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(f["lens"])]), jnp.int32)
+    out.append(("flash_attention", f"T={T} seqs={f['lens']} Hq={Hq} Hkv={Hkv} D={D} causal", "flash_attention",
+                (rnd(T, Hq, D), rnd(T, Hkv, D), rnd(T, Hkv, D)), dict(cu_seqlens=cu),
+                it * T * D * (2 * Hq + 2 * Hkv), 4 * pairs * Hq * D, "compute"))
+    p = shapes["paged"]
+    B, ctx, bs = p["B"], p["ctx"], p["bs"]
+    W = ctx // bs
+    NB = B * W + 1
+    table = jnp.asarray(r.permutation(NB - 1)[:B * W].reshape(B, W) + 1, jnp.int32)
+    lens = jnp.full((B,), ctx, jnp.int32)
+    out.append(("paged_attention", f"B={B} ctx={ctx} Hq={p['Hq']} Hkv={p['Hkv']} D={p['D']} block={bs}",
+                "paged_attention", (rnd(B, p["Hq"], p["D"]), rnd(NB, 1, 2, bs, p["Hkv"], p["D"]), table, lens),
+                dict(layer=0), it * (B * ctx * 2 * p["Hkv"] * p["D"] + 2 * B * p["Hq"] * p["D"]),
+                4 * B * ctx * p["Hq"] * p["D"], "memory"))
+    m = shapes["mla"]
+    Dm = m["L"] + m["R"]
+    out.append(("paged_mla_attention", f"B={B} ctx={ctx} H={m['H']} latent={m['L']} rope={m['R']} block={bs}",
+                "paged_mla_attention", (rnd(B, m["H"], Dm), rnd(NB, 1, 1, bs, 1, Dm), table, lens),
+                dict(layer=0, kv_lora_rank=m["L"], scale=0.1),
+                it * (B * ctx * Dm + B * m["H"] * (Dm + m["L"])), 2 * B * ctx * m["H"] * (Dm + m["L"]), "memory"))
+    g = shapes["gdn"]
+    Bg, Tg, H, Dk, Dv, C = g["B"], g["T"], g["H"], g["Dk"], g["Dv"], g["C"]
+    for per_channel in (False, True):
+        gshape = (Bg, Tg, H, Dk) if per_channel else (Bg, Tg, H)
+        args = (rnd(Bg, Tg, H, Dk), rnd(Bg, Tg, H, Dk), rnd(Bg, Tg, H, Dv),
+                -jnp.abs(jnp.asarray(r.randn(*gshape), jnp.float32)) * 0.1,
+                jnp.asarray(r.rand(Bg, Tg, H), dtype))
+        # per chunk: KK, QK (C^2 Dk each), T inverse (log2 C matmuls C^3), U/W (C^2 (Dv + Dk)), state terms (3 C Dk Dv)
+        per_chunk = 2 * (2 * C * C * Dk + np.log2(C) * 2 * C ** 3 + C * C * (Dv + Dk) + 3 * C * Dk * Dv + C * C * Dv)
+        out.append(("chunk_gated_delta_rule", f"B={Bg} T={Tg} H={H} Dk={Dk} Dv={Dv} C={C} "
+                    + ("per-channel decay (KDA)" if per_channel else "scalar decay (GDN)"), "chunk_gated_delta_rule",
+                    args, dict(chunk_size=C, output_final_state=True, use_qk_l2norm_in_kernel=True),
+                    it * Bg * Tg * H * (2 * Dk + 2 * Dv + 1) + 4 * Bg * Tg * H * (Dk if per_channel else 1)
+                    + 4 * Bg * H * Dk * Dv, float(Bg * H * (Tg // C) * per_chunk), "compute"))
+    q = shapes["rec"]
+    Br, H, Dk, Dv = q["B"], q["H"], q["Dk"], q["Dv"]
+    args = (rnd(Br, 1, H, Dk), rnd(Br, 1, H, Dk), rnd(Br, 1, H, Dv),
+            -jnp.abs(jnp.asarray(r.randn(Br, 1, H, Dk), jnp.float32)) * 0.1, jnp.asarray(r.rand(Br, 1, H), dtype))
+    out.append(("recurrent_gated_delta_rule", f"B={Br} H={H} Dk={Dk} Dv={Dv} one decode step, per-channel decay",
+                "recurrent_gated_delta_rule", args,
+                dict(initial_state=jnp.asarray(r.randn(Br, H, Dk, Dv) * 0.1, jnp.float32), output_final_state=True,
+                     use_qk_l2norm_in_kernel=True),
+                2 * 4 * Br * H * Dk * Dv + it * Br * H * (2 * Dk + 2 * Dv), 6 * Br * H * Dk * Dv, "memory"))
+    return out
+
+
+def run(mode: str | None, iters: int, dtype_name: str) -> dict:
+    import jax
+    import jax.numpy as jnp
+    from tqdm import tqdm
+
+    from pallas_kernels.select import KERNELS
+    on_gpu = jax.default_backend() == "gpu"
+    mode = mode or ("pallas" if on_gpu else "interpret")
+    dtype = jnp.dtype(dtype_name)
+    kind = jax.devices()[0].device_kind
+    peak = next((v for k, v in PEAKS.items() if k in kind), None) if on_gpu else None
+    results = []
+    cases = _cases(SHAPES["gpu" if on_gpu else "cpu"], dtype)
+    for name, shape, kname, args, kw, nbytes, flops, bound in tqdm(cases, desc="kernels", unit="case"):
+        ref, kernel = KERNELS[kname]
+        kfn = jax.jit(functools.partial(kernel, interpret=mode == "interpret", **kw))
+        rfn = jax.jit(functools.partial(ref, **kw))
+        ko, ro = kfn(*args), rfn(*args)
+        err = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+                  for a, b in zip(jax.tree.leaves(ko), jax.tree.leaves(ro)))
+        tk, tr = _time(kfn, args, iters), _time(rfn, args, iters)
+        row = dict(kernel=name, shape=shape, bound=bound, bytes=int(nbytes), flops=float(flops),
+                   kernel_s=tk, reference_s=tr, speedup_vs_reference=tr / tk,
+                   kernel_GBps=nbytes / tk / 1e9, reference_GBps=nbytes / tr / 1e9,
+                   kernel_TFLOPs=flops / tk / 1e12, reference_TFLOPs=flops / tr / 1e12, max_abs_diff=err)
+        if peak is not None:
+            row["fraction_of_hbm_peak"] = nbytes / tk / peak[0]
+            row["fraction_of_bf16_peak"] = flops / tk / peak[1]
+        results.append(row)
+    return dict(
+        benchmark="kernels", mode=mode, dtype=dtype_name, device=kind, backend=jax.default_backend(),
+        host=platform.node(), iters=iters, results=results,
+        note=("Pallas kernels compiled for the GPU against the jnp references in the same run."
+              if mode == "pallas" else
+              "No GPU: kernels ran in Pallas interpret mode, which times the interpreter, not the kernel. "
+              "Only max_abs_diff (kernel vs reference) and the reference rates are meaningful here."))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", default="bench/results/kernels.json")
+    ap.add_argument("--mode", choices=["pallas", "interpret"], default=None)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    args = ap.parse_args(argv)
+    out = run(args.mode, args.iters, args.dtype)
+    with open(args.json, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"{out['device']} ({out['mode']}, {out['dtype']})")
+    print(f"{'kernel':28s} {'kernel ms':>10s} {'ref ms':>9s} {'ref/kern':>8s} {'GB/s':>8s} {'TFLOP/s':>8s} {'max diff':>9s}")
+    for r in out["results"]:
+        print(f"{r['kernel']:28s} {r['kernel_s'] * 1e3:10.2f} {r['reference_s'] * 1e3:9.2f} "
+              f"{r['speedup_vs_reference']:8.3f} {r['kernel_GBps']:8.2f} {r['kernel_TFLOPs']:8.4f} "
+              f"{r['max_abs_diff']:9.2e}")
+    print(out["note"])
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
