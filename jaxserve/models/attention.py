@@ -5,9 +5,11 @@ Cache layouts (one dict per layer):
   sliding GQA  {"k": [B, W, Hkv, Dk], "v": [B, W, Hkv, Dv]}   ring: position p lives at slot p % W
   full MLA     {"kv": [B, S, 1, L + R]}                        compressed latent (L) + rope key (R)
 MLA runs in the absorbed form: queries are projected into the latent space, attention is multi-query
-over the latent cache, and the value up-projection is applied to the attended latent. The Pallas
-attention itself is `batched_attention` from pallas_kernels, the jnp reference or the Pallas kernel as the
-model's `kernels` mode selects (pallas_kernels/select.py).
+over the latent cache, and the value up-projection is applied to the attended latent.
+In engine decode a full layer gets a `PagedKV` view of the block pool instead (models/paged.py).
+Attention itself comes from pallas_kernels: `batched_attention` over dense caches, `paged_attention` /
+`paged_mla_attention` over the pool; the jnp reference or the Pallas kernel, as the model's `kernels` mode
+selects (pallas_kernels/select.py).
 """
 
 from __future__ import annotations
