@@ -38,6 +38,18 @@ def _pow2(n: int) -> int:
 
 # ------------------------------------------------------------------------------------------------ kernel
 
+def online_softmax_step(m, l, acc, s, mask, v):
+    """One key tile of an online softmax, inside a kernel body: running max m [R], denominator l [R] and
+    numerator acc [R, Dv] (float32) updated with scores s [R, K] float32, visibility mask [R, K] (or broadcastable)
+    and values v [K, Dv]."""
+    s = jnp.where(mask, s, NEG)
+    m_new = jnp.maximum(m, s.max(axis=1))
+    p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
+    c = jnp.exp(m - m_new)
+    return m_new, c * l + p.sum(axis=1), c[:, None] * acc + jnp.dot(p.astype(v.dtype), v,
+                                                                    preferred_element_type=jnp.float32)
+
+
 def _flash_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, qpos_ref, qseg_ref, kpos_ref, kseg_ref, sink_ref, o_ref, *,
                   block_k: int, scale: float, causal: bool, window: int | None, has_sinks: bool):
     # lo_ref, hi_ref [NQ] int32; q_ref [R, Dk]; k_ref [Sp, Dk]; v_ref [Sp, Dv]; qpos_ref, qseg_ref [R];
@@ -60,13 +72,7 @@ def _flash_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, qpos_ref, qseg_ref, kpos_
             mask = mask & (kpos[None, :] <= qpos[:, None])
         if window is not None:
             mask = mask & (kpos[None, :] > qpos[:, None] - window)
-        s = jnp.where(mask, s, NEG)
-        m_new = jnp.maximum(m, s.max(axis=1))
-        p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
-        c = jnp.exp(m - m_new)
-        l = c * l + p.sum(axis=1)
-        acc = c[:, None] * acc + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        return m_new, l, acc
+        return online_softmax_step(m, l, acc, s, mask, v)
 
     m, l, acc = jax.lax.fori_loop(lo_ref[i], hi_ref[i], body, (m0, l0, jnp.zeros((R, Dv), jnp.float32)))
     out = acc / jnp.where(l > 0, l, 1.0)[:, None]

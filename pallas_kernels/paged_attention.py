@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from .flash_attention import NEG, ref_batched_attention
+from .flash_attention import NEG, online_softmax_step, ref_batched_attention
 from .merge import add_sinks, merge_partials, normalize
 
 TILE_TOKENS = 128  # keys per tile: pages_per_tile = max(1, TILE_TOKENS // block_size)
@@ -52,12 +52,7 @@ def _paged_kernel(len_ref, tbl_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
         pos = j * tk + jax.lax.broadcasted_iota(jnp.int32, (1, tk), 1)
         mask = (pos < n) & (pos >= tok_lo)  # [1, tk]
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
-        s = jnp.where(mask, s, NEG)
-        m_new = jnp.maximum(m, s.max(axis=1))
-        pr = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
-        c = jnp.exp(m - m_new)
-        return m_new, c * l + pr.sum(axis=1), c[:, None] * acc + jnp.dot(
-            pr.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return online_softmax_step(m, l, acc, s, mask, v)
 
     init = (jnp.full((G,), NEG, jnp.float32), jnp.zeros((G,), jnp.float32), jnp.zeros((G, Dv), jnp.float32))
     m, l, acc = jax.lax.fori_loop(tile_lo, tile_hi, body, init)

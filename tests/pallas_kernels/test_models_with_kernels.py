@@ -1,6 +1,7 @@
 """Every family gives the same logits with the Pallas kernels (interpret mode) as with the references: a
 chunked prefill of two ragged sequences, then decode steps, through the dense-cache path."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -38,8 +39,15 @@ def test_same_logits_with_kernels_on_and_off(name, checkpoint_dir):
     graphdef, state = load_state(d, cfg, jnp.float32, progress=False)
     ids = np.random.RandomState(5).randint(3, 256, size=(2, 16)).astype(np.int32)
     lens = np.array([16, 11])
-    ref = _run(jit_forward(graphdef), state, cfg, ids, lens)
-    ker = _run(jit_forward(model_graphdef(cfg, jnp.float32, "interpret")), state, cfg, ids, lens)
+    ref_fwd, ker_fwd = jit_forward(graphdef), jit_forward(model_graphdef(cfg, jnp.float32, "interpret"))
+    # the kernel graph really runs Pallas kernels (prefill and decode shapes), the reference graph none
+    for T in (6, 1):
+        args = (state, Batch(jnp.zeros((2, T), jnp.int32), jnp.zeros(2, jnp.int32), jnp.full(2, T, jnp.int32)),
+                init_dense_cache(cfg, 2, 32, jnp.float32), jnp.zeros((2, 1), jnp.int32))
+        assert "pallas_call" in str(jax.make_jaxpr(ker_fwd)(*args))
+        assert "pallas_call" not in str(jax.make_jaxpr(ref_fwd)(*args))
+    ref = _run(ref_fwd, state, cfg, ids, lens)
+    ker = _run(ker_fwd, state, cfg, ids, lens)
     for b in range(2):
         assert ref[b].shape == (lens[b], cfg.vocab_size)
         np.testing.assert_allclose(ker[b], ref[b], atol=2e-4, rtol=0)
