@@ -1,0 +1,286 @@
+"""Host side of the transfer layer: state machine, alignment, plans, receive pools, and the TCP backend over
+real loopback sockets (corruption, truncation, unknown ids, refused plans, foreign peers, deadlines)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+from tests.transfer.helpers import export, layout, random_pool
+from transfer import wire
+from transfer.align import Run, align, contiguous_runs
+from transfer.bufpool import PoolFull, RecvPool
+from transfer.link import LinkEmulation, TokenBucket
+from transfer.plan import PlanError, TransferPlan, layer_groups
+from transfer.receiver import KVReceiver, region_bytes
+from transfer.sender import KVSender
+from transfer.state import IllegalTransition, KVPoll, TransferState
+from transfer.tcp import KVServer, TcpLink
+
+TOKEN = "cluster-secret"
+
+
+def test_state_machine_legal_and_illegal_moves():
+    s = TransferState("t")
+    s.advance(KVPoll.TRANSFERRING)
+    s.advance(KVPoll.DONE)
+    with pytest.raises(IllegalTransition):
+        s.advance(KVPoll.TRANSFERRING)
+    assert not s.fail("late")  # final states stay final
+    s2 = TransferState("u")
+    with pytest.raises(IllegalTransition):
+        s2.advance(KVPoll.DONE)  # must transfer before it is done
+    assert s2.fail("dead peer") and s2.poll() is KVPoll.FAILED and s2.reason == "dead peer"
+
+
+def test_align_maximal_runs_contiguous_on_both_sides():
+    src = [3, 4, 5, 9, 10, 11, 12]
+    dst = [7, 8, 20, 21, 22, 30, 31]
+    runs = align(src, dst)
+    assert runs == [Run(0, 3, 7, 2), Run(2, 5, 20, 1), Run(3, 9, 21, 2), Run(5, 11, 30, 2)]
+    # every run is contiguous on both sides and they tile the request, and no two neighbours could merge
+    assert sum(r.length for r in runs) == len(src)
+    for a, b in zip(runs, runs[1:]):
+        assert not (b.src == a.src + a.length and b.dst == a.dst + a.length)
+    assert align(list(range(100)), list(range(50, 150))) == [Run(0, 0, 50, 100)]
+    assert contiguous_runs(src) == 2 and contiguous_runs(dst) == 3
+    with pytest.raises(ValueError):
+        align([1, 2], [1])
+
+
+def test_plan_checks_reject_mismatches():
+    lay = layout()
+    dst = [7, 8, 9, 20]
+    plan = TransferPlan.build(lay, "float32", 14, [3, 4, 9, 10], dst, 0, layer_groups(lay.num_layers, 2))
+    st = plan.check(lay, "float32", dst, 14, 0)
+    # bytes on the wire: 4 blocks of the full group, the sliding ring, the linear state
+    g = lay.groups
+    want = (4 * 3 * 2 * 4 * 2 * 8 * 4) + (1 * 2 * 4 * 2 * 8 * 4) + (3 * 16 * 4 + 2 * 4 * 4 * 4)
+    assert st.sent_bytes == want and g[0].kind == "full"
+    assert all(a.offset % 64 == 0 for a in st.arrays)
+    with pytest.raises(PlanError, match="dtype"):
+        plan.check(lay, "bfloat16", dst, 14, 0)
+    other = layout(block_size=8)
+    with pytest.raises(PlanError, match="layout"):
+        TransferPlan.build(other, "float32", 14, [3, 4], [7, 8], 0, [(0, 5)]).check(lay, "float32", dst, 14, 0)
+    with pytest.raises(PlanError, match="run"):
+        plan.check(lay, "float32", [7, 8, 10, 20], 14, 0)  # not the reserved blocks
+    bad = TransferPlan.from_meta({**plan.to_meta(), "layer_groups": [[0, 2], [3, 5]]})
+    with pytest.raises(PlanError, match="partition"):
+        bad.check(lay, "float32", dst, 14, 0)
+    with pytest.raises(PlanError, match="malformed"):
+        TransferPlan.from_meta({"runs": "x"})
+    # skipping the receiver's prefix blocks: only the rest is planned
+    skip = TransferPlan.build(lay, "float32", 14, [3, 4, 9, 10], dst, 2, [(0, 5)])
+    assert skip.nblocks == 2 and [r.index for r in skip.runs] == [0, 1]
+
+
+def test_recv_pool_alignment_and_backpressure():
+    pool = RecvPool(64 * 4096)
+    a = pool.allocate(10_000)
+    assert a.buf.ctypes.data % 64 == 0 and a.buf.nbytes == 10_000
+    b = pool.allocate(4096 * 60)
+    with pytest.raises(PoolFull):
+        pool.allocate(4096 * 2)
+    a.free()
+    with pytest.raises(ValueError):
+        a.free()
+    b.free()
+    assert pool.free_bytes == pool.capacity
+
+
+def test_token_bucket_rate():
+    import time
+    tb = TokenBucket(rate=2e6, burst=1e5)
+    t = time.monotonic()
+    for _ in range(10):
+        tb.consume(100_000)
+    dt = time.monotonic() - t
+    assert dt >= 0.4  # 1 MB at 2 MB/s with a 100 kB burst: at least 0.45 s
+
+
+class Pair:
+    """A receiver server and a helper to run one transfer of the test layout through a link."""
+
+    def __init__(self, **link_kw):
+        self.lay = layout()
+        self.pool = random_pool(self.lay)
+        self.server = KVServer(TOKEN)
+        self.rpool = RecvPool(1 << 22)
+        self.link = TcpLink(self.server.address, TOKEN, **{"connections": 2, "chunk_bytes": 512, **link_kw})
+        self.done: list[KVReceiver] = []
+
+    def receiver(self, rid, dst, n=14, skip=0, deadline=10.0):
+        r = KVReceiver(rid, self.lay, "float32", dst, n, skip,
+                       self.rpool.allocate(region_bytes(self.lay, "float32", n, skip)), deadline, self.done.append)
+        self.server.expect(r)
+        return r
+
+    def send(self, rid, src, dst, n=14, skip=0, groups=2, dtype="float32", lay=None):
+        lay = lay or self.lay
+        plan = TransferPlan.build(lay, dtype, n, src, dst, skip, layer_groups(lay.num_layers, groups))
+        st = plan.check(lay, dtype, dst, n, skip)
+        s = KVSender(rid, self.link, plan, st)
+        s.start()
+        arrays = export(lay, self.pool, st, src[skip:], 1)
+        for i, a in enumerate(arrays):
+            s.send_array(i, a)
+        s.finish({"token": 7, "logprob": -0.5})
+        return s, st, arrays
+
+    def close(self):
+        self.link.close()
+        self.server.close()
+
+
+def _assert_same(st, got, sent):
+    for a, g, e in zip(st.arrays, got, sent):
+        n = a.rows if a.kind == "blocks" else len(g)
+        np.testing.assert_array_equal(g[:n], e[:n])
+
+
+def test_tcp_transfer_exact_bytes_and_first_token():
+    p = Pair()
+    try:
+        r = p.receiver("a", [7, 8, 9, 20])
+        s, st, arrays = p.send("a", [3, 4, 9, 10], [7, 8, 9, 20])
+        assert s.wait(10) is KVPoll.DONE and r.state.wait(10) is KVPoll.DONE
+        assert r.first == {"token": 7, "logprob": -0.5} and p.done == [r]
+        _assert_same(st, r.arrays(), arrays)
+        assert r.received == st.sent_bytes == s.bytes_acked
+        assert s.sends == 3 * 3 + 3  # 3 runs x 3 block arrays (layer groups of 2 over 5 layers) + ring, conv, ssm
+        r.release()
+        assert p.rpool.free_bytes == p.rpool.capacity
+    finally:
+        p.close()
+
+
+def test_tcp_emulated_loss_is_detected_and_resent():
+    p = Pair(emulation=LinkEmulation(loss=0.3, seed=3))
+    try:
+        r = p.receiver("a", [7, 8, 9, 20])
+        s, st, arrays = p.send("a", [3, 4, 9, 10], [7, 8, 9, 20])
+        assert s.wait(10) is KVPoll.DONE and r.state.wait(10) is KVPoll.DONE
+        assert s.resends > 0 and p.server.corrupt_frames == s.resends
+        assert p.link.metrics.snapshot()["resends"] == s.resends
+        _assert_same(st, r.arrays(), arrays)
+    finally:
+        p.close()
+
+
+def _raw_connection(server, token=TOKEN):
+    sock = socket.create_connection(server.address)
+    wire.send_frame(sock, wire.Frame(wire.HELLO, "", 0, {"token": token}))
+    return sock, wire.read_header(sock)
+
+
+def test_corrupted_payload_bytes_are_refused_then_accepted():
+    p = Pair()
+    try:
+        lay = p.lay
+        r = p.receiver("c", [1, 2, 3, 4])
+        plan = TransferPlan.build(lay, "float32", 14, [1, 2, 3, 4], [1, 2, 3, 4], 0, [(0, 5)])
+        st = plan.check(lay, "float32", [1, 2, 3, 4], 14, 0)
+        sock, h = _raw_connection(p.server)
+        assert h.kind == wire.ACK
+        wire.send_frame(sock, wire.Frame(wire.PLAN, "c", 1, plan.to_meta()))
+        assert wire.read_header(sock).kind == wire.ACK
+        arrays = export(lay, p.pool, st, [1, 2, 3, 4], 1)
+        for i, a in enumerate(arrays):
+            data = a.reshape(-1).view(np.uint8)[:st.arrays[i].sent_bytes]
+            bad = data.copy()
+            bad[len(bad) // 2] ^= 0x5A  # flipped in flight: the header carries the true checksum
+            wire.send_frame(sock, wire.Frame(wire.DATA, "c", 10 + i, {"a": i, "o": 0}, bad, wire.checksum(data)))
+            h = wire.read_header(sock)
+            assert h.kind == wire.NACK and h.meta["retry"] and "checksum" in h.meta["reason"]
+            wire.send_frame(sock, wire.Frame(wire.DATA, "c", 20 + i, {"a": i, "o": 0}, data))
+            assert wire.read_header(sock).kind == wire.ACK
+        wire.send_frame(sock, wire.Frame(wire.META, "c", 99, {"token": 1}))
+        assert wire.read_header(sock).kind == wire.ACK
+        assert r.state.wait(5) is KVPoll.DONE and p.server.corrupt_frames == len(arrays)
+        _assert_same(st, r.arrays(), arrays)
+        sock.close()
+    finally:
+        p.close()
+
+
+def test_truncated_frame_is_resent_on_a_new_connection():
+    """A connection dies mid-payload: the receiver drops the partial frame, the sender resends it."""
+    p = Pair(connections=1, chunk_bytes=1 << 20)
+    try:
+        r = p.receiver("t", [7, 8, 9, 20])
+        orig = p.link.shaper.send
+        cut = threading.Event()
+
+        def truncating(sock, data):
+            if not cut.is_set() and len(memoryview(data)) > 1000:
+                cut.set()
+                sock.sendall(memoryview(data)[:100])
+                sock.shutdown(socket.SHUT_RDWR)  # the peer sees a frame cut short
+                raise ConnectionResetError("cut")
+            orig(sock, data)
+        p.link.shaper.send = truncating
+        s, st, arrays = p.send("t", [3, 4, 9, 10], [7, 8, 9, 20])
+        assert s.wait(10) is KVPoll.DONE and r.state.wait(10) is KVPoll.DONE and cut.is_set()
+        _assert_same(st, r.arrays(), arrays)
+    finally:
+        p.close()
+
+
+def test_unknown_request_and_refused_plan_fail_the_sender_with_reason(caplog):
+    p = Pair()
+    try:
+        s, _, _ = p.send("nobody", [3, 4, 9, 10], [7, 8, 9, 20])
+        assert s.wait(10) is KVPoll.FAILED and "unknown request id" in s.state.reason
+        r = p.receiver("b", [7, 8, 9, 20])
+        s2, _, _ = p.send("b", [3, 4, 9, 10], [7, 8, 9, 20], dtype="bfloat16")
+        assert s2.wait(10) is KVPoll.FAILED and "mismatched dtype" in s2.state.reason
+        assert r.state.wait(5) is KVPoll.FAILED and p.done == [r]
+        assert any("unknown request id" in x for x in p.server.rejections)
+        assert any("mismatched dtype" in x for x in p.server.rejections)
+        assert "unknown request id" in caplog.text
+    finally:
+        p.close()
+
+
+def test_peer_without_cluster_token_is_rejected():
+    p = Pair()
+    try:
+        sock, h = _raw_connection(p.server, token="intruder")
+        assert h.kind == wire.NACK and "token" in h.meta["reason"]
+        assert sock.recv(1) == b""  # and the connection is closed
+        assert any("not a cluster member" in x for x in p.server.rejections)
+        link = TcpLink(p.server.address, "wrong", connections=1, connect_timeout_s=0.5)
+        r = p.receiver("x", [7, 8, 9, 20])
+        plan = TransferPlan.build(p.lay, "float32", 14, [3, 4, 9, 10], [7, 8, 9, 20], 0, [(0, 5)])
+        s = KVSender("x", link, plan, plan.check(p.lay, "float32", [7, 8, 9, 20], 14, 0))
+        s.start()
+        assert s.wait(10) is KVPoll.FAILED and "unreachable" in s.state.reason
+        assert r.received == 0
+        link.close()
+    finally:
+        p.close()
+
+
+def test_receiver_deadline_fails_and_frees():
+    p = Pair()
+    try:
+        r = p.receiver("late", [7, 8, 9, 20], deadline=0.3)
+        assert r.state.wait(5) is KVPoll.FAILED and "deadline" in r.state.reason and p.done == [r]
+        assert p.server.pending() == 0
+        r.release()
+        assert p.rpool.free_bytes == p.rpool.capacity
+    finally:
+        p.close()
+
+
+def test_receiver_gone_fails_the_sender():
+    p = Pair(connect_timeout_s=0.5)
+    p.receiver("g", [7, 8, 9, 20])
+    p.server.close()  # the decode worker died
+    s, _, _ = p.send("g", [3, 4, 9, 10], [7, 8, 9, 20])
+    assert s.wait(15) is KVPoll.FAILED
+    p.link.close()

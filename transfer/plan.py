@@ -1,0 +1,215 @@
+"""What one request's KV transfer moves, and where it lands: the staging layout and the transfer plan.
+
+Decode needs, after prefill of `num_tokens` tokens: the full-attention blocks it does not already hold (its
+prefix-cache hits are skipped), the whole ring of every sliding-window layer (the last `window` tokens),
+and the fixed conv / recurrent state of every linear layer. Nothing else is sent.
+
+Both ends derive the same *staging layout* from the cache layout, the dtype, the number of blocks and the
+layer groups (prefill streams layer group by layer group), so a transfer needs no per-array negotiation:
+  for each layer group k, for each cache group with layers in k (in pool order):
+    full     "blocks" [M, L_k, E, block_size, H, D]  row i = the request's block (skip + i); M = rows rounded
+             up to a power of two so the device import compiles a bounded number of programs (pad rows are
+             never sent)
+    sliding  "ring"   [L_k, E, window, H, D]
+    linear   "conv"   [L_k, K-1, C] and "ssm" [L_k, H, Dk, Dv] (float32)
+Arrays sit back to back at 64-byte-aligned offsets in one receive region. bfloat16 travels as its uint16
+bits (DLPack does not carry bfloat16 into numpy).
+
+The *plan* (the PLAN frame) adds the block runs from FlowKV alignment (align.py): one send per run per
+block array, one per state array. The receiver checks a plan against its reservation before any byte is
+accepted: same layout signature and dtype, runs that tile exactly the reserved blocks, layer groups that
+partition the layers. Plain Python.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .align import Run, align
+
+WIRE_DTYPES = {"float32": "float32", "bfloat16": "uint16"}
+ALIGN = 64
+
+
+class PlanError(ValueError):
+    """A plan the receiver refuses (the reason is logged and sent back)."""
+
+
+def bucket(n: int) -> int:
+    b = 1
+    while b < n:
+        b *= 2
+    return b
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    index: int
+    group: int  # cache group (index into the pool list)
+    layer_group: int
+    kind: str  # blocks | ring | conv | ssm
+    j0: int  # layers [j0, j1) of the cache group
+    j1: int
+    shape: tuple[int, ...]
+    dtype: str  # wire dtype (numpy name)
+    offset: int  # bytes into the staging region
+    rows: int | None = None  # blocks: rows sent (shape[0] is the padded count)
+
+    @property
+    def itemsize(self) -> int:
+        return np.dtype(self.dtype).itemsize
+
+    @property
+    def row_bytes(self) -> int:
+        return int(np.prod(self.shape[1:])) * self.itemsize
+
+    @property
+    def padded_bytes(self) -> int:
+        return int(np.prod(self.shape)) * self.itemsize
+
+    @property
+    def sent_bytes(self) -> int:
+        return self.rows * self.row_bytes if self.kind == "blocks" else self.padded_bytes
+
+
+@dataclass(frozen=True)
+class Staging:
+    arrays: tuple[ArraySpec, ...]
+    nbytes: int  # region size (padding included)
+    sent_bytes: int  # bytes on the wire
+
+    def views(self, buf: np.ndarray) -> list[np.ndarray]:
+        """Typed views of a uint8 region laid out by this staging."""
+        if buf.nbytes < self.nbytes:
+            raise ValueError(f"staging region of {buf.nbytes} bytes, need {self.nbytes}")
+        return [buf[a.offset:a.offset + a.padded_bytes].view(a.dtype).reshape(a.shape) for a in self.arrays]
+
+
+def check_layer_groups(layer_groups, num_layers: int) -> list[tuple[int, int]]:
+    groups = [tuple(int(x) for x in g) for g in layer_groups]
+    pos = 0
+    for a, b in groups:
+        if a != pos or b <= a:
+            raise PlanError(f"layer groups {groups} do not partition layers [0, {num_layers})")
+        pos = b
+    if pos != num_layers:
+        raise PlanError(f"layer groups {groups} do not partition layers [0, {num_layers})")
+    return groups
+
+
+def layer_groups(num_layers: int, per_group: int | None) -> list[tuple[int, int]]:
+    """Contiguous groups of `per_group` layers (None or >= num_layers: one group)."""
+    n = num_layers if not per_group else min(per_group, num_layers)
+    return [(a, min(a + n, num_layers)) for a in range(0, num_layers, n)]
+
+
+def staging(layout, dtype: str, nblocks: int, groups: list[tuple[int, int]]) -> Staging:
+    """The staging layout for `nblocks` transferred blocks (layout: cache.layout.PoolLayout)."""
+    wire = WIRE_DTYPES[dtype]
+    arrays, off, sent = [], 0, 0
+    M = bucket(max(nblocks, 1))
+    for k, (a, b) in enumerate(groups):
+        for gi, gl in enumerate(layout.groups):
+            g = gl.group
+            js = [j for j, layer in enumerate(g.layers) if a <= layer < b]
+            if not js:
+                continue
+            j0, j1, L = js[0], js[-1] + 1, len(js)
+            if g.kind == "full":
+                if nblocks == 0:
+                    continue
+                specs = [("blocks", (M, L, gl.entries, layout.block_size, g.kv_heads, gl.width), wire, nblocks)]
+            elif g.kind == "sliding":
+                specs = [("ring", (L, gl.entries, g.window, g.kv_heads, gl.width), wire, None)]
+            else:
+                specs = [("conv", (L,) + tuple(g.conv_shape), wire, None),
+                         ("ssm", (L,) + tuple(g.ssm_shape), "float32", None)]
+            for kind, shape, dt, rows in specs:
+                spec = ArraySpec(len(arrays), gi, k, kind, j0, j1, shape, dt, off, rows)
+                arrays.append(spec)
+                off += -(-spec.padded_bytes // ALIGN) * ALIGN
+                sent += spec.sent_bytes
+    return Staging(tuple(arrays), off, sent)
+
+
+def layout_signature(layout, dtype: str) -> str:
+    """Names what must agree between the two pools (not their sizes): groups, shapes per block/row, dtype."""
+    parts = [dtype, str(layout.block_size), str(layout.num_layers)]
+    for gl in layout.groups:
+        g = gl.group
+        parts.append(f"{g.kind}:{g.layers}:{gl.entries}:{gl.width}:{g.kv_heads}:{g.window}:{g.conv_shape}:"
+                     f"{g.ssm_shape}")
+    return hashlib.blake2b("|".join(parts).encode(), digest_size=8).hexdigest()
+
+
+@dataclass
+class TransferPlan:
+    signature: str
+    dtype: str
+    num_tokens: int  # tokens whose KV / state is sent
+    skip: int  # leading blocks the receiver already holds (not sent)
+    nblocks: int  # blocks sent
+    layer_groups: list[tuple[int, int]]
+    runs: list[Run] = field(default_factory=list)
+
+    @staticmethod
+    def build(layout, dtype: str, num_tokens: int, src: list[int], dst: list[int], skip: int,
+              groups: list[tuple[int, int]]) -> "TransferPlan":
+        """src / dst: the request's blocks in each pool, covering `num_tokens` tokens."""
+        n = -(-num_tokens // layout.block_size)
+        if len(src) < n or len(dst) < n:
+            raise PlanError(f"{num_tokens} tokens need {n} blocks: sender has {len(src)}, receiver {len(dst)}")
+        runs = align(list(src[skip:n]), list(dst[skip:n]))
+        return TransferPlan(layout_signature(layout, dtype), dtype, num_tokens, skip, n - skip, list(groups), runs)
+
+    def to_meta(self) -> dict:
+        return {"signature": self.signature, "dtype": self.dtype, "num_tokens": self.num_tokens, "skip": self.skip,
+                "nblocks": self.nblocks, "layer_groups": [list(g) for g in self.layer_groups],
+                "runs": [[r.index, r.src, r.dst, r.length] for r in self.runs]}
+
+    @staticmethod
+    def from_meta(m: dict) -> "TransferPlan":
+        try:
+            return TransferPlan(str(m["signature"]), str(m["dtype"]), int(m["num_tokens"]), int(m["skip"]),
+                                int(m["nblocks"]), [tuple(g) for g in m["layer_groups"]],
+                                [Run(*(int(x) for x in r)) for r in m["runs"]])
+        except (KeyError, TypeError, ValueError) as e:
+            raise PlanError(f"malformed plan: {e}") from None
+
+    def sends(self, st: Staging) -> list[tuple[int, int, int]]:
+        """The logical sends (array index, byte offset, bytes): one per run of each block array, one per state
+        array, in layer-group order."""
+        out = []
+        for a in st.arrays:
+            if a.kind == "blocks":
+                out.extend((a.index, r.index * a.row_bytes, r.length * a.row_bytes) for r in self.runs)
+            else:
+                out.append((a.index, 0, a.padded_bytes))
+        return out
+
+    def check(self, layout, dtype: str, dst: list[int], num_tokens: int, skip: int) -> Staging:
+        """Receiver side: accept the plan for a reservation of blocks `dst` (raises PlanError)."""
+        sig = layout_signature(layout, dtype)
+        if self.dtype != dtype:
+            raise PlanError(f"mismatched dtype: sender {self.dtype}, receiver {dtype}")
+        if self.signature != sig:
+            raise PlanError(f"mismatched cache layout: sender signature {self.signature}, receiver {sig}")
+        if self.num_tokens != num_tokens or self.skip != skip:
+            raise PlanError(f"plan for {self.num_tokens} tokens skipping {self.skip} blocks; reserved for "
+                            f"{num_tokens} tokens skipping {skip}")
+        n = -(-num_tokens // layout.block_size)
+        if self.nblocks != n - skip:
+            raise PlanError(f"plan sends {self.nblocks} blocks, {n - skip} expected")
+        want = list(dst[skip:n])
+        pos = 0
+        for r in self.runs:
+            if r.index != pos or r.length < 1 or want[r.index:r.index + r.length] != list(range(r.dst, r.dst + r.length)):
+                raise PlanError(f"run {r} does not match the reserved blocks")
+            pos += r.length
+        if pos != len(want):
+            raise PlanError(f"runs cover {pos} blocks, {len(want)} reserved")
+        groups = check_layer_groups(self.layer_groups, layout.num_layers)
+        return staging(layout, dtype, self.nblocks, groups)

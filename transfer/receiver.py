@@ -1,0 +1,145 @@
+"""`KVReceiver`: one request's incoming KV, from reservation to the arrays the decode engine imports.
+
+The decode worker creates it when it reserves cache space for a request (before prefill starts), with the
+reserved blocks, the number of tokens it will receive, the prefix blocks it already holds, and a receive
+region sized for the worst case. The backend then feeds it frames: the plan (checked against the
+reservation), DATA bytes written straight into the region at their staged offsets, and the first-token
+record. It counts completions; when every expected byte and the record have arrived it moves to DONE and
+calls `on_done`, with no extra round trip. A deadline moves it to FAILED (the sender died or stalled), and the
+owner frees the reserved blocks. Thread-safe: backend connection threads call it concurrently (one lock).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+from .bufpool import Region
+from .plan import PlanError, Staging, TransferPlan, layer_groups, staging
+from .state import KVPoll, TransferState
+
+
+def region_bytes(layout, dtype: str, num_tokens: int, skip: int) -> int:
+    """Receive-region size that fits any layer grouping (one layer per group has the most alignment pad)."""
+    n = -(-num_tokens // layout.block_size) - skip
+    return staging(layout, dtype, n, layer_groups(layout.num_layers, 1)).nbytes
+
+
+class KVReceiver:
+    def __init__(self, request_id: str, layout, dtype: str, dst_blocks: list[int], num_tokens: int, skip: int,
+                 region: Region, deadline_s: float, on_done=None):
+        self.request_id, self.layout, self.dtype = request_id, layout, dtype
+        self.dst_blocks, self.num_tokens, self.skip = list(dst_blocks), num_tokens, skip
+        self.region = region
+        self.deadline = time.monotonic() + deadline_s
+        self.on_done = on_done  # called once with this receiver when it reaches DONE or FAILED
+        self.state = TransferState(f"receive {request_id}")
+        self.plan: TransferPlan | None = None
+        self.staging: Staging | None = None
+        self.first: dict | None = None  # the first-token record
+        self.received = 0
+        self.corrupt = 0
+        self._got: dict[int, list[tuple[int, int]]] = {}  # array -> received (offset, bytes)
+        self._lock = threading.Lock()
+        self._planned = threading.Event()
+        self._notified = False
+
+    # ---- frames (backend threads)
+    def accept_plan(self, plan: TransferPlan) -> None:
+        try:
+            with self._lock:
+                if self.plan is not None:
+                    if plan.to_meta() == self.plan.to_meta():
+                        return  # the same plan again (its acknowledgement was lost with a connection)
+                    raise PlanError("a different plan was already accepted for this request")
+                st = plan.check(self.layout, self.dtype, self.dst_blocks, self.num_tokens, self.skip)
+                if st.nbytes > self.region.nbytes:
+                    raise PlanError(f"staged plan needs {st.nbytes} bytes, region holds {self.region.nbytes}")
+                self.plan, self.staging = plan, st
+                self.state.advance(KVPoll.TRANSFERRING)
+                self._planned.set()
+        except PlanError as e:
+            self.fail(f"plan refused: {e}")
+            raise
+
+    def wait_plan(self, timeout: float) -> bool:
+        """Frames travel on several connections, so data can overtake the plan: its connection waits here."""
+        return self._planned.wait(timeout) or self.state.final
+
+    def target(self, array: int, offset: int, nbytes: int) -> memoryview | None:
+        """Where a DATA frame's payload goes (checked against the plan; raises PlanError). None: these exact bytes
+        were already received (a resend whose first acknowledgement was lost): drain and acknowledge."""
+        with self._lock:
+            if self.state.poll() is KVPoll.DONE:
+                return None  # complete: anything more is a resend
+            if self.state.poll() is not KVPoll.TRANSFERRING:
+                raise PlanError(f"transfer is {self.state.poll().value}, not accepting data")
+            if not 0 <= array < len(self.staging.arrays):
+                raise PlanError(f"array {array} not in the plan ({len(self.staging.arrays)} arrays)")
+            a = self.staging.arrays[array]
+            if offset < 0 or nbytes <= 0 or offset + nbytes > a.sent_bytes:
+                raise PlanError(f"bytes [{offset}, {offset + nbytes}) outside array {array} ({a.sent_bytes} bytes)")
+            for o, n in self._got.get(array, []):
+                if (o, n) == (offset, nbytes):
+                    return None
+                if offset < o + n and o < offset + nbytes:
+                    raise PlanError(f"bytes [{offset}, {offset + nbytes}) of array {array} already received")
+            start = a.offset + offset
+            return memoryview(self.region.buf[start:start + nbytes])
+
+    def commit(self, array: int, offset: int, nbytes: int) -> None:
+        """A DATA frame arrived intact."""
+        with self._lock:
+            self._got.setdefault(array, []).append((offset, nbytes))
+            self.received += nbytes
+        self._maybe_done()
+
+    def set_first(self, record: dict) -> None:
+        with self._lock:
+            if self.plan is None:
+                raise PlanError("first-token record before the plan")
+            if self.first is not None:
+                return  # a resend
+            self.first = dict(record)
+        self._maybe_done()
+
+    def fail(self, reason: str) -> None:
+        self.state.fail(reason)
+        self._planned.set()  # wake connections waiting for a plan that will not come
+        self._notify()
+
+    # ---- queries
+    @property
+    def expected(self) -> int | None:
+        return None if self.staging is None else self.staging.sent_bytes
+
+    def expired(self, now: float | None = None) -> bool:
+        return not self.state.final and (now or time.monotonic()) > self.deadline
+
+    def arrays(self) -> list[np.ndarray]:
+        """Typed views of the staged arrays (valid until `release`)."""
+        if self.state.poll() is not KVPoll.DONE:
+            raise RuntimeError(f"{self.request_id}: transfer is {self.state.poll().value}")
+        return self.staging.views(self.region.buf)
+
+    def release(self) -> None:
+        if not self.region.freed:
+            self.region.free()
+
+    # ---- internals
+    def _maybe_done(self) -> None:
+        with self._lock:
+            if (self.state.poll() is KVPoll.TRANSFERRING and self.first is not None
+                    and self.received == self.staging.sent_bytes):
+                self.state.advance(KVPoll.DONE)
+        self._notify()
+
+    def _notify(self) -> None:
+        with self._lock:
+            if not self.state.final or self._notified:
+                return
+            self._notified = True
+        if self.on_done is not None:
+            self.on_done(self)

@@ -1,0 +1,77 @@
+"""The transfer state machine shared by `KVSender` and `KVReceiver` (sglang-jax's KVPoll, with checked moves).
+
+    INIT -> TRANSFERRING -> DONE
+      \\          \\
+       +-> FAILED  +-> FAILED
+
+A sender enters TRANSFERRING when it starts sending, a receiver when its plan is accepted; DONE when every
+expected byte (and the first-token record) has been confirmed; FAILED on a rejected plan, a dead peer, a
+deadline, or too many corrupt resends. DONE and FAILED are final. Any other move raises `IllegalTransition`,
+so a bug that would e.g. admit a request twice or revive a failed transfer is caught where it happens.
+Thread-safe: transitions happen under a lock and waiters are woken on every change.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+
+
+class KVPoll(enum.Enum):
+    INIT = "init"
+    TRANSFERRING = "transferring"
+    DONE = "done"
+    FAILED = "failed"
+
+
+LEGAL: dict[KVPoll, frozenset[KVPoll]] = {
+    KVPoll.INIT: frozenset({KVPoll.TRANSFERRING, KVPoll.FAILED}),
+    KVPoll.TRANSFERRING: frozenset({KVPoll.DONE, KVPoll.FAILED}),
+    KVPoll.DONE: frozenset(),
+    KVPoll.FAILED: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+class TransferState:
+    def __init__(self, name: str):
+        self.name = name
+        self.state = KVPoll.INIT
+        self.reason: str | None = None  # why it failed
+        self.history: list[tuple[KVPoll, float]] = [(KVPoll.INIT, time.monotonic())]
+        self._cond = threading.Condition()
+
+    def advance(self, new: KVPoll, reason: str | None = None) -> None:
+        with self._cond:
+            if new not in LEGAL[self.state]:
+                raise IllegalTransition(f"{self.name}: {self.state.value} -> {new.value} is not a legal transition")
+            self.state = new
+            if reason is not None:
+                self.reason = reason
+            self.history.append((new, time.monotonic()))
+            self._cond.notify_all()
+
+    def fail(self, reason: str) -> bool:
+        """Move to FAILED unless already final; True if this call failed it."""
+        with self._cond:
+            if self.state in (KVPoll.DONE, KVPoll.FAILED):
+                return False
+            self.advance(KVPoll.FAILED, reason)
+            return True
+
+    @property
+    def final(self) -> bool:
+        return self.state in (KVPoll.DONE, KVPoll.FAILED)
+
+    def wait(self, timeout: float | None = None) -> KVPoll:
+        """Block until DONE or FAILED (or the timeout); returns the state."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.final, timeout)
+            return self.state
+
+    def poll(self) -> KVPoll:
+        return self.state

@@ -1,0 +1,370 @@
+"""TCP backend: `KVServer` on the receiving worker, `TcpLink` (N parallel connections) on the sending one.
+
+Receiver: one listening socket; a thread per accepted connection. A connection must open with HELLO
+carrying the cluster token (compared in constant time), or it is refused and closed with the reason
+logged. Each DATA frame's payload is read with `recv_into` straight into its place in the request's receive
+region (bufpool.py; data that overtook its plan on another connection waits for it), its CRC-32 checked, and answered ACK, or NACK(retry) on a checksum mismatch. Frames for
+an unknown request id, a refused plan (mismatched layout or dtype, blocks that are not the reservation) or
+bytes outside the plan are drained and answered NACK(final) with the reason, which is also logged. A
+reaper thread fails receivers whose deadline passed (their sender died or stalled).
+
+Sender: a link owns N connections to one receiver address, shared by all transfers to it. Frames wait in
+one queue; each connection has a writer thread that takes the next frame (so the connections share the
+load), applies the link emulation (link.py) and sends header then payload from the caller's buffer, and a
+reader thread that matches ACK / NACK to the frames it has outstanding. A NACK(retry) requeues the frame;
+a broken connection requeues everything it had outstanding and reconnects; a receiver unreachable for
+`connect_timeout_s` fails the transfers waiting on it. Concurrency: threads and locks throughout.
+"""
+
+from __future__ import annotations
+
+import collections
+import hmac
+import logging
+import queue
+import socket
+import threading
+import time
+
+from . import wire
+from .link import LinkEmulation, LinkMetrics, Shaper
+from .plan import PlanError, TransferPlan
+from .receiver import KVReceiver
+from .sender import Outgoing
+from .state import KVPoll
+
+log = logging.getLogger("jaxserve.transfer")
+
+SOCK_BUF = 4 << 20
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCK_BUF)
+        except OSError:
+            pass
+
+
+class KVServer:
+    def __init__(self, token: str, host: str = "127.0.0.1", port: int = 0, reap_interval_s: float = 0.2,
+                 plan_wait_s: float = 10.0):
+        self.token = token.encode()
+        self.plan_wait_s = plan_wait_s
+        self._receivers: dict[str, KVReceiver] = {}
+        self._lock = threading.Lock()
+        self._sock = socket.create_server((host, port), reuse_port=False)
+        self._sock.listen(64)
+        self.address = self._sock.getsockname()[:2]
+        self._closed = threading.Event()
+        self._conns: set[socket.socket] = set()
+        self.rejections: list[str] = []  # reasons, newest last (also logged)
+        self._completed: collections.OrderedDict[str, None] = collections.OrderedDict()  # recent DONE ids
+        self.bytes_received = 0
+        self.corrupt_frames = 0
+        threading.Thread(target=self._accept, name="kv-accept", daemon=True).start()
+        threading.Thread(target=self._reap, args=(reap_interval_s,), name="kv-reaper", daemon=True).start()
+
+    # ---- registry
+    def expect(self, receiver: KVReceiver) -> None:
+        with self._lock:
+            if receiver.request_id in self._receivers:
+                raise ValueError(f"a transfer for {receiver.request_id!r} is already expected")
+            self._receivers[receiver.request_id] = receiver
+
+    def forget(self, request_id: str, completed: bool = False) -> None:
+        with self._lock:
+            self._receivers.pop(request_id, None)
+            if completed:  # late resends of its frames are acknowledged, not refused
+                self._completed[request_id] = None
+                while len(self._completed) > 4096:
+                    self._completed.popitem(last=False)
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._receivers)
+
+    def close(self) -> None:
+        self._closed.set()
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    # ---- threads
+    def _reject(self, reason: str) -> None:
+        log.warning("kv transfer rejected: %s", reason)
+        with self._lock:
+            self.rejections.append(reason)
+
+    def _reap(self, interval: float) -> None:
+        while not self._closed.wait(interval):
+            now = time.monotonic()
+            with self._lock:
+                late = [r for r in self._receivers.values() if r.expired(now)]
+            for r in late:
+                self._reject(f"{r.request_id}: no complete transfer before the deadline "
+                             f"({r.received} bytes received)")
+                self.forget(r.request_id)
+                r.fail("deadline passed before the transfer completed")
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, addr = self._sock.accept()
+            except OSError:
+                return
+            _tune(conn)
+            with self._lock:
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn, addr), name="kv-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket, addr) -> None:
+        peer = f"{addr[0]}:{addr[1]}"
+        scratch = memoryview(bytearray(1 << 20))
+        try:
+            hello = wire.read_header(conn)
+            token = str(hello.meta.get("token", "")).encode()
+            if hello.kind != wire.HELLO or not hmac.compare_digest(token, self.token):
+                self._reject(f"connection from {peer}: not a cluster member (missing or wrong cluster token)")
+                wire.send_frame(conn, wire.Frame(wire.NACK, "", hello.seq, {"reason": "bad cluster token",
+                                                                             "retry": False}))
+                return
+            wire.send_frame(conn, wire.Frame(wire.ACK, "", hello.seq))
+            while not self._closed.is_set():
+                self._frame(conn, wire.read_header(conn), scratch)
+        except wire.PeerClosed:
+            pass  # closed between frames: the sender is done with this connection
+        except (wire.ProtocolError, OSError, ValueError) as e:
+            if not self._closed.is_set():
+                log.info("kv connection from %s closed: %s", peer, e)
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _frame(self, conn: socket.socket, h: wire.Header, scratch: memoryview) -> None:
+        with self._lock:
+            recv = self._receivers.get(h.request_id)
+
+        def nack(reason: str, retry: bool = False):
+            if not retry:
+                self._reject(f"{h.request_id}: {wire.KIND_NAMES[h.kind]} frame refused: {reason}")
+            wire.send_frame(conn, wire.Frame(wire.NACK, h.request_id, h.seq, {"reason": reason, "retry": retry}))
+
+        if recv is None and h.kind != wire.ABORT:
+            wire.discard(conn, h.payload_len, scratch)
+            with self._lock:
+                completed = h.request_id in self._completed
+            if completed:
+                return wire.send_frame(conn, wire.Frame(wire.ACK, h.request_id, h.seq))
+            return nack("unknown request id")
+        if h.kind == wire.PLAN:
+            wire.discard(conn, h.payload_len, scratch)
+            try:
+                recv.accept_plan(TransferPlan.from_meta(h.meta))
+            except PlanError as e:
+                self.forget(h.request_id)
+                return nack(str(e))
+        elif h.kind in (wire.DATA, wire.META) and not recv.wait_plan(self.plan_wait_s):
+            wire.discard(conn, h.payload_len, scratch)
+            return nack(f"no plan within {self.plan_wait_s}s of the first data")
+        elif h.kind == wire.DATA:
+            try:
+                a, o = int(h.meta["a"]), int(h.meta["o"])
+                view = recv.target(a, o, h.payload_len)
+            except (PlanError, KeyError, ValueError, TypeError) as e:
+                wire.discard(conn, h.payload_len, scratch)
+                return nack(str(e))
+            if view is None:  # a resend of bytes already here
+                wire.discard(conn, h.payload_len, scratch)
+                return wire.send_frame(conn, wire.Frame(wire.ACK, h.request_id, h.seq))
+            wire.recv_into_exact(conn, view)
+            if wire.checksum(view) != h.crc:
+                with self._lock:
+                    self.corrupt_frames += 1
+                log.info("%s: checksum mismatch on array %d bytes [%d, %d); asking for a resend", h.request_id, a,
+                         o, o + h.payload_len)
+                return nack("checksum mismatch", retry=True)
+            with self._lock:
+                self.bytes_received += h.payload_len
+            recv.commit(a, o, h.payload_len)
+        elif h.kind == wire.META:
+            wire.discard(conn, h.payload_len, scratch)
+            try:
+                recv.set_first(h.meta)
+            except PlanError as e:
+                return nack(str(e))
+        elif h.kind == wire.ABORT:
+            if recv is not None:
+                self.forget(h.request_id)
+                recv.fail(f"sender aborted: {h.meta.get('reason', '')}")
+            return
+        else:
+            wire.discard(conn, h.payload_len, scratch)
+            return nack(f"unexpected frame kind {wire.KIND_NAMES[h.kind]}")
+        if recv.state.final:
+            self.forget(h.request_id, completed=recv.state.poll() is KVPoll.DONE)
+        wire.send_frame(conn, wire.Frame(wire.ACK, h.request_id, h.seq))
+
+
+class TcpLink:
+    def __init__(self, address: tuple[str, int], token: str, connections: int = 4,
+                 emulation: LinkEmulation | None = None, name: str | None = None, chunk_bytes: int = 8 << 20,
+                 connect_timeout_s: float = 5.0):
+        if connections < 1:
+            raise ValueError(f"connections must be >= 1, got {connections}")
+        self.address, self.token = (address[0], int(address[1])), token
+        self.chunk_bytes = chunk_bytes
+        self.connect_timeout_s = connect_timeout_s
+        self.shaper = Shaper(emulation)
+        self.metrics = LinkMetrics(name or f"{address[0]}:{address[1]}", self.shaper.emu.bytes_per_s)
+        self._queue: queue.Queue[Outgoing | None] = queue.Queue()
+        self._closed = threading.Event()
+        self._threads = [threading.Thread(target=self._writer, name=f"kv-link-{i}", daemon=True)
+                         for i in range(connections)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, out: Outgoing) -> None:
+        out.queued_at = time.monotonic()
+        self.metrics.add("queue_depth", 1)
+        self._queue.put(out)
+
+    def close(self) -> None:
+        self._closed.set()
+        for _ in self._threads:
+            self._queue.put(None)
+
+    # ---- connection threads
+    def _connect(self) -> socket.socket:
+        deadline = time.monotonic() + self.connect_timeout_s
+        delay = 0.01
+        while True:
+            try:
+                sock = socket.create_connection(self.address, timeout=self.connect_timeout_s)
+                sock.settimeout(None)
+                _tune(sock)
+                wire.send_frame(sock, wire.Frame(wire.HELLO, "", 0, {"token": self.token}))
+                h = wire.read_header(sock)
+                if h.kind != wire.ACK:
+                    sock.close()
+                    raise ConnectionRefusedError(f"receiver refused the connection: {h.meta.get('reason')}")
+                self.metrics.track(sock)
+                return sock
+            except (OSError, wire.ProtocolError) as e:
+                if time.monotonic() + delay > deadline or self._closed.is_set():
+                    raise ConnectionError(f"KV receiver {self.address[0]}:{self.address[1]} unreachable: {e}") from e
+                time.sleep(delay)
+                delay = min(delay * 2, 0.5)
+
+    def _writer(self) -> None:
+        conn: _Conn | None = None
+        while True:
+            out = self._queue.get()
+            if out is None:
+                break
+            self.metrics.add("queue_depth", -1)
+            if out.sender.state.final and out.frame.kind != wire.ABORT:
+                continue
+            wait = out.queued_at + self.shaper.emu.latency_ms / 1e3 - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)  # the emulated link's one-way delay
+            if conn is None or conn.dead:
+                if conn is not None:
+                    conn.close(self.metrics)
+                try:
+                    conn = _Conn(self._connect())
+                except ConnectionError as e:
+                    conn = None
+                    out.sender.link_failed(str(e))
+                    self._fail_queued(str(e))
+                    continue
+                threading.Thread(target=self._reader, args=(conn,), name="kv-link-reader", daemon=True).start()
+            out.attempts += 1
+            f = out.frame
+            if f.kind != wire.ABORT:
+                with conn.lock:
+                    conn.outstanding[(f.request_id, f.seq)] = out
+            try:
+                crc = wire.checksum(f.payload)
+                lost = f.kind == wire.DATA and self.shaper.lose()
+                hdr = wire.encode_header(wire.Frame(f.kind, f.request_id, f.seq, f.meta, f.payload,
+                                                    crc ^ 0xFFFFFFFF if lost else crc))
+                self.metrics.add("in_flight", len(f.payload))
+                self.shaper.send(conn.sock, hdr)
+                if len(f.payload):
+                    self.shaper.send(conn.sock, f.payload)
+                self.metrics.sent(len(f.payload))
+            except OSError as e:
+                log.info("kv link %s: connection lost (%s); its frames are resent", self.metrics.name, e)
+                conn.kill()  # the reader exits and requeues what was outstanding
+        if conn is not None:
+            conn.close(self.metrics)
+
+    def _fail_queued(self, reason: str) -> None:
+        while True:
+            try:
+                out = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if out is None:
+                self._queue.put(None)
+                return
+            self.metrics.add("queue_depth", -1)
+            out.sender.link_failed(reason)
+
+    def _reader(self, conn: "_Conn") -> None:
+        try:
+            while True:
+                h = wire.read_header(conn.sock)
+                with conn.lock:
+                    out = conn.outstanding.pop((h.request_id, h.seq), None)
+                if out is None:
+                    continue
+                self.metrics.add("in_flight", -len(out.frame.payload))
+                if h.kind == wire.ACK:
+                    out.sender.acked(out)
+                elif out.sender.refused(out, str(h.meta.get("reason")), bool(h.meta.get("retry"))):
+                    self.metrics.add("resends", 1)
+                    self.submit(out)
+        except (wire.ProtocolError, OSError):
+            pass
+        conn.kill()
+        with conn.lock:
+            lost = list(conn.outstanding.values())
+            conn.outstanding.clear()
+        for out in lost:  # resent on a fresh connection (or failed if the receiver is gone)
+            self.metrics.add("in_flight", -len(out.frame.payload))
+            if not self._closed.is_set():
+                self.submit(out)
+
+
+class _Conn:
+    """One sending connection: its socket and the frames it has sent that are not yet answered."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.outstanding: dict[tuple[str, int], Outgoing] = {}
+        self.lock = threading.Lock()
+        self.dead = False
+
+    def kill(self) -> None:
+        self.dead = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def close(self, metrics: LinkMetrics) -> None:
+        metrics.untrack(self.sock)
+        self.kill()
+        self.sock.close()
