@@ -26,7 +26,7 @@ from ..models.config import load_config
 from ..models.model import model_graphdef
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
-from .runner import DecodeRow, Engine, PrefillRow
+from .runner import DecodeRow, Engine, PrefillRow, Prefix
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import Sequence
 
@@ -72,7 +72,7 @@ class LLMEngine:
         if not os.path.isdir(model):
             raise FileNotFoundError(f"{model}: not a model directory")
         self.cfg = cfg = config or EngineConfig()
-        self.path, self.dtype, self.mesh = model, DTYPES[dtype], mesh
+        self.path, self.dtype, self.dtype_name, self.mesh = model, DTYPES[dtype], dtype, mesh
         self.model_config = load_config(model)
         self.cache_spec = cache_spec(self.model_config)
         _, self.state = load_any(model, self.model_config, dtype, mesh, progress)
@@ -135,6 +135,46 @@ class LLMEngine:
             seqs.append(seq)
         return seqs
 
+    # ---- disaggregated serving
+    def reserve(self, request_id: str, prompt: list[int], params: SamplingParams, kv_tokens: int) -> tuple[Sequence, int]:
+        """Decode side: take a slot and blocks for a request whose first `kv_tokens` tokens of KV another instance
+        sends. Returns (sequence, leading blocks already held, which are not sent). Raises RequestError,
+        OutOfBlocks (no room now)."""
+        ids = self.encode(prompt)
+        self.validate(ids, params)
+        if not 0 < kv_tokens <= len(ids):
+            raise RequestError(f"kv_tokens must be in [1, {len(ids)}], got {kv_tokens}")
+        if request_id in self.requests:
+            raise RequestError(f"duplicate request id {request_id!r}", "request_id")
+        seq = Sequence(request_id, list(ids), dataclasses.replace(params, n=1))
+        seq.detok = Detokenizer(self.tokenizer, seq.params.stop)
+        skip = self.scheduler.reserve(seq, kv_tokens)
+        self.requests[request_id] = seq
+        return seq, skip
+
+    def kv_arrived(self, seq: Sequence, staging, views, kv_tokens: int, first: dict | None) -> bool:
+        """Decode side: the transfer completed; import it and start decoding. first: the token prefill sampled
+        ({"token", "logprob", "top"}), or None when prefill left the last prompt token to decode. Returns
+        whether the sequence changed (it got its first token)."""
+        skip = seq.num_cached // self.cfg.block_size
+        n = -(-kv_tokens // self.cfg.block_size)
+        self.engine.import_kv(staging, views, seq.block_ids[skip:n], seq.slot)
+        self.scheduler.kv_arrived(seq, kv_tokens)
+        if first is None or first.get("token") is None:
+            return False
+        prefix = Prefix(seq.request_id, seq.slot, seq.block_ids, kv_tokens, int(first["token"]),
+                        float(first.get("logprob", 0.0)), [tuple(t) for t in first.get("top", [])],
+                        self.engine._prompt_mask(seq.prompt))
+        self.engine.insert(prefix, seq.slot)
+        self._append(seq, prefix.token, prefix.logprob, prefix.top)
+        return True
+
+    def fail(self, seq: Sequence, error: str) -> None:
+        """Finish a request with an error (its transfer failed); frees its slot and blocks."""
+        self.scheduler.abort(seq, "error")
+        seq.error = error
+        seq.finish_time = time.monotonic()
+
     def abort(self, request_id: str) -> None:
         seq = self.requests.pop(request_id, None)
         if seq is not None:
@@ -163,7 +203,14 @@ class LLMEngine:
                                        seq.tokens if c.last else None))
             for c, prefix in zip(plan.prefills, self.engine.prefill(rows)):
                 self.scheduler.complete_prefill(c)
-                if prefix is not None:
+                if prefix is not None and c.seq.handoff is not None:
+                    # prefill instance: export the KV for decode elsewhere; the blocks stay as prefix cache
+                    c.seq.handoff(self, c.seq, prefix)
+                    c.seq.first_token_time = c.seq.finish_time = time.monotonic()
+                    c.seq.output.append(prefix.token)
+                    self.scheduler.finish(c.seq, "handoff")
+                    changed.append(c.seq)
+                elif prefix is not None:
                     self.engine.insert(prefix, c.seq.slot)
                     self._append(c.seq, prefix.token, prefix.logprob, prefix.top)
                     changed.append(c.seq)

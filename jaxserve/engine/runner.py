@@ -13,8 +13,9 @@ a power of two up to the longest sequence) so a workload compiles a bounded numb
 2 * |T buckets| * |W buckets| prefill and |W buckets| decode programs. `programs` records the shapes compiled.
 
 Colocated mode uses one Engine for both roles: prefill writes straight into the blocks and state row that
-decode then reads, so `insert` only records the slot's sampling state. The disaggregated arrangement
-inserts a Prefix received from another process (the disaggregation issue).
+decode then reads, so `insert` only records the slot's sampling state. Disaggregated, the prefill instance's
+`export_kv` hands a request's staged KV to the transfer layer and the decode instance's `import_kv` writes
+what arrived into its reserved blocks and slot (transfer/device.py) before `insert`.
 
 Not thread-safe: one thread (the engine loop) drives it.
 """
@@ -27,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from transfer.device import DeviceIO
 
 from ..cache.layout import PoolLayout, gather, init_pool, scatter
 from ..models.batch import Batch
@@ -117,6 +120,7 @@ class Engine:
         self._prefill = jax.jit(prefill_fn, donate_argnums=(1,))
         self._decode = jax.jit(decode_fn, donate_argnums=(1, 3))
         self._insert = jax.jit(insert_fn, donate_argnums=(0, 1))
+        self._io = DeviceIO()
 
     # ---- helpers
     def _table(self, rows_blocks: list[list[int]], B: int, min_width: int) -> np.ndarray:
@@ -197,6 +201,15 @@ class Engine:
             jnp.asarray(slot_rows), st)
         tok, lp, ids, tlp = (np.asarray(x) for x in (tok, lp, ids, tlp))
         return [(int(tok[r.slot]), float(lp[r.slot]), self._top(r.params, ids[r.slot], tlp[r.slot])) for r in rows]
+
+    def export_kv(self, staging, layer_group: int, blocks: list[int], row: int) -> list[tuple[int, jax.Array]]:
+        """A request's staged KV for one layer group (dispatched; read before any later step writes the pool)."""
+        return self._io.export(self.pool, staging, layer_group, blocks, row)
+
+    def import_kv(self, staging, views: list[np.ndarray], blocks: list[int], row: int) -> None:
+        """Write received staged KV into `blocks` and state row `row`; returns once the views may be reused."""
+        self.pool = self._io.import_(self.pool, staging, views, blocks, row, self.layout.num_blocks)
+        jax.block_until_ready(self.pool)
 
     def _top(self, params, ids, tlp) -> list[tuple[int, float]]:
         k = min(params.logprobs or 0, MAX_LOGPROBS, self.V)

@@ -11,6 +11,9 @@ step; `complete_prefill()` / `complete_decode()` apply its results.
   step: partially prefilled requests continue first, then waiting requests are admitted in arrival order
   while a decode slot and blocks for the whole prompt are available. A request's prefix cache hit is
   taken at admission.
+- Disaggregated decode: `reserve()` admits a request whose KV another instance computes (decode reserves
+  cache first). It holds its slot and blocks but is skipped by planning and never preempted until
+  `kv_arrived()`; the transfer writes into those blocks meanwhile.
 - Chunk ends fall on block boundaries (except a prompt's final chunk), and for models with request-level
   state the prompt is cut at its last block boundary, so the state can be snapshotted where a later
   request can reuse it (block_manager.SnapshotPool).
@@ -121,13 +124,36 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Something a step can do (requests waiting for their KV are not)."""
+        return bool(self.waiting) or any(not s.awaiting_kv for s in self.running)
+
+    # ---- disaggregated decode
+    def reserve(self, seq: Sequence, kv_tokens: int) -> int:
+        """Admit `seq` now, its first `kv_tokens` tokens to arrive by transfer. Returns the leading blocks already
+        held (prefix cache hits: not sent). Raises OutOfBlocks when there is no slot or too few blocks."""
+        if not self.free_slots:
+            raise OutOfBlocks(f"all {self.cfg.max_num_seqs} decode slots are taken")
+        hits, _, _ = self.blocks.match(seq.tokens, False)  # transferred state is whole: no snapshot needed
+        bs = self.cfg.block_size
+        hits = hits[:kv_tokens // bs]
+        seq.block_ids = self.blocks.allocate(hits, len(seq.tokens))
+        self.blocks.record_query(len(seq.tokens), len(hits) * bs)
+        seq.slot = self.free_slots.pop()
+        seq.prefill_target, seq.num_computed, seq.num_cached, seq.state_src = len(seq.tokens), 0, len(hits) * bs, None
+        seq.status, seq.awaiting_kv = Status.RUNNING, True
+        self.running.append(seq)
+        return len(hits)
+
+    def kv_arrived(self, seq: Sequence, kv_tokens: int) -> None:
+        seq.awaiting_kv = False
+        seq.num_computed = kv_tokens
+        self.blocks.register(seq.block_ids, seq.tokens, kv_tokens)
 
     # ---- planning
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         for seq in list(self.running):
-            if seq.is_prefilling or seq not in self.running:
+            if seq.is_prefilling or seq.awaiting_kv or seq not in self.running:
                 continue
             while True:
                 try:
@@ -135,14 +161,15 @@ class Scheduler:
                     plan.decodes.append(seq)
                     break
                 except OutOfBlocks:
-                    victim = self.running[-1]
+                    victim = next(s for s in reversed(self.running) if not s.awaiting_kv)
                     self._preempt(victim, plan)
                     if victim is seq:
                         break
         budget = self.cfg.max_num_batched_tokens
         pinned: set[int] = set()
         for seq in self.running:
-            if seq.is_prefilling and budget > 0 and len(plan.prefills) < self.cfg.max_prefill_seqs:
+            if (seq.is_prefilling and not seq.awaiting_kv and budget > 0
+                    and len(plan.prefills) < self.cfg.max_prefill_seqs):
                 budget -= self._chunk(seq, budget, plan, pinned)
         while (self.waiting and budget > 0 and self.free_slots and len(plan.prefills) < self.cfg.max_prefill_seqs
                and not plan.preempted):

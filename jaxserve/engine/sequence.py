@@ -36,6 +36,8 @@ class Sequence:
     finish_time: float | None = None
     num_preemptions: int = 0
     detok: object = None  # llm_engine.Detokenizer
+    awaiting_kv: bool = False  # decode side of a disaggregated request: blocks reserved, KV not yet arrived
+    handoff: object = None  # prefill side: called with (seq, prefix) instead of decoding here
 
     @property
     def tokens(self) -> list[int]:

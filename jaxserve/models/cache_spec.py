@@ -56,6 +56,21 @@ class CacheSpec:
     def bytes_for(self, num_tokens: int, itemsize: int) -> int:
         return sum(g.bytes_for(num_tokens, itemsize) for g in self.groups)
 
+    def transfer_bytes(self, num_tokens: int, block_size: int, itemsize: int, skip_blocks: int = 0) -> int:
+        """Bytes a prefill instance sends decode after `num_tokens` tokens: whole blocks of full-attention layers
+        (minus the `skip_blocks` decode already holds), the whole ring of sliding layers, the linear state."""
+        nb = -(-num_tokens // block_size) - skip_blocks
+        out = 0
+        for g in self.groups:
+            n = len(g.layers)
+            if g.kind == "full":
+                out += n * nb * block_size * g.token_bytes(itemsize)
+            elif g.kind == "sliding":
+                out += n * g.window * g.token_bytes(itemsize)
+            else:
+                out += n * g.state_bytes(itemsize)
+        return out
+
     def group_of(self, layer: int) -> CacheGroup:
         for g in self.groups:
             if layer in g.layers:

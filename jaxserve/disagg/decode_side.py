@@ -1,0 +1,78 @@
+"""Decode instance: reserve cache for a request before its prefill runs elsewhere, then admit it on arrival.
+
+`KVIntake.reserve` (engine thread) takes a slot and blocks (skipping prefix blocks this instance already
+holds), a receive region sized for the transfer, and registers a `KVReceiver` with the instance's KV server.
+The receiver counts arriving bytes on the server's connection threads; when it reaches DONE or FAILED it
+posts `arrived` back to the engine thread (`post`), which imports the KV into the reserved blocks and starts
+decoding, or fails the request and frees its blocks. A request aborted meanwhile only gives its region back.
+Concurrency: `reserve` and `arrived` run on the engine thread; the server's threads only call `post`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from transfer.bufpool import PoolFull, RecvPool
+from transfer.receiver import KVReceiver, region_bytes
+from transfer.state import KVPoll
+from transfer.tcp import KVServer
+
+from ..cache.allocator import OutOfBlocks
+
+log = logging.getLogger("jaxserve.decode")
+
+
+class KVIntake:
+    def __init__(self, llm, token: str, post, host: str = "127.0.0.1", port: int = 0, pool_bytes: int = 256 << 20,
+                 deadline_s: float = 30.0):
+        self.llm, self.post, self.deadline_s = llm, post, deadline_s
+        self.server = KVServer(token, host, port)
+        self.pool = RecvPool(pool_bytes)
+        self.receivers: dict[str, KVReceiver] = {}
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.server.address
+
+    def reserve(self, request_id: str, prompt: list[int], params, kv_tokens: int):
+        """-> (sequence, dst block ids, skip). Raises RequestError (bad request) or OutOfBlocks / PoolFull (busy)."""
+        llm = self.llm
+        seq, skip = llm.reserve(request_id, prompt, params, kv_tokens)
+        try:
+            region = self.pool.allocate(region_bytes(llm.layout, llm.dtype_name, kv_tokens, skip))
+        except PoolFull:
+            llm.fail(seq, "receive pool full")
+            llm.release(seq)
+            raise
+        recv = KVReceiver(request_id, llm.layout, llm.dtype_name, seq.block_ids, kv_tokens, skip, region,
+                          self.deadline_s, on_done=lambda r: self.post(lambda: self.arrived(seq, r)))
+        self.receivers[request_id] = recv
+        self.server.expect(recv)
+        return seq, list(seq.block_ids), skip
+
+    def arrived(self, seq, recv: KVReceiver) -> bool:
+        """Engine thread: the transfer ended. Returns whether `seq` changed (first token or failure)."""
+        self.receivers.pop(seq.request_id, None)
+        try:
+            if seq.finished:  # aborted while its KV was on the way
+                return False
+            if recv.state.poll() is KVPoll.DONE:
+                return self.llm.kv_arrived(seq, recv.staging, recv.arrays(), recv.num_tokens, recv.first)
+            log.warning("%s: KV transfer failed: %s", seq.request_id, recv.state.reason)
+            self.llm.fail(seq, f"KV transfer failed: {recv.state.reason}")
+            return True
+        finally:
+            recv.release()
+
+    def cancel(self, request_id: str) -> None:
+        """The request was aborted: stop expecting its KV."""
+        recv = self.receivers.pop(request_id, None)
+        if recv is not None:
+            self.server.forget(request_id)
+            recv.fail("request aborted")
+
+    def close(self) -> None:
+        self.server.close()
+
+
+__all__ = ["KVIntake", "OutOfBlocks", "PoolFull"]
