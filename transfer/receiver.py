@@ -75,7 +75,7 @@ class KVReceiver:
             if self.state.poll() is KVPoll.DONE:
                 return None  # complete: anything more is a resend
             if self.state.poll() is not KVPoll.TRANSFERRING:
-                raise PlanError(f"transfer is {self.state.poll().value}, not accepting data")
+                raise PlanError(f"transfer is {self.state.poll().value} ({self.state.reason}), not accepting data")
             if not 0 <= array < len(self.staging.arrays):
                 raise PlanError(f"array {array} not in the plan ({len(self.staging.arrays)} arrays)")
             a = self.staging.arrays[array]

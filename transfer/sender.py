@@ -66,7 +66,9 @@ class KVSender:
             self.sends += 1
             for o in range(off, off + n, chunk):
                 k = min(chunk, off + n - o)
-                self._submit(wire.Frame(wire.DATA, self.request_id, meta={"a": index, "o": o}, payload=flat[o:o + k]))
+                piece = flat[o:o + k]  # checksummed here, on the caller's thread, while earlier frames are sent
+                self._submit(wire.Frame(wire.DATA, self.request_id, meta={"a": index, "o": o}, payload=piece,
+                                        crc=wire.checksum(piece)))
 
     def finish(self, record: dict) -> None:
         """Queue the first-token record; after it nothing more is sent."""

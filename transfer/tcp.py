@@ -3,7 +3,7 @@
 Receiver: one listening socket; a thread per accepted connection. A connection must open with HELLO
 carrying the cluster token (compared in constant time), or it is refused and closed with the reason
 logged. Each DATA frame's payload is read with `recv_into` straight into its place in the request's receive
-region (bufpool.py; data that overtook its plan on another connection waits for it), its CRC-32 checked, and answered ACK, or NACK(retry) on a checksum mismatch. Frames for
+region (bufpool.py; data that overtook its plan on another connection waits for it), its checksum (wire.py) verified, and answered ACK, or NACK(retry) on a checksum mismatch. Frames for
 an unknown request id, a refused plan (mismatched layout or dtype, blocks that are not the reservation) or
 bytes outside the plan are drained and answered NACK(final) with the reason, which is also logged. A
 reaper thread fails receivers whose deadline passed (their sender died or stalled).
@@ -187,8 +187,9 @@ class KVServer:
             if view is None:  # a resend of bytes already here
                 wire.discard(conn, h.payload_len, scratch)
                 return wire.send_frame(conn, wire.Frame(wire.ACK, h.request_id, h.seq))
-            wire.recv_into_exact(conn, view)
-            if wire.checksum(view) != h.crc:
+            check = wire.Checksum()
+            wire.recv_into_exact(conn, view, check)
+            if check.digest() != h.crc:
                 with self._lock:
                     self.corrupt_frames += 1
                 log.info("%s: checksum mismatch on array %d bytes [%d, %d); asking for a resend", h.request_id, a,
@@ -295,7 +296,7 @@ class TcpLink:
                 with conn.lock:
                     conn.outstanding[(f.request_id, f.seq)] = out
             try:
-                crc = wire.checksum(f.payload)
+                crc = wire.checksum(f.payload) if f.crc is None else f.crc
                 lost = f.kind == wire.DATA and self.shaper.lose()
                 hdr = wire.encode_header(wire.Frame(f.kind, f.request_id, f.seq, f.meta, f.payload,
                                                     crc ^ 0xFFFFFFFF if lost else crc))

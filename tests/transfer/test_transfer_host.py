@@ -284,3 +284,25 @@ def test_receiver_gone_fails_the_sender():
     s, _, _ = p.send("g", [3, 4, 9, 10], [7, 8, 9, 20])
     assert s.wait(15) is KVPoll.FAILED
     p.link.close()
+
+
+def test_checksum_incremental_equals_whole_and_detects_corruption():
+    rng = np.random.default_rng(1)
+    data = rng.integers(0, 256, 3 * wire.PIECE + 12345, dtype=np.uint8)
+    c = wire.Checksum()
+    for i in range(0, len(data), wire.PIECE):
+        c.update(memoryview(data)[i:i + wire.PIECE])
+    assert c.digest() == wire.checksum(data)
+    base = wire.checksum(data)
+    for pos in (0, 7, 4096, len(data) - 1, len(data) - 13000):
+        bad = data.copy()
+        bad[pos] ^= 1
+        assert wire.checksum(bad) != base, pos
+    swapped = data.copy()
+    swapped[:4096], swapped[4096:8192] = data[4096:8192], data[:4096]  # two 4 KiB chunks reordered
+    assert wire.checksum(swapped) != base
+    assert wire.checksum(data[:-1]) != base  # truncation
+    with pytest.raises(ValueError):
+        c2 = wire.Checksum()
+        c2.update(data[:100])
+        c2.update(data[100:200])
