@@ -1,6 +1,17 @@
-"""jaxserve: JAX/XLA LLM serving with prefill/decode disaggregation."""
+"""jaxserve: JAX/XLA LLM serving with prefill/decode disaggregation.
 
-from .llm import LLM
-from .sampling import Output, SamplingParams
+`LLM`, `SamplingParams` and `Output` are imported on first use, so that `import jaxserve.<module>` does not
+import JAX: a worker process must pin its CPUs before JAX loads (worker/main.py).
+"""
 
 __all__ = ["LLM", "SamplingParams", "Output"]
+
+
+def __getattr__(name):
+    if name == "LLM":
+        from .llm import LLM
+        return LLM
+    if name in ("SamplingParams", "Output"):
+        from . import sampling
+        return getattr(sampling, name)
+    raise AttributeError(f"module 'jaxserve' has no attribute {name!r}")

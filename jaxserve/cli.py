@@ -61,6 +61,19 @@ def serve(config: str = typer.Option(None, "--config", "-c", help="cluster YAML 
 
 
 @app.command()
+def worker(config: str = typer.Option(..., "--config", "-c", help="cluster YAML"),
+           instance: str = typer.Option(..., "--instance", help="the instance of the config this process runs")):
+    """Run one instance of a cluster (prefill, decode or both) as this process, controlled over gRPC."""
+    from .config import ConfigFileError, load
+    from .worker.main import run
+    try:
+        run(load(config), instance)
+    except ConfigFileError as e:
+        typer.echo(f"config error: {e}", err=True)
+        raise typer.Exit(2)
+
+
+@app.command()
 def bench(name: str = typer.Argument(..., help="benchmark module under bench/ (e.g. serving, kv_footprint)"),
           json_out: str = typer.Option(..., "--json", help="where to write the JSON result"),
           args: list[str] = typer.Argument(None, help="extra arguments passed to the benchmark")):

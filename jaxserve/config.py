@@ -13,7 +13,6 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .engine.llm_engine import EngineConfig
 
 
 class _Strict(BaseModel):
@@ -46,7 +45,9 @@ class EngineSection(_Strict):
             raise ValueError(f"chunk_size ({self.chunk_size}) must be a multiple of block_size ({self.block_size})")
         return self
 
-    def engine_config(self, max_waiting: int) -> EngineConfig:
+    def engine_config(self, max_waiting: int):
+        """The engine's EngineConfig (imported here: loading a config must not import JAX)."""
+        from .engine.llm_engine import EngineConfig
         d = self.model_dump()
         d.pop("warmup")
         return EngineConfig(max_waiting=max_waiting, **d)
@@ -57,6 +58,10 @@ class InstanceSection(_Strict):
     role: Literal["prefill", "decode", "both"] = "both"
     devices: list[int] = Field(default_factory=lambda: [0])
     tp: int = Field(1, ge=1)
+    cpus: list[int] = Field(default_factory=list, description="CPU cores the worker is pinned to (empty: all)")
+    host: str = Field("127.0.0.1", description="address the worker's gRPC and KV servers listen on")
+    port: int = Field(0, ge=0, le=65535, description="gRPC control port (0: any free port)")
+    kv_port: int = Field(0, ge=0, le=65535, description="KV data port of a decode instance (0: any free port)")
 
     @model_validator(mode="after")
     def _devices(self):
@@ -78,6 +83,16 @@ class LinkSection(_Strict):
     latency_ms: float = Field(0.0, ge=0)
     loss: float = Field(0.0, ge=0, lt=1)
     connections: int = Field(4, ge=1)
+
+
+class TransferSection(_Strict):
+    token: str = Field("jaxserve-local", description="cluster token every KV data connection must present")
+    connections: int = Field(4, ge=1, description="parallel TCP connections per link")
+    chunk_mb: float = Field(8.0, gt=0, description="largest frame payload")
+    layers_per_group: int | None = Field(None, ge=1, description="prefill streams KV every this many layers")
+    deadline_s: float = Field(30.0, gt=0, description="decode frees a reservation whose KV has not arrived by then")
+    recv_pool_mb: int = Field(256, ge=1, description="receive pool of a decode instance")
+    leave_last_token: bool = Field(False, description="prefill leaves the last prompt token for decode to compute")
 
 
 class PolicySection(_Strict):
@@ -102,6 +117,7 @@ class Config(_Strict):
     clusters: list[ClusterSection] = Field(
         default_factory=lambda: [ClusterSection(name="local", instances=[InstanceSection(name="local-0")])])
     links: list[LinkSection] = Field(default_factory=list)
+    transfer: TransferSection = Field(default_factory=TransferSection)
     policy: PolicySection = Field(default_factory=PolicySection)
     server: ServerSection = Field(default_factory=ServerSection)
 
@@ -120,6 +136,12 @@ class Config(_Strict):
 
     def instances(self) -> list[InstanceSection]:
         return [i for c in self.clusters for i in c.instances]
+
+    def instance(self, name: str) -> InstanceSection:
+        for i in self.instances():
+            if i.name == name:
+                return i
+        raise ConfigFileError(f"clusters: no instance named {name!r} (have {[i.name for i in self.instances()]})")
 
 
 class ConfigFileError(ValueError):

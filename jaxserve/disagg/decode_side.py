@@ -34,7 +34,7 @@ class KVIntake:
     def address(self) -> tuple[str, int]:
         return self.server.address
 
-    def reserve(self, request_id: str, prompt: list[int], params, kv_tokens: int):
+    def reserve(self, request_id: str, prompt: list[int], params, kv_tokens: int, deadline_s: float | None = None):
         """-> (sequence, dst block ids, skip). Raises RequestError (bad request) or OutOfBlocks / PoolFull (busy)."""
         llm = self.llm
         seq, skip = llm.reserve(request_id, prompt, params, kv_tokens)
@@ -45,22 +45,23 @@ class KVIntake:
             llm.release(seq)
             raise
         recv = KVReceiver(request_id, llm.layout, llm.dtype_name, seq.block_ids, kv_tokens, skip, region,
-                          self.deadline_s, on_done=lambda r: self.post(lambda: self.arrived(seq, r)))
+                          deadline_s or self.deadline_s, on_done=lambda r: self.post(lambda: self.arrived(seq, r)))
         self.receivers[request_id] = recv
         self.server.expect(recv)
         return seq, list(seq.block_ids), skip
 
-    def arrived(self, seq, recv: KVReceiver) -> bool:
-        """Engine thread: the transfer ended. Returns whether `seq` changed (first token or failure)."""
+    def arrived(self, seq, recv: KVReceiver) -> list:
+        """Engine thread: the transfer ended. Returns [seq] when it changed (first token or failure), else []."""
         self.receivers.pop(seq.request_id, None)
         try:
             if seq.finished:  # aborted while its KV was on the way
-                return False
+                return []
             if recv.state.poll() is KVPoll.DONE:
-                return self.llm.kv_arrived(seq, recv.staging, recv.arrays(), recv.num_tokens, recv.first)
+                changed = self.llm.kv_arrived(seq, recv.staging, recv.arrays(), recv.num_tokens, recv.first)
+                return [seq] if changed else []
             log.warning("%s: KV transfer failed: %s", seq.request_id, recv.state.reason)
             self.llm.fail(seq, f"KV transfer failed: {recv.state.reason}")
-            return True
+            return [seq]
         finally:
             recv.release()
 

@@ -68,15 +68,25 @@ class AsyncEngine:
 
     async def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> asyncio.Queue:
         """Queue a request; returns the asyncio.Queue its Updates arrive on. Raises RequestError / QueueFull."""
+        q, _ = await self.attach(request_id, lambda eng: (eng.add_request(request_id, prompt_ids, params), None))
+        return q
+
+    async def attach(self, request_id: str, make) -> tuple[asyncio.Queue, object]:
+        """Run make(engine) -> (sequences, result) on the engine thread and stream the sequences' Updates to the
+        returned queue (how the disaggregated sides queue their requests). Returns (queue, result)."""
         q: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
-        def add(eng: LLMEngine):
-            seqs = eng.add_request(request_id, prompt_ids, params)
-            self._requests[request_id] = _Request(seqs, q, loop)
+        def attach(eng: LLMEngine):
+            seqs, result = make(eng)
+            self._requests[request_id] = _Request(list(seqs), q, loop)
             self._owner.update((s.request_id, request_id) for s in seqs)
-        await self.call(add)
-        return q
+            return result
+        return q, await self.call(attach)
+
+    def post(self, fn) -> None:
+        """From any thread: run fn() on the engine thread; the sequences it returns are published."""
+        self._cmds.put((lambda eng: self._publish(fn()), (), None))
 
     def abort(self, request_id: str) -> None:
         """Abort (e.g. the client went away): releases its slot and blocks. Fire and forget."""
@@ -134,7 +144,7 @@ class AsyncEngine:
                 idx = req.seqs.index(s)
                 ttft = None if s.first_token_time is None else s.first_token_time - s.arrival
                 u = Update(idx, list(s.output), s.detok.text, s.finished, s.finish_reason,
-                           list(s.logprobs), s.num_cached, len(s.prompt), ttft_s=ttft)
+                           list(s.logprobs), s.num_cached, len(s.prompt), error=s.error, ttft_s=ttft)
                 req.loop.call_soon_threadsafe(req.queue.put_nowait, u)
                 if s.finished:
                     req.done.add(idx)

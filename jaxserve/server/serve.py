@@ -19,18 +19,24 @@ def check_servable(cfg: Config) -> None:
                               f"the config has {[(i.name, i.role) for i in insts]}")
 
 
+def make_mesh(inst, local: bool = False):
+    """The instance's TP mesh (None for tp 1). local: the process sees only its own devices (a worker)."""
+    import jax
+    if inst.tp == 1:
+        return None
+    devs = jax.devices()
+    ids = list(range(inst.tp)) if local else inst.devices[:inst.tp]
+    if max(ids) >= len(devs):
+        raise ConfigFileError(f"clusters.instances.devices: {inst.devices} but only {len(devs)} devices exist")
+    return jax.make_mesh((inst.tp,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=[devs[i] for i in ids])
+
+
 def build(cfg: Config, progress: bool = True):
     """(FastAPI app, AsyncEngine) for a colocated config."""
-    import jax
     check_servable(cfg)
     inst = cfg.instances()[0]
-    mesh = None
-    if inst.tp > 1:
-        devs = jax.devices()
-        if max(inst.devices) >= len(devs):
-            raise ConfigFileError(f"clusters.instances.devices: {inst.devices} but only {len(devs)} devices exist")
-        mesh = jax.make_mesh((inst.tp,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,),
-                             devices=[devs[i] for i in inst.devices[:inst.tp]])
+    mesh = make_mesh(inst)
     path = resolve(cfg.model.path, progress)
     llm = LLMEngine(path, cfg.model.dtype, cfg.engine.engine_config(cfg.server.max_waiting), mesh, progress)
     if cfg.engine.warmup:

@@ -1,0 +1,192 @@
+"""`jaxserve worker --config FILE --instance NAME`: one instance of a cluster as its own process.
+
+Start-up order matters: the process pins itself to the instance's `cpus` (os.sched_setaffinity) and sets the
+number of (CPU) devices *before* JAX is imported, since JAX sizes its thread pools and devices at import;
+only then does it build the engine on a mesh over its own devices, warm it up, and serve.
+
+Methods (rpc.py; JSON over gRPC):
+  Health    {} -> {"name", "role", "kv_address", "stats"}
+  Decode    (decode, stream) {"request_id", "prompt", "params", "kv_tokens", "deadline_s"?} -> first {"reserved": {"blocks",
+            "skip", "kv_address"}}, then one {"update": ...} per engine step that changed the request. Closing
+            the stream aborts the request (frees its slot and blocks).
+  Prefill   (prefill) {"request_id", "prompt", "params", "kv_tokens", "sample", "dst": {"kv_address", "blocks",
+            "skip"}} -> {"kv_bytes", "frames", "sends", "resends", "token", "ttft_s"} once decode has
+            acknowledged every byte; gRPC ABORTED (with the reason) when the transfer failed.
+When ready it prints one line `JAXSERVE_WORKER_READY {json}` with its addresses. Concurrency: one asyncio loop
+(gRPC server and handlers) plus the engine thread (engine/async_engine.py) plus the transfer threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import signal
+import sys
+
+from ..config import Config, InstanceSection
+
+log = logging.getLogger("jaxserve.worker")
+READY = "JAXSERVE_WORKER_READY"
+
+
+def pin(inst: InstanceSection) -> None:
+    """CPU affinity and device count for this process; must run before `import jax`."""
+    if "jax" in sys.modules:
+        raise RuntimeError("pin() must run before JAX is imported")
+    if inst.cpus:
+        os.sched_setaffinity(0, set(inst.cpus))
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", ",".join(str(d) for d in inst.devices))
+    n = max(len(inst.devices), inst.tp)
+    if n > 1:
+        flags = os.environ.get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+class Worker:
+    def __init__(self, cfg: Config, inst: InstanceSection, progress: bool = False):
+        from ..bundled import resolve
+        from ..engine.async_engine import AsyncEngine
+        from ..engine.llm_engine import LLMEngine
+        from ..server.serve import make_mesh
+        self.cfg, self.inst = cfg, inst
+        path = resolve(cfg.model.path, progress)
+        self.llm = LLMEngine(path, cfg.model.dtype, cfg.engine.engine_config(cfg.server.max_waiting),
+                             make_mesh(inst, local=True), progress)
+        if cfg.engine.warmup:
+            self.llm.engine.warmup(progress)
+        self.engine = AsyncEngine(self.llm)
+        t = cfg.transfer
+        self.intake = self.feeder = None
+        self.links: dict[tuple[str, int], object] = {}
+        if inst.role in ("decode", "both"):
+            from ..disagg.decode_side import KVIntake
+            self.intake = KVIntake(self.llm, t.token, self.engine.post, inst.host, inst.kv_port,
+                                   t.recv_pool_mb << 20, t.deadline_s)
+        if inst.role in ("prefill", "both"):
+            from ..disagg.prefill_side import Feeder
+            self.feeder = Feeder()
+
+    def _link(self, address):
+        from transfer.tcp import TcpLink
+        key = (address[0], int(address[1]))
+        if key not in self.links:
+            t = self.cfg.transfer
+            self.links[key] = TcpLink(key, t.token, t.connections, name=f"{self.inst.name}->{key[0]}:{key[1]}",
+                                      chunk_bytes=int(t.chunk_mb * (1 << 20)))
+        return self.links[key]
+
+    # ---- methods
+    async def health(self, req, ctx):
+        stats = await self.engine.call(lambda eng: eng.stats())
+        links = {f"{k[0]}:{k[1]}": v.metrics.snapshot() for k, v in self.links.items()}
+        return {"name": self.inst.name, "role": self.inst.role, "stats": stats, "links": links,
+                "kv_address": list(self.intake.address) if self.intake else None}
+
+    async def decode(self, req, ctx):
+        import grpc
+        from ..engine.llm_engine import RequestError
+        from ..sampling import SamplingParams
+        if self.intake is None:
+            await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.inst.name} is a {self.inst.role} instance")
+        rid = str(req["request_id"])
+        try:
+            params = SamplingParams(**req.get("params", {}))
+            q, (blocks, skip) = await self.engine.attach(rid, lambda eng: self._reserve(rid, req, params))
+        except (RequestError, ValueError, TypeError) as e:
+            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Exception as e:  # noqa: BLE001 - OutOfBlocks / PoolFull: no room right now
+            await ctx.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{type(e).__name__}: {e}")
+        try:
+            yield {"reserved": {"blocks": blocks, "skip": skip, "kv_address": list(self.intake.address)}}
+            while True:
+                u = await q.get()
+                yield {"update": dataclasses.asdict(u)}
+                if u.finished:
+                    return
+        finally:
+            self.intake.cancel(rid)
+            self.engine.abort(rid)
+
+    def _reserve(self, rid, req, params):
+        deadline = req.get("deadline_s")
+        seq, blocks, skip = self.intake.reserve(rid, list(req["prompt"]), params, int(req["kv_tokens"]),
+                                                float(deadline) if deadline else None)
+        return [seq], (blocks, skip)
+
+    async def prefill(self, req, ctx):
+        import grpc
+        from ..disagg.prefill_side import Handoff
+        from ..engine.llm_engine import RequestError
+        from ..sampling import SamplingParams
+        from transfer.state import KVPoll
+        if self.feeder is None:
+            await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.inst.name} is a {self.inst.role} instance")
+        rid, kv = str(req["request_id"]), int(req["kv_tokens"])
+        dst = req["dst"]
+        t = self.cfg.transfer
+        try:
+            params = SamplingParams(**req.get("params", {}))
+            handoff = Handoff(self._link(dst["kv_address"]), self.feeder, list(dst["blocks"]), int(dst["skip"]), kv,
+                              bool(req.get("sample", True)), t.layers_per_group, request_id=rid)
+
+            def add(eng):
+                seqs = eng.add_request(rid, list(req["prompt"])[:kv], params)
+                seqs[0].handoff = handoff
+                return seqs, None
+            q, _ = await self.engine.attach(rid, add)
+        except (RequestError, ValueError, TypeError, KeyError) as e:
+            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        try:
+            while True:
+                u = await q.get()
+                if u.finished:
+                    break
+        finally:
+            self.engine.abort(rid)
+        if u.error or u.finish_reason != "handoff":
+            await ctx.abort(grpc.StatusCode.ABORTED, f"prefill failed: {u.error or u.finish_reason}")
+        sender = handoff.sender
+        state = await asyncio.to_thread(sender.wait, t.deadline_s)
+        if state is not KVPoll.DONE:
+            sender.abort("deadline passed" if not sender.state.final else sender.state.reason)
+            await ctx.abort(grpc.StatusCode.ABORTED, f"KV transfer failed: {sender.state.reason}")
+        return {"kv_bytes": sender.bytes_acked, "frames": sender.frames, "sends": sender.sends,
+                "resends": sender.resends, "token": u.token_ids[0] if u.token_ids else None, "ttft_s": u.ttft_s}
+
+    async def serve(self) -> None:
+        from . import rpc
+        server = rpc.server()
+        server.add_generic_rpc_handlers((rpc.handler({"Health": self.health, "Prefill": self.prefill},
+                                                     {"Decode": self.decode}),))
+        port = server.add_insecure_port(f"{self.inst.host}:{self.inst.port}")
+        await server.start()
+        info = {"name": self.inst.name, "role": self.inst.role, "address": f"{self.inst.host}:{port}",
+                "kv_address": list(self.intake.address) if self.intake else None, "pid": os.getpid(),
+                "cpus": sorted(os.sched_getaffinity(0))}
+        print(f"{READY} {json.dumps(info)}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await server.stop(1.0)
+        self.close()
+
+    def close(self) -> None:
+        for link in self.links.values():
+            link.close()
+        if self.feeder:
+            self.feeder.close()
+        if self.intake:
+            self.intake.close()
+        self.engine.shutdown()
+
+
+def run(cfg: Config, name: str) -> None:
+    inst = cfg.instance(name)
+    pin(inst)
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
+    asyncio.run(Worker(cfg, inst).serve())

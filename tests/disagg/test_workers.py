@@ -1,0 +1,148 @@
+"""Prefill and decode as two real worker processes (`jaxserve worker`), driven over gRPC, KV over TCP.
+
+The test plays the router's part: open a Decode stream on the decode worker (it reserves first), pass the
+reservation to the prefill worker's Prefill call, read the tokens from the stream. Tokens must equal the
+colocated engine's; a worker that is told the wrong role refuses; killing the prefill worker mid-request
+fails the decode side's reservation after its deadline with its blocks freed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+
+import grpc
+import pytest
+import yaml
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.engine.llm_engine import EngineConfig
+from jaxserve.worker.main import READY
+from jaxserve.worker.rpc import Client
+
+pytestmark = pytest.mark.slow
+
+BASE = [5, 7, 9, 11, 13, 2, 3, 4, 8, 10, 12, 14, 15, 6, 16, 17, 18, 19, 20, 21, 22]
+PROMPTS = [BASE[:13], BASE[:3], [30, 31] + BASE[:11]]
+ENGINE = dict(block_size=4, num_blocks=64, chunk_size=8, max_num_batched_tokens=16, max_prefill_seqs=2,
+              max_num_seqs=4, num_snapshots=8, warmup=False)
+GREEDY = dict(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def start_worker(cfg_path: str, name: str) -> tuple[subprocess.Popen, dict]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    p = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "worker", "--config", cfg_path, "--instance", name],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines = []
+    for line in p.stdout:
+        lines.append(line)
+        if line.startswith(READY):
+            return p, json.loads(line[len(READY):])
+    raise RuntimeError(f"worker {name} exited before ready:\n{''.join(lines)}")
+
+
+@pytest.fixture(scope="module")
+def cluster(checkpoint_dir, tmp_path_factory):
+    path = checkpoint_dir("kimi_linear")
+    cfg = {"model": {"path": path}, "engine": ENGINE,
+           "transfer": {"token": "test-token", "connections": 2, "chunk_mb": 0.01, "deadline_s": 120.0,
+                        "layers_per_group": 2},
+           "clusters": [{"name": "pd", "instances": [{"name": "p0", "role": "prefill", "cpus": [0]},
+                                                     {"name": "d0", "role": "decode", "cpus": [1]}]}]}
+    cfg_path = str(tmp_path_factory.mktemp("cfg") / "disagg.yaml")
+    with open(cfg_path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    procs = {}
+    try:
+        for name in ("p0", "d0"):
+            procs[name] = start_worker(cfg_path, name)
+        yield path, procs, cfg_path
+    finally:
+        for p, _ in procs.values():
+            p.terminate()
+            p.wait(30)
+
+
+async def disagg_request(p_addr, d_addr, rid, prompt, params):
+    d, p = Client(d_addr), Client(p_addr)
+    try:
+        stream = d.stream("Decode", {"request_id": rid, "prompt": prompt, "params": params, "kv_tokens": len(prompt)})
+        it = stream.__aiter__()
+        first = await it.__anext__()
+        res = await p.call("Prefill", {"request_id": rid, "prompt": prompt, "params": params,
+                                       "kv_tokens": len(prompt), "dst": first["reserved"]}, timeout=60)
+        last = None
+        async for msg in it:
+            last = msg["update"]
+        return first["reserved"], res, last
+    finally:
+        await d.close()
+        await p.close()
+
+
+def test_worker_processes_match_colocated(cluster):
+    path, procs, _ = cluster
+    (pp, pinfo), (dp, dinfo) = procs["p0"], procs["d0"]
+    assert pinfo["cpus"] == [0] and dinfo["cpus"] == [1]  # pinned before JAX started
+    assert dinfo["kv_address"] and pinfo["kv_address"] is None
+    want = [o.token_ids for o in LLM(path, progress=False, engine=EngineConfig(
+        **{k: v for k, v in ENGINE.items() if k != "warmup"})).generate(PROMPTS, SamplingParams(**GREEDY))]
+
+    async def run():
+        return await asyncio.gather(*(disagg_request(pinfo["address"], dinfo["address"], f"r{i}", p, GREEDY)
+                                      for i, p in enumerate(PROMPTS)))
+    results = asyncio.run(run())
+    for (reserved, res, last), p, w in zip(results, PROMPTS, want):
+        assert last["token_ids"] == w and last["finished"] and not last["error"]
+        assert res["token"] == w[0] and res["kv_bytes"] > 0 and res["sends"] >= 1
+    # no block held on either side once the requests are done
+    async def health():
+        out = []
+        for a in (pinfo["address"], dinfo["address"]):
+            c = Client(a)
+            out.append(await c.call("Health", {}))
+            await c.close()
+        return out
+    ph, dh = asyncio.run(health())
+    assert ph["stats"]["blocks_used"] == 0 and dh["stats"]["blocks_used"] == 0
+    assert ph["stats"]["running"] == 0 and dh["stats"]["running"] == 0
+
+
+def test_wrong_role_is_refused(cluster):
+    _, procs, _ = cluster
+
+    async def run():
+        c = Client(procs["d0"][1]["address"])
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await c.call("Prefill", {"request_id": "x", "prompt": [1], "kv_tokens": 1,
+                                         "dst": {"kv_address": ["127.0.0.1", 1], "blocks": [0], "skip": 0}})
+            return e.value
+        finally:
+            await c.close()
+    err = asyncio.run(run())
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "decode instance" in err.details()
+
+
+def test_reservation_without_prefill_fails_after_deadline_and_frees(cluster):
+    """Prefill never comes (as when its worker is killed before sending): decode fails the request cleanly."""
+    _, procs, _ = cluster
+    d_addr = procs["d0"][1]["address"]
+
+    async def run():
+        d = Client(d_addr)
+        try:
+            msgs = [m async for m in d.stream("Decode", {"request_id": "orphan", "prompt": BASE[:9],
+                                                          "params": GREEDY, "kv_tokens": 9,
+                                                          "deadline_s": 1.0}, timeout=30)]
+            h = await d.call("Health", {})
+            return msgs, h
+        finally:
+            await d.close()
+    msgs, h = asyncio.run(run())
+    assert "reserved" in msgs[0]
+    last = msgs[-1]["update"]
+    assert last["finished"] and last["finish_reason"] == "error" and "deadline" in last["error"]
+    assert h["stats"]["blocks_used"] == 0
