@@ -17,8 +17,6 @@ from transfer.receiver import KVReceiver, region_bytes
 from transfer.state import KVPoll
 from transfer.tcp import KVServer
 
-from ..cache.allocator import OutOfBlocks
-
 log = logging.getLogger("jaxserve.decode")
 
 
@@ -74,6 +72,3 @@ class KVIntake:
 
     def close(self) -> None:
         self.server.close()
-
-
-__all__ = ["KVIntake", "OutOfBlocks", "PoolFull"]

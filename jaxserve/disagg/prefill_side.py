@@ -67,7 +67,6 @@ class Handoff:
     layers_per_group: int | None = None  # streaming granularity (None: one group)
     request_id: str | None = None  # the id decode knows the request by (default: the sequence's)
     sender: KVSender | None = field(default=None, init=False)
-    ready: threading.Event = field(default_factory=threading.Event, init=False)
 
     def __call__(self, llm, seq, prefix) -> None:
         eng = llm.engine
@@ -78,7 +77,6 @@ class Handoff:
         st = plan.check(layout, dtype, self.dst_blocks, self.kv_tokens, self.skip)
         sender = KVSender(self.request_id or seq.request_id, self.link, plan, st)
         self.sender = sender
-        self.ready.set()
         sender.start()
         n = self.skip + plan.nblocks
         items = []
