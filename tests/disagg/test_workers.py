@@ -146,3 +146,37 @@ def test_reservation_without_prefill_fails_after_deadline_and_frees(cluster):
     last = msgs[-1]["update"]
     assert last["finished"] and last["finish_reason"] == "error" and "deadline" in last["error"]
     assert h["stats"]["blocks_used"] == 0
+
+
+def test_prefill_worker_killed_mid_request_frees_decode_blocks(cluster):
+    """A second prefill worker is killed (SIGKILL) while it serves Prefill: the decode side's request fails
+    with a clear error at its deadline, nothing hangs, and no block stays held on the decode worker."""
+    _, procs, cfg_path = cluster
+    victim, info = start_worker(cfg_path, "p0")
+    d_addr = procs["d0"][1]["address"]
+    prompt = BASE[:17]
+
+    async def run():
+        d, p = Client(d_addr), Client(info["address"])
+        try:
+            stream = d.stream("Decode", {"request_id": "killed", "prompt": prompt, "params": GREEDY,
+                                         "kv_tokens": len(prompt), "deadline_s": 5.0}, timeout=60)
+            it = stream.__aiter__()
+            first = await it.__anext__()
+            call = asyncio.ensure_future(p.call("Prefill", {"request_id": "killed", "prompt": prompt,
+                                                            "params": GREEDY, "kv_tokens": len(prompt),
+                                                            "dst": first["reserved"]}, timeout=60))
+            await asyncio.sleep(0)  # the call is on its way
+            victim.kill()
+            with pytest.raises(grpc.aio.AioRpcError):
+                await call
+            msgs = [m async for m in it]
+            return msgs, await d.call("Health", {})
+        finally:
+            await d.close()
+            await p.close()
+    msgs, h = asyncio.run(run())
+    victim.wait(30)
+    last = msgs[-1]["update"]
+    assert last["finished"] and last["finish_reason"] == "error" and "KV transfer failed" in last["error"]
+    assert h["stats"]["blocks_used"] == 0 and h["stats"]["running"] == 0
