@@ -23,10 +23,20 @@ import platform
 import socket
 import statistics
 import struct
+import threading
 import time
 
 import numpy as np
 from tqdm import tqdm
+
+from transfer.align import align
+from transfer.bufpool import RecvPool, aligned_empty
+from transfer.plan import TransferPlan, bucket
+from transfer.receiver import KVReceiver, region_bytes
+from transfer.sender import KVSender
+from transfer.state import KVPoll
+from transfer.tcp import KVServer, TcpLink
+from transfer.wire import recv_into_exact
 
 TOKEN = "bench-token"
 
@@ -41,9 +51,6 @@ def _layout(num_blocks: int):
 
 def _receiver(conn, raw_port_q):
     """Receiver process: a KVServer with a receive pool, and a raw-socket sink, driven over a pipe."""
-    from transfer.bufpool import RecvPool, aligned_empty
-    from transfer.receiver import KVReceiver, region_bytes
-    from transfer.tcp import KVServer
     server = KVServer(TOKEN)
     raw = socket.create_server(("127.0.0.1", 0))
     raw.listen(64)
@@ -71,10 +78,8 @@ def _receiver(conn, raw_port_q):
                 sink = aligned_empty(nbytes)
             per = -(-nbytes // nconn)
             socks = [raw.accept()[0] for _ in range(nconn)]
-            import threading
 
             def drain(i, s):
-                from transfer.wire import recv_into_exact
                 (n,) = struct.unpack("<Q", s.recv(8, socket.MSG_WAITALL))
                 recv_into_exact(s, memoryview(sink)[i * per:i * per + n])
                 s.sendall(b"k")
@@ -88,9 +93,6 @@ def _receiver(conn, raw_port_q):
 
 
 def _kv_once(ctrl, link, lay, arr, nblocks, rid):
-    from transfer.plan import TransferPlan
-    from transfer.sender import KVSender
-    from transfer.state import KVPoll
     blocks = list(range(nblocks))
     ctrl.send(("expect", rid, nblocks, blocks))
     assert ctrl.recv() == "ok"
@@ -113,7 +115,6 @@ def _raw_once(ctrl, port, buf, conns):
     socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(conns)]
     assert ctrl.recv() == "ok"
     per = -(-buf.nbytes // conns)
-    import threading
     view = memoryview(buf.reshape(-1).view(np.uint8))
 
     def push(i, s):
@@ -135,7 +136,6 @@ def efficiency(mb: int, conns: int, reps: int) -> dict:
     nblocks = max(1, mb // 2)
     lay = _layout(nblocks)
     rng = np.random.default_rng(0)
-    from transfer.plan import bucket
     arr = rng.integers(0, 2**16, (bucket(nblocks), 32, 2, 16, 8, 128), dtype=np.uint16)
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
@@ -144,7 +144,6 @@ def efficiency(mb: int, conns: int, reps: int) -> dict:
     proc.start()
     addr, raw_port = q.get(timeout=120)
     kv, raw, frames = [], [], 0
-    from transfer.tcp import TcpLink
     link = TcpLink(addr, TOKEN, connections=conns)  # links persist between transfers, as in a worker
     try:
         for i in tqdm(range(reps + 1), desc="transfer efficiency", unit="rep"):
@@ -167,7 +166,6 @@ def efficiency(mb: int, conns: int, reps: int) -> dict:
 def sends_per_request(num_requests: int, seed: int = 0) -> dict:
     """Per-block-per-layer sends vs aligned runs, on block lists from the real block managers under churn."""
     from jaxserve.cache.block_manager import BlockManager
-    from transfer.align import align
     rng = np.random.default_rng(seed)
     bs, layers = 16, 32
     pm, dm = BlockManager(4096, bs, 0, False), BlockManager(4096, bs, 0, False)

@@ -68,7 +68,7 @@ class KVSender:
                 k = min(chunk, off + n - o)
                 piece = flat[o:o + k]  # checksummed here, on the caller's thread, while earlier frames are sent
                 self._submit(wire.Frame(wire.DATA, self.request_id, meta={"a": index, "o": o}, payload=piece,
-                                        crc=wire.checksum(piece)))
+                                        digest=wire.checksum(piece)))
 
     def finish(self, record: dict) -> None:
         """Queue the first-token record; after it nothing more is sent."""

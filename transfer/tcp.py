@@ -189,7 +189,7 @@ class KVServer:
                 return wire.send_frame(conn, wire.Frame(wire.ACK, h.request_id, h.seq))
             check = wire.Checksum()
             wire.recv_into_exact(conn, view, check)
-            if check.digest() != h.crc:
+            if check.digest() != h.digest:
                 with self._lock:
                     self.corrupt_frames += 1
                 log.info("%s: checksum mismatch on array %d bytes [%d, %d); asking for a resend", h.request_id, a,
@@ -296,10 +296,10 @@ class TcpLink:
                 with conn.lock:
                     conn.outstanding[(f.request_id, f.seq)] = out
             try:
-                crc = wire.checksum(f.payload) if f.crc is None else f.crc
+                digest = wire.checksum(f.payload) if f.digest is None else f.digest
                 lost = f.kind == wire.DATA and self.shaper.lose()
                 hdr = wire.encode_header(wire.Frame(f.kind, f.request_id, f.seq, f.meta, f.payload,
-                                                    crc ^ 0xFFFFFFFF if lost else crc))
+                                                    digest ^ 0xFFFFFFFF if lost else digest))
                 self.metrics.add("in_flight", len(f.payload))
                 self.shaper.send(conn.sock, hdr)
                 if len(f.payload):

@@ -50,7 +50,7 @@ class Frame:
     seq: int = 0
     meta: dict = field(default_factory=dict)
     payload: memoryview | bytes = b""
-    crc: int | None = None  # computed on encode when None
+    digest: int | None = None  # computed on encode when None
 
     @property
     def name(self) -> str:
@@ -92,6 +92,8 @@ class Checksum:
 
 
 def checksum(buf) -> int:
+    if not len(buf):
+        return 0  # the digest of nothing (ACK / NACK / PLAN frames), without the numpy round trip
     c = Checksum()
     c.update(buf)
     return c.digest()
@@ -100,8 +102,8 @@ def checksum(buf) -> int:
 def encode_header(f: Frame) -> bytes:
     rid = f.request_id.encode()
     meta = json.dumps(f.meta, separators=(",", ":")).encode() if f.meta else b""
-    crc = checksum(f.payload) if f.crc is None else f.crc
-    return HEADER.pack(MAGIC, VERSION, f.kind, 0, f.seq, len(rid), len(meta), len(f.payload), crc) + rid + meta
+    digest = checksum(f.payload) if f.digest is None else f.digest
+    return HEADER.pack(MAGIC, VERSION, f.kind, 0, f.seq, len(rid), len(meta), len(f.payload), digest) + rid + meta
 
 
 def send_frame(sock: socket.socket, f: Frame) -> None:
@@ -138,7 +140,7 @@ class Header:
     request_id: str
     meta: dict
     payload_len: int
-    crc: int
+    digest: int
 
 
 def read_header(sock: socket.socket) -> Header:
@@ -147,7 +149,7 @@ def read_header(sock: socket.socket) -> Header:
     if not first:
         raise PeerClosed("peer closed the connection")
     raw = first + (recv_exact(sock, HEADER.size - len(first)) if len(first) < HEADER.size else b"")
-    magic, version, kind, _, seq, id_len, meta_len, payload_len, crc = HEADER.unpack(raw)
+    magic, version, kind, _, seq, id_len, meta_len, payload_len, digest = HEADER.unpack(raw)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {magic!r}: not a jaxserve KV connection")
     if version != VERSION:
@@ -158,7 +160,7 @@ def read_header(sock: socket.socket) -> Header:
         raise ProtocolError(f"meta record of {meta_len} bytes exceeds {MAX_META}")
     rid = recv_exact(sock, id_len).decode()
     meta = json.loads(recv_exact(sock, meta_len)) if meta_len else {}
-    return Header(kind, seq, rid, meta, payload_len, crc)
+    return Header(kind, seq, rid, meta, payload_len, digest)
 
 
 def discard(sock: socket.socket, n: int, scratch: memoryview) -> None:

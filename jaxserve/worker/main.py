@@ -87,6 +87,8 @@ class Worker:
 
     async def decode(self, req, ctx):
         import grpc
+        from transfer.bufpool import PoolFull
+        from ..cache.allocator import OutOfBlocks
         from ..engine.llm_engine import RequestError
         from ..sampling import SamplingParams
         if self.intake is None:
@@ -97,7 +99,7 @@ class Worker:
             q, (blocks, skip) = await self.engine.attach(rid, lambda eng: self._reserve(rid, req, params))
         except (RequestError, ValueError, TypeError) as e:
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except Exception as e:  # noqa: BLE001 - OutOfBlocks / PoolFull: no room right now
+        except (OutOfBlocks, PoolFull) as e:  # no room right now
             await ctx.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{type(e).__name__}: {e}")
         try:
             yield {"reserved": {"blocks": blocks, "skip": skip, "kv_address": list(self.intake.address)}}
