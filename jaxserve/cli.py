@@ -61,13 +61,16 @@ def serve(config: str = typer.Option(None, "--config", "-c", help="cluster YAML 
 
 
 @app.command()
-def worker(config: str = typer.Option(..., "--config", "-c", help="cluster YAML"),
-           instance: str = typer.Option(..., "--instance", help="the instance of the config this process runs")):
+def worker(config: str = typer.Option(None, "--config", "-c", help="cluster YAML (default: the embedded local.yaml)"),
+           instance: str = typer.Option(..., "--instance", help="the instance of the config this process runs"),
+           router: str = typer.Option(None, "--router", help="HOST:PORT of the router's control port to join"),
+           parent_pid: int = typer.Option(None, "--parent-pid", hidden=True,
+                                          help="exit when this process (the launching router) dies")):
     """Run one instance of a cluster (prefill, decode or both) as this process, controlled over gRPC."""
     from .config import ConfigFileError, load
     from .worker.main import run
     try:
-        run(load(config), instance)
+        run(load(config), instance, router, parent_pid)
     except ConfigFileError as e:
         typer.echo(f"config error: {e}", err=True)
         raise typer.Exit(2)

@@ -62,6 +62,8 @@ class InstanceSection(_Strict):
     host: str = Field("127.0.0.1", description="address the worker's gRPC and KV servers listen on")
     port: int = Field(0, ge=0, le=65535, description="gRPC control port (0: any free port)")
     kv_port: int = Field(0, ge=0, le=65535, description="KV data port of a decode instance (0: any free port)")
+    launch: bool = Field(True, description="`jaxserve serve` starts this worker as a child process; false: it "
+                                           "joins from another host (`jaxserve worker ... --router HOST:PORT`)")
 
     @model_validator(mode="after")
     def _devices(self):
@@ -95,6 +97,24 @@ class TransferSection(_Strict):
     leave_last_token: bool = Field(False, description="prefill leaves the last prompt token for decode to compute")
 
 
+class RouterSection(_Strict):
+    host: str = Field("127.0.0.1", description="address of the router's control port (worker registration)")
+    port: int = Field(0, ge=0, le=65535, description="control port (0: any free port)")
+    heartbeat_s: float = Field(1.0, gt=0, description="workers re-register this often")
+    down_after_s: float = Field(5.0, gt=0, description="a worker not heard from for this long is down")
+    ready_timeout_s: float = Field(900.0, gt=0, description="how long serve waits for its workers to register")
+    max_attempts: int = Field(3, ge=1, description="tries per request (prefill or decode failures retry)")
+    busy_wait_s: float = Field(30.0, ge=0, description="how long a request waits for a decode instance with room")
+    local_fallback: bool = Field(True, description="with no prefill instance left, run the request whole on "
+                                                   "one instance rather than failing it")
+
+    @model_validator(mode="after")
+    def _beat(self):
+        if self.down_after_s <= self.heartbeat_s:
+            raise ValueError(f"down_after_s ({self.down_after_s}) must exceed heartbeat_s ({self.heartbeat_s})")
+        return self
+
+
 class PolicySection(_Strict):
     name: str = "local"
     params: dict = Field(default_factory=dict)
@@ -118,6 +138,7 @@ class Config(_Strict):
         default_factory=lambda: [ClusterSection(name="local", instances=[InstanceSection(name="local-0")])])
     links: list[LinkSection] = Field(default_factory=list)
     transfer: TransferSection = Field(default_factory=TransferSection)
+    router: RouterSection = Field(default_factory=RouterSection)
     policy: PolicySection = Field(default_factory=PolicySection)
     server: ServerSection = Field(default_factory=ServerSection)
 
@@ -127,12 +148,20 @@ class Config(_Strict):
         dup = {n for n in names if names.count(n) > 1}
         if dup:
             raise ValueError(f"instance names must be unique: {sorted(dup)}")
+        if not any(i.role in ("decode", "both") for c in self.clusters for i in c.instances):
+            raise ValueError("clusters: no instance can decode (every instance has role 'prefill')")
         clusters = {c.name for c in self.clusters}
         for link in self.links:
             for end in (link.src, link.dst):
                 if end not in clusters:
                     raise ValueError(f"link end {end!r} is not a cluster ({sorted(clusters)})")
         return self
+
+    @property
+    def disaggregated(self) -> bool:
+        """Served through the router and worker processes (anything but one colocated instance)."""
+        insts = self.instances()
+        return not (len(insts) == 1 and insts[0].role == "both" and insts[0].launch)
 
     def instances(self) -> list[InstanceSection]:
         return [i for c in self.clusters for i in c.instances]

@@ -6,10 +6,17 @@ from jaxserve.config import ConfigFileError, load, parse
 from jaxserve.server.serve import check_servable
 
 
-@pytest.mark.parametrize("path", ["configs/local.yaml", "configs/colocated.yaml", None])
-def test_presets_load(path):
+@pytest.mark.parametrize("path,disaggregated", [("configs/local.yaml", True), ("configs/colocated.yaml", False),
+                                                ("configs/disagg.yaml", True), (None, True)])
+def test_presets_load(path, disaggregated):
     cfg = load(path)
-    check_servable(cfg)
+    assert cfg.disaggregated == disaggregated
+    if disaggregated:  # the router starts a prefill and a decode worker, each on its own core
+        roles = sorted(i.role for i in cfg.instances())
+        assert roles == ["decode", "prefill"] and all(i.launch and len(i.cpus) == 1 for i in cfg.instances())
+        assert len({i.cpus[0] for i in cfg.instances()}) == 2
+    else:
+        check_servable(cfg)
     assert cfg.engine.chunk_size % cfg.engine.block_size == 0
     cfg.engine.engine_config(cfg.server.max_waiting)  # the engine accepts it too
 
@@ -42,3 +49,7 @@ def test_disaggregated_layout_is_refused_by_the_colocated_server():
                                                           {"name": "d", "role": "decode"}]}]})
     with pytest.raises(ConfigFileError, match="one colocated instance"):
         check_servable(cfg)
+    with pytest.raises(ConfigFileError, match="no instance can decode"):
+        parse({"clusters": [{"name": "a", "instances": [{"name": "p", "role": "prefill"}]}]})
+    with pytest.raises(ConfigFileError, match="router: .*down_after_s .* must exceed heartbeat_s"):
+        parse({"router": {"heartbeat_s": 2, "down_after_s": 1}})

@@ -24,6 +24,10 @@ from .sequence import Sequence
 log = logging.getLogger("jaxserve.engine")
 
 
+class EngineUnavailable(RuntimeError):
+    """Nothing can take the request now (the server answers 503): e.g. no worker of a cluster is up."""
+
+
 @dataclass
 class Update:
     """A snapshot of one sequence after a step (safe to read on the loop: nothing in it is shared)."""
@@ -37,6 +41,7 @@ class Update:
     prompt_tokens: int
     error: str | None = None
     ttft_s: float | None = None  # arrival -> first token
+    route: dict | None = None  # where it ran, set by the router on the final update (server/app.py: meta)
 
 
 @dataclass
@@ -97,6 +102,10 @@ class AsyncEngine:
                     eng.abort(s.request_id)
                     self._owner.pop(s.request_id, None)
         self._cmds.put((abort, (), None))
+
+    def health(self) -> dict:
+        """{"status": "ok"} or {"status": "degraded", "error": ...} after a failed step (/health)."""
+        return {"status": "ok"} if self.error is None else {"status": "degraded", "error": self.error}
 
     def shutdown(self) -> None:
         self._stop = True

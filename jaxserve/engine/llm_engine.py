@@ -64,6 +64,15 @@ class RequestError(ValueError):
         self.param = param
 
 
+def encode(tokenizer: Tokenizer | None, prompt) -> list[int]:
+    """A text prompt (needs the tokenizer) or a token-id list -> token ids."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise RequestError("this model has no tokenizer.json: send token ids", "prompt")
+        return tokenizer.encode(prompt)
+    return [int(t) for t in prompt]
+
+
 class LLMEngine:
     def __init__(self, model: str, dtype: str = "float32", config: EngineConfig | None = None, mesh=None,
                  progress: bool = True):
@@ -97,13 +106,7 @@ class LLMEngine:
 
     # ---- requests
     def encode(self, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestError("this model has no tokenizer.json: send token ids", "prompt")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
-        return ids
+        return encode(self.tokenizer, prompt)
 
     def validate(self, ids: list[int], params: SamplingParams) -> None:
         V = self.model_config.vocab_size

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import Config
-from ..engine.async_engine import AsyncEngine, Update
+from ..engine.async_engine import AsyncEngine, EngineUnavailable, Update
 from ..engine.llm_engine import RequestError
 from ..engine.scheduler import QueueFull
 from .metrics import Metrics
@@ -41,8 +41,10 @@ def _logprobs_block(u: Update, start: int, tokenizer, chat: bool):
             "top_logprobs": [{piece(i): v for i, v in top} for _, top in items], "text_offset": []}
 
 
-def create_app(config: Config, engine: AsyncEngine, model_name: str, metrics: Metrics) -> FastAPI:
-    app = FastAPI(title="jaxserve", version="0.1.0")
+def create_app(config: Config, engine: AsyncEngine, model_name: str, metrics: Metrics, lifespan=None) -> FastAPI:
+    """engine: an AsyncEngine (colocated) or a router.cluster.ClusterEngine (the same interface over workers).
+    lifespan: FastAPI lifespan (the cluster's worker start-up and shutdown)."""
+    app = FastAPI(title="jaxserve", version="0.1.0", lifespan=lifespan)
     llm = engine.engine
     tok = llm.tokenizer
     srv = config.server
@@ -117,6 +119,8 @@ def create_app(config: Config, engine: AsyncEngine, model_name: str, metrics: Me
             raise APIError(400, str(e), param=e.param) from None
         except QueueFull as e:
             raise APIError(429, f"server busy: {e}; retry later", "rate_limit_exceeded", code="queue_full") from None
+        except EngineUnavailable as e:
+            raise APIError(503, f"no capacity: {e}", "server_error", code="unavailable") from None
         return rid, ids, q
 
     async def collect(request: Request, rid: str, q: asyncio.Queue, n: int):
@@ -144,9 +148,11 @@ def create_app(config: Config, engine: AsyncEngine, model_name: str, metrics: Me
 
     def meta(updates: list[Update]):
         ttft = [u.ttft_s for u in updates if u.ttft_s is not None]
-        return {"route": "local", "prefill_instance": instance, "decode_instance": instance,
-                "cached_tokens": max(u.cached_tokens for u in updates), "kv_bytes_transferred": 0,
-                "ttft_s": round(min(ttft), 6) if ttft else None}
+        route = updates[0].route or {"route": "local", "prefill_instance": instance, "decode_instance": instance}
+        kv = sum((u.route or {}).get("kv_bytes_transferred", 0) for u in updates)
+        return {"route": route["route"], "prefill_instance": route["prefill_instance"],
+                "decode_instance": route["decode_instance"], "cached_tokens": max(u.cached_tokens for u in updates),
+                "kv_bytes_transferred": kv, "ttft_s": round(min(ttft), 6) if ttft else None}
 
     def usage(updates: list[Update]):
         p = updates[0].prompt_tokens
@@ -210,9 +216,8 @@ def create_app(config: Config, engine: AsyncEngine, model_name: str, metrics: Me
     # ---- routes
     @app.get("/health")
     async def health():
-        if engine.error is not None:
-            return JSONResponse({"status": "degraded", "error": engine.error}, status_code=503)
-        return {"status": "ok"}
+        body = engine.health()
+        return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
 
     @app.get("/v1/models")
     async def models():

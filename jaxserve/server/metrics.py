@@ -8,9 +8,12 @@ _LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 class Metrics:
-    def __init__(self, stats_fn):
+    def __init__(self, stats_fn, cluster_fn=None):
+        """stats_fn: -> LLMEngine.stats()-shaped dict; cluster_fn: -> {"instances": registry state, "links":
+        {name: link snapshot}, "kv_bytes_transferred", "retries"} when serving a cluster."""
         self.registry = r = CollectorRegistry()
-        self.stats_fn = stats_fn  # -> LLMEngine.stats() dict
+        self.stats_fn = stats_fn
+        self.cluster_fn = cluster_fn
         self.requests = Counter("jaxserve_requests", "finished requests", ["finish_reason"], registry=r)
         self.errors = Counter("jaxserve_request_errors", "requests refused with an error", ["status"], registry=r)
         self.prompt_tokens = Counter("jaxserve_prompt_tokens", "prompt tokens of finished requests", registry=r)
@@ -30,23 +33,57 @@ class Metrics:
                           ("preemptions", "requests preempted for recompute so far")]:
             g[name] = Gauge(f"jaxserve_{name}", doc, registry=r)
         self.gauges = g
+        self.cluster = {
+            "up": Gauge("jaxserve_instance_up", "1 while the router counts the instance up", ["instance", "role"],
+                        registry=r),
+            "inflight": Gauge("jaxserve_instance_inflight", "requests the router has on the instance", ["instance"],
+                              registry=r),
+            "kv_bytes": Gauge("jaxserve_kv_bytes_transferred", "KV bytes acknowledged by decode instances so far",
+                              registry=r),
+            "retries": Gauge("jaxserve_router_retries", "requests placed again after a worker or transfer failure",
+                             registry=r)}
+        self.links = {k: Gauge(f"jaxserve_link_{k}", doc, ["link"], registry=r) for k, doc in [
+            ("throughput_bytes_s", "recent KV throughput of a link"), ("utilisation", "throughput / bandwidth"),
+            ("queue_depth", "frames waiting to be sent"), ("in_flight_bytes", "bytes sent, not yet acknowledged"),
+            ("resends", "frames sent again"), ("tcp_retransmits", "TCP retransmits (TCP_INFO)")]}
+
+    def observe(self, reason: str | None, prompt: int, cached: int, generated: int, ttft_s: float | None,
+                e2e_s: float | None) -> None:
+        self.requests.labels(reason or "unknown").inc()
+        self.prompt_tokens.inc(prompt)
+        self.cached_tokens.inc(cached)
+        self.generation_tokens.inc(generated)
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+            if e2e_s is not None and generated > 1:
+                self.tpot.observe((e2e_s - ttft_s) / (generated - 1))
+        if e2e_s is not None:
+            self.e2e.observe(e2e_s)
 
     def observe_finished(self, seq) -> None:
         """Called on the engine thread for every finished sequence."""
-        self.requests.labels(seq.finish_reason or "unknown").inc()
-        self.prompt_tokens.inc(len(seq.prompt))
-        self.cached_tokens.inc(seq.num_cached)
-        self.generation_tokens.inc(len(seq.output))
-        if seq.first_token_time is not None:
-            self.ttft.observe(seq.first_token_time - seq.arrival)
-            if seq.finish_time is not None and len(seq.output) > 1:
-                self.tpot.observe((seq.finish_time - seq.first_token_time) / (len(seq.output) - 1))
-        if seq.finish_time is not None:
-            self.e2e.observe(seq.finish_time - seq.arrival)
+        first = None if seq.first_token_time is None else seq.first_token_time - seq.arrival
+        e2e = None if seq.finish_time is None else seq.finish_time - seq.arrival
+        self.observe(seq.finish_reason, len(seq.prompt), seq.num_cached, len(seq.output), first, e2e)
+
+    def observe_update(self, u, e2e_s: float) -> None:
+        """A request's final Update as the router saw it (cluster serving)."""
+        self.observe(u.finish_reason, u.prompt_tokens, u.cached_tokens, len(u.token_ids), u.ttft_s, e2e_s)
 
     def render(self) -> bytes:
         # gauges read plain ints / floats the engine thread writes; a scrape may be one step stale
         for k, v in self.stats_fn().items():
             if k in self.gauges:
                 self.gauges[k].set(v)
+        if self.cluster_fn is not None:
+            c = self.cluster_fn()
+            for name, st in c["instances"].items():
+                self.cluster["up"].labels(name, st["role"]).set(1 if st["up"] else 0)
+                self.cluster["inflight"].labels(name).set(st["inflight"])
+            self.cluster["kv_bytes"].set(c["kv_bytes_transferred"])
+            self.cluster["retries"].set(c["retries"])
+            for link, snap in c["links"].items():
+                for k, gauge in self.links.items():
+                    if snap.get(k) is not None:
+                        gauge.labels(link).set(snap[k])
         return generate_latest(self.registry)

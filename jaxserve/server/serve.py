@@ -1,8 +1,17 @@
-"""`jaxserve serve`: build the engine a config describes, warm it up, and run the HTTP server (uvicorn)."""
+"""`jaxserve serve`: build what a config describes and run the HTTP server (uvicorn).
+
+One colocated instance (role `both`) runs in this process. Anything else is a cluster: this process is the
+router (router/cluster.py) and starts every instance with `launch: true` as a child worker process
+(router/launcher.py) when the server starts, waits until each has registered, and stops them all on exit.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
+import tempfile
+import time
 
 from ..bundled import resolve
 from ..config import Config, ConfigFileError
@@ -13,10 +22,10 @@ from .metrics import Metrics
 
 
 def check_servable(cfg: Config) -> None:
-    insts = cfg.instances()
-    if len(insts) != 1 or insts[0].role != "both":
-        raise ConfigFileError("clusters: this server runs one colocated instance (role 'both'); "
-                              f"the config has {[(i.name, i.role) for i in insts]}")
+    """A config this process can serve in-process (one colocated instance)."""
+    if cfg.disaggregated:
+        raise ConfigFileError("clusters: an in-process server runs one colocated instance (role 'both'); "
+                              f"the config has {[(i.name, i.role) for i in cfg.instances()]}")
 
 
 def make_mesh(inst, local: bool = False):
@@ -32,8 +41,11 @@ def make_mesh(inst, local: bool = False):
                          devices=[devs[i] for i in ids])
 
 
-def build(cfg: Config, progress: bool = True):
-    """(FastAPI app, AsyncEngine) for a colocated config."""
+def build(cfg: Config, progress: bool = True, echo=None):
+    """(FastAPI app, engine, served model name): an AsyncEngine for a colocated config, else a ClusterEngine
+    whose workers start with the app (lifespan). echo: prints the workers' output lines (None: keep quiet)."""
+    if cfg.disaggregated:
+        return build_cluster(cfg, progress, echo)
     check_servable(cfg)
     inst = cfg.instances()[0]
     mesh = make_mesh(inst)
@@ -47,9 +59,65 @@ def build(cfg: Config, progress: bool = True):
     return create_app(cfg, engine, name, metrics), engine, name
 
 
+def build_cluster(cfg: Config, progress: bool = True, echo=None):
+    import yaml
+    from router.cluster import ClusterEngine
+    from router.launcher import Launcher, WorkerExited
+    from ..tokenizer import Tokenizer
+    path = resolve(cfg.model.path, progress)  # before the workers start, so they find the bundled model built
+    name = cfg.model.name or os.path.basename(os.path.normpath(path))
+    cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": path})})
+    cluster = ClusterEngine(cfg, Tokenizer.maybe_load(path))
+    metrics = Metrics(cluster.engine.stats, cluster.metrics_state)
+    cluster.on_finish = metrics.observe_update
+    names = [i.name for i in cfg.instances() if i.launch]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        address = await cluster.start()
+        with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="jaxserve-", delete=False) as f:
+            yaml.safe_dump(cfg.model_dump(mode="json"), f)  # exactly this config, for the workers
+        launcher = Launcher(f.name, names, address, echo)
+        cluster.launcher = launcher
+        try:
+            launcher.start()
+            await wait_ready(cluster, launcher, names, cfg.router.ready_timeout_s, progress)
+            yield
+        finally:
+            await cluster.close()
+            launcher.stop()
+            os.unlink(f.name)
+
+    async def wait_ready(cluster, launcher, names, timeout, progress):
+        import asyncio
+        from tqdm import tqdm
+        t0 = time.monotonic()
+        bar = tqdm(total=len(names), desc="starting workers", unit="worker", disable=not progress, file=sys.stdout)
+        ready: set = set()
+        try:
+            while len(ready) < len(names):
+                launcher.check()
+                for n in names:
+                    w = cluster.registry.workers.get(n)
+                    if n not in ready and w is not None and cluster.registry.is_up(w):
+                        ready.add(n)
+                        bar.update(1)
+                        bar.set_postfix_str(f"{n} ({w.role}) after {time.monotonic() - t0:.1f}s")
+                if time.monotonic() - t0 > timeout:
+                    raise WorkerExited(f"workers {sorted(set(names) - ready)} did not register within {timeout}s "
+                                       "(router.ready_timeout_s)")
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(cluster.joined(), 0.5)
+        finally:
+            bar.close()
+
+    app = create_app(cfg, cluster, name, metrics, lifespan=lifespan)
+    return app, cluster, name
+
+
 def serve(cfg: Config, port: int | None = None, host: str | None = None) -> None:
     import uvicorn
-    app, engine, name = build(cfg)
+    app, engine, name = build(cfg, echo=lambda line: print(line, file=sys.stderr, flush=True))
     host = host or cfg.server.host
     port = cfg.server.port if port is None else port
     shown = "localhost" if host in ("0.0.0.0", "127.0.0.1") else host
@@ -60,4 +128,5 @@ def serve(cfg: Config, port: int | None = None, host: str | None = None) -> None
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning")
     finally:
-        engine.shutdown()
+        if hasattr(engine, "shutdown"):
+            engine.shutdown()

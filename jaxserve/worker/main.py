@@ -5,13 +5,18 @@ number of (CPU) devices *before* JAX is imported, since JAX sizes its thread poo
 only then does it build the engine on a mesh over its own devices, warm it up, and serve.
 
 Methods (rpc.py; JSON over gRPC):
-  Health    {} -> {"name", "role", "kv_address", "stats"}
+  Health    {} -> {"name", "role", "address", "kv_address", "max_model_len", "pid", "stats", "links"}
   Decode    (decode, stream) {"request_id", "prompt", "params", "kv_tokens", "deadline_s"?} -> first {"reserved": {"blocks",
             "skip", "kv_address"}}, then one {"update": ...} per engine step that changed the request. Closing
             the stream aborts the request (frees its slot and blocks).
   Prefill   (prefill) {"request_id", "prompt", "params", "kv_tokens", "sample", "dst": {"kv_address", "blocks",
             "skip"}} -> {"kv_bytes", "frames", "sends", "resends", "token", "ttft_s"} once decode has
             acknowledged every byte; gRPC ABORTED (with the reason) when the transfer failed.
+  Generate  (any role, stream) {"request_id", "prompt", "params"} -> one {"update": ...} per step: the whole
+            request on this instance (the router's fallback when no prefill / decode pair is available).
+With `--router HOST:PORT` the worker registers with the router and repeats the registration every
+`router.heartbeat_s` with its Health message (its heartbeat); the router refuses names and roles its config
+does not list, and workers that do not present the cluster token.
 When ready it prints one line `JAXSERVE_WORKER_READY {json}` with its addresses. Concurrency: one asyncio loop
 (gRPC server and handlers) plus the engine thread (engine/async_engine.py) plus the transfer threads.
 """
@@ -32,11 +37,20 @@ log = logging.getLogger("jaxserve.worker")
 READY = "JAXSERVE_WORKER_READY"
 
 
+class Refused(RuntimeError):
+    """The router does not accept this worker (not in its config, wrong role or token)."""
+
+
 def pin(inst: InstanceSection) -> None:
     """CPU affinity and device count for this process; must run before `import jax`."""
     if "jax" in sys.modules:
         raise RuntimeError("pin() must run before JAX is imported")
     if inst.cpus:
+        have = os.sched_getaffinity(0)
+        if not set(inst.cpus) <= have:
+            from ..config import ConfigFileError
+            raise ConfigFileError(f"clusters.instances[{inst.name}].cpus: {inst.cpus} but this process may run "
+                                  f"only on cores {sorted(have)}")
         os.sched_setaffinity(0, set(inst.cpus))
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", ",".join(str(d) for d in inst.devices))
     n = max(len(inst.devices), inst.tp)
@@ -52,6 +66,7 @@ class Worker:
         from ..engine.llm_engine import LLMEngine
         from ..server.serve import make_mesh
         self.cfg, self.inst = cfg, inst
+        self.address = None  # host:port once serving
         path = resolve(cfg.model.path, progress)
         self.llm = LLMEngine(path, cfg.model.dtype, cfg.engine.engine_config(cfg.server.max_waiting),
                              make_mesh(inst, local=True), progress)
@@ -79,11 +94,23 @@ class Worker:
         return self.links[key]
 
     # ---- methods
-    async def health(self, req, ctx):
+    async def health(self, req=None, ctx=None):
         stats = await self.engine.call(lambda eng: eng.stats())
         links = {f"{k[0]}:{k[1]}": v.metrics.snapshot() for k, v in self.links.items()}
-        return {"name": self.inst.name, "role": self.inst.role, "stats": stats, "links": links,
-                "kv_address": list(self.intake.address) if self.intake else None}
+        return {"name": self.inst.name, "role": self.inst.role, "address": self.address, "pid": os.getpid(),
+                "kv_address": list(self.intake.address) if self.intake else None,
+                "max_model_len": self.llm.max_model_len, "stats": stats, "links": links}
+
+    async def _updates(self, q, rid):
+        """The request's Updates as stream messages until it finishes; leaving early aborts it."""
+        try:
+            while True:
+                u = await q.get()
+                yield {"update": dataclasses.asdict(u)}
+                if u.finished:
+                    return
+        finally:
+            self.engine.abort(rid)
 
     async def decode(self, req, ctx):
         import grpc
@@ -103,14 +130,29 @@ class Worker:
             await ctx.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{type(e).__name__}: {e}")
         try:
             yield {"reserved": {"blocks": blocks, "skip": skip, "kv_address": list(self.intake.address)}}
-            while True:
-                u = await q.get()
-                yield {"update": dataclasses.asdict(u)}
-                if u.finished:
-                    return
+            async for msg in self._updates(q, rid):
+                yield msg
         finally:
             self.intake.cancel(rid)
             self.engine.abort(rid)
+
+    async def generate(self, req, ctx):
+        import grpc
+        from ..engine.llm_engine import RequestError
+        from ..engine.scheduler import QueueFull
+        from ..sampling import SamplingParams
+        rid = str(req["request_id"])
+        try:
+            params = SamplingParams(**req.get("params", {}))
+            if params.n != 1:
+                raise ValueError("Generate takes n = 1 (the router fans out n > 1)")
+            q = await self.engine.add(rid, list(req["prompt"]), params)
+        except (RequestError, ValueError, TypeError, KeyError) as e:
+            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except QueueFull as e:
+            await ctx.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"QueueFull: {e}")
+        async for msg in self._updates(q, rid):
+            yield msg
 
     def _reserve(self, rid, req, params):
         deadline = req.get("deadline_s")
@@ -158,14 +200,40 @@ class Worker:
         return {"kv_bytes": sender.bytes_acked, "frames": sender.frames, "sends": sender.sends,
                 "resends": sender.resends, "token": u.token_ids[0] if u.token_ids else None, "ttft_s": u.ttft_s}
 
-    async def serve(self) -> None:
+    async def heartbeat(self, router: str) -> None:
+        """Register with the router, then again every heartbeat_s with fresh stats, until cancelled."""
+        import grpc
+        from . import rpc
+        client = rpc.Client(router)
+        every = self.cfg.router.heartbeat_s
+        failing = False
+        try:
+            while True:
+                msg = {**await self.health(), "token": self.cfg.transfer.token}
+                try:
+                    await client.call("Register", msg, timeout=max(every, 1.0))
+                    if failing:
+                        log.warning("router %s reachable again", router)
+                    failing = False
+                except grpc.aio.AioRpcError as e:
+                    if e.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT):
+                        raise Refused(f"the router {router} refused this worker: {e.details()}") from None
+                    if not failing:
+                        log.warning("router %s unreachable (%s); retrying every %.1fs", router, e.code().name, every)
+                    failing = True
+                await asyncio.sleep(every)
+        finally:
+            await client.close()
+
+    async def serve(self, router: str | None = None) -> None:
         from . import rpc
         server = rpc.server()
         server.add_generic_rpc_handlers((rpc.handler({"Health": self.health, "Prefill": self.prefill},
-                                                     {"Decode": self.decode}),))
+                                                     {"Decode": self.decode, "Generate": self.generate}),))
         port = server.add_insecure_port(f"{self.inst.host}:{self.inst.port}")
         await server.start()
-        info = {"name": self.inst.name, "role": self.inst.role, "address": f"{self.inst.host}:{port}",
+        self.address = f"{self.inst.host}:{port}"
+        info = {"name": self.inst.name, "role": self.inst.role, "address": self.address,
                 "kv_address": list(self.intake.address) if self.intake else None, "pid": os.getpid(),
                 "cpus": sorted(os.sched_getaffinity(0))}
         print(f"{READY} {json.dumps(info)}", flush=True)
@@ -173,9 +241,15 @@ class Worker:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        beat = asyncio.ensure_future(self.heartbeat(router)) if router else None
+        waiters = [asyncio.ensure_future(stop.wait())] + ([beat] if beat else [])
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        for t in waiters:
+            t.cancel()
         await server.stop(1.0)
         self.close()
+        if beat is not None and beat.done() and not beat.cancelled() and beat.exception() is not None:
+            raise beat.exception()
 
     def close(self) -> None:
         for link in self.links.values():
@@ -187,8 +261,26 @@ class Worker:
         self.engine.shutdown()
 
 
-def run(cfg: Config, name: str) -> None:
+def die_with_parent(parent_pid: int) -> None:
+    """SIGTERM this process when `parent_pid` (the router that launched it) dies (Linux PR_SET_PDEATHSIG)."""
+    import ctypes
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        log.warning("PR_SET_PDEATHSIG unavailable: this worker outlives its launcher")
+    if os.getppid() != parent_pid:  # it died before the request took effect
+        raise SystemExit(f"the launching process {parent_pid} is gone")
+
+
+def run(cfg: Config, name: str, router: str | None = None, parent_pid: int | None = None) -> None:
+    """Run instance `name` of `cfg` in this process until SIGTERM / SIGINT; router: register there."""
+    if parent_pid is not None:
+        die_with_parent(parent_pid)
     inst = cfg.instance(name)
     pin(inst)
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
-    asyncio.run(Worker(cfg, inst).serve())
+    try:
+        asyncio.run(Worker(cfg, inst).serve(router))
+    except Refused as e:
+        log.error("%s", e)
+        raise SystemExit(2) from None

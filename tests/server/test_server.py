@@ -2,26 +2,19 @@
 (a random Kimi Linear checkpoint with a BPE tokenizer and chat template, built in a temporary directory)."""
 
 import json
-import socket
 import threading
 import time
 
 import httpx
 import numpy as np
 import pytest
-import uvicorn
 
 from jaxserve import bundled
 from jaxserve.config import parse
 from jaxserve.server.serve import build
+from tests.http_server import running
 
 KEY = "sk-test"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -34,19 +27,8 @@ def server(tmp_path_factory):
                  "server": {"api_keys": [KEY], "max_waiting": 2, "max_tokens_limit": 200, "max_n": 2,
                             "profile_dir": str(tmp_path_factory.mktemp("profiles"))}})
     app, engine, name = build(cfg, progress=False)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    t = threading.Thread(target=srv.run, daemon=True)
-    t.start()
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {KEY}"},
-                          timeout=120)
-    deadline = time.monotonic() + 60
-    while not srv.started:
-        assert time.monotonic() < deadline, "server did not start"
-        time.sleep(0.05)
-    yield client, engine
-    srv.should_exit = True
-    t.join(timeout=10)
+    with running(app, {"Authorization": f"Bearer {KEY}"}) as client:
+        yield client, engine
     engine.shutdown()
 
 

@@ -1,0 +1,359 @@
+"""The router's request path over worker processes: the AsyncEngine interface the HTTP app uses, for a cluster.
+
+Per request (the KV Messenger flow): pick a decode instance (policy.py) and open its `Decode` stream, which
+reserves cache space and validates the request (a bad one is refused before any prefill work); pick a
+prefill instance and call `Prefill` with the reservation, which returns once decode has acknowledged every
+KV byte; then relay the decode stream's Updates to the request's queue. n > 1 fans out into n requests with
+seeds seed, seed + 1, ... (as the colocated engine does).
+
+Faults: a prefill that fails (its worker died, or the transfer failed) closes the reservation (decode frees
+its blocks at once) and the request is placed again, on another prefill instance, or, when none is left,
+whole on the decode instance (`Generate`: prefill locally). A decode instance that fails before the client
+saw a token is avoided and the request placed again elsewhere; after tokens were streamed, it fails with a
+clear error. A worker whose call fails at the transport level is marked down (registry.py) until its next
+heartbeat. Every request ends with a final Update (tokens or an error): nothing hangs; at most
+`router.max_attempts` placements per request.
+
+Concurrency: everything runs on the router's asyncio loop (uvicorn's); one task per (sub-)request; gRPC
+channels are `grpc.aio`, one per worker address.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from jaxserve.config import Config
+from jaxserve.engine.async_engine import EngineUnavailable as Unavailable
+from jaxserve.engine.async_engine import Update
+from jaxserve.engine.llm_engine import RequestError, encode
+from jaxserve.engine.scheduler import QueueFull
+from jaxserve.sampling import SamplingParams
+from jaxserve.worker import rpc
+
+from .policy import least_loaded
+from .registry import Registry, RegistrationError, WorkerInfo
+
+log = logging.getLogger("jaxserve.router")
+Code = grpc.StatusCode
+# the call never reached a live worker, or the worker went away during it
+DEAD = (Code.UNAVAILABLE, Code.UNKNOWN, Code.INTERNAL, Code.CANCELLED)
+
+
+class _Retry(Exception):
+    """This placement failed in a way another placement may not (the reason is the message)."""
+
+
+@dataclass
+class _Sub:
+    """One sequence of a request, and where it runs now."""
+    rid: str
+    index: int
+    prompt: list[int]
+    params: dict  # SamplingParams fields (JSON)
+    kv_tokens: int
+    attempts: int = 0
+    xid: str = ""  # the id of the current placement on the workers
+    method: str = ""  # "Decode" (disaggregated) or "Generate" (whole request on one instance)
+    worker: WorkerInfo | None = None
+    call: object = None  # the open stream
+    it: object = None
+    reserved: dict | None = None
+    prefill: str | None = None
+    kv_bytes: int = 0
+    avoid: set = field(default_factory=set)  # instances that failed this request
+    avoid_prefill: set = field(default_factory=set)
+    ttft_s: float | None = None
+    errors: list = field(default_factory=list)
+
+    @property
+    def emitted(self) -> bool:
+        return self.ttft_s is not None
+
+    def route(self) -> dict:
+        name = self.worker.name if self.worker else None
+        return {"route": "local", "prefill_instance": self.prefill or name, "decode_instance": name,
+                "kv_bytes_transferred": self.kv_bytes, "attempts": self.attempts}
+
+
+class Frontend:
+    """What the HTTP app reads from `engine.engine`: tokenizer, encode, max_model_len, has_work, stats."""
+
+    def __init__(self, cluster: "ClusterEngine", tokenizer):
+        self.cluster, self.tokenizer = cluster, tokenizer
+
+    def encode(self, prompt) -> list[int]:
+        return encode(self.tokenizer, prompt)
+
+    @property
+    def max_model_len(self) -> int | None:
+        lens = [w.max_model_len for w in self.cluster.registry.workers.values()]
+        return min(lens) if lens else None
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.cluster.tasks)
+
+    def stats(self) -> dict:
+        """Sums over the instances' last heartbeats (the hit rate: their mean)."""
+        out: dict = {}
+        workers = self.cluster.registry.up()
+        for w in workers:
+            for k, v in w.stats.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    out[k] = out.get(k, 0) + v
+        if workers and "prefix_hit_rate" in out:
+            out["prefix_hit_rate"] /= len(workers)
+        return out
+
+
+class ClusterEngine:
+    def __init__(self, cfg: Config, tokenizer, on_finish=None):
+        self.cfg = cfg
+        self.registry = Registry({i.name: i.role for i in cfg.instances()}, cfg.router.down_after_s)
+        self.engine = Frontend(self, tokenizer)
+        self.on_finish = on_finish  # (final Update, seconds since arrival)
+        self.error: str | None = None  # the app's interface; a cluster reports its state through health()
+        self.tasks: dict[str, list[asyncio.Task]] = {}
+        self.kv_bytes_transferred = 0
+        self.retries = 0
+        self._clients: dict[str, rpc.Client] = {}
+        self._server = None
+        self._joined: asyncio.Event | None = None
+        self.address: str | None = None
+        self.launcher = None  # router/launcher.py, when serve started the workers
+
+    # ---- control port (worker registration)
+    async def start(self) -> str:
+        """Serve `Register` on router.host:router.port; returns host:port."""
+        self._joined = asyncio.Event()
+        self._server = rpc.server()
+        self._server.add_generic_rpc_handlers((rpc.handler({"Register": self._register}, {}),))
+        r = self.cfg.router
+        port = self._server.add_insecure_port(f"{r.host}:{r.port}")
+        await self._server.start()
+        self.address = f"{r.host}:{port}"
+        return self.address
+
+    async def _register(self, req, ctx):
+        if req.get("token") != self.cfg.transfer.token:
+            log.warning("registration from %s refused: wrong cluster token", req.get("name"))
+            await ctx.abort(Code.PERMISSION_DENIED, "wrong cluster token (transfer.token)")
+        try:
+            w = self.registry.register(req)
+        except RegistrationError as e:
+            log.warning("registration refused: %s", e)
+            await ctx.abort(Code.INVALID_ARGUMENT, str(e))
+        self._joined.set()
+        return {"name": w.name, "heartbeat_s": self.cfg.router.heartbeat_s}
+
+    async def joined(self) -> None:
+        """Wait for the next registration or heartbeat."""
+        await self._joined.wait()
+        self._joined.clear()
+
+    async def close(self) -> None:
+        for tasks in list(self.tasks.values()):
+            for t in tasks:
+                t.cancel()
+        for c in self._clients.values():
+            await c.close()
+        if self._server is not None:
+            await self._server.stop(0.5)
+
+    def metrics_state(self) -> dict:
+        """What server/metrics.py publishes for a cluster (instances, links, KV bytes, retries)."""
+        links = {snap.get("link", f"{w.name}:{addr}"): snap for w in self.registry.workers.values()
+                 for addr, snap in w.links.items()}
+        return {"instances": self.registry.state(), "links": links,
+                "kv_bytes_transferred": self.kv_bytes_transferred, "retries": self.retries}
+
+    def health(self) -> dict:
+        up = self.registry.up("decode") or (self.cfg.router.local_fallback and self.registry.up())
+        return {"status": "ok" if up else "degraded", "instances": self.registry.state(),
+                **({} if up else {"error": "no instance can decode"})}
+
+    # ---- requests (the AsyncEngine interface)
+    async def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> asyncio.Queue:
+        """Place the request (raises RequestError / QueueFull / Unavailable) and stream its Updates to a queue."""
+        arrival = time.monotonic()
+        seed = params.seed
+        if params.n > 1 and seed is None:
+            seed = random.randrange(2**31)
+        kv = len(prompt_ids) - 1 if self.cfg.transfer.leave_last_token and len(prompt_ids) > 1 else len(prompt_ids)
+        subs = [_Sub(request_id if params.n == 1 else f"{request_id}-{i}", i, list(prompt_ids),
+                     dataclasses.asdict(dataclasses.replace(params, n=1, seed=None if seed is None else seed + i)), kv)
+                for i in range(params.n)]
+        try:
+            for s in subs:
+                await self._place(s)
+        except BaseException:
+            for s in subs:
+                self._close(s)
+            raise
+        q: asyncio.Queue = asyncio.Queue()
+        tasks = [asyncio.ensure_future(self._drive(s, q, arrival)) for s in subs]
+        self.tasks[request_id] = tasks
+
+        def done(_):
+            if all(t.done() for t in tasks):
+                self.tasks.pop(request_id, None)
+        for t in tasks:
+            t.add_done_callback(done)
+        return q
+
+    def abort(self, request_id: str) -> None:
+        """The client went away: cancel its tasks, which close their streams (the workers abort and free)."""
+        for t in self.tasks.pop(request_id, []):
+            t.cancel()
+
+    # ---- placement
+    def _client(self, w: WorkerInfo) -> rpc.Client:
+        if w.address not in self._clients:
+            self._clients[w.address] = rpc.Client(w.address)
+        return self._clients[w.address]
+
+    def _down(self, w: WorkerInfo, e: grpc.aio.AioRpcError) -> None:
+        if e.code() in DEAD:
+            log.warning("%s failed (%s: %s); not used until it answers again", w.name, e.code().name, e.details())
+            self.registry.mark_down(w.name, f"{e.code().name}: {e.details()}")
+
+    async def _place(self, s: _Sub) -> None:
+        """Open the sequence's stream: a reservation on a decode instance, or (no decode instance up, local
+        fallback on) the whole request on another instance. Raises RequestError, QueueFull, Unavailable."""
+        r = self.cfg.router
+        deadline, delay, busy = time.monotonic() + r.busy_wait_s, 0.01, set()
+        while True:
+            if s.attempts >= r.max_attempts:
+                raise Unavailable(f"gave up after {s.attempts} attempts: {'; '.join(s.errors[-3:])}")
+            decodes = self.registry.up("decode", exclude=s.avoid)
+            free = [w for w in decodes if w.name not in busy]
+            if free:
+                w, method = least_loaded(free), "Decode"
+            elif not decodes and r.local_fallback and self.registry.up(exclude=s.avoid | busy):
+                w, method = least_loaded(self.registry.up(exclude=s.avoid | busy)), "Generate"
+            elif busy and time.monotonic() < deadline:
+                await asyncio.sleep(delay)
+                delay, busy = min(2 * delay, 0.5), set()
+                continue
+            elif busy:
+                raise QueueFull(f"no decode instance had room for {r.busy_wait_s}s")
+            else:
+                raise Unavailable("no instance is up to serve the request"
+                                  + (f" ({'; '.join(s.errors[-3:])})" if s.errors else ""))
+            try:
+                await self._open(s, w, method)
+                return
+            except grpc.aio.AioRpcError as e:
+                if e.code() == Code.INVALID_ARGUMENT:
+                    raise RequestError(e.details()) from None
+                if e.code() == Code.RESOURCE_EXHAUSTED:
+                    busy.add(w.name)
+                    continue
+                self._down(w, e)
+                s.avoid.add(w.name)
+                s.errors.append(f"{method} on {w.name}: {e.code().name}: {e.details()}")
+
+    async def _open(self, s: _Sub, w: WorkerInfo, method: str) -> None:
+        s.attempts += 1
+        s.xid = f"{s.rid}.{s.attempts}"
+        msg = {"request_id": s.xid, "prompt": s.prompt, "params": s.params}
+        if method == "Decode":
+            msg.update(kv_tokens=s.kv_tokens, deadline_s=self.cfg.transfer.deadline_s)
+        call = self._client(w).stream(method, msg)
+        it = call.__aiter__()
+        first = None
+        if method == "Decode":
+            try:
+                first = await it.__anext__()
+            except BaseException:
+                call.cancel()
+                raise
+        s.call, s.it, s.worker, s.method, s.prefill, s.kv_bytes = call, it, w, method, None, 0
+        s.reserved = first["reserved"] if first else None
+        w.inflight += 1
+
+    def _close(self, s: _Sub) -> None:
+        if s.call is not None:
+            s.call.cancel()  # the worker's stream ends: it aborts the request and frees its blocks
+            s.worker.inflight -= 1
+            s.call = None
+
+    async def _prefill(self, s: _Sub) -> None:
+        """Run the prompt on a prefill instance into the reservation. Raises _Retry; returns False when no
+        prefill instance is left (the caller prefills locally)."""
+        p = least_loaded(self.registry.up("prefill", exclude=s.avoid_prefill | {s.worker.name}))
+        if p is None:
+            return False
+        p.inflight += 1
+        try:
+            res = await self._client(p).call("Prefill", {
+                "request_id": s.xid, "prompt": s.prompt, "params": s.params, "kv_tokens": s.kv_tokens,
+                "sample": s.kv_tokens == len(s.prompt), "dst": s.reserved}, timeout=self.cfg.server.request_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            self._down(p, e)
+            s.avoid_prefill.add(p.name)
+            raise _Retry(f"prefill on {p.name} failed: {e.code().name}: {e.details()}") from None
+        finally:
+            p.inflight -= 1
+        p.served += 1
+        s.prefill, s.kv_bytes = p.name, int(res["kv_bytes"])
+        self.kv_bytes_transferred += s.kv_bytes
+        return True
+
+    # ---- one sequence, start to end
+    async def _drive(self, s: _Sub, q: asyncio.Queue, arrival: float) -> None:
+        def final(u: Update):
+            u.route = s.route()
+            q.put_nowait(u)
+            if self.on_finish is not None:
+                self.on_finish(u, time.monotonic() - arrival)
+
+        try:
+            while True:
+                try:
+                    if s.method == "Decode" and not await self._prefill(s):
+                        if not self.cfg.router.local_fallback:
+                            raise Unavailable("no prefill instance is up")
+                        w = s.worker  # prefill locally: the whole request on the decode instance
+                        self._close(s)
+                        await self._open(s, w, "Generate")
+                    async for msg in s.it:
+                        u = Update(**msg["update"])
+                        u.index = s.index
+                        if u.finished and u.error and not s.emitted:
+                            raise _Retry(f"{s.worker.name}: {u.error}")
+                        if u.token_ids and s.ttft_s is None:
+                            s.ttft_s = time.monotonic() - arrival
+                        u.ttft_s = s.ttft_s
+                        if u.finished:
+                            s.worker.served += 1
+                            final(u)
+                            return
+                        q.put_nowait(u)
+                    raise _Retry(f"{s.worker.name} closed the stream before the request finished")
+                except grpc.aio.AioRpcError as e:  # the open stream's worker failed
+                    if e.code() == Code.INVALID_ARGUMENT:
+                        raise RequestError(e.details()) from None
+                    self._down(s.worker, e)
+                    s.avoid.add(s.worker.name)
+                    err = f"{s.method} on {s.worker.name} failed: {e.code().name}: {e.details()}"
+                except _Retry as e:
+                    err = str(e)
+                s.errors.append(err)
+                self._close(s)
+                if s.emitted:
+                    raise Unavailable(f"{err} after streaming tokens; the request cannot be resumed")
+                self.retries += 1
+                log.warning("%s: %s; placing it again", s.rid, err)
+                await self._place(s)
+        except (RequestError, QueueFull, Unavailable) as e:
+            final(Update(s.index, [], "", True, "error", [], 0, len(s.prompt), error=str(e), ttft_s=s.ttft_s))
+        finally:
+            self._close(s)

@@ -1,0 +1,89 @@
+"""Start a config's local workers as child processes of `jaxserve serve`, and stop them all on exit.
+
+Each child is `python -m jaxserve.cli worker --config FILE --instance NAME --router ADDR`: it pins itself,
+builds its engine, and registers with the router (router/cluster.py), which is how readiness is known. A
+reader thread per child keeps its last output lines (shown when it dies before registering) and echoes them
+prefixed with the instance name. Children are started with `--parent-pid`: they ask the kernel for SIGTERM
+when this process dies (PR_SET_PDEATHSIG, worker/main.py), so a killed server leaves no orphan workers.
+Concurrency: the caller's thread plus one reader thread per child.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import subprocess
+import sys
+import threading
+
+
+class WorkerExited(RuntimeError):
+    """A child worker exited before it registered."""
+
+
+class Child:
+    def __init__(self, name: str, argv: list[str], echo):
+        self.name = name
+        self.tail: collections.deque[str] = collections.deque(maxlen=60)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self._echo = echo
+        self._reader = threading.Thread(target=self._read, name=f"worker-{name}-out", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.tail.append(line.rstrip("\n"))
+            if self._echo is not None:
+                self._echo(f"[{self.name}] {line.rstrip()}")
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def exited(self) -> int | None:
+        return self.proc.poll()
+
+    def output(self) -> str:
+        self._reader.join(timeout=2)
+        return "\n".join(self.tail)
+
+
+class Launcher:
+    def __init__(self, config_path: str | None, names: list[str], router_address: str, echo=None):
+        """config_path: the YAML the workers load (None: the embedded local.yaml). echo: line printer or None."""
+        self.config_path, self.names, self.router_address, self.echo = config_path, names, router_address, echo
+        self.children: dict[str, Child] = {}
+
+    def start(self) -> None:
+        for name in self.names:
+            argv = [sys.executable, "-m", "jaxserve.cli", "worker", "--instance", name, "--router", self.router_address,
+                    "--parent-pid", str(os.getpid())]
+            if self.config_path is not None:
+                argv[4:4] = ["--config", os.path.abspath(self.config_path)]
+            self.children[name] = Child(name, argv, self.echo)
+
+    def check(self) -> None:
+        """Raise WorkerExited (with its last output) if a child has exited."""
+        for c in self.children.values():
+            rc = c.exited()
+            if rc is not None:
+                raise WorkerExited(f"worker {c.name} exited with code {rc}; its last output:\n{c.output()}")
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one child (fault tests)."""
+        c = self.children[name]
+        c.proc.kill()
+        c.proc.wait(30)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM every child, then SIGKILL what is left after `timeout`."""
+        for c in self.children.values():
+            if c.exited() is None:
+                c.proc.terminate()
+        for c in self.children.values():
+            try:
+                c.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait(10)

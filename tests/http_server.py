@@ -1,0 +1,38 @@
+"""Run a FastAPI app under uvicorn on a free local port in a background thread (real HTTP for tests)."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+
+import httpx
+import uvicorn
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running(app, headers: dict | None = None, start_timeout: float = 300.0):
+    """-> an httpx.Client for the app; the app's lifespan (a cluster's workers) runs at start and stop."""
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    t = threading.Thread(target=srv.run, daemon=True)
+    t.start()
+    deadline = time.monotonic() + start_timeout
+    while not srv.started:
+        assert t.is_alive(), "the server failed to start (see the log above)"
+        assert time.monotonic() < deadline, "server did not start"
+        time.sleep(0.05)
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=headers or {}, timeout=300)
+    try:
+        yield client
+    finally:
+        client.close()
+        srv.should_exit = True
+        t.join(timeout=60)

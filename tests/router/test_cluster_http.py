@@ -1,0 +1,117 @@
+"""End to end over real processes: `jaxserve serve` of a disaggregated config (router in this process, a
+prefill and a decode worker as child processes pinned to cores 0 and 1, KV over TCP) returns exactly the
+tokens the colocated config returns, over HTTP, for a dense, an MLA and a hybrid model; the `jaxserve`
+object names the prefill and the decode instance and the KV bytes the model's cache groups say the prompt
+needs; no worker holds a block afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+import pytest
+
+from jaxserve.config import parse
+from jaxserve.models.cache_spec import cache_spec
+from jaxserve.models.config import load_config
+from jaxserve.server.serve import build
+from jaxserve.worker.rpc import Client
+from tests.http_server import running
+
+pytestmark = pytest.mark.slow
+
+BASE = [5, 7, 9, 11, 13, 2, 3, 4, 8, 10, 12, 14, 15, 6, 16, 17, 18, 19, 20, 21, 22]
+PROMPTS = [BASE[:13], BASE[:3], [30, 31] + BASE[:11], BASE[:21]]
+BS = 4
+ENGINE = dict(block_size=BS, num_blocks=64, chunk_size=8, max_num_batched_tokens=16, max_prefill_seqs=2,
+              max_num_seqs=4, num_snapshots=8, max_model_len=64, warmup=False)
+
+
+def config(path: str, instances: list[dict], **sections) -> dict:
+    return {"model": {"path": path, "name": "m"}, "engine": ENGINE,
+            "clusters": [{"name": "c", "instances": instances}], **sections}
+
+
+def disagg_config(path: str, extra_instances=(), **sections) -> dict:
+    return config(path, [{"name": "p0", "role": "prefill", "cpus": [0]}, *extra_instances,
+                         {"name": "d0", "role": "decode", "cpus": [1]}],
+                  transfer={"token": "tok", "connections": 2, "chunk_mb": 0.01, "layers_per_group": 2,
+                            "deadline_s": 20.0},
+                  router={"heartbeat_s": 0.5, "down_after_s": 3.0}, **sections)
+
+
+@contextlib.contextmanager
+def serving(cfg: dict):
+    app, engine, _ = build(parse(cfg), progress=False)
+    try:
+        with running(app) as client:
+            yield client, engine
+    finally:
+        if hasattr(engine, "shutdown"):
+            engine.shutdown()
+
+
+def complete(client, prompt, **kw) -> dict:
+    body = {"model": "m", "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 0,
+            **kw}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def tokens(choice) -> list[int]:
+    return [int(t) for t in choice["logprobs"]["tokens"]]  # no tokenizer: a token's text is its id
+
+
+def worker_stats(cluster) -> dict:
+    async def go():
+        out = {}
+        for w in cluster.registry.workers.values():
+            c = Client(w.address)
+            try:
+                out[w.name] = (await c.call("Health", {}, timeout=30))["stats"]
+            finally:
+                await c.close()
+        return out
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3", "kimi_linear"])
+def test_disaggregated_http_equals_colocated(family, checkpoint_dir):
+    path = checkpoint_dir(family)
+    sampled = dict(temperature=0.8, top_k=20, seed=1234, n=2)
+    with serving(config(path, [{"name": "solo", "role": "both"}])) as (client, _):
+        want = [complete(client, p) for p in PROMPTS]
+        want_sampled = complete(client, PROMPTS[0], **sampled)
+    spec = cache_spec(load_config(path))
+    with serving(disagg_config(path)) as (client, cluster):
+        got = [complete(client, p) for p in PROMPTS]
+        got_sampled = complete(client, PROMPTS[0], **sampled)
+        with client.stream("POST", "/v1/completions", json={
+                "model": "m", "prompt": PROMPTS[2], "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+                "stream": True, "logprobs": 0}) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        metrics = client.get("/metrics").text
+        health = client.get("/health").json()
+        stats = worker_stats(cluster)
+    for p, w, g in zip(PROMPTS, want, got):
+        assert tokens(g["choices"][0]) == tokens(w["choices"][0]), (family, p)
+        meta = g["jaxserve"]
+        assert meta["prefill_instance"] == "p0" and meta["decode_instance"] == "d0" and meta["route"] == "local"
+        skip = meta["cached_tokens"] // BS  # prefix blocks decode already held are not sent
+        assert meta["kv_bytes_transferred"] == spec.transfer_bytes(len(p), BS, 4, skip) > 0, (family, p, meta)
+        assert w["jaxserve"]["kv_bytes_transferred"] == 0 and w["jaxserve"]["prefill_instance"] == "solo"
+    assert got[0]["jaxserve"]["cached_tokens"] == 0
+    # n = 2 with a seed: two sub-requests with seeds seed, seed + 1, as the colocated engine samples them
+    assert [tokens(c) for c in got_sampled["choices"]] == [tokens(c) for c in want_sampled["choices"]]
+    assert got_sampled["jaxserve"]["kv_bytes_transferred"] > 0
+    # streaming: the same tokens; the final chunk carries the route
+    streamed = [int(t) for e in events for t in (e["choices"][0]["logprobs"] or {}).get("tokens", [])]
+    assert streamed == tokens(want[2]["choices"][0])
+    assert events[-1]["jaxserve"]["decode_instance"] == "d0" and events[-1]["choices"][0]["finish_reason"] == "length"
+    assert health["status"] == "ok" and health["instances"]["p0"]["up"] and health["instances"]["d0"]["role"] == "decode"
+    assert 'jaxserve_instance_up{instance="d0",role="decode"} 1.0' in metrics
+    assert "jaxserve_kv_bytes_transferred" in metrics and "jaxserve_link_throughput_bytes_s" in metrics
+    for name, st in stats.items():  # nothing held once every request is done
+        assert st["blocks_used"] == 0 and st["running"] == 0 and st["waiting"] == 0, (name, st)
