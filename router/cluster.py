@@ -50,6 +50,10 @@ class _Retry(Exception):
     """This placement failed in a way another placement may not (the reason is the message)."""
 
 
+class _Silent(Exception):
+    """The worker a call waits on stopped heartbeating (hung or partitioned): the call is abandoned."""
+
+
 @dataclass
 class _Sub:
     """One sequence of a request, and where it runs now."""
@@ -58,7 +62,8 @@ class _Sub:
     prompt: list[int]
     params: dict  # SamplingParams fields (JSON)
     kv_tokens: int
-    attempts: int = 0
+    attempts: int = 0  # placements opened
+    serial: int = 0  # numbers the placement ids
     xid: str = ""  # the id of the current placement on the workers
     method: str = ""  # "Decode" (disaggregated) or "Generate" (whole request on one instance)
     worker: WorkerInfo | None = None
@@ -230,8 +235,8 @@ class ClusterEngine:
         r = self.cfg.router
         deadline, delay, busy = time.monotonic() + r.busy_wait_s, 0.01, set()
         while True:
-            if s.attempts >= r.max_attempts:
-                raise Unavailable(f"gave up after {s.attempts} attempts: {'; '.join(s.errors[-3:])}")
+            if len(s.errors) >= r.max_attempts:
+                raise Unavailable(f"gave up after {len(s.errors)} failed attempts: {'; '.join(s.errors[-3:])}")
             decodes = self.registry.up("decode", exclude=s.avoid)
             free = [w for w in decodes if w.name not in busy]
             if free:
@@ -261,8 +266,8 @@ class ClusterEngine:
                 s.errors.append(f"{method} on {w.name}: {e.code().name}: {e.details()}")
 
     async def _open(self, s: _Sub, w: WorkerInfo, method: str) -> None:
-        s.attempts += 1
-        s.xid = f"{s.rid}.{s.attempts}"
+        s.serial += 1
+        s.xid = f"{s.rid}.{s.serial}"
         msg = {"request_id": s.xid, "prompt": s.prompt, "params": s.params}
         if method == "Decode":
             msg.update(kv_tokens=s.kv_tokens, deadline_s=self.cfg.transfer.deadline_s)
@@ -277,6 +282,7 @@ class ClusterEngine:
                 raise
         s.call, s.it, s.worker, s.method, s.prefill, s.kv_bytes = call, it, w, method, None, 0
         s.reserved = first["reserved"] if first else None
+        s.attempts += 1
         w.inflight += 1
 
     def _close(self, s: _Sub) -> None:
@@ -293,19 +299,35 @@ class ClusterEngine:
             return False
         p.inflight += 1
         try:
-            res = await self._client(p).call("Prefill", {
+            res = await self._watch(p, self._client(p).call("Prefill", {
                 "request_id": s.xid, "prompt": s.prompt, "params": s.params, "kv_tokens": s.kv_tokens,
-                "sample": s.kv_tokens == len(s.prompt), "dst": s.reserved}, timeout=self.cfg.server.request_timeout_s)
+                "sample": s.kv_tokens == len(s.prompt), "dst": s.reserved}, timeout=self.cfg.server.request_timeout_s))
         except grpc.aio.AioRpcError as e:
             self._down(p, e)
             s.avoid_prefill.add(p.name)
             raise _Retry(f"prefill on {p.name} failed: {e.code().name}: {e.details()}") from None
+        except _Silent as e:
+            s.avoid_prefill.add(p.name)
+            raise _Retry(f"prefill on {e}") from None
         finally:
             p.inflight -= 1
         p.served += 1
         s.prefill, s.kv_bytes = p.name, int(res["kv_bytes"])
         self.kv_bytes_transferred += s.kv_bytes
         return True
+
+    async def _watch(self, w: WorkerInfo, aw):
+        """Await `aw` (a call to worker w); give up with _Silent once the registry no longer counts w up."""
+        fut = asyncio.ensure_future(aw)
+        try:
+            while True:
+                done, _ = await asyncio.wait({fut}, timeout=self.cfg.router.heartbeat_s)
+                if done:
+                    return fut.result()
+                if not self.registry.is_up(w):
+                    raise _Silent(f"{w.name}: no heartbeat for {self.cfg.router.down_after_s}s")
+        finally:
+            fut.cancel()
 
     # ---- one sequence, start to end
     async def _drive(self, s: _Sub, q: asyncio.Queue, arrival: float) -> None:
@@ -324,7 +346,14 @@ class ClusterEngine:
                         w = s.worker  # prefill locally: the whole request on the decode instance
                         self._close(s)
                         await self._open(s, w, "Generate")
-                    async for msg in s.it:
+                    while True:
+                        try:
+                            msg = await self._watch(s.worker, s.it.__anext__())
+                        except StopAsyncIteration:
+                            break
+                        except _Silent as e:
+                            s.avoid.add(s.worker.name)
+                            raise _Retry(f"{s.method} on {e}") from None
                         u = Update(**msg["update"])
                         u.index = s.index
                         if u.finished and u.error and not s.emitted:

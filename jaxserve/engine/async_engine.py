@@ -61,6 +61,7 @@ class AsyncEngine:
         self._owner: dict[str, str] = {}  # sequence id -> request id (n > 1 gives several sequences)
         self._stop = False
         self.error: str | None = None
+        self.stats: dict = engine.stats()  # refreshed by the engine thread each iteration (readable anywhere)
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
 
@@ -131,6 +132,7 @@ class AsyncEngine:
             except queue.Empty:
                 pass
             if self._stop or not eng.has_work:
+                self.stats = eng.stats()
                 continue
             try:
                 changed = eng.step()
@@ -140,6 +142,7 @@ class AsyncEngine:
                 self._fail_all(self.error)
                 continue
             self._publish(changed)
+            self.stats = eng.stats()
 
     def _publish(self, changed: list[Sequence]) -> None:
         by_req: dict[str, list[Sequence]] = {}

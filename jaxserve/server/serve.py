@@ -41,11 +41,12 @@ def make_mesh(inst, local: bool = False):
                          devices=[devs[i] for i in ids])
 
 
-def build(cfg: Config, progress: bool = True, echo=None):
+def build(cfg: Config, progress: bool = True, echo=None, on_ready=None):
     """(FastAPI app, engine, served model name): an AsyncEngine for a colocated config, else a ClusterEngine
-    whose workers start with the app (lifespan). echo: prints the workers' output lines (None: keep quiet)."""
+    whose workers start with the app (lifespan). echo: prints the workers' output lines (None: keep quiet);
+    on_ready: called once the server can take requests."""
     if cfg.disaggregated:
-        return build_cluster(cfg, progress, echo)
+        return build_cluster(cfg, progress, echo, on_ready)
     check_servable(cfg)
     inst = cfg.instances()[0]
     mesh = make_mesh(inst)
@@ -56,10 +57,16 @@ def build(cfg: Config, progress: bool = True, echo=None):
     name = cfg.model.name or os.path.basename(os.path.normpath(path))
     metrics = Metrics(llm.stats)
     engine = AsyncEngine(llm, on_finish=metrics.observe_finished)
-    return create_app(cfg, engine, name, metrics), engine, name
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        if on_ready is not None:
+            on_ready()
+        yield
+    return create_app(cfg, engine, name, metrics, lifespan=lifespan), engine, name
 
 
-def build_cluster(cfg: Config, progress: bool = True, echo=None):
+def build_cluster(cfg: Config, progress: bool = True, echo=None, on_ready=None):
     import yaml
     from router.cluster import ClusterEngine
     from router.launcher import Launcher, WorkerExited
@@ -82,6 +89,8 @@ def build_cluster(cfg: Config, progress: bool = True, echo=None):
         try:
             launcher.start()
             await wait_ready(cluster, launcher, names, cfg.router.ready_timeout_s, progress)
+            if on_ready is not None:
+                on_ready()
             yield
         finally:
             await cluster.close()
@@ -117,14 +126,17 @@ def build_cluster(cfg: Config, progress: bool = True, echo=None):
 
 def serve(cfg: Config, port: int | None = None, host: str | None = None) -> None:
     import uvicorn
-    app, engine, name = build(cfg, echo=lambda line: print(line, file=sys.stderr, flush=True))
     host = host or cfg.server.host
     port = cfg.server.port if port is None else port
     shown = "localhost" if host in ("0.0.0.0", "127.0.0.1") else host
     auth = f" -H 'Authorization: Bearer {cfg.server.api_keys[0]}'" if cfg.server.api_keys else ""
-    print(f"\njaxserve: serving {name!r} at http://{shown}:{port}/v1  (Ctrl-C stops)\ntry:\n"
-          f"  curl -s http://{shown}:{port}/v1/completions -H 'Content-Type: application/json'{auth} "
-          f"-d '{{\"model\": \"{name}\", \"prompt\": \"Prefill and decode\", \"max_tokens\": 16}}'\n", flush=True)
+
+    def banner():
+        print(f"\njaxserve: serving {name!r} at http://{shown}:{port}/v1  (Ctrl-C stops)\ntry:\n"
+              f"  curl -s http://{shown}:{port}/v1/completions -H 'Content-Type: application/json'{auth} "
+              f"-d '{{\"model\": \"{name}\", \"prompt\": \"Prefill and decode\", \"max_tokens\": 16}}'\n",
+              flush=True)
+    app, engine, name = build(cfg, echo=lambda line: print(line, file=sys.stderr, flush=True), on_ready=banner)
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning")
     finally:

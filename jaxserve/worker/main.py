@@ -30,6 +30,7 @@ import logging
 import os
 import signal
 import sys
+import time
 
 from ..config import Config, InstanceSection
 
@@ -67,11 +68,16 @@ class Worker:
         from ..server.serve import make_mesh
         self.cfg, self.inst = cfg, inst
         self.address = None  # host:port once serving
+        t0 = time.monotonic()
         path = resolve(cfg.model.path, progress)
+        print(f"{inst.name}: loading {path} ({inst.role}, cores {sorted(os.sched_getaffinity(0))})", flush=True)
         self.llm = LLMEngine(path, cfg.model.dtype, cfg.engine.engine_config(cfg.server.max_waiting),
                              make_mesh(inst, local=True), progress)
         if cfg.engine.warmup:
-            self.llm.engine.warmup(progress)
+            print(f"{inst.name}: compiling the step programs (engine.warmup)", flush=True)
+            n = self.llm.engine.warmup(progress)
+            print(f"{inst.name}: {n} programs compiled", flush=True)
+        print(f"{inst.name}: engine ready after {time.monotonic() - t0:.1f}s", flush=True)
         self.engine = AsyncEngine(self.llm)
         t = cfg.transfer
         self.intake = self.feeder = None
@@ -95,7 +101,10 @@ class Worker:
 
     # ---- methods
     async def health(self, req=None, ctx=None):
-        stats = await self.engine.call(lambda eng: eng.stats())
+        """The Health call: stats taken on the engine thread, so they follow every earlier command."""
+        return self._describe(await self.engine.call(lambda eng: eng.stats()))
+
+    def _describe(self, stats: dict) -> dict:
         links = {f"{k[0]}:{k[1]}": v.metrics.snapshot() for k, v in self.links.items()}
         return {"name": self.inst.name, "role": self.inst.role, "address": self.address, "pid": os.getpid(),
                 "kv_address": list(self.intake.address) if self.intake else None,
@@ -209,7 +218,8 @@ class Worker:
         failing = False
         try:
             while True:
-                msg = {**await self.health(), "token": self.cfg.transfer.token}
+                # the engine thread's last snapshot: a long step or compile must not look like a dead worker
+                msg = {**self._describe(self.engine.stats), "token": self.cfg.transfer.token}
                 try:
                     await client.call("Register", msg, timeout=max(every, 1.0))
                     if failing:

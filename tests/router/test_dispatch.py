@@ -1,0 +1,232 @@
+"""The router's orchestration against scripted fake workers (real gRPC servers in this process, no model):
+registration, placement, retries with a fresh reservation, the local-prefill fallback, a hung worker found
+by its missing heartbeat, busy and invalid refusals, n > 1 fan-out, abort. The fakes speak the workers'
+protocol (worker/main.py); the real workers are exercised in test_cluster_http.py and test_faults.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import grpc
+import pytest
+
+from jaxserve.config import parse
+from jaxserve.engine.async_engine import EngineUnavailable
+from jaxserve.engine.llm_engine import RequestError
+from jaxserve.engine.scheduler import QueueFull
+from jaxserve.sampling import SamplingParams
+from jaxserve.worker import rpc
+from router.cluster import ClusterEngine
+
+TOKEN = "tok"
+
+
+class Fake:
+    """A worker whose answers are scripted: `prefill` in ok | abort | hang, `decode` in ok | full | invalid."""
+
+    def __init__(self, name, role, board, prefill="ok", decode="ok"):
+        self.name, self.role, self.board = name, role, board
+        self.prefill_mode, self.decode_mode = prefill, decode
+        self.opened, self.closed, self.prefills, self.generated = [], [], [], []
+        self.beating = True
+
+    async def start(self):
+        self.server = rpc.server()
+        self.server.add_generic_rpc_handlers((rpc.handler(
+            {"Prefill": self.prefill}, {"Decode": self.decode, "Generate": self.generate}),))
+        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        await self.server.start()
+
+    def health(self):
+        return {"name": self.name, "role": self.role, "address": self.address, "pid": 1, "max_model_len": 64,
+                "kv_address": ["127.0.0.1", 1] if self.role != "prefill" else None, "stats": {}, "links": {}}
+
+    @staticmethod
+    def output(req):
+        seed = req["params"].get("seed")
+        return [len(req["prompt"]), seed if seed is not None else 0]
+
+    async def decode(self, req, ctx):
+        if self.decode_mode == "full":
+            await ctx.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "OutOfBlocks: no room")
+        if self.decode_mode == "invalid":
+            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt too long")
+        xid = req["request_id"]
+        self.opened.append(xid)
+        arrived = self.board.setdefault(xid, asyncio.Event())
+        try:
+            yield {"reserved": {"blocks": [0], "skip": 0, "kv_address": ["127.0.0.1", 1]}}
+            await arrived.wait()
+            out = self.output(req)
+            yield {"update": update(out[:1], False)}
+            yield {"update": update(out, True)}
+        finally:
+            self.closed.append(xid)
+
+    async def prefill(self, req, ctx):
+        self.prefills.append(req["request_id"])
+        if self.prefill_mode == "abort":
+            await ctx.abort(grpc.StatusCode.ABORTED, "KV transfer failed: injected")
+        if self.prefill_mode == "hang":
+            self.beating = False  # as a hung process: no answer, no heartbeat
+            await asyncio.Event().wait()
+        self.board.setdefault(req["request_id"], asyncio.Event()).set()
+        return {"kv_bytes": 100, "frames": 1, "sends": 1, "resends": 0, "token": 0, "ttft_s": 0.0}
+
+    async def generate(self, req, ctx):
+        self.generated.append(req["request_id"])
+        yield {"update": update(self.output(req), True)}
+
+
+def update(tokens, finished):
+    return {"index": 0, "token_ids": tokens, "text": "", "finished": finished,
+            "finish_reason": "length" if finished else None, "logprobs": [], "cached_tokens": 0,
+            "prompt_tokens": 3, "error": None, "ttft_s": 0.01}
+
+
+@contextlib.asynccontextmanager
+async def cluster(fakes: dict, **router):
+    cfg = parse({"clusters": [{"name": "c", "instances": [{"name": n, "role": f[0]} for n, f in fakes.items()]}],
+                 "transfer": {"token": TOKEN},
+                 "router": {"heartbeat_s": 0.05, "down_after_s": 0.3, "busy_wait_s": 0.2, **router}})
+    board: dict = {}
+    workers = {n: Fake(n, role, board, **kw) for n, (role, kw) in fakes.items()}
+    ce = ClusterEngine(cfg, tokenizer=None)
+    await ce.start()
+    for w in workers.values():
+        await w.start()
+
+    async def beat():
+        client = rpc.Client(ce.address)
+        while True:
+            for w in workers.values():
+                if w.beating:
+                    await client.call("Register", {**w.health(), "token": TOKEN})
+            await asyncio.sleep(0.05)
+    beats = asyncio.ensure_future(beat())
+    while len(ce.registry.up()) < len(workers):
+        await ce.joined()
+    try:
+        yield ce, workers
+    finally:
+        beats.cancel()
+        await ce.close()
+        for w in workers.values():
+            await w.server.stop(0)
+
+
+async def result(q: asyncio.Queue, n=1):
+    final = {}
+    while len(final) < n:
+        u = await asyncio.wait_for(q.get(), 10)
+        if u.finished:
+            final[u.index] = u
+    return [final[i] for i in range(n)]
+
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0)
+P, D = ("prefill", {}), ("decode", {})
+
+
+def test_disaggregated_request_and_registration():
+    async def go():
+        async with cluster({"p0": P, "d0": D}) as (ce, w):
+            u, = await result(await ce.add("r", [1, 2, 3], GREEDY))
+            assert u.token_ids == [3, 0] and u.error is None
+            assert u.route == {"route": "local", "prefill_instance": "p0", "decode_instance": "d0",
+                               "kv_bytes_transferred": 100, "attempts": 1}
+            assert w["d0"].opened == ["r.1"] and w["p0"].prefills == ["r.1"]
+            c = rpc.Client(ce.address)
+            try:
+                for bad, code in [({"token": "nope"}, grpc.StatusCode.PERMISSION_DENIED),
+                                  ({"name": "stranger"}, grpc.StatusCode.INVALID_ARGUMENT),
+                                  ({"role": "decode"}, grpc.StatusCode.INVALID_ARGUMENT)]:
+                    with pytest.raises(grpc.aio.AioRpcError) as e:
+                        await c.call("Register", {**w["p0"].health(), "token": TOKEN, **bad})
+                    assert e.value.code() == code
+            finally:
+                await c.close()
+            assert sorted(ce.registry.workers) == ["d0", "p0"]
+            await asyncio.sleep(0.05)
+            assert ce.engine.has_work is False and w["d0"].closed == ["r.1"]
+    asyncio.run(go())
+
+
+def test_prefill_failure_retries_with_a_fresh_reservation():
+    async def go():
+        async with cluster({"p0": ("prefill", {"prefill": "abort"}), "p1": P, "d0": D}) as (ce, w):
+            u, = await result(await ce.add("r", [1, 2, 3], GREEDY))
+            assert u.error is None and u.route["prefill_instance"] == "p1" and u.route["attempts"] == 2
+            assert w["p0"].prefills == ["r.1"] and w["p1"].prefills == ["r.2"]
+            assert "r.1" in w["d0"].closed  # the first reservation was given back before the second was made
+            assert ce.registry.is_up(ce.registry.workers["p0"])  # a failed transfer is not a dead worker
+            assert ce.retries == 1
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("fallback", [True, False])
+def test_no_prefill_left_prefills_locally_or_fails(fallback):
+    async def go():
+        async with cluster({"p0": ("prefill", {"prefill": "abort"}), "d0": D}, local_fallback=fallback) as (ce, w):
+            u, = await result(await ce.add("r", [1, 2, 3], GREEDY))
+            if fallback:  # the whole request on the decode instance
+                assert u.error is None and u.token_ids == [3, 0] and w["d0"].generated == ["r.3"]
+                assert u.route["prefill_instance"] == u.route["decode_instance"] == "d0"
+                assert u.route["kv_bytes_transferred"] == 0
+            else:
+                assert u.finish_reason == "error" and "no prefill instance is up" in u.error
+    asyncio.run(go())
+
+
+def test_hung_prefill_is_abandoned_when_its_heartbeat_stops():
+    async def go():
+        async with cluster({"p0": ("prefill", {"prefill": "hang"}), "p1": P, "d0": D}) as (ce, w):
+            u, = await result(await ce.add("r", [1, 2, 3], GREEDY))
+            assert u.error is None and u.route["prefill_instance"] == "p1"
+            assert not ce.registry.is_up(ce.registry.workers["p0"])
+    asyncio.run(go())
+
+
+def test_refusals_busy_invalid_and_attempts():
+    async def go():
+        async with cluster({"p0": P, "d0": ("decode", {"decode": "invalid"})}) as (ce, w):
+            with pytest.raises(RequestError, match="prompt too long"):
+                await ce.add("r", [1, 2, 3], GREEDY)
+            assert w["p0"].prefills == []  # refused before any prefill work
+        async with cluster({"p0": P, "d0": ("decode", {"decode": "full"})}) as (ce, w):
+            with pytest.raises(QueueFull, match="no decode instance had room"):
+                await ce.add("r", [1, 2, 3], GREEDY)
+        async with cluster({"p0": ("prefill", {"prefill": "abort"}), "p1": ("prefill", {"prefill": "abort"}),
+                            "d0": D}, local_fallback=False, max_attempts=2) as (ce, w):
+            u, = await result(await ce.add("r", [1, 2, 3], GREEDY))
+            assert u.finish_reason == "error" and "gave up after 2 failed attempts" in u.error and "injected" in u.error
+        async with cluster({"p0": P, "d0": D}) as (ce, w):
+            await ce.close()
+            for f in w.values():
+                await f.server.stop(0)
+            ce.registry.mark_down("d0", "gone")
+            ce.registry.mark_down("p0", "gone")
+            with pytest.raises(EngineUnavailable, match="no instance is up"):
+                await ce.add("r", [1, 2, 3], GREEDY)
+            assert ce.health()["status"] == "degraded"
+    asyncio.run(go())
+
+
+def test_n_fans_out_with_consecutive_seeds_and_abort_frees():
+    async def go():
+        async with cluster({"p0": ("prefill", {"prefill": "hang"}), "d0": D}, down_after_s=30.0) as (ce, w):
+            q = await ce.add("r", [1, 2], SamplingParams(max_tokens=4, seed=7, n=2))
+            while len(w["p0"].prefills) < 2:
+                await asyncio.sleep(0.01)
+            assert sorted(w["d0"].opened) == ["r-0.1", "r-1.1"]
+            ce.abort("r")  # the client went away: both reservations and prefill calls are cancelled
+            for _ in range(100):
+                if len(w["d0"].closed) == 2:
+                    break
+                await asyncio.sleep(0.01)
+            assert sorted(w["d0"].closed) == ["r-0.1", "r-1.1"] and ce.tasks == {} and q.empty()
+        async with cluster({"p0": P, "d0": D}) as (ce, w):
+            ups = await result(await ce.add("r", [1, 2], SamplingParams(max_tokens=4, seed=7, n=2)), n=2)
+            assert [u.token_ids for u in ups] == [[2, 7], [2, 8]] and [u.index for u in ups] == [0, 1]
+    asyncio.run(go())
