@@ -119,43 +119,58 @@ def _from_layer(gl: GroupLayout, c):
     return jnp.concatenate([c["k"], c["v"]], axis=-1)[:, None]
 
 
-def gather(layout: PoolLayout, pool: list, block_table, src_rows, start, paged: bool = False) -> list:
+def _span(g: CacheGroup, span: tuple[int, int] | None) -> tuple[int, int]:
+    """The group's layer indices [j0, j1) that fall in the model layer range `span` (all when None)."""
+    if span is None:
+        return 0, len(g.layers)
+    js = [j for j, layer in enumerate(g.layers) if span[0] <= layer < span[1]]
+    return (js[0], js[-1] + 1) if js else (0, 0)
+
+
+def gather(layout: PoolLayout, pool: list, block_table, src_rows, start, paged: bool = False,
+           span: tuple[int, int] | None = None) -> list:
     """Per-layer caches for a batch: dense copies, or with `paged` (decode) `PagedKV` views of the full groups.
 
     block_table [B, W] int32 block ids (capacity W * block_size tokens); src_rows [B] int32 state rows;
-    start [B] int32 tokens already cached (state of rows with start == 0 reads as zeros).
+    start [B] int32 tokens already cached (state of rows with start == 0 reads as zeros); span: only the
+    model layers [lo, hi) (the others stay None).
     """
     B, W = block_table.shape
     cache: list = [None] * layout.num_layers
     fresh = start == 0
     for gi, (gl, arr) in enumerate(zip(layout.groups, pool)):
         g = gl.group
+        j0, j1 = _span(g, span)
+        if j0 == j1:
+            continue
         if g.kind == "full" and paged:
-            for j, layer in enumerate(g.layers):
-                cache[layer] = PagedKV(arr, block_table, gi, j)
+            for j in range(j0, j1):
+                cache[g.layers[j]] = PagedKV(arr, block_table, gi, j)
             continue
         if g.kind == "full":
-            x = arr[block_table]  # [B, W, L, E, bs, H, D]
+            x = arr[block_table, j0:j1]  # [B, W, L, E, bs, H, D]
             x = jnp.moveaxis(x, 2, 0)  # [L, B, W, E, bs, H, D]
-            x = jnp.swapaxes(x, 2, 3).reshape((len(g.layers), B, gl.entries, W * layout.block_size) + x.shape[-2:])
-            for j, layer in enumerate(g.layers):
-                cache[layer] = _to_layer(gl, x[j])
+            x = jnp.swapaxes(x, 2, 3).reshape((j1 - j0, B, gl.entries, W * layout.block_size) + x.shape[-2:])
+            for j in range(j0, j1):
+                cache[g.layers[j]] = _to_layer(gl, x[j - j0])
             continue
-        rows = jax.tree.map(lambda a: a[src_rows], arr)
+        rows = jax.tree.map(lambda a: a[src_rows, j0:j1], arr)
         rows = jax.tree.map(lambda a: jnp.where(fresh.reshape((B,) + (1,) * (a.ndim - 1)), 0, a), rows)
-        for j, layer in enumerate(g.layers):
+        for j in range(j0, j1):
             if g.kind == "sliding":
-                cache[layer] = _to_layer(gl, rows[:, j])
+                cache[g.layers[j]] = _to_layer(gl, rows[:, j - j0])
             else:
-                cache[layer] = {"conv": rows["conv"][:, j], "ssm": rows["ssm"][:, j]}
+                cache[g.layers[j]] = {"conv": rows["conv"][:, j - j0], "ssm": rows["ssm"][:, j - j0]}
     return cache
 
 
-def scatter(layout: PoolLayout, pool: list, cache: list[dict], batch: Batch, block_table, dst_rows, snap_rows) -> list:
+def scatter(layout: PoolLayout, pool: list, cache: list[dict], batch: Batch, block_table, dst_rows, snap_rows,
+            span: tuple[int, int] | None = None) -> list:
     """Write what a step added back into the pool.
 
     cache: the model's updated per-layer caches (from `gather`); block_table [B, W]; dst_rows [B] and
-    snap_rows [B] int32 state rows (the scratch row where nothing is to be saved).
+    snap_rows [B] int32 state rows (the scratch row where nothing is to be saved); span: only the model
+    layers [lo, hi) were run (the rest of the pool is returned as it was).
     """
     bs = layout.block_size
     pos = batch.positions  # [B, T]
@@ -165,26 +180,31 @@ def scatter(layout: PoolLayout, pool: list, cache: list[dict], batch: Batch, blo
     out = []
     for gl, arr in zip(layout.groups, pool):
         g = gl.group
-        if isinstance(cache[g.layers[0]], PagedKV):  # the layers wrote their tokens into the blocks themselves
-            out.append(cache[g.layers[-1]].pool)
+        j0, j1 = _span(g, span)
+        if j0 == j1:
+            out.append(arr)
+            continue
+        layers = g.layers[j0:j1]
+        if isinstance(cache[layers[0]], PagedKV):  # the layers wrote their tokens into the blocks themselves
+            out.append(cache[layers[-1]].pool)
             continue
         if g.kind == "full":
             S = block_table.shape[1] * bs
             idx = jnp.clip(pos, 0, S - 1)
             new = []
-            for layer in g.layers:
+            for layer in layers:
                 x = _from_layer(gl, cache[layer])  # [B, E, S, H, D]
                 new.append(jnp.take_along_axis(x, idx[:, None, :, None, None], axis=2))  # [B, E, T, H, D]
             vals = jnp.stack(new, axis=0)  # [L, B, E, T, H, D]
             vals = jnp.transpose(vals, (1, 3, 0, 2, 4, 5))  # [B, T, L, E, H, D]
-            out.append(arr.at[blk, :, :, off].set(vals.astype(arr.dtype), mode="drop"))
+            out.append(arr.at[blk, j0:j1, :, off].set(vals.astype(arr.dtype), mode="drop"))
             continue
         if g.kind == "sliding":
-            vals = jnp.stack([_from_layer(gl, cache[layer]) for layer in g.layers], axis=1)
+            vals = jnp.stack([_from_layer(gl, cache[layer]) for layer in layers], axis=1)
         else:
-            vals = {k: jnp.stack([cache[layer][k] for layer in g.layers], axis=1) for k in ("conv", "ssm")}
-        arr = jax.tree.map(lambda a, v: a.at[dst_rows].set(v.astype(a.dtype)), arr, vals)
-        arr = jax.tree.map(lambda a, v: a.at[snap_rows].set(v.astype(a.dtype)), arr, vals)
+            vals = {k: jnp.stack([cache[layer][k] for layer in layers], axis=1) for k in ("conv", "ssm")}
+        arr = jax.tree.map(lambda a, v: a.at[dst_rows, j0:j1].set(v.astype(a.dtype)), arr, vals)
+        arr = jax.tree.map(lambda a, v: a.at[snap_rows, j0:j1].set(v.astype(a.dtype)), arr, vals)
         out.append(arr)
     return out
 

@@ -1,12 +1,14 @@
 """Prefill instance: after a request's last prompt chunk, hand its KV to a `KVSender` instead of decoding it.
 
 A `Handoff` is attached to the sequence (`Sequence.handoff`) when the request is queued, with where decode
-reserved the KV (its block ids, the prefix blocks it already holds) and the link to it. The engine thread
-calls it when prefill finishes: it builds the plan (FlowKV runs of sender vs receiver blocks), starts the
-sender (the plan frame goes out), and dispatches one export program per layer group. The device arrays go to
-the `Feeder` thread, which waits for each (JAX dispatch is asynchronous, so the engine thread moves on to the
-next step at once), wraps it with DLPack and queues its sends, then the first-token record. Concurrency: the
-engine thread builds and dispatches; one feeder thread per instance blocks on device results and sockets.
+reserved the KV (its block ids, the prefix blocks it already holds) and the link to it. Before the step that
+runs the request's last prompt chunk, the engine thread calls `begin`: it builds the plan (FlowKV runs of
+sender vs receiver blocks) and starts the sender (the plan frame goes out). With `layers_per_group` the step
+then runs as one program per layer group and, as each is dispatched, `export(k)` dispatches that group's
+export program: the device arrays go to the `Feeder` thread, which waits for each (JAX dispatch is
+asynchronous: group k's KV is sent while groups k+1.. still compute), wraps it with DLPack and queues its
+sends. `finish` sends what is left and the first-token record. Concurrency: the engine thread builds and
+dispatches; one feeder thread per instance blocks on device results and sockets.
 """
 
 from __future__ import annotations
@@ -57,31 +59,52 @@ class Feeder:
 
 @dataclass
 class Handoff:
-    """Where one request's KV goes; called by the engine thread when its prefill completes."""
+    """Where one request's KV goes, and its transfer. The engine thread calls `begin` before the step that
+    runs the request's last prompt chunk, `export(k)` as layer group k's program is dispatched (layer-wise
+    streaming), and `finish` after the step with the sampled first token; `abort` if the step fails."""
     link: object  # transfer backend link to the decode instance
     feeder: Feeder
     dst_blocks: list[int]
     skip: int  # leading blocks decode already holds
     kv_tokens: int  # tokens whose KV is sent (the prompt, or all but its last token)
     sample: bool = True  # send the first sampled token (False: decode computes the last prompt token)
-    layers_per_group: int | None = None  # streaming granularity (None: one group)
+    layers_per_group: int | None = None  # streaming granularity (None: one group, sent after the step)
     request_id: str | None = None  # the id decode knows the request by (default: the sequence's)
     sender: KVSender | None = field(default=None, init=False)
 
-    def __call__(self, llm, seq, prefix) -> None:
+    def begin(self, llm, seq) -> list[tuple[int, int]] | None:
+        """Plan the transfer and send the plan. Returns the layer groups to run the step as (None: one
+        program, everything exported after it)."""
         eng = llm.engine
         layout = eng.layout
         dtype = llm.dtype_name
-        groups = layer_groups(layout.num_layers, self.layers_per_group)
-        plan = TransferPlan.build(layout, dtype, self.kv_tokens, seq.block_ids, self.dst_blocks, self.skip, groups)
-        st = plan.check(layout, dtype, self.dst_blocks, self.kv_tokens, self.skip)
-        sender = KVSender(self.request_id or seq.request_id, self.link, plan, st)
-        self.sender = sender
-        sender.start()
-        n = self.skip + plan.nblocks
-        items = []
-        for k in range(len(groups)):
-            items.extend(eng.export_kv(st, k, seq.block_ids[self.skip:n], seq.slot))
+        self._groups = layer_groups(layout.num_layers, self.layers_per_group)
+        plan = TransferPlan.build(layout, dtype, self.kv_tokens, seq.block_ids, self.dst_blocks, self.skip,
+                                  self._groups)
+        self._staging = plan.check(layout, dtype, self.dst_blocks, self.kv_tokens, self.skip)
+        self.sender = KVSender(self.request_id or seq.request_id, self.link, plan, self._staging)
+        self.sender.start()
+        self._engine, self._seq = eng, seq
+        self._blocks = seq.block_ids[self.skip:self.skip + plan.nblocks]
+        self._exported: set[int] = set()
+        return self._groups if len(self._groups) > 1 else None
+
+    def export(self, k: int) -> None:
+        """Dispatch layer group k's export (its program reads the pool as the step's group k left it) and
+        queue the arrays to the feeder, which sends each as soon as it is computed."""
+        if k in self._exported:
+            return
+        self._exported.add(k)
+        items = self._engine.export_kv(self._staging, k, self._blocks, self._seq.slot)
+        self.feeder.put(self.sender, items, None)
+
+    def finish(self, prefix) -> None:
+        for k in range(len(self._groups)):
+            self.export(k)
         record = ({"token": prefix.token, "logprob": prefix.logprob, "top": [list(t) for t in prefix.top]}
                   if self.sample else {"token": None})
-        self.feeder.put(sender, items, record)
+        self.feeder.put(self.sender, [], record)
+
+    def abort(self, reason: str) -> None:
+        if self.sender is not None:
+            self.sender.abort(reason)

@@ -204,11 +204,29 @@ class LLMEngine:
                 rows.append(PrefillRow(seq.request_id, seq.tokens[c.start:c.end], c.start, seq.block_ids, src,
                                        seq.slot, snap, c.last, seq.params, len(seq.output),
                                        seq.tokens if c.last else None))
-            for c, prefix in zip(plan.prefills, self.engine.prefill(rows)):
+            # prefill instance: requests whose last chunk runs now hand their KV to decode elsewhere. With
+            # layer-wise streaming the step runs as layer groups and each group's KV is exported as soon as
+            # its program is dispatched, so it travels while the later groups compute.
+            due = [(c.seq.handoff, c.seq) for c in plan.prefills if c.last and c.seq.handoff is not None]
+            stages, streamed = None, []
+            for h, seq in due:
+                groups = h.begin(self, seq)
+                if groups is not None and (stages is None or groups == stages):
+                    stages = groups
+                    streamed.append(h)
+            on_stage = (lambda k: [h.export(k) for h in streamed]) if streamed else None
+            try:
+                prefixes = self.engine.prefill(rows, stages, on_stage)
+            except BaseException as e:
+                for h, _ in due:
+                    h.abort(f"prefill step failed: {type(e).__name__}: {e}")
+                raise
+            for c, prefix in zip(plan.prefills, prefixes):
                 self.scheduler.complete_prefill(c)
                 if prefix is not None and c.seq.handoff is not None:
-                    # prefill instance: export the KV for decode elsewhere; the blocks stay as prefix cache
-                    c.seq.handoff(self, c.seq, prefix)
+                    # the remaining layer groups (all of them when not streamed) and the first token leave
+                    # now; the blocks stay here as prefix cache
+                    c.seq.handoff.finish(prefix)
                     c.seq.first_token_time = c.seq.finish_time = time.monotonic()
                     c.seq.output.append(prefix.token)
                     self.scheduler.finish(c.seq, "handoff")

@@ -106,6 +106,19 @@ class Engine:
             zeros = jnp.zeros(pmask.shape, jnp.int32)
             return (pool,) + sample(logits[:, 0], st, pmask, zeros)
 
+        def stage_fn(state, pool, x, batch, table, src, dst, snap, st, pmask, *, lo, hi, last):
+            # one layer group of a prefill: layers lo..hi-1 (embedding first, LM head and sampling last)
+            m = model(state)
+            cache = gather(layout, pool, table, src, batch.start, span=(lo, hi))
+            if lo == 0:
+                x = m.embed(batch)
+            x, cache = m.run_layers(x, batch, cache, lo, hi)
+            pool = scatter(layout, pool, cache, batch, table, dst, snap, span=(lo, hi))
+            if not last:
+                return pool, x
+            logits = m.head(x, jnp.maximum(batch.lengths - 1, 0)[:, None])
+            return (pool,) + sample(logits[:, 0], st, pmask, jnp.zeros(pmask.shape, jnp.int32))
+
         def decode_fn(state, pool, prompt_mask, out_counts, batch, table, rows, st):
             cache = gather(layout, pool, table, rows, batch.start, paged=True)
             logits, cache = model(state)(batch, cache, jnp.zeros((batch.tokens.shape[0], 1), jnp.int32))
@@ -118,6 +131,7 @@ class Engine:
             return prompt_mask.at[slot].set(mask_row), out_counts.at[slot].set(0).at[slot, token].set(1)
 
         self._prefill = jax.jit(prefill_fn, donate_argnums=(1,))
+        self._stage = jax.jit(stage_fn, donate_argnums=(1,), static_argnames=("lo", "hi", "last"))
         self._decode = jax.jit(decode_fn, donate_argnums=(1, 3))
         self._insert = jax.jit(insert_fn, donate_argnums=(0, 1))
         self._io = DeviceIO()
@@ -137,7 +151,11 @@ class Engine:
         return m
 
     # ---- protocol
-    def prefill(self, rows: list[PrefillRow]) -> list[Prefix | None]:
+    def prefill(self, rows: list[PrefillRow], stages: list[tuple[int, int]] | None = None,
+                on_stage=None) -> list[Prefix | None]:
+        """One prefill step over `rows`. stages: run the layers as these groups [(lo, hi)], one program each,
+        calling on_stage(k) once group k's program is dispatched (its KV is in the pool for the programs
+        dispatched next: layer-wise export); None: one program for the whole model."""
         if not rows or len(rows) > self.max_prefill_seqs:
             raise ValueError(f"prefill takes 1..{self.max_prefill_seqs} rows, got {len(rows)}")
         B = 1 if len(rows) == 1 else self.max_prefill_seqs  # two batch shapes: fewer programs to compile
@@ -159,10 +177,24 @@ class Engine:
         min_w = max(-(-(r.start + len(r.tokens)) // bs) for r in rows)
         table = self._table([r.block_ids for r in rows], B, min_w)
         st = SamplingTensors.from_params([r.params for r in rows], [r.step for r in rows], B)
-        self.programs.add(("prefill", B, T, table.shape[1]))
         batch = Batch(jnp.asarray(tokens), jnp.asarray(start), jnp.asarray(lengths))
-        self.pool, tok, lp, ids, tlp = self._prefill(self.state, self.pool, batch, jnp.asarray(table), jnp.asarray(src),
-                                                     jnp.asarray(dst), jnp.asarray(snap), st, jnp.asarray(pmask))
+        args = (batch, jnp.asarray(table), jnp.asarray(src), jnp.asarray(dst), jnp.asarray(snap), st,
+                jnp.asarray(pmask))
+        if stages is None:
+            self.programs.add(("prefill", B, T, table.shape[1]))
+            self.pool, tok, lp, ids, tlp = self._prefill(self.state, self.pool, *args)
+        else:
+            x = None
+            for k, (lo, hi) in enumerate(stages):
+                last = k == len(stages) - 1
+                self.programs.add(("prefill", B, T, table.shape[1], lo, hi))
+                out = self._stage(self.state, self.pool, x, *args, lo=lo, hi=hi, last=last)
+                self.pool, rest = out[0], out[1:]
+                if not last:
+                    x, = rest
+                if on_stage is not None:
+                    on_stage(k)
+            tok, lp, ids, tlp = rest
         tok, lp, ids, tlp = (np.asarray(x) for x in (tok, lp, ids, tlp))
         out: list[Prefix | None] = []
         for i, r in enumerate(rows):
@@ -215,9 +247,10 @@ class Engine:
         k = min(params.logprobs or 0, MAX_LOGPROBS, self.V)
         return list(zip(ids[:k].tolist(), tlp[:k].tolist()))
 
-    def warmup(self, progress: bool = True) -> int:
+    def warmup(self, progress: bool = True, stages: list[tuple[int, int]] | None = None) -> int:
         """Compile the decode program for every block-table width and the prefill program for every chunk
-        bucket (one request). Writes land in block 0 and slot 0's rows, which are rewritten before use."""
+        bucket (one request; with `stages`, also the layer-group programs of layer-wise prefill). Writes land
+        in block 0 and the scratch rows, which are rewritten before use."""
         from tqdm import tqdm
         bs = self.layout.block_size
         widths, w = [], 1
@@ -230,14 +263,16 @@ class Engine:
             lengths.append(t)
             t *= 2
         lengths.append(self.chunk_size)
-        jobs = [("decode", w) for w in widths] + [("prefill", t) for t in lengths]
-        for kind, n in tqdm(jobs, desc="compiling", unit="program", disable=not progress):
+        jobs = [("decode", w, None) for w in widths] + [("prefill", t, None) for t in lengths]
+        if stages is not None:
+            jobs += [("prefill", t, stages) for t in lengths]
+        for kind, n, st in tqdm(jobs, desc="compiling", unit="program", disable=not progress):
             if kind == "decode":
                 self.generate([DecodeRow(0, 0, n * bs - 1, [0] * n, _IDLE, 0)])
             else:
                 scratch = self.layout.scratch_row
                 self.prefill([PrefillRow("warmup", [0] * n, 0, [0] * -(-n // bs), scratch, scratch, None, True,
-                                         _IDLE, 0, [0])])
+                                         _IDLE, 0, [0])], st)
         return len(self.programs)
 
     def free(self, slot: int) -> None:

@@ -37,7 +37,7 @@ class Sequence:
     num_preemptions: int = 0
     detok: object = None  # llm_engine.Detokenizer
     awaiting_kv: bool = False  # decode side of a disaggregated request: blocks reserved, KV not yet arrived
-    handoff: object = None  # prefill side: called with (seq, prefix) instead of decoding here
+    handoff: object = None  # prefill side: disagg.prefill_side.Handoff, sends the KV instead of decoding here
 
     @property
     def tokens(self) -> list[int]:

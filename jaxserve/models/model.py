@@ -83,23 +83,38 @@ class CausalLM(nnx.Module):
         """batch: B sequences of T new tokens; cache: per-layer dicts (or PagedKV views of the engine's pool, in
         decode); logits_idx [B, P] token indices in [0, T)
         -> (logits [B, P, V] float32, new cache)"""
-        x = self.embed_tokens[...][batch.tokens]
-        new_cache = []
+        x, new_cache = self.run_layers(self.embed(batch), batch, cache, 0, len(self.layers))
+        return self.head(x, logits_idx), new_cache
+
+    def embed(self, batch: Batch):
+        """-> hidden states [B, T, H] of the batch's tokens."""
+        return self.embed_tokens[...][batch.tokens]
+
+    def run_layers(self, x, batch: Batch, cache: list, lo: int, hi: int):
+        """Layers lo..hi-1 over hidden states x [B, T, H]; cache: per-layer entries (only lo..hi-1 are read)
+        -> (x, cache with lo..hi-1 replaced). Prefill runs the stack in layer groups this way (layer-wise
+        KV streaming: each group's KV can leave while the next group computes)."""
+        new_cache = list(cache)
         shared = {}  # paged groups: the pool array as the last layer of the group left it
-        for layer, c in zip(self.layers, cache):
+        for i in range(lo, hi):
+            c = cache[i]
             if isinstance(c, PagedKV) and c.group in shared:
                 c = PagedKV(shared[c.group], c.table, c.group, c.layer)
-            x, c = layer(x, batch, c)
+            x, c = self.layers[i](x, batch, c)
             if isinstance(c, PagedKV):
                 shared[c.group] = c.pool
-            new_cache.append(c)
+            new_cache[i] = c
+        return x, new_cache
+
+    def head(self, x, logits_idx):
+        """x [B, T, H], logits_idx [B, P] -> logits [B, P, V] float32."""
         x = self.norm(x)
         x = jnp.take_along_axis(x, logits_idx[..., None], axis=1)
         if self.cfg.tie_word_embeddings:
             logits = jnp.einsum("bph,vh->bpv", x, self.embed_tokens[...])
         else:
             logits = self.lm_head(x)
-        return logits.astype(jnp.float32), new_cache
+        return logits.astype(jnp.float32)
 
 
 def abstract_model(cfg: ModelConfig, dtype, kernels: str = "reference") -> CausalLM:

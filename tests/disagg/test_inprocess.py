@@ -100,3 +100,34 @@ def test_seeded_sampling_matches_colocated(checkpoint_dir):
     got, _, _, _ = run_disagg(path, PROMPTS[:3], params)
     assert got == want
     assert np.unique([len(g) for g in got]).tolist() == [6]
+
+
+@pytest.mark.parametrize("family", ["kimi_linear", "gpt_oss"])
+def test_layerwise_prefill_equals_one_program_and_exports_early(checkpoint_dir, family):
+    """Prefill run as one program per layer (layer-wise streaming) leaves the same pool and samples the same
+    token as the one-program prefill; each layer group's export is dispatched right after its own program,
+    before any later group runs (so its KV can travel while they compute)."""
+    import jax
+
+    from jaxserve.engine.runner import PrefillRow
+    from transfer.plan import layer_groups
+    path = checkpoint_dir(family)
+    one, staged = (LLMEngine(path, "float32", CFG, progress=False) for _ in range(2))
+    prompt = BASE[:13]
+    blocks = list(range(1, 5))
+    row = PrefillRow("r", prompt, 0, blocks, 0, 0, None, True, GREEDY, 0, prompt)
+    want, = one.engine.prefill([row])
+    groups = layer_groups(staged.layout.num_layers, 1)
+    assert len(groups) == staged.layout.num_layers > 1
+    order = []
+    run_stage = staged.engine._stage
+
+    def stage(*a, **kw):
+        order.append(("stage", kw["lo"]))
+        return run_stage(*a, **kw)
+    staged.engine._stage = stage
+    got = staged.engine.prefill([row], groups, lambda k: order.append(("export", groups[k][0])))
+    assert got[0].token == want.token and abs(got[0].logprob - want.logprob) < 1e-5
+    for a, b in zip(jax.tree.leaves(one.engine.pool), jax.tree.leaves(staged.engine.pool)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    assert order == [(kind, lo) for lo, _ in groups for kind in ("stage", "export")]
