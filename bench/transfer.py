@@ -8,10 +8,23 @@
 (b) sends per request: a mixed workload (random prompt lengths, random finish order) allocated by the real
     block managers of a prefill and a decode instance; per request, the sends of a per-block-per-layer transfer
     (blocks x layers) vs FlowKV-aligned runs (runs x staged block arrays).
-(TTFT disaggregated vs colocated with layer-wise streaming and Phi_kv(l) per family need the worker processes:
-not measured yet.)
+(c) TTFT disaggregated vs colocated over prompt lengths, through the router (router/cluster.py) and real
+    worker processes: colocated = one `both` instance on core 0 (the request runs whole there); disaggregated
+    = a prefill worker on core 0 (the same compute for the prompt) and a decode worker on core 1, KV over
+    TCP, once sent after the prefill (one layer group) and once streamed layer-wise. Random prompts, no
+    prefix hits; the first 2 requests of each length (compiles, settling) are not counted; median of `--ttft-reps`.
+    overhead = TTFT_disagg / TTFT_colocated - 1 (goal <= 0.10 with layer-wise streaming where the link is
+    faster than the KV production rate). Four disaggregated setups: loopback as is, and an emulated 0.2 Gb/s
+    link (transfer time comparable to prefill time), each with the KV sent after the prefill (one group) or
+    streamed in layer groups of 2.
+(d) Phi_kv(l) = S_kv(l) / T_prefill(l) per model family (the PrfaaS document's Table 3, on this machine):
+    S_kv from the model's cache groups (what a transfer of a fresh prompt of l tokens moves, float32), T_prefill
+    the time of one prefill step of l tokens (one chunk) in-process, median of `--phi-reps` after a warm-up;
+    compared with the KV link bandwidth measured in (a).
+Models for (c) and (d): bench-size random checkpoints of each family (bench/families.py), built on first use
+under `--models`.
 
-`python -m bench.transfer --json bench/results/transfer.json [--mb 256] [--connections 4] [--reps 5]`
+`python -m bench.transfer --json bench/results/transfer.json [--parts a,b,c,d] [--mb 256] [--connections 4]`
 """
 
 from __future__ import annotations
@@ -19,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import platform
 import socket
 import statistics
@@ -189,24 +203,163 @@ def sends_per_request(num_requests: int, seed: int = 0) -> dict:
             "reduction": float(np.mean(naive) / np.mean(aligned))}
 
 
+def _engine_section(max_len: int, warmup: bool = False) -> dict:
+    chunk = 16
+    while chunk < max_len:
+        chunk *= 2
+    return dict(block_size=16, num_blocks=2 * chunk // 16 + 16, max_num_seqs=4, max_num_batched_tokens=chunk,
+                chunk_size=chunk, max_prefill_seqs=1, max_model_len=chunk + 64, prefix_caching=False,
+                num_snapshots=0, warmup=warmup)
+
+
+WARM = 2  # requests per length before timing (compiles; the first requests after start-up run slower)
+PD = [{"name": "p0", "role": "prefill", "cpus": [0]}, {"name": "d0", "role": "decode", "cpus": [1]}]
+SLOW_GBPS = 0.2  # the emulated link of the *_link setups: 25 MB/s
+LAYERS_PER_GROUP = 2
+TTFT_SETUPS = {  # name -> (instances, transfer.layers_per_group, emulated link Gb/s or None: loopback as is)
+    "colocated": ([{"name": "c0", "role": "both", "cpus": [0]}], None, None),
+    "disagg": (PD, None, None),
+    "disagg_layerwise": (PD, LAYERS_PER_GROUP, None),
+    "disagg_link": (PD, None, SLOW_GBPS),
+    "disagg_link_layerwise": (PD, LAYERS_PER_GROUP, SLOW_GBPS),
+}
+
+
+def ttft(path: str, lengths: list[int], reps: int, connections: int, seed: int = 0) -> dict:
+    """Median router-measured TTFT per prompt length for each setup in TTFT_SETUPS (real worker processes)."""
+    import asyncio
+
+    from jaxserve.config import parse
+    from jaxserve.models.config import load_config
+    from jaxserve.sampling import SamplingParams
+    from router.cluster import ClusterEngine
+    from router.launcher import workers
+    vocab = load_config(path).vocab_size
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+
+    async def one_setup(instances, per_group, gbps):
+        link = [{"src": "b", "dst": "b", "bandwidth_gbps": gbps, "connections": connections}] if gbps else []
+        cfg = parse({"model": {"path": path}, "engine": _engine_section(max(lengths)),
+                     "clusters": [{"name": "b", "instances": instances}], "links": link,
+                     "transfer": {"token": TOKEN, "connections": connections, "layers_per_group": per_group},
+                     "router": {"ready_timeout_s": 600}})
+        cluster = ClusterEngine(cfg, None)
+        rng = np.random.default_rng(seed)
+        out, route = {}, None
+        async with workers(cluster, cfg, [i["name"] for i in instances]):
+            for L in lengths:
+                times = []
+                for r in range(reps + WARM):  # the first of each length compile, the next settle: not counted
+                    q = await cluster.add(f"{L}-{r}", rng.integers(3, vocab, L).tolist(), params)
+                    while not (u := await q.get()).finished:
+                        pass
+                    if u.error:
+                        raise RuntimeError(f"request failed: {u.error}")
+                    if r >= WARM:
+                        times.append(u.ttft_s)
+                    route = u.route
+                out[L] = times
+        return out, route
+
+    res = {}
+    for name, (instances, per_group, gbps) in tqdm(TTFT_SETUPS.items(), desc="ttft setups", unit="setup"):
+        times, route = asyncio.run(one_setup(instances, per_group, gbps))
+        res[name] = {"instances": instances, "layers_per_group": per_group, "link_gbps": gbps, "route": route,
+                     "ttft_s_median": {L: statistics.median(t) for L, t in times.items()}, "ttft_s": times}
+    co = res["colocated"]["ttft_s_median"]
+    for name in [n for n in res if n != "colocated"]:
+        res[name]["overhead"] = {L: res[name]["ttft_s_median"][L] / co[L] - 1 for L in lengths}
+    return {"model": os.path.basename(path), "lengths": lengths, "reps": reps, "goal_overhead": 0.10,
+            "setups": res}
+
+
+def phi_kv(families: list[str], root: str, lengths: list[int], reps: int, link_bytes_per_s: float | None) -> dict:
+    """S_kv(l), T_prefill(l) and Phi_kv(l) = S_kv / T_prefill per family (in-process, this machine)."""
+    import time as _time
+
+    from bench.families import checkpoint
+    from jaxserve.engine.llm_engine import EngineConfig, LLMEngine
+    from jaxserve.sampling import SamplingParams
+    rng = np.random.default_rng(0)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    out = {}
+    for fam in tqdm(families, desc="phi_kv families", unit="family"):
+        path = checkpoint(fam, root)
+        ec = {k: v for k, v in _engine_section(max(lengths)).items() if k != "warmup"}
+        llm = LLMEngine(path, "float32", EngineConfig(**ec), progress=False)
+        rows = {}
+        for L in lengths:
+            times = []
+            for r in range(reps + 1):
+                seq, = llm.add_request(f"{fam}-{L}-{r}", rng.integers(3, llm.model_config.vocab_size, L).tolist(),
+                                       params)
+                t0 = _time.perf_counter()
+                while llm.has_work:
+                    llm.step()
+                if r:
+                    times.append(_time.perf_counter() - t0)
+                llm.release(seq)
+            t = statistics.median(times)
+            s = llm.cache_spec.transfer_bytes(L, 16, 4, 0)
+            rows[L] = {"s_kv_bytes": s, "t_prefill_s": t, "phi_kv_bytes_per_s": s / t,
+                       "link_over_phi": (link_bytes_per_s / (s / t)) if link_bytes_per_s else None}
+        out[fam] = {"cache_groups": [[g.kind, len(g.layers)] for g in llm.cache_spec.groups], "by_length": rows}
+        del llm
+    return {"dtype": "float32", "block_size": 16, "reps": reps, "link_bytes_per_s": link_bytes_per_s,
+            "families": out}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", required=True)
-    ap.add_argument("--mb", type=int, default=256, help="KV megabytes per transfer (2 MiB blocks)")
+    ap.add_argument("--parts", default="a,b,c,d", help="which parts to run (a,b,c,d)")
+    ap.add_argument("--mb", type=int, default=256, help="(a) KV megabytes per transfer (2 MiB blocks)")
     ap.add_argument("--connections", type=int, default=4)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--requests", type=int, default=500)
+    ap.add_argument("--models", default="bench/.models", help="(c, d) where bench-size checkpoints are built")
+    ap.add_argument("--ttft-family", default="llama")
+    ap.add_argument("--ttft-lengths", default="256,1024,2048")
+    ap.add_argument("--ttft-reps", type=int, default=3)
+    ap.add_argument("--phi-families", default="llama,qwen3,deepseek_v3,kimi_linear,qwen3_next,gpt_oss,mimo_v2_flash")
+    ap.add_argument("--phi-lengths", default="256,1024,4096")
+    ap.add_argument("--phi-reps", type=int, default=3)
     args = ap.parse_args(argv)
-    out = {"benchmark": "transfer", "host": platform.node(), "cpus": mp.cpu_count(),
-           "efficiency": efficiency(args.mb, args.connections, args.reps),
-           "sends_per_request": sends_per_request(args.requests),
-           "not_measured": ["ttft_disagg_vs_colocated", "phi_kv_per_family"]}
+    parts = set(args.parts.split(","))
+    if not parts <= {"a", "b", "c", "d"}:
+        ap.error(f"--parts: unknown parts {sorted(parts - {'a', 'b', 'c', 'd'})}")
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    out = {"benchmark": "transfer", "host": platform.node(), "cpus": mp.cpu_count()}
+    if "a" in parts:
+        out["efficiency"] = efficiency(args.mb, args.connections, args.reps)
+    if "b" in parts:
+        out["sends_per_request"] = sends_per_request(args.requests)
+    if "c" in parts:
+        from bench.families import checkpoint
+        out["ttft"] = ttft(checkpoint(args.ttft_family, args.models), ints(args.ttft_lengths), args.ttft_reps,
+                           args.connections)
+    if "d" in parts:
+        link = out.get("efficiency", {}).get("kv_bytes_per_s_median")
+        out["phi_kv"] = phi_kv(args.phi_families.split(","), args.models, ints(args.phi_lengths), args.phi_reps, link)
     with open(args.json, "w") as f:
         json.dump(out, f, indent=1)
-    e, s = out["efficiency"], out["sends_per_request"]
-    print(f"efficiency {e['efficiency']:.2f} (kv {e['kv_bytes_per_s_median'] / 1e9:.2f} GB/s, raw "
-          f"{e['raw_bytes_per_s_median'] / 1e9:.2f} GB/s, {e['connections']} connections); sends per request "
-          f"{s['per_block_per_layer_sends_mean']:.0f} -> {s['aligned_sends_mean']:.2f}")
+    if "efficiency" in out:
+        e = out["efficiency"]
+        print(f"(a) efficiency {e['efficiency']:.2f} (kv {e['kv_bytes_per_s_median'] / 1e9:.2f} GB/s, raw "
+              f"{e['raw_bytes_per_s_median'] / 1e9:.2f} GB/s, {e['connections']} connections)")
+    if "sends_per_request" in out:
+        s = out["sends_per_request"]
+        print(f"(b) sends per request {s['per_block_per_layer_sends_mean']:.0f} -> {s['aligned_sends_mean']:.2f}")
+    if "ttft" in out:
+        for name, r in out["ttft"]["setups"].items():
+            tail = "" if "overhead" not in r else "  overhead " + ", ".join(
+                f"{L}: {o:+.1%}" for L, o in r["overhead"].items())
+            print(f"(c) {name:17s} TTFT " + ", ".join(f"{L}: {t * 1e3:.0f} ms" for L, t in r["ttft_s_median"].items())
+                  + tail)
+    if "phi_kv" in out:
+        for fam, r in out["phi_kv"]["families"].items():
+            print(f"(d) {fam:14s} Phi_kv " + ", ".join(f"{L}: {v['phi_kv_bytes_per_s'] / 1e6:.1f} MB/s"
+                                                      for L, v in r["by_length"].items()))
 
 
 if __name__ == "__main__":

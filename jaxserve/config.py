@@ -79,6 +79,9 @@ class ClusterSection(_Strict):
 
 
 class LinkSection(_Strict):
+    """The network from cluster `src`'s prefill instances to cluster `dst`'s decode instances (src == dst: inside
+    one cluster). The TCP backend enforces bandwidth (token bucket), latency and loss, so a cross-datacenter
+    link can be modelled on one machine."""
     src: str
     dst: str
     bandwidth_gbps: float = Field(10.0, gt=0)
@@ -165,6 +168,16 @@ class Config(_Strict):
 
     def instances(self) -> list[InstanceSection]:
         return [i for c in self.clusters for i in c.instances]
+
+    def cluster_of(self, name: str) -> str:
+        for c in self.clusters:
+            if any(i.name == name for i in c.instances):
+                return c.name
+        raise ConfigFileError(f"clusters: no instance named {name!r}")
+
+    def link(self, src: str, dst: str) -> LinkSection | None:
+        """The configured link from cluster src to cluster dst, if any."""
+        return next((lk for lk in self.links if lk.src == src and lk.dst == dst), None)
 
     def instance(self, name: str) -> InstanceSection:
         for i in self.instances():

@@ -10,11 +10,15 @@ Concurrency: the caller's thread plus one reader thread per child.
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import contextlib
 import os
 import subprocess
 import sys
+import tempfile
 import threading
+import time
 
 
 class WorkerExited(RuntimeError):
@@ -87,3 +91,46 @@ class Launcher:
             except subprocess.TimeoutExpired:
                 c.proc.kill()
                 c.proc.wait(10)
+
+
+async def wait_ready(cluster, launcher: Launcher, names: list[str], timeout: float, progress: bool) -> None:
+    """Until every worker in `names` has registered with `cluster` (a progress bar), or raise WorkerExited
+    when one exits first (with its output) or `timeout` passes."""
+    from tqdm import tqdm
+    t0 = time.monotonic()
+    ready: set = set()
+    with tqdm(total=len(names), desc="starting workers", unit="worker", disable=not progress,
+              file=sys.stdout) as bar:
+        while len(ready) < len(names):
+            launcher.check()
+            for n in names:
+                w = cluster.registry.workers.get(n)
+                if n not in ready and w is not None and cluster.registry.is_up(w):
+                    ready.add(n)
+                    bar.update(1)
+                    bar.set_postfix_str(f"{n} ({w.role}) after {time.monotonic() - t0:.1f}s")
+            if time.monotonic() - t0 > timeout:
+                raise WorkerExited(f"workers {sorted(set(names) - ready)} did not register within {timeout}s "
+                                   "(router.ready_timeout_s)")
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(cluster.joined(), 0.5)
+
+
+@contextlib.asynccontextmanager
+async def workers(cluster, cfg, names: list[str], progress: bool = False, echo=None):
+    """Open `cluster`'s control port, start `names` as child workers of exactly `cfg` (written to a temporary
+    file), wait until they have registered; on exit close the cluster and stop them all."""
+    import yaml
+    address = await cluster.start()
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="jaxserve-", delete=False) as f:
+        yaml.safe_dump(cfg.model_dump(mode="json"), f)
+    launcher = Launcher(f.name, names, address, echo)
+    cluster.launcher = launcher
+    try:
+        launcher.start()
+        await wait_ready(cluster, launcher, names, cfg.router.ready_timeout_s, progress)
+        yield cluster
+    finally:
+        await cluster.close()
+        launcher.stop()
+        os.unlink(f.name)

@@ -48,14 +48,16 @@ FAMILIES: dict[str, tuple[str, dict]] = {
 }
 
 
-def build_checkpoint(name: str, path: str, seed: int = 0) -> None:
+def build_checkpoint(name: str, path: str, seed: int = 0, common: dict | None = None,
+                     overrides: dict | None = None) -> None:
+    """Save a random checkpoint of family `name` (common / overrides: other sizes, e.g. bench/families.py)."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
 
-    model_type, overrides = FAMILIES[name]
-    kw = dict(COMMON)
-    kw.update(overrides)
+    model_type, tiny = FAMILIES[name]
+    kw = dict(COMMON if common is None else common)
+    kw.update(tiny if overrides is None else overrides)
     cfg = transformers.CONFIG_MAPPING[model_type](**kw)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg)

@@ -10,8 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import tempfile
-import time
 
 from ..bundled import resolve
 from ..config import Config, ConfigFileError
@@ -67,9 +65,8 @@ def build(cfg: Config, progress: bool = True, echo=None, on_ready=None):
 
 
 def build_cluster(cfg: Config, progress: bool = True, echo=None, on_ready=None):
-    import yaml
     from router.cluster import ClusterEngine
-    from router.launcher import Launcher, WorkerExited
+    from router.launcher import workers
     from ..tokenizer import Tokenizer
     path = resolve(cfg.model.path, progress)  # before the workers start, so they find the bundled model built
     name = cfg.model.name or os.path.basename(os.path.normpath(path))
@@ -81,44 +78,10 @@ def build_cluster(cfg: Config, progress: bool = True, echo=None, on_ready=None):
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        address = await cluster.start()
-        with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="jaxserve-", delete=False) as f:
-            yaml.safe_dump(cfg.model_dump(mode="json"), f)  # exactly this config, for the workers
-        launcher = Launcher(f.name, names, address, echo)
-        cluster.launcher = launcher
-        try:
-            launcher.start()
-            await wait_ready(cluster, launcher, names, cfg.router.ready_timeout_s, progress)
+        async with workers(cluster, cfg, names, progress, echo):
             if on_ready is not None:
                 on_ready()
             yield
-        finally:
-            await cluster.close()
-            launcher.stop()
-            os.unlink(f.name)
-
-    async def wait_ready(cluster, launcher, names, timeout, progress):
-        import asyncio
-        from tqdm import tqdm
-        t0 = time.monotonic()
-        bar = tqdm(total=len(names), desc="starting workers", unit="worker", disable=not progress, file=sys.stdout)
-        ready: set = set()
-        try:
-            while len(ready) < len(names):
-                launcher.check()
-                for n in names:
-                    w = cluster.registry.workers.get(n)
-                    if n not in ready and w is not None and cluster.registry.is_up(w):
-                        ready.add(n)
-                        bar.update(1)
-                        bar.set_postfix_str(f"{n} ({w.role}) after {time.monotonic() - t0:.1f}s")
-                if time.monotonic() - t0 > timeout:
-                    raise WorkerExited(f"workers {sorted(set(names) - ready)} did not register within {timeout}s "
-                                       "(router.ready_timeout_s)")
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(cluster.joined(), 0.5)
-        finally:
-            bar.close()
 
     app = create_app(cfg, cluster, name, metrics, lifespan=lifespan)
     return app, cluster, name

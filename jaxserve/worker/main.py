@@ -7,10 +7,10 @@ only then does it build the engine on a mesh over its own devices, warm it up, a
 Methods (rpc.py; JSON over gRPC):
   Health    {} -> {"name", "role", "address", "kv_address", "max_model_len", "pid", "stats", "links"}
   Decode    (decode, stream) {"request_id", "prompt", "params", "kv_tokens", "deadline_s"?} -> first {"reserved": {"blocks",
-            "skip", "kv_address"}}, then one {"update": ...} per engine step that changed the request. Closing
+            "skip", "kv_address", "cluster"}}, then one {"update": ...} per engine step that changed the request. Closing
             the stream aborts the request (frees its slot and blocks).
   Prefill   (prefill) {"request_id", "prompt", "params", "kv_tokens", "sample", "dst": {"kv_address", "blocks",
-            "skip"}} -> {"kv_bytes", "frames", "sends", "resends", "token", "ttft_s"} once decode has
+            "skip", "cluster"?}} -> {"kv_bytes", "frames", "sends", "resends", "token", "ttft_s"} once decode has
             acknowledged every byte; gRPC ABORTED (with the reason) when the transfer failed.
   Generate  (any role, stream) {"request_id", "prompt", "params"} -> one {"update": ...} per step: the whole
             request on this instance (the router's fallback when no prefill / decode pair is available).
@@ -67,6 +67,7 @@ class Worker:
         from ..engine.llm_engine import LLMEngine
         from ..server.serve import make_mesh
         self.cfg, self.inst = cfg, inst
+        self.cluster = cfg.cluster_of(inst.name)
         self.address = None  # host:port once serving
         t0 = time.monotonic()
         path = resolve(cfg.model.path, progress)
@@ -95,12 +96,18 @@ class Worker:
             from ..disagg.prefill_side import Feeder
             self.feeder = Feeder()
 
-    def _link(self, address):
+    def _link(self, address, dst_cluster: str | None):
+        """The TCP link to a decode instance's KV server; a configured link between the two clusters sets its
+        emulated bandwidth, latency, loss and connection count."""
+        from transfer.link import LinkEmulation
         from transfer.tcp import TcpLink
         key = (address[0], int(address[1]))
         if key not in self.links:
             t = self.cfg.transfer
-            self.links[key] = TcpLink(key, t.token, t.connections, name=f"{self.inst.name}->{key[0]}:{key[1]}",
+            lk = self.cfg.link(self.cluster, dst_cluster or self.cluster)
+            emu = LinkEmulation(lk.bandwidth_gbps, lk.latency_ms, lk.loss) if lk else None
+            self.links[key] = TcpLink(key, t.token, lk.connections if lk else t.connections, emulation=emu,
+                                      name=f"{self.inst.name}->{key[0]}:{key[1]}",
                                       chunk_bytes=int(t.chunk_mb * (1 << 20)))
         return self.links[key]
 
@@ -143,7 +150,8 @@ class Worker:
         except (OutOfBlocks, PoolFull) as e:  # no room right now
             await ctx.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{type(e).__name__}: {e}")
         try:
-            yield {"reserved": {"blocks": blocks, "skip": skip, "kv_address": list(self.intake.address)}}
+            yield {"reserved": {"blocks": blocks, "skip": skip, "kv_address": list(self.intake.address),
+                                "cluster": self.cluster}}
             async for msg in self._updates(q, rid):
                 yield msg
         finally:
@@ -187,7 +195,7 @@ class Worker:
         t = self.cfg.transfer
         try:
             params = SamplingParams(**req.get("params", {}))
-            handoff = Handoff(self._link(dst["kv_address"]), self.feeder, list(dst["blocks"]), int(dst["skip"]), kv,
+            handoff = Handoff(self._link(dst["kv_address"], dst.get("cluster")), self.feeder, list(dst["blocks"]), int(dst["skip"]), kv,
                               bool(req.get("sample", True)), t.layers_per_group, request_id=rid)
 
             def add(eng):
