@@ -225,45 +225,40 @@ TTFT_SETUPS = {  # name -> (instances, transfer.layers_per_group, emulated link 
 }
 
 
-def ttft(path: str, lengths: list[int], reps: int, connections: int, seed: int = 0) -> dict:
-    """Median router-measured TTFT per prompt length for each setup in TTFT_SETUPS (real worker processes)."""
-    import asyncio
-
-    from jaxserve.config import parse
+def ttft(path: str, lengths: list[int], reps: int, connections: int, setups: list[str], seed: int = 0) -> dict:
+    """Median router-measured TTFT per prompt length for each of `setups` (TTFT_SETUPS; real worker processes)."""
+    from bench import clusters
     from jaxserve.models.config import load_config
     from jaxserve.sampling import SamplingParams
-    from router.cluster import ClusterEngine
-    from router.launcher import workers
     vocab = load_config(path).vocab_size
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
 
-    async def one_setup(instances, per_group, gbps):
+    def one_setup(instances, per_group, gbps):
         link = [{"src": "b", "dst": "b", "bandwidth_gbps": gbps, "connections": connections}] if gbps else []
-        cfg = parse({"model": {"path": path}, "engine": _engine_section(max(lengths)),
-                     "clusters": [{"name": "b", "instances": instances}], "links": link,
-                     "transfer": {"token": TOKEN, "connections": connections, "layers_per_group": per_group},
-                     "router": {"ready_timeout_s": 600}})
-        cluster = ClusterEngine(cfg, None)
-        rng = np.random.default_rng(seed)
-        out, route = {}, None
-        async with workers(cluster, cfg, [i["name"] for i in instances]):
+        config = {"model": {"path": path}, "engine": _engine_section(max(lengths)),
+                  "clusters": [{"name": "b", "instances": instances}], "links": link,
+                  "transfer": {"token": TOKEN, "connections": connections, "layers_per_group": per_group},
+                  "router": {"ready_timeout_s": 600}}
+
+        async def measure(cluster):
+            rng = np.random.default_rng(seed)
+            out, route = {}, None
             for L in lengths:
                 times = []
                 for r in range(reps + WARM):  # the first of each length compile, the next settle: not counted
-                    q = await cluster.add(f"{L}-{r}", rng.integers(3, vocab, L).tolist(), params)
-                    while not (u := await q.get()).finished:
-                        pass
-                    if u.error:
-                        raise RuntimeError(f"request failed: {u.error}")
+                    u = await clusters.finish(await cluster.add(f"{L}-{r}", rng.integers(3, vocab, L).tolist(),
+                                                                params))
                     if r >= WARM:
                         times.append(u.ttft_s)
                     route = u.route
                 out[L] = times
-        return out, route
+            return out, route
+        return clusters.run(config, measure)
 
     res = {}
-    for name, (instances, per_group, gbps) in tqdm(TTFT_SETUPS.items(), desc="ttft setups", unit="setup"):
-        times, route = asyncio.run(one_setup(instances, per_group, gbps))
+    for name in tqdm(setups, desc="ttft setups", unit="setup"):
+        instances, per_group, gbps = TTFT_SETUPS[name]
+        times, route = one_setup(instances, per_group, gbps)
         res[name] = {"instances": instances, "layers_per_group": per_group, "link_gbps": gbps, "route": route,
                      "ttft_s_median": {L: statistics.median(t) for L, t in times.items()}, "ttft_s": times}
     co = res["colocated"]["ttft_s_median"]
@@ -321,8 +316,9 @@ def main(argv=None):
     ap.add_argument("--ttft-family", default="llama")
     ap.add_argument("--ttft-lengths", default="256,1024,2048")
     ap.add_argument("--ttft-reps", type=int, default=3)
+    ap.add_argument("--ttft-setups", default=",".join(TTFT_SETUPS), help="which setups (colocated always runs)")
     ap.add_argument("--phi-families", default="llama,qwen3,deepseek_v3,kimi_linear,qwen3_next,gpt_oss,mimo_v2_flash")
-    ap.add_argument("--phi-lengths", default="256,1024,4096")
+    ap.add_argument("--phi-lengths", default="256,1024,2048")
     ap.add_argument("--phi-reps", type=int, default=3)
     args = ap.parse_args(argv)
     parts = set(args.parts.split(","))
@@ -336,8 +332,12 @@ def main(argv=None):
         out["sends_per_request"] = sends_per_request(args.requests)
     if "c" in parts:
         from bench.families import checkpoint
+        setups = ["colocated"] + [n for n in args.ttft_setups.split(",") if n != "colocated"]
+        unknown = set(setups) - set(TTFT_SETUPS)
+        if unknown:
+            ap.error(f"--ttft-setups: unknown {sorted(unknown)}; have {list(TTFT_SETUPS)}")
         out["ttft"] = ttft(checkpoint(args.ttft_family, args.models), ints(args.ttft_lengths), args.ttft_reps,
-                           args.connections)
+                           args.connections, setups)
     if "d" in parts:
         link = out.get("efficiency", {}).get("kv_bytes_per_s_median")
         out["phi_kv"] = phi_kv(args.phi_families.split(","), args.models, ints(args.phi_lengths), args.phi_reps, link)

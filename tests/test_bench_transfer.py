@@ -1,14 +1,46 @@
-"""bench/transfer.py runs end to end on a small transfer and writes its JSON."""
+"""bench/transfer.py and bench/interference.py run end to end on small settings and write their JSON."""
 
 import json
 
-from bench import transfer
+import pytest
+
+from bench import interference, transfer
 
 
 def test_transfer_bench_smoke(tmp_path):
     out = tmp_path / "t.json"
-    transfer.main(["--json", str(out), "--mb", "8", "--reps", "1", "--requests", "50", "--connections", "2"])
+    transfer.main(["--json", str(out), "--parts", "a,b", "--mb", "8", "--reps", "1", "--requests", "50",
+                   "--connections", "2"])
     r = json.loads(out.read_text())
     e, s = r["efficiency"], r["sends_per_request"]
     assert e["bytes"] == 8 << 20 and len(e["kv_bytes_per_s"]) == 1 and e["efficiency"] > 0
     assert s["aligned_sends_mean"] >= 1 and s["per_block_per_layer_sends_mean"] > 10 * s["aligned_sends_mean"]
+
+
+@pytest.mark.slow
+def test_ttft_phi_and_interference_benches_smoke(tmp_path, checkpoint_dir):
+    """(c) and (d) with the tests' tiny llama standing in for the bench-size checkpoints; interference likewise."""
+    import os
+    models = tmp_path / "models"
+    os.makedirs(models)
+    os.symlink(checkpoint_dir("llama"), models / "bench-llama")  # bench/families.py finds it built
+    out = tmp_path / "t.json"
+    transfer.main(["--json", str(out), "--parts", "c,d", "--models", str(models), "--ttft-lengths", "32",
+                   "--ttft-reps", "1", "--ttft-setups", "disagg_link_layerwise", "--phi-families", "llama",
+                   "--phi-lengths", "16,32", "--phi-reps", "1", "--connections", "2"])
+    r = json.loads(out.read_text())
+    c = r["ttft"]["setups"]
+    assert set(c) == {"colocated", "disagg_link_layerwise"}
+    assert c["colocated"]["route"]["prefill_instance"] == "c0"
+    assert c["disagg_link_layerwise"]["route"]["prefill_instance"] == "p0"
+    assert c["disagg_link_layerwise"]["route"]["kv_bytes_transferred"] > 0
+    assert c["disagg_link_layerwise"]["overhead"]["32"] > -1
+    d = r["phi_kv"]["families"]["llama"]["by_length"]
+    assert d["32"]["s_kv_bytes"] == 2 * d["16"]["s_kv_bytes"] > 0 and d["32"]["phi_kv_bytes_per_s"] > 0
+    out = tmp_path / "i.json"
+    interference.main(["--json", str(out), "--models", str(models), "--decodes", "2", "--decode-tokens", "6",
+                       "--decode-prompt", "8", "--prefills", "1", "--prefill-len", "48", "--chunk", "16",
+                       "--gap", "0"])
+    r = json.loads(out.read_text())
+    assert r["setups"]["colocated"]["tpot_samples"] == r["setups"]["disaggregated"]["tpot_samples"] == 10
+    assert r["p99_tpot_ratio"] > 0
