@@ -8,6 +8,13 @@ from it. Import is the reverse: the receive region's views enter JAX with `jnp.f
 64-byte aligned, so again no copy) and one jitted program, with the pool donated, scatters them into the
 reserved blocks and the slot's state rows. bfloat16 crosses as uint16 bits.
 
+Sharded pools (tensor parallelism, KV heads split over the mesh's devices): prefill and decode may shard
+differently (TP=2 -> TP=1 and the reverse). The staged arrays are the full arrays: on the sending side a
+sharded export result is rebuilt by an all-gather on the instance's own devices (`to_host`; a replicated
+one, as MLA's single latent "head" is, is read from any one device, no gather), and on the receiving side the
+import program splits the full arrays over the decode pool's sharding. So the wire format does not depend on
+either side's parallelism.
+
 Programs are cached per staging structure; the row count is a power of two, so a workload compiles a
 bounded number of them. Pure functions over the pool pytree; called from the engine thread.
 """
@@ -78,6 +85,11 @@ class DeviceIO:
             fn = self._import[key] = jax.jit(put, donate_argnums=(0,))
         ids = _ids(st, blocks, num_blocks)  # pad rows land out of range and are dropped
         xs = [jnp.from_dlpack(v) for v in views]
+        sharding = jax.tree.leaves(pool)[0].sharding
+        if len(sharding.device_set) > 1:  # a sharded pool: the program splits the full arrays over its devices
+            rep = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+            xs = [jax.device_put(x, rep) for x in xs]
+            ids, row = jax.device_put(jnp.asarray(ids), rep), jax.device_put(jnp.int32(row), rep)
         return fn(pool, xs, jnp.asarray(ids), jnp.int32(row))
 
 
@@ -100,5 +112,11 @@ def _take(pool: list, a: ArraySpec, ids, row):
 
 
 def to_host(x: jax.Array) -> np.ndarray:
-    """A numpy view of a device array (waits until it is computed; no copy on CPU)."""
+    """A numpy view of a device array (waits until it is computed; no copy on CPU). An array over several
+    devices: replicated, any one device's copy; sharded (KV heads over TP ranks), rebuilt first by an
+    all-gather onto every device of its mesh."""
+    if len(x.sharding.device_set) > 1:
+        if not x.is_fully_replicated:
+            x = jax.device_put(x, jax.sharding.NamedSharding(x.sharding.mesh, jax.sharding.PartitionSpec()))
+        x = x.addressable_shards[0].data
     return np.from_dlpack(x)

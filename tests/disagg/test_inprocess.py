@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import queue
 
+import jax
 import numpy as np
 import pytest
 
@@ -25,9 +26,13 @@ CFG = EngineConfig(block_size=4, num_blocks=64, chunk_size=8, max_num_batched_to
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 
-def run_disagg(path, prompts, params, *, sample=True, layers_per_group=None, warm_decode=None):
-    pre = LLMEngine(path, "float32", CFG, progress=False)
-    dec = LLMEngine(path, "float32", CFG, progress=False)
+def run_disagg(path, prompts, params, *, sample=True, layers_per_group=None, warm_decode=None, tp=(1, 1)):
+    """tp: (prefill, decode) tensor parallelism, over the two fake CPU devices."""
+    def mesh(n):
+        return None if n == 1 else jax.make_mesh((n,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,),
+                                                 devices=jax.devices()[:n])
+    pre = LLMEngine(path, "float32", CFG, mesh(tp[0]), progress=False)
+    dec = LLMEngine(path, "float32", CFG, mesh(tp[1]), progress=False)
     posted: queue.Queue = queue.Queue()
     intake = KVIntake(dec, "t0k", posted.put)
     link = TcpLink(intake.address, "t0k", connections=2, chunk_bytes=4096)
@@ -131,3 +136,18 @@ def test_layerwise_prefill_equals_one_program_and_exports_early(checkpoint_dir, 
     for a, b in zip(jax.tree.leaves(one.engine.pool), jax.tree.leaves(staged.engine.pool)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
     assert order == [(kind, lo) for lo, _ in groups for kind in ("stage", "export")]
+
+
+@pytest.mark.parametrize("family,tp", [("llama", (2, 1)), ("llama", (1, 2)), ("deepseek_v3", (2, 1))])
+def test_sharded_transfer_between_different_tensor_parallelism(checkpoint_dir, family, tp):
+    """Prefill and decode shard KV heads differently (TP=2 -> TP=1 and the reverse; MLA's latent is
+    replicated, so one device's copy is sent): the pages are rebuilt / split on the way and the tokens equal
+    the colocated engine's. The wire carries exactly what a TP=1 transfer carries."""
+    path = checkpoint_dir(family)
+    want = [o.token_ids for o in LLM(path, progress=False, engine=CFG).generate(PROMPTS[:3], GREEDY)]
+    got, handoffs, skips, dec = run_disagg(path, PROMPTS[:3], GREEDY, layers_per_group=2, tp=tp)
+    assert got == want, (family, tp)
+    if tp[1] == 2:  # the decode pool really is split over both devices after the import
+        assert any(len(x.sharding.device_set) == 2 for x in jax.tree.leaves(dec.engine.pool))
+    for p, h, skip in zip(PROMPTS[:3], handoffs, skips):
+        assert h.sender.bytes_acked == dec.cache_spec.transfer_bytes(len(p), CFG.block_size, 4, skip)
