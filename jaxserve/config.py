@@ -98,6 +98,8 @@ class TransferSection(_Strict):
     deadline_s: float = Field(30.0, gt=0, description="decode frees a reservation whose KV has not arrived by then")
     recv_pool_mb: int = Field(256, ge=1, description="receive pool of a decode instance")
     leave_last_token: bool = Field(False, description="prefill leaves the last prompt token for decode to compute")
+    shared_memory: bool = Field(True, description="prefill on the decode instance's host writes KV straight into "
+                                                  "its receive pool (shared memory) instead of over TCP")
 
 
 class RouterSection(_Strict):

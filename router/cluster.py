@@ -72,6 +72,7 @@ class _Sub:
     reserved: dict | None = None
     prefill: str | None = None
     kv_bytes: int = 0
+    kv_backend: str | None = None
     avoid: set = field(default_factory=set)  # instances that failed this request
     avoid_prefill: set = field(default_factory=set)
     ttft_s: float | None = None
@@ -84,7 +85,7 @@ class _Sub:
     def route(self) -> dict:
         name = self.worker.name if self.worker else None
         return {"route": "local", "prefill_instance": self.prefill or name, "decode_instance": name,
-                "kv_bytes_transferred": self.kv_bytes, "attempts": self.attempts}
+                "kv_bytes_transferred": self.kv_bytes, "kv_backend": self.kv_backend, "attempts": self.attempts}
 
 
 class Frontend:
@@ -280,7 +281,7 @@ class ClusterEngine:
             except BaseException:
                 call.cancel()
                 raise
-        s.call, s.it, s.worker, s.method, s.prefill, s.kv_bytes = call, it, w, method, None, 0
+        s.call, s.it, s.worker, s.method, s.prefill, s.kv_bytes, s.kv_backend = call, it, w, method, None, 0, None
         s.reserved = first["reserved"] if first else None
         s.attempts += 1
         w.inflight += 1
@@ -312,7 +313,7 @@ class ClusterEngine:
         finally:
             p.inflight -= 1
         p.served += 1
-        s.prefill, s.kv_bytes = p.name, int(res["kv_bytes"])
+        s.prefill, s.kv_bytes, s.kv_backend = p.name, int(res["kv_bytes"]), res.get("backend")
         self.kv_bytes_transferred += s.kv_bytes
         return True
 

@@ -5,12 +5,16 @@ it, so `recv_into` writes the bytes where they stay and `jax.numpy.from_dlpack` 
 (JAX copies DLPack buffers that are not 64-byte aligned). Regions are whole pages (4 KiB, so every region is
 aligned) managed by the segment allocator the KV pool uses: a transfer gets one contiguous region, and
 frees merge back. A transfer that does not fit waits or is refused (`PoolFull`), which is the receive side's
-backpressure. Thread-safe (one lock).
+backpressure. A `shared` pool lives in a POSIX shared-memory segment (page aligned), so a sender on the same
+host can write a region directly (shm.py). Thread-safe (one lock).
 """
 
 from __future__ import annotations
 
+import mmap
+import os
 import threading
+import uuid
 
 import numpy as np
 
@@ -24,6 +28,38 @@ class PoolFull(RuntimeError):
     pass
 
 
+SHM_DIR = "/dev/shm"
+
+
+def create_segment(nbytes: int) -> tuple[str, mmap.mmap]:
+    """A new POSIX shared-memory segment (owner-only) mapped here: (name, mapping). Page aligned."""
+    name = f"jaxserve-kv-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+        return name, mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
+
+
+def attach_segment(name: str) -> mmap.mmap:
+    """Map an existing segment (another process's receive pool) into this process."""
+    if "/" in name:
+        raise ValueError(f"bad shared-memory segment name {name!r}")
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+    try:
+        return mmap.mmap(fd, 0)
+    finally:
+        os.close(fd)
+
+
+def remove_segment(name: str) -> None:
+    try:
+        os.unlink(os.path.join(SHM_DIR, name))
+    except FileNotFoundError:
+        pass
+
+
 def aligned_empty(nbytes: int, align: int = ALIGN) -> np.ndarray:
     """An uninitialised uint8 array of nbytes whose data pointer is a multiple of `align`."""
     raw = np.empty(nbytes + align, np.uint8)
@@ -34,6 +70,7 @@ def aligned_empty(nbytes: int, align: int = ALIGN) -> np.ndarray:
 class Region:
     def __init__(self, pool: "RecvPool", start_page: int, pages: int, nbytes: int):
         self.pool, self.start_page, self.pages, self.nbytes = pool, start_page, pages, nbytes
+        self.offset = start_page * PAGE  # in the pool (in its shared-memory segment, for a shared pool)
         self.buf = pool.buf[start_page * PAGE:start_page * PAGE + nbytes]
         self.freed = False
 
@@ -42,13 +79,28 @@ class Region:
 
 
 class RecvPool:
-    def __init__(self, nbytes: int):
+    def __init__(self, nbytes: int, shared: bool = False):
         if nbytes < PAGE:
             raise ValueError(f"receive pool of {nbytes} bytes is smaller than one page ({PAGE})")
         self.num_pages = nbytes // PAGE
-        self.buf = aligned_empty(self.num_pages * PAGE)
+        self.shm = None
+        if shared:
+            self.shm, mapping = create_segment(self.num_pages * PAGE)
+            self.buf = np.frombuffer(mapping, np.uint8)
+        else:
+            self.buf = aligned_empty(self.num_pages * PAGE)
         self._alloc = SegmentAllocator(self.num_pages)
         self._lock = threading.Lock()
+
+    @property
+    def shm_name(self) -> str | None:
+        return self.shm
+
+    def close(self) -> None:
+        """Remove the shared-memory segment's name (the memory goes when the last mapping of it does)."""
+        if self.shm is not None:
+            remove_segment(self.shm)
+            self.shm = None
 
     @property
     def capacity(self) -> int:

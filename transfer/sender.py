@@ -33,8 +33,12 @@ class Outgoing:
 
 
 class KVSender:
-    def __init__(self, request_id: str, link, plan: TransferPlan, staging: Staging, max_resends: int = 5):
+    def __init__(self, request_id: str, link, plan: TransferPlan, staging: Staging, max_resends: int = 5,
+                 shm_base: int | None = None):
+        """shm_base: the receive region's offset in the receiver's shared-memory segment, when `link` is a
+        shm.ShmLink to it (pieces then go as PUT frames, written into the segment by the link)."""
         self.request_id, self.link, self.plan, self.staging = request_id, link, plan, staging
+        self.shm_base = shm_base
         self.max_resends = max_resends
         self.state = TransferState(f"send {request_id}")
         self._seq = itertools.count()
@@ -67,8 +71,13 @@ class KVSender:
             for o in range(off, off + n, chunk):
                 k = min(chunk, off + n - o)
                 piece = flat[o:o + k]  # checksummed here, on the caller's thread, while earlier frames are sent
-                self._submit(wire.Frame(wire.DATA, self.request_id, meta={"a": index, "o": o}, payload=piece,
-                                        digest=wire.checksum(piece)))
+                if self.shm_base is None:
+                    frame = wire.Frame(wire.DATA, self.request_id, meta={"a": index, "o": o}, payload=piece,
+                                       digest=wire.checksum(piece))
+                else:
+                    frame = wire.Frame(wire.PUT, self.request_id, payload=piece, digest=wire.checksum(piece),
+                                       meta={"a": index, "o": o, "n": k, "at": self.shm_base + spec.offset + o})
+                self._submit(frame)
 
     def finish(self, record: dict) -> None:
         """Queue the first-token record; after it nothing more is sent."""

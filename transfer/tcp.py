@@ -174,7 +174,7 @@ class KVServer:
             except PlanError as e:
                 self.forget(h.request_id)
                 return nack(str(e))
-        elif h.kind in (wire.DATA, wire.META) and not recv.wait_plan(self.plan_wait_s):
+        elif h.kind in (wire.DATA, wire.PUT, wire.META) and not recv.wait_plan(self.plan_wait_s):
             wire.discard(conn, h.payload_len, scratch)
             return nack(f"no plan within {self.plan_wait_s}s of the first data")
         elif h.kind == wire.DATA:
@@ -198,6 +198,24 @@ class KVServer:
             with self._lock:
                 self.bytes_received += h.payload_len
             recv.commit(a, o, h.payload_len)
+        elif h.kind == wire.PUT:  # the sender wrote the bytes into this request's region (shm.py)
+            wire.discard(conn, h.payload_len, scratch)
+            try:
+                a, o, n = int(h.meta["a"]), int(h.meta["o"]), int(h.meta["n"])
+                view = recv.target(a, o, n)
+            except (PlanError, KeyError, ValueError, TypeError) as e:
+                return nack(str(e))
+            if view is None:
+                return wire.send_frame(conn, wire.Frame(wire.ACK, h.request_id, h.seq))
+            if wire.checksum(view) != h.digest:
+                with self._lock:
+                    self.corrupt_frames += 1
+                log.info("%s: checksum mismatch on shared array %d bytes [%d, %d); asking for a resend",
+                         h.request_id, a, o, o + n)
+                return nack("checksum mismatch", retry=True)
+            with self._lock:
+                self.bytes_received += n
+            recv.commit(a, o, n)
         elif h.kind == wire.META:
             wire.discard(conn, h.payload_len, scratch)
             try:
@@ -297,19 +315,24 @@ class TcpLink:
                     conn.outstanding[(f.request_id, f.seq)] = out
             try:
                 digest = wire.checksum(f.payload) if f.digest is None else f.digest
-                lost = f.kind == wire.DATA and self.shaper.lose()
-                hdr = wire.encode_header(wire.Frame(f.kind, f.request_id, f.seq, f.meta, f.payload,
+                lost = f.kind in (wire.DATA, wire.PUT) and self.shaper.lose()
+                payload = self.payload_out(f)
+                hdr = wire.encode_header(wire.Frame(f.kind, f.request_id, f.seq, f.meta, payload,
                                                     digest ^ 0xFFFFFFFF if lost else digest))
                 self.metrics.add("in_flight", len(f.payload))
                 self.shaper.send(conn.sock, hdr)
-                if len(f.payload):
-                    self.shaper.send(conn.sock, f.payload)
+                if len(payload):
+                    self.shaper.send(conn.sock, payload)
                 self.metrics.sent(len(f.payload))
             except OSError as e:
                 log.info("kv link %s: connection lost (%s); its frames are resent", self.metrics.name, e)
                 conn.kill()  # the reader exits and requeues what was outstanding
         if conn is not None:
             conn.close(self.metrics)
+
+    def payload_out(self, frame: wire.Frame) -> memoryview | bytes:
+        """The bytes that follow a frame's header on the wire (shm.py's link writes PUT pieces elsewhere)."""
+        return frame.payload
 
     def _fail_queued(self, reason: str) -> None:
         while True:

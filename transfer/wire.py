@@ -30,8 +30,9 @@ MAGIC = b"JXKV"
 VERSION = 2
 HEADER = struct.Struct("<4sBBHIHIQQ")
 
-HELLO, PLAN, DATA, META, ACK, NACK, ABORT = range(1, 8)
-KIND_NAMES = {HELLO: "HELLO", PLAN: "PLAN", DATA: "DATA", META: "META", ACK: "ACK", NACK: "NACK", ABORT: "ABORT"}
+HELLO, PLAN, DATA, META, ACK, NACK, ABORT, PUT = range(1, 9)
+KIND_NAMES = {HELLO: "HELLO", PLAN: "PLAN", DATA: "DATA", META: "META", ACK: "ACK", NACK: "NACK", ABORT: "ABORT",
+              PUT: "PUT"}  # PUT: the bytes were written into the receiver's shared-memory region (shm.py)
 MAX_META = 16 << 20
 
 

@@ -22,10 +22,11 @@ log = logging.getLogger("jaxserve.decode")
 
 class KVIntake:
     def __init__(self, llm, token: str, post, host: str = "127.0.0.1", port: int = 0, pool_bytes: int = 256 << 20,
-                 deadline_s: float = 30.0):
+                 deadline_s: float = 30.0, shared: bool = False):
+        """shared: the receive pool is a shared-memory segment a sender on this host may write directly."""
         self.llm, self.post, self.deadline_s = llm, post, deadline_s
         self.server = KVServer(token, host, port)
-        self.pool = RecvPool(pool_bytes)
+        self.pool = RecvPool(pool_bytes, shared=shared)
         self.receivers: dict[str, KVReceiver] = {}
 
     @property
@@ -33,7 +34,8 @@ class KVIntake:
         return self.server.address
 
     def reserve(self, request_id: str, prompt: list[int], params, kv_tokens: int, deadline_s: float | None = None):
-        """-> (sequence, dst block ids, skip). Raises RequestError (bad request) or OutOfBlocks / PoolFull (busy)."""
+        """-> (sequence, dst block ids, skip). Raises RequestError (bad request) or OutOfBlocks / PoolFull (busy).
+        The receiver is `self.receivers[request_id]` (its region's offset: where a local sender writes)."""
         llm = self.llm
         seq, skip = llm.reserve(request_id, prompt, params, kv_tokens)
         try:
@@ -70,5 +72,14 @@ class KVIntake:
             self.server.forget(request_id)
             recv.fail("request aborted")
 
+    def shm(self, request_id: str) -> dict | None:
+        """Where a sender on this host writes the request's KV: {"name", "base", "boot"} (None: TCP only)."""
+        from transfer.shm import boot_id
+        recv = self.receivers.get(request_id)
+        if self.pool.shm_name is None or recv is None:
+            return None
+        return {"name": self.pool.shm_name, "base": recv.region.offset, "boot": boot_id()}
+
     def close(self) -> None:
         self.server.close()
+        self.pool.close()

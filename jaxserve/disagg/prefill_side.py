@@ -70,6 +70,7 @@ class Handoff:
     sample: bool = True  # send the first sampled token (False: decode computes the last prompt token)
     layers_per_group: int | None = None  # streaming granularity (None: one group, sent after the step)
     request_id: str | None = None  # the id decode knows the request by (default: the sequence's)
+    shm_base: int | None = None  # link is a transfer.shm.ShmLink: the region's offset in decode's segment
     sender: KVSender | None = field(default=None, init=False)
 
     def begin(self, llm, seq) -> list[tuple[int, int]] | None:
@@ -82,7 +83,8 @@ class Handoff:
         plan = TransferPlan.build(layout, dtype, self.kv_tokens, seq.block_ids, self.dst_blocks, self.skip,
                                   self._groups)
         self._staging = plan.check(layout, dtype, self.dst_blocks, self.kv_tokens, self.skip)
-        self.sender = KVSender(self.request_id or seq.request_id, self.link, plan, self._staging)
+        self.sender = KVSender(self.request_id or seq.request_id, self.link, plan, self._staging,
+                               shm_base=self.shm_base)
         self.sender.start()
         self._engine, self._seq = eng, seq
         self._blocks = seq.block_ids[self.skip:self.skip + plan.nblocks]

@@ -151,7 +151,8 @@ def create_app(config: Config, engine: AsyncEngine, model_name: str, metrics: Me
         route = updates[0].route or {"route": "local", "prefill_instance": instance, "decode_instance": instance}
         kv = sum((u.route or {}).get("kv_bytes_transferred", 0) for u in updates)
         return {"route": route["route"], "prefill_instance": route["prefill_instance"],
-                "decode_instance": route["decode_instance"], "cached_tokens": max(u.cached_tokens for u in updates),
+                "decode_instance": route["decode_instance"], "kv_backend": route.get("kv_backend"),
+                "cached_tokens": max(u.cached_tokens for u in updates),
                 "kv_bytes_transferred": kv, "ttft_s": round(min(ttft), 6) if ttft else None}
 
     def usage(updates: list[Update]):

@@ -10,7 +10,7 @@ Methods (rpc.py; JSON over gRPC):
             "skip", "kv_address", "cluster"}}, then one {"update": ...} per engine step that changed the request. Closing
             the stream aborts the request (frees its slot and blocks).
   Prefill   (prefill) {"request_id", "prompt", "params", "kv_tokens", "sample", "dst": {"kv_address", "blocks",
-            "skip", "cluster"?}} -> {"kv_bytes", "frames", "sends", "resends", "token", "ttft_s"} once decode has
+            "skip", "cluster"?}} -> {"kv_bytes", "frames", "sends", "resends", "token", "ttft_s", "backend"} once decode has
             acknowledged every byte; gRPC ABORTED (with the reason) when the transfer failed.
   Generate  (any role, stream) {"request_id", "prompt", "params"} -> one {"update": ...} per step: the whole
             request on this instance (the router's fallback when no prefill / decode pair is available).
@@ -91,25 +91,35 @@ class Worker:
         if inst.role in ("decode", "both"):
             from ..disagg.decode_side import KVIntake
             self.intake = KVIntake(self.llm, t.token, self.engine.post, inst.host, inst.kv_port,
-                                   t.recv_pool_mb << 20, t.deadline_s)
+                                   t.recv_pool_mb << 20, t.deadline_s, shared=t.shared_memory)
         if inst.role in ("prefill", "both"):
             from ..disagg.prefill_side import Feeder
             self.feeder = Feeder()
 
-    def _link(self, address, dst_cluster: str | None):
-        """The TCP link to a decode instance's KV server; a configured link between the two clusters sets its
-        emulated bandwidth, latency, loss and connection count."""
+    def _link(self, dst: dict):
+        """The link to a decode instance's KV server: shared memory when it runs on this host (and
+        transfer.shared_memory), else TCP; a configured link between the two clusters sets its emulated
+        bandwidth, latency, loss and connection count (and always means TCP). -> (link, shm region base)"""
         from transfer.link import LinkEmulation
+        from transfer.shm import ShmLink, same_host
         from transfer.tcp import TcpLink
-        key = (address[0], int(address[1]))
+        t = self.cfg.transfer
+        address = dst["kv_address"]
+        lk = self.cfg.link(self.cluster, dst.get("cluster") or self.cluster)
+        shm = dst.get("shm") if t.shared_memory and lk is None else None
+        if shm is not None and not same_host(shm.get("boot")):
+            shm = None
+        key = (address[0], int(address[1]), shm["name"] if shm else None)
         if key not in self.links:
-            t = self.cfg.transfer
-            lk = self.cfg.link(self.cluster, dst_cluster or self.cluster)
-            emu = LinkEmulation(lk.bandwidth_gbps, lk.latency_ms, lk.loss) if lk else None
-            self.links[key] = TcpLink(key, t.token, lk.connections if lk else t.connections, emulation=emu,
-                                      name=f"{self.inst.name}->{key[0]}:{key[1]}",
-                                      chunk_bytes=int(t.chunk_mb * (1 << 20)))
-        return self.links[key]
+            kw = dict(name=f"{self.inst.name}->{key[0]}:{key[1]}" + (" (shm)" if shm else ""),
+                      chunk_bytes=int(t.chunk_mb * (1 << 20)))
+            if shm is not None:
+                self.links[key] = ShmLink(key[:2], t.token, shm["name"], connections=t.connections, **kw)
+            else:
+                emu = LinkEmulation(lk.bandwidth_gbps, lk.latency_ms, lk.loss) if lk else None
+                self.links[key] = TcpLink(key[:2], t.token, lk.connections if lk else t.connections, emulation=emu,
+                                          **kw)
+        return self.links[key], (int(shm["base"]) if shm else None)
 
     # ---- methods
     async def health(self, req=None, ctx=None):
@@ -117,7 +127,7 @@ class Worker:
         return self._describe(await self.engine.call(lambda eng: eng.stats()))
 
     def _describe(self, stats: dict) -> dict:
-        links = {f"{k[0]}:{k[1]}": v.metrics.snapshot() for k, v in self.links.items()}
+        links = {v.metrics.name: v.metrics.snapshot() for v in self.links.values()}
         return {"name": self.inst.name, "role": self.inst.role, "address": self.address, "pid": os.getpid(),
                 "kv_address": list(self.intake.address) if self.intake else None,
                 "max_model_len": self.llm.max_model_len, "stats": stats, "links": links}
@@ -144,14 +154,14 @@ class Worker:
         rid = str(req["request_id"])
         try:
             params = SamplingParams(**req.get("params", {}))
-            q, (blocks, skip) = await self.engine.attach(rid, lambda eng: self._reserve(rid, req, params))
+            q, (blocks, skip, shm) = await self.engine.attach(rid, lambda eng: self._reserve(rid, req, params))
         except (RequestError, ValueError, TypeError) as e:
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except (OutOfBlocks, PoolFull) as e:  # no room right now
             await ctx.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{type(e).__name__}: {e}")
         try:
             yield {"reserved": {"blocks": blocks, "skip": skip, "kv_address": list(self.intake.address),
-                                "cluster": self.cluster}}
+                                "cluster": self.cluster, "shm": shm}}
             async for msg in self._updates(q, rid):
                 yield msg
         finally:
@@ -180,7 +190,7 @@ class Worker:
         deadline = req.get("deadline_s")
         seq, blocks, skip = self.intake.reserve(rid, list(req["prompt"]), params, int(req["kv_tokens"]),
                                                 float(deadline) if deadline else None)
-        return [seq], (blocks, skip)
+        return [seq], (blocks, skip, self.intake.shm(rid))
 
     async def prefill(self, req, ctx):
         import grpc
@@ -195,8 +205,9 @@ class Worker:
         t = self.cfg.transfer
         try:
             params = SamplingParams(**req.get("params", {}))
-            handoff = Handoff(self._link(dst["kv_address"], dst.get("cluster")), self.feeder, list(dst["blocks"]), int(dst["skip"]), kv,
-                              bool(req.get("sample", True)), t.layers_per_group, request_id=rid)
+            link, shm_base = self._link(dst)
+            handoff = Handoff(link, self.feeder, list(dst["blocks"]), int(dst["skip"]), kv,
+                              bool(req.get("sample", True)), t.layers_per_group, request_id=rid, shm_base=shm_base)
 
             def add(eng):
                 seqs = eng.add_request(rid, list(req["prompt"])[:kv], params)
@@ -220,7 +231,8 @@ class Worker:
             sender.abort("deadline passed" if not sender.state.final else sender.state.reason)
             await ctx.abort(grpc.StatusCode.ABORTED, f"KV transfer failed: {sender.state.reason}")
         return {"kv_bytes": sender.bytes_acked, "frames": sender.frames, "sends": sender.sends,
-                "resends": sender.resends, "token": u.token_ids[0] if u.token_ids else None, "ttft_s": u.ttft_s}
+                "resends": sender.resends, "token": u.token_ids[0] if u.token_ids else None, "ttft_s": u.ttft_s,
+                "backend": "shm" if sender.shm_base is not None else "tcp"}
 
     async def heartbeat(self, router: str) -> None:
         """Register with the router, then again every heartbeat_s with fresh stats, until cancelled."""

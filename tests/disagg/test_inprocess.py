@@ -16,6 +16,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.disagg.decode_side import KVIntake
 from jaxserve.disagg.prefill_side import Feeder, Handoff
 from jaxserve.engine.llm_engine import EngineConfig, LLMEngine
+from transfer.shm import ShmLink
 from transfer.state import KVPoll
 from transfer.tcp import TcpLink
 
@@ -26,16 +27,18 @@ CFG = EngineConfig(block_size=4, num_blocks=64, chunk_size=8, max_num_batched_to
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 
-def run_disagg(path, prompts, params, *, sample=True, layers_per_group=None, warm_decode=None, tp=(1, 1)):
-    """tp: (prefill, decode) tensor parallelism, over the two fake CPU devices."""
+def run_disagg(path, prompts, params, *, sample=True, layers_per_group=None, warm_decode=None, tp=(1, 1),
+               shm=False):
+    """tp: (prefill, decode) tensor parallelism, over the two fake CPU devices; shm: the local backend."""
     def mesh(n):
         return None if n == 1 else jax.make_mesh((n,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,),
                                                  devices=jax.devices()[:n])
     pre = LLMEngine(path, "float32", CFG, mesh(tp[0]), progress=False)
     dec = LLMEngine(path, "float32", CFG, mesh(tp[1]), progress=False)
     posted: queue.Queue = queue.Queue()
-    intake = KVIntake(dec, "t0k", posted.put)
-    link = TcpLink(intake.address, "t0k", connections=2, chunk_bytes=4096)
+    intake = KVIntake(dec, "t0k", posted.put, shared=shm)
+    link = (ShmLink(intake.address, "t0k", intake.pool.shm_name, connections=2, chunk_bytes=4096) if shm
+            else TcpLink(intake.address, "t0k", connections=2, chunk_bytes=4096))
     feeder = Feeder()
     pre.blocks.allocate([], 5 * CFG.block_size)  # shift prefill's block ids so the two pools differ
     try:
@@ -47,7 +50,8 @@ def run_disagg(path, prompts, params, *, sample=True, layers_per_group=None, war
         for i, p in enumerate(prompts):
             kv = len(p) if sample else len(p) - 1
             seq, dst, skip = intake.reserve(f"r{i}", p, params, kv)
-            h = Handoff(link, feeder, dst, skip, kv, sample, layers_per_group)
+            h = Handoff(link, feeder, dst, skip, kv, sample, layers_per_group,
+                        shm_base=intake.shm(f"r{i}")["base"] if shm else None)
             (pseq,) = pre.add_request(f"r{i}", p[:kv], params)
             pseq.handoff = h
             dseqs.append(seq)
@@ -88,6 +92,17 @@ def test_disaggregated_tokens_equal_colocated(checkpoint_dir, family):
         nb = -(-len(p) // bs)
         assert h.sender.bytes_acked == spec.transfer_bytes(len(p), bs, 4, skip), (p, skip)
         assert nb - skip >= 1
+
+
+def test_shared_memory_backend_matches_colocated(checkpoint_dir):
+    """The local backend (sender writes into decode's shared-memory receive pool) on a hybrid model."""
+    path = checkpoint_dir("kimi_linear")
+    want = [o.token_ids for o in LLM(path, progress=False, engine=CFG).generate(PROMPTS, GREEDY)]
+    got, handoffs, skips, dec = run_disagg(path, PROMPTS, GREEDY, layers_per_group=2, shm=True)
+    assert got == want
+    for p, h, skip in zip(PROMPTS, handoffs, skips):
+        assert h.sender.shm_base is not None
+        assert h.sender.bytes_acked == dec.cache_spec.transfer_bytes(len(p), CFG.block_size, 4, skip)
 
 
 def test_last_prompt_token_left_to_decode(checkpoint_dir):

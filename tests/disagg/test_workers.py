@@ -48,7 +48,7 @@ def cluster(checkpoint_dir, tmp_path_factory):
     path = checkpoint_dir("kimi_linear")
     cfg = {"model": {"path": path}, "engine": ENGINE,
            "transfer": {"token": "test-token", "connections": 2, "chunk_mb": 0.01, "deadline_s": 120.0,
-                        "layers_per_group": 2},
+                        "layers_per_group": 2, "shared_memory": False},  # the TCP backend between processes
            "clusters": [{"name": "pd", "instances": [{"name": "p0", "role": "prefill", "cpus": [0]},
                                                      {"name": "d0", "role": "decode", "cpus": [1]}]}]}
     cfg_path = str(tmp_path_factory.mktemp("cfg") / "disagg.yaml")
@@ -96,7 +96,7 @@ def test_worker_processes_match_colocated(cluster):
     results = asyncio.run(run())
     for (reserved, res, last), p, w in zip(results, PROMPTS, want):
         assert last["token_ids"] == w and last["finished"] and not last["error"]
-        assert res["token"] == w[0] and res["kv_bytes"] > 0 and res["sends"] >= 1
+        assert res["token"] == w[0] and res["kv_bytes"] > 0 and res["sends"] >= 1 and res["backend"] == "tcp"
     # no block held on either side once the requests are done
     async def health():
         out = []

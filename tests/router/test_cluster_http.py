@@ -104,6 +104,8 @@ def test_disaggregated_http_equals_colocated(family, checkpoint_dir):
         assert meta["kv_bytes_transferred"] == spec.transfer_bytes(len(p), BS, 4, skip) > 0, (family, p, meta)
         assert w["jaxserve"]["kv_bytes_transferred"] == 0 and w["jaxserve"]["prefill_instance"] == "solo"
     assert got[0]["jaxserve"]["cached_tokens"] == 0
+    # both workers on this host: the KV went through the decode worker's shared-memory receive pool
+    assert all(g["jaxserve"]["kv_backend"] == "shm" for g in got) and want[0]["jaxserve"]["kv_backend"] is None
     # n = 2 with a seed: two sub-requests with seeds seed, seed + 1, as the colocated engine samples them
     assert [tokens(c) for c in got_sampled["choices"]] == [tokens(c) for c in want_sampled["choices"]]
     assert got_sampled["jaxserve"]["kv_bytes_transferred"] > 0

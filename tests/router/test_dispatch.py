@@ -72,7 +72,7 @@ class Fake:
             self.beating = False  # as a hung process: no answer, no heartbeat
             await asyncio.Event().wait()
         self.board.setdefault(req["request_id"], asyncio.Event()).set()
-        return {"kv_bytes": 100, "frames": 1, "sends": 1, "resends": 0, "token": 0, "ttft_s": 0.0}
+        return {"kv_bytes": 100, "frames": 1, "sends": 1, "resends": 0, "token": 0, "ttft_s": 0.0, "backend": "tcp"}
 
     async def generate(self, req, ctx):
         self.generated.append(req["request_id"])
@@ -135,7 +135,7 @@ def test_disaggregated_request_and_registration():
             u, = await result(await ce.add("r", [1, 2, 3], GREEDY))
             assert u.token_ids == [3, 0] and u.error is None
             assert u.route == {"route": "local", "prefill_instance": "p0", "decode_instance": "d0",
-                               "kv_bytes_transferred": 100, "attempts": 1}
+                               "kv_bytes_transferred": 100, "kv_backend": "tcp", "attempts": 1}
             assert w["d0"].opened == ["r.1"] and w["p0"].prefills == ["r.1"]
             c = rpc.Client(ce.address)
             try:

@@ -18,6 +18,7 @@ from transfer.plan import PlanError, TransferPlan, layer_groups
 from transfer.receiver import KVReceiver, region_bytes
 from transfer.sender import KVSender
 from transfer.state import IllegalTransition, KVPoll, TransferState
+from transfer.shm import ShmLink
 from transfer.tcp import KVServer, TcpLink
 
 TOKEN = "cluster-secret"
@@ -105,17 +106,21 @@ def test_token_bucket_rate():
 class Pair:
     """A receiver server and a helper to run one transfer of the test layout through a link."""
 
-    def __init__(self, **link_kw):
+    def __init__(self, shm: bool = False, **link_kw):
         self.lay = layout()
         self.pool = random_pool(self.lay)
         self.server = KVServer(TOKEN)
-        self.rpool = RecvPool(1 << 22)
-        self.link = TcpLink(self.server.address, TOKEN, **{"connections": 2, "chunk_bytes": 512, **link_kw})
+        self.rpool = RecvPool(1 << 22, shared=shm)
+        kw = {"connections": 2, "chunk_bytes": 512, **link_kw}
+        self.link = (ShmLink(self.server.address, TOKEN, self.rpool.shm_name, **kw) if shm
+                     else TcpLink(self.server.address, TOKEN, **kw))
         self.done: list[KVReceiver] = []
+        self.regions: dict[str, int] = {}
 
     def receiver(self, rid, dst, n=14, skip=0, deadline=10.0):
-        r = KVReceiver(rid, self.lay, "float32", dst, n, skip,
-                       self.rpool.allocate(region_bytes(self.lay, "float32", n, skip)), deadline, self.done.append)
+        region = self.rpool.allocate(region_bytes(self.lay, "float32", n, skip))
+        self.regions[rid] = region.offset
+        r = KVReceiver(rid, self.lay, "float32", dst, n, skip, region, deadline, self.done.append)
         self.server.expect(r)
         return r
 
@@ -123,7 +128,7 @@ class Pair:
         lay = lay or self.lay
         plan = TransferPlan.build(lay, dtype, n, src, dst, skip, layer_groups(lay.num_layers, groups))
         st = plan.check(lay, dtype, dst, n, skip)
-        s = KVSender(rid, self.link, plan, st)
+        s = KVSender(rid, self.link, plan, st, shm_base=self.regions.get(rid) if self.rpool.shm else None)
         s.start()
         arrays = export(lay, self.pool, st, src[skip:], 1)
         for i, a in enumerate(arrays):
@@ -134,6 +139,7 @@ class Pair:
     def close(self):
         self.link.close()
         self.server.close()
+        self.rpool.close()
 
 
 def _assert_same(st, got, sent):
@@ -167,6 +173,43 @@ def test_tcp_emulated_loss_is_detected_and_resent():
         assert s.resends > 0 and p.server.corrupt_frames == s.resends
         assert p.link.metrics.snapshot()["resends"] == s.resends
         _assert_same(st, r.arrays(), arrays)
+    finally:
+        p.close()
+
+
+def test_shared_memory_transfer_writes_the_region_directly_and_resends(monkeypatch):
+    """Local backend: the pieces are copied into the receiver's shared-memory region by the sender (PUT frames
+    carry no payload on the socket), checked there; emulated loss is NACKed and the piece put again."""
+    sent = []
+    orig = wire.send_frame
+    monkeypatch.setattr(wire, "send_frame", lambda sock, f: (sent.append(f.kind), orig(sock, f))[1])
+    p = Pair(shm=True, emulation=LinkEmulation(loss=0.3, seed=5))
+    try:
+        r = p.receiver("a", [7, 8, 9, 20])
+        s, st, arrays = p.send("a", [3, 4, 9, 10], [7, 8, 9, 20])
+        assert s.wait(10) is KVPoll.DONE and r.state.wait(10) is KVPoll.DONE
+        _assert_same(st, r.arrays(), arrays)
+        assert r.received == st.sent_bytes == s.bytes_acked == p.server.bytes_received
+        assert s.resends > 0 and p.server.corrupt_frames == s.resends
+        assert p.link.metrics.snapshot()["bytes_sent"] >= st.sent_bytes
+        r.release()
+        assert p.rpool.free_bytes == p.rpool.capacity
+    finally:
+        p.close()
+
+
+def test_shared_memory_put_outside_the_plan_is_refused():
+    p = Pair(shm=True)
+    try:
+        p.receiver("a", [7, 8, 9, 20])
+        sock, hello = _raw_connection(p.server)
+        plan = TransferPlan.build(p.lay, "float32", 14, [3, 4, 9, 10], [7, 8, 9, 20], 0, layer_groups(5, 2))
+        wire.send_frame(sock, wire.Frame(wire.PLAN, "a", 0, plan.to_meta()))
+        assert wire.read_header(sock).kind == wire.ACK
+        wire.send_frame(sock, wire.Frame(wire.PUT, "a", 1, {"a": 0, "o": 1 << 30, "n": 64, "at": 0}, b"", 0))
+        h = wire.read_header(sock)
+        assert h.kind == wire.NACK and "outside array 0" in h.meta["reason"]
+        sock.close()
     finally:
         p.close()
 

@@ -1,0 +1,51 @@
+"""Local backend: a sender on the decode instance's host writes KV straight into its receive region.
+
+The decode worker's receive pool is a POSIX shared-memory segment (bufpool.py, `shared=True`); a reservation
+names the segment and the region's offset in it. `ShmLink` maps the segment and is a `TcpLink` for
+everything else: the same connections carry the plan, the first-token record and one payload-less PUT frame
+per piece, whose writer thread first copies the piece into the segment at its place (the copies of N
+connections run in parallel), then sends the header with the piece's checksum. The receiver checks the plan
+and the bytes' position exactly as for DATA, verifies the checksum over the region, and answers ACK, or
+NACK(retry), after which the piece is copied and announced again. So the bytes cross once (one memcpy,
+no socket), and corruption, resends, refusals and deadlines behave as on TCP. Use only where both ends run
+on one host: `same_host` compares kernel boot ids.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+
+from . import wire
+from .bufpool import attach_segment
+from .tcp import TcpLink
+
+
+def boot_id() -> str:
+    """This host's identity for same-host checks (the kernel boot id, else the host name)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return socket.gethostname()
+
+
+def same_host(other_boot_id: str | None) -> bool:
+    return other_boot_id is not None and other_boot_id == boot_id()
+
+
+class ShmLink(TcpLink):
+    def __init__(self, address, token: str, shm_name: str, **kw):
+        self.shm_name = shm_name
+        self.mapping = np.frombuffer(attach_segment(shm_name), np.uint8)
+        super().__init__(address, token, **kw)
+
+    def payload_out(self, frame: wire.Frame) -> memoryview | bytes:
+        """Writer thread: a PUT's piece goes into the segment here; nothing follows its header on the wire."""
+        if frame.kind != wire.PUT:
+            return frame.payload
+        at = int(frame.meta["at"])
+        src = np.frombuffer(frame.payload, np.uint8)
+        self.mapping[at:at + src.size] = src
+        return b""
