@@ -292,7 +292,7 @@ class ClusterEngine:
             s.worker.inflight -= 1
             s.call = None
 
-    async def _prefill(self, s: _Sub) -> None:
+    async def _prefill(self, s: _Sub) -> bool:
         """Run the prompt on a prefill instance into the reservation. Raises _Retry; returns False when no
         prefill instance is left (the caller prefills locally)."""
         p = least_loaded(self.registry.up("prefill", exclude=s.avoid_prefill | {s.worker.name}))
