@@ -275,5 +275,30 @@ class Engine:
                                          _IDLE, 0, [0])], st)
         return len(self.programs)
 
+    def warmup_transfer(self, dtype_name: str, groups: list[tuple[int, int]], export: bool, receive: bool,
+                        progress: bool = True) -> int:
+        """Compile the KV export (prefill side) and import (decode side) programs for every staged row-count
+        bucket, so the first disaggregated requests do not wait for them. Imports write only out-of-range
+        blocks (dropped) and the scratch row. Returns the number of programs run."""
+        from tqdm import tqdm
+
+        from transfer.bufpool import aligned_empty
+        from transfer.plan import bucket, staging
+        rows = sorted({bucket(n) for n in range(1, self.max_blocks_per_seq + 1)})
+        scratch = self.layout.scratch_row
+        n = 0
+        for M in tqdm(rows, desc="compiling transfer", unit="bucket", disable=not progress):
+            st = staging(self.layout, dtype_name, M, groups)
+            if export:
+                for k in range(len(groups)):
+                    jax.block_until_ready([x for _, x in self.export_kv(st, k, [0] * M, scratch)])
+                    n += 1
+            if receive:
+                buf = aligned_empty(st.nbytes)
+                buf[:] = 0
+                self.import_kv(st, st.views(buf), [], scratch)
+                n += 1
+        return n
+
     def free(self, slot: int) -> None:
         """Nothing on device: the slot's rows are overwritten by the next insert / first chunk."""

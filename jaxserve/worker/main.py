@@ -76,12 +76,13 @@ class Worker:
                              make_mesh(inst, local=True), progress)
         if cfg.engine.warmup:
             print(f"{inst.name}: compiling the step programs (engine.warmup)", flush=True)
-            stages = None
-            if inst.role in ("prefill", "both"):  # layer-wise prefill runs one program per layer group
-                from transfer.plan import layer_groups
-                groups = layer_groups(self.llm.layout.num_layers, cfg.transfer.layers_per_group)
-                stages = groups if len(groups) > 1 else None
-            n = self.llm.engine.warmup(progress, stages)
+            from transfer.plan import layer_groups
+            groups = layer_groups(self.llm.layout.num_layers, cfg.transfer.layers_per_group)
+            sends = inst.role in ("prefill", "both")
+            # layer-wise prefill runs one program per layer group
+            n = self.llm.engine.warmup(progress, groups if sends and len(groups) > 1 else None)
+            n += self.llm.engine.warmup_transfer(self.llm.dtype_name, groups, export=sends,
+                                                 receive=inst.role in ("decode", "both"), progress=progress)
             print(f"{inst.name}: {n} programs compiled", flush=True)
         print(f"{inst.name}: engine ready after {time.monotonic() - t0:.1f}s", flush=True)
         self.engine = AsyncEngine(self.llm)

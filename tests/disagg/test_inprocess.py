@@ -16,6 +16,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.disagg.decode_side import KVIntake
 from jaxserve.disagg.prefill_side import Feeder, Handoff
 from jaxserve.engine.llm_engine import EngineConfig, LLMEngine
+from transfer.plan import layer_groups
 from transfer.shm import ShmLink
 from transfer.state import KVPoll
 from transfer.tcp import TcpLink
@@ -28,8 +29,9 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 
 def run_disagg(path, prompts, params, *, sample=True, layers_per_group=None, warm_decode=None, tp=(1, 1),
-               shm=False):
-    """tp: (prefill, decode) tensor parallelism, over the two fake CPU devices; shm: the local backend."""
+               shm=False, warm_transfer=False):
+    """tp: (prefill, decode) tensor parallelism, over the two fake CPU devices; shm: the local backend;
+    warm_transfer: compile the export / import programs first, and check the transfers compile no more."""
     def mesh(n):
         return None if n == 1 else jax.make_mesh((n,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,),
                                                  devices=jax.devices()[:n])
@@ -41,6 +43,11 @@ def run_disagg(path, prompts, params, *, sample=True, layers_per_group=None, war
             else TcpLink(intake.address, "t0k", connections=2, chunk_bytes=4096))
     feeder = Feeder()
     pre.blocks.allocate([], 5 * CFG.block_size)  # shift prefill's block ids so the two pools differ
+    if warm_transfer:
+        groups = layer_groups(pre.layout.num_layers, layers_per_group)
+        pre.engine.warmup_transfer("float32", groups, export=True, receive=False, progress=False)
+        dec.engine.warmup_transfer("float32", groups, export=False, receive=True, progress=False)
+        compiled = (len(pre.engine._io._export), len(dec.engine._io._import))
     try:
         if warm_decode is not None:  # decode computes this prompt itself first: its blocks are prefix cache there
             dec.add_request("warm", warm_decode, params)
@@ -71,6 +78,8 @@ def run_disagg(path, prompts, params, *, sample=True, layers_per_group=None, war
                 dec.step()
         for eng in (pre, dec):
             eng.blocks.check()
+        if warm_transfer:
+            assert (len(pre.engine._io._export), len(dec.engine._io._import)) == compiled
         assert dec.blocks.num_referenced() == 0 and intake.pool.free_bytes == intake.pool.capacity
         return [s.output for s in dseqs], handoffs, skips, dec
     finally:
@@ -95,10 +104,11 @@ def test_disaggregated_tokens_equal_colocated(checkpoint_dir, family):
 
 
 def test_shared_memory_backend_matches_colocated(checkpoint_dir):
-    """The local backend (sender writes into decode's shared-memory receive pool) on a hybrid model."""
+    """The local backend (sender writes into decode's shared-memory receive pool) on a hybrid model; with the
+    transfer programs warmed up first, no request compiles another."""
     path = checkpoint_dir("kimi_linear")
     want = [o.token_ids for o in LLM(path, progress=False, engine=CFG).generate(PROMPTS, GREEDY)]
-    got, handoffs, skips, dec = run_disagg(path, PROMPTS, GREEDY, layers_per_group=2, shm=True)
+    got, handoffs, skips, dec = run_disagg(path, PROMPTS, GREEDY, layers_per_group=2, shm=True, warm_transfer=True)
     assert got == want
     for p, h, skip in zip(PROMPTS, handoffs, skips):
         assert h.sender.shm_base is not None
@@ -130,7 +140,6 @@ def test_layerwise_prefill_equals_one_program_and_exports_early(checkpoint_dir, 
     import jax
 
     from jaxserve.engine.runner import PrefillRow
-    from transfer.plan import layer_groups
     path = checkpoint_dir(family)
     one, staged = (LLMEngine(path, "float32", CFG, progress=False) for _ in range(2))
     prompt = BASE[:13]
