@@ -265,6 +265,9 @@ class ClusterEngine:
                 self._down(w, e)
                 s.avoid.add(w.name)
                 s.errors.append(f"{method} on {w.name}: {e.code().name}: {e.details()}")
+            except _Retry as e:
+                s.avoid.add(w.name)
+                s.errors.append(str(e))
 
     async def _open(self, s: _Sub, w: WorkerInfo, method: str) -> None:
         s.serial += 1
@@ -278,6 +281,9 @@ class ClusterEngine:
         if method == "Decode":
             try:
                 first = await it.__anext__()
+            except StopAsyncIteration:
+                call.cancel()
+                raise _Retry(f"{w.name} closed its Decode stream without a reservation") from None
             except BaseException:
                 call.cancel()
                 raise
@@ -385,5 +391,9 @@ class ClusterEngine:
                 await self._place(s)
         except (RequestError, QueueFull, Unavailable) as e:
             final(Update(s.index, [], "", True, "error", [], 0, len(s.prompt), error=str(e), ttft_s=s.ttft_s))
+        except Exception as e:  # noqa: BLE001 - a bug must still end the request, never leave it waiting
+            log.exception("%s: router error", s.rid)
+            final(Update(s.index, [], "", True, "error", [], 0, len(s.prompt),
+                         error=f"router error: {type(e).__name__}: {e}", ttft_s=s.ttft_s))
         finally:
             self._close(s)

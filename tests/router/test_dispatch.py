@@ -23,7 +23,8 @@ TOKEN = "tok"
 
 
 class Fake:
-    """A worker whose answers are scripted: `prefill` in ok | abort | hang, `decode` in ok | full | invalid."""
+    """A worker whose answers are scripted: `prefill` in ok | abort | hang, `decode` in ok | full | invalid |
+    garbage (a malformed update after the KV arrived)."""
 
     def __init__(self, name, role, board, prefill="ok", decode="ok"):
         self.name, self.role, self.board = name, role, board
@@ -58,6 +59,8 @@ class Fake:
         try:
             yield {"reserved": {"blocks": [0], "skip": 0, "kv_address": ["127.0.0.1", 1]}}
             await arrived.wait()
+            if self.decode_mode == "garbage":
+                yield {"update": {"bogus": 1}}
             out = self.output(req)
             yield {"update": update(out[:1], False)}
             yield {"update": update(out, True)}
@@ -229,4 +232,14 @@ def test_n_fans_out_with_consecutive_seeds_and_abort_frees():
         async with cluster({"p0": P, "d0": D}) as (ce, w):
             ups = await result(await ce.add("r", [1, 2], SamplingParams(max_tokens=4, seed=7, n=2)), n=2)
             assert [u.token_ids for u in ups] == [[2, 7], [2, 8]] and [u.index for u in ups] == [0, 1]
+    asyncio.run(go())
+
+
+def test_a_malformed_worker_message_ends_the_request_with_an_error():
+    async def go():
+        async with cluster({"p0": P, "d0": ("decode", {"decode": "garbage"})}) as (ce, w):
+            u, = await result(await ce.add("r", [1, 2, 3], GREEDY))
+            assert u.finished and u.finish_reason == "error" and "router error: TypeError" in u.error
+            await asyncio.sleep(0.05)
+            assert w["d0"].closed == ["r.1"] and ce.tasks == {}
     asyncio.run(go())
