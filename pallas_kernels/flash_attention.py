@@ -268,11 +268,29 @@ def batched_attention(q, k, v, q_pos, k_pos, k_valid, *, scale: float, window: i
                   block_q=max(1, block_q // G), block_k=block_k, interpret=bool(interpret))
 
 
+REF_QUERY_TILE = 256  # the reference computes long prompts this many query rows at a time
+
+
 def ref_batched_attention(q, k, v, q_pos, k_pos, k_valid, *, scale: float, window: int | None = None, sinks=None,
                           interpret=False, block_q: int = BLOCK_Q_ROWS, block_k: int = BLOCK_K):
     """Pure-jnp `batched_attention` (GQA by grouping, no K/V repeat), softmax in float32; queries that see
-    no key give zeros, as in the kernel."""
+    no key give zeros, as in the kernel. Prompts longer than REF_QUERY_TILE (a multiple of it) are computed a
+    tile of query rows at a time (`lax.map`), so the score matrix held at once is [tile, S], not [T, S]:
+    the same numbers, a fraction of the memory (and of the fresh pages each program run touches)."""
     del interpret, block_q, block_k
+    B, T = q.shape[:2]
+    n = T // REF_QUERY_TILE
+    if n > 1 and T % REF_QUERY_TILE == 0:
+        def tile(xs):
+            return _ref_rows(xs[0], k, v, xs[1], k_pos, k_valid, scale, window, sinks)
+        qs = jnp.moveaxis(q.reshape((B, n, REF_QUERY_TILE) + q.shape[2:]), 1, 0)
+        ps = jnp.moveaxis(q_pos.reshape(B, n, REF_QUERY_TILE), 1, 0)
+        out = jax.lax.map(tile, (qs, ps))  # [n, B, tile, Hq, Dv]
+        return jnp.moveaxis(out, 0, 1).reshape((B, T) + out.shape[3:])
+    return _ref_rows(q, k, v, q_pos, k_pos, k_valid, scale, window, sinks)
+
+
+def _ref_rows(q, k, v, q_pos, k_pos, k_valid, scale, window, sinks):
     B, T, Hq, Dk = q.shape
     Hkv = k.shape[2]
     G = Hq // Hkv
