@@ -92,7 +92,7 @@ def update(tokens, finished):
 async def cluster(fakes: dict, **router):
     cfg = parse({"clusters": [{"name": "c", "instances": [{"name": n, "role": f[0]} for n, f in fakes.items()]}],
                  "transfer": {"token": TOKEN},
-                 "router": {"heartbeat_s": 0.05, "down_after_s": 0.3, "busy_wait_s": 0.2, **router}})
+                 "router": {"heartbeat_s": 0.1, "down_after_s": 1.0, "busy_wait_s": 0.2, **router}})
     board: dict = {}
     workers = {n: Fake(n, role, board, **kw) for n, (role, kw) in fakes.items()}
     ce = ClusterEngine(cfg, tokenizer=None)
