@@ -60,7 +60,8 @@ class KVServer:
         self._closed = threading.Event()
         self._conns: set[socket.socket] = set()
         self.rejections: list[str] = []  # reasons, newest last (also logged)
-        self._completed: collections.OrderedDict[str, None] = collections.OrderedDict()  # recent DONE ids
+        # recent ids that are done (None) or whose plan was refused (the reason)
+        self._completed: collections.OrderedDict[str, str | None] = collections.OrderedDict()
         self.bytes_received = 0
         self.corrupt_frames = 0
         threading.Thread(target=self._accept, name="kv-accept", daemon=True).start()
@@ -73,11 +74,14 @@ class KVServer:
                 raise ValueError(f"a transfer for {receiver.request_id!r} is already expected")
             self._receivers[receiver.request_id] = receiver
 
-    def forget(self, request_id: str, completed: bool = False) -> None:
+    def forget(self, request_id: str, completed: bool = False, refused: str | None = None) -> None:
+        """Stop expecting a request. completed: late resends of its frames are acknowledged, not refused;
+        refused: its plan was refused for this reason, which its later frames are refused with too (so the
+        sender learns the cause whichever of its connections answers first)."""
         with self._lock:
             self._receivers.pop(request_id, None)
-            if completed:  # late resends of its frames are acknowledged, not refused
-                self._completed[request_id] = None
+            if completed or refused is not None:
+                self._completed[request_id] = refused
                 while len(self._completed) > 4096:
                     self._completed.popitem(last=False)
 
@@ -163,8 +167,12 @@ class KVServer:
         if recv is None and h.kind != wire.ABORT:
             wire.discard(conn, h.payload_len, scratch)
             with self._lock:
-                completed = h.request_id in self._completed
-            if completed:
+                known = h.request_id in self._completed
+                refused = self._completed.get(h.request_id)
+            if refused is not None:
+                return wire.send_frame(conn, wire.Frame(wire.NACK, h.request_id, h.seq,
+                                                        {"reason": refused, "retry": False}))
+            if known:
                 return wire.send_frame(conn, wire.Frame(wire.ACK, h.request_id, h.seq))
             return nack("unknown request id")
         if h.kind == wire.PLAN:
@@ -172,7 +180,7 @@ class KVServer:
             try:
                 recv.accept_plan(TransferPlan.from_meta(h.meta))
             except PlanError as e:
-                self.forget(h.request_id)
+                self.forget(h.request_id, refused=f"plan refused: {e}")
                 return nack(str(e))
         elif h.kind in (wire.DATA, wire.PUT, wire.META) and not recv.wait_plan(self.plan_wait_s):
             wire.discard(conn, h.payload_len, scratch)
