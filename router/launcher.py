@@ -20,6 +20,8 @@ import tempfile
 import threading
 import time
 
+from transfer.bufpool import remove_segments_of
+
 
 class WorkerExited(RuntimeError):
     """A child worker exited before it registered."""
@@ -79,9 +81,11 @@ class Launcher:
         c = self.children[name]
         c.proc.kill()
         c.proc.wait(30)
+        remove_segments_of(c.pid)
 
     def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM every child, then SIGKILL what is left after `timeout`."""
+        """SIGTERM every child, then SIGKILL what is left after `timeout`; remove the shared-memory segments
+        of any that could not remove their own."""
         for c in self.children.values():
             if c.exited() is None:
                 c.proc.terminate()
@@ -91,6 +95,7 @@ class Launcher:
             except subprocess.TimeoutExpired:
                 c.proc.kill()
                 c.proc.wait(10)
+            remove_segments_of(c.pid)
 
 
 async def wait_ready(cluster, launcher: Launcher, names: list[str], timeout: float, progress: bool) -> None:

@@ -60,6 +60,18 @@ def remove_segment(name: str) -> None:
         pass
 
 
+def remove_segments_of(pid: int) -> list[str]:
+    """Remove the receive-pool segments a (dead) process created: a killed worker cannot remove its own."""
+    prefix = f"jaxserve-kv-{pid}-"
+    try:
+        names = [n for n in os.listdir(SHM_DIR) if n.startswith(prefix)]
+    except FileNotFoundError:
+        return []
+    for n in names:
+        remove_segment(n)
+    return names
+
+
 def aligned_empty(nbytes: int, align: int = ALIGN) -> np.ndarray:
     """An uninitialised uint8 array of nbytes whose data pointer is a multiple of `align`."""
     raw = np.empty(nbytes + align, np.uint8)

@@ -127,7 +127,11 @@ def test_decode_killed_mid_stream_fails_clearly_and_is_avoided(faulty):
     t = threading.Thread(target=stream)
     t.start()
     assert first.wait(120), f"no token arrived: {events}"
+    pid = cluster.launcher.children["d0"].pid
+    assert [n for n in os.listdir("/dev/shm") if n.startswith(f"jaxserve-kv-{pid}-")]  # its receive pool
     freeze_then_kill(cluster, "d0")
+    # the killed worker could not remove its shared-memory receive pool: the launcher did
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"jaxserve-kv-{pid}-")]
     t.join(120)
     assert not t.is_alive()
     err = events[-1]["error"]
