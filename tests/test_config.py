@@ -3,7 +3,6 @@
 import pytest
 
 from jaxserve.config import ConfigFileError, load, parse
-from jaxserve.server.serve import check_servable
 
 
 @pytest.mark.parametrize("path,disaggregated", [("configs/local.yaml", True), ("configs/colocated.yaml", False),
@@ -15,8 +14,8 @@ def test_presets_load(path, disaggregated):
         roles = sorted(i.role for i in cfg.instances())
         assert roles == ["decode", "prefill"] and all(i.launch and len(i.cpus) == 1 for i in cfg.instances())
         assert len({i.cpus[0] for i in cfg.instances()}) == 2
-    else:
-        check_servable(cfg)
+    else:  # one colocated instance, served inside the server process
+        assert [i.role for i in cfg.instances()] == ["both"]
     assert cfg.engine.chunk_size % cfg.engine.block_size == 0
     cfg.engine.engine_config(cfg.server.max_waiting)  # the engine accepts it too
 
@@ -44,11 +43,11 @@ def test_errors_name_file_and_field(tmp_path):
         parse({"clusters": [{"name": "a", "instances": [{"name": "x"}, {"name": "x"}]}]})
 
 
-def test_disaggregated_layout_is_refused_by_the_colocated_server():
+def test_cluster_configs_are_checked():
     cfg = parse({"clusters": [{"name": "a", "instances": [{"name": "p", "role": "prefill"},
                                                           {"name": "d", "role": "decode"}]}]})
-    with pytest.raises(ConfigFileError, match="one colocated instance"):
-        check_servable(cfg)
+    assert cfg.disaggregated  # served through the router and worker processes
+    assert parse({"clusters": [{"name": "a", "instances": [{"name": "b", "launch": False}]}]}).disaggregated
     with pytest.raises(ConfigFileError, match="no instance can decode"):
         parse({"clusters": [{"name": "a", "instances": [{"name": "p", "role": "prefill"}]}]})
     with pytest.raises(ConfigFileError, match="router: .*down_after_s .* must exceed heartbeat_s"):

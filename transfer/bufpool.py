@@ -95,24 +95,20 @@ class RecvPool:
         if nbytes < PAGE:
             raise ValueError(f"receive pool of {nbytes} bytes is smaller than one page ({PAGE})")
         self.num_pages = nbytes // PAGE
-        self.shm = None
+        self.shm_name: str | None = None  # the shared-memory segment, when shared
         if shared:
-            self.shm, mapping = create_segment(self.num_pages * PAGE)
+            self.shm_name, mapping = create_segment(self.num_pages * PAGE)
             self.buf = np.frombuffer(mapping, np.uint8)
         else:
             self.buf = aligned_empty(self.num_pages * PAGE)
         self._alloc = SegmentAllocator(self.num_pages)
         self._lock = threading.Lock()
 
-    @property
-    def shm_name(self) -> str | None:
-        return self.shm
-
     def close(self) -> None:
         """Remove the shared-memory segment's name (the memory goes when the last mapping of it does)."""
-        if self.shm is not None:
-            remove_segment(self.shm)
-            self.shm = None
+        if self.shm_name is not None:
+            remove_segment(self.shm_name)
+            self.shm_name = None
 
     @property
     def capacity(self) -> int:

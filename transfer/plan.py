@@ -114,10 +114,10 @@ def staging(layout, dtype: str, nblocks: int, groups: list[tuple[int, int]]) -> 
     for k, (a, b) in enumerate(groups):
         for gi, gl in enumerate(layout.groups):
             g = gl.group
-            js = [j for j, layer in enumerate(g.layers) if a <= layer < b]
-            if not js:
+            j0, j1 = g.span(a, b)
+            if j0 == j1:
                 continue
-            j0, j1, L = js[0], js[-1] + 1, len(js)
+            L = j1 - j0
             if g.kind == "full":
                 if nblocks == 0:
                     continue

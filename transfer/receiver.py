@@ -40,7 +40,6 @@ class KVReceiver:
         self.staging: Staging | None = None
         self.first: dict | None = None  # the first-token record
         self.received = 0
-        self.corrupt = 0
         self._got: dict[int, list[tuple[int, int]]] = {}  # array -> received (offset, bytes)
         self._lock = threading.Lock()
         self._planned = threading.Event()
@@ -111,10 +110,6 @@ class KVReceiver:
         self._notify()
 
     # ---- queries
-    @property
-    def expected(self) -> int | None:
-        return None if self.staging is None else self.staging.sent_bytes
-
     def expired(self, now: float | None = None) -> bool:
         return not self.state.final and (now or time.monotonic()) > self.deadline
 

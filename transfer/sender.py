@@ -49,13 +49,11 @@ class KVSender:
         self.frames = 0
         self.sends = 0  # logical sends (runs / state arrays)
         self.resends = 0
-        self.started_at = self.done_at = None
         self._sends_by_array: dict[int, list[tuple[int, int]]] = {}
         for a, off, n in plan.sends(staging):
             self._sends_by_array.setdefault(a, []).append((off, n))
 
     def start(self) -> None:
-        self.started_at = time.monotonic()
         self.state.advance(KVPoll.TRANSFERRING)
         self._submit(wire.Frame(wire.PLAN, self.request_id, meta=self.plan.to_meta()))
 
@@ -71,13 +69,11 @@ class KVSender:
             for o in range(off, off + n, chunk):
                 k = min(chunk, off + n - o)
                 piece = flat[o:o + k]  # checksummed here, on the caller's thread, while earlier frames are sent
-                if self.shm_base is None:
-                    frame = wire.Frame(wire.DATA, self.request_id, meta={"a": index, "o": o}, payload=piece,
-                                       digest=wire.checksum(piece))
-                else:
-                    frame = wire.Frame(wire.PUT, self.request_id, payload=piece, digest=wire.checksum(piece),
-                                       meta={"a": index, "o": o, "n": k, "at": self.shm_base + spec.offset + o})
-                self._submit(frame)
+                meta = {"a": index, "o": o}
+                if self.shm_base is not None:  # the link writes the piece into the receiver's region
+                    meta.update(n=k, at=self.shm_base + spec.offset + o)
+                self._submit(wire.Frame(wire.DATA if self.shm_base is None else wire.PUT, self.request_id,
+                                        meta=meta, payload=piece, digest=wire.checksum(piece)))
 
     def finish(self, record: dict) -> None:
         """Queue the first-token record; after it nothing more is sent."""
@@ -125,5 +121,4 @@ class KVSender:
     def _maybe_done(self) -> None:
         with self._lock:
             if self._finished and not self._pending and self.state.poll() is KVPoll.TRANSFERRING:
-                self.done_at = time.monotonic()
                 self.state.advance(KVPoll.DONE)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import enum
 import threading
-import time
 
 
 class KVPoll(enum.Enum):
@@ -42,7 +41,6 @@ class TransferState:
         self.name = name
         self.state = KVPoll.INIT
         self.reason: str | None = None  # why it failed
-        self.history: list[tuple[KVPoll, float]] = [(KVPoll.INIT, time.monotonic())]
         self._cond = threading.Condition()
 
     def advance(self, new: KVPoll, reason: str | None = None) -> None:
@@ -52,7 +50,6 @@ class TransferState:
             self.state = new
             if reason is not None:
                 self.reason = reason
-            self.history.append((new, time.monotonic()))
             self._cond.notify_all()
 
     def fail(self, reason: str) -> bool:

@@ -185,41 +185,29 @@ class KVServer:
         elif h.kind in (wire.DATA, wire.PUT, wire.META) and not recv.wait_plan(self.plan_wait_s):
             wire.discard(conn, h.payload_len, scratch)
             return nack(f"no plan within {self.plan_wait_s}s of the first data")
-        elif h.kind == wire.DATA:
+        elif h.kind in (wire.DATA, wire.PUT):  # PUT: the sender already wrote the bytes into the region (shm.py)
             try:
                 a, o = int(h.meta["a"]), int(h.meta["o"])
-                view = recv.target(a, o, h.payload_len)
+                n = int(h.meta["n"]) if h.kind == wire.PUT else h.payload_len
+                view = recv.target(a, o, n)
             except (PlanError, KeyError, ValueError, TypeError) as e:
                 wire.discard(conn, h.payload_len, scratch)
                 return nack(str(e))
             if view is None:  # a resend of bytes already here
                 wire.discard(conn, h.payload_len, scratch)
                 return wire.send_frame(conn, wire.Frame(wire.ACK, h.request_id, h.seq))
-            check = wire.Checksum()
-            wire.recv_into_exact(conn, view, check)
-            if check.digest() != h.digest:
+            if h.kind == wire.DATA:
+                check = wire.Checksum()
+                wire.recv_into_exact(conn, view, check)
+                digest = check.digest()
+            else:
+                wire.discard(conn, h.payload_len, scratch)
+                digest = wire.checksum(view)
+            if digest != h.digest:
                 with self._lock:
                     self.corrupt_frames += 1
-                log.info("%s: checksum mismatch on array %d bytes [%d, %d); asking for a resend", h.request_id, a,
-                         o, o + h.payload_len)
-                return nack("checksum mismatch", retry=True)
-            with self._lock:
-                self.bytes_received += h.payload_len
-            recv.commit(a, o, h.payload_len)
-        elif h.kind == wire.PUT:  # the sender wrote the bytes into this request's region (shm.py)
-            wire.discard(conn, h.payload_len, scratch)
-            try:
-                a, o, n = int(h.meta["a"]), int(h.meta["o"]), int(h.meta["n"])
-                view = recv.target(a, o, n)
-            except (PlanError, KeyError, ValueError, TypeError) as e:
-                return nack(str(e))
-            if view is None:
-                return wire.send_frame(conn, wire.Frame(wire.ACK, h.request_id, h.seq))
-            if wire.checksum(view) != h.digest:
-                with self._lock:
-                    self.corrupt_frames += 1
-                log.info("%s: checksum mismatch on shared array %d bytes [%d, %d); asking for a resend",
-                         h.request_id, a, o, o + n)
+                log.info("%s: checksum mismatch on %s array %d bytes [%d, %d); asking for a resend", h.request_id,
+                         wire.KIND_NAMES[h.kind], a, o, o + n)
                 return nack("checksum mismatch", retry=True)
             with self._lock:
                 self.bytes_received += n

@@ -121,10 +121,7 @@ def _from_layer(gl: GroupLayout, c):
 
 def _span(g: CacheGroup, span: tuple[int, int] | None) -> tuple[int, int]:
     """The group's layer indices [j0, j1) that fall in the model layer range `span` (all when None)."""
-    if span is None:
-        return 0, len(g.layers)
-    js = [j for j, layer in enumerate(g.layers) if span[0] <= layer < span[1]]
-    return (js[0], js[-1] + 1) if js else (0, 0)
+    return (0, len(g.layers)) if span is None else g.span(*span)
 
 
 def gather(layout: PoolLayout, pool: list, block_table, src_rows, start, paged: bool = False,

@@ -99,15 +99,9 @@ class Engine:
         self.programs: set[tuple] = set()
         model = lambda st: nnx.merge(graphdef, st)  # noqa: E731
 
-        def prefill_fn(state, pool, batch, table, src, dst, snap, st, pmask):
-            cache = gather(layout, pool, table, src, batch.start)
-            logits, cache = model(state)(batch, cache, jnp.maximum(batch.lengths - 1, 0)[:, None])
-            pool = scatter(layout, pool, cache, batch, table, dst, snap)
-            zeros = jnp.zeros(pmask.shape, jnp.int32)
-            return (pool,) + sample(logits[:, 0], st, pmask, zeros)
-
-        def stage_fn(state, pool, x, batch, table, src, dst, snap, st, pmask, *, lo, hi, last):
-            # one layer group of a prefill: layers lo..hi-1 (embedding first, LM head and sampling last)
+        def prefill_fn(state, pool, x, batch, table, src, dst, snap, st, pmask, *, lo, hi, last):
+            # layers lo..hi-1 of a prefill (embedding first, LM head and sampling last): the whole model in
+            # one program, or one layer group of a layer-wise prefill
             m = model(state)
             cache = gather(layout, pool, table, src, batch.start, span=(lo, hi))
             if lo == 0:
@@ -130,8 +124,7 @@ class Engine:
         def insert_fn(prompt_mask, out_counts, slot, mask_row, token):
             return prompt_mask.at[slot].set(mask_row), out_counts.at[slot].set(0).at[slot, token].set(1)
 
-        self._prefill = jax.jit(prefill_fn, donate_argnums=(1,))
-        self._stage = jax.jit(stage_fn, donate_argnums=(1,), static_argnames=("lo", "hi", "last"))
+        self._prefill = jax.jit(prefill_fn, donate_argnums=(1,), static_argnames=("lo", "hi", "last"))
         self._decode = jax.jit(decode_fn, donate_argnums=(1, 3))
         self._insert = jax.jit(insert_fn, donate_argnums=(0, 1))
         self._io = DeviceIO()
@@ -156,6 +149,7 @@ class Engine:
         """One prefill step over `rows`. stages: run the layers as these groups [(lo, hi)], one program each,
         calling on_stage(k) once group k's program is dispatched (its KV is in the pool for the programs
         dispatched next: layer-wise export); None: one program for the whole model."""
+        stages = stages or [(0, self.layout.num_layers)]
         if not rows or len(rows) > self.max_prefill_seqs:
             raise ValueError(f"prefill takes 1..{self.max_prefill_seqs} rows, got {len(rows)}")
         B = 1 if len(rows) == 1 else self.max_prefill_seqs  # two batch shapes: fewer programs to compile
@@ -180,21 +174,17 @@ class Engine:
         batch = Batch(jnp.asarray(tokens), jnp.asarray(start), jnp.asarray(lengths))
         args = (batch, jnp.asarray(table), jnp.asarray(src), jnp.asarray(dst), jnp.asarray(snap), st,
                 jnp.asarray(pmask))
-        if stages is None:
-            self.programs.add(("prefill", B, T, table.shape[1]))
-            self.pool, tok, lp, ids, tlp = self._prefill(self.state, self.pool, *args)
-        else:
-            x = None
-            for k, (lo, hi) in enumerate(stages):
-                last = k == len(stages) - 1
-                self.programs.add(("prefill", B, T, table.shape[1], lo, hi))
-                out = self._stage(self.state, self.pool, x, *args, lo=lo, hi=hi, last=last)
-                self.pool, rest = out[0], out[1:]
-                if not last:
-                    x, = rest
-                if on_stage is not None:
-                    on_stage(k)
-            tok, lp, ids, tlp = rest
+        x = None
+        for k, (lo, hi) in enumerate(stages):
+            last = k == len(stages) - 1
+            self.programs.add(("prefill", B, T, table.shape[1], lo, hi))
+            out = self._prefill(self.state, self.pool, x, *args, lo=lo, hi=hi, last=last)
+            self.pool, rest = out[0], out[1:]
+            if not last:
+                x, = rest
+            if on_stage is not None:
+                on_stage(k)
+        tok, lp, ids, tlp = rest
         tok, lp, ids, tlp = (np.asarray(x) for x in (tok, lp, ids, tlp))
         out: list[Prefix | None] = []
         for i, r in enumerate(rows):

@@ -29,6 +29,11 @@ class CacheGroup:
     conv_shape: tuple[int, int] | None = None  # (K - 1, channels)
     ssm_shape: tuple[int, int, int] | None = None  # (heads, Dk, Dv), kept in float32
 
+    def span(self, lo: int, hi: int) -> tuple[int, int]:
+        """This group's layer indices [j0, j1) that are model layers in [lo, hi) (j0 == j1: none)."""
+        js = [j for j, layer in enumerate(self.layers) if lo <= layer < hi]
+        return (js[0], js[-1] + 1) if js else (0, 0)
+
     def token_bytes(self, itemsize: int) -> int:
         """Bytes per token per layer of this group (attention groups)."""
         return self.kv_heads * (self.k_dim + self.v_dim) * itemsize

@@ -19,13 +19,6 @@ from .app import create_app
 from .metrics import Metrics
 
 
-def check_servable(cfg: Config) -> None:
-    """A config this process can serve in-process (one colocated instance)."""
-    if cfg.disaggregated:
-        raise ConfigFileError("clusters: an in-process server runs one colocated instance (role 'both'); "
-                              f"the config has {[(i.name, i.role) for i in cfg.instances()]}")
-
-
 def make_mesh(inst, local: bool = False):
     """The instance's TP mesh (None for tp 1). local: the process sees only its own devices (a worker)."""
     import jax
@@ -45,7 +38,6 @@ def build(cfg: Config, progress: bool = True, echo=None, on_ready=None):
     on_ready: called once the server can take requests."""
     if cfg.disaggregated:
         return build_cluster(cfg, progress, echo, on_ready)
-    check_servable(cfg)
     inst = cfg.instances()[0]
     mesh = make_mesh(inst)
     path = resolve(cfg.model.path, progress)

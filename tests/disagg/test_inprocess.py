@@ -149,12 +149,12 @@ def test_layerwise_prefill_equals_one_program_and_exports_early(checkpoint_dir, 
     groups = layer_groups(staged.layout.num_layers, 1)
     assert len(groups) == staged.layout.num_layers > 1
     order = []
-    run_stage = staged.engine._stage
+    run_stage = staged.engine._prefill
 
     def stage(*a, **kw):
         order.append(("stage", kw["lo"]))
         return run_stage(*a, **kw)
-    staged.engine._stage = stage
+    staged.engine._prefill = stage
     got = staged.engine.prefill([row], groups, lambda k: order.append(("export", groups[k][0])))
     assert got[0].token == want.token and abs(got[0].logprob - want.logprob) < 1e-5
     for a, b in zip(jax.tree.leaves(one.engine.pool), jax.tree.leaves(staged.engine.pool)):

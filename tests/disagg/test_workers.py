@@ -84,7 +84,7 @@ async def disagg_request(p_addr, d_addr, rid, prompt, params):
 
 def test_worker_processes_match_colocated(cluster):
     path, procs, _ = cluster
-    (pp, pinfo), (dp, dinfo) = procs["p0"], procs["d0"]
+    pinfo, dinfo = procs["p0"][1], procs["d0"][1]
     assert pinfo["cpus"] == [0] and dinfo["cpus"] == [1]  # pinned before JAX started
     assert dinfo["kv_address"] and pinfo["kv_address"] is None
     want = [o.token_ids for o in LLM(path, progress=False, engine=EngineConfig(

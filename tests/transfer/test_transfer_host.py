@@ -128,7 +128,7 @@ class Pair:
         lay = lay or self.lay
         plan = TransferPlan.build(lay, dtype, n, src, dst, skip, layer_groups(lay.num_layers, groups))
         st = plan.check(lay, dtype, dst, n, skip)
-        s = KVSender(rid, self.link, plan, st, shm_base=self.regions.get(rid) if self.rpool.shm else None)
+        s = KVSender(rid, self.link, plan, st, shm_base=self.regions.get(rid) if self.rpool.shm_name else None)
         s.start()
         arrays = export(lay, self.pool, st, src[skip:], 1)
         for i, a in enumerate(arrays):
