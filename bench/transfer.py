@@ -4,7 +4,8 @@
     `recv_into` a 64-byte-aligned receive region, per-frame acknowledgement) from this process to a receiver
     process, against a raw-socket baseline moving the same bytes over the same number of connections into a
     preallocated buffer (one 8-byte header per connection, one acknowledgement byte at the end), measured
-    alternately in the same run. Reported: median bytes/s of each and their ratio (goal >= 0.85).
+    alternately in the same run. Reported: median bytes/s of each and their ratio (goal >= 0.85). Also the device
+    backend (transfer/pull.py) moving the same bytes, pulled through JAX's transfer server, and its ratio.
 (b) sends per request: a mixed workload (random prompt lengths, random finish order) allocated by the real
     block managers of a prefill and a decode instance; per request, the sends of a per-block-per-layer transfer
     (blocks x layers) vs FlowKV-aligned runs (runs x staged block arrays).
@@ -64,8 +65,10 @@ def _layout(num_blocks: int):
 
 
 def _receiver(conn, raw_port_q):
-    """Receiver process: a KVServer with a receive pool, and a raw-socket sink, driven over a pipe."""
-    server = KVServer(TOKEN)
+    """Receiver process: a KVServer with a receive pool (and a JAX transfer server for the device backend), and
+    a raw-socket sink, driven over a pipe."""
+    from transfer.pull import PullServer
+    server = KVServer(TOKEN, puller=PullServer())
     raw = socket.create_server(("127.0.0.1", 0))
     raw.listen(64)
     raw_port_q.put((server.address, raw.getsockname()[1]))
@@ -107,6 +110,7 @@ def _receiver(conn, raw_port_q):
 
 
 def _kv_once(ctrl, link, lay, arr, nblocks, rid):
+    """One transfer of `arr` (numpy: DATA frames; a jax.Array on a PullLink: pulled by the receiver)."""
     blocks = list(range(nblocks))
     ctrl.send(("expect", rid, nblocks, blocks))
     assert ctrl.recv() == "ok"
@@ -115,7 +119,10 @@ def _kv_once(ctrl, link, lay, arr, nblocks, rid):
     t = time.perf_counter()
     s = KVSender(rid, link, plan, st)
     s.start()
-    s.send_array(0, arr)
+    if isinstance(arr, np.ndarray):
+        s.send_array(0, arr)
+    else:
+        s.offer_arrays([(0, arr)])
     s.finish({"token": 0})
     state = s.wait(120)
     dt = time.perf_counter() - t
@@ -157,24 +164,37 @@ def efficiency(mb: int, conns: int, reps: int) -> dict:
     proc = ctx.Process(target=_receiver, args=(b, q), daemon=True)
     proc.start()
     addr, raw_port = q.get(timeout=120)
-    kv, raw, frames = [], [], 0
+    import jax.numpy as jnp
+
+    from transfer.pull import PullLink, PullServer
+    kv, raw, dev, frames = [], [], [], 0
     link = TcpLink(addr, TOKEN, connections=conns)  # links persist between transfers, as in a worker
+    plink = PullLink(addr, TOKEN, PullServer(connections=conns), 120.0, connections=1)
+    on_device = jnp.asarray(arr[:nblocks])
     try:
         for i in tqdm(range(reps + 1), desc="transfer efficiency", unit="rep"):
             r = _raw_once(a, raw_port, arr[:nblocks], conns)
             k, frames, sends = _kv_once(a, link, lay, arr, nblocks, f"req{i}")
-            if i:  # the first round warms both paths up
+            d, _, _ = _kv_once(a, plink, lay, on_device, nblocks, f"dev{i}")
+            if i:  # the first round warms the paths up
                 raw.append(r)
                 kv.append(k)
+                dev.append(d)
     finally:
         link.close()
+        plink.close()
         a.send(("stop",))
         proc.join(10)
     ratio = statistics.median(kv) / statistics.median(raw)
     return {"bytes": nblocks * 2 * 1024 * 1024, "connections": conns, "reps": reps,
             "kv_bytes_per_s_median": statistics.median(kv), "raw_bytes_per_s_median": statistics.median(raw),
             "efficiency": ratio, "goal": 0.85, "kv_frames": frames, "kv_sends": sends,
-            "kv_bytes_per_s": kv, "raw_bytes_per_s": raw}
+            "kv_bytes_per_s": kv, "raw_bytes_per_s": raw,
+            "device_backend": {"what": "the same bytes as one device array pulled by the receiver through JAX's "
+                                       "transfer server (transfer/pull.py), its transport on the same number of "
+                                       "connections; CPU here, so host memory to host memory",
+                               "bytes_per_s_median": statistics.median(dev),
+                               "vs_raw": statistics.median(dev) / statistics.median(raw), "bytes_per_s": dev}}
 
 
 def sends_per_request(num_requests: int, seed: int = 0) -> dict:

@@ -100,6 +100,13 @@ class TransferSection(_Strict):
     leave_last_token: bool = Field(False, description="prefill leaves the last prompt token for decode to compute")
     shared_memory: bool = Field(True, description="prefill on the decode instance's host writes KV straight into "
                                                   "its receive pool (shared memory) instead of over TCP")
+    device_transfer: Literal["auto", "on", "off"] = Field(
+        "auto", description="decode pulls KV device to device through JAX's transfer server (jax.experimental."
+                            "transfer) when both ends enable it; auto: on where JAX runs on a GPU or TPU")
+
+    def pulls(self, platform: str) -> bool:
+        """Whether an instance whose JAX platform is `platform` uses the device backend."""
+        return self.device_transfer == "on" or (self.device_transfer == "auto" and platform != "cpu")
 
 
 class RouterSection(_Strict):

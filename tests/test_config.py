@@ -52,3 +52,13 @@ def test_cluster_configs_are_checked():
         parse({"clusters": [{"name": "a", "instances": [{"name": "p", "role": "prefill"}]}]})
     with pytest.raises(ConfigFileError, match="router: .*down_after_s .* must exceed heartbeat_s"):
         parse({"router": {"heartbeat_s": 2, "down_after_s": 1}})
+
+
+def test_device_transfer_setting():
+    """transfer.device_transfer: auto turns the device backend on off the CPU only; on / off are as written."""
+    auto = parse({}).transfer
+    assert auto.device_transfer == "auto" and not auto.pulls("cpu") and auto.pulls("gpu") and auto.pulls("tpu")
+    assert parse({"transfer": {"device_transfer": "on"}}).transfer.pulls("cpu")
+    assert not parse({"transfer": {"device_transfer": "off"}}).transfer.pulls("gpu")
+    with pytest.raises(ConfigFileError, match="transfer.device_transfer"):
+        parse({"transfer": {"device_transfer": "nccl"}})

@@ -13,7 +13,8 @@ differently (TP=2 -> TP=1 and the reverse). The staged arrays are the full array
 sharded export result is rebuilt by an all-gather on the instance's own devices (`to_host`; a replicated
 one, as MLA's single latent "head" is, is read from any one device, no gather), and on the receiving side the
 import program splits the full arrays over the decode pool's sharding. So the wire format does not depend on
-either side's parallelism.
+either side's parallelism. The device backend (pull.py) offers `whole(x)` and hands the pulled arrays to the
+import program in place of the region's views.
 
 Programs are cached per staging structure; the row count is a power of two, so a workload compiles a
 bounded number of them. Pure functions over the pool pytree; called from the engine thread.
@@ -57,7 +58,8 @@ class DeviceIO:
         fn = self._export.get(key)
         if fn is None:
             fn = self._export[key] = jax.jit(lambda pool, ids, row: [_to_wire(_take(pool, a, ids, row)) for a in arrays])
-        ids = _ids(st, blocks, 0)
+        # a group without block arrays takes a [1] id vector: one program for every row count
+        ids = _ids(st, blocks, 0) if any(a.kind == "blocks" for a in arrays) else np.zeros(1, np.int32)
         return list(zip((a.index for a in arrays), fn(pool, jnp.asarray(ids), jnp.int32(row))))
 
     # ---- import (receiver)
@@ -84,7 +86,7 @@ class DeviceIO:
                 return pool
             fn = self._import[key] = jax.jit(put, donate_argnums=(0,))
         ids = _ids(st, blocks, num_blocks)  # pad rows land out of range and are dropped
-        xs = [jnp.from_dlpack(v) for v in views]
+        xs = [v if isinstance(v, jax.Array) else jnp.from_dlpack(v) for v in views]  # jax.Array: pulled (pull.py)
         sharding = jax.tree.leaves(pool)[0].sharding
         if len(sharding.device_set) > 1:  # a sharded pool: the program splits the full arrays over its devices
             rep = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
@@ -111,12 +113,16 @@ def _take(pool: list, a: ArraySpec, ids, row):
     return g[a.kind][row, a.j0:a.j1]
 
 
-def to_host(x: jax.Array) -> np.ndarray:
-    """A numpy view of a device array (waits until it is computed; no copy on CPU). An array over several
-    devices: replicated, any one device's copy; sharded (KV heads over TP ranks), rebuilt first by an
-    all-gather onto every device of its mesh."""
+def whole(x: jax.Array) -> jax.Array:
+    """The full array on one device. An array over several devices: replicated, any one device's copy;
+    sharded (KV heads over TP ranks), rebuilt first by an all-gather onto every device of its mesh."""
     if len(x.sharding.device_set) > 1:
         if not x.is_fully_replicated:
             x = jax.device_put(x, jax.sharding.NamedSharding(x.sharding.mesh, jax.sharding.PartitionSpec()))
         x = x.addressable_shards[0].data
-    return np.from_dlpack(x)
+    return x
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """A numpy view of `whole(x)` (waits until it is computed; no copy on CPU)."""
+    return np.from_dlpack(whole(x))

@@ -1,20 +1,19 @@
 """`KVReceiver`: one request's incoming KV, from reservation to the arrays the decode engine imports.
 
 The decode worker creates it when it reserves cache space for a request (before prefill starts), with the
-reserved blocks, the number of tokens it will receive, the prefix blocks it already holds, and a receive
-region sized for the worst case. The backend then feeds it frames: the plan (checked against the
-reservation), DATA bytes written straight into the region at their staged offsets, and the first-token
-record. It counts completions; when every expected byte and the record have arrived it moves to DONE and
-calls `on_done`, with no extra round trip. A deadline moves it to FAILED (the sender died or stalled), and the
-owner frees the reserved blocks. Thread-safe: backend connection threads call it concurrently (one lock).
+reserved blocks, the number of tokens it will receive, the prefix blocks it already holds, and a receive region
+sized for the worst case. The backend then feeds it frames: the plan (checked against the reservation), DATA
+bytes written straight into the region at their staged offsets (or, on the device backend, whole staged arrays
+pulled onto the device: pull.py), and the first-token record. It counts completions; when every expected byte and
+the record have arrived it moves to DONE and calls `on_done`, with no extra round trip. A deadline moves it to
+FAILED (the sender died or stalled), and the owner frees the reserved blocks. Thread-safe: backend connection
+threads call it concurrently (one lock).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-
-import numpy as np
 
 from .bufpool import Region
 from .plan import PlanError, Staging, TransferPlan, layer_groups, staging
@@ -41,6 +40,8 @@ class KVReceiver:
         self.first: dict | None = None  # the first-token record
         self.received = 0
         self._got: dict[int, list[tuple[int, int]]] = {}  # array -> received (offset, bytes)
+        self._pulled: dict[int, object] = {}  # array -> device array (device backend)
+        self._pulling: set[int] = set()
         self._lock = threading.Lock()
         self._planned = threading.Event()
         self._notified = False
@@ -88,6 +89,42 @@ class KVReceiver:
             start = a.offset + offset
             return memoryview(self.region.buf[start:start + nbytes])
 
+    def to_pull(self, arrays: list[int], nbytes: int) -> list | None:
+        """The staged specs of the arrays a PULL frame names, now being pulled (checked against the plan;
+        raises PlanError). None: they are here or on the way already (a resend): acknowledge."""
+        with self._lock:
+            if self.state.poll() is KVPoll.DONE:
+                return None
+            if self.state.poll() is not KVPoll.TRANSFERRING:
+                raise PlanError(f"transfer is {self.state.poll().value} ({self.state.reason}), not accepting data")
+            if not arrays or any(not 0 <= a < len(self.staging.arrays) for a in arrays):
+                raise PlanError(f"arrays {arrays} not in the plan ({len(self.staging.arrays)} arrays)")
+            if len(set(arrays)) != len(arrays):
+                raise PlanError(f"arrays {arrays} named twice")
+            if set(arrays) <= self._pulling:
+                return None
+            if any(a in self._got or a in self._pulling for a in arrays):
+                raise PlanError(f"arrays {arrays} already (partly) received")
+            specs = [self.staging.arrays[a] for a in arrays]
+            planned = sum(a.sent_bytes for a in specs)
+            if nbytes != planned:
+                raise PlanError(f"PULL of arrays {arrays} says {nbytes} bytes, the plan {planned}")
+            self._pulling.update(arrays)
+            return specs
+
+    def landed(self, arrays: list[int], xs: list | None) -> None:
+        """The pulled device arrays of `to_pull(arrays)` arrived (xs None: the pull failed)."""
+        with self._lock:
+            self._pulling.difference_update(arrays)
+            if xs is None:
+                return
+            for a, x in zip(arrays, xs):
+                sent = self.staging.arrays[a].sent_bytes
+                self._pulled[a] = x
+                self._got[a] = [(0, sent)]
+                self.received += sent
+        self._maybe_done()
+
     def commit(self, array: int, offset: int, nbytes: int) -> None:
         """A DATA frame arrived intact."""
         with self._lock:
@@ -113,11 +150,11 @@ class KVReceiver:
     def expired(self, now: float | None = None) -> bool:
         return not self.state.final and (now or time.monotonic()) > self.deadline
 
-    def arrays(self) -> list[np.ndarray]:
-        """Typed views of the staged arrays (valid until `release`)."""
+    def arrays(self) -> list:
+        """The staged arrays: typed views of the region (valid until `release`), or the pulled device arrays."""
         if self.state.poll() is not KVPoll.DONE:
             raise RuntimeError(f"{self.request_id}: transfer is {self.state.poll().value}")
-        return self.staging.views(self.region.buf)
+        return [self._pulled.get(i, v) for i, v in enumerate(self.staging.views(self.region.buf))]
 
     def release(self) -> None:
         if not self.region.freed:

@@ -3,7 +3,8 @@
 `start()` sends the plan; `send_array(i, arr)` queues every logical send of staged array i (one per aligned
 block run, or the whole state array), split into frames of at most the link's chunk size so the link's
 connections carry them in parallel; `finish(record)` queues the first-token record. Prefill calls
-`send_array` for each layer group as soon as that group's KV exists, while later groups still compute. The
+`send_array` for each layer group as soon as that group's KV exists, while later groups still compute (or,
+on a pull.PullLink, `offer_arrays`: the group's device arrays are offered for the receiver to pull). The
 sender is DONE when every frame has been acknowledged, FAILED when the receiver refuses a frame for good
 (unknown request, refused plan), a frame fails its checksum `max_resends` times, or the link gives up. The
 arrays stay referenced until acknowledged: they are the exported device buffers, sent without a copy.
@@ -75,6 +76,18 @@ class KVSender:
                 self._submit(wire.Frame(wire.DATA if self.shm_base is None else wire.PUT, self.request_id,
                                         meta=meta, payload=piece, digest=wire.checksum(piece)))
 
+    def offer_arrays(self, items: list) -> None:
+        """Device backend (pull.PullLink): offer staged arrays [(index, single-device jax.Array)] and announce
+        them in one PULL frame; the receiver fetches them and acknowledges the frame."""
+        if not items:
+            return
+        uuid, address = self.link.offer([x for _, x in items])
+        idx = [int(i) for i, _ in items]
+        self.sends += 1
+        self._submit(wire.Frame(wire.PULL, self.request_id, meta={
+            "arrays": idx, "uuid": uuid, "addr": address,
+            "bytes": sum(self.staging.arrays[i].sent_bytes for i in idx)}))
+
     def finish(self, record: dict) -> None:
         """Queue the first-token record; after it nothing more is sent."""
         self._submit(wire.Frame(wire.META, self.request_id, meta=record))
@@ -93,7 +106,7 @@ class KVSender:
     def acked(self, out: Outgoing) -> None:
         with self._lock:
             self._pending.discard(out.frame.seq)
-            self.bytes_acked += len(out.frame.payload)
+            self.bytes_acked += out.frame.meta["bytes"] if out.frame.kind == wire.PULL else len(out.frame.payload)
         self._maybe_done()
 
     def refused(self, out: Outgoing, reason: str, retry: bool) -> bool:

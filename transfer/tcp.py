@@ -1,12 +1,14 @@
 """TCP backend: `KVServer` on the receiving worker, `TcpLink` (N parallel connections) on the sending one.
 
-Receiver: one listening socket; a thread per accepted connection. A connection must open with HELLO
-carrying the cluster token (compared in constant time), or it is refused and closed with the reason
-logged. Each DATA frame's payload is read with `recv_into` straight into its place in the request's receive
-region (bufpool.py; data that overtook its plan on another connection waits for it), its checksum (wire.py) verified, and answered ACK, or NACK(retry) on a checksum mismatch. Frames for
-an unknown request id, a refused plan (mismatched layout or dtype, blocks that are not the reservation) or
-bytes outside the plan are drained and answered NACK(final) with the reason, which is also logged. A
-reaper thread fails receivers whose deadline passed (their sender died or stalled).
+Receiver: one listening socket; a thread per accepted connection. A connection must open with HELLO carrying the
+cluster token (compared in constant time), or it is refused and closed with the reason logged. Each DATA frame's
+payload is read with `recv_into` straight into its place in the request's receive region (bufpool.py; data that
+overtook its plan on another connection waits for it), its checksum (wire.py) verified, and answered ACK, or
+NACK(retry) on a checksum mismatch. Frames for an unknown request id, a refused plan (mismatched layout or dtype,
+blocks that are not the reservation) or bytes outside the plan are drained and answered NACK(final) with the
+reason, which is also logged. A reaper thread fails receivers whose deadline passed (their sender died or
+stalled). A PULL frame (device backend) names staged arrays the server's `puller` (pull.py) fetches from the
+sender's JAX transfer server before answering; a pull that fails fails the transfer at once.
 
 Sender: a link owns N connections to one receiver address, shared by all transfers to it. Frames wait in
 one queue; each connection has a writer thread that takes the next frame (so the connections share the
@@ -49,9 +51,11 @@ def _tune(sock: socket.socket) -> None:
 
 class KVServer:
     def __init__(self, token: str, host: str = "127.0.0.1", port: int = 0, reap_interval_s: float = 0.2,
-                 plan_wait_s: float = 10.0):
+                 plan_wait_s: float = 10.0, puller=None):
+        """puller: a pull.PullServer when this instance takes the device backend's PULL frames."""
         self.token = token.encode()
         self.plan_wait_s = plan_wait_s
+        self.puller = puller
         self._receivers: dict[str, KVReceiver] = {}
         self._lock = threading.Lock()
         self._sock = socket.create_server((host, port), reuse_port=False)
@@ -182,7 +186,7 @@ class KVServer:
             except PlanError as e:
                 self.forget(h.request_id, refused=f"plan refused: {e}")
                 return nack(str(e))
-        elif h.kind in (wire.DATA, wire.PUT, wire.META) and not recv.wait_plan(self.plan_wait_s):
+        elif h.kind in (wire.DATA, wire.PUT, wire.PULL, wire.META) and not recv.wait_plan(self.plan_wait_s):
             wire.discard(conn, h.payload_len, scratch)
             return nack(f"no plan within {self.plan_wait_s}s of the first data")
         elif h.kind in (wire.DATA, wire.PUT):  # PUT: the sender already wrote the bytes into the region (shm.py)
@@ -212,6 +216,29 @@ class KVServer:
             with self._lock:
                 self.bytes_received += n
             recv.commit(a, o, n)
+        elif h.kind == wire.PULL:
+            wire.discard(conn, h.payload_len, scratch)
+            if self.puller is None:
+                return nack("this instance does not take device pulls")
+            try:
+                arrays = [int(a) for a in h.meta["arrays"]]
+                specs = recv.to_pull(arrays, int(h.meta["bytes"]))
+            except (PlanError, KeyError, ValueError, TypeError) as e:
+                return nack(str(e))
+            if specs is not None:
+                xs = None
+                try:
+                    xs = self.puller.pull(str(h.meta["addr"]), int(h.meta["uuid"]), [(a.shape, a.dtype) for a in specs],
+                                          max(recv.deadline - time.monotonic(), 0.1))
+                except Exception as e:  # noqa: BLE001 - PullError, or a bad address / uuid in the frame
+                    reason = f"pull failed: {e}"  # the offer is gone or unreachable: the transfer fails now
+                    self.forget(h.request_id, refused=reason)
+                    recv.fail(reason)
+                    return nack(reason)
+                finally:
+                    recv.landed(arrays, xs)
+                with self._lock:
+                    self.bytes_received += int(h.meta["bytes"])
         elif h.kind == wire.META:
             wire.discard(conn, h.payload_len, scratch)
             try:

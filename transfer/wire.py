@@ -5,8 +5,9 @@
 
 Kinds: HELLO opens a connection (meta: cluster token, sender name); PLAN announces what a transfer will send
 (transfer/plan.py); DATA carries bytes of one staged array (meta: array index, byte offset); META carries the
-first sampled token; ACK / NACK answer a frame by (request id, seq) (NACK meta: reason, whether a resend can
-help); ABORT tells the receiver the sender gave up.
+first sampled token; PUT says bytes were written into the receiver's shared-memory region (shm.py); PULL names
+staged arrays the receiver fetches from the sender's JAX transfer server (pull.py); ACK / NACK answer a frame by
+(request id, seq) (NACK meta: reason, whether a resend can help); ABORT tells the receiver the sender gave up.
 
 The payload checksum is a two-level Fletcher-style sum over 64-bit words, computed with numpy at memory speed
 (about 25 GB/s here, against 4 GB/s for zlib's CRC-32, which would make the checksum, not the socket, the
@@ -30,9 +31,9 @@ MAGIC = b"JXKV"
 VERSION = 2
 HEADER = struct.Struct("<4sBBHIHIQQ")
 
-HELLO, PLAN, DATA, META, ACK, NACK, ABORT, PUT = range(1, 9)
+HELLO, PLAN, DATA, META, ACK, NACK, ABORT, PUT, PULL = range(1, 10)
 KIND_NAMES = {HELLO: "HELLO", PLAN: "PLAN", DATA: "DATA", META: "META", ACK: "ACK", NACK: "NACK", ABORT: "ABORT",
-              PUT: "PUT"}  # PUT: the bytes were written into the receiver's shared-memory region (shm.py)
+              PUT: "PUT", PULL: "PULL"}
 MAX_META = 16 << 20
 
 

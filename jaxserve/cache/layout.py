@@ -95,10 +95,30 @@ class PoolLayout:
         return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.shapes(dtype)))
 
 
-def init_pool(layout: PoolLayout, dtype, sharding=None) -> list:
-    def zeros(s):
-        return jnp.zeros(s.shape, s.dtype, device=sharding)
-    return jax.tree.map(zeros, layout.shapes(dtype))
+def pool_shardings(layout: PoolLayout, mesh) -> list:
+    """Where each pool array lives on a TP mesh: attention groups split over KV heads (axis 4 of
+    [rows, layers, entries, tokens, heads, width]) when the heads divide evenly over "tp", as the step programs'
+    outputs are; MLA latents (one head) and linear states replicated."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    tp = mesh.shape.get("tp", 1)
+    out = []
+    for gl in layout.groups:
+        g = gl.group
+        if g.kind in ("full", "sliding") and not gl.mla and tp > 1 and g.kv_heads % tp == 0:
+            out.append(NamedSharding(mesh, P(None, None, None, None, "tp")))
+        elif g.kind in ("full", "sliding"):
+            out.append(NamedSharding(mesh, P()))
+        else:
+            out.append({"conv": NamedSharding(mesh, P()), "ssm": NamedSharding(mesh, P())})
+    return out
+
+
+def init_pool(layout: PoolLayout, dtype, sharding) -> list:
+    """Zeros of the pool's shapes; sharding: one for every array, or a `pool_shardings` pytree."""
+    shapes = layout.shapes(dtype)
+    if not isinstance(sharding, list):
+        sharding = jax.tree.map(lambda _: sharding, shapes)
+    return jax.tree.map(lambda s, sh: jnp.zeros(s.shape, s.dtype, device=sh), shapes, sharding)
 
 
 def _to_layer(gl: GroupLayout, x):

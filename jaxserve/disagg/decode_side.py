@@ -1,11 +1,11 @@
 """Decode instance: reserve cache for a request before its prefill runs elsewhere, then admit it on arrival.
 
-`KVIntake.reserve` (engine thread) takes a slot and blocks (skipping prefix blocks this instance already
-holds), a receive region sized for the transfer, and registers a `KVReceiver` with the instance's KV server.
-The receiver counts arriving bytes on the server's connection threads; when it reaches DONE or FAILED it
-posts `arrived` back to the engine thread (`post`), which imports the KV into the reserved blocks and starts
-decoding, or fails the request and frees its blocks. A request aborted meanwhile only gives its region back.
-Concurrency: `reserve` and `arrived` run on the engine thread; the server's threads only call `post`.
+`KVIntake.reserve` (engine thread) takes a slot and blocks (skipping prefix blocks this instance already holds),
+a receive region sized for the transfer, and registers a `KVReceiver` with the instance's KV server. The receiver
+counts arriving bytes (or pulled device arrays) on the server's connection threads; when it reaches DONE or
+FAILED it posts `arrived` back to the engine thread (`post`), which imports the KV into the reserved blocks and
+starts decoding, or fails the request and frees its blocks. A request aborted meanwhile only gives its region
+back. Concurrency: `reserve` and `arrived` run on the engine thread; the server's threads only call `post`.
 """
 
 from __future__ import annotations
@@ -22,10 +22,12 @@ log = logging.getLogger("jaxserve.decode")
 
 class KVIntake:
     def __init__(self, llm, token: str, post, host: str = "127.0.0.1", port: int = 0, pool_bytes: int = 256 << 20,
-                 deadline_s: float = 30.0, shared: bool = False):
-        """shared: the receive pool is a shared-memory segment a sender on this host may write directly."""
+                 deadline_s: float = 30.0, shared: bool = False, puller=None):
+        """shared: the receive pool is a shared-memory segment a sender on this host may write directly;
+        puller: a transfer.pull.PullServer, to take the device backend's transfers."""
         self.llm, self.post, self.deadline_s = llm, post, deadline_s
-        self.server = KVServer(token, host, port)
+        self.puller = puller
+        self.server = KVServer(token, host, port, puller=puller)
         self.pool = RecvPool(pool_bytes, shared=shared)
         self.receivers: dict[str, KVReceiver] = {}
 

@@ -1,14 +1,15 @@
 """Prefill instance: after a request's last prompt chunk, hand its KV to a `KVSender` instead of decoding it.
 
 A `Handoff` is attached to the sequence (`Sequence.handoff`) when the request is queued, with where decode
-reserved the KV (its block ids, the prefix blocks it already holds) and the link to it. Before the step that
-runs the request's last prompt chunk, the engine thread calls `begin`: it builds the plan (FlowKV runs of
-sender vs receiver blocks) and starts the sender (the plan frame goes out). With `layers_per_group` the step
-then runs as one program per layer group and, as each is dispatched, `export(k)` dispatches that group's
-export program: the device arrays go to the `Feeder` thread, which waits for each (JAX dispatch is
-asynchronous: group k's KV is sent while groups k+1.. still compute), wraps it with DLPack and queues its
-sends. `finish` sends what is left and the first-token record. Concurrency: the engine thread builds and
-dispatches; one feeder thread per instance blocks on device results and sockets.
+reserved the KV (its block ids, the prefix blocks it already holds) and the link to it. Before the step that runs
+the request's last prompt chunk, the engine thread calls `begin`: it builds the plan (FlowKV runs of sender vs
+receiver blocks) and starts the sender (the plan frame goes out). With `layers_per_group` the step then runs as
+one program per layer group and, as each is dispatched, `export(k)` dispatches that group's export program: the
+device arrays go to the `Feeder` thread, which waits for each (JAX dispatch is asynchronous: group k's KV is sent
+while groups k+1.. still compute), wraps it with DLPack and queues its sends (on the device backend it offers the
+group's arrays for decode to pull instead: transfer/pull.py). `finish` sends what is left and the first-token
+record. Concurrency: the engine thread builds and dispatches; one feeder thread per instance blocks on device
+results and sockets.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import queue
 import threading
 from dataclasses import dataclass, field
 
-from transfer.device import to_host
+from transfer.device import to_host, whole
 from transfer.plan import TransferPlan, layer_groups
+from transfer.pull import PullLink
 from transfer.sender import KVSender
 
 log = logging.getLogger("jaxserve.prefill")
@@ -46,10 +48,14 @@ class Feeder:
                 return
             sender, items, record = job
             try:
-                for index, x in items:
-                    if sender.state.final:
-                        break
-                    sender.send_array(index, to_host(x))
+                if isinstance(sender.link, PullLink):  # the receiver pulls the group's arrays device to device
+                    if not sender.state.final:
+                        sender.offer_arrays([(index, whole(x)) for index, x in items])
+                else:
+                    for index, x in items:
+                        if sender.state.final:
+                            break
+                        sender.send_array(index, to_host(x))
                 if record is not None:
                     sender.finish(record)
             except Exception as e:  # noqa: BLE001 - the transfer fails, the worker keeps serving

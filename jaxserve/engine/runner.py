@@ -31,7 +31,7 @@ from flax import nnx
 
 from transfer.device import DeviceIO
 
-from ..cache.layout import PoolLayout, gather, init_pool, scatter
+from ..cache.layout import PoolLayout, gather, init_pool, pool_shardings, scatter
 from ..models.batch import Batch
 from ..sampling import SamplingParams
 from .sampler import MAX_LOGPROBS, SamplingTensors, sample
@@ -92,8 +92,11 @@ class Engine:
         self.num_slots, self.max_prefill_seqs, self.chunk_size = num_slots, max_prefill_seqs, chunk_size
         self.max_blocks_per_seq = max_blocks_per_seq
         self.state = state
-        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None else None
-        self.pool = init_pool(layout, dtype, sharding)
+        # committed from the start (as every program's outputs are), so a warmed program is not compiled again
+        # for committed arguments after the first step
+        sharding = (jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None
+                    else jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
+        self.pool = init_pool(layout, dtype, sharding if mesh is None else pool_shardings(layout, mesh))
         self.prompt_mask = jnp.zeros((num_slots, vocab_size), bool, device=sharding)
         self.out_counts = jnp.zeros((num_slots, vocab_size), jnp.int32, device=sharding)
         self.programs: set[tuple] = set()

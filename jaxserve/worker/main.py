@@ -7,7 +7,7 @@ only then does it build the engine on a mesh over its own devices, warm it up, a
 Methods (rpc.py; JSON over gRPC):
   Health    {} -> {"name", "role", "address", "kv_address", "max_model_len", "pid", "stats", "links"}
   Decode    (decode, stream) {"request_id", "prompt", "params", "kv_tokens", "deadline_s"?} -> first {"reserved": {"blocks",
-            "skip", "kv_address", "cluster"}}, then one {"update": ...} per engine step that changed the request. Closing
+            "skip", "kv_address", "cluster", "shm", "pull"}}, then one {"update": ...} per engine step that changed the request. Closing
             the stream aborts the request (frees its slot and blocks).
   Prefill   (prefill) {"request_id", "prompt", "params", "kv_tokens", "sample", "dst": {"kv_address", "blocks",
             "skip", "cluster"?}} -> {"kv_bytes", "frames", "sends", "resends", "token", "ttft_s", "backend"} once decode has
@@ -87,34 +87,52 @@ class Worker:
         print(f"{inst.name}: engine ready after {time.monotonic() - t0:.1f}s", flush=True)
         self.engine = AsyncEngine(self.llm)
         t = cfg.transfer
-        self.intake = self.feeder = None
-        self.links: dict[tuple[str, int], object] = {}
+        self.intake = self.feeder = self.pull_server = None
+        self.links: dict[tuple, object] = {}
+        import jax
+        if t.pulls(jax.default_backend()):
+            from transfer.pull import PullServer
+            try:
+                self.pull_server = PullServer(inst.host, t.connections)
+            except Exception as e:  # noqa: BLE001 - PJRT without a transfer server for this platform
+                if t.device_transfer == "on":
+                    from ..config import ConfigFileError
+                    raise ConfigFileError(f"transfer.device_transfer: on, but JAX's transfer server did not start "
+                                          f"on {jax.default_backend()}: {e}") from e
+                log.warning("%s: no device transfer (%s); KV goes over TCP / shared memory", inst.name, e)
         if inst.role in ("decode", "both"):
             from ..disagg.decode_side import KVIntake
             self.intake = KVIntake(self.llm, t.token, self.engine.post, inst.host, inst.kv_port,
-                                   t.recv_pool_mb << 20, t.deadline_s, shared=t.shared_memory)
+                                   t.recv_pool_mb << 20, t.deadline_s, shared=t.shared_memory,
+                                   puller=self.pull_server)
         if inst.role in ("prefill", "both"):
             from ..disagg.prefill_side import Feeder
             self.feeder = Feeder()
 
     def _link(self, dst: dict):
-        """The link to a decode instance's KV server: shared memory when it runs on this host (and
-        transfer.shared_memory), else TCP; a configured link between the two clusters sets its emulated
-        bandwidth, latency, loss and connection count (and always means TCP). -> (link, shm region base)"""
+        """The link to a decode instance's KV server: device pulls when both ends take them
+        (transfer.device_transfer), else shared memory when it runs on this host (transfer.shared_memory), else
+        TCP; a configured link between the two clusters sets its emulated bandwidth, latency, loss and
+        connection count (and always means TCP). -> (link, shm region base)"""
         from transfer.link import LinkEmulation
+        from transfer.pull import PullLink
         from transfer.shm import ShmLink, same_host
         from transfer.tcp import TcpLink
         t = self.cfg.transfer
         address = dst["kv_address"]
         lk = self.cfg.link(self.cluster, dst.get("cluster") or self.cluster)
-        shm = dst.get("shm") if t.shared_memory and lk is None else None
+        pull = lk is None and self.pull_server is not None and bool(dst.get("pull"))
+        shm = dst.get("shm") if t.shared_memory and lk is None and not pull else None
         if shm is not None and not same_host(shm.get("boot")):
             shm = None
-        key = (address[0], int(address[1]), shm["name"] if shm else None)
+        key = (address[0], int(address[1]), shm["name"] if shm else None, pull)
         if key not in self.links:
-            kw = dict(name=f"{self.inst.name}->{key[0]}:{key[1]}" + (" (shm)" if shm else ""),
+            kw = dict(name=f"{self.inst.name}->{key[0]}:{key[1]}" + (" (shm)" if shm else " (device)" if pull else ""),
                       chunk_bytes=int(t.chunk_mb * (1 << 20)))
-            if shm is not None:
+            if pull:
+                self.links[key] = PullLink(key[:2], t.token, self.pull_server, t.deadline_s,
+                                           connections=t.connections, **kw)
+            elif shm is not None:
                 self.links[key] = ShmLink(key[:2], t.token, shm["name"], connections=t.connections, **kw)
             else:
                 emu = LinkEmulation(lk.bandwidth_gbps, lk.latency_ms, lk.loss) if lk else None
@@ -162,7 +180,7 @@ class Worker:
             await ctx.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{type(e).__name__}: {e}")
         try:
             yield {"reserved": {"blocks": blocks, "skip": skip, "kv_address": list(self.intake.address),
-                                "cluster": self.cluster, "shm": shm}}
+                                "cluster": self.cluster, "shm": shm, "pull": self.intake.puller is not None}}
             async for msg in self._updates(q, rid):
                 yield msg
         finally:
@@ -196,6 +214,7 @@ class Worker:
     async def prefill(self, req, ctx):
         import grpc
         from ..disagg.prefill_side import Handoff
+        from transfer.pull import PullLink
         from ..engine.llm_engine import RequestError
         from ..sampling import SamplingParams
         from transfer.state import KVPoll
@@ -233,7 +252,7 @@ class Worker:
             await ctx.abort(grpc.StatusCode.ABORTED, f"KV transfer failed: {sender.state.reason}")
         return {"kv_bytes": sender.bytes_acked, "frames": sender.frames, "sends": sender.sends,
                 "resends": sender.resends, "token": u.token_ids[0] if u.token_ids else None, "ttft_s": u.ttft_s,
-                "backend": "shm" if sender.shm_base is not None else "tcp"}
+                "backend": "device" if isinstance(link, PullLink) else "shm" if sender.shm_base is not None else "tcp"}
 
     async def heartbeat(self, router: str) -> None:
         """Register with the router, then again every heartbeat_s with fresh stats, until cancelled."""

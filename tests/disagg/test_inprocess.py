@@ -17,6 +17,7 @@ from jaxserve.disagg.decode_side import KVIntake
 from jaxserve.disagg.prefill_side import Feeder, Handoff
 from jaxserve.engine.llm_engine import EngineConfig, LLMEngine
 from transfer.plan import layer_groups
+from transfer.pull import PullLink, PullServer
 from transfer.shm import ShmLink
 from transfer.state import KVPoll
 from transfer.tcp import TcpLink
@@ -28,18 +29,26 @@ CFG = EngineConfig(block_size=4, num_blocks=64, chunk_size=8, max_num_batched_to
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 
+def compiled_transfer_programs(pre, dec) -> tuple[int, int]:
+    """Executables compiled so far by the export programs of `pre` and the import programs of `dec`."""
+    return (sum(f._cache_size() for f in pre.engine._io._export.values()),
+            sum(f._cache_size() for f in dec.engine._io._import.values()))
+
+
 def run_disagg(path, prompts, params, *, sample=True, layers_per_group=None, warm_decode=None, tp=(1, 1),
-               shm=False, warm_transfer=False):
-    """tp: (prefill, decode) tensor parallelism, over the two fake CPU devices; shm: the local backend;
-    warm_transfer: compile the export / import programs first, and check the transfers compile no more."""
+               shm=False, pull=False, warm_transfer=False):
+    """tp: (prefill, decode) tensor parallelism, over the two fake CPU devices; shm: the local backend; pull:
+    the device backend (each side its own JAX transfer server); warm_transfer: compile the export / import
+    programs first, and check the transfers compile no more."""
     def mesh(n):
         return None if n == 1 else jax.make_mesh((n,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,),
                                                  devices=jax.devices()[:n])
     pre = LLMEngine(path, "float32", CFG, mesh(tp[0]), progress=False)
     dec = LLMEngine(path, "float32", CFG, mesh(tp[1]), progress=False)
     posted: queue.Queue = queue.Queue()
-    intake = KVIntake(dec, "t0k", posted.put, shared=shm)
+    intake = KVIntake(dec, "t0k", posted.put, shared=shm, puller=PullServer(connections=2) if pull else None)
     link = (ShmLink(intake.address, "t0k", intake.pool.shm_name, connections=2, chunk_bytes=4096) if shm
+            else PullLink(intake.address, "t0k", PullServer(connections=2), connections=2) if pull
             else TcpLink(intake.address, "t0k", connections=2, chunk_bytes=4096))
     feeder = Feeder()
     pre.blocks.allocate([], 5 * CFG.block_size)  # shift prefill's block ids so the two pools differ
@@ -47,7 +56,7 @@ def run_disagg(path, prompts, params, *, sample=True, layers_per_group=None, war
         groups = layer_groups(pre.layout.num_layers, layers_per_group)
         pre.engine.warmup_transfer("float32", groups, export=True, receive=False, progress=False)
         dec.engine.warmup_transfer("float32", groups, export=False, receive=True, progress=False)
-        compiled = (len(pre.engine._io._export), len(dec.engine._io._import))
+        compiled = compiled_transfer_programs(pre, dec)
     try:
         if warm_decode is not None:  # decode computes this prompt itself first: its blocks are prefix cache there
             dec.add_request("warm", warm_decode, params)
@@ -79,7 +88,7 @@ def run_disagg(path, prompts, params, *, sample=True, layers_per_group=None, war
         for eng in (pre, dec):
             eng.blocks.check()
         if warm_transfer:
-            assert (len(pre.engine._io._export), len(dec.engine._io._import)) == compiled
+            assert compiled_transfer_programs(pre, dec) == compiled
         assert dec.blocks.num_referenced() == 0 and intake.pool.free_bytes == intake.pool.capacity
         return [s.output for s in dseqs], handoffs, skips, dec
     finally:
@@ -112,6 +121,22 @@ def test_shared_memory_backend_matches_colocated(checkpoint_dir):
     assert got == want
     for p, h, skip in zip(PROMPTS, handoffs, skips):
         assert h.sender.shm_base is not None
+        assert h.sender.bytes_acked == dec.cache_spec.transfer_bytes(len(p), CFG.block_size, 4, skip)
+
+
+@pytest.mark.parametrize("family,tp", [("kimi_linear", (1, 1)), ("llama", (2, 1))])
+def test_device_backend_matches_colocated(checkpoint_dir, family, tp):
+    """The device backend: decode pulls each layer group's staged arrays through JAX's transfer server (one
+    PULL frame per group, no bytes on the KV connections), for a hybrid model and from a sharded (TP=2) pool;
+    the transfers compile nothing beyond the warmed programs; the counted bytes are the plan's."""
+    path = checkpoint_dir(family)
+    want = [o.token_ids for o in LLM(path, progress=False, engine=CFG).generate(PROMPTS, GREEDY)]
+    got, handoffs, skips, dec = run_disagg(path, PROMPTS, GREEDY, layers_per_group=2, pull=True, tp=tp,
+                                           warm_transfer=True)
+    assert got == want
+    groups = len(layer_groups(dec.layout.num_layers, 2))
+    for p, h, skip in zip(PROMPTS, handoffs, skips):
+        assert h.sender.sends == groups and h.sender.frames == groups + 2  # plan + one PULL per group + record
         assert h.sender.bytes_acked == dec.cache_spec.transfer_bytes(len(p), CFG.block_size, 4, skip)
 
 

@@ -1,4 +1,5 @@
-"""Prefill and decode as two real worker processes (`jaxserve worker`), driven over gRPC, KV over TCP.
+"""Prefill and decode as two real worker processes (`jaxserve worker`), driven over gRPC, KV over TCP (and,
+in one test, pulled through JAX's transfer servers: the device backend).
 
 The test plays the router's part: open a Decode stream on the decode worker (it reserves first), pass the
 reservation to the prefill worker's Prefill call, read the tokens from the stream. Tokens must equal the
@@ -43,12 +44,13 @@ def start_worker(cfg_path: str, name: str) -> tuple[subprocess.Popen, dict]:
     raise RuntimeError(f"worker {name} exited before ready:\n{''.join(lines)}")
 
 
-@pytest.fixture(scope="module")
-def cluster(checkpoint_dir, tmp_path_factory):
+def run_cluster(checkpoint_dir, tmp_path_factory, **transfer):
+    """Start p0 (prefill, core 0) and d0 (decode, core 1) of a 1P1D config; yields (model path, {name: (process,
+    ready info)}, config path) and stops both."""
     path = checkpoint_dir("kimi_linear")
     cfg = {"model": {"path": path}, "engine": ENGINE,
            "transfer": {"token": "test-token", "connections": 2, "chunk_mb": 0.01, "deadline_s": 120.0,
-                        "layers_per_group": 2, "shared_memory": False},  # the TCP backend between processes
+                        "layers_per_group": 2, **transfer},
            "clusters": [{"name": "pd", "instances": [{"name": "p0", "role": "prefill", "cpus": [0]},
                                                      {"name": "d0", "role": "decode", "cpus": [1]}]}]}
     cfg_path = str(tmp_path_factory.mktemp("cfg") / "disagg.yaml")
@@ -63,6 +65,16 @@ def cluster(checkpoint_dir, tmp_path_factory):
         for p, _ in procs.values():
             p.terminate()
             p.wait(30)
+
+
+@pytest.fixture(scope="module")
+def cluster(checkpoint_dir, tmp_path_factory):
+    yield from run_cluster(checkpoint_dir, tmp_path_factory, shared_memory=False)  # TCP between processes
+
+
+@pytest.fixture(scope="module")
+def device_cluster(checkpoint_dir, tmp_path_factory):
+    yield from run_cluster(checkpoint_dir, tmp_path_factory, device_transfer="on")
 
 
 async def disagg_request(p_addr, d_addr, rid, prompt, params):
@@ -82,32 +94,57 @@ async def disagg_request(p_addr, d_addr, rid, prompt, params):
         await p.close()
 
 
+def colocated_tokens(path) -> list[list[int]]:
+    return [o.token_ids for o in LLM(path, progress=False, engine=EngineConfig(
+        **{k: v for k, v in ENGINE.items() if k != "warmup"})).generate(PROMPTS, SamplingParams(**GREEDY))]
+
+
+def run_prompts(pinfo, dinfo) -> list:
+    async def run():
+        return await asyncio.gather(*(disagg_request(pinfo["address"], dinfo["address"], f"r{i}", p, GREEDY)
+                                      for i, p in enumerate(PROMPTS)))
+    return asyncio.run(run())
+
+
+def health(*addresses) -> list[dict]:
+    async def run():
+        out = []
+        for a in addresses:
+            c = Client(a)
+            out.append(await c.call("Health", {}))
+            await c.close()
+        return out
+    return asyncio.run(run())
+
+
 def test_worker_processes_match_colocated(cluster):
     path, procs, _ = cluster
     pinfo, dinfo = procs["p0"][1], procs["d0"][1]
     assert pinfo["cpus"] == [0] and dinfo["cpus"] == [1]  # pinned before JAX started
     assert dinfo["kv_address"] and pinfo["kv_address"] is None
-    want = [o.token_ids for o in LLM(path, progress=False, engine=EngineConfig(
-        **{k: v for k, v in ENGINE.items() if k != "warmup"})).generate(PROMPTS, SamplingParams(**GREEDY))]
-
-    async def run():
-        return await asyncio.gather(*(disagg_request(pinfo["address"], dinfo["address"], f"r{i}", p, GREEDY)
-                                      for i, p in enumerate(PROMPTS)))
-    results = asyncio.run(run())
-    for (reserved, res, last), p, w in zip(results, PROMPTS, want):
+    want = colocated_tokens(path)
+    for (reserved, res, last), p, w in zip(run_prompts(pinfo, dinfo), PROMPTS, want):
         assert last["token_ids"] == w and last["finished"] and not last["error"]
         assert res["token"] == w[0] and res["kv_bytes"] > 0 and res["sends"] >= 1 and res["backend"] == "tcp"
     # no block held on either side once the requests are done
-    async def health():
-        out = []
-        for a in (pinfo["address"], dinfo["address"]):
-            c = Client(a)
-            out.append(await c.call("Health", {}))
-            await c.close()
-        return out
-    ph, dh = asyncio.run(health())
+    ph, dh = health(pinfo["address"], dinfo["address"])
     assert ph["stats"]["blocks_used"] == 0 and dh["stats"]["blocks_used"] == 0
     assert ph["stats"]["running"] == 0 and dh["stats"]["running"] == 0
+
+
+def test_device_backend_between_worker_processes(device_cluster):
+    """transfer.device_transfer on both ends: decode pulls each layer group's KV from the prefill process's
+    JAX transfer server; the same tokens as colocated, no block held afterwards."""
+    path, procs, _ = device_cluster
+    pinfo, dinfo = procs["p0"][1], procs["d0"][1]
+    want = colocated_tokens(path)
+    for (reserved, res, last), p, w in zip(run_prompts(pinfo, dinfo), PROMPTS, want):
+        assert reserved["pull"] is True
+        assert last["token_ids"] == w and last["finished"] and not last["error"]
+        assert res["backend"] == "device" and res["token"] == w[0] and res["kv_bytes"] > 0
+        assert res["sends"] == res["frames"] - 2  # one PULL per layer group; plus the plan and the record
+    ph, dh = health(pinfo["address"], dinfo["address"])
+    assert ph["stats"]["blocks_used"] == 0 and dh["stats"]["blocks_used"] == 0
 
 
 def test_wrong_role_is_refused(cluster):

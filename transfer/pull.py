@@ -1,0 +1,106 @@
+"""Device backend: decode pulls a request's staged KV arrays device to device through JAX's transfer server.
+
+Each worker that uses it runs one `PullServer` (`jax.experimental.transfer`: PJRT moves device buffers
+between processes over its own parallel sockets; on GPU / TPU the bytes go from device memory to device
+memory without passing through Python or a host staging region of ours). The control path is the TCP link's
+(tcp.py): the same authenticated connections carry the plan, the first-token record, acknowledgements,
+refusals and aborts. `PullLink` is a `TcpLink` whose sender, instead of DATA frames, offers each layer
+group's exported arrays to its server (`offer`: they stay there until pulled or until the transfer deadline)
+and sends one payload-less PULL frame naming them (uuid, server address, staged array indices, bytes). The
+receiving KV server checks the frame against the plan, `pull`s the arrays onto its own device, and
+acknowledges; the arrays go to the import program as they are (no DLPack, no receive region).
+
+Block arrays cross with their padded row count (the export programs are bucketed to powers of two); the
+transfer's byte count is the staged payload, as for the other backends.
+
+A pull whose peer dies fails at once (PJRT reports the closed socket); a pull of arrays that are never offered
+would wait forever inside PJRT, so `pull` waits on a helper thread with a deadline and reports the failure
+(the helper is left behind, blocked; it holds no cache block). Concurrency: PJRT's transfer server runs its
+own threads; `offer` is called from the prefill worker's feeder thread, `pull` from the KV server's
+connection threads (a lock guards the connection cache).
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import threading
+
+from .tcp import TcpLink
+
+
+class PullError(RuntimeError):
+    """The arrays did not arrive (peer gone, or not offered before the deadline)."""
+
+
+class PullServer:
+    def __init__(self, host: str = "127.0.0.1", connections: int = 4):
+        import jax
+        from jax.experimental import transfer
+        self.device = jax.local_devices()[0]
+        self._server = transfer.start_transfer_server(self.device.client, f"{host}:0", [f"{host}:0"] * connections)
+        self.address: str = self._server.address()
+        self._uuids = itertools.count(1)
+        self._conns: dict[str, object] = {}
+        self._lock = threading.Lock()
+
+    def offer(self, arrays: list, timeout_s: float) -> int:
+        """Make `arrays` (single-device jax.Arrays) pullable once, for `timeout_s`; -> the uuid naming them."""
+        uuid = next(self._uuids)
+        self._server.await_pull(uuid, list(arrays), timeout=_deadline(timeout_s))
+        return uuid
+
+    def pull(self, address: str, uuid: int, specs: list[tuple[tuple[int, ...], str]], timeout_s: float) -> list:
+        """The arrays `uuid` offered at the server `address`, on this process's device (waits until they are
+        here). specs: [(shape, numpy dtype name)] in offer order. Raises PullError."""
+        import jax
+        import numpy as np
+        sharding = jax.sharding.SingleDeviceSharding(self.device)
+        try:
+            xs = self._connect(address).pull(
+                uuid, [jax.ShapeDtypeStruct(tuple(s), np.dtype(d), sharding=sharding) for s, d in specs])
+        except Exception as e:  # noqa: BLE001 - PJRT raises its own runtime errors
+            self._drop(address)
+            raise PullError(f"pull from {address} failed: {e}") from e
+        done, failed = threading.Event(), []
+
+        def wait():
+            try:
+                jax.block_until_ready(xs)
+            except Exception as e:  # noqa: BLE001
+                failed.append(e)
+            done.set()
+        threading.Thread(target=wait, name="kv-pull-wait", daemon=True).start()
+        if not done.wait(timeout_s):
+            raise PullError(f"arrays {uuid} from {address} not pulled within {timeout_s:.1f}s")
+        if failed:
+            self._drop(address)
+            raise PullError(f"pull from {address} failed: {failed[0]}")
+        return list(xs)
+
+    def _connect(self, address: str):
+        with self._lock:
+            conn = self._conns.get(address)
+            if conn is None:
+                conn = self._conns[address] = self._server.connect(address)
+            return conn
+
+    def _drop(self, address: str) -> None:
+        with self._lock:
+            self._conns.pop(address, None)
+
+
+def _deadline(timeout_s: float) -> datetime.datetime:
+    return datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
+
+
+class PullLink(TcpLink):
+    """A TCP control link whose senders offer device arrays for the receiver to pull (KVSender.offer_arrays)."""
+
+    def __init__(self, address, token: str, server: PullServer, offer_timeout_s: float = 30.0, **kw):
+        self.server, self.offer_timeout_s = server, offer_timeout_s
+        super().__init__(address, token, **kw)
+
+    def offer(self, arrays: list) -> tuple[int, str]:
+        """-> (uuid, server address) of `arrays` (single-device jax.Arrays)."""
+        return self.server.offer(arrays, self.offer_timeout_s), self.server.address
