@@ -367,6 +367,8 @@ def main(argv=None):
         e = out["efficiency"]
         print(f"(a) efficiency {e['efficiency']:.2f} (kv {e['kv_bytes_per_s_median'] / 1e9:.2f} GB/s, raw "
               f"{e['raw_bytes_per_s_median'] / 1e9:.2f} GB/s, {e['connections']} connections)")
+        d = e["device_backend"]
+        print(f"(a) device backend {d['bytes_per_s_median'] / 1e9:.2f} GB/s, {d['vs_raw']:.2f} of raw")
     if "sends_per_request" in out:
         s = out["sends_per_request"]
         print(f"(b) sends per request {s['per_block_per_layer_sends_mean']:.0f} -> {s['aligned_sends_mean']:.2f}")

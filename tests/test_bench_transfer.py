@@ -14,6 +14,7 @@ def test_transfer_bench_smoke(tmp_path):
     r = json.loads(out.read_text())
     e, s = r["efficiency"], r["sends_per_request"]
     assert e["bytes"] == 8 << 20 and len(e["kv_bytes_per_s"]) == 1 and e["efficiency"] > 0
+    assert len(e["device_backend"]["bytes_per_s"]) == 1 and e["device_backend"]["vs_raw"] > 0
     assert s["aligned_sends_mean"] >= 1 and s["per_block_per_layer_sends_mean"] > 10 * s["aligned_sends_mean"]
 
 

@@ -34,11 +34,14 @@ class PullError(RuntimeError):
 
 
 class PullServer:
-    def __init__(self, host: str = "127.0.0.1", connections: int = 4):
+    def __init__(self, host: str = "127.0.0.1", connections: int = 4, piece_bytes: int = 4 << 20):
+        """connections: the transport's parallel sockets; piece_bytes: its unit of transfer (PJRT's
+        `transfer_size`; pieces pipeline, so one much smaller than a request's KV keeps every socket busy)."""
         import jax
         from jax.experimental import transfer
         self.device = jax.local_devices()[0]
-        self._server = transfer.start_transfer_server(self.device.client, f"{host}:0", [f"{host}:0"] * connections)
+        self._server = transfer.start_transfer_server(self.device.client, f"{host}:0", [f"{host}:0"] * connections,
+                                                      transfer_size=piece_bytes)
         self.address: str = self._server.address()
         self._uuids = itertools.count(1)
         self._conns: dict[str, object] = {}
