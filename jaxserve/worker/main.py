@@ -6,12 +6,13 @@ only then does it build the engine on a mesh over its own devices, warm it up, a
 
 Methods (rpc.py; JSON over gRPC):
   Health    {} -> {"name", "role", "address", "kv_address", "max_model_len", "pid", "stats", "links"}
-  Decode    (decode, stream) {"request_id", "prompt", "params", "kv_tokens", "deadline_s"?} -> first {"reserved": {"blocks",
-            "skip", "kv_address", "cluster", "shm", "pull"}}, then one {"update": ...} per engine step that changed the request. Closing
-            the stream aborts the request (frees its slot and blocks).
-  Prefill   (prefill) {"request_id", "prompt", "params", "kv_tokens", "sample", "dst": {"kv_address", "blocks",
-            "skip", "cluster"?}} -> {"kv_bytes", "frames", "sends", "resends", "token", "ttft_s", "backend"} once decode has
-            acknowledged every byte; gRPC ABORTED (with the reason) when the transfer failed.
+  Decode    (decode, stream) {"request_id", "prompt", "params", "kv_tokens", "deadline_s"?} -> first {"reserved":
+            {"blocks", "skip", "kv_address", "cluster", "shm" (region in this host's shared memory, or None), "pull"
+            (takes device pulls)}}, then one {"update": ...} per engine step that changed the request. Closing the
+            stream aborts the request (frees its slot and blocks).
+  Prefill   (prefill) {"request_id", "prompt", "params", "kv_tokens", "sample", "dst": (Decode's "reserved")} ->
+            {"kv_bytes", "frames", "sends", "resends", "token", "ttft_s", "backend" (tcp / shm / device)} once
+            decode has acknowledged every byte; gRPC ABORTED (with the reason) when the transfer failed.
   Generate  (any role, stream) {"request_id", "prompt", "params"} -> one {"update": ...} per step: the whole
             request on this instance (the router's fallback when no prefill / decode pair is available).
 With `--router HOST:PORT` the worker registers with the router and repeats the registration every
