@@ -101,8 +101,8 @@ class KVReceiver:
                 raise PlanError(f"arrays {arrays} not in the plan ({len(self.staging.arrays)} arrays)")
             if len(set(arrays)) != len(arrays):
                 raise PlanError(f"arrays {arrays} named twice")
-            if set(arrays) <= self._pulling:
-                return None
+            if all(a in self._pulled or a in self._pulling for a in arrays):
+                return None  # a resend of a PULL that landed or is landing
             if any(a in self._got or a in self._pulling for a in arrays):
                 raise PlanError(f"arrays {arrays} already (partly) received")
             specs = [self.staging.arrays[a] for a in arrays]

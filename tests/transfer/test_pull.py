@@ -135,3 +135,27 @@ def test_sender_killed_mid_pull_fails_the_transfer_at_once(servers):
     finally:
         child.join(10)
         p.close()
+
+
+def test_pull_resent_after_it_landed_is_acknowledged(servers):
+    """A PULL whose acknowledgement was lost with its connection comes again: it is acknowledged, not refused,
+    and its bytes count once."""
+    p = pull_pair(servers)
+    try:
+        r = p.receiver("a", [7, 8, 9, 20])
+        sock, _ = _raw_connection(p.server)
+        plan = TransferPlan.build(p.lay, "float32", 14, [3, 4, 9, 10], [7, 8, 9, 20], 0, layer_groups(5, 2))
+        st = plan.check(p.lay, "float32", [7, 8, 9, 20], 14, 0)
+        wire.send_frame(sock, wire.Frame(wire.PLAN, "a", 0, plan.to_meta()))
+        assert wire.read_header(sock).kind == wire.ACK
+        x = export(p.lay, p.pool, st, [3, 4, 9, 10], 1)[0]
+        meta = {"arrays": [0], "bytes": st.arrays[0].sent_bytes, "addr": servers[1].address,
+                "uuid": servers[1].offer([jnp.asarray(x)], 10.0)}
+        for seq in (1, 2):
+            wire.send_frame(sock, wire.Frame(wire.PULL, "a", seq, meta))
+            h = wire.read_header(sock)
+            assert h.kind == wire.ACK, h.meta
+        assert r.received == st.arrays[0].sent_bytes and not r.state.final
+        sock.close()
+    finally:
+        p.close()
