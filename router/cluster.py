@@ -2,17 +2,22 @@
 
 Per request (the KV Messenger flow): pick a decode instance (policy.py) and open its `Decode` stream, which
 reserves cache space and validates the request (a bad one is refused before any prefill work); pick a
-prefill instance and call `Prefill` with the reservation, which returns once decode has acknowledged every
-KV byte; then relay the decode stream's Updates to the request's queue. n > 1 fans out into n requests with
-seeds seed, seed + 1, ... (as the colocated engine does).
+prefill instance and open its `Prefill` call with the reservation, and relay both to the request's queue: the
+prefill call sends the first token the moment it is sampled (the client has it while the KV travels), then
+answers once decode has acknowledged every KV byte; the decode stream's Updates follow (its report of that
+first token is dropped). n > 1 fans out into n requests with seeds seed, seed + 1, ... (as the colocated
+engine does).
 
-Faults: a prefill that fails (its worker died, or the transfer failed) closes the reservation (decode frees
-its blocks at once) and the request is placed again, on another prefill instance, or, when none is left,
-whole on the decode instance (`Generate`: prefill locally). A decode instance that fails before the client
-saw a token is avoided and the request placed again elsewhere; after tokens were streamed, it fails with a
-clear error. A worker whose call fails at the transport level is marked down (registry.py) until its next
-heartbeat. Every request ends with a final Update (tokens or an error): nothing hangs; at most
-`router.max_attempts` placements per request.
+Faults: a prefill that fails (its worker died, or the transfer failed) before decode has the KV closes the
+reservation (decode frees its blocks at once) and the request is placed again, on another prefill instance,
+or, when none is left, whole on the decode instance (`Generate`: prefill locally). A decode instance that fails
+is avoided and the request placed again elsewhere. A request whose tokens already reached the client is
+resumed, not restarted: the new placement gets its output so far (worker/main.py: "output", "logprobs"),
+decode computes the last of those tokens after the KV of the ones before it, and the stream goes on where it
+stopped (the tokens equal an uninterrupted run's: the sampler's key follows the output position). A worker
+whose call fails at the transport level is marked down (registry.py) until its next heartbeat. Every request
+ends with a final Update (tokens or an error): nothing hangs; at most `router.max_attempts` placements per
+request.
 
 Concurrency: everything runs on the router's asyncio loop (uvicorn's); one task per (sub-)request; gRPC
 channels are `grpc.aio`, one per worker address.
@@ -77,10 +82,25 @@ class _Sub:
     avoid_prefill: set = field(default_factory=set)
     ttft_s: float | None = None
     errors: list = field(default_factory=list)
+    sent: Update | None = None  # the last update the client got (updates are cumulative)
 
     @property
     def emitted(self) -> bool:
         return self.ttft_s is not None
+
+    @property
+    def output(self) -> list[int]:
+        """Tokens the client already has: a placement after a failure resumes from them."""
+        return self.sent.token_ids if self.sent is not None else []
+
+    def kv(self) -> int:
+        """Tokens whose KV prefill sends: the prompt (but its last token with transfer.leave_last_token), or, when
+        resuming, the prompt and the output but its last token (decode computes that one and samples on)."""
+        return len(self.prompt) + len(self.output) - 1 if self.output else self.kv_tokens
+
+    def resume(self) -> dict:
+        """The placement message's fields that resume the request (worker/main.py: "output", "logprobs")."""
+        return {"output": self.output, "logprobs": self.sent.logprobs} if self.output else {}
 
     def route(self) -> dict:
         name = self.worker.name if self.worker else None
@@ -272,9 +292,9 @@ class ClusterEngine:
     async def _open(self, s: _Sub, w: WorkerInfo, method: str) -> None:
         s.serial += 1
         s.xid = f"{s.rid}.{s.serial}"
-        msg = {"request_id": s.xid, "prompt": s.prompt, "params": s.params}
+        msg = {"request_id": s.xid, "prompt": s.prompt, "params": s.params, **s.resume()}
         if method == "Decode":
-            msg.update(kv_tokens=s.kv_tokens, deadline_s=self.cfg.transfer.deadline_s)
+            msg.update(kv_tokens=s.kv(), deadline_s=self.cfg.transfer.deadline_s)
         call = self._client(w).stream(method, msg)
         it = call.__aiter__()
         first = None
@@ -298,17 +318,25 @@ class ClusterEngine:
             s.worker.inflight -= 1
             s.call = None
 
-    async def _prefill(self, s: _Sub) -> bool:
-        """Run the prompt on a prefill instance into the reservation. Raises _Retry; returns False when no
-        prefill instance is left (the caller prefills locally)."""
-        p = least_loaded(self.registry.up("prefill", exclude=s.avoid_prefill | {s.worker.name}))
-        if p is None:
-            return False
+    async def _prefill(self, s: _Sub, p: WorkerInfo, on_first) -> None:
+        """Run the prompt on prefill instance p into the reservation; on_first(Update) gets the first token as
+        soon as it is sampled; returns once decode acknowledged every KV byte. Raises _Retry."""
+        tokens = s.prompt + s.output  # resuming: the output so far is prompt to this prefill
+        params = {**s.params, "max_tokens": s.params["max_tokens"] - len(s.output)}
         p.inflight += 1
+        call = self._client(p).stream("Prefill", {
+            "request_id": s.xid, "prompt": tokens, "params": params, "kv_tokens": s.kv(),
+            "sample": s.kv() == len(tokens), "dst": s.reserved}, timeout=self.cfg.server.request_timeout_s)
         try:
-            res = await self._watch(p, self._client(p).call("Prefill", {
-                "request_id": s.xid, "prompt": s.prompt, "params": s.params, "kv_tokens": s.kv_tokens,
-                "sample": s.kv_tokens == len(s.prompt), "dst": s.reserved}, timeout=self.cfg.server.request_timeout_s))
+            it = call.__aiter__()
+            while True:
+                try:
+                    res = await self._watch(p, it.__anext__())
+                except StopAsyncIteration:
+                    raise _Retry(f"{p.name} ended its Prefill call without an answer") from None
+                if "first" not in res:
+                    break
+                on_first(Update(**res["first"]))
         except grpc.aio.AioRpcError as e:
             self._down(p, e)
             s.avoid_prefill.add(p.name)
@@ -317,11 +345,36 @@ class ClusterEngine:
             s.avoid_prefill.add(p.name)
             raise _Retry(f"prefill on {e}") from None
         finally:
+            call.cancel()  # nothing once it has ended
             p.inflight -= 1
         p.served += 1
         s.prefill, s.kv_bytes, s.kv_backend = p.name, int(res["kv_bytes"]), res.get("backend")
         self.kv_bytes_transferred += s.kv_bytes
-        return True
+
+    async def _next(self, s: _Sub, pre: asyncio.Future | None, kv_pending: bool) -> dict:
+        """The open stream's next message. While the request's prefill call (`pre`) runs and decode has not yet
+        reported the KV in (kv_pending), the call is awaited alongside: its failure raises (its _Retry) at once
+        rather than when decode's deadline for the KV passes. Raises StopAsyncIteration, _Silent."""
+        read = asyncio.ensure_future(self._watch(s.worker, s.it.__anext__()))
+        try:
+            if kv_pending and pre is not None and not pre.done():
+                await asyncio.wait({read, pre}, return_when=asyncio.FIRST_COMPLETED)
+            if kv_pending and pre is not None and pre.done() and not read.done() and pre.exception() is not None:
+                raise pre.exception()
+            return await read
+        except BaseException:
+            read.cancel()
+            raise
+
+    async def _prefilled(self, s: _Sub, pre: asyncio.Future | None) -> None:
+        """The request finished on decode: wait for its prefill call's answer (the route's KV numbers). Decode
+        had every KV byte, so a prefill call failing now changes nothing for the client: it is only logged."""
+        if pre is None:
+            return
+        try:
+            await pre
+        except _Retry as e:
+            log.warning("%s: %s, after decode had its KV", s.rid, e)
 
     async def _watch(self, w: WorkerInfo, aw):
         """Await `aw` (a call to worker w); give up with _Silent once the registry no longer counts w up."""
@@ -344,35 +397,54 @@ class ClusterEngine:
             if self.on_finish is not None:
                 self.on_finish(u, time.monotonic() - arrival)
 
+        def relay(u: Update) -> None:
+            """Pass a (cumulative) update on; one that adds no token (decode reporting the first token that
+            prefill already delivered) is dropped."""
+            if s.sent is not None and len(u.token_ids) <= len(s.sent.token_ids):
+                return
+            u.index = s.index
+            if s.ttft_s is None:
+                s.ttft_s = time.monotonic() - arrival
+            u.ttft_s, s.sent = s.ttft_s, u
+            q.put_nowait(u)
+
+        pre = None  # the request's Prefill call, running while the decode stream is read
         try:
             while True:
                 try:
-                    if s.method == "Decode" and not await self._prefill(s):
-                        if not self.cfg.router.local_fallback:
+                    if s.method == "Decode":
+                        p = least_loaded(self.registry.up("prefill", exclude=s.avoid_prefill | {s.worker.name}))
+                        if p is not None:
+                            pre = asyncio.ensure_future(self._prefill(s, p, relay))
+                        elif not self.cfg.router.local_fallback:
                             raise Unavailable("no prefill instance is up")
-                        w = s.worker  # prefill locally: the whole request on the decode instance
-                        self._close(s)
-                        await self._open(s, w, "Generate")
+                        else:
+                            w = s.worker  # prefill locally: the whole request on the decode instance
+                            self._close(s)
+                            await self._open(s, w, "Generate")
+                    kv_pending = s.method == "Decode"
                     while True:
                         try:
-                            msg = await self._watch(s.worker, s.it.__anext__())
+                            msg = await self._next(s, pre, kv_pending)
                         except StopAsyncIteration:
                             break
                         except _Silent as e:
                             s.avoid.add(s.worker.name)
                             raise _Retry(f"{s.method} on {e}") from None
                         u = Update(**msg["update"])
-                        u.index = s.index
-                        if u.finished and u.error and not s.emitted:
+                        if u.finished and u.error:
                             raise _Retry(f"{s.worker.name}: {u.error}")
-                        if u.token_ids and s.ttft_s is None:
-                            s.ttft_s = time.monotonic() - arrival
-                        u.ttft_s = s.ttft_s
+                        kv_pending = False
                         if u.finished:
+                            await self._prefilled(s, pre)
                             s.worker.served += 1
+                            u.index = s.index
+                            if s.ttft_s is None and u.token_ids:
+                                s.ttft_s = time.monotonic() - arrival
+                            u.ttft_s = s.ttft_s
                             final(u)
                             return
-                        q.put_nowait(u)
+                        relay(u)
                     raise _Retry(f"{s.worker.name} closed the stream before the request finished")
                 except grpc.aio.AioRpcError as e:  # the open stream's worker failed
                     if e.code() == Code.INVALID_ARGUMENT:
@@ -383,11 +455,13 @@ class ClusterEngine:
                 except _Retry as e:
                     err = str(e)
                 s.errors.append(err)
+                pre = self._stop(pre)
                 self._close(s)
-                if s.emitted:
-                    raise Unavailable(f"{err} after streaming tokens; the request cannot be resumed")
                 self.retries += 1
-                log.warning("%s: %s; placing it again", s.rid, err)
+                if s.output:
+                    log.warning("%s: %s; resuming it after the %d tokens streamed", s.rid, err, len(s.output))
+                else:
+                    log.warning("%s: %s; placing it again", s.rid, err)
                 await self._place(s)
         except (RequestError, QueueFull, Unavailable) as e:
             final(Update(s.index, [], "", True, "error", [], 0, len(s.prompt), error=str(e), ttft_s=s.ttft_s))
@@ -396,4 +470,14 @@ class ClusterEngine:
             final(Update(s.index, [], "", True, "error", [], 0, len(s.prompt),
                          error=f"router error: {type(e).__name__}: {e}", ttft_s=s.ttft_s))
         finally:
+            self._stop(pre)
             self._close(s)
+
+    @staticmethod
+    def _stop(pre: asyncio.Future | None) -> None:
+        """Cancel a prefill call still running (its transfer has nowhere to go), or collect its outcome."""
+        if pre is not None:
+            if pre.done():
+                pre.cancelled() or pre.exception()
+            else:
+                pre.cancel()

@@ -35,11 +35,13 @@ class KVIntake:
     def address(self) -> tuple[str, int]:
         return self.server.address
 
-    def reserve(self, request_id: str, prompt: list[int], params, kv_tokens: int, deadline_s: float | None = None):
+    def reserve(self, request_id: str, prompt: list[int], params, kv_tokens: int, deadline_s: float | None = None,
+                **resume):
         """-> (sequence, dst block ids, skip). Raises RequestError (bad request) or OutOfBlocks / PoolFull (busy).
-        The receiver is `self.receivers[request_id]` (its region's offset: where a local sender writes)."""
+        The receiver is `self.receivers[request_id]` (its region's offset: where a local sender writes).
+        resume: output= and logprobs= of a resumed request (LLMEngine.reserve)."""
         llm = self.llm
-        seq, skip = llm.reserve(request_id, prompt, params, kv_tokens)
+        seq, skip = llm.reserve(request_id, prompt, params, kv_tokens, **resume)
         try:
             region = self.pool.allocate(region_bytes(llm.layout, llm.dtype_name, kv_tokens, skip))
         except PoolFull:

@@ -78,6 +78,7 @@ class Handoff:
     request_id: str | None = None  # the id decode knows the request by (default: the sequence's)
     shm_base: int | None = None  # link is a transfer.shm.ShmLink: the region's offset in decode's segment
     sender: KVSender | None = field(default=None, init=False)
+    ends: bool = field(default=False, init=False)  # the first token ends the request (set by the engine)
 
     def begin(self, llm, seq) -> list[tuple[int, int]] | None:
         """Plan the transfer and send the plan. Returns the layer groups to run the step as (None: one

@@ -72,9 +72,11 @@ class AsyncEngine:
         self._cmds.put((fn, args, fut))
         return await asyncio.wrap_future(fut)
 
-    async def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> asyncio.Queue:
-        """Queue a request; returns the asyncio.Queue its Updates arrive on. Raises RequestError / QueueFull."""
-        q, _ = await self.attach(request_id, lambda eng: (eng.add_request(request_id, prompt_ids, params), None))
+    async def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, **resume) -> asyncio.Queue:
+        """Queue a request; returns the asyncio.Queue its Updates arrive on. Raises RequestError / QueueFull.
+        resume: output= and logprobs= of a request resumed (LLMEngine.add_request)."""
+        q, _ = await self.attach(request_id,
+                                 lambda eng: (eng.add_request(request_id, prompt_ids, params, **resume), None))
         return q
 
     async def attach(self, request_id: str, make) -> tuple[asyncio.Queue, object]:

@@ -108,49 +108,70 @@ class LLMEngine:
     def encode(self, prompt) -> list[int]:
         return encode(self.tokenizer, prompt)
 
-    def validate(self, ids: list[int], params: SamplingParams) -> None:
+    def validate(self, ids: list[int], params: SamplingParams, output: list[int] | None = None) -> None:
         V = self.model_config.vocab_size
         if not ids:
             raise RequestError("empty prompt: send at least one token", "prompt")
-        bad = [t for t in ids if not 0 <= t < V]
-        if bad:
-            raise RequestError(f"token ids out of range [0, {V}): {bad[:5]}", "prompt")
+        for name, xs in (("prompt", ids), ("output", output or [])):
+            bad = [t for t in xs if not 0 <= t < V]
+            if bad:
+                raise RequestError(f"token ids out of range [0, {V}): {bad[:5]}", name)
+        if output and (params.n != 1 or len(output) >= params.max_tokens):
+            raise RequestError(f"a resumed request takes n = 1 and fewer output tokens ({len(output)}) than "
+                               f"max_tokens ({params.max_tokens})", "output")
         if len(ids) + params.max_tokens > self.max_model_len:
             raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the maximum "
                                f"context length {self.max_model_len}", "max_tokens")
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer; use stop_token_ids", "stop")
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams) -> list[Sequence]:
-        """Queue a request (n sequences for n > 1, seeds seed, seed + 1, ...). Raises RequestError / QueueFull."""
+    def add_request(self, request_id: str, prompt, params: SamplingParams, output: list[int] | None = None,
+                    logprobs: list | None = None) -> list[Sequence]:
+        """Queue a request (n sequences for n > 1, seeds seed, seed + 1, ...). Raises RequestError / QueueFull.
+        output (n = 1): resume a request whose first tokens (and their logprobs) were already generated elsewhere;
+        it continues as a preempted request does (its prompt and output recomputed, then decoding)."""
         ids = self.encode(prompt)
-        self.validate(ids, params)
+        self.validate(ids, params, output)
         base = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31))
         seqs = []
         for i in range(params.n):
             rid = request_id if params.n == 1 else f"{request_id}-{i}"
             if rid in self.requests:
                 raise RequestError(f"duplicate request id {rid!r}", "request_id")
-            seq = Sequence(rid, list(ids), dataclasses.replace(params, seed=base + i, n=1))
-            seq.detok = Detokenizer(self.tokenizer, seq.params.stop)
+            seq = self._sequence(rid, ids, dataclasses.replace(params, seed=base + i, n=1), output, logprobs)
             self.scheduler.add(seq)
             self.requests[rid] = seq
             seqs.append(seq)
         return seqs
 
+    def _sequence(self, rid: str, ids: list[int], params: SamplingParams, output, logprobs) -> Sequence:
+        seq = Sequence(rid, list(ids), params)
+        seq.detok = Detokenizer(self.tokenizer, params.stop)
+        for t in output or ():
+            seq.output.append(int(t))
+            seq.detok.add(int(t))
+        if params.logprobs is not None and output:
+            if logprobs is None or len(logprobs) != len(output):
+                raise RequestError("a resumed request needs one logprobs entry per output token", "logprobs")
+            seq.logprobs = [(float(lp), [tuple(t) for t in top]) for lp, top in logprobs]
+        return seq
+
     # ---- disaggregated serving
-    def reserve(self, request_id: str, prompt: list[int], params: SamplingParams, kv_tokens: int) -> tuple[Sequence, int]:
-        """Decode side: take a slot and blocks for a request whose first `kv_tokens` tokens of KV another instance
-        sends. Returns (sequence, leading blocks already held, which are not sent). Raises RequestError,
-        OutOfBlocks (no room now)."""
+    def reserve(self, request_id: str, prompt: list[int], params: SamplingParams, kv_tokens: int,
+                output: list[int] | None = None, logprobs: list | None = None) -> tuple[Sequence, int]:
+        """Decode side: take a slot and blocks for a request whose first `kv_tokens` tokens of KV (of prompt +
+        output: a resumed request, as in add_request) another instance sends. Returns (sequence, leading blocks
+        already held, which are not sent). Raises RequestError, OutOfBlocks (no room now)."""
         ids = self.encode(prompt)
-        self.validate(ids, params)
-        if not 0 < kv_tokens <= len(ids):
-            raise RequestError(f"kv_tokens must be in [1, {len(ids)}], got {kv_tokens}")
+        self.validate(ids, params, output)
+        n = len(ids) + len(output or ())
+        if not 0 < kv_tokens <= n:
+            raise RequestError(f"kv_tokens must be in [1, {n}], got {kv_tokens}")
+        if output and kv_tokens == n:
+            raise RequestError("a resumed request leaves its last token to decode: kv_tokens < prompt + output")
         if request_id in self.requests:
             raise RequestError(f"duplicate request id {request_id!r}", "request_id")
-        seq = Sequence(request_id, list(ids), dataclasses.replace(params, n=1))
-        seq.detok = Detokenizer(self.tokenizer, seq.params.stop)
+        seq = self._sequence(request_id, ids, dataclasses.replace(params, n=1), output, logprobs)
         skip = self.scheduler.reserve(seq, kv_tokens)
         self.requests[request_id] = seq
         return seq, skip
@@ -227,8 +248,9 @@ class LLMEngine:
                     # the remaining layer groups (all of them when not streamed) and the first token leave
                     # now; the blocks stay here as prefix cache
                     c.seq.handoff.finish(prefix)
-                    c.seq.first_token_time = c.seq.finish_time = time.monotonic()
-                    c.seq.output.append(prefix.token)
+                    # the first token as decode will record it (text, logprobs); whether it ends the request
+                    c.seq.handoff.ends = self._record(c.seq, prefix.token, prefix.logprob, prefix.top) is not None
+                    c.seq.finish_time = time.monotonic()
                     self.scheduler.finish(c.seq, "handoff")
                     changed.append(c.seq)
                 elif prefix is not None:
@@ -243,26 +265,29 @@ class LLMEngine:
                 changed.append(seq)
         return changed
 
-    def _append(self, seq: Sequence, tok: int, lp: float, top) -> None:
-        now = time.monotonic()
+    def _record(self, seq: Sequence, tok: int, lp: float, top) -> str | None:
+        """Append a sampled token (output, logprobs, text); returns the reason it ends the request, or None."""
         if seq.first_token_time is None:
-            seq.first_token_time = now
+            seq.first_token_time = time.monotonic()
         seq.output.append(tok)
         if seq.params.logprobs is not None:
             seq.logprobs.append((lp, top))
         p = seq.params
-        reason = None
         if tok in p.stop_token_ids or (tok in self.eos and not p.ignore_eos):
-            reason = "stop"
-        elif seq.detok.add(tok):
-            reason = "stop"
-        elif len(seq.output) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            reason = "length"
+            return "stop"
+        if seq.detok.add(tok):
+            return "stop"
+        if len(seq.output) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _append(self, seq: Sequence, tok: int, lp: float, top) -> None:
+        reason = self._record(seq, tok, lp, top)
         if reason is not None:
-            seq.detok.finish(stop_token=reason == "stop" and tok in (set(p.stop_token_ids) | self.eos))
+            seq.detok.finish(stop_token=reason == "stop" and tok in (set(seq.params.stop_token_ids) | self.eos))
             self.engine.free(seq.slot)
             self.scheduler.finish(seq, reason)
-            seq.finish_time = now
+            seq.finish_time = time.monotonic()
         else:
             self.scheduler.complete_decode(seq)
 

@@ -6,15 +6,21 @@ only then does it build the engine on a mesh over its own devices, warm it up, a
 
 Methods (rpc.py; JSON over gRPC):
   Health    {} -> {"name", "role", "address", "kv_address", "max_model_len", "pid", "stats", "links"}
-  Decode    (decode, stream) {"request_id", "prompt", "params", "kv_tokens", "deadline_s"?} -> first {"reserved":
+  Decode    (decode, stream) {"request_id", "prompt", "params", "kv_tokens", "deadline_s"?, "output"?, "logprobs"?}
+            -> first {"reserved":
             {"blocks", "skip", "kv_address", "cluster", "shm" (region in this host's shared memory, or None), "pull"
             (takes device pulls)}}, then one {"update": ...} per engine step that changed the request. Closing the
             stream aborts the request (frees its slot and blocks).
-  Prefill   (prefill) {"request_id", "prompt", "params", "kv_tokens", "sample", "dst": (Decode's "reserved")} ->
-            {"kv_bytes", "frames", "sends", "resends", "token", "ttft_s", "backend" (tcp / shm / device)} once
-            decode has acknowledged every byte; gRPC ABORTED (with the reason) when the transfer failed.
-  Generate  (any role, stream) {"request_id", "prompt", "params"} -> one {"update": ...} per step: the whole
-            request on this instance (the router's fallback when no prefill / decode pair is available).
+  Prefill   (prefill, stream) {"request_id", "prompt", "params", "kv_tokens", "sample", "dst": (Decode's
+            "reserved")} -> {"first": Update} as soon as the first token is sampled (with sample, unless that token
+            ends the request: decode reports it then), while the KV travels; then {"kv_bytes", "frames", "sends",
+            "resends", "token", "ttft_s", "backend" (tcp / shm / device)} once decode has acknowledged every byte;
+            gRPC ABORTED (with the reason) when the transfer failed.
+  Generate  (any role, stream) {"request_id", "prompt", "params", "output"?, "logprobs"?} -> one {"update": ...}
+            per step: the whole request on this instance (the router's fallback when no prefill / decode pair is
+            available).
+"output" / "logprobs" resume a request whose first tokens were generated (and streamed to the client) before its
+instance failed: it continues from there (LLMEngine.add_request); its Updates count those tokens as output.
 With `--router HOST:PORT` the worker registers with the router and repeats the registration every
 `router.heartbeat_s` with its Health message (its heartbeat); the router refuses names and roles its config
 does not list, and workers that do not present the cluster token.
@@ -198,7 +204,7 @@ class Worker:
             params = SamplingParams(**req.get("params", {}))
             if params.n != 1:
                 raise ValueError("Generate takes n = 1 (the router fans out n > 1)")
-            q = await self.engine.add(rid, list(req["prompt"]), params)
+            q = await self.engine.add(rid, list(req["prompt"]), params, **self._resume(req))
         except (RequestError, ValueError, TypeError, KeyError) as e:
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except QueueFull as e:
@@ -209,8 +215,15 @@ class Worker:
     def _reserve(self, rid, req, params):
         deadline = req.get("deadline_s")
         seq, blocks, skip = self.intake.reserve(rid, list(req["prompt"]), params, int(req["kv_tokens"]),
-                                                float(deadline) if deadline else None)
+                                                float(deadline) if deadline else None, **self._resume(req))
         return [seq], (blocks, skip, self.intake.shm(rid))
+
+    @staticmethod
+    def _resume(req) -> dict:
+        """A resumed request's output so far (the "output" / "logprobs" fields), as LLMEngine takes them."""
+        if not req.get("output"):
+            return {}
+        return {"output": [int(t) for t in req["output"]], "logprobs": req.get("logprobs")}
 
     async def prefill(self, req, ctx):
         import grpc
@@ -247,12 +260,14 @@ class Worker:
         if u.error or u.finish_reason != "handoff":
             await ctx.abort(grpc.StatusCode.ABORTED, f"prefill failed: {u.error or u.finish_reason}")
         sender = handoff.sender
+        if handoff.sample and not handoff.ends:  # the client may see the first token while its KV travels
+            yield {"first": dataclasses.asdict(dataclasses.replace(u, finished=False, finish_reason=None))}
         state = await asyncio.to_thread(sender.wait, t.deadline_s)
         if state is not KVPoll.DONE:
             sender.abort("deadline passed" if not sender.state.final else sender.state.reason)
             await ctx.abort(grpc.StatusCode.ABORTED, f"KV transfer failed: {sender.state.reason}")
-        return {"kv_bytes": sender.bytes_acked, "frames": sender.frames, "sends": sender.sends,
-                "resends": sender.resends, "token": u.token_ids[0] if u.token_ids else None, "ttft_s": u.ttft_s,
+        yield {"kv_bytes": sender.bytes_acked, "frames": sender.frames, "sends": sender.sends,
+                "resends": sender.resends, "token": u.token_ids[0] if u.token_ids and handoff.sample else None, "ttft_s": u.ttft_s,
                 "backend": "device" if isinstance(link, PullLink) else "shm" if sender.shm_base is not None else "tcp"}
 
     async def heartbeat(self, router: str) -> None:
@@ -284,8 +299,9 @@ class Worker:
     async def serve(self, router: str | None = None) -> None:
         from . import rpc
         server = rpc.server()
-        server.add_generic_rpc_handlers((rpc.handler({"Health": self.health, "Prefill": self.prefill},
-                                                     {"Decode": self.decode, "Generate": self.generate}),))
+        server.add_generic_rpc_handlers((rpc.handler({"Health": self.health},
+                                                     {"Decode": self.decode, "Generate": self.generate,
+                                                      "Prefill": self.prefill}),))
         port = server.add_insecure_port(f"{self.inst.host}:{self.inst.port}")
         await server.start()
         self.address = f"{self.inst.host}:{port}"

@@ -77,26 +77,34 @@ def device_cluster(checkpoint_dir, tmp_path_factory):
     yield from run_cluster(checkpoint_dir, tmp_path_factory, device_transfer="on")
 
 
-async def disagg_request(p_addr, d_addr, rid, prompt, params):
+async def disagg_request(p_addr, d_addr, rid, prompt, params, output=()):
+    """Reserve on decode, prefill into it, read decode's stream. output: resume a request that already has these
+    tokens (decode computes the last of them; prefill sends the KV before it and samples nothing).
+    -> (reservation, Prefill's answer, decode's last update, Prefill's early first token or None)"""
     d, p = Client(d_addr), Client(p_addr)
+    kv = len(prompt) + len(output) - (1 if output else 0)
     try:
-        stream = d.stream("Decode", {"request_id": rid, "prompt": prompt, "params": params, "kv_tokens": len(prompt)})
+        stream = d.stream("Decode", {"request_id": rid, "prompt": prompt, "params": params, "kv_tokens": kv,
+                                     "output": list(output)})
         it = stream.__aiter__()
         first = await it.__anext__()
-        res = await p.call("Prefill", {"request_id": rid, "prompt": prompt, "params": params,
-                                       "kv_tokens": len(prompt), "dst": first["reserved"]}, timeout=60)
+        msgs = [m async for m in p.stream("Prefill", {
+            "request_id": rid, "prompt": prompt + list(output), "params": {**params, "max_tokens": params[
+                "max_tokens"] - len(output)}, "kv_tokens": kv, "sample": not output, "dst": first["reserved"]},
+            timeout=60)]
         last = None
         async for msg in it:
             last = msg["update"]
-        return first["reserved"], res, last
+        early = msgs[0]["first"] if len(msgs) == 2 else None
+        return first["reserved"], msgs[-1], last, early
     finally:
         await d.close()
         await p.close()
 
 
-def colocated_tokens(path) -> list[list[int]]:
+def colocated_tokens(path, params=GREEDY) -> list[list[int]]:
     return [o.token_ids for o in LLM(path, progress=False, engine=EngineConfig(
-        **{k: v for k, v in ENGINE.items() if k != "warmup"})).generate(PROMPTS, SamplingParams(**GREEDY))]
+        **{k: v for k, v in ENGINE.items() if k != "warmup"})).generate(PROMPTS, SamplingParams(**params))]
 
 
 def run_prompts(pinfo, dinfo) -> list:
@@ -123,13 +131,36 @@ def test_worker_processes_match_colocated(cluster):
     assert pinfo["cpus"] == [0] and dinfo["cpus"] == [1]  # pinned before JAX started
     assert dinfo["kv_address"] and pinfo["kv_address"] is None
     want = colocated_tokens(path)
-    for (reserved, res, last), p, w in zip(run_prompts(pinfo, dinfo), PROMPTS, want):
+    for (reserved, res, last, early), p, w in zip(run_prompts(pinfo, dinfo), PROMPTS, want):
         assert last["token_ids"] == w and last["finished"] and not last["error"]
         assert res["token"] == w[0] and res["kv_bytes"] > 0 and res["sends"] >= 1 and res["backend"] == "tcp"
+        # the first token came back from prefill before its KV finished arriving, as decode reports it
+        assert early["token_ids"] == w[:1] and not early["finished"] and early["text"] == last["text"][:len(
+            early["text"])]
     # no block held on either side once the requests are done
     ph, dh = health(pinfo["address"], dinfo["address"])
     assert ph["stats"]["blocks_used"] == 0 and dh["stats"]["blocks_used"] == 0
     assert ph["stats"]["running"] == 0 and dh["stats"]["running"] == 0
+
+
+def test_resumed_request_continues_as_if_uninterrupted(cluster):
+    """A request whose first tokens reached the client before its instance failed is placed again with that
+    output (what the router does): decode computes the last of those tokens, prefill sends the KV before it. With
+    seeded sampling the tokens equal the uninterrupted run's (the sampler's key follows the output position)."""
+    path, procs, _ = cluster
+    pinfo, dinfo = procs["p0"][1], procs["d0"][1]
+    seeded = dict(max_tokens=6, temperature=0.9, top_k=20, seed=11, ignore_eos=True)
+    want = colocated_tokens(path, seeded)
+    assert want != colocated_tokens(path)  # the sampling is not greedy in disguise
+
+    async def run():
+        return await asyncio.gather(*(disagg_request(pinfo["address"], dinfo["address"], f"resume{i}", p, seeded,
+                                                     output=w[:i + 1]) for i, (p, w) in enumerate(zip(PROMPTS, want))))
+    for i, ((reserved, res, last, early), w) in enumerate(zip(asyncio.run(run()), want)):
+        assert last["token_ids"] == w and last["finished"] and not last["error"]
+        assert early is None and res["token"] is None and res["kv_bytes"] > 0  # prefill sampled nothing
+    ph, dh = health(pinfo["address"], dinfo["address"])
+    assert ph["stats"]["blocks_used"] == 0 and dh["stats"]["blocks_used"] == 0
 
 
 def test_device_backend_between_worker_processes(device_cluster):
@@ -138,7 +169,7 @@ def test_device_backend_between_worker_processes(device_cluster):
     path, procs, _ = device_cluster
     pinfo, dinfo = procs["p0"][1], procs["d0"][1]
     want = colocated_tokens(path)
-    for (reserved, res, last), p, w in zip(run_prompts(pinfo, dinfo), PROMPTS, want):
+    for (reserved, res, last, _), p, w in zip(run_prompts(pinfo, dinfo), PROMPTS, want):
         assert reserved["pull"] is True
         assert last["token_ids"] == w and last["finished"] and not last["error"]
         assert res["backend"] == "device" and res["token"] == w[0] and res["kv_bytes"] > 0

@@ -23,19 +23,22 @@ TOKEN = "tok"
 
 
 class Fake:
-    """A worker whose answers are scripted: `prefill` in ok | abort | hang, `decode` in ok | full | invalid |
-    garbage (a malformed update after the KV arrived)."""
+    """A worker whose answers are scripted: `prefill` in ok | abort | hang | hold (the first token goes out, the
+    KV waits for `release`), `decode` in ok | full | invalid | garbage (a malformed update after the KV arrived)
+    | die (the stream breaks after the first token)."""
 
     def __init__(self, name, role, board, prefill="ok", decode="ok"):
         self.name, self.role, self.board = name, role, board
         self.prefill_mode, self.decode_mode = prefill, decode
         self.opened, self.closed, self.prefills, self.generated = [], [], [], []
+        self.requests = []  # every Decode / Prefill / Generate message
+        self.release = asyncio.Event()
         self.beating = True
 
     async def start(self):
         self.server = rpc.server()
         self.server.add_generic_rpc_handlers((rpc.handler(
-            {"Prefill": self.prefill}, {"Decode": self.decode, "Generate": self.generate}),))
+            {}, {"Prefill": self.prefill, "Decode": self.decode, "Generate": self.generate}),))
         self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
         await self.server.start()
 
@@ -55,6 +58,7 @@ class Fake:
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt too long")
         xid = req["request_id"]
         self.opened.append(xid)
+        self.requests.append(req)
         arrived = self.board.setdefault(xid, asyncio.Event())
         try:
             yield {"reserved": {"blocks": [0], "skip": 0, "kv_address": ["127.0.0.1", 1]}}
@@ -63,19 +67,26 @@ class Fake:
                 yield {"update": {"bogus": 1}}
             out = self.output(req)
             yield {"update": update(out[:1], False)}
+            if self.decode_mode == "die":
+                await ctx.abort(grpc.StatusCode.UNAVAILABLE, "injected: connection reset")
             yield {"update": update(out, True)}
         finally:
             self.closed.append(xid)
 
     async def prefill(self, req, ctx):
         self.prefills.append(req["request_id"])
+        self.requests.append(req)
         if self.prefill_mode == "abort":
             await ctx.abort(grpc.StatusCode.ABORTED, "KV transfer failed: injected")
         if self.prefill_mode == "hang":
             self.beating = False  # as a hung process: no answer, no heartbeat
             await asyncio.Event().wait()
+        if req["sample"]:
+            yield {"first": update(self.output(req)[:1], False)}
+        if self.prefill_mode == "hold":
+            await self.release.wait()
         self.board.setdefault(req["request_id"], asyncio.Event()).set()
-        return {"kv_bytes": 100, "frames": 1, "sends": 1, "resends": 0, "token": 0, "ttft_s": 0.0, "backend": "tcp"}
+        yield {"kv_bytes": 100, "frames": 1, "sends": 1, "resends": 0, "token": 0, "ttft_s": 0.0, "backend": "tcp"}
 
     async def generate(self, req, ctx):
         self.generated.append(req["request_id"])
@@ -153,6 +164,42 @@ def test_disaggregated_request_and_registration():
             assert sorted(ce.registry.workers) == ["d0", "p0"]
             await asyncio.sleep(0.05)
             assert ce.engine.has_work is False and w["d0"].closed == ["r.1"]
+    asyncio.run(go())
+
+
+async def updates(q: asyncio.Queue) -> list:
+    out = []
+    while not out or not out[-1].finished:
+        out.append(await asyncio.wait_for(q.get(), 10))
+    return out
+
+
+def test_first_token_comes_from_prefill_while_the_kv_travels():
+    async def go():
+        async with cluster({"p0": ("prefill", {"prefill": "hold"}), "d0": D}) as (ce, w):
+            q = await ce.add("r", [1, 2, 3], GREEDY)
+            u = await asyncio.wait_for(q.get(), 10)
+            assert u.token_ids == [3] and not u.finished and u.ttft_s is not None
+            assert "r.1" not in w["d0"].board or not w["d0"].board["r.1"].is_set()  # decode has no KV yet
+            w["p0"].release.set()
+            rest = await updates(q)  # decode's report of the first token is not passed on again
+            assert [x.token_ids for x in rest] == [[3, 0]] and rest[-1].error is None
+            assert rest[-1].ttft_s == u.ttft_s and rest[-1].route["kv_bytes_transferred"] == 100
+    asyncio.run(go())
+
+
+def test_decode_failing_after_tokens_resumes_the_request_elsewhere():
+    async def go():
+        async with cluster({"p0": P, "d0": ("decode", {"decode": "die"}), "d1": D}) as (ce, w):
+            ups = await updates(await ce.add("r", [1, 2, 3], GREEDY))
+            assert [u.token_ids for u in ups] == [[3], [3, 0]] and ups[-1].error is None  # every token once
+            assert ups[-1].route["decode_instance"] == "d1" and ups[-1].route["attempts"] == 2
+            resumed = w["d1"].requests[0]  # the output so far; decode computes its last token
+            assert resumed["output"] == [3] and resumed["kv_tokens"] == 3 and resumed["prompt"] == [1, 2, 3]
+            again = w["p0"].requests[-1]  # prefill sends the KV of prompt + output but that last token
+            assert again["prompt"] == [1, 2, 3, 3] and again["kv_tokens"] == 3 and not again["sample"]
+            assert again["params"]["max_tokens"] == GREEDY.max_tokens - 1
+            assert not ce.registry.is_up(ce.registry.workers["d0"]) and ce.retries == 1
     asyncio.run(go())
 
 
