@@ -17,7 +17,10 @@
     overhead = TTFT_disagg / TTFT_colocated - 1 (goal <= 0.10 with layer-wise streaming where the link is
     faster than the KV production rate). Four disaggregated setups: loopback as is, and an emulated 0.2 Gb/s
     link (transfer time comparable to prefill time), each with the KV sent after the prefill (one group) or
-    streamed in layer groups of 2.
+    streamed in layer groups of 2 (from transfer.stream_min_tokens, 512 by default: shorter prompts go in one
+    group after the step). TTFT is when the router hands the client its first token: disaggregated, that is
+    the prefill call's first message, sent as soon as the token is sampled, so the transfer shows in the
+    second token's time (max_tokens = 2: the request's end), reported with its overhead too.
 (d) Phi_kv(l) = S_kv(l) / T_prefill(l) per model family (the PrfaaS document's Table 3, on this machine):
     S_kv from the model's cache groups (what a transfer of a fresh prompt of l tokens moves, float32), T_prefill
     the time of one prefill step of l tokens (one chunk) in-process, median of `--phi-reps` after a warm-up;
@@ -248,6 +251,7 @@ TTFT_SETUPS = {  # name -> (instances, transfer.layers_per_group, emulated link 
 def ttft(path: str, lengths: list[int], reps: int, connections: int, setups: list[str], seed: int = 0) -> dict:
     """Median router-measured TTFT per prompt length for each of `setups` (TTFT_SETUPS; real worker processes)."""
     from bench import clusters
+    from jaxserve.config import TransferSection
     from jaxserve.models.config import load_config
     from jaxserve.sampling import SamplingParams
     vocab = load_config(path).vocab_size
@@ -262,28 +266,34 @@ def ttft(path: str, lengths: list[int], reps: int, connections: int, setups: lis
 
         async def measure(cluster):
             rng = np.random.default_rng(seed)
-            out, route = {}, None
+            out, second, route = {}, {}, None
             for L in lengths:
-                times = []
+                times, t2 = [], []
                 for r in range(reps + WARM):  # the first of each length compile, the next settle: not counted
+                    t0 = time.perf_counter()
                     u = await clusters.finish(await cluster.add(f"{L}-{r}", rng.integers(3, vocab, L).tolist(),
                                                                 params))
                     if r >= WARM:
                         times.append(u.ttft_s)
+                        t2.append(time.perf_counter() - t0)
                     route = u.route
-                out[L] = times
-            return out, route
+                out[L], second[L] = times, t2
+            return out, second, route
         return clusters.run(config, measure)
 
     res = {}
     for name in tqdm(setups, desc="ttft setups", unit="setup"):
         instances, per_group, gbps = TTFT_SETUPS[name]
-        times, route = one_setup(instances, per_group, gbps)
+        times, second, route = one_setup(instances, per_group, gbps)
         res[name] = {"instances": instances, "layers_per_group": per_group, "link_gbps": gbps, "route": route,
-                     "ttft_s_median": {L: statistics.median(t) for L, t in times.items()}, "ttft_s": times}
-    co = res["colocated"]["ttft_s_median"]
+                     "stream_min_tokens": TransferSection().stream_min_tokens if per_group else None,
+                     "ttft_s_median": {L: statistics.median(t) for L, t in times.items()}, "ttft_s": times,
+                     "second_token_s_median": {L: statistics.median(t) for L, t in second.items()}}
+    co, co2 = res["colocated"]["ttft_s_median"], res["colocated"]["second_token_s_median"]
     for name in [n for n in res if n != "colocated"]:
         res[name]["overhead"] = {L: res[name]["ttft_s_median"][L] / co[L] - 1 for L in lengths}
+        res[name]["second_token_overhead"] = {L: res[name]["second_token_s_median"][L] / co2[L] - 1
+                                              for L in lengths}
     return {"model": os.path.basename(path), "lengths": lengths, "reps": reps, "goal_overhead": 0.10,
             "setups": res}
 
@@ -335,7 +345,7 @@ def main(argv=None):
     ap.add_argument("--models", default="bench/.models", help="(c, d) where bench-size checkpoints are built")
     ap.add_argument("--ttft-family", default="llama")
     ap.add_argument("--ttft-lengths", default="256,1024,2048")
-    ap.add_argument("--ttft-reps", type=int, default=3)
+    ap.add_argument("--ttft-reps", type=int, default=7)
     ap.add_argument("--ttft-setups", default=",".join(TTFT_SETUPS), help="which setups (colocated always runs)")
     ap.add_argument("--phi-families", default="llama,qwen3,deepseek_v3,kimi_linear,qwen3_next,gpt_oss,mimo_v2_flash")
     ap.add_argument("--phi-lengths", default="256,1024,2048")
@@ -378,6 +388,9 @@ def main(argv=None):
                 f"{L}: {o:+.1%}" for L, o in r["overhead"].items())
             print(f"(c) {name:17s} TTFT " + ", ".join(f"{L}: {t * 1e3:.0f} ms" for L, t in r["ttft_s_median"].items())
                   + tail)
+            if "second_token_overhead" in r:
+                print(f"(c) {name:17s} second token overhead " + ", ".join(
+                    f"{L}: {o:+.1%}" for L, o in r["second_token_overhead"].items()))
     if "phi_kv" in out:
         for fam, r in out["phi_kv"]["families"].items():
             print(f"(d) {fam:14s} Phi_kv " + ", ".join(f"{L}: {v['phi_kv_bytes_per_s'] / 1e6:.1f} MB/s"

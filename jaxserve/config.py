@@ -95,6 +95,9 @@ class TransferSection(_Strict):
     connections: int = Field(4, ge=1, description="parallel TCP connections per link")
     chunk_mb: float = Field(8.0, gt=0, description="largest frame payload")
     layers_per_group: int | None = Field(None, ge=1, description="prefill streams KV every this many layers")
+    stream_min_tokens: int = Field(512, ge=0, description="with layers_per_group: a transfer of fewer tokens goes "
+                                   "out in one group after the prefill step (for a short prompt the per-group "
+                                   "programs cost more than its KV takes to send)")
     deadline_s: float = Field(30.0, gt=0, description="decode frees a reservation whose KV has not arrived by then")
     recv_pool_mb: int = Field(256, ge=1, description="receive pool of a decode instance")
     leave_last_token: bool = Field(False, description="prefill leaves the last prompt token for decode to compute")
@@ -103,6 +106,10 @@ class TransferSection(_Strict):
     device_transfer: Literal["auto", "on", "off"] = Field(
         "auto", description="decode pulls KV device to device through JAX's transfer server (jax.experimental."
                             "transfer) when both ends enable it; auto: on where JAX runs on a GPU or TPU")
+
+    def groups_of(self, kv_tokens: int) -> int | None:
+        """Layers per group of a transfer of `kv_tokens` tokens (None: one group, sent after the step)."""
+        return self.layers_per_group if kv_tokens >= self.stream_min_tokens else None
 
     def pulls(self, platform: str) -> bool:
         """Whether an instance whose JAX platform is `platform` uses the device backend."""

@@ -54,6 +54,18 @@ def test_cluster_configs_are_checked():
         parse({"router": {"heartbeat_s": 2, "down_after_s": 1}})
 
 
+def test_layerwise_streaming_starts_at_stream_min_tokens():
+    """transfer.layers_per_group applies to transfers of stream_min_tokens tokens or more; shorter ones go in one
+    group after the step; no layers_per_group: never streamed."""
+    t = parse({"transfer": {"layers_per_group": 4, "stream_min_tokens": 300}}).transfer
+    assert t.groups_of(299) is None and t.groups_of(300) == 4 and t.groups_of(5000) == 4
+    assert parse({"transfer": {"layers_per_group": 4}}).transfer.groups_of(511) is None  # default 512
+    assert parse({"transfer": {"layers_per_group": 2, "stream_min_tokens": 0}}).transfer.groups_of(1) == 2
+    assert parse({}).transfer.groups_of(10**6) is None
+    with pytest.raises(ConfigFileError, match="transfer.stream_min_tokens"):
+        parse({"transfer": {"stream_min_tokens": -1}})
+
+
 def test_device_transfer_setting():
     """transfer.device_transfer: auto turns the device backend on off the CPU only; on / off are as written."""
     auto = parse({}).transfer

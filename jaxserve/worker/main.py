@@ -241,7 +241,7 @@ class Worker:
             params = SamplingParams(**req.get("params", {}))
             link, shm_base = self._link(dst)
             handoff = Handoff(link, self.feeder, list(dst["blocks"]), int(dst["skip"]), kv,
-                              bool(req.get("sample", True)), t.layers_per_group, request_id=rid, shm_base=shm_base)
+                              bool(req.get("sample", True)), t.groups_of(kv), request_id=rid, shm_base=shm_base)
 
             def add(eng):
                 seqs = eng.add_request(rid, list(req["prompt"])[:kv], params)

@@ -50,7 +50,7 @@ def run_cluster(checkpoint_dir, tmp_path_factory, **transfer):
     path = checkpoint_dir("kimi_linear")
     cfg = {"model": {"path": path}, "engine": ENGINE,
            "transfer": {"token": "test-token", "connections": 2, "chunk_mb": 0.01, "deadline_s": 120.0,
-                        "layers_per_group": 2, **transfer},
+                        "layers_per_group": 2, "stream_min_tokens": 0, **transfer},
            "clusters": [{"name": "pd", "instances": [{"name": "p0", "role": "prefill", "cpus": [0]},
                                                      {"name": "d0", "role": "decode", "cpus": [1]}]}]}
     cfg_path = str(tmp_path_factory.mktemp("cfg") / "disagg.yaml")

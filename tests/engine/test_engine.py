@@ -103,6 +103,29 @@ def test_sampling_seeded_penalties_logprobs_n_stop(engines):
     assert s.token_ids == g[:g.index(g[2]) + 1] and s.finish_reason == "stop"
 
 
+def test_a_resumed_request_continues_as_if_uninterrupted(engines):
+    """add_request(output=...), how a request whose instance failed mid-stream goes on elsewhere: the engine
+    recomputes prompt + output and samples on; with a seed, the tokens and logprobs are the uninterrupted run's."""
+    llm = engines("llama")
+    p = SamplingParams(max_tokens=8, temperature=0.9, top_k=20, seed=3, logprobs=2, ignore_eos=True)
+    whole = llm.generate([PROMPTS[1]], p)[0]
+    assert whole.token_ids != llm.generate([PROMPTS[1]], SamplingParams(max_tokens=8, temperature=0))[0].token_ids
+    eng = llm.engine
+    for k in (1, 5):
+        seq, = eng.add_request(f"resume{k}", PROMPTS[1], p, output=whole.token_ids[:k], logprobs=whole.logprobs[:k])
+        while eng.has_work:
+            eng.step()
+        assert seq.output == whole.token_ids and seq.finish_reason == "length"
+        for (a, top_a), (b, top_b) in zip(seq.logprobs, whole.logprobs):
+            assert abs(a - b) < 1e-4 and [t for t, _ in top_a] == [t for t, _ in top_b]
+        eng.release(seq)
+    with pytest.raises(RequestError, match="fewer output tokens"):  # nothing left to generate
+        eng.add_request("bad", PROMPTS[1], p, output=whole.token_ids)
+    with pytest.raises(RequestError, match="logprobs entry per output token"):
+        eng.add_request("bad", PROMPTS[1], p, output=whole.token_ids[:2])
+    assert eng.stats()["running"] == 0 and eng.blocks.num_referenced() == 0
+
+
 def test_bad_requests(engines):
     llm = engines("llama")
     with pytest.raises(RequestError, match="empty prompt"):

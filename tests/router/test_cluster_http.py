@@ -37,7 +37,7 @@ def disagg_config(path: str, extra_instances=(), **sections) -> dict:
     return config(path, [{"name": "p0", "role": "prefill", "cpus": [0]}, *extra_instances,
                          {"name": "d0", "role": "decode", "cpus": [1]}],
                   transfer={"token": "tok", "connections": 2, "chunk_mb": 0.01, "layers_per_group": 2,
-                            "deadline_s": 20.0},
+                            "stream_min_tokens": 0, "deadline_s": 20.0},
                   router={"heartbeat_s": 0.5, "down_after_s": 3.0}, **sections)
 
 
