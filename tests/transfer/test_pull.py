@@ -78,15 +78,22 @@ def test_pull_to_an_instance_without_device_transfer_is_refused(servers):
         p.close()
 
 
+def planned(p):
+    """Request "a" expected by p's server, and a bare connection on which its plan was accepted.
+    -> (receiver, socket, staging)"""
+    r = p.receiver("a", [7, 8, 9, 20])
+    sock, _ = _raw_connection(p.server)
+    plan = TransferPlan.build(p.lay, "float32", 14, [3, 4, 9, 10], [7, 8, 9, 20], 0, layer_groups(5, 2))
+    st = plan.check(p.lay, "float32", [7, 8, 9, 20], 14, 0)
+    wire.send_frame(sock, wire.Frame(wire.PLAN, "a", 0, plan.to_meta()))
+    assert wire.read_header(sock).kind == wire.ACK
+    return r, sock, st
+
+
 def test_pull_frames_outside_the_plan_are_refused(servers):
     p = pull_pair(servers)
     try:
-        r = p.receiver("a", [7, 8, 9, 20])
-        sock, _ = _raw_connection(p.server)
-        plan = TransferPlan.build(p.lay, "float32", 14, [3, 4, 9, 10], [7, 8, 9, 20], 0, layer_groups(5, 2))
-        st = plan.check(p.lay, "float32", [7, 8, 9, 20], 14, 0)
-        wire.send_frame(sock, wire.Frame(wire.PLAN, "a", 0, plan.to_meta()))
-        assert wire.read_header(sock).kind == wire.ACK
+        r, sock, st = planned(p)
         bad = [({"arrays": [99], "bytes": 1}, "not in the plan"),
                ({"arrays": [0, 0], "bytes": 2 * st.arrays[0].sent_bytes}, "named twice"),
                ({"arrays": [0], "bytes": st.arrays[0].sent_bytes + 1}, "the plan")]
@@ -142,12 +149,7 @@ def test_pull_resent_after_it_landed_is_acknowledged(servers):
     and its bytes count once."""
     p = pull_pair(servers)
     try:
-        r = p.receiver("a", [7, 8, 9, 20])
-        sock, _ = _raw_connection(p.server)
-        plan = TransferPlan.build(p.lay, "float32", 14, [3, 4, 9, 10], [7, 8, 9, 20], 0, layer_groups(5, 2))
-        st = plan.check(p.lay, "float32", [7, 8, 9, 20], 14, 0)
-        wire.send_frame(sock, wire.Frame(wire.PLAN, "a", 0, plan.to_meta()))
-        assert wire.read_header(sock).kind == wire.ACK
+        r, sock, st = planned(p)
         x = export(p.lay, p.pool, st, [3, 4, 9, 10], 1)[0]
         meta = {"arrays": [0], "bytes": st.arrays[0].sent_bytes, "addr": servers[1].address,
                 "uuid": servers[1].offer([jnp.asarray(x)], 10.0)}
