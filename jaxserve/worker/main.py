@@ -268,7 +268,8 @@ class Worker:
             await ctx.abort(grpc.StatusCode.ABORTED, f"KV transfer failed: {sender.state.reason}")
         yield {"kv_bytes": sender.bytes_acked, "frames": sender.frames, "sends": sender.sends,
                 "resends": sender.resends, "token": u.token_ids[0] if u.token_ids and handoff.sample else None,
-                "ttft_s": u.ttft_s, "backend": "device" if isinstance(link, PullLink) else "shm" if sender.shm_base is not None else "tcp"}
+                "ttft_s": u.ttft_s,
+                "backend": "device" if isinstance(link, PullLink) else "shm" if sender.shm_base is not None else "tcp"}
 
     async def heartbeat(self, router: str) -> None:
         """Register with the router, then again every heartbeat_s with fresh stats, until cancelled."""
