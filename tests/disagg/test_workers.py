@@ -9,6 +9,7 @@ fails the decode side's reservation after its deadline with its blocks freed."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import subprocess
@@ -102,9 +103,13 @@ async def disagg_request(p_addr, d_addr, rid, prompt, params, output=()):
         await p.close()
 
 
+@functools.lru_cache(maxsize=None)
+def _colocated(path) -> LLM:
+    return LLM(path, progress=False, engine=EngineConfig(**{k: v for k, v in ENGINE.items() if k != "warmup"}))
+
+
 def colocated_tokens(path, params=GREEDY) -> list[list[int]]:
-    return [o.token_ids for o in LLM(path, progress=False, engine=EngineConfig(
-        **{k: v for k, v in ENGINE.items() if k != "warmup"})).generate(PROMPTS, SamplingParams(**params))]
+    return [o.token_ids for o in _colocated(path).generate(PROMPTS, SamplingParams(**params))]
 
 
 def run_prompts(pinfo, dinfo) -> list:
