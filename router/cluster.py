@@ -85,10 +85,6 @@ class _Sub:
     sent: Update | None = None  # the last update the client got (updates are cumulative)
 
     @property
-    def emitted(self) -> bool:
-        return self.ttft_s is not None
-
-    @property
     def output(self) -> list[int]:
         """Tokens the client already has: a placement after a failure resumes from them."""
         return self.sent.token_ids if self.sent is not None else []
@@ -397,16 +393,19 @@ class ClusterEngine:
             if self.on_finish is not None:
                 self.on_finish(u, time.monotonic() - arrival)
 
+        def stamp(u: Update) -> Update:
+            u.index = s.index
+            if s.ttft_s is None and u.token_ids:
+                s.ttft_s = time.monotonic() - arrival
+            u.ttft_s = s.ttft_s
+            return u
+
         def relay(u: Update) -> None:
             """Pass a (cumulative) update on; one that adds no token (decode reporting the first token that
             prefill already delivered) is dropped."""
-            if s.sent is not None and len(u.token_ids) <= len(s.sent.token_ids):
-                return
-            u.index = s.index
-            if s.ttft_s is None:
-                s.ttft_s = time.monotonic() - arrival
-            u.ttft_s, s.sent = s.ttft_s, u
-            q.put_nowait(u)
+            if s.sent is None or len(u.token_ids) > len(s.sent.token_ids):
+                s.sent = stamp(u)
+                q.put_nowait(u)
 
         pre = None  # the request's Prefill call, running while the decode stream is read
         try:
@@ -438,11 +437,7 @@ class ClusterEngine:
                         if u.finished:
                             await self._prefilled(s, pre)
                             s.worker.served += 1
-                            u.index = s.index
-                            if s.ttft_s is None and u.token_ids:
-                                s.ttft_s = time.monotonic() - arrival
-                            u.ttft_s = s.ttft_s
-                            final(u)
+                            final(stamp(u))
                             return
                         relay(u)
                     raise _Retry(f"{s.worker.name} closed the stream before the request finished")
@@ -455,7 +450,8 @@ class ClusterEngine:
                 except _Retry as e:
                     err = str(e)
                 s.errors.append(err)
-                pre = self._stop(pre)
+                self._stop(pre)
+                pre = None
                 self._close(s)
                 self.retries += 1
                 if s.output:

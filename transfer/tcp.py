@@ -228,8 +228,8 @@ class KVServer:
             if specs is not None:
                 xs = None
                 try:
-                    xs = self.puller.pull(str(h.meta["addr"]), int(h.meta["uuid"]), [(a.shape, a.dtype) for a in specs],
-                                          max(recv.deadline - time.monotonic(), 0.1))
+                    xs = self.puller.pull(str(h.meta["addr"]), int(h.meta["uuid"]),
+                                          [(a.shape, a.dtype) for a in specs], max(recv.deadline - time.monotonic(), 0.1))
                 except Exception as e:  # noqa: BLE001 - PullError, or a bad address / uuid in the frame
                     reason = f"pull failed: {e}"  # the offer is gone or unreachable: the transfer fails now
                     self.forget(h.request_id, refused=reason)

@@ -26,7 +26,6 @@ class KVIntake:
         """shared: the receive pool is a shared-memory segment a sender on this host may write directly;
         puller: a transfer.pull.PullServer, to take the device backend's transfers."""
         self.llm, self.post, self.deadline_s = llm, post, deadline_s
-        self.puller = puller
         self.server = KVServer(token, host, port, puller=puller)
         self.pool = RecvPool(pool_bytes, shared=shared)
         self.receivers: dict[str, KVReceiver] = {}

@@ -187,7 +187,7 @@ class Worker:
             await ctx.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{type(e).__name__}: {e}")
         try:
             yield {"reserved": {"blocks": blocks, "skip": skip, "kv_address": list(self.intake.address),
-                                "cluster": self.cluster, "shm": shm, "pull": self.intake.puller is not None}}
+                                "cluster": self.cluster, "shm": shm, "pull": self.intake.server.puller is not None}}
             async for msg in self._updates(q, rid):
                 yield msg
         finally:

@@ -21,8 +21,10 @@ import yaml
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.llm_engine import EngineConfig
+from jaxserve.models.config import load_config
 from jaxserve.worker.main import READY
 from jaxserve.worker.rpc import Client
+from transfer.plan import layer_groups
 
 pytestmark = pytest.mark.slow
 
@@ -174,11 +176,14 @@ def test_device_backend_between_worker_processes(device_cluster):
     path, procs, _ = device_cluster
     pinfo, dinfo = procs["p0"][1], procs["d0"][1]
     want = colocated_tokens(path)
+    groups = len(layer_groups(load_config(path).num_layers, 2))  # transfer.layers_per_group, stream_min_tokens 0
+    assert groups > 1
     for (reserved, res, last, _), p, w in zip(run_prompts(pinfo, dinfo), PROMPTS, want):
         assert reserved["pull"] is True
         assert last["token_ids"] == w and last["finished"] and not last["error"]
         assert res["backend"] == "device" and res["token"] == w[0] and res["kv_bytes"] > 0
-        assert res["sends"] == res["frames"] - 2  # one PULL per layer group; plus the plan and the record
+        # one PULL per layer group (streamed), plus the plan and the record
+        assert res["sends"] == groups and res["frames"] == groups + 2
     ph, dh = health(pinfo["address"], dinfo["address"])
     assert ph["stats"]["blocks_used"] == 0 and dh["stats"]["blocks_used"] == 0
 
