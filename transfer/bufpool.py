@@ -126,17 +126,14 @@ class RecvPool:
                 raise PoolFull(f"receive pool: need {nbytes} bytes, {self._alloc.num_free * PAGE} free "
                                f"of {self.capacity}")
             try:
-                ids = self._alloc.allocate(pages)
-            except OutOfBlocks as e:
-                raise PoolFull(str(e)) from None
-            if ids != list(range(ids[0], ids[0] + pages)):  # fragmented: a region must be contiguous
-                self._alloc.free(ids)
-                raise PoolFull(f"receive pool: no contiguous {nbytes} bytes free (fragmented)")
-        return Region(self, ids[0], pages, nbytes)
+                start = self._alloc.allocate_run(pages)  # a region must be contiguous
+            except OutOfBlocks:
+                raise PoolFull(f"receive pool: no contiguous {nbytes} bytes free (fragmented)") from None
+        return Region(self, start, pages, nbytes)
 
     def free(self, region: Region) -> None:
         with self._lock:
             if region.freed:
                 raise ValueError("receive region freed twice")
             region.freed = True
-            self._alloc.free(list(range(region.start_page, region.start_page + region.pages)))
+            self._alloc.free_run(region.start_page, region.pages)

@@ -69,12 +69,12 @@ class KVSender:
             self.sends += 1
             for o in range(off, off + n, chunk):
                 k = min(chunk, off + n - o)
-                piece = flat[o:o + k]  # checksummed here, on the caller's thread, while earlier frames are sent
                 meta = {"a": index, "o": o}
                 if self.shm_base is not None:  # the link writes the piece into the receiver's region
                     meta.update(n=k, at=self.shm_base + spec.offset + o)
+                # the link's writer checksums the piece as it sends (or copies) it
                 self._submit(wire.Frame(wire.DATA if self.shm_base is None else wire.PUT, self.request_id,
-                                        meta=meta, payload=piece, digest=wire.checksum(piece)))
+                                        meta=meta, payload=flat[o:o + k]))
 
     def offer_arrays(self, items: list) -> None:
         """Device backend (pull.PullLink): offer staged arrays [(index, single-device jax.Array)] and announce

@@ -4,7 +4,8 @@ The decode worker's receive pool is a POSIX shared-memory segment (bufpool.py, `
 names the segment and the region's offset in it. `ShmLink` maps the segment and is a `TcpLink` for
 everything else: the same connections carry the plan, the first-token record and one payload-less PUT frame
 per piece, whose writer thread first copies the piece into the segment at its place (the copies of N
-connections run in parallel), then sends the header with the piece's checksum. The receiver checks the plan
+connections run in parallel), checksumming each cache-sized part right after copying it, then sends the
+header with the piece's checksum. The receiver checks the plan
 and the bytes' position exactly as for DATA, verifies the checksum over the region, and answers ACK, or
 NACK(retry), after which the piece is copied and announced again. So the bytes cross once (one memcpy,
 no socket), and corruption, resends, refusals and deadlines behave as on TCP. Use only where both ends run
@@ -41,11 +42,18 @@ class ShmLink(TcpLink):
         self.mapping = np.frombuffer(attach_segment(shm_name), np.uint8)
         super().__init__(address, token, **kw)
 
-    def payload_out(self, frame: wire.Frame) -> memoryview | bytes:
-        """Writer thread: a PUT's piece goes into the segment here; nothing follows its header on the wire."""
-        if frame.kind != wire.PUT:
-            return frame.payload
-        at = int(frame.meta["at"])
-        src = np.frombuffer(frame.payload, np.uint8)
-        self.mapping[at:at + src.size] = src
-        return b""
+    def _emit(self, sock: socket.socket, f: wire.Frame, lost: bool) -> None:
+        """Writer thread: a PUT's piece is copied into the segment a cache-sized part at a time, each part
+        checksummed right after its copy (the bytes are read from memory once); then the header goes out with
+        that checksum, and nothing follows it on the wire."""
+        if f.kind != wire.PUT:
+            return super()._emit(sock, f, lost)
+        at = int(f.meta["at"])
+        src = np.frombuffer(f.payload, np.uint8)
+        check = wire.Checksum()
+        for i in range(0, src.size, wire.PIECE):
+            dst = self.mapping[at + i:at + min(i + wire.PIECE, src.size)]
+            dst[:] = src[i:i + wire.PIECE]
+            check.update(dst)
+        digest = check.digest() ^ (0xFFFFFFFF if lost else 0)
+        self.shaper.send(sock, wire.encode_header(wire.Frame(f.kind, f.request_id, f.seq, f.meta, b"", digest)))

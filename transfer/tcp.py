@@ -169,7 +169,7 @@ class KVServer:
             wire.send_frame(conn, wire.Frame(wire.NACK, h.request_id, h.seq, {"reason": reason, "retry": retry}))
 
         if recv is None and h.kind != wire.ABORT:
-            wire.discard(conn, h.payload_len, scratch)
+            wire.discard(conn, h.body_len, scratch)
             with self._lock:
                 known = h.request_id in self._completed
                 refused = self._completed.get(h.request_id)
@@ -180,14 +180,14 @@ class KVServer:
                 return wire.send_frame(conn, wire.Frame(wire.ACK, h.request_id, h.seq))
             return nack("unknown request id")
         if h.kind == wire.PLAN:
-            wire.discard(conn, h.payload_len, scratch)
+            wire.discard(conn, h.body_len, scratch)
             try:
                 recv.accept_plan(TransferPlan.from_meta(h.meta))
             except PlanError as e:
                 self.forget(h.request_id, refused=f"plan refused: {e}")
                 return nack(str(e))
         elif h.kind in (wire.DATA, wire.PUT, wire.PULL, wire.META) and not recv.wait_plan(self.plan_wait_s):
-            wire.discard(conn, h.payload_len, scratch)
+            wire.discard(conn, h.body_len, scratch)
             return nack(f"no plan within {self.plan_wait_s}s of the first data")
         elif h.kind in (wire.DATA, wire.PUT):  # PUT: the sender already wrote the bytes into the region (shm.py)
             try:
@@ -195,19 +195,19 @@ class KVServer:
                 n = int(h.meta["n"]) if h.kind == wire.PUT else h.payload_len
                 view = recv.target(a, o, n)
             except (PlanError, KeyError, ValueError, TypeError) as e:
-                wire.discard(conn, h.payload_len, scratch)
+                wire.discard(conn, h.body_len, scratch)
                 return nack(str(e))
             if view is None:  # a resend of bytes already here
-                wire.discard(conn, h.payload_len, scratch)
+                wire.discard(conn, h.body_len, scratch)
                 return wire.send_frame(conn, wire.Frame(wire.ACK, h.request_id, h.seq))
             if h.kind == wire.DATA:
                 check = wire.Checksum()
                 wire.recv_into_exact(conn, view, check)
-                digest = check.digest()
+                digest, sent = check.digest(), wire.read_trailer(conn) if h.trailer else h.digest
             else:
-                wire.discard(conn, h.payload_len, scratch)
-                digest = wire.checksum(view)
-            if digest != h.digest:
+                wire.discard(conn, h.body_len, scratch)
+                digest, sent = wire.checksum(view), h.digest
+            if digest != sent:
                 with self._lock:
                     self.corrupt_frames += 1
                 log.info("%s: checksum mismatch on %s array %d bytes [%d, %d); asking for a resend", h.request_id,
@@ -217,7 +217,7 @@ class KVServer:
                 self.bytes_received += n
             recv.commit(a, o, n)
         elif h.kind == wire.PULL:
-            wire.discard(conn, h.payload_len, scratch)
+            wire.discard(conn, h.body_len, scratch)
             if self.puller is None:
                 return nack("this instance does not take device pulls")
             try:
@@ -240,7 +240,7 @@ class KVServer:
                 with self._lock:
                     self.bytes_received += int(h.meta["bytes"])
         elif h.kind == wire.META:
-            wire.discard(conn, h.payload_len, scratch)
+            wire.discard(conn, h.body_len, scratch)
             try:
                 recv.set_first(h.meta)
             except PlanError as e:
@@ -251,7 +251,7 @@ class KVServer:
                 recv.fail(f"sender aborted: {h.meta.get('reason', '')}")
             return
         else:
-            wire.discard(conn, h.payload_len, scratch)
+            wire.discard(conn, h.body_len, scratch)
             return nack(f"unexpected frame kind {wire.KIND_NAMES[h.kind]}")
         if recv.state.final:
             self.forget(h.request_id, completed=recv.state.poll() is KVPoll.DONE)
@@ -337,15 +337,9 @@ class TcpLink:
                 with conn.lock:
                     conn.outstanding[(f.request_id, f.seq)] = out
             try:
-                digest = wire.checksum(f.payload) if f.digest is None else f.digest
                 lost = f.kind in (wire.DATA, wire.PUT) and self.shaper.lose()
-                payload = self.payload_out(f)
-                hdr = wire.encode_header(wire.Frame(f.kind, f.request_id, f.seq, f.meta, payload,
-                                                    digest ^ 0xFFFFFFFF if lost else digest))
                 self.metrics.add("in_flight", len(f.payload))
-                self.shaper.send(conn.sock, hdr)
-                if len(payload):
-                    self.shaper.send(conn.sock, payload)
+                self._emit(conn.sock, f, lost)
                 self.metrics.sent(len(f.payload))
             except OSError as e:
                 log.info("kv link %s: connection lost (%s); its frames are resent", self.metrics.name, e)
@@ -353,9 +347,20 @@ class TcpLink:
         if conn is not None:
             conn.close(self.metrics)
 
-    def payload_out(self, frame: wire.Frame) -> memoryview | bytes:
-        """The bytes that follow a frame's header on the wire (shm.py's link writes PUT pieces elsewhere)."""
-        return frame.payload
+    def _emit(self, sock: socket.socket, f: wire.Frame, lost: bool) -> None:
+        """Writer thread: one frame onto the wire (lost: with a wrong checksum, emulating a corrupted frame). A
+        DATA payload is checksummed piece by piece as it goes out, its checksum in a trailer, so its bytes are
+        read from memory once, not once for the checksum and again for the socket."""
+        send = lambda b: self.shaper.send(sock, b)  # noqa: E731
+        if f.kind == wire.DATA and f.digest is None:
+            send(wire.encode_header(f, trailer=True))
+            wire.send_payload(send, f.payload, spoil=lost)
+            return
+        digest = wire.checksum(f.payload) if f.digest is None else f.digest
+        send(wire.encode_header(wire.Frame(f.kind, f.request_id, f.seq, f.meta, f.payload,
+                                           digest ^ 0xFFFFFFFF if lost else digest)))
+        if len(f.payload):
+            send(f.payload)
 
     def _fail_queued(self, reason: str) -> None:
         while True:

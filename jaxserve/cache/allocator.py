@@ -78,21 +78,33 @@ class SegmentAllocator:
             raise OutOfBlocks(f"need {n} blocks, {self.num_free} free")
         out: list[int] = []
         if hint is not None and hint in self._by_start:
-            out += self._take(hint, n)
+            out += range(hint, hint + self._cut(hint, n))
         while len(out) < n:
             need = n - len(out)
             start = self._best_fit(need)
             if start is None:  # no single run fits: largest first
                 start = max(self._by_start.items(), key=lambda kv: (kv[1], -kv[0]))[0]
-            out += self._take(start, need)
+            out += range(start, start + self._cut(start, need))
         return out
 
-    def _take(self, start: int, n: int) -> list[int]:
+    def allocate_run(self, n: int) -> int:
+        """The first of n contiguous blocks (best fit), in time independent of n; raises OutOfBlocks when no
+        free run is that long."""
+        if n <= 0:
+            raise ValueError(f"a run needs at least one block, got {n}")
+        start = self._best_fit(n)
+        if start is None:
+            raise OutOfBlocks(f"no {n} contiguous blocks free ({self.num_free} free in {len(self._by_start)} runs)")
+        self._cut(start, n)
+        return start
+
+    def _cut(self, start: int, n: int) -> int:
+        """Take up to n blocks from the front of the free run at `start`; how many were taken."""
         length = self._remove(start)
         k = min(n, length)
         if length > k:
             self._insert(start + k, length - k)
-        return list(range(start, start + k))
+        return k
 
     def free(self, blocks) -> None:
         """Return blocks; each maximal run merges with free neighbours on both sides."""
@@ -102,10 +114,11 @@ class SegmentAllocator:
             j = i
             while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
                 j += 1
-            self._free_run(ids[i], ids[j] - ids[i] + 1)
+            self.free_run(ids[i], ids[j] - ids[i] + 1)
             i = j + 1
 
-    def _free_run(self, start: int, length: int) -> None:
+    def free_run(self, start: int, length: int) -> None:
+        """Return the blocks [start, start + length); the run merges with free neighbours on both sides."""
         if start < 0 or start + length > self.num_blocks:
             raise ValueError(f"blocks [{start}, {start + length}) outside the pool of {self.num_blocks}")
         if self._overlaps(start, length):

@@ -68,3 +68,28 @@ def test_random_workload_never_leaks_and_stays_merged():
     for h in held:
         a.free(h)
     assert a.segments() == [(0, 200)]
+
+
+def test_runs_allocate_best_fit_and_free_without_block_lists():
+    a = SegmentAllocator(1 << 20)  # a receive pool's pages: runs must not cost time per page
+    x = a.allocate_run(1000)
+    y = a.allocate_run(10)
+    assert (x, y) == (0, 1000) and a.num_free == (1 << 20) - 1010
+    a.free_run(x, 1000)  # a hole of 1000 at 0, the tail after 1010
+    assert a.allocate_run(600) == 0  # best fit: the hole, not the tail
+    assert a.segments() == [(600, 400), (1010, (1 << 20) - 1010)]
+    with pytest.raises(ValueError, match="double free"):
+        a.free_run(500, 200)
+    with pytest.raises(ValueError, match="outside"):
+        a.free_run((1 << 20) - 5, 10)
+    with pytest.raises(ValueError):
+        a.allocate_run(0)
+    b = SegmentAllocator(12)
+    blocks = b.allocate(12)
+    b.free(blocks[0:2] + blocks[4:6] + blocks[8:10])  # 6 free, no run of 3
+    with pytest.raises(OutOfBlocks, match="contiguous"):
+        b.allocate_run(3)
+    assert b.num_free == 6  # nothing taken by a failed allocation
+    a.free_run(0, 600)
+    a.free_run(y, 10)
+    assert a.segments() == [(0, 1 << 20)]
