@@ -9,12 +9,15 @@ from it. Import is the reverse: the receive region's views enter JAX with `jnp.f
 reserved blocks and the slot's state rows. bfloat16 crosses as uint16 bits.
 
 Sharded pools (tensor parallelism, KV heads split over the mesh's devices): prefill and decode may shard
-differently (TP=2 -> TP=1 and the reverse). The staged arrays are the full arrays: on the sending side a
-sharded export result is rebuilt by an all-gather on the instance's own devices (`to_host`; a replicated
-one, as MLA's single latent "head" is, is read from any one device, no gather), and on the receiving side the
-import program splits the full arrays over the decode pool's sharding. So the wire format does not depend on
-either side's parallelism. The device backend (pull.py) offers `whole(x)` and hands the pulled arrays to the
-import program in place of the region's views.
+differently (TP=2 -> TP=1 and the reverse). A sender whose pool splits a group's heads over P ranks stages
+that group's arrays as P head parts (plan.py): the export program leaves each array split over the ranks
+(HND: each rank's heads one contiguous array) and each rank's part is sent as it is, with no gather; a
+replicated array (MLA's single latent "head", linear state) is read from any one device. The receiver
+reassembles: where its pool splits the heads the same way, part p goes to the device that holds those heads
+and the parts form the sharded array without a copy; otherwise the parts are concatenated (one copy), and a
+whole array is split over the decode pool's sharding on its way in. The import programs see whole arrays, so
+they do not depend on the sender's parallelism. The device backend (pull.py) offers the same parts and hands
+the pulled arrays to the import in place of the region's views.
 
 Programs are cached per staging structure; the row count is a power of two, so a workload compiles a
 bounded number of them. Pure functions over the pool pytree; called from the engine thread.
@@ -38,7 +41,18 @@ def _from_wire(x, dtype):
 
 
 def _key(arrays: list[ArraySpec]) -> tuple:
-    return tuple((a.group, a.kind, a.j0, a.j1, a.shape, a.dtype) for a in arrays)
+    return tuple((a.group, a.kind, a.j0, a.j1, a.shape, a.dtype, a.parts) for a in arrays)
+
+
+def _head_sharding(mesh, ndim: int):
+    """KV heads (axis ndim - 2 of a staged array) split over the mesh's "tp" axis."""
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*([None] * (ndim - 2)), "tp"))
+
+
+def _mesh(pool: list):
+    """The pool's mesh, or None for a pool on one device."""
+    sh = jax.tree.leaves(pool)[0].sharding
+    return sh.mesh if len(sh.device_set) > 1 else None
 
 
 class DeviceIO:
@@ -48,29 +62,44 @@ class DeviceIO:
 
     # ---- export (sender)
     def export(self, pool: list, st: Staging, layer_group: int, blocks: list[int], row: int) -> list[tuple[int, jax.Array]]:
-        """Staged arrays of one layer group: [(index, device array)], dispatched asynchronously.
+        """Staged arrays of one layer group: [(index, device array)], dispatched asynchronously; an array split
+        in head parts comes as its parts, each the single-device array of the rank holding those heads.
 
         blocks: the sender's block ids of the rows sent (len == rows); row: the request's state row."""
-        arrays = [a for a in st.arrays if a.layer_group == layer_group]
+        arrays = [(w, parts) for w, parts in st.logical() if w.layer_group == layer_group]
         if not arrays:
             return []
-        key = _key(arrays)
+        mesh = _mesh(pool)
+        key = (_key([p for _, parts in arrays for p in parts]), mesh)
         fn = self._export.get(key)
         if fn is None:
-            fn = self._export[key] = jax.jit(lambda pool, ids, row: [_to_wire(_take(pool, a, ids, row)) for a in arrays])
+            def take(pool, ids, row):
+                out = []
+                for w, parts in arrays:
+                    x = _to_wire(_take(pool, w, ids, row))
+                    if mesh is not None:  # where each result lives is fixed: split in its parts, or replicated
+                        x = jax.lax.with_sharding_constraint(x, _head_sharding(mesh, x.ndim) if len(parts) > 1 else
+                                                             jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+                    out.append(x)
+                return out
+            fn = self._export[key] = jax.jit(take)
         # a group without block arrays takes a [1] id vector: one program for every row count
-        ids = _ids(st, blocks, 0) if any(a.kind == "blocks" for a in arrays) else np.zeros(1, np.int32)
-        return list(zip((a.index for a in arrays), fn(pool, jnp.asarray(ids), jnp.int32(row))))
+        ids = _ids(st, blocks, 0) if any(w.kind == "blocks" for w, _ in arrays) else np.zeros(1, np.int32)
+        items = []
+        for (w, parts), x in zip(arrays, fn(pool, jnp.asarray(ids), jnp.int32(row))):
+            items += zip((p.index for p in parts), _head_shards(x, len(parts)) if len(parts) > 1 else [x])
+        return items
 
     # ---- import (receiver)
-    def import_(self, pool: list, st: Staging, views: list[np.ndarray], blocks: list[int], row: int,
-                num_blocks: int) -> list:
+    def import_(self, pool: list, st: Staging, views: list, blocks: list[int], row: int, num_blocks: int) -> list:
         """The pool with the staged arrays written into `blocks` (the reserved blocks after the skipped prefix)
-        and state row `row`; the pool is donated. views: the receive region's typed views (staging order)."""
-        key = _key(list(st.arrays))
+        and state row `row`; the pool is donated. views: the receive region's typed views (staging order), or
+        pulled device arrays (pull.py)."""
+        arrays = st.logical()
+        key = _key([w for w, _ in arrays])
         fn = self._import.get(key)
         if fn is None:
-            specs = list(st.arrays)
+            specs = [w for w, _ in arrays]
 
             def put(pool, xs, ids, row):
                 pool = list(pool)
@@ -86,13 +115,49 @@ class DeviceIO:
                 return pool
             fn = self._import[key] = jax.jit(put, donate_argnums=(0,))
         ids = _ids(st, blocks, num_blocks)  # pad rows land out of range and are dropped
-        xs = [v if isinstance(v, jax.Array) else jnp.from_dlpack(v) for v in views]  # jax.Array: pulled (pull.py)
-        sharding = jax.tree.leaves(pool)[0].sharding
-        if len(sharding.device_set) > 1:  # a sharded pool: the program splits the full arrays over its devices
-            rep = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-            xs = [jax.device_put(x, rep) for x in xs]
-            ids, row = jax.device_put(jnp.asarray(ids), rep), jax.device_put(jnp.int32(row), rep)
-        return fn(pool, xs, jnp.asarray(ids), jnp.int32(row))
+        mesh = _mesh(pool)
+        ids, row = jnp.asarray(ids), jnp.int32(row)
+        if mesh is not None:
+            rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            ids, row = jax.device_put(ids, rep), jax.device_put(row, rep)
+        xs = [_assemble(w, [views[p.index] for p in parts], pool[w.group], mesh) for w, parts in arrays]
+        return fn(pool, xs, ids, row)
+
+
+def _head_shards(x: jax.Array, parts: int) -> list[jax.Array]:
+    """The single-device arrays of x's head parts, in head order."""
+    ax = x.ndim - 2
+    by_start: dict[int, jax.Array] = {}
+    for s in x.addressable_shards:
+        by_start.setdefault(s.index[ax].start or 0, s.data)
+    if len(by_start) != parts:
+        raise ValueError(f"export split in {len(by_start)} head parts, the plan says {parts}")
+    return [by_start[k] for k in sorted(by_start)]
+
+
+def _device_array(v) -> jax.Array:
+    return v if isinstance(v, jax.Array) else jnp.from_dlpack(v)  # region views: no copy (64-byte aligned)
+
+
+def _assemble(w: ArraySpec, parts: list, pool_group, mesh) -> jax.Array:
+    """Staged array w whole, from its head parts (region views or pulled arrays), placed as the import program
+    takes it: split over KV heads like the decode pool's group, or replicated, or on the pool's one device."""
+    split = mesh is not None and w.kind in ("blocks", "ring") and not pool_group.sharding.is_fully_replicated
+    target = (_head_sharding(mesh, len(w.shape)) if split else
+              jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None else None)
+    if len(parts) > 1 and split and mesh.shape["tp"] == len(parts):  # each part straight to its device
+        ax = len(w.shape) - 2
+        devices = sorted(target.addressable_devices_indices_map(w.shape).items(), key=lambda kv: kv[1][ax].start or 0)
+        return jax.make_array_from_single_device_arrays(
+            w.shape, target, [jax.device_put(_device_array(p), d) for p, (d, _) in zip(parts, devices)])
+    if len(parts) > 1:  # rebuilt here: one copy
+        if all(isinstance(p, jax.Array) for p in parts):
+            x = jnp.concatenate([jax.device_put(p, parts[0].device) for p in parts], axis=-2)
+        else:
+            x = jnp.asarray(np.concatenate(parts, axis=-2))
+    else:
+        x = _device_array(parts[0])
+    return x if target is None else jax.device_put(x, target)
 
 
 def _ids(st: Staging, blocks: list[int], pad: int) -> np.ndarray:
@@ -114,11 +179,11 @@ def _take(pool: list, a: ArraySpec, ids, row):
 
 
 def whole(x: jax.Array) -> jax.Array:
-    """The full array on one device. An array over several devices: replicated, any one device's copy;
-    sharded (KV heads over TP ranks), rebuilt first by an all-gather onto every device of its mesh."""
+    """x on one device: itself, or any one device's copy of an array replicated over several (a sharded export
+    is sent as its head parts, never gathered)."""
     if len(x.sharding.device_set) > 1:
         if not x.is_fully_replicated:
-            x = jax.device_put(x, jax.sharding.NamedSharding(x.sharding.mesh, jax.sharding.PartitionSpec()))
+            raise ValueError(f"a sharded array ({x.sharding}) is sent as its head parts, not whole")
         x = x.addressable_shards[0].data
     return x
 

@@ -15,6 +15,12 @@ layer groups (prefill streams layer group by layer group), so a transfer needs n
 Arrays sit back to back at 64-byte-aligned offsets in one receive region. bfloat16 travels as its uint16
 bits (DLPack does not carry bfloat16 into numpy).
 
+Head parts (sharded senders): when the sender's pool splits a group's KV heads over P tensor-parallel ranks,
+the plan says so (`head_parts`) and each of that group's blocks / ring arrays is staged as P parts, part p
+holding heads [p H/P, (p+1) H/P) (HND: each rank's heads are one contiguous array), back to back, so every
+rank's export is sent as it is, with no gather on the sender. The parts together take exactly the bytes of
+the whole array; the receiver reassembles them (transfer/device.py).
+
 The *plan* (the PLAN frame) adds the block runs from FlowKV alignment (align.py): one send per run per
 block array, one per state array. The receiver checks a plan against its reservation before any byte is
 accepted: same layout signature and dtype, runs that tile exactly the reserved blocks, layer groups that
@@ -24,7 +30,7 @@ partition the layers. Plain Python.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -57,7 +63,10 @@ class ArraySpec:
     dtype: str  # wire dtype (numpy name)
     offset: int  # bytes into the staging region
     rows: int | None = None  # blocks: rows sent (shape[0] is the padded count)
+    part: int = 0  # which head part of its array this is (plan.head_parts)
+    parts: int = 1
 
+    HEAD_AXIS = -2  # blocks [M, L, E, block, H, D] and ring [L, E, window, H, D]
     @property
     def itemsize(self) -> int:
         return np.dtype(self.dtype).itemsize
@@ -80,6 +89,20 @@ class Staging:
     arrays: tuple[ArraySpec, ...]
     nbytes: int  # region size (padding included)
     sent_bytes: int  # bytes on the wire
+
+    def logical(self) -> list[tuple[ArraySpec, list[ArraySpec]]]:
+        """Each staged array whole, with its head parts: [(the whole array's spec, its parts in head order)]
+        (an array not split is its own single part)."""
+        out: list[tuple[ArraySpec, list[ArraySpec]]] = []
+        for a in self.arrays:
+            if a.part:
+                out[-1][1].append(a)
+                continue
+            heads = list(a.shape)
+            if a.parts > 1:
+                heads[ArraySpec.HEAD_AXIS] *= a.parts
+            out.append((replace(a, shape=tuple(heads), parts=1), [a]))
+        return out
 
     def views(self, buf: np.ndarray) -> list[np.ndarray]:
         """Typed views of a uint8 region laid out by this staging."""
@@ -106,9 +129,28 @@ def layer_groups(num_layers: int, per_group: int | None) -> list[tuple[int, int]
     return [(a, min(a + n, num_layers)) for a in range(0, num_layers, n)]
 
 
-def staging(layout, dtype: str, nblocks: int, groups: list[tuple[int, int]]) -> Staging:
-    """The staging layout for `nblocks` transferred blocks (layout: cache.layout.PoolLayout)."""
+def check_head_parts(layout, head_parts) -> list[int]:
+    """One part count per cache group; only attention groups split, into parts that divide their KV heads."""
+    if head_parts is None:
+        return [1] * len(layout.groups)
+    try:
+        parts = [int(p) for p in head_parts]
+    except (TypeError, ValueError):
+        raise PlanError(f"head_parts {head_parts!r} is not a list of integers") from None
+    if len(parts) != len(layout.groups):
+        raise PlanError(f"head_parts {parts} names {len(parts)} cache groups, the layout has {len(layout.groups)}")
+    for p, gl in zip(parts, layout.groups):
+        g = gl.group
+        if p < 1 or (p > 1 and (g.kind not in ("full", "sliding") or g.kv_heads % p)):
+            raise PlanError(f"head_parts {parts}: a {g.kind} group of {g.kv_heads} KV heads cannot be split in {p}")
+    return parts
+
+
+def staging(layout, dtype: str, nblocks: int, groups: list[tuple[int, int]], head_parts=None) -> Staging:
+    """The staging layout for `nblocks` transferred blocks (layout: cache.layout.PoolLayout); head_parts: per
+    cache group, the head parts its attention arrays are sent in (None: whole)."""
     wire = WIRE_DTYPES[dtype]
+    parts = check_head_parts(layout, head_parts)
     arrays, off, sent = [], 0, 0
     M = bucket(max(nblocks, 1))
     for k, (a, b) in enumerate(groups):
@@ -128,10 +170,14 @@ def staging(layout, dtype: str, nblocks: int, groups: list[tuple[int, int]]) -> 
                 specs = [("conv", (L,) + tuple(g.conv_shape), wire, None),
                          ("ssm", (L,) + tuple(g.ssm_shape), "float32", None)]
             for kind, shape, dt, rows in specs:
-                spec = ArraySpec(len(arrays), gi, k, kind, j0, j1, shape, dt, off, rows)
-                arrays.append(spec)
-                off += -(-spec.padded_bytes // ALIGN) * ALIGN
-                sent += spec.sent_bytes
+                P = parts[gi] if kind in ("blocks", "ring") else 1
+                shape = shape[:-2] + (shape[-2] // P, shape[-1])
+                for p in range(P):  # the parts back to back: together, the whole array's bytes
+                    spec = ArraySpec(len(arrays), gi, k, kind, j0, j1, shape, dt, off, rows, p, P)
+                    arrays.append(spec)
+                    off += spec.padded_bytes
+                    sent += spec.sent_bytes
+                off = -(-off // ALIGN) * ALIGN
     return Staging(tuple(arrays), off, sent)
 
 
@@ -154,34 +200,38 @@ class TransferPlan:
     nblocks: int  # blocks sent
     layer_groups: list[tuple[int, int]]
     runs: list[Run] = field(default_factory=list)
+    head_parts: list[int] | None = None  # per cache group: the sender's KV-head shards (None: whole)
 
     @staticmethod
     def build(layout, dtype: str, num_tokens: int, src: list[int], dst: list[int], skip: int,
-              groups: list[tuple[int, int]]) -> "TransferPlan":
-        """src / dst: the request's blocks in each pool, covering `num_tokens` tokens."""
+              groups: list[tuple[int, int]], head_parts: list[int] | None = None) -> "TransferPlan":
+        """src / dst: the request's blocks in each pool, covering `num_tokens` tokens; head_parts: how the
+        sender's pool splits each group's KV heads (cache.layout.head_parts)."""
         n = -(-num_tokens // layout.block_size)
         if len(src) < n or len(dst) < n:
             raise PlanError(f"{num_tokens} tokens need {n} blocks: sender has {len(src)}, receiver {len(dst)}")
         runs = align(list(src[skip:n]), list(dst[skip:n]))
-        return TransferPlan(layout_signature(layout, dtype), dtype, num_tokens, skip, n - skip, list(groups), runs)
+        parts = None if head_parts is None or all(p == 1 for p in head_parts) else list(head_parts)
+        return TransferPlan(layout_signature(layout, dtype), dtype, num_tokens, skip, n - skip, list(groups), runs,
+                            parts)
 
     def to_meta(self) -> dict:
         return {"signature": self.signature, "dtype": self.dtype, "num_tokens": self.num_tokens, "skip": self.skip,
                 "nblocks": self.nblocks, "layer_groups": [list(g) for g in self.layer_groups],
-                "runs": [[r.index, r.src, r.dst, r.length] for r in self.runs]}
+                "runs": [[r.index, r.src, r.dst, r.length] for r in self.runs], "head_parts": self.head_parts}
 
     @staticmethod
     def from_meta(m: dict) -> "TransferPlan":
         try:
             return TransferPlan(str(m["signature"]), str(m["dtype"]), int(m["num_tokens"]), int(m["skip"]),
                                 int(m["nblocks"]), [tuple(g) for g in m["layer_groups"]],
-                                [Run(*(int(x) for x in r)) for r in m["runs"]])
+                                [Run(*(int(x) for x in r)) for r in m["runs"]], m.get("head_parts"))
         except (KeyError, TypeError, ValueError) as e:
             raise PlanError(f"malformed plan: {e}") from None
 
     def sends(self, st: Staging) -> list[tuple[int, int, int]]:
-        """The logical sends (array index, byte offset, bytes): one per run of each block array, one per state
-        array, in layer-group order."""
+        """The logical sends (array index, byte offset, bytes): one per run of each block array (of each head
+        part), one per ring or state array (part), in layer-group order."""
         out = []
         for a in st.arrays:
             if a.kind == "blocks":
@@ -212,4 +262,4 @@ class TransferPlan:
         if pos != len(want):
             raise PlanError(f"runs cover {pos} blocks, {len(want)} reserved")
         groups = check_layer_groups(self.layer_groups, layout.num_layers)
-        return staging(layout, dtype, self.nblocks, groups)
+        return staging(layout, dtype, self.nblocks, groups, self.head_parts)

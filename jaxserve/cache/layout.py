@@ -95,18 +95,24 @@ class PoolLayout:
         return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.shapes(dtype)))
 
 
+def head_parts(layout: PoolLayout, mesh) -> list[int]:
+    """Per group, how many ways its KV heads are split over the mesh's "tp" axis (1: not split): attention
+    groups whose heads divide evenly over "tp", as the step programs' outputs are; MLA latents (one head) and
+    linear states are never split."""
+    tp = 1 if mesh is None else mesh.shape.get("tp", 1)
+    return [tp if gl.group.kind in ("full", "sliding") and not gl.mla and tp > 1 and gl.group.kv_heads % tp == 0
+            else 1 for gl in layout.groups]
+
+
 def pool_shardings(layout: PoolLayout, mesh) -> list:
     """Where each pool array lives on a TP mesh: attention groups split over KV heads (axis 4 of
-    [rows, layers, entries, tokens, heads, width]) when the heads divide evenly over "tp", as the step programs'
-    outputs are; MLA latents (one head) and linear states replicated."""
+    [rows, layers, entries, tokens, heads, width]) where `head_parts` says so, else replicated."""
     from jax.sharding import NamedSharding, PartitionSpec as P
-    tp = mesh.shape.get("tp", 1)
     out = []
-    for gl in layout.groups:
-        g = gl.group
-        if g.kind in ("full", "sliding") and not gl.mla and tp > 1 and g.kv_heads % tp == 0:
+    for gl, parts in zip(layout.groups, head_parts(layout, mesh)):
+        if parts > 1:
             out.append(NamedSharding(mesh, P(None, None, None, None, "tp")))
-        elif g.kind in ("full", "sliding"):
+        elif gl.group.kind in ("full", "sliding"):
             out.append(NamedSharding(mesh, P()))
         else:
             out.append({"conv": NamedSharding(mesh, P()), "ssm": NamedSharding(mesh, P())})

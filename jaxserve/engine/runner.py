@@ -31,7 +31,7 @@ from flax import nnx
 
 from transfer.device import DeviceIO
 
-from ..cache.layout import PoolLayout, gather, init_pool, pool_shardings, scatter
+from ..cache.layout import PoolLayout, gather, head_parts, init_pool, pool_shardings, scatter
 from ..models.batch import Batch
 from ..sampling import SamplingParams
 from .sampler import MAX_LOGPROBS, SamplingTensors, sample
@@ -97,6 +97,7 @@ class Engine:
         sharding = (jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None
                     else jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
         self.pool = init_pool(layout, dtype, sharding if mesh is None else pool_shardings(layout, mesh))
+        self.head_parts = head_parts(layout, mesh)  # how a transfer from this pool splits each group's heads
         self.prompt_mask = jnp.zeros((num_slots, vocab_size), bool, device=sharding)
         self.out_counts = jnp.zeros((num_slots, vocab_size), jnp.int32, device=sharding)
         self.programs: set[tuple] = set()
@@ -281,7 +282,7 @@ class Engine:
         scratch = self.layout.scratch_row
         n = 0
         for M in tqdm(rows, desc="compiling transfer", unit="bucket", disable=not progress):
-            st = staging(self.layout, dtype_name, M, groups)
+            st = staging(self.layout, dtype_name, M, groups, self.head_parts)
             if export:
                 for k in range(len(groups)):
                     jax.block_until_ready([x for _, x in self.export_kv(st, k, [0] * M, scratch)])

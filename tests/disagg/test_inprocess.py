@@ -36,10 +36,11 @@ def compiled_transfer_programs(pre, dec) -> tuple[int, int]:
 
 
 def run_disagg(path, prompts, params, *, sample=True, layers_per_group=None, warm_decode=None, tp=(1, 1),
-               shm=False, pull=False, warm_transfer=False):
+               shm=False, pull=False, warm_transfer=False, exported=None):
     """tp: (prefill, decode) tensor parallelism, over the two fake CPU devices; shm: the local backend; pull:
     the device backend (each side its own JAX transfer server); warm_transfer: compile the export / import
-    programs first, and check the transfers compile no more."""
+    programs first, and check the transfers compile no more; exported: a list that collects every
+    (staged array index, device array) prefill's exports hand the sender."""
     def mesh(n):
         return None if n == 1 else jax.make_mesh((n,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,),
                                                  devices=jax.devices()[:n])
@@ -52,6 +53,14 @@ def run_disagg(path, prompts, params, *, sample=True, layers_per_group=None, war
             else TcpLink(intake.address, "t0k", connections=2, chunk_bytes=4096))
     feeder = Feeder()
     pre.blocks.allocate([], 5 * CFG.block_size)  # shift prefill's block ids so the two pools differ
+    if exported is not None:
+        export_kv = pre.engine.export_kv
+
+        def record(*a):
+            items = export_kv(*a)
+            exported.extend(items)
+            return items
+        pre.engine.export_kv = record
     if warm_transfer:
         groups = layer_groups(pre.layout.num_layers, layers_per_group)
         pre.engine.warmup_transfer("float32", groups, export=True, receive=False, progress=False)
@@ -187,16 +196,31 @@ def test_layerwise_prefill_equals_one_program_and_exports_early(checkpoint_dir, 
     assert order == [(kind, lo) for lo, _ in groups for kind in ("stage", "export")]
 
 
-@pytest.mark.parametrize("family,tp", [("llama", (2, 1)), ("llama", (1, 2)), ("deepseek_v3", (2, 1))])
+@pytest.mark.parametrize("family,tp", [("llama", (2, 1)), ("llama", (1, 2)), ("llama", (2, 2)),
+                                       ("deepseek_v3", (2, 1))])
 def test_sharded_transfer_between_different_tensor_parallelism(checkpoint_dir, family, tp):
-    """Prefill and decode shard KV heads differently (TP=2 -> TP=1 and the reverse; MLA's latent is
-    replicated, so one device's copy is sent): the pages are rebuilt / split on the way and the tokens equal
-    the colocated engine's. The wire carries exactly what a TP=1 transfer carries."""
+    """Prefill and decode shard KV heads differently (TP=2 -> TP=1, the reverse, and TP=2 on both; MLA's
+    latent is replicated, so one device's copy is sent) and the tokens equal the colocated engine's. A sharded
+    prefill sends each rank's heads as they are (HND head parts, no gather): every exported array lives on one
+    device or is replicated, and the parts of each attention array come from both devices. The bytes are what a TP=1 transfer carries."""
     path = checkpoint_dir(family)
     want = [o.token_ids for o in LLM(path, progress=False, engine=CFG).generate(PROMPTS[:3], GREEDY)]
-    got, handoffs, skips, dec = run_disagg(path, PROMPTS[:3], GREEDY, layers_per_group=2, tp=tp)
+    exported: list = []
+    got, handoffs, skips, dec = run_disagg(path, PROMPTS[:3], GREEDY, layers_per_group=2, tp=tp, exported=exported)
     assert got == want, (family, tp)
     if tp[1] == 2:  # the decode pool really is split over both devices after the import
         assert any(len(x.sharding.device_set) == 2 for x in jax.tree.leaves(dec.engine.pool))
+    split = tp[0] == 2 and family == "llama"
+    for h in handoffs:
+        assert h.sender.plan.head_parts == ([2] if split else None)
+    # nothing to gather: one device's array, or a replicated one (read from any one device)
+    assert all(len(x.sharding.device_set) == 1 or x.is_fully_replicated for _, x in exported)
+    if split:  # per staged array, its head parts: one from each device
+        st = handoffs[0]._staging
+        parts = {i: p for w, ps in st.logical() for p in ps for i in [p.index]}
+        by_array: dict = {}
+        for i, x in exported[:len(st.arrays)]:
+            by_array.setdefault((parts[i].layer_group, parts[i].kind), set()).update(x.sharding.device_set)
+        assert by_array and all(len(d) == 2 for d in by_array.values())
     for p, h, skip in zip(PROMPTS[:3], handoffs, skips):
         assert h.sender.bytes_acked == dec.cache_spec.transfer_bytes(len(p), CFG.block_size, 4, skip)

@@ -31,16 +31,18 @@ def random_pool(lay: PoolLayout, seed: int = 0) -> list:
 
 
 def export(lay: PoolLayout, pool: list, st: Staging, blocks: list[int], row: int) -> list[np.ndarray]:
-    """What prefill hands the sender, computed with numpy: staged arrays from a pool."""
+    """What prefill hands the sender, computed with numpy: staged arrays from a pool (head parts sliced out of
+    the whole arrays)."""
     out = []
-    for a in st.arrays:
-        arr = pool[a.group]
-        if a.kind == "blocks":
-            x = np.zeros(a.shape, np.float32)
-            x[:a.rows] = arr[blocks][:, a.j0:a.j1]
-        elif a.kind == "ring":
-            x = np.ascontiguousarray(arr[row, a.j0:a.j1])
+    for w, parts in st.logical():
+        arr = pool[w.group]
+        if w.kind == "blocks":
+            x = np.zeros(w.shape, np.float32)
+            x[:w.rows] = arr[blocks][:, w.j0:w.j1]
+        elif w.kind == "ring":
+            x = arr[row, w.j0:w.j1]
         else:
-            x = np.ascontiguousarray(arr[a.kind][row, a.j0:a.j1])
-        out.append(x)
+            x = arr[w.kind][row, w.j0:w.j1]
+        h = w.shape[-2] // len(parts) if len(parts) > 1 else None
+        out += [np.ascontiguousarray(x[..., p.part * h:(p.part + 1) * h, :] if h else x) for p in parts]
     return out

@@ -148,6 +148,42 @@ def _assert_same(st, got, sent):
         np.testing.assert_array_equal(g[:n], e[:n])
 
 
+def test_head_parts_stage_each_ranks_heads_contiguously_and_cross_whole():
+    """A sender whose pool splits KV heads over 2 ranks stages its attention arrays as 2 head parts (HND: each
+    rank's heads one array, sent as it is); together they take the whole arrays' bytes, and the receiver's
+    region, read back whole, holds exactly what an unsplit transfer delivers."""
+    lay = layout()
+    dst, src = [7, 8, 9, 20], [3, 4, 9, 10]
+    groups = layer_groups(lay.num_layers, 2)
+    whole = TransferPlan.build(lay, "float32", 14, src, dst, 0, groups).check(lay, "float32", dst, 14, 0)
+    plan = TransferPlan.build(lay, "float32", 14, src, dst, 0, groups, [2, 2, 1])
+    plan = TransferPlan.from_meta(plan.to_meta())  # as the receiver reads it off the PLAN frame
+    st = plan.check(lay, "float32", dst, 14, 0)
+    assert (st.nbytes, st.sent_bytes) == (whole.nbytes, whole.sent_bytes)
+    kinds = [(a.kind, a.part, a.parts, a.shape[-2]) for a in st.arrays]
+    assert kinds.count(("blocks", 1, 2, 1)) == 3 and kinds.count(("ring", 1, 2, 1)) == 1  # 2 heads -> 1 + 1
+    assert [w.shape for w, _ in st.logical()] == [a.shape for a in whole.arrays]
+    for w, parts in st.logical():  # parts back to back, the whole array where the unsplit one is
+        assert [p.offset for p in parts] == [w.offset + i * parts[0].padded_bytes for i in range(len(parts))]
+    assert len(plan.sends(st)) == 3 * 2 * 3 + 2 + 2  # runs x parts x block arrays + ring parts + conv, ssm
+    for bad, why in (([2, 2, 2], "linear"), ([3, 1, 1], "2 KV heads"), ([2, 2], "the layout has 3")):
+        with pytest.raises(PlanError, match=why):
+            TransferPlan.build(lay, "float32", 14, src, dst, 0, groups, bad).check(lay, "float32", dst, 14, 0)
+    p = Pair()
+    try:
+        r = p.receiver("h", dst)
+        s = KVSender("h", p.link, plan, st)
+        s.start()
+        for i, a in enumerate(export(lay, p.pool, st, src, 1)):
+            s.send_array(i, a)
+        s.finish({"token": 1})
+        assert s.wait(10) is KVPoll.DONE and r.state.wait(10) is KVPoll.DONE
+        got = [np.concatenate([r.arrays()[q.index] for q in parts], axis=-2) for _, parts in st.logical()]
+        _assert_same(whole, got, export(lay, p.pool, whole, src, 1))
+    finally:
+        p.close()
+
+
 def test_tcp_transfer_exact_bytes_and_first_token():
     p = Pair()
     try:
