@@ -78,8 +78,9 @@ class DeviceIO:
                 for w, parts in arrays:
                     x = _to_wire(_take(pool, w, ids, row))
                     if mesh is not None:  # where each result lives is fixed: split in its parts, or replicated
-                        x = jax.lax.with_sharding_constraint(x, _head_sharding(mesh, x.ndim) if len(parts) > 1 else
-                                                             jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+                        where = (_head_sharding(mesh, x.ndim) if len(parts) > 1
+                                 else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+                        x = jax.lax.with_sharding_constraint(x, where)
                     out.append(x)
                 return out
             fn = self._export[key] = jax.jit(take)
