@@ -146,11 +146,11 @@ def _assemble(w: ArraySpec, parts: list, pool_group, mesh) -> jax.Array:
     split = mesh is not None and w.kind in ("blocks", "ring") and not pool_group.sharding.is_fully_replicated
     target = (_head_sharding(mesh, len(w.shape)) if split else
               jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None else None)
-    if len(parts) > 1 and split and mesh.shape["tp"] == len(parts):  # each part straight to its device
-        ax = len(w.shape) - 2
-        devices = sorted(target.addressable_devices_indices_map(w.shape).items(), key=lambda kv: kv[1][ax].start or 0)
+    homes = sorted(target.addressable_devices_indices_map(w.shape).items(),
+                   key=lambda kv: kv[1][-2].start or 0) if split else []
+    if len(parts) > 1 and len(homes) == len(parts) == mesh.shape["tp"]:  # each part straight to its device
         return jax.make_array_from_single_device_arrays(
-            w.shape, target, [jax.device_put(_device_array(p), d) for p, (d, _) in zip(parts, devices)])
+            w.shape, target, [jax.device_put(_device_array(p), d) for p, (d, _) in zip(parts, homes)])
     if len(parts) > 1:  # rebuilt here: one copy
         if all(isinstance(p, jax.Array) for p in parts):
             x = jnp.concatenate([jax.device_put(p, parts[0].device) for p in parts], axis=-2)

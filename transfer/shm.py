@@ -5,9 +5,9 @@ names the segment and the region's offset in it. `ShmLink` maps the segment and 
 everything else: the same connections carry the plan, the first-token record and one payload-less PUT frame
 per piece, whose writer thread first copies the piece into the segment at its place (the copies of N
 connections run in parallel), checksumming each cache-sized part right after copying it, then sends the
-header with the piece's checksum. The receiver checks the plan
-and the bytes' position exactly as for DATA, verifies the checksum over the region, and answers ACK, or
-NACK(retry), after which the piece is copied and announced again. So the bytes cross once (one memcpy,
+header with the piece's checksum. The receiver checks the plan and the bytes' position exactly as for DATA,
+verifies the checksum over the region, and answers ACK, or NACK(retry), after which the piece is copied and
+announced again. So the bytes cross once (one memcpy,
 no socket), and corruption, resends, refusals and deadlines behave as on TCP. Use only where both ends run
 on one host: `same_host` compares kernel boot ids.
 """
@@ -55,5 +55,5 @@ class ShmLink(TcpLink):
             dst = self.mapping[at + i:at + min(i + wire.PIECE, src.size)]
             dst[:] = src[i:i + wire.PIECE]
             check.update(dst)
-        digest = check.digest() ^ (0xFFFFFFFF if lost else 0)
+        digest = wire.spoil(check.digest(), lost)
         self.shaper.send(sock, wire.encode_header(wire.Frame(f.kind, f.request_id, f.seq, f.meta, b"", digest)))

@@ -228,8 +228,8 @@ class KVServer:
             if specs is not None:
                 xs = None
                 try:
-                    xs = self.puller.pull(str(h.meta["addr"]), int(h.meta["uuid"]),
-                                          [(a.shape, a.dtype) for a in specs], max(recv.deadline - time.monotonic(), 0.1))
+                    xs = self.puller.pull(str(h.meta["addr"]), int(h.meta["uuid"]), [(a.shape, a.dtype) for a in specs],
+                                          max(recv.deadline - time.monotonic(), 0.1))
                 except Exception as e:  # noqa: BLE001 - PullError, or a bad address / uuid in the frame
                     reason = f"pull failed: {e}"  # the offer is gone or unreachable: the transfer fails now
                     self.forget(h.request_id, refused=reason)
@@ -354,11 +354,10 @@ class TcpLink:
         send = lambda b: self.shaper.send(sock, b)  # noqa: E731
         if f.kind == wire.DATA and f.digest is None:
             send(wire.encode_header(f, trailer=True))
-            wire.send_payload(send, f.payload, spoil=lost)
+            wire.send_payload(send, f.payload, lost)
             return
         digest = wire.checksum(f.payload) if f.digest is None else f.digest
-        send(wire.encode_header(wire.Frame(f.kind, f.request_id, f.seq, f.meta, f.payload,
-                                           digest ^ 0xFFFFFFFF if lost else digest)))
+        send(wire.encode_header(wire.Frame(f.kind, f.request_id, f.seq, f.meta, f.payload, wire.spoil(digest, lost))))
         if len(f.payload):
             send(f.payload)
 

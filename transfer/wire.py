@@ -81,6 +81,11 @@ def checksum(buf) -> int:
     return xxhash.xxh3_64_intdigest(buf)
 
 
+def spoil(digest: int, lost: bool) -> int:
+    """The checksum a frame goes out with: wrong when the link emulation loses the frame (link.py)."""
+    return digest ^ 0xFFFFFFFF if lost else digest
+
+
 def encode_header(f: Frame, trailer: bool = False) -> bytes:
     """trailer: the payload's checksum follows the payload (`send_payload`), rather than in this header."""
     rid = f.request_id.encode()
@@ -90,17 +95,16 @@ def encode_header(f: Frame, trailer: bool = False) -> bytes:
                        len(f.payload), digest) + rid + meta
 
 
-def send_payload(send, payload, spoil: bool = False) -> None:
+def send_payload(send, payload, lost: bool = False) -> None:
     """A trailer frame's payload, then its checksum, computed piece by piece just before each piece is sent
-    (one read of the bytes from memory). `send(bytes)` writes to the socket; spoil: send a wrong checksum
-    (emulated loss)."""
+    (one read of the bytes from memory). `send(bytes)` writes to the socket; lost: send a wrong checksum."""
     check = Checksum()
     view = memoryview(payload).cast("B")
     for i in range(0, len(view), PIECE):
         piece = view[i:i + PIECE]
         check.update(piece)
         send(piece)
-    send(TRAILER.pack(check.digest() ^ (0xFFFFFFFF if spoil else 0)))
+    send(TRAILER.pack(spoil(check.digest(), lost)))
 
 
 def send_frame(sock: socket.socket, f: Frame) -> None:
