@@ -1,12 +1,22 @@
 """Shared fixtures: tiny random Hugging Face checkpoints of every family, written with save_pretrained.
 
-Two fake CPU devices are configured before JAX starts so mesh / TP=2 tests run on any machine.
+Two fake CPU devices are configured before JAX starts so mesh / TP=2 tests run on any machine. XLA's
+persistent compilation cache points at a directory fresh for each test session (the worker processes the
+tests start inherit it through the environment), so the many engines the suite builds over the same tiny
+models compile each program once.
 """
 
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+_XLA_CACHE = None if "JAX_COMPILATION_CACHE_DIR" in os.environ else tempfile.mkdtemp(prefix="jaxserve-tests-xla-")
+if _XLA_CACHE is not None:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 
@@ -15,6 +25,11 @@ jax.config.update("jax_num_cpu_devices", 2)
 import pytest  # noqa: E402
 
 from tests.tiny_models import build_checkpoint  # noqa: E402
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _XLA_CACHE is not None:
+        shutil.rmtree(_XLA_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
