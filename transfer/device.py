@@ -31,6 +31,8 @@ import numpy as np
 
 from .plan import ArraySpec, Staging
 
+HEAD_AXIS = ArraySpec.HEAD_AXIS
+
 
 def _to_wire(x):
     return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype == jnp.bfloat16 else x
@@ -45,8 +47,8 @@ def _key(arrays: list[ArraySpec]) -> tuple:
 
 
 def _head_sharding(mesh, ndim: int):
-    """KV heads (axis ndim - 2 of a staged array) split over the mesh's "tp" axis."""
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*([None] * (ndim - 2)), "tp"))
+    """KV heads (axis HEAD_AXIS of a staged array) split over the mesh's "tp" axis."""
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*([None] * (ndim + HEAD_AXIS)), "tp"))
 
 
 def _mesh(pool: list):
@@ -66,7 +68,7 @@ class DeviceIO:
         in head parts comes as its parts, each the single-device array of the rank holding those heads.
 
         blocks: the sender's block ids of the rows sent (len == rows); row: the request's state row."""
-        arrays = [(w, parts) for w, parts in st.logical() if w.layer_group == layer_group]
+        arrays = [(w, parts) for w, parts in st.logical if w.layer_group == layer_group]
         if not arrays:
             return []
         mesh = _mesh(pool)
@@ -96,7 +98,7 @@ class DeviceIO:
         """The pool with the staged arrays written into `blocks` (the reserved blocks after the skipped prefix)
         and state row `row`; the pool is donated. views: the receive region's typed views (staging order), or
         pulled device arrays (pull.py)."""
-        arrays = st.logical()
+        arrays = st.logical
         key = _key([w for w, _ in arrays])
         fn = self._import.get(key)
         if fn is None:
@@ -127,10 +129,9 @@ class DeviceIO:
 
 def _head_shards(x: jax.Array, parts: int) -> list[jax.Array]:
     """The single-device arrays of x's head parts, in head order."""
-    ax = x.ndim - 2
     by_start: dict[int, jax.Array] = {}
     for s in x.addressable_shards:
-        by_start.setdefault(s.index[ax].start or 0, s.data)
+        by_start.setdefault(s.index[HEAD_AXIS].start or 0, s.data)
     if len(by_start) != parts:
         raise ValueError(f"export split in {len(by_start)} head parts, the plan says {parts}")
     return [by_start[k] for k in sorted(by_start)]
@@ -146,18 +147,18 @@ def _assemble(w: ArraySpec, parts: list, pool_group, mesh) -> jax.Array:
     split = mesh is not None and w.kind in ("blocks", "ring") and not pool_group.sharding.is_fully_replicated
     target = (_head_sharding(mesh, len(w.shape)) if split else
               jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None else None)
-    homes = sorted(target.addressable_devices_indices_map(w.shape).items(),
-                   key=lambda kv: kv[1][-2].start or 0) if split else []
-    if len(parts) > 1 and len(homes) == len(parts) == mesh.shape["tp"]:  # each part straight to its device
-        return jax.make_array_from_single_device_arrays(
-            w.shape, target, [jax.device_put(_device_array(p), d) for p, (d, _) in zip(parts, homes)])
-    if len(parts) > 1:  # rebuilt here: one copy
-        if all(isinstance(p, jax.Array) for p in parts):
-            x = jnp.concatenate([jax.device_put(p, parts[0].device) for p in parts], axis=-2)
-        else:
-            x = jnp.asarray(np.concatenate(parts, axis=-2))
-    else:
+    if len(parts) == 1:
         x = _device_array(parts[0])
+    else:
+        homes = sorted(target.addressable_devices_indices_map(w.shape).items(),
+                       key=lambda kv: kv[1][HEAD_AXIS].start or 0) if split else []
+        if len(homes) == len(parts) == mesh.shape["tp"]:  # each part straight to the device of its heads
+            return jax.make_array_from_single_device_arrays(
+                w.shape, target, [jax.device_put(_device_array(p), d) for p, (d, _) in zip(parts, homes)])
+        if all(isinstance(p, jax.Array) for p in parts):  # rebuilt here: one copy
+            x = jnp.concatenate([jax.device_put(p, parts[0].device) for p in parts], axis=HEAD_AXIS)
+        else:
+            x = jnp.asarray(np.concatenate(parts, axis=HEAD_AXIS))
     return x if target is None else jax.device_put(x, target)
 
 

@@ -29,6 +29,7 @@ partition the layers. Plain Python.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass, field, replace
 
@@ -67,6 +68,7 @@ class ArraySpec:
     parts: int = 1
 
     HEAD_AXIS = -2  # blocks [M, L, E, block, H, D] and ring [L, E, window, H, D]
+
     @property
     def itemsize(self) -> int:
         return np.dtype(self.dtype).itemsize
@@ -90,9 +92,10 @@ class Staging:
     nbytes: int  # region size (padding included)
     sent_bytes: int  # bytes on the wire
 
+    @functools.cached_property
     def logical(self) -> list[tuple[ArraySpec, list[ArraySpec]]]:
         """Each staged array whole, with its head parts: [(the whole array's spec, its parts in head order)]
-        (an array not split is its own single part)."""
+        (an array not split is its own single part). Computed once per staging."""
         out: list[tuple[ArraySpec, list[ArraySpec]]] = []
         for a in self.arrays:
             if a.part:

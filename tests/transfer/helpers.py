@@ -34,7 +34,7 @@ def export(lay: PoolLayout, pool: list, st: Staging, blocks: list[int], row: int
     """What prefill hands the sender, computed with numpy: staged arrays from a pool (head parts sliced out of
     the whole arrays)."""
     out = []
-    for w, parts in st.logical():
+    for w, parts in st.logical:
         arr = pool[w.group]
         if w.kind == "blocks":
             x = np.zeros(w.shape, np.float32)

@@ -162,8 +162,8 @@ def test_head_parts_stage_each_ranks_heads_contiguously_and_cross_whole():
     assert (st.nbytes, st.sent_bytes) == (whole.nbytes, whole.sent_bytes)
     kinds = [(a.kind, a.part, a.parts, a.shape[-2]) for a in st.arrays]
     assert kinds.count(("blocks", 1, 2, 1)) == 3 and kinds.count(("ring", 1, 2, 1)) == 1  # 2 heads -> 1 + 1
-    assert [w.shape for w, _ in st.logical()] == [a.shape for a in whole.arrays]
-    for w, parts in st.logical():  # parts back to back, the whole array where the unsplit one is
+    assert [w.shape for w, _ in st.logical] == [a.shape for a in whole.arrays]
+    for w, parts in st.logical:  # parts back to back, the whole array where the unsplit one is
         assert [p.offset for p in parts] == [w.offset + i * parts[0].padded_bytes for i in range(len(parts))]
     assert len(plan.sends(st)) == 3 * 2 * 3 + 2 + 2  # runs x parts x block arrays + ring parts + conv, ssm
     for bad, why in (([2, 2, 2], "linear"), ([3, 1, 1], "2 KV heads"), ([2, 2], "the layout has 3")):
@@ -178,7 +178,7 @@ def test_head_parts_stage_each_ranks_heads_contiguously_and_cross_whole():
             s.send_array(i, a)
         s.finish({"token": 1})
         assert s.wait(10) is KVPoll.DONE and r.state.wait(10) is KVPoll.DONE
-        got = [np.concatenate([r.arrays()[q.index] for q in parts], axis=-2) for _, parts in st.logical()]
+        got = [np.concatenate([r.arrays()[q.index] for q in parts], axis=-2) for _, parts in st.logical]
         _assert_same(whole, got, export(lay, p.pool, whole, src, 1))
     finally:
         p.close()
