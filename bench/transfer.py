@@ -5,7 +5,11 @@
     process, against a raw-socket baseline moving the same bytes over the same number of connections into a
     preallocated buffer (one 8-byte header per connection, one acknowledgement byte at the end), measured
     alternately in the same run. Reported: median bytes/s of each and their ratio (goal >= 0.85). Also the device
-    backend (transfer/pull.py) moving the same bytes, pulled through JAX's transfer server, and its ratio.
+    backend (transfer/pull.py) moving the same bytes, pulled through JAX's transfer server, and its ratio; and
+    where the CPU goes: CPU seconds per GB moved of each process (sender, receiver) for each kind of transfer,
+    the cores they keep busy, the CPU seconds per GB of the payload checksum alone (XXH3 over the payload as
+    it lies in memory), and the efficiency a transfer whose only extra work is that checksum on each end would
+    reach when both are CPU bound (`checksum_ceiling` = raw CPU / (raw CPU + 2 x checksum CPU)).
 (b) sends per request: a mixed workload (random prompt lengths, random finish order) allocated by the real
     block managers of a prefill and a decode instance; per request, the sends of a per-block-per-layer transfer
     (blocks x layers) vs FlowKV-aligned runs (runs x staged block arrays).
@@ -38,6 +42,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import resource
 import socket
 import statistics
 import struct
@@ -47,6 +52,7 @@ import time
 import numpy as np
 from tqdm import tqdm
 
+from transfer import wire
 from transfer.align import align
 from transfer.bufpool import RecvPool, aligned_empty
 from transfer.plan import TransferPlan, bucket
@@ -54,7 +60,6 @@ from transfer.receiver import KVReceiver, region_bytes
 from transfer.sender import KVSender
 from transfer.state import KVPoll
 from transfer.tcp import KVServer, TcpLink
-from transfer.wire import recv_into_exact
 
 TOKEN = "bench-token"
 
@@ -82,6 +87,9 @@ def _receiver(conn, raw_port_q):
         if msg[0] == "stop":
             server.close()
             return
+        if msg[0] == "cpu":
+            conn.send(_cpu_s())
+            continue
         if msg[0] == "expect":
             _, rid, nblocks, dst = msg
             lay = _layout(max(dst) + 1)
@@ -101,7 +109,7 @@ def _receiver(conn, raw_port_q):
 
             def drain(i, s):
                 (n,) = struct.unpack("<Q", s.recv(8, socket.MSG_WAITALL))
-                recv_into_exact(s, memoryview(sink)[i * per:i * per + n])
+                wire.recv_into_exact(s, memoryview(sink)[i * per:i * per + n])
                 s.sendall(b"k")
                 s.close()
             ts = [threading.Thread(target=drain, args=(i, s)) for i, s in enumerate(socks)]
@@ -110,6 +118,24 @@ def _receiver(conn, raw_port_q):
             conn.send("ok")
             for t in ts:
                 t.join()
+
+
+def _cpu_s() -> float:
+    """CPU seconds (user + system, all threads) this process has used."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _checksum_s_per_gb(arr: np.ndarray, reps: int = 3) -> float:
+    """CPU seconds per GB of the payload checksum alone, piece by piece as the link computes it."""
+    view = memoryview(arr.reshape(-1).view(np.uint8))
+    times = []
+    for _ in range(reps):
+        t = time.process_time()
+        for i in range(0, len(view), wire.PIECE):
+            wire.checksum(view[i:i + wire.PIECE])
+        times.append(time.process_time() - t)
+    return statistics.median(times) / (len(view) / 1e9)
 
 
 def _kv_once(ctrl, link, lay, arr, nblocks, rid):
@@ -171,15 +197,28 @@ def efficiency(mb: int, conns: int, reps: int) -> dict:
 
     from transfer.pull import PullLink, PullServer
     kv, raw, dev, frames = [], [], [], 0
+    cpu = {k: [0.0, 0.0, 0.0] for k in ("raw", "kv", "device")}  # sender s, receiver s, wall s (counted reps)
+
+    def timed(kind, counted, fn, *args):  # fn's result; counted: the CPU both processes spent on it adds to cpu[kind]
+        a.send(("cpu",))
+        s0, r0, t0 = _cpu_s(), a.recv(), time.perf_counter()
+        res = fn(*args)
+        a.send(("cpu",))
+        s1, r1, t1 = _cpu_s(), a.recv(), time.perf_counter()
+        if counted:
+            for j, d in enumerate((s1 - s0, r1 - r0, t1 - t0)):
+                cpu[kind][j] += d
+        return res
     link = TcpLink(addr, TOKEN, connections=conns)  # links persist between transfers, as in a worker
     plink = PullLink(addr, TOKEN, PullServer(connections=conns), 120.0, connections=1)
     on_device = jnp.asarray(arr[:nblocks])
     try:
         for i in tqdm(range(reps + 1), desc="transfer efficiency", unit="rep"):
-            r = _raw_once(a, raw_port, arr[:nblocks], conns)
-            k, frames, sends = _kv_once(a, link, lay, arr, nblocks, f"req{i}")
-            d, _, _ = _kv_once(a, plink, lay, on_device, nblocks, f"dev{i}")
-            if i:  # the first round warms the paths up
+            counted = i > 0  # the first round warms the paths up
+            r = timed("raw", counted, _raw_once, a, raw_port, arr[:nblocks], conns)
+            k, frames, sends = timed("kv", counted, _kv_once, a, link, lay, arr, nblocks, f"req{i}")
+            d, _, _ = timed("device", counted, _kv_once, a, plink, lay, on_device, nblocks, f"dev{i}")
+            if counted:
                 raw.append(r)
                 kv.append(k)
                 dev.append(d)
@@ -189,10 +228,16 @@ def efficiency(mb: int, conns: int, reps: int) -> dict:
         a.send(("stop",))
         proc.join(10)
     ratio = statistics.median(kv) / statistics.median(raw)
+    gb = reps * nblocks * 2 * 1024 * 1024 / 1e9
+    cpu_per_gb = {k: {"sender": v[0] / gb, "receiver": v[1] / gb, "total": (v[0] + v[1]) / gb,
+                      "cores_busy": (v[0] + v[1]) / v[2]} for k, v in cpu.items()}
+    check = _checksum_s_per_gb(arr[:nblocks])
     return {"bytes": nblocks * 2 * 1024 * 1024, "connections": conns, "reps": reps,
             "kv_bytes_per_s_median": statistics.median(kv), "raw_bytes_per_s_median": statistics.median(raw),
             "efficiency": ratio, "goal": 0.85, "kv_frames": frames, "kv_sends": sends,
             "kv_bytes_per_s": kv, "raw_bytes_per_s": raw,
+            "cpu_s_per_gb": cpu_per_gb, "checksum_cpu_s_per_gb": check,
+            "checksum_ceiling": cpu_per_gb["raw"]["total"] / (cpu_per_gb["raw"]["total"] + 2 * check),
             "device_backend": {"what": "the same bytes as one device array pulled by the receiver through JAX's "
                                        "transfer server (transfer/pull.py), its transport on the same number of "
                                        "connections; CPU here, so host memory to host memory",
@@ -377,6 +422,10 @@ def main(argv=None):
         e = out["efficiency"]
         print(f"(a) efficiency {e['efficiency']:.2f} (kv {e['kv_bytes_per_s_median'] / 1e9:.2f} GB/s, raw "
               f"{e['raw_bytes_per_s_median'] / 1e9:.2f} GB/s, {e['connections']} connections)")
+        c = e["cpu_s_per_gb"]
+        print("(a) CPU s/GB (sender + receiver, cores busy): " + ", ".join(
+            f"{k} {v['sender']:.3f} + {v['receiver']:.3f} ({v['cores_busy']:.2f})" for k, v in c.items())
+            + f"; checksum alone {e['checksum_cpu_s_per_gb']:.3f} per end, ceiling {e['checksum_ceiling']:.2f}")
         d = e["device_backend"]
         print(f"(a) device backend {d['bytes_per_s_median'] / 1e9:.2f} GB/s, {d['vs_raw']:.2f} of raw")
     if "sends_per_request" in out:

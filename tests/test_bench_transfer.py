@@ -1,6 +1,7 @@
 """bench/transfer.py and bench/interference.py run end to end on small settings and write their JSON."""
 
 import json
+import os
 
 import pytest
 
@@ -15,13 +16,18 @@ def test_transfer_bench_smoke(tmp_path):
     e, s = r["efficiency"], r["sends_per_request"]
     assert e["bytes"] == 8 << 20 and len(e["kv_bytes_per_s"]) == 1 and e["efficiency"] > 0
     assert len(e["device_backend"]["bytes_per_s"]) == 1 and e["device_backend"]["vs_raw"] > 0
+    cpu = e["cpu_s_per_gb"]
+    assert set(cpu) == {"raw", "kv", "device"}
+    for k in cpu.values():  # both processes did work, on no more cores than the host has
+        assert k["sender"] > 0 and k["receiver"] > 0 and k["total"] == pytest.approx(k["sender"] + k["receiver"])
+        assert 0 < k["cores_busy"] <= os.cpu_count() + 0.05
+    assert e["checksum_cpu_s_per_gb"] > 0 and 0 < e["checksum_ceiling"] < 1
     assert s["aligned_sends_mean"] >= 1 and s["per_block_per_layer_sends_mean"] > 10 * s["aligned_sends_mean"]
 
 
 @pytest.mark.slow
 def test_ttft_phi_and_interference_benches_smoke(tmp_path, checkpoint_dir):
     """(c) and (d) with the tests' tiny llama standing in for the bench-size checkpoints; interference likewise."""
-    import os
     models = tmp_path / "models"
     os.makedirs(models)
     os.symlink(checkpoint_dir("llama"), models / "bench-llama")  # bench/families.py finds it built
