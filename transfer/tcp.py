@@ -352,12 +352,11 @@ class TcpLink:
         DATA payload is checksummed piece by piece as it goes out, its checksum in a trailer, so its bytes are
         read from memory once, not once for the checksum and again for the socket."""
         send = lambda b: self.shaper.send(sock, b)  # noqa: E731
-        if f.kind == wire.DATA and f.digest is None:
+        if f.kind == wire.DATA:
             send(wire.encode_header(f, trailer=True))
             wire.send_payload(send, f.payload, lost)
             return
-        digest = wire.checksum(f.payload) if f.digest is None else f.digest
-        send(wire.encode_header(wire.Frame(f.kind, f.request_id, f.seq, f.meta, f.payload, wire.spoil(digest, lost))))
+        send(wire.encode_header(f))  # control frames (PLAN, META, PULL, ABORT): nothing to lose
         if len(f.payload):
             send(f.payload)
 
