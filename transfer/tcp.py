@@ -37,16 +37,11 @@ from .state import KVPoll
 
 log = logging.getLogger("jaxserve.transfer")
 
-SOCK_BUF = 4 << 20
-
 
 def _tune(sock: socket.socket) -> None:
+    """No delay for the small control frames. Socket buffer sizes are left to the kernel's autotuning: fixed
+    4 MiB buffers measured about 10% slower on loopback (bench/transfer.py (a))."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, opt, SOCK_BUF)
-        except OSError:
-            pass
 
 
 class KVServer:
@@ -203,7 +198,7 @@ class KVServer:
             if h.kind == wire.DATA:
                 check = wire.Checksum()
                 wire.recv_into_exact(conn, view, check)
-                digest, sent = check.digest(), wire.read_trailer(conn) if h.trailer else h.digest
+                digest, sent = check.digest(), wire.read_tail(conn, h)
             else:
                 wire.discard(conn, h.body_len, scratch)
                 digest, sent = wire.checksum(view), h.digest
@@ -359,6 +354,7 @@ class TcpLink:
         send(wire.encode_header(f))  # control frames (PLAN, META, PULL, ABORT): nothing to lose
         if len(f.payload):
             send(f.payload)
+            send(wire.tail(len(f.payload)))
 
     def _fail_queued(self, reason: str) -> None:
         while True:

@@ -365,6 +365,59 @@ def test_receiver_gone_fails_the_sender():
     p.link.close()
 
 
+class _CountingSocket:
+    """A socket whose reads are counted: `at` is the stream offset of the next byte."""
+
+    def __init__(self, sock):
+        self.sock, self.at = sock, 0
+
+    def recv(self, n):
+        b = self.sock.recv(n)
+        self.at += len(b)
+        return b
+
+    def recv_into(self, view, n=0):
+        k = self.sock.recv_into(view, n)
+        self.at += k
+        return k
+
+
+def test_frames_keep_every_payload_64_byte_aligned_in_the_stream():
+    """Headers and bodies are padded so each payload starts at a multiple of 64 bytes of the connection's
+    stream, whatever the id, meta and payload sizes; the frames still parse and their checksums verify."""
+    a, b = socket.socketpair()
+    rng = np.random.default_rng(3)
+    cases = [("", {}, 1, True), ("r", {"a": 0}, 63, True), ("req-12345", {"o": 7}, 64, False),
+             ("x" * 37, {"a": 1, "o": 99}, 65, True), ("y", {}, 1000003, False)]
+    frames = [(rid, meta, rng.integers(0, 256, n, dtype=np.uint8), trailer) for rid, meta, n, trailer in cases]
+
+    def send():
+        for i, (rid, meta, data, trailer) in enumerate(frames):
+            f = wire.Frame(wire.DATA, rid, i, meta, data)
+            if trailer:  # as the TCP link sends DATA: checksum in the trailer, computed while sending
+                a.sendall(wire.encode_header(f, trailer=True))
+                wire.send_payload(a.sendall, data)
+            else:
+                wire.send_frame(a, f)
+        a.sendall(wire.encode_header(wire.Frame(wire.ACK, "end", 99)))
+    t = threading.Thread(target=send)
+    t.start()
+    sock = _CountingSocket(b)
+    for i, (rid, meta, data, trailer) in enumerate(frames):
+        h = wire.read_header(sock)
+        assert (h.request_id, h.meta, h.seq, h.payload_len, h.trailer) == (rid, meta, i, len(data), trailer)
+        assert sock.at % 64 == 0, (i, sock.at)  # the payload starts aligned
+        got = bytearray(len(data))
+        check = wire.Checksum()
+        wire.recv_into_exact(sock, memoryview(got), check)
+        assert wire.read_tail(sock, h) == check.digest() == wire.checksum(data) and bytes(got) == data.tobytes()
+        assert sock.at % 64 == 0  # and so does the next frame
+    assert wire.read_header(sock).request_id == "end"
+    t.join()
+    a.close()
+    b.close()
+
+
 def test_checksum_incremental_equals_whole_and_detects_corruption():
     rng = np.random.default_rng(1)
     data = rng.integers(0, 256, 3 * wire.PIECE + 12345, dtype=np.uint8)
