@@ -107,11 +107,16 @@ def encode_header(f: Frame, trailer: bool = False) -> bytes:
     return head + bytes(_pad(len(head)))
 
 
+def tail_len(payload_len: int, trailer: bool) -> int:
+    """Bytes after a payload of payload_len bytes: the trailer if any, then the pad to the next ALIGN boundary."""
+    t = TRAILER.size if trailer else 0
+    return t + _pad(payload_len + t)
+
+
 def tail(payload_len: int, digest: int | None = None) -> bytes:
-    """What follows a payload of payload_len bytes: the trailer (when `digest` goes there), then zeros up to
-    the next ALIGN boundary."""
-    t = b"" if digest is None else TRAILER.pack(digest)
-    return t + bytes(_pad(payload_len + len(t)))
+    """What follows a payload of payload_len bytes: the trailer (when `digest` goes there), then the pad."""
+    n = tail_len(payload_len, digest is not None)
+    return bytes(n) if digest is None else TRAILER.pack(digest) + bytes(n - TRAILER.size)
 
 
 def send_payload(send, payload, lost: bool = False) -> None:
@@ -164,9 +169,7 @@ class Header:
 
     @property
     def tail_len(self) -> int:
-        """Bytes after the payload: the trailer if any, and the pad."""
-        t = TRAILER.size if self.trailer else 0
-        return t + _pad(self.payload_len + t)
+        return tail_len(self.payload_len, self.trailer)
 
     @property
     def body_len(self) -> int:
