@@ -4,8 +4,10 @@
     `recv_into` a 64-byte-aligned receive region, per-frame acknowledgement) from this process to a receiver
     process, against a raw-socket baseline moving the same bytes over the same number of connections into a
     preallocated buffer (one 8-byte header per connection, one acknowledgement byte at the end), measured
-    alternately in the same run. Reported: median bytes/s of each and their ratio (goal >= 0.85). Also the device
-    backend (transfer/pull.py) moving the same bytes, pulled through JAX's transfer server, and its ratio; and
+    alternately in the same run. Reported: median bytes/s of each and their ratio (goal >= 0.85). Also, in the
+    same rotation, raw sockets plus the link's own payload checksum loops on both ends and nothing else of the
+    link (`raw_checksum`): what the checksum alone costs raw sockets, and how the link compares with that. And the
+    device backend (transfer/pull.py) moving the same bytes, pulled through JAX's transfer server, and its ratio; and
     where the CPU goes: CPU seconds per GB moved of each process (sender, receiver) for each kind of transfer,
     the cores they keep busy, the CPU seconds per GB of the payload checksum alone (XXH3 over the payload as
     it lies in memory), and the efficiency a transfer whose only extra work is that checksum on each end would
@@ -101,7 +103,7 @@ def _receiver(conn, raw_port_q):
             server.expect(r)
             conn.send("ok")
         elif msg[0] == "raw":
-            _, nbytes, nconn = msg
+            _, nbytes, nconn, checked = msg
             if sink is None or sink.nbytes < nbytes:
                 sink = aligned_empty(nbytes)
             per = -(-nbytes // nconn)
@@ -109,8 +111,10 @@ def _receiver(conn, raw_port_q):
 
             def drain(i, s):
                 (n,) = struct.unpack("<Q", s.recv(8, socket.MSG_WAITALL))
-                wire.recv_into_exact(s, memoryview(sink)[i * per:i * per + n])
-                s.sendall(b"k")
+                check = wire.Checksum() if checked else None
+                wire.recv_into_exact(s, memoryview(sink)[i * per:i * per + n], check)
+                ok = check is None or wire.read_tail(s, _raw_header(n)) == check.digest()
+                s.sendall(b"k" if ok else b"x")
                 s.close()
             ts = [threading.Thread(target=drain, args=(i, s)) for i, s in enumerate(socks)]
             for t in ts:
@@ -160,18 +164,31 @@ def _kv_once(ctrl, link, lay, arr, nblocks, rid):
     return st.sent_bytes / dt, s.frames, s.sends
 
 
-def _raw_once(ctrl, port, buf, conns):
-    ctrl.send(("raw", buf.nbytes, conns))
+def _raw_header(n: int) -> wire.Header:
+    """What the raw-with-checksum receiver expects after n payload bytes: the link's trailer and pad."""
+    return wire.Header(wire.DATA, 0, "", {}, n, 0, trailer=True)
+
+
+def _raw_once(ctrl, port, buf, conns, checked=False):
+    """Raw sockets: one 8-byte length and the bytes per connection, one acknowledgement byte back. checked: the
+    bytes go out and land through the link's own checksummed loops (wire.send_payload: 1 MiB pieces, each
+    hashed after the socket copied it, then the trailer; wire.recv_into_exact hashing each read), so this
+    baseline adds to raw sockets exactly the checksum the link computes, and nothing else of the link."""
+    ctrl.send(("raw", buf.nbytes, conns, checked))
     socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(conns)]
     assert ctrl.recv() == "ok"
     per = -(-buf.nbytes // conns)
     view = memoryview(buf.reshape(-1).view(np.uint8))
+    acks = []
 
     def push(i, s):
         part = view[i * per:(i + 1) * per]
         s.sendall(struct.pack("<Q", len(part)))
-        s.sendall(part)
-        s.recv(1)
+        if checked:
+            wire.send_payload(s.sendall, part)
+        else:
+            s.sendall(part)
+        acks.append(s.recv(1))
         s.close()
     t = time.perf_counter()
     ts = [threading.Thread(target=push, args=(i, s)) for i, s in enumerate(socks)]
@@ -179,7 +196,10 @@ def _raw_once(ctrl, port, buf, conns):
         th.start()
     for th in ts:
         th.join()
-    return buf.nbytes / (time.perf_counter() - t)
+    dt = time.perf_counter() - t
+    if acks != [b"k"] * conns:
+        raise RuntimeError(f"raw transfer not acknowledged: {acks}")
+    return buf.nbytes / dt
 
 
 def efficiency(mb: int, conns: int, reps: int) -> dict:
@@ -196,8 +216,9 @@ def efficiency(mb: int, conns: int, reps: int) -> dict:
     import jax.numpy as jnp
 
     from transfer.pull import PullLink, PullServer
-    kv, raw, dev, frames = [], [], [], 0
-    cpu = {k: [0.0, 0.0, 0.0] for k in ("raw", "kv", "device")}  # sender s, receiver s, wall s (counted reps)
+    kv, raw, raw_cs, dev, frames = [], [], [], [], 0
+    # per kind: sender s, receiver s, wall s (counted reps)
+    cpu = {k: [0.0, 0.0, 0.0] for k in ("raw", "raw_checksum", "kv", "device")}
 
     def timed(kind, counted, fn, *args):  # fn's result; counted: the CPU both processes spent on it adds to cpu[kind]
         a.send(("cpu",))
@@ -216,10 +237,12 @@ def efficiency(mb: int, conns: int, reps: int) -> dict:
         for i in tqdm(range(reps + 1), desc="transfer efficiency", unit="rep"):
             counted = i > 0  # the first round warms the paths up
             r = timed("raw", counted, _raw_once, a, raw_port, arr[:nblocks], conns)
+            rc = timed("raw_checksum", counted, _raw_once, a, raw_port, arr[:nblocks], conns, True)
             k, frames, sends = timed("kv", counted, _kv_once, a, link, lay, arr, nblocks, f"req{i}")
             d, _, _ = timed("device", counted, _kv_once, a, plink, lay, on_device, nblocks, f"dev{i}")
             if counted:
                 raw.append(r)
+                raw_cs.append(rc)
                 kv.append(k)
                 dev.append(d)
     finally:
@@ -228,6 +251,7 @@ def efficiency(mb: int, conns: int, reps: int) -> dict:
         a.send(("stop",))
         proc.join(10)
     ratio = statistics.median(kv) / statistics.median(raw)
+    med_cs = statistics.median(raw_cs)
     gb = reps * nblocks * 2 * 1024 * 1024 / 1e9
     cpu_per_gb = {k: {"sender": v[0] / gb, "receiver": v[1] / gb, "total": (v[0] + v[1]) / gb,
                       "cores_busy": (v[0] + v[1]) / v[2]} for k, v in cpu.items()}
@@ -238,6 +262,10 @@ def efficiency(mb: int, conns: int, reps: int) -> dict:
             "kv_bytes_per_s": kv, "raw_bytes_per_s": raw,
             "cpu_s_per_gb": cpu_per_gb, "checksum_cpu_s_per_gb": check,
             "checksum_ceiling": cpu_per_gb["raw"]["total"] / (cpu_per_gb["raw"]["total"] + 2 * check),
+            "raw_checksum": {"what": "raw sockets plus the link's own checksum loops on both ends (wire.send_payload, "
+                                     "wire.recv_into_exact with a Checksum): nothing else of the link",
+                             "bytes_per_s_median": med_cs, "vs_raw": med_cs / statistics.median(raw),
+                             "kv_vs_this": statistics.median(kv) / med_cs, "bytes_per_s": raw_cs},
             "device_backend": {"what": "the same bytes as one device array pulled by the receiver through JAX's "
                                        "transfer server (transfer/pull.py), its transport on the same number of "
                                        "connections; CPU here, so host memory to host memory",
@@ -426,6 +454,9 @@ def main(argv=None):
         print("(a) CPU s/GB (sender + receiver, cores busy): " + ", ".join(
             f"{k} {v['sender']:.3f} + {v['receiver']:.3f} ({v['cores_busy']:.2f})" for k, v in c.items())
             + f"; checksum alone {e['checksum_cpu_s_per_gb']:.3f} per end, ceiling {e['checksum_ceiling']:.2f}")
+        rc = e["raw_checksum"]
+        print(f"(a) raw + checksum {rc['bytes_per_s_median'] / 1e9:.2f} GB/s, {rc['vs_raw']:.2f} of raw; the link is "
+              f"{rc['kv_vs_this']:.2f} of it")
         d = e["device_backend"]
         print(f"(a) device backend {d['bytes_per_s_median'] / 1e9:.2f} GB/s, {d['vs_raw']:.2f} of raw")
     if "sends_per_request" in out:

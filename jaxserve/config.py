@@ -93,7 +93,8 @@ class LinkSection(_Strict):
 class TransferSection(_Strict):
     token: str = Field("jaxserve-local", description="cluster token every KV data connection must present")
     connections: int = Field(4, ge=1, description="parallel TCP connections per link")
-    chunk_mb: float = Field(8.0, gt=0, description="largest frame payload")
+    chunk_mb: float = Field(64.0, gt=0, description="largest frame payload (a send is split into one frame per "
+                            "connection, of at least 1 MiB, at most this)")
     layers_per_group: int | None = Field(None, ge=1, description="prefill streams KV every this many layers")
     stream_min_tokens: int = Field(512, ge=0, description="with layers_per_group: a transfer of fewer tokens goes "
                                    "out in one group after the prefill step (for a short prompt the per-group "

@@ -1,13 +1,14 @@
 """`KVSender`: one request's outgoing KV, handed to a backend link frame by frame.
 
 `start()` sends the plan; `send_array(i, arr)` queues every logical send of staged array i (one per aligned
-block run, or the whole state array), split into frames of at most the link's chunk size so the link's
-connections carry them in parallel; `finish(record)` queues the first-token record. Prefill calls
-`send_array` for each layer group as soon as that group's KV exists, while later groups still compute (or,
-on a pull.PullLink, `offer_arrays`: the group's device arrays are offered for the receiver to pull). The
-sender is DONE when every frame has been acknowledged, FAILED when the receiver refuses a frame for good
-(unknown request, refused plan), a frame fails its checksum `max_resends` times, or the link gives up. The
-arrays stay referenced until acknowledged: they are the exported device buffers, sent without a copy.
+block run, or the whole state array), split into frames (`link.frame_bytes`: a share per connection, at most
+the link's chunk size) so the link's connections carry them in parallel; `finish(record)` queues the
+first-token record. Prefill calls `send_array` for each layer group as soon as that group's KV exists,
+while later groups still compute (or, on a pull.PullLink, `offer_arrays`: the group's device arrays are
+offered for the receiver to pull). The sender is DONE when every frame has been acknowledged, FAILED when
+the receiver refuses a frame for good (unknown request, refused plan), a frame fails its checksum
+`max_resends` times, or the link gives up. The arrays stay referenced until acknowledged: they are the
+exported device buffers, sent without a copy.
 Thread-safe: the link's reader threads acknowledge concurrently (one lock).
 """
 
@@ -64,9 +65,9 @@ class KVSender:
         if arr.nbytes < spec.sent_bytes or not arr.flags.c_contiguous:
             raise ValueError(f"array {index}: got {arr.shape} {arr.dtype}, staged {spec.shape} {spec.dtype}")
         flat = memoryview(arr.reshape(-1).view(np.uint8))
-        chunk = self.link.chunk_bytes
         for off, n in self._sends_by_array.get(index, []):
             self.sends += 1
+            chunk = self.link.frame_bytes(n)
             for o in range(off, off + n, chunk):
                 k = min(chunk, off + n - o)
                 meta = {"a": index, "o": o}

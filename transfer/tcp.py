@@ -254,12 +254,15 @@ class KVServer:
 
 
 class TcpLink:
+    MIN_FRAME = 1 << 20  # a send is not split into frames smaller than this (each frame costs a header and an ACK)
+
     def __init__(self, address: tuple[str, int], token: str, connections: int = 4,
-                 emulation: LinkEmulation | None = None, name: str | None = None, chunk_bytes: int = 8 << 20,
+                 emulation: LinkEmulation | None = None, name: str | None = None, chunk_bytes: int = 64 << 20,
                  connect_timeout_s: float = 5.0):
         if connections < 1:
             raise ValueError(f"connections must be >= 1, got {connections}")
         self.address, self.token = (address[0], int(address[1])), token
+        self.connections = connections
         self.chunk_bytes = chunk_bytes
         self.connect_timeout_s = connect_timeout_s
         self.shaper = Shaper(emulation)
@@ -270,6 +273,14 @@ class TcpLink:
                          for i in range(connections)]
         for t in self._threads:
             t.start()
+
+    def frame_bytes(self, nbytes: int) -> int:
+        """Payload bytes per frame of one send of `nbytes`: an equal share for each connection, so they carry it
+        in parallel, in whole pages (frames stay page aligned in the receive region), no less than MIN_FRAME
+        and no more than `chunk_bytes`. Few large frames: the sender's CPU per byte fell with the frame count
+        (bench/transfer.py (a): 4 x 64 MiB frames moved 256 MiB about 8% faster than 32 x 8 MiB)."""
+        share = max(-(-nbytes // self.connections), self.MIN_FRAME)
+        return min(-(-share // 4096) * 4096, self.chunk_bytes)
 
     def submit(self, out: Outgoing) -> None:
         out.queued_at = time.monotonic()

@@ -286,6 +286,33 @@ def test_corrupted_payload_bytes_are_refused_then_accepted():
         p.close()
 
 
+def test_a_send_is_split_into_a_frame_per_connection():
+    """Frames are few and large (each costs a header, an ACK and the sender's CPU): a send is split into one
+    page-aligned share per connection, no smaller than MIN_FRAME, no larger than chunk_bytes; a transfer of
+    small runs goes as one frame per run."""
+    MiB = 1 << 20
+    link = TcpLink(("127.0.0.1", 9), TOKEN, connections=4, chunk_bytes=64 * MiB)  # connects on first frame only
+    small = TcpLink(("127.0.0.1", 9), TOKEN, connections=4, chunk_bytes=512)
+    try:
+        assert link.frame_bytes(256 * MiB) == 64 * MiB and link.frame_bytes(1 << 30) == 64 * MiB
+        assert link.frame_bytes(10 * MiB) == 10 * MiB // 4 and link.frame_bytes(10 * MiB + 1) % 4096 == 0
+        assert 4 * link.frame_bytes(10 * MiB + 1) >= 10 * MiB + 1
+        assert link.frame_bytes(100_000) == link.frame_bytes(3 * MiB) == MiB
+        assert small.frame_bytes(256 * MiB) == 512
+    finally:
+        link.close()
+        small.close()
+    p = Pair(connections=2, chunk_bytes=64 * MiB)
+    try:
+        r = p.receiver("f", [7, 8, 9, 20])
+        s, st, arrays = p.send("f", [3, 4, 9, 10], [7, 8, 9, 20])
+        assert s.wait(10) is KVPoll.DONE and r.state.wait(10) is KVPoll.DONE
+        assert s.frames == s.sends + 2  # plan, one DATA frame per send, first-token record
+        _assert_same(st, r.arrays(), arrays)
+    finally:
+        p.close()
+
+
 def test_truncated_frame_is_resent_on_a_new_connection():
     """A connection dies mid-payload: the receiver drops the partial frame, the sender resends it."""
     p = Pair(connections=1, chunk_bytes=1 << 20)
