@@ -113,7 +113,8 @@ def _receiver(conn, raw_port_q):
                 (n,) = struct.unpack("<Q", s.recv(8, socket.MSG_WAITALL))
                 check = wire.Checksum() if checked else None
                 wire.recv_into_exact(s, memoryview(sink)[i * per:i * per + n], check)
-                ok = check is None or wire.read_tail(s, _raw_header(n)) == check.digest()
+                tail = wire.recv_exact(s, wire.tail_len(n, True)) if checked else b""  # the link's trailer and pad
+                ok = check is None or wire.TRAILER.unpack_from(tail)[0] == check.digest()
                 s.sendall(b"k" if ok else b"x")
                 s.close()
             ts = [threading.Thread(target=drain, args=(i, s)) for i, s in enumerate(socks)]
@@ -162,11 +163,6 @@ def _kv_once(ctrl, link, lay, arr, nblocks, rid):
     if state is not KVPoll.DONE:
         raise RuntimeError(f"transfer failed: {s.state.reason}")
     return st.sent_bytes / dt, s.frames, s.sends
-
-
-def _raw_header(n: int) -> wire.Header:
-    """What the raw-with-checksum receiver expects after n payload bytes: the link's trailer and pad."""
-    return wire.Header(wire.DATA, 0, "", {}, n, 0, trailer=True)
 
 
 def _raw_once(ctrl, port, buf, conns, checked=False):

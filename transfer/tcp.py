@@ -29,6 +29,7 @@ import threading
 import time
 
 from . import wire
+from .bufpool import PAGE
 from .link import LinkEmulation, LinkMetrics, Shaper
 from .plan import PlanError, TransferPlan
 from .receiver import KVReceiver
@@ -280,7 +281,7 @@ class TcpLink:
         and no more than `chunk_bytes`. Few large frames: the sender's CPU per byte fell with the frame count
         (bench/transfer.py (a): 4 x 64 MiB frames moved 256 MiB about 8% faster than 32 x 8 MiB)."""
         share = max(-(-nbytes // self.connections), self.MIN_FRAME)
-        return min(-(-share // 4096) * 4096, self.chunk_bytes)
+        return min(-(-share // PAGE) * PAGE, self.chunk_bytes)
 
     def submit(self, out: Outgoing) -> None:
         out.queued_at = time.monotonic()

@@ -20,8 +20,8 @@ The payload checksum is XXH3-64 (xxhash), computed as the bytes go out or come i
 reads them from cache (about 45-55 GB/s there, 20-25 GB/s from memory, with the GIL released; zlib's CRC-32
 runs at 4 GB/s and would make the checksum, not the socket, the bottleneck of a 2-core host). A DATA frame
 whose sender computes it while sending carries it in an 8-byte trailer after the payload (flag TRAILER);
-other frames carry it in the header. It is an integrity check against transmission errors and truncation, not against an
-adversary (the cluster token authenticates peers). Plain functions over sockets and buffers.
+other frames carry it in the header. It is an integrity check against transmission errors and truncation,
+not against an adversary (the cluster token authenticates peers). Plain functions over sockets and buffers.
 """
 
 from __future__ import annotations
