@@ -104,6 +104,11 @@ class TransferSection(_Strict):
     leave_last_token: bool = Field(False, description="prefill leaves the last prompt token for decode to compute")
     shared_memory: bool = Field(True, description="prefill on the decode instance's host writes KV straight into "
                                                   "its receive pool (shared memory) instead of over TCP")
+    io_timeout_s: float = Field(10.0, gt=0, description="a KV socket read or write that makes no progress for this "
+                                "long fails (and TCP_USER_TIMEOUT): a silent partition breaks the connection")
+    idle_timeout_s: float = Field(300.0, gt=0, description="a KV server closes a connection idle for this long")
+    link_idle_s: float = Field(120.0, gt=0, description="a prefill worker closes a link to a decode instance "
+                               "unused for this long (its threads end; the next transfer builds a fresh one)")
     device_transfer: Literal["auto", "on", "off"] = Field(
         "auto", description="decode pulls KV device to device through JAX's transfer server (jax.experimental."
                             "transfer) when both ends enable it; auto: on where JAX runs on a GPU or TPU")
@@ -111,6 +116,12 @@ class TransferSection(_Strict):
     def groups_of(self, kv_tokens: int) -> int | None:
         """Layers per group of a transfer of `kv_tokens` tokens (None: one group, sent after the step)."""
         return self.layers_per_group if kv_tokens >= self.stream_min_tokens else None
+
+    def timeouts(self):
+        """The KV sockets' timeouts and limits (transfer/net.py); a frame unacknowledged past the transfer
+        deadline means its connection is gone."""
+        from transfer.net import Timeouts
+        return Timeouts(io_s=self.io_timeout_s, idle_s=self.idle_timeout_s, ack_s=self.deadline_s + self.io_timeout_s)
 
     def pulls(self, platform: str) -> bool:
         """Whether an instance whose JAX platform is `platform` uses the device backend."""
@@ -149,6 +160,12 @@ class ServerSection(_Strict):
     max_n: int = Field(8, ge=1)
     request_timeout_s: float = Field(600.0, gt=0)
     profile_dir: str = "profiles"
+    max_request_mb: float = Field(8.0, gt=0, description="largest request body; larger ones get 413 before they "
+                                  "are read")
+    rate_limit_rps: float | None = Field(None, gt=0, description="requests per second per API key (per client "
+                                         "address without keys); over it: 429 with Retry-After. None: no limit")
+    rate_limit_burst: int = Field(10, ge=1, description="requests a key may send at once before rate_limit_rps "
+                                  "applies")
 
 
 class Config(_Strict):
@@ -183,6 +200,20 @@ class Config(_Strict):
         insts = self.instances()
         return not (len(insts) == 1 and insts[0].role == "both" and insts[0].launch)
 
+    def check_exposure(self) -> None:
+        """Refuse (ConfigFileError naming the field) to serve the control or KV plane on an address that is not
+        loopback while the cluster token is a default anyone can read in this repository."""
+        if self.transfer.token not in DEFAULT_TOKENS:
+            return
+        exposed = ([f"router.host: {self.router.host}"] if self.disaggregated and not _loopback(self.router.host)
+                   else [])
+        exposed += [f"clusters.instances[{i.name}].host: {i.host}" for i in self.instances()
+                    if self.disaggregated and not _loopback(i.host)]
+        if exposed:
+            raise ConfigFileError(f"transfer.token: the default token {self.transfer.token!r} with a non-loopback "
+                                  f"address ({'; '.join(exposed)}): anyone who reads this repository could join the "
+                                  f"cluster; set transfer.token to a secret of your own")
+
     def instances(self) -> list[InstanceSection]:
         return [i for c in self.clusters for i in c.instances]
 
@@ -205,6 +236,19 @@ class Config(_Strict):
 
 class ConfigFileError(ValueError):
     pass
+
+
+DEFAULT_TOKENS = frozenset({"jaxserve-local", "change-me", ""})
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def parse(data, source: str = "<config>") -> Config:

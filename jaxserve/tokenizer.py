@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
 
@@ -46,7 +46,8 @@ class Tokenizer:
         if not self.chat_template:
             raise ValueError("this checkpoint has no chat template (tokenizer_config.json 'chat_template' or "
                              "chat_template.jinja)")
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        # a checkpoint's template is untrusted code: sandboxed, as transformers renders it
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         return env.from_string(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=self._special("bos_token"), eos_token=self._special("eos_token"))

@@ -42,13 +42,15 @@ from jaxserve.engine.scheduler import QueueFull
 from jaxserve.sampling import SamplingParams
 from jaxserve.worker import rpc
 
+from .control import ControlServer
 from .policy import least_loaded
-from .registry import Registry, RegistrationError, WorkerInfo
+from .registry import Registry, WorkerInfo
 
 log = logging.getLogger("jaxserve.router")
 Code = grpc.StatusCode
-# the call never reached a live worker, or the worker went away during it
-DEAD = (Code.UNAVAILABLE, Code.UNKNOWN, Code.INTERNAL, Code.CANCELLED)
+# the only status that says the worker is gone (the call never reached it, or its connection broke): a bad
+# message is INVALID_ARGUMENT, a handler's bug INTERNAL (worker/rpc.py); those fail the placement, not the worker
+DEAD = (Code.UNAVAILABLE,)
 
 
 class _Retry(Exception):
@@ -115,7 +117,7 @@ class Frontend:
 
     @property
     def max_model_len(self) -> int | None:
-        lens = [w.max_model_len for w in self.cluster.registry.workers.values()]
+        lens = [w.max_model_len for w in self.cluster.registry.all()]
         return min(lens) if lens else None
 
     @property
@@ -146,34 +148,21 @@ class ClusterEngine:
         self.kv_bytes_transferred = 0
         self.retries = 0
         self._clients: dict[str, rpc.Client] = {}
-        self._server = None
+        self._control: ControlServer | None = None
         self._joined: asyncio.Event | None = None
         self.address: str | None = None
         self.launcher = None  # router/launcher.py, when serve started the workers
 
-    # ---- control port (worker registration)
+    # ---- control port (worker registration, on a thread of its own: control.py)
     async def start(self) -> str:
         """Serve `Register` on router.host:router.port; returns host:port."""
         self._joined = asyncio.Event()
-        self._server = rpc.server()
-        self._server.add_generic_rpc_handlers((rpc.handler({"Register": self._register}, {}),))
+        loop = asyncio.get_running_loop()
         r = self.cfg.router
-        port = self._server.add_insecure_port(f"{r.host}:{r.port}")
-        await self._server.start()
-        self.address = f"{r.host}:{port}"
+        self._control = ControlServer(self.registry, self.cfg.transfer.token, r.heartbeat_s,
+                                      on_join=lambda: loop.call_soon_threadsafe(self._joined.set))
+        self.address = await asyncio.to_thread(self._control.start, r.host, r.port)
         return self.address
-
-    async def _register(self, req, ctx):
-        if req.get("token") != self.cfg.transfer.token:
-            log.warning("registration from %s refused: wrong cluster token", req.get("name"))
-            await ctx.abort(Code.PERMISSION_DENIED, "wrong cluster token (transfer.token)")
-        try:
-            w = self.registry.register(req)
-        except RegistrationError as e:
-            log.warning("registration refused: %s", e)
-            await ctx.abort(Code.INVALID_ARGUMENT, str(e))
-        self._joined.set()
-        return {"name": w.name, "heartbeat_s": self.cfg.router.heartbeat_s}
 
     async def joined(self) -> None:
         """Wait for the next registration or heartbeat."""
@@ -186,12 +175,14 @@ class ClusterEngine:
                 t.cancel()
         for c in self._clients.values():
             await c.close()
-        if self._server is not None:
-            await self._server.stop(0.5)
+        self._clients.clear()
+        if self._control is not None:
+            await asyncio.to_thread(self._control.stop)
+            self._control = None
 
     def metrics_state(self) -> dict:
         """What server/metrics.py publishes for a cluster (instances, links, KV bytes, retries)."""
-        links = {snap.get("link", f"{w.name}:{addr}"): snap for w in self.registry.workers.values()
+        links = {snap.get("link", f"{w.name}:{addr}"): snap for w in self.registry.all()
                  for addr, snap in w.links.items()}
         return {"instances": self.registry.state(), "links": links,
                 "kv_bytes_transferred": self.kv_bytes_transferred, "retries": self.retries}
@@ -238,7 +229,11 @@ class ClusterEngine:
     # ---- placement
     def _client(self, w: WorkerInfo) -> rpc.Client:
         if w.address not in self._clients:
-            self._clients[w.address] = rpc.Client(w.address)
+            # channels to addresses no worker registers at any more (restarted workers) are closed
+            live = self.registry.addresses()
+            for addr in [a for a in self._clients if a not in live]:
+                asyncio.ensure_future(self._clients.pop(addr).close())
+            self._clients[w.address] = rpc.Client(w.address, self.cfg.transfer.token)
         return self._clients[w.address]
 
     def _down(self, w: WorkerInfo, e: grpc.aio.AioRpcError) -> None:
@@ -303,8 +298,13 @@ class ClusterEngine:
             except BaseException:
                 call.cancel()
                 raise
+            if not isinstance(first, dict) or not isinstance(first.get("reserved"), dict):
+                call.cancel()
+                raise _Retry(f"{w.name} answered Decode without a reservation: {str(first)[:200]}")
         s.call, s.it, s.worker, s.method, s.prefill, s.kv_bytes, s.kv_backend = call, it, w, method, None, 0, None
-        s.reserved = first["reserved"] if first else None
+        # where prefill sends the KV: the decode instance by name (the worker looks its addresses up in the
+        # registry's peer table) and the reservation's blocks, skip and region offset
+        s.reserved = {"instance": w.name, **first["reserved"]} if first else None
         s.attempts += 1
         w.inflight += 1
 

@@ -4,16 +4,24 @@ Workers register themselves (the `Register` call, which doubles as their heartbe
 carrying their role, addresses and engine stats. A worker is *up* while it has been heard from within
 `down_after_s`; a call to it that fails at the transport level marks it down at once (`mark_down`), and its
 next heartbeat brings it back. The router's own count of requests in flight on each instance is the load
-signal for dispatch (policy.py), the heartbeat's stats break ties. Concurrency: used from the router's
-asyncio loop only (no locks); `now` is injectable for tests.
+signal for dispatch (policy.py), the heartbeat's stats break ties. The registry is also the one source of
+the instances' data addresses: `peers()` is the table every worker gets back from Register, and a prefill
+worker sends KV only to an address in it (worker/messages.py).
+
+Concurrency: registrations arrive on the control port's thread (router/control.py), everything else runs on
+the router's asyncio loop; the worker table is changed and iterated under one lock, and single attribute
+updates of a WorkerInfo are atomic. `now` is injectable for tests.
 """
 
 from __future__ import annotations
 
+import collections
+import threading
 import time
 from dataclasses import dataclass, field
 
 ROLES = ("prefill", "decode", "both")
+MAX_EVENTS = 1024
 
 
 class RegistrationError(ValueError):
@@ -30,6 +38,9 @@ class WorkerInfo:
     pid: int | None = None
     stats: dict = field(default_factory=dict)
     links: dict = field(default_factory=dict)
+    shm: dict | None = None  # decode: its shared-memory receive pool {"name", "boot", "bytes"}
+    pull: bool = False  # decode: takes device pulls
+    pull_address: str | None = None  # prefill: its JAX transfer server
     last_seen: float = 0.0
     down_reason: str | None = None  # set while marked down by a failed call
     inflight: int = 0  # requests the router has on this instance now
@@ -39,6 +50,11 @@ class WorkerInfo:
     def serves(self, role: str) -> bool:
         return self.role == role or self.role == "both"
 
+    def peer(self) -> dict:
+        """This instance's entry in the peer table."""
+        return {"role": self.role, "pid": self.pid, "kv_address": list(self.kv_address) if self.kv_address else None,
+                "shm": self.shm, "pull": self.pull, "pull_address": self.pull_address}
+
 
 class Registry:
     def __init__(self, expected: dict[str, str] | None = None, down_after_s: float = 5.0, now=time.monotonic):
@@ -47,7 +63,9 @@ class Registry:
         self.down_after_s = down_after_s
         self.now = now
         self.workers: dict[str, WorkerInfo] = {}
-        self.events: list[tuple[float, str, str]] = []  # (time, instance, what happened), for logs and tests
+        # (time, instance, what happened), for logs and tests; the newest MAX_EVENTS
+        self.events: collections.deque[tuple[float, str, str]] = collections.deque(maxlen=MAX_EVENTS)
+        self._lock = threading.Lock()
 
     def register(self, msg: dict) -> WorkerInfo:
         """A Register / heartbeat message -> the (new or refreshed) worker. Raises RegistrationError."""
@@ -65,37 +83,50 @@ class Registry:
                 raise RegistrationError(f"{name}: the config says role {self.expected[name]!r}, the worker {role!r}")
         kv = msg.get("kv_address")
         kv = (str(kv[0]), int(kv[1])) if kv else None
-        w = self.workers.get(name)
-        if w is None or w.address != address or w.pid != msg.get("pid"):
-            old = w
-            w = WorkerInfo(name, role, address, kv, max_len, msg.get("pid"))
-            if old is not None:  # a restarted worker: nothing the router had in flight there survives
-                self.events.append((self.now(), name, f"re-registered at {address}"))
-            else:
-                self.events.append((self.now(), name, f"registered at {address}"))
-            self.workers[name] = w
-        elif w.down_reason is not None:
-            self.events.append((self.now(), name, "up again"))
-        w.kv_address, w.max_model_len = kv, max_len
-        w.stats = dict(msg.get("stats") or {})
-        w.links = dict(msg.get("links") or {})
-        w.last_seen = self.now()
-        w.down_reason = None
+        with self._lock:
+            w = self.workers.get(name)
+            if w is None or w.address != address or w.pid != msg.get("pid"):
+                old = w
+                w = WorkerInfo(name, role, address, kv, max_len, msg.get("pid"))
+                # a restarted worker: nothing the router had in flight there survives
+                self.events.append((self.now(), name, f"{'re-' if old is not None else ''}registered at {address}"))
+                self.workers[name] = w
+            elif w.down_reason is not None:
+                self.events.append((self.now(), name, "up again"))
+            w.kv_address, w.max_model_len = kv, max_len
+            w.stats = dict(msg.get("stats") or {})
+            w.links = dict(msg.get("links") or {})
+            w.shm = dict(msg["shm"]) if msg.get("shm") else None
+            w.pull, w.pull_address = bool(msg.get("pull")), msg.get("pull_address")
+            w.last_seen = self.now()
+            w.down_reason = None
         return w
 
     def mark_down(self, name: str, reason: str) -> None:
-        w = self.workers.get(name)
-        if w is not None and w.down_reason is None:
-            w.down_reason = reason
-            w.failures += 1
-            self.events.append((self.now(), name, f"down: {reason}"))
+        with self._lock:
+            w = self.workers.get(name)
+            if w is not None and w.down_reason is None:
+                w.down_reason = reason
+                w.failures += 1
+                self.events.append((self.now(), name, f"down: {reason}"))
 
     def is_up(self, w: WorkerInfo) -> bool:
         return w.down_reason is None and self.now() - w.last_seen <= self.down_after_s
 
+    def all(self) -> list[WorkerInfo]:
+        """Every registered worker (a snapshot of the table)."""
+        with self._lock:
+            return list(self.workers.values())
+
     def up(self, role: str | None = None, exclude=()) -> list[WorkerInfo]:
-        return [w for w in self.workers.values()
-                if self.is_up(w) and (role is None or w.serves(role)) and w.name not in exclude]
+        return [w for w in self.all() if self.is_up(w) and (role is None or w.serves(role)) and w.name not in exclude]
+
+    def addresses(self) -> set[str]:
+        return {w.address for w in self.all()}
+
+    def peers(self) -> dict[str, dict]:
+        """name -> the instance's data-plane entry (WorkerInfo.peer) for every registered instance."""
+        return {w.name: w.peer() for w in self.all()}
 
     def state(self) -> dict:
         """name -> {"role", "up", "inflight", "served", "failures", "down_reason", "age_s"} (for /health)."""
@@ -103,4 +134,4 @@ class Registry:
         return {w.name: {"role": w.role, "up": self.is_up(w), "inflight": w.inflight, "served": w.served,
                          "failures": w.failures,
                          "down_reason": w.down_reason or (None if self.is_up(w) else "no heartbeat"),
-                         "age_s": round(t - w.last_seen, 3)} for w in self.workers.values()}
+                         "age_s": round(t - w.last_seen, 3)} for w in self.all()}

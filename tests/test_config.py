@@ -74,3 +74,20 @@ def test_device_transfer_setting():
     assert not parse({"transfer": {"device_transfer": "off"}}).transfer.pulls("gpu")
     with pytest.raises(ConfigFileError, match="transfer.device_transfer"):
         parse({"transfer": {"device_transfer": "nccl"}})
+
+
+def test_a_default_cluster_token_is_refused_off_loopback():
+    """A token anyone can read here (the presets' jaxserve-local / change-me) must not guard a control or KV
+    port that is not on loopback; the error names transfer.token and the exposed address."""
+    pd = {"clusters": [{"name": "c", "instances": [{"name": "p", "role": "prefill"}, {"name": "d", "role": "decode"}]}]}
+    parse(pd).check_exposure()  # loopback everywhere: fine
+    for token in ("jaxserve-local", "change-me"):
+        with pytest.raises(ConfigFileError, match=r"transfer.token: .*router.host: 0.0.0.0"):
+            parse({**pd, "router": {"host": "0.0.0.0"}, "transfer": {"token": token}}).check_exposure()
+    exposed = {"clusters": [{"name": "c", "instances": [{"name": "p", "role": "prefill", "host": "10.1.2.3"},
+                                                        {"name": "d", "role": "decode"}]}]}
+    with pytest.raises(ConfigFileError, match=r"clusters.instances\[p\].host: 10.1.2.3"):
+        parse(exposed).check_exposure()
+    parse({**exposed, "transfer": {"token": "a-real-secret"}}).check_exposure()
+    # one colocated instance serves no control or KV port: only the HTTP host, which the token does not guard
+    parse({"server": {"host": "0.0.0.0"}}).check_exposure()

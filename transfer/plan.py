@@ -204,6 +204,7 @@ class TransferPlan:
     layer_groups: list[tuple[int, int]]
     runs: list[Run] = field(default_factory=list)
     head_parts: list[int] | None = None  # per cache group: the sender's KV-head shards (None: whole)
+    shm_base: int | None = None  # the sender writes into the receiver's shared-memory region at this offset
 
     @staticmethod
     def build(layout, dtype: str, num_tokens: int, src: list[int], dst: list[int], skip: int,
@@ -221,16 +222,32 @@ class TransferPlan:
     def to_meta(self) -> dict:
         return {"signature": self.signature, "dtype": self.dtype, "num_tokens": self.num_tokens, "skip": self.skip,
                 "nblocks": self.nblocks, "layer_groups": [list(g) for g in self.layer_groups],
-                "runs": [[r.index, r.src, r.dst, r.length] for r in self.runs], "head_parts": self.head_parts}
+                "runs": [[r.index, r.src, r.dst, r.length] for r in self.runs], "head_parts": self.head_parts,
+                "shm_base": self.shm_base}
 
     @staticmethod
     def from_meta(m: dict) -> "TransferPlan":
-        try:
-            return TransferPlan(str(m["signature"]), str(m["dtype"]), int(m["num_tokens"]), int(m["skip"]),
-                                int(m["nblocks"]), [tuple(g) for g in m["layer_groups"]],
-                                [Run(*(int(x) for x in r)) for r in m["runs"]], m.get("head_parts"))
-        except (KeyError, TypeError, ValueError) as e:
-            raise PlanError(f"malformed plan: {e}") from None
+        """A PLAN frame's meta -> the plan; raises PlanError naming the field that does not fit."""
+        def ints(v, n=None):
+            return isinstance(v, list) and (n is None or len(v) == n) and all(type(x) is int and x >= 0 for x in v)
+        fields = {"signature": lambda v: isinstance(v, str), "dtype": lambda v: v in WIRE_DTYPES,
+                  "num_tokens": lambda v: type(v) is int and v > 0, "skip": lambda v: type(v) is int and v >= 0,
+                  "nblocks": lambda v: type(v) is int and v >= 0,
+                  "layer_groups": lambda v: isinstance(v, list) and 0 < len(v) <= 4096 and all(ints(g, 2) for g in v),
+                  "runs": lambda v: isinstance(v, list) and all(ints(r, 4) for r in v),
+                  "head_parts": lambda v: v is None or (ints(v) and len(v) <= 4096),
+                  "shm_base": lambda v: v is None or (type(v) is int and v >= 0)}
+        for name in m:
+            if name not in fields:
+                raise PlanError(f"malformed plan: unknown field {name!r}")
+        for name, ok in fields.items():
+            if name not in m and name not in ("head_parts", "shm_base"):
+                raise PlanError(f"malformed plan: missing field {name!r}")
+            if not ok(m.get(name)):
+                raise PlanError(f"malformed plan: bad value of {name!r}: {str(m.get(name))[:80]}")
+        return TransferPlan(m["signature"], m["dtype"], m["num_tokens"], m["skip"], m["nblocks"],
+                            [tuple(g) for g in m["layer_groups"]], [Run(*r) for r in m["runs"]], m.get("head_parts"),
+                            m.get("shm_base"))
 
     def sends(self, st: Staging) -> list[tuple[int, int, int]]:
         """The logical sends (array index, byte offset, bytes): one per run of each block array (of each head
@@ -259,7 +276,8 @@ class TransferPlan:
         want = list(dst[skip:n])
         pos = 0
         for r in self.runs:
-            if r.index != pos or r.length < 1 or want[r.index:r.index + r.length] != list(range(r.dst, r.dst + r.length)):
+            if (r.index != pos or r.length < 1 or r.index + r.length > len(want)
+                    or want[r.index:r.index + r.length] != list(range(r.dst, r.dst + r.length))):
                 raise PlanError(f"run {r} does not match the reserved blocks")
             pos += r.length
         if pos != len(want):

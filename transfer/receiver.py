@@ -54,6 +54,10 @@ class KVReceiver:
                     if plan.to_meta() == self.plan.to_meta():
                         return  # the same plan again (its acknowledgement was lost with a connection)
                     raise PlanError("a different plan was already accepted for this request")
+                if plan.shm_base is not None and (self.region.pool.shm_name is None
+                                                  or plan.shm_base != self.region.offset):
+                    raise PlanError(f"the plan writes shared memory at {plan.shm_base}; this request's region is "
+                                    + (f"at {self.region.offset}" if self.region.pool.shm_name else "not shared"))
                 st = plan.check(self.layout, self.dtype, self.dst_blocks, self.num_tokens, self.skip)
                 if st.nbytes > self.region.nbytes:
                     raise PlanError(f"staged plan needs {st.nbytes} bytes, region holds {self.region.nbytes}")

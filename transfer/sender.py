@@ -32,6 +32,7 @@ class Outgoing:
     frame: wire.Frame
     queued_at: float = field(default_factory=time.monotonic)
     attempts: int = 0
+    sent_at: float | None = None  # when its last sending finished (None: not yet on the wire)
 
 
 class KVSender:
@@ -51,6 +52,9 @@ class KVSender:
         self.frames = 0
         self.sends = 0  # logical sends (runs / state arrays)
         self.resends = 0
+        # set when the receiver accepted the plan (or the transfer ended): a sender writing into the receiver's
+        # shared memory waits for it, so no byte lands before the receiver has checked where (shm.py)
+        self.plan_accepted = threading.Event()
         self._sends_by_array: dict[int, list[tuple[int, int]]] = {}
         for a, off, n in plan.sends(staging):
             self._sends_by_array.setdefault(a, []).append((off, n))
@@ -97,6 +101,7 @@ class KVSender:
         self._maybe_done()
 
     def abort(self, reason: str) -> None:
+        self.plan_accepted.set()
         if self.state.fail(reason):
             self.link.submit(Outgoing(self, wire.Frame(wire.ABORT, self.request_id, meta={"reason": reason})))
 
@@ -108,6 +113,8 @@ class KVSender:
         with self._lock:
             self._pending.discard(out.frame.seq)
             self.bytes_acked += out.frame.meta["bytes"] if out.frame.kind == wire.PULL else len(out.frame.payload)
+        if out.frame.kind == wire.PLAN:
+            self.plan_accepted.set()
         self._maybe_done()
 
     def refused(self, out: Outgoing, reason: str, retry: bool) -> bool:
@@ -117,10 +124,12 @@ class KVSender:
                 self.resends += 1
             return True
         self.state.fail(f"receiver refused {out.frame.name} frame: {reason}")
+        self.plan_accepted.set()
         return False
 
     def link_failed(self, reason: str) -> None:
         self.state.fail(reason)
+        self.plan_accepted.set()
 
     # ---- internals
     def _submit(self, frame: wire.Frame) -> None:

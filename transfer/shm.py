@@ -7,7 +7,8 @@ per piece, whose writer thread first copies the piece into the segment at its pl
 connections run in parallel), checksumming each cache-sized part right after copying it, then sends the
 header with the piece's checksum. The receiver checks the plan and the bytes' position exactly as for DATA,
 verifies the checksum over the region, and answers ACK, or NACK(retry), after which the piece is copied and
-announced again. So the bytes cross once (one memcpy,
+announced again. No piece is written before the receiver has accepted the plan, which carries the region's
+offset: the receiver refuses an offset that is not the request's region. So the bytes cross once (one memcpy,
 no socket), and corruption, resends, refusals and deadlines behave as on TCP. Use only where both ends run
 on one host: `same_host` compares kernel boot ids.
 """
@@ -41,6 +42,18 @@ class ShmLink(TcpLink):
         self.shm_name = shm_name
         self.mapping = np.frombuffer(attach_segment(shm_name), np.uint8)
         super().__init__(address, token, **kw)
+
+    def _ready(self, out) -> bool:
+        """A PUT writes into the receiver's memory: only once the receiver has accepted the plan, which names
+        the region's offset (receiver.py refuses a plan whose offset is not the request's region)."""
+        if out.frame.kind != wire.PUT:
+            return True
+        at, n = int(out.frame.meta["at"]), len(out.frame.payload)
+        if not 0 <= at <= self.mapping.size - n:
+            out.sender.link_failed(f"bytes [{at}, {at + n}) lie outside the receive pool ({self.mapping.size} bytes)")
+        elif not out.sender.plan_accepted.wait(self.timeouts.ack_s):
+            out.sender.link_failed(f"the receiver did not accept the plan within {self.timeouts.ack_s}s")
+        return not out.sender.state.final
 
     def _emit(self, sock: socket.socket, f: wire.Frame, lost: bool) -> None:
         """Writer thread: a PUT's piece is copied into the segment a cache-sized part at a time, each part

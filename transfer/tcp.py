@@ -1,21 +1,29 @@
 """TCP backend: `KVServer` on the receiving worker, `TcpLink` (N parallel connections) on the sending one.
 
-Receiver: one listening socket; a thread per accepted connection. A connection must open with HELLO carrying the
-cluster token (compared in constant time), or it is refused and closed with the reason logged. Each DATA frame's
-payload is read with `recv_into` straight into its place in the request's receive region (bufpool.py; data that
-overtook its plan on another connection waits for it), its checksum (wire.py) verified, and answered ACK, or
-NACK(retry) on a checksum mismatch. Frames for an unknown request id, a refused plan (mismatched layout or dtype,
-blocks that are not the reservation) or bytes outside the plan are drained and answered NACK(final) with the
-reason, which is also logged. A reaper thread fails receivers whose deadline passed (their sender died or
-stalled). A PULL frame (device backend) names staged arrays the server's `puller` (pull.py) fetches from the
-sender's JAX transfer server before answering; a pull that fails fails the transfer at once.
+Receiver: one listening socket; a thread per accepted connection, bounded (net.py `Timeouts`): at most
+`max_connections` open and `max_unauthenticated` not yet authenticated, the rest closed at once. A connection
+must open within `hello_s` with a HELLO of at most `hello_max_bytes` carrying the cluster token (compared in
+constant time), or it is refused and closed with the reason logged; nothing else is read or parsed before.
+Every socket has timeouts and keepalive (net.py); a connection that carries no frame for `idle_s` is closed.
+Each frame's meta is checked against its kind (wire.check_meta; the plan's by plan.TransferPlan.from_meta):
+one that does not fit is drained and refused with NACK(final), and the connection goes on; a header that
+cannot be a frame closes the connection. Each DATA frame's payload is read with `recv_into` straight into its
+place in the request's receive region (bufpool.py; data that overtook its plan on another connection waits for
+it), its checksum (wire.py) verified, and answered ACK, or NACK(retry) on a checksum mismatch. Frames for an
+unknown request id, a refused plan (mismatched layout or dtype, blocks that are not the reservation, a
+shared-memory offset that is not the request's region) or bytes outside the plan are drained and answered
+NACK(final) with the reason, which is also logged. A reaper thread fails receivers whose deadline passed
+(their sender died, stalled or was cut off). A PULL frame (device backend) names staged arrays the server's
+`puller` (pull.py) fetches from the sender's JAX transfer server, whose address must be a registered prefill
+instance's (`pull_from`), before answering; a pull that fails fails the transfer at once.
 
 Sender: a link owns N connections to one receiver address, shared by all transfers to it. Frames wait in
 one queue; each connection has a writer thread that takes the next frame (so the connections share the
 load), applies the link emulation (link.py) and sends header then payload from the caller's buffer, and a
 reader thread that matches ACK / NACK to the frames it has outstanding. A NACK(retry) requeues the frame;
-a broken connection requeues everything it had outstanding and reconnects; a receiver unreachable for
-`connect_timeout_s` fails the transfers waiting on it. Concurrency: threads and locks throughout.
+a broken connection, a write that times out, or a frame unacknowledged for `ack_s` (a silent partition)
+requeues everything the connection had outstanding and reconnects; a receiver unreachable for `connect_s`
+fails the transfers waiting on it. Concurrency: threads and locks throughout.
 """
 
 from __future__ import annotations
@@ -31,27 +39,25 @@ import time
 from . import wire
 from .bufpool import PAGE
 from .link import LinkEmulation, LinkMetrics, Shaper
+from .net import Timeouts, tune
 from .plan import PlanError, TransferPlan
 from .receiver import KVReceiver
 from .sender import Outgoing
 from .state import KVPoll
 
 log = logging.getLogger("jaxserve.transfer")
-
-
-def _tune(sock: socket.socket) -> None:
-    """No delay for the small control frames. Socket buffer sizes are left to the kernel's autotuning: fixed
-    4 MiB buffers measured about 10% slower on loopback (bench/transfer.py (a))."""
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+MAX_PAYLOAD = 1 << 30  # a DATA frame's payload (a send is split into frames of at most transfer.chunk_mb)
 
 
 class KVServer:
     def __init__(self, token: str, host: str = "127.0.0.1", port: int = 0, reap_interval_s: float = 0.2,
-                 plan_wait_s: float = 10.0, puller=None):
-        """puller: a pull.PullServer when this instance takes the device backend's PULL frames."""
+                 plan_wait_s: float = 10.0, puller=None, timeouts: Timeouts | None = None, pull_from=None):
+        """puller: a pull.PullServer when this instance takes the device backend's PULL frames; pull_from(address)
+        says whether a PULL's transfer-server address is a registered prefill instance's (None: any)."""
         self.token = token.encode()
         self.plan_wait_s = plan_wait_s
-        self.puller = puller
+        self.puller, self.pull_from = puller, pull_from
+        self.timeouts = t = timeouts or Timeouts()
         self._receivers: dict[str, KVReceiver] = {}
         self._lock = threading.Lock()
         self._sock = socket.create_server((host, port), reuse_port=False)
@@ -59,11 +65,14 @@ class KVServer:
         self.address = self._sock.getsockname()[:2]
         self._closed = threading.Event()
         self._conns: set[socket.socket] = set()
-        self.rejections: list[str] = []  # reasons, newest last (also logged)
+        self._unauthenticated = 0
+        self.refused_connections = 0  # closed at accept: over max_connections / max_unauthenticated
+        self.rejections: collections.deque[str] = collections.deque(maxlen=256)  # reasons, newest last (logged)
         # recent ids that are done (None) or whose plan was refused (the reason)
         self._completed: collections.OrderedDict[str, str | None] = collections.OrderedDict()
         self.bytes_received = 0
         self.corrupt_frames = 0
+        self.idle_s = t.idle_s
         threading.Thread(target=self._accept, name="kv-accept", daemon=True).start()
         threading.Thread(target=self._reap, args=(reap_interval_s,), name="kv-reaper", daemon=True).start()
 
@@ -89,8 +98,16 @@ class KVServer:
         with self._lock:
             return len(self._receivers)
 
+    def connections(self) -> int:
+        with self._lock:
+            return len(self._conns)
+
     def close(self) -> None:
         self._closed.set()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept thread, which then ends
+        except OSError:
+            pass
         try:
             self._sock.close()
         except OSError:
@@ -121,49 +138,103 @@ class KVServer:
                 r.fail("deadline passed before the transfer completed")
 
     def _accept(self) -> None:
+        t = self.timeouts
         while not self._closed.is_set():
             try:
                 conn, addr = self._sock.accept()
             except OSError:
                 return
-            _tune(conn)
             with self._lock:
-                self._conns.add(conn)
+                full = len(self._conns) >= t.max_connections or self._unauthenticated >= t.max_unauthenticated
+                if not full:
+                    self._conns.add(conn)
+                    self._unauthenticated += 1
+                else:
+                    self.refused_connections += 1
+            if full:
+                log.info("kv connection from %s:%s closed: connection limit reached", *addr[:2])
+                conn.close()
+                continue
             threading.Thread(target=self._serve, args=(conn, addr), name="kv-conn", daemon=True).start()
+
+    def _hello(self, conn: socket.socket, peer: str) -> bool:
+        """Pre-authentication: a HELLO with the cluster token within hello_s, nothing bigger than
+        hello_max_bytes read or parsed. Answers it; True when the peer is a cluster member."""
+        t = self.timeouts
+        conn.settimeout(t.hello_s)
+        try:
+            hello = wire.read_header(conn, max_meta=t.hello_max_bytes)
+            wire.check_meta(wire.HELLO, hello.meta) if hello.kind == wire.HELLO else None
+        except (wire.ProtocolError, wire.MetaError, OSError) as e:
+            self._reject(f"connection from {peer}: no valid HELLO within {t.hello_s}s ({e})")
+            return False
+        token = str(hello.meta.get("token", "")).encode()
+        if hello.kind != wire.HELLO or hello.payload_len or not hmac.compare_digest(token, self.token):
+            self._reject(f"connection from {peer}: not a cluster member (missing or wrong cluster token)")
+            wire.send_frame(conn, wire.Frame(wire.NACK, "", hello.seq, {"reason": "bad cluster token",
+                                                                         "retry": False}))
+            return False
+        wire.send_frame(conn, wire.Frame(wire.ACK, "", hello.seq))
+        return True
 
     def _serve(self, conn: socket.socket, addr) -> None:
         peer = f"{addr[0]}:{addr[1]}"
-        scratch = memoryview(bytearray(1 << 20))
+        pending = True  # counted among the unauthenticated connections
+
+        def authenticated():
+            nonlocal pending
+            with self._lock:
+                self._unauthenticated -= 1
+            pending = False
         try:
-            hello = wire.read_header(conn)
-            token = str(hello.meta.get("token", "")).encode()
-            if hello.kind != wire.HELLO or not hmac.compare_digest(token, self.token):
-                self._reject(f"connection from {peer}: not a cluster member (missing or wrong cluster token)")
-                wire.send_frame(conn, wire.Frame(wire.NACK, "", hello.seq, {"reason": "bad cluster token",
-                                                                             "retry": False}))
+            tune(conn, self.timeouts)
+            ok = self._hello(conn, peer)
+            authenticated()
+            if not ok:
                 return
-            wire.send_frame(conn, wire.Frame(wire.ACK, "", hello.seq))
+            conn.settimeout(self.timeouts.io_s)
+            scratch = memoryview(bytearray(1 << 20))
+            last = time.monotonic()
             while not self._closed.is_set():
-                self._frame(conn, wire.read_header(conn), scratch)
+                try:
+                    h = wire.read_header(conn)
+                except wire.Idle:
+                    if time.monotonic() - last > self.idle_s:
+                        log.info("kv connection from %s closed: idle for %.0fs", peer, self.idle_s)
+                        return
+                    continue
+                self._frame(conn, h, scratch)
+                last = time.monotonic()
         except wire.PeerClosed:
             pass  # closed between frames: the sender is done with this connection
-        except (wire.ProtocolError, OSError, ValueError) as e:
+        except (wire.ProtocolError, OSError) as e:
             if not self._closed.is_set():
                 log.info("kv connection from %s closed: %s", peer, e)
+        except Exception as e:  # noqa: BLE001 - a bad frame ends its connection, never the server
+            log.warning("kv connection from %s closed on an unexpected error: %s: %s", peer, type(e).__name__, e)
         finally:
+            if pending:
+                authenticated()
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
 
     def _frame(self, conn: socket.socket, h: wire.Header, scratch: memoryview) -> None:
-        with self._lock:
-            recv = self._receivers.get(h.request_id)
-
         def nack(reason: str, retry: bool = False):
             if not retry:
                 self._reject(f"{h.request_id}: {wire.KIND_NAMES[h.kind]} frame refused: {reason}")
             wire.send_frame(conn, wire.Frame(wire.NACK, h.request_id, h.seq, {"reason": reason, "retry": retry}))
 
+        if h.payload_len > (MAX_PAYLOAD if h.kind == wire.DATA else 0):
+            raise wire.ProtocolError(f"{wire.KIND_NAMES[h.kind]} frame with a payload of {h.payload_len} bytes")
+        try:
+            wire.check_meta(h.kind, h.meta)
+            plan = TransferPlan.from_meta(h.meta) if h.kind == wire.PLAN else None
+        except (wire.MetaError, PlanError) as e:
+            wire.discard(conn, h.body_len, scratch)
+            return nack(str(e))
+        with self._lock:
+            recv = self._receivers.get(h.request_id)
         if recv is None and h.kind != wire.ABORT:
             wire.discard(conn, h.body_len, scratch)
             with self._lock:
@@ -178,7 +249,7 @@ class KVServer:
         if h.kind == wire.PLAN:
             wire.discard(conn, h.body_len, scratch)
             try:
-                recv.accept_plan(TransferPlan.from_meta(h.meta))
+                recv.accept_plan(plan)
             except PlanError as e:
                 self.forget(h.request_id, refused=f"plan refused: {e}")
                 return nack(str(e))
@@ -186,11 +257,11 @@ class KVServer:
             wire.discard(conn, h.body_len, scratch)
             return nack(f"no plan within {self.plan_wait_s}s of the first data")
         elif h.kind in (wire.DATA, wire.PUT):  # PUT: the sender already wrote the bytes into the region (shm.py)
+            a, o = h.meta["a"], h.meta["o"]
+            n = h.meta["n"] if h.kind == wire.PUT else h.payload_len
             try:
-                a, o = int(h.meta["a"]), int(h.meta["o"])
-                n = int(h.meta["n"]) if h.kind == wire.PUT else h.payload_len
                 view = recv.target(a, o, n)
-            except (PlanError, KeyError, ValueError, TypeError) as e:
+            except PlanError as e:
                 wire.discard(conn, h.body_len, scratch)
                 return nack(str(e))
             if view is None:  # a resend of bytes already here
@@ -216,15 +287,17 @@ class KVServer:
             wire.discard(conn, h.body_len, scratch)
             if self.puller is None:
                 return nack("this instance does not take device pulls")
+            if self.pull_from is not None and not self.pull_from(h.meta["addr"]):
+                return nack(f"pull address {h.meta['addr']!r} is not a registered prefill instance's")
+            arrays = h.meta["arrays"]
             try:
-                arrays = [int(a) for a in h.meta["arrays"]]
-                specs = recv.to_pull(arrays, int(h.meta["bytes"]))
-            except (PlanError, KeyError, ValueError, TypeError) as e:
+                specs = recv.to_pull(arrays, h.meta["bytes"])
+            except PlanError as e:
                 return nack(str(e))
             if specs is not None:
                 xs = None
                 try:
-                    xs = self.puller.pull(str(h.meta["addr"]), int(h.meta["uuid"]), [(a.shape, a.dtype) for a in specs],
+                    xs = self.puller.pull(h.meta["addr"], h.meta["uuid"], [(a.shape, a.dtype) for a in specs],
                                           max(recv.deadline - time.monotonic(), 0.1))
                 except Exception as e:  # noqa: BLE001 - PullError, or a bad address / uuid in the frame
                     reason = f"pull failed: {e}"  # the offer is gone or unreachable: the transfer fails now
@@ -234,7 +307,7 @@ class KVServer:
                 finally:
                     recv.landed(arrays, xs)
                 with self._lock:
-                    self.bytes_received += int(h.meta["bytes"])
+                    self.bytes_received += h.meta["bytes"]
         elif h.kind == wire.META:
             wire.discard(conn, h.body_len, scratch)
             try:
@@ -242,6 +315,7 @@ class KVServer:
             except PlanError as e:
                 return nack(str(e))
         elif h.kind == wire.ABORT:
+            wire.discard(conn, h.body_len, scratch)
             if recv is not None:
                 self.forget(h.request_id)
                 recv.fail(f"sender aborted: {h.meta.get('reason', '')}")
@@ -259,13 +333,13 @@ class TcpLink:
 
     def __init__(self, address: tuple[str, int], token: str, connections: int = 4,
                  emulation: LinkEmulation | None = None, name: str | None = None, chunk_bytes: int = 64 << 20,
-                 connect_timeout_s: float = 5.0):
+                 timeouts: Timeouts | None = None):
         if connections < 1:
             raise ValueError(f"connections must be >= 1, got {connections}")
         self.address, self.token = (address[0], int(address[1])), token
         self.connections = connections
         self.chunk_bytes = chunk_bytes
-        self.connect_timeout_s = connect_timeout_s
+        self.timeouts = timeouts or Timeouts()
         self.shaper = Shaper(emulation)
         self.metrics = LinkMetrics(name or f"{address[0]}:{address[1]}", self.shaper.emu.bytes_per_s)
         self._queue: queue.Queue[Outgoing | None] = queue.Queue()
@@ -289,21 +363,25 @@ class TcpLink:
         self._queue.put(out)
 
     def close(self) -> None:
+        """Stop the link: its writer threads end (closing their connections), and so do their readers."""
         self._closed.set()
         for _ in self._threads:
             self._queue.put(None)
 
+    def alive_threads(self) -> int:
+        return sum(t.is_alive() for t in self._threads)
+
     # ---- connection threads
     def _connect(self) -> socket.socket:
-        deadline = time.monotonic() + self.connect_timeout_s
+        t = self.timeouts
+        deadline = time.monotonic() + t.connect_s
         delay = 0.01
         while True:
             try:
-                sock = socket.create_connection(self.address, timeout=self.connect_timeout_s)
-                sock.settimeout(None)
-                _tune(sock)
+                sock = socket.create_connection(self.address, timeout=t.connect_s)
+                tune(sock, t)
                 wire.send_frame(sock, wire.Frame(wire.HELLO, "", 0, {"token": self.token}))
-                h = wire.read_header(sock)
+                h = wire.read_header(sock, max_meta=t.hello_max_bytes)
                 if h.kind != wire.ACK:
                     sock.close()
                     raise ConnectionRefusedError(f"receiver refused the connection: {h.meta.get('reason')}")
@@ -314,6 +392,10 @@ class TcpLink:
                     raise ConnectionError(f"KV receiver {self.address[0]}:{self.address[1]} unreachable: {e}") from e
                 time.sleep(delay)
                 delay = min(delay * 2, 0.5)
+
+    def _ready(self, out: Outgoing) -> bool:
+        """Whether the frame may go out now (shm.py waits for the plan's acceptance first)."""
+        return True
 
     def _writer(self) -> None:
         conn: _Conn | None = None
@@ -327,9 +409,11 @@ class TcpLink:
             wait = out.queued_at + self.shaper.emu.latency_ms / 1e3 - time.monotonic()
             if wait > 0:
                 time.sleep(wait)  # the emulated link's one-way delay
+            if not self._ready(out):
+                continue
             if conn is None or conn.dead:
                 if conn is not None:
-                    conn.close(self.metrics)
+                    conn.release(self.metrics)
                 try:
                     conn = _Conn(self._connect())
                 except ConnectionError as e:
@@ -341,18 +425,30 @@ class TcpLink:
             out.attempts += 1
             f = out.frame
             if f.kind != wire.ABORT:
-                with conn.lock:
-                    conn.outstanding[(f.request_id, f.seq)] = out
+                out.sent_at = None
+                with conn.lock:  # the reader drains a dead connection's frames under this lock
+                    if not conn.dead:
+                        conn.outstanding[(f.request_id, f.seq)] = out
+                if conn.dead:
+                    self.submit(out)  # its reader has gone: the next connection takes it
+                    continue
             try:
                 lost = f.kind in (wire.DATA, wire.PUT) and self.shaper.lose()
                 self.metrics.add("in_flight", len(f.payload))
                 self._emit(conn.sock, f, lost)
+                out.sent_at = time.monotonic()
                 self.metrics.sent(len(f.payload))
-            except OSError as e:
+            except OSError as e:  # a broken connection, or a write that timed out (a silent partition)
                 log.info("kv link %s: connection lost (%s); its frames are resent", self.metrics.name, e)
                 conn.kill()  # the reader exits and requeues what was outstanding
+            except Exception as e:  # noqa: BLE001 - the transfer fails; the link and its thread go on
+                log.exception("kv link %s: sending %s failed", self.metrics.name, f.name)
+                with conn.lock:
+                    conn.outstanding.pop((f.request_id, f.seq), None)
+                out.sender.link_failed(f"sending a {f.name} frame failed: {type(e).__name__}: {e}")
+                conn.kill()  # part of the frame may be on the wire
         if conn is not None:
-            conn.close(self.metrics)
+            conn.release(self.metrics)
 
     def _emit(self, sock: socket.socket, f: wire.Frame, lost: bool) -> None:
         """Writer thread: one frame onto the wire (lost: with a wrong checksum, emulating a corrupted frame). A
@@ -381,9 +477,19 @@ class TcpLink:
             out.sender.link_failed(reason)
 
     def _reader(self, conn: "_Conn") -> None:
+        ack_s = self.timeouts.ack_s
         try:
-            while True:
-                h = wire.read_header(conn.sock)
+            while not conn.dead:
+                try:
+                    h = wire.read_header(conn.sock)
+                except wire.Idle:
+                    if conn.overdue(ack_s):  # sent, never answered: the path is gone without a reset
+                        log.info("kv link %s: no acknowledgement for %.0fs; reconnecting", self.metrics.name, ack_s)
+                        break
+                    continue
+                wire.check_meta(h.kind, h.meta)
+                if h.kind not in (wire.ACK, wire.NACK) or h.payload_len:
+                    raise wire.ProtocolError(f"unexpected {wire.KIND_NAMES[h.kind]} frame from the receiver")
                 with conn.lock:
                     out = conn.outstanding.pop((h.request_id, h.seq), None)
                 if out is None:
@@ -391,12 +497,12 @@ class TcpLink:
                 self.metrics.add("in_flight", -len(out.frame.payload))
                 if h.kind == wire.ACK:
                     out.sender.acked(out)
-                elif out.sender.refused(out, str(h.meta.get("reason")), bool(h.meta.get("retry"))):
+                elif out.sender.refused(out, h.meta["reason"], h.meta["retry"]):
                     self.metrics.add("resends", 1)
                     self.submit(out)
-        except (wire.ProtocolError, OSError):
+        except (wire.ProtocolError, wire.MetaError, OSError):
             pass
-        conn.kill()
+        conn.release(self.metrics)
         with conn.lock:
             lost = list(conn.outstanding.values())
             conn.outstanding.clear()
@@ -407,13 +513,24 @@ class TcpLink:
 
 
 class _Conn:
-    """One sending connection: its socket and the frames it has sent that are not yet answered."""
+    """One sending connection: its socket and the frames it has sent that are not yet answered. Its writer and
+    its reader thread each `release` it when done with it, and the socket is closed after both have: a socket
+    closed while the other thread may still call into it could see its descriptor number reused by a new
+    connection, and that thread read or write the wrong stream. `kill` (shutdown) wakes both."""
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self.outstanding: dict[tuple[str, int], Outgoing] = {}
         self.lock = threading.Lock()
         self.dead = False
+        self._users = 2  # the writer and the reader
+        self._metrics: LinkMetrics | None = None
+
+    def overdue(self, ack_s: float) -> bool:
+        """A frame fully sent more than ack_s ago is still unanswered."""
+        now = time.monotonic()
+        with self.lock:
+            return any(o.sent_at is not None and now - o.sent_at > ack_s for o in self.outstanding.values())
 
     def kill(self) -> None:
         self.dead = True
@@ -422,7 +539,12 @@ class _Conn:
         except OSError:
             pass
 
-    def close(self, metrics: LinkMetrics) -> None:
-        metrics.untrack(self.sock)
+    def release(self, metrics: LinkMetrics) -> None:
+        """One of the two threads is done with this connection (killing it); the last closes the socket."""
         self.kill()
-        self.sock.close()
+        with self.lock:
+            self._users -= 1
+            last = self._users == 0
+        if last:
+            metrics.untrack(self.sock)
+            self.sock.close()

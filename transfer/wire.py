@@ -21,7 +21,13 @@ reads them from cache (about 45-55 GB/s there, 20-25 GB/s from memory, with the 
 runs at 4 GB/s and would make the checksum, not the socket, the bottleneck of a 2-core host). A DATA frame
 whose sender computes it while sending carries it in an 8-byte trailer after the payload (flag TRAILER);
 other frames carry it in the header. It is an integrity check against transmission errors and truncation,
-not against an adversary (the cluster token authenticates peers). Plain functions over sockets and buffers.
+not against an adversary (the cluster token authenticates peers).
+
+A header that cannot be a frame (bad magic, version or kind, an id that is not UTF-8, a meta record that is not
+a JSON object or is longer than the reader allows) is a `ProtocolError`: the stream cannot be trusted past it.
+A meta record that is a JSON object of the wrong shape is a `MetaError` (`check_meta`, per kind): the frame's
+body can still be skipped and the frame refused, and the connection goes on. Plain functions over sockets and
+buffers.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ HELLO, PLAN, DATA, META, ACK, NACK, ABORT, PUT, PULL = range(1, 10)
 KIND_NAMES = {HELLO: "HELLO", PLAN: "PLAN", DATA: "DATA", META: "META", ACK: "ACK", NACK: "NACK", ABORT: "ABORT",
               PUT: "PUT", PULL: "PULL"}
 MAX_META = 16 << 20
+MAX_ID = 1024
 
 
 class ProtocolError(RuntimeError):
@@ -52,6 +59,14 @@ class ProtocolError(RuntimeError):
 
 class PeerClosed(ProtocolError):
     """The peer closed the connection between frames."""
+
+
+class Idle(TimeoutError):
+    """No frame began within the socket's timeout (nothing of the stream was consumed: reading may go on)."""
+
+
+class MetaError(ValueError):
+    """A frame's meta record does not fit its kind (the reason names the field)."""
 
 
 @dataclass
@@ -183,10 +198,14 @@ def read_tail(sock: socket.socket, h: Header) -> int:
     return TRAILER.unpack_from(raw)[0] if h.trailer else h.digest
 
 
-def read_header(sock: socket.socket) -> Header:
+def read_header(sock: socket.socket, max_meta: int = MAX_META) -> Header:
     """The next frame's header part (header, id, meta, pad); the caller then reads `payload_len` payload bytes
-    and the tail (`read_tail`), or discards `body_len` bytes."""
-    first = sock.recv(HEADER.size)
+    and the tail (`read_tail`), or discards `body_len` bytes. Raises Idle when no byte arrives within the
+    socket's timeout, PeerClosed when the peer closed between frames, ProtocolError on a broken header."""
+    try:
+        first = sock.recv(HEADER.size)
+    except TimeoutError:
+        raise Idle("no frame within the socket timeout") from None
     if not first:
         raise PeerClosed("peer closed the connection")
     raw = first + (recv_exact(sock, HEADER.size - len(first)) if len(first) < HEADER.size else b"")
@@ -197,12 +216,61 @@ def read_header(sock: socket.socket) -> Header:
         raise ProtocolError(f"protocol version {version}, expected {VERSION}")
     if kind not in KIND_NAMES:
         raise ProtocolError(f"unknown frame kind {kind}")
-    if meta_len > MAX_META:
-        raise ProtocolError(f"meta record of {meta_len} bytes exceeds {MAX_META}")
+    if meta_len > max_meta or id_len > MAX_ID:
+        raise ProtocolError(f"meta record of {meta_len} bytes or id of {id_len} exceeds {max_meta} / {MAX_ID}")
     rest = recv_exact(sock, id_len + meta_len + _pad(HEADER.size + id_len + meta_len))  # id, meta, pad
-    rid = rest[:id_len].decode()
-    meta = json.loads(rest[id_len:id_len + meta_len]) if meta_len else {}
+    try:
+        rid = rest[:id_len].decode()
+        meta = json.loads(rest[id_len:id_len + meta_len]) if meta_len else {}
+    except ValueError as e:
+        raise ProtocolError(f"unreadable frame id or meta: {e}") from None
+    if not isinstance(meta, dict):
+        raise ProtocolError(f"meta record is a {type(meta).__name__}, not an object")
     return Header(kind, seq, rid, meta, payload_len, digest, bool(flags & F_TRAILER))
+
+
+# ---- meta records by kind
+def _int(v, lo: int = 0) -> bool:
+    return type(v) is int and v >= lo
+
+
+def _num(v) -> bool:
+    return type(v) in (int, float) and v == v and abs(v) != float("inf")
+
+
+def _pair(t) -> bool:
+    return isinstance(t, list) and len(t) == 2 and _int(t[0]) and _num(t[1])
+
+
+_META: dict[int, dict[str, tuple]] = {  # field -> (check, required)
+    HELLO: {"token": (lambda v: isinstance(v, str), True), "name": (lambda v: isinstance(v, str), False)},
+    DATA: {"a": (_int, True), "o": (_int, True)},
+    PUT: {"a": (_int, True), "o": (_int, True), "n": (lambda v: _int(v, 1), True), "at": (_int, True)},
+    PULL: {"arrays": (lambda v: isinstance(v, list) and 0 < len(v) <= 4096 and all(_int(a) for a in v), True),
+           "uuid": (_int, True), "addr": (lambda v: isinstance(v, str) and len(v) < 512, True),
+           "bytes": (_int, True)},
+    META: {"token": (lambda v: v is None or _int(v), True), "logprob": (_num, False),
+           "top": (lambda v: isinstance(v, list) and len(v) <= 64 and all(_pair(t) for t in v), False)},
+    ABORT: {"reason": (lambda v: isinstance(v, str), False)},
+    ACK: {},
+    NACK: {"reason": (lambda v: isinstance(v, str), True), "retry": (lambda v: isinstance(v, bool), True)},
+}
+
+
+def check_meta(kind: int, meta: dict) -> None:
+    """Raise MetaError unless `meta` fits frame kind `kind` (PLAN: plan.TransferPlan.from_meta checks it)."""
+    spec = _META.get(kind)
+    if spec is None:
+        return
+    for name in meta:
+        if name not in spec:
+            raise MetaError(f"{KIND_NAMES[kind]} meta: unknown field {name!r}")
+    for name, (ok, required) in spec.items():
+        if name not in meta:
+            if required:
+                raise MetaError(f"{KIND_NAMES[kind]} meta: missing field {name!r}")
+        elif not ok(meta[name]):
+            raise MetaError(f"{KIND_NAMES[kind]} meta: bad value of {name!r}: {str(meta[name])[:80]}")
 
 
 def discard(sock: socket.socket, n: int, scratch: memoryview) -> None:

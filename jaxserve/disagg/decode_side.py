@@ -22,11 +22,12 @@ log = logging.getLogger("jaxserve.decode")
 
 class KVIntake:
     def __init__(self, llm, token: str, post, host: str = "127.0.0.1", port: int = 0, pool_bytes: int = 256 << 20,
-                 deadline_s: float = 30.0, shared: bool = False, puller=None):
+                 deadline_s: float = 30.0, shared: bool = False, puller=None, timeouts=None, pull_from=None):
         """shared: the receive pool is a shared-memory segment a sender on this host may write directly;
-        puller: a transfer.pull.PullServer, to take the device backend's transfers."""
+        puller: a transfer.pull.PullServer, to take the device backend's transfers; timeouts, pull_from: the KV
+        server's socket limits (transfer/net.py) and its check of PULL addresses (transfer/tcp.py)."""
         self.llm, self.post, self.deadline_s = llm, post, deadline_s
-        self.server = KVServer(token, host, port, puller=puller)
+        self.server = KVServer(token, host, port, puller=puller, timeouts=timeouts, pull_from=pull_from)
         self.pool = RecvPool(pool_bytes, shared=shared)
         self.receivers: dict[str, KVReceiver] = {}
 
@@ -75,13 +76,11 @@ class KVIntake:
             self.server.forget(request_id)
             recv.fail("request aborted")
 
-    def shm(self, request_id: str) -> dict | None:
-        """Where a sender on this host writes the request's KV: {"name", "base", "boot"} (None: TCP only)."""
-        from transfer.shm import boot_id
+    def shm_base(self, request_id: str) -> int | None:
+        """The request's region offset in this instance's shared-memory pool (None: TCP only), where a sender
+        on this host writes its KV; the segment itself is named in this worker's Health (the peer table)."""
         recv = self.receivers.get(request_id)
-        if self.pool.shm_name is None or recv is None:
-            return None
-        return {"name": self.pool.shm_name, "base": recv.region.offset, "boot": boot_id()}
+        return recv.region.offset if self.pool.shm_name is not None and recv is not None else None
 
     def close(self) -> None:
         self.server.close()

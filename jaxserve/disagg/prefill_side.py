@@ -89,6 +89,7 @@ class Handoff:
         self._groups = layer_groups(layout.num_layers, self.layers_per_group)
         plan = TransferPlan.build(layout, dtype, self.kv_tokens, seq.block_ids, self.dst_blocks, self.skip,
                                   self._groups, eng.head_parts)
+        plan.shm_base = self.shm_base  # the receiver refuses the plan unless that is its region's offset
         self._staging = plan.check(layout, dtype, self.dst_blocks, self.kv_tokens, self.skip)
         self.sender = KVSender(self.request_id or seq.request_id, self.link, plan, self._staging,
                                shm_base=self.shm_base)

@@ -1,15 +1,18 @@
 """The OpenAI-compatible HTTP server (FastAPI): completions, chat completions, models, health, metrics, profile.
 
-Requests are validated (protocol.py), tokenized, and queued on the AsyncEngine; responses are plain JSON or
-server-sent events. Every error is an OpenAI-shaped body with a 4xx status (503 when the engine cannot take
-work). A streaming client that disconnects aborts its request, which releases its slot and blocks; a
-non-streaming one is checked for disconnection while it waits. Concurrency: asyncio on the server's event
-loop; the engine runs on its own thread (engine/async_engine.py).
+Requests pass the gate first (gate.py: API keys, rate limits, the body limit), are validated (protocol.py),
+tokenized, and queued on the AsyncEngine; responses are plain JSON or server-sent events. Every error is an
+OpenAI-shaped body with a 4xx status (503 when the engine cannot take work). A streaming client that disconnects
+aborts its request, which releases its slot and blocks; a non-streaming one is checked for disconnection while
+it waits. Concurrency: asyncio on the server's event loop; JSON parsing and validation of a body, tokenising
+and chat templating run on a small thread pool (`_work`) so a large request does not hold the loop that
+streams other requests' tokens; the engine runs on its own thread (engine/async_engine.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import time
@@ -18,14 +21,40 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import Config
 from ..engine.async_engine import AsyncEngine, EngineUnavailable, Update
 from ..engine.llm_engine import RequestError
 from ..engine.scheduler import QueueFull
+from .gate import Gate
 from .metrics import Metrics
 from .protocol import APIError, ChatRequest, CompletionRequest
+
+_work = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="http-work")
+
+
+async def _off_loop(fn, *args):
+    """fn(*args) on the request-work pool (parsing, tokenising), not on the event loop."""
+    return await asyncio.get_running_loop().run_in_executor(_work, fn, *args)
+
+
+def _validation_error(errs: list) -> APIError:
+    """The first pydantic error as a 400 naming the field."""
+    first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    if first.get("type") == "json_invalid":
+        return APIError(400, "the request body is not valid JSON")
+    param = ".".join(loc) or None
+    return APIError(400, f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param=param)
+
+
+def _body_schema(model) -> dict:
+    """OpenAPI for a route that parses its own body (off the loop): the model's schema as the request body."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
 
 def _logprobs_block(u: Update, start: int, tokenizer, chat: bool):
     items = u.logprobs[start:]
@@ -58,31 +87,37 @@ def create_app(config: Config, engine: AsyncEngine, model_name: str, metrics: Me
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError):
-        errs = e.errors()
-        first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        if first.get("type") == "json_invalid":
-            msg, param = "the request body is not valid JSON", None
-        else:
-            param = ".".join(loc) or None
-            msg = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
-        return await _api_error(request, APIError(400, msg, param=param))
+        return await _api_error(request, _validation_error(e.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException):
         return await _api_error(request, APIError(e.status_code, str(e.detail),
                                                   "not_found_error" if e.status_code == 404 else "invalid_request_error"))
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if srv.api_keys and (request.url.path.startswith("/v1/") or request.url.path.startswith("/debug/")):
-            h = request.headers.get("authorization", "")
-            if not h.startswith("Bearer ") or h[7:] not in srv.api_keys:
-                err = APIError(401, "invalid or missing API key (Authorization: Bearer <key>)",
-                               "authentication_error", code="invalid_api_key")
-                metrics.errors.labels("401").inc()
-                return JSONResponse(err.body(), status_code=401)
-        return await call_next(request)
+    app.add_middleware(Gate, api_keys=list(srv.api_keys), max_body=int(srv.max_request_mb * (1 << 20)),
+                       rate=srv.rate_limit_rps, burst=srv.rate_limit_burst,
+                       on_refused=lambda status: metrics.errors.labels(str(status)).inc())
+
+    def openapi():
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            comps = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in (CompletionRequest, ChatRequest):
+                js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                comps.update(js.pop("$defs", {}))
+                comps[model.__name__] = js
+            app.openapi_schema = schema
+        return app.openapi_schema
+    app.openapi = openapi
+
+    async def parse(request: Request, model):
+        """The request's body as `model`, parsed and validated off the loop (the gate bounded its size)."""
+        raw = await request.body()
+        try:
+            return await _off_loop(model.model_validate_json, raw)
+        except ValidationError as e:
+            raise _validation_error(e.errors()) from None
 
     # ---- helpers
     def check_model(name: str):
@@ -113,7 +148,11 @@ def create_app(config: Config, engine: AsyncEngine, model_name: str, metrics: Me
             engine.error = None  # the failed step's requests are gone; try again
         rid = uuid.uuid4().hex
         try:
-            ids = llm.encode(prompt)
+            limit = llm.max_model_len
+            if isinstance(prompt, list) and limit is not None and len(prompt) > limit:
+                raise RequestError(f"prompt of {len(prompt)} tokens exceeds the maximum context length {limit}",
+                                   "prompt")
+            ids = await _off_loop(llm.encode, prompt)
             q = await engine.add(rid, ids, params)
         except RequestError as e:
             raise APIError(400, str(e), param=e.param) from None
@@ -229,8 +268,9 @@ def create_app(config: Config, engine: AsyncEngine, model_name: str, metrics: Me
     async def prom():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
+    async def completions(request: Request):
+        body = await parse(request, CompletionRequest)
         check_model(body.model)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
@@ -251,12 +291,17 @@ def create_app(config: Config, engine: AsyncEngine, model_name: str, metrics: Me
         return {"id": f"cmpl-{rid}", "object": "text_completion", "created": int(time.time()), "model": model_name,
                 "choices": choices, "usage": usage(ups), "jaxserve": meta(ups)}
 
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest, request: Request):
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatRequest))
+    async def chat(request: Request):
+        body = await parse(request, ChatRequest)
         check_model(body.model)
         if tok is None or not tok.chat_template:
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
-        prompt = tok.apply_chat_template([m.model_dump(exclude_none=True) for m in body.messages])
+        try:
+            prompt = await _off_loop(tok.apply_chat_template, [m.model_dump(exclude_none=True) for m in body.messages])
+        except Exception as e:  # noqa: BLE001 - the template raised on these messages (jinja2 errors)
+            raise APIError(400, f"the chat template failed on these messages: {type(e).__name__}: {e}",
+                           param="messages") from None
         params = sampling(body, (body.top_logprobs or 0) if body.logprobs else None)
         rid, ids, q = await submit(prompt, params)
         if body.stream:

@@ -1,4 +1,5 @@
-"""OpenAI request bodies (validated by pydantic; unknown fields rejected) and the OpenAI error shape."""
+"""OpenAI request bodies (validated by pydantic; unknown fields rejected; every list and name bounded, the body
+itself by the gate) and the OpenAI error shape."""
 
 from __future__ import annotations
 
@@ -27,8 +28,12 @@ class StreamOptions(_Body):
     include_usage: StrictBool = False
 
 
+MAX_STOP_TOKEN_IDS = 256
+MAX_MESSAGES = 4096
+
+
 class _Sampling(_Body):
-    model: StrictStr
+    model: StrictStr = Field(max_length=256)
     max_tokens: StrictInt | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -39,12 +44,12 @@ class _Sampling(_Body):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     seed: StrictInt | None = Field(None, ge=0)
     stop: StrictStr | list[StrictStr] | None = None
-    stop_token_ids: list[StrictInt] = Field(default_factory=list)
+    stop_token_ids: list[StrictInt] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: StrictBool = False
     n: StrictInt = Field(1, ge=1)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    user: StrictStr | None = None
+    user: StrictStr | None = Field(None, max_length=256)
 
     @field_validator("stop")
     @classmethod
@@ -73,11 +78,11 @@ class CompletionRequest(_Sampling):
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: StrictStr
-    name: StrictStr | None = None
+    name: StrictStr | None = Field(None, max_length=256)
 
 
 class ChatRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)

@@ -81,10 +81,11 @@ def build_cluster(cfg: Config, progress: bool = True, echo=None, on_ready=None):
 
 def serve(cfg: Config, port: int | None = None, host: str | None = None) -> None:
     import uvicorn
+    cfg.check_exposure()
     host = host or cfg.server.host
     port = cfg.server.port if port is None else port
     shown = "localhost" if host in ("0.0.0.0", "127.0.0.1") else host
-    auth = f" -H 'Authorization: Bearer {cfg.server.api_keys[0]}'" if cfg.server.api_keys else ""
+    auth = " -H \"Authorization: Bearer $JAXSERVE_API_KEY\"" if cfg.server.api_keys else ""  # never the key
 
     def banner():
         print(f"\njaxserve: serving {name!r} at http://{shown}:{port}/v1  (Ctrl-C stops)\ntry:\n"

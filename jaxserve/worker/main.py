@@ -4,28 +4,33 @@ Start-up order matters: the process pins itself to the instance's `cpus` (os.sch
 number of (CPU) devices *before* JAX is imported, since JAX sizes its thread pools and devices at import;
 only then does it build the engine on a mesh over its own devices, warm it up, and serve.
 
-Methods (rpc.py; JSON over gRPC):
-  Health    {} -> {"name", "role", "address", "kv_address", "max_model_len", "pid", "stats", "links"}
+Methods (rpc.py: JSON over gRPC; every call presents the cluster token, every request is checked against its
+schema in messages.py before a handler sees it):
+  Health    {} -> {"name", "role", "address", "kv_address", "max_model_len", "pid", "stats", "links", "shm"
+            (decode: its shared-memory receive pool), "pull" (decode: takes device pulls), "pull_address"}
   Decode    (decode, stream) {"request_id", "prompt", "params", "kv_tokens", "deadline_s"?, "output"?, "logprobs"?}
-            -> first {"reserved":
-            {"blocks", "skip", "kv_address", "cluster", "shm" (region in this host's shared memory, or None), "pull"
-            (takes device pulls)}}, then one {"update": ...} per engine step that changed the request. Closing the
-            stream aborts the request (frees its slot and blocks).
-  Prefill   (prefill, stream) {"request_id", "prompt", "params", "kv_tokens", "sample", "dst": (Decode's
-            "reserved")} -> {"first": Update} as soon as the first token is sampled (with sample, unless that token
-            ends the request: decode reports it then), while the KV travels; then {"kv_bytes", "frames", "sends",
-            "resends", "token", "ttft_s", "backend" (tcp / shm / device)} once decode has acknowledged every byte;
-            gRPC ABORTED (with the reason) when the transfer failed.
+            -> first {"reserved": {"blocks", "skip", "shm_base" (the region's offset in this instance's
+            shared-memory pool, or None), "pull"}}, then one {"update": ...} per engine step that changed the
+            request. Closing the stream aborts the request (frees its slot and blocks).
+  Prefill   (prefill, stream) {"request_id", "prompt", "params", "kv_tokens", "sample", "dst": {"instance" (the
+            decode instance), "blocks", "skip", "shm_base", "pull"}} -> {"first": Update} as soon as the first
+            token is sampled (with sample, unless that token ends the request: decode reports it then), while the KV
+            travels; then {"kv_bytes", "frames", "sends", "resends", "token", "ttft_s", "backend" (tcp / shm /
+            device)} once decode has acknowledged every byte; gRPC ABORTED (with the reason) when the transfer
+            failed. The decode instance's KV address and segment come from the router's peer table, never from
+            the caller: an instance the router has not registered is INVALID_ARGUMENT.
   Generate  (any role, stream) {"request_id", "prompt", "params", "output"?, "logprobs"?} -> one {"update": ...}
             per step: the whole request on this instance (the router's fallback when no prefill / decode pair is
             available).
 "output" / "logprobs" resume a request whose first tokens were generated (and streamed to the client) before its
 instance failed: it continues from there (LLMEngine.add_request); its Updates count those tokens as output.
 With `--router HOST:PORT` the worker registers with the router and repeats the registration every
-`router.heartbeat_s` with its Health message (its heartbeat); the router refuses names and roles its config
-does not list, and workers that do not present the cluster token.
+`router.heartbeat_s` with its Health message (its heartbeat), on a thread of its own so that a busy request
+path cannot delay it; the answer carries the peer table. The router refuses names and roles its config does not
+list, and workers that do not present the cluster token.
 When ready it prints one line `JAXSERVE_WORKER_READY {json}` with its addresses. Concurrency: one asyncio loop
-(gRPC server and handlers) plus the engine thread (engine/async_engine.py) plus the transfer threads.
+(gRPC server and handlers), the heartbeat thread's loop, the engine thread (engine/async_engine.py) and the
+transfer threads.
 """
 
 from __future__ import annotations
@@ -95,7 +100,10 @@ class Worker:
         self.engine = AsyncEngine(self.llm)
         t = cfg.transfer
         self.intake = self.feeder = self.pull_server = None
-        self.links: dict[tuple, object] = {}
+        self.links: dict[tuple, tuple[object, float]] = {}  # (address, segment, pull) -> (link, last used)
+        self.peers: dict[str, dict] = {}  # the router's peer table (registry.py `peers`), from each heartbeat
+        self._names = {i.name for i in cfg.instances()}
+        self._beats = self._router = None  # the heartbeat thread (rpc.LoopThread) and its router client
         import jax
         if t.pulls(jax.default_backend()):
             from transfer.pull import PullServer
@@ -111,41 +119,64 @@ class Worker:
             from ..disagg.decode_side import KVIntake
             self.intake = KVIntake(self.llm, t.token, self.engine.post, inst.host, inst.kv_port,
                                    t.recv_pool_mb << 20, t.deadline_s, shared=t.shared_memory,
-                                   puller=self.pull_server)
+                                   puller=self.pull_server, timeouts=t.timeouts(), pull_from=self._pull_source)
         if inst.role in ("prefill", "both"):
             from ..disagg.prefill_side import Feeder
             self.feeder = Feeder()
 
-    def _link(self, dst: dict):
-        """The link to a decode instance's KV server: device pulls when both ends take them
-        (transfer.device_transfer), else shared memory when it runs on this host (transfer.shared_memory), else
-        TCP; a configured link between the two clusters sets its emulated bandwidth, latency, loss and
-        connection count (and always means TCP). -> (link, shm region base)"""
+    def _pull_source(self, address: str) -> bool:
+        """Whether a PULL frame's transfer-server address belongs to a registered prefill instance."""
+        return any(p.get("pull_address") == address for p in list(self.peers.values()))
+
+    # ---- the peer table (from the router) and the links to decode instances
+    def _link(self, peer: dict, dst_cluster: str, shm_base: int | None):
+        """The link to a decode instance's KV server (`peer`: its entry in the router's peer table): device
+        pulls when both ends take them (transfer.device_transfer), else shared memory when it runs on this host
+        (transfer.shared_memory), else TCP; a configured link between the two clusters sets its emulated
+        bandwidth, latency, loss and connection count (and always means TCP). Links idle for
+        transfer.link_idle_s are closed (their threads end); a later transfer builds a fresh one.
+        -> (link, shm region base)"""
         from transfer.link import LinkEmulation
         from transfer.pull import PullLink
         from transfer.shm import ShmLink, same_host
         from transfer.tcp import TcpLink
         t = self.cfg.transfer
-        address = dst["kv_address"]
-        lk = self.cfg.link(self.cluster, dst.get("cluster") or self.cluster)
-        pull = lk is None and self.pull_server is not None and bool(dst.get("pull"))
-        shm = dst.get("shm") if t.shared_memory and lk is None and not pull else None
+        address = peer["kv_address"]
+        lk = self.cfg.link(self.cluster, dst_cluster)
+        pull = lk is None and self.pull_server is not None and bool(peer.get("pull"))
+        shm = peer.get("shm") if t.shared_memory and lk is None and not pull and shm_base is not None else None
         if shm is not None and not same_host(shm.get("boot")):
             shm = None
         key = (address[0], int(address[1]), shm["name"] if shm else None, pull)
+        now = time.monotonic()
+        for k, (link, used) in list(self.links.items()):
+            if k != key and now - used > t.link_idle_s:
+                del self.links[k]
+                link.close()
         if key not in self.links:
             kw = dict(name=f"{self.inst.name}->{key[0]}:{key[1]}" + (" (shm)" if shm else " (device)" if pull else ""),
-                      chunk_bytes=int(t.chunk_mb * (1 << 20)))
+                      chunk_bytes=int(t.chunk_mb * (1 << 20)), timeouts=t.timeouts())
             if pull:
-                self.links[key] = PullLink(key[:2], t.token, self.pull_server, t.deadline_s,
-                                           connections=t.connections, **kw)
+                link = PullLink(key[:2], t.token, self.pull_server, t.deadline_s, connections=t.connections, **kw)
             elif shm is not None:
-                self.links[key] = ShmLink(key[:2], t.token, shm["name"], connections=t.connections, **kw)
+                link = ShmLink(key[:2], t.token, shm["name"], connections=t.connections, **kw)
             else:
                 emu = LinkEmulation(lk.bandwidth_gbps, lk.latency_ms, lk.loss) if lk else None
-                self.links[key] = TcpLink(key[:2], t.token, lk.connections if lk else t.connections, emulation=emu,
-                                          **kw)
-        return self.links[key], (int(shm["base"]) if shm else None)
+                link = TcpLink(key[:2], t.token, lk.connections if lk else t.connections, emulation=emu, **kw)
+            self.links[key] = (link, now)
+        link = self.links[key][0]
+        self.links[key] = (link, now)
+        return link, (shm_base if shm else None)
+
+    async def _peer(self, name: str) -> dict | None:
+        """The decode instance `name` from the router's peer table; asks the router once more on a miss (an
+        instance that registered since this worker's last heartbeat)."""
+        if name not in self.peers and self._beats is not None:
+            try:
+                await asyncio.wrap_future(self._beats.submit(self._register()))
+            except Exception as e:  # noqa: BLE001 - the router unreachable: the table stays as it was
+                log.warning("peer table refresh failed: %s", e)
+        return self.peers.get(name)
 
     # ---- methods
     async def health(self, req=None, ctx=None):
@@ -153,10 +184,15 @@ class Worker:
         return self._describe(await self.engine.call(lambda eng: eng.stats()))
 
     def _describe(self, stats: dict) -> dict:
-        links = {v.metrics.name: v.metrics.snapshot() for v in self.links.values()}
+        from transfer.shm import boot_id
+        links = {v.metrics.name: v.metrics.snapshot() for v, _ in list(self.links.values())}
+        pool = self.intake.pool if self.intake else None
+        shm = {"name": pool.shm_name, "boot": boot_id(), "bytes": pool.capacity} if pool and pool.shm_name else None
         return {"name": self.inst.name, "role": self.inst.role, "address": self.address, "pid": os.getpid(),
                 "kv_address": list(self.intake.address) if self.intake else None,
-                "max_model_len": self.llm.max_model_len, "stats": stats, "links": links}
+                "max_model_len": self.llm.max_model_len, "stats": stats, "links": links, "shm": shm,
+                "pull": bool(self.intake and self.intake.server.puller is not None),
+                "pull_address": self.pull_server.address if self.pull_server and self.feeder else None}
 
     async def _updates(self, q, rid):
         """The request's Updates as stream messages until it finishes; leaving early aborts it."""
@@ -174,20 +210,19 @@ class Worker:
         from transfer.bufpool import PoolFull
         from ..cache.allocator import OutOfBlocks
         from ..engine.llm_engine import RequestError
-        from ..sampling import SamplingParams
         if self.intake is None:
             await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.inst.name} is a {self.inst.role} instance")
-        rid = str(req["request_id"])
+        rid = req.request_id
         try:
-            params = SamplingParams(**req.get("params", {}))
-            q, (blocks, skip, shm) = await self.engine.attach(rid, lambda eng: self._reserve(rid, req, params))
-        except (RequestError, ValueError, TypeError) as e:
+            params = req.params.sampling()
+            q, (blocks, skip, base) = await self.engine.attach(rid, lambda eng: self._reserve(req, params))
+        except (RequestError, ValueError) as e:
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except (OutOfBlocks, PoolFull) as e:  # no room right now
             await ctx.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{type(e).__name__}: {e}")
         try:
-            yield {"reserved": {"blocks": blocks, "skip": skip, "kv_address": list(self.intake.address),
-                                "cluster": self.cluster, "shm": shm, "pull": self.intake.server.puller is not None}}
+            yield {"reserved": {"blocks": blocks, "skip": skip, "shm_base": base,
+                                "pull": self.intake.server.puller is not None}}
             async for msg in self._updates(q, rid):
                 yield msg
         finally:
@@ -198,57 +233,71 @@ class Worker:
         import grpc
         from ..engine.llm_engine import RequestError
         from ..engine.scheduler import QueueFull
-        from ..sampling import SamplingParams
-        rid = str(req["request_id"])
         try:
-            params = SamplingParams(**req.get("params", {}))
+            params = req.params.sampling()
             if params.n != 1:
                 raise ValueError("Generate takes n = 1 (the router fans out n > 1)")
-            q = await self.engine.add(rid, list(req["prompt"]), params, **self._resume(req))
-        except (RequestError, ValueError, TypeError, KeyError) as e:
+            q = await self.engine.add(req.request_id, list(req.prompt), params, **req.resume())
+        except (RequestError, ValueError) as e:
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except QueueFull as e:
             await ctx.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"QueueFull: {e}")
-        async for msg in self._updates(q, rid):
+        async for msg in self._updates(q, req.request_id):
             yield msg
 
-    def _reserve(self, rid, req, params):
-        deadline = req.get("deadline_s")
-        seq, blocks, skip = self.intake.reserve(rid, list(req["prompt"]), params, int(req["kv_tokens"]),
-                                                float(deadline) if deadline else None, **self._resume(req))
-        return [seq], (blocks, skip, self.intake.shm(rid))
+    def _reserve(self, req, params):
+        seq, blocks, skip = self.intake.reserve(req.request_id, list(req.prompt), params, req.kv_tokens,
+                                                req.deadline_s, **req.resume())
+        return [seq], (blocks, skip, self.intake.shm_base(req.request_id))
 
-    @staticmethod
-    def _resume(req) -> dict:
-        """A resumed request's output so far (the "output" / "logprobs" fields), as LLMEngine takes them."""
-        if not req.get("output"):
-            return {}
-        return {"output": [int(t) for t in req["output"]], "logprobs": req.get("logprobs")}
+    def _check_dst(self, peer: dict | None, dst, kv: int) -> str | None:
+        """Why a Prefill call's reservation cannot be sent to (None: it can): the instance must be a registered
+        decode instance, its blocks must cover the KV, and a shared-memory region must lie page aligned inside
+        the instance's segment, with exactly the room the transfer's staging takes."""
+        from transfer.bufpool import PAGE
+        from transfer.receiver import region_bytes
+        if peer is None:
+            return (f"dst.instance: {dst.instance!r} is not an instance registered with the router"
+                    + ("" if self._beats is not None else " (this worker has no router: start it with --router)"))
+        if not peer.get("kv_address"):
+            return f"dst.instance: {dst.instance!r} is a {peer.get('role')} instance, not a decode instance"
+        n = -(-kv // self.llm.layout.block_size)
+        if len(dst.blocks) < n or dst.skip > n:
+            return f"dst.blocks: {len(dst.blocks)} blocks (skipping {dst.skip}) do not hold {kv} tokens ({n} blocks)"
+        if dst.shm_base is not None and peer.get("shm"):
+            need = region_bytes(self.llm.layout, self.llm.dtype_name, kv, dst.skip)
+            if dst.shm_base % PAGE or dst.shm_base + need > int(peer["shm"]["bytes"]):
+                return (f"dst.shm_base: a region of {need} bytes at {dst.shm_base} is not a page-aligned region "
+                        f"of {dst.instance!r}'s receive pool ({peer['shm']['bytes']} bytes)")
+        return None
 
     async def prefill(self, req, ctx):
         import grpc
         from ..disagg.prefill_side import Handoff
         from transfer.pull import PullLink
         from ..engine.llm_engine import RequestError
-        from ..sampling import SamplingParams
         from transfer.state import KVPoll
         if self.feeder is None:
             await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.inst.name} is a {self.inst.role} instance")
-        rid, kv = str(req["request_id"]), int(req["kv_tokens"])
-        dst = req["dst"]
+        rid, kv, dst = req.request_id, req.kv_tokens, req.dst
         t = self.cfg.transfer
+        peer = await self._peer(dst.instance)
+        why = self._check_dst(peer, dst, kv)
+        if why is not None:
+            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
         try:
-            params = SamplingParams(**req.get("params", {}))
-            link, shm_base = self._link(dst)
-            handoff = Handoff(link, self.feeder, list(dst["blocks"]), int(dst["skip"]), kv,
-                              bool(req.get("sample", True)), t.groups_of(kv), request_id=rid, shm_base=shm_base)
+            params = req.params.sampling()
+            link, shm_base = self._link(peer, self.cfg.cluster_of(dst.instance) if dst.instance in self._names
+                                        else self.cluster, dst.shm_base)
+            handoff = Handoff(link, self.feeder, list(dst.blocks), dst.skip, kv, req.sample, t.groups_of(kv),
+                              request_id=rid, shm_base=shm_base)
 
             def add(eng):
-                seqs = eng.add_request(rid, list(req["prompt"])[:kv], params)
+                seqs = eng.add_request(rid, list(req.prompt)[:kv], params)
                 seqs[0].handoff = handoff
                 return seqs, None
             q, _ = await self.engine.attach(rid, add)
-        except (RequestError, ValueError, TypeError, KeyError) as e:
+        except (RequestError, ValueError) as e:
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
             while True:
@@ -262,47 +311,59 @@ class Worker:
         sender = handoff.sender
         if handoff.sample and not handoff.ends:  # the client may see the first token while its KV travels
             yield {"first": dataclasses.asdict(dataclasses.replace(u, finished=False, finish_reason=None))}
-        state = await asyncio.to_thread(sender.wait, t.deadline_s)
+        state = await sender.state.wait_async(t.deadline_s)
         if state is not KVPoll.DONE:
             sender.abort("deadline passed" if not sender.state.final else sender.state.reason)
             await ctx.abort(grpc.StatusCode.ABORTED, f"KV transfer failed: {sender.state.reason}")
         yield {"kv_bytes": sender.bytes_acked, "frames": sender.frames, "sends": sender.sends,
-                "resends": sender.resends, "token": u.token_ids[0] if u.token_ids and handoff.sample else None,
-                "ttft_s": u.ttft_s,
-                "backend": "device" if isinstance(link, PullLink) else "shm" if sender.shm_base is not None else "tcp"}
+               "resends": sender.resends, "token": u.token_ids[0] if u.token_ids and handoff.sample else None,
+               "ttft_s": u.ttft_s,
+               "backend": "device" if isinstance(link, PullLink) else "shm" if sender.shm_base is not None else "tcp"}
 
-    async def heartbeat(self, router: str) -> None:
-        """Register with the router, then again every heartbeat_s with fresh stats, until cancelled."""
+    # ---- heartbeats (on the thread of self._beats)
+    async def _register(self) -> None:
+        """One registration with the router; its answer replaces the peer table."""
+        # the engine thread's last snapshot: a long step or compile must not look like a dead worker
+        ans = await self._router.call("Register", self._describe(self.engine.stats),
+                                      timeout=max(self.cfg.router.heartbeat_s, 1.0))
+        peers = ans.get("peers") if isinstance(ans, dict) else None
+        if isinstance(peers, dict):
+            self.peers = peers
+
+    async def _heartbeat(self, router: str) -> None:
+        """Register with the router, then again every heartbeat_s with fresh stats, until cancelled. Raises
+        Refused when the router refuses this worker."""
         import grpc
         from . import rpc
-        client = rpc.Client(router)
+        self._router = rpc.Client(router, self.cfg.transfer.token)
         every = self.cfg.router.heartbeat_s
         failing = False
         try:
             while True:
-                # the engine thread's last snapshot: a long step or compile must not look like a dead worker
-                msg = {**self._describe(self.engine.stats), "token": self.cfg.transfer.token}
                 try:
-                    await client.call("Register", msg, timeout=max(every, 1.0))
+                    await self._register()
                     if failing:
                         log.warning("router %s reachable again", router)
                     failing = False
                 except grpc.aio.AioRpcError as e:
-                    if e.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT):
+                    if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+                        raise Refused(f"the router {router} refused this worker: wrong cluster token "
+                                      f"(transfer.token)") from None
+                    if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                         raise Refused(f"the router {router} refused this worker: {e.details()}") from None
                     if not failing:
                         log.warning("router %s unreachable (%s); retrying every %.1fs", router, e.code().name, every)
                     failing = True
                 await asyncio.sleep(every)
         finally:
-            await client.close()
+            await self._router.close()
 
     async def serve(self, router: str | None = None) -> None:
-        from . import rpc
-        server = rpc.server()
+        from . import messages, rpc
+        server = rpc.server(self.cfg.transfer.token)
         server.add_generic_rpc_handlers((rpc.handler({"Health": self.health},
                                                      {"Decode": self.decode, "Generate": self.generate,
-                                                      "Prefill": self.prefill}),))
+                                                      "Prefill": self.prefill}, messages.WORKER),))
         port = server.add_insecure_port(f"{self.inst.host}:{self.inst.port}")
         await server.start()
         self.address = f"{self.inst.host}:{port}"
@@ -314,18 +375,29 @@ class Worker:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        beat = asyncio.ensure_future(self.heartbeat(router)) if router else None
-        waiters = [asyncio.ensure_future(stop.wait())] + ([beat] if beat else [])
-        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-        for t in waiters:
-            t.cancel()
-        await server.stop(1.0)
-        self.close()
+        beat = None
+        if router:
+            self._beats = rpc.LoopThread(f"{self.inst.name}-heartbeat")
+            beat = self._beats.submit(self._heartbeat(router))
+            def ended(_):  # refused by the router: the worker stops
+                try:
+                    loop.call_soon_threadsafe(stop.set)
+                except RuntimeError:  # this loop is already gone (shutting down)
+                    pass
+            beat.add_done_callback(ended)
+        try:
+            await stop.wait()
+        finally:
+            if beat is not None:
+                beat.cancel()
+                self._beats.stop()
+            await server.stop(1.0)
+            self.close()
         if beat is not None and beat.done() and not beat.cancelled() and beat.exception() is not None:
             raise beat.exception()
 
     def close(self) -> None:
-        for link in self.links.values():
+        for link, _ in self.links.values():
             link.close()
         if self.feeder:
             self.feeder.close()
@@ -350,6 +422,7 @@ def run(cfg: Config, name: str, router: str | None = None, parent_pid: int | Non
     if parent_pid is not None:
         die_with_parent(parent_pid)
     inst = cfg.instance(name)
+    cfg.check_exposure()
     pin(inst)
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
     try:

@@ -77,7 +77,7 @@ def run_disagg(path, prompts, params, *, sample=True, layers_per_group=None, war
             kv = len(p) if sample else len(p) - 1
             seq, dst, skip = intake.reserve(f"r{i}", p, params, kv)
             h = Handoff(link, feeder, dst, skip, kv, sample, layers_per_group,
-                        shm_base=intake.shm(f"r{i}")["base"] if shm else None)
+                        shm_base=intake.shm_base(f"r{i}") if shm else None)
             (pseq,) = pre.add_request(f"r{i}", p[:kv], params)
             pseq.handoff = h
             dseqs.append(seq)

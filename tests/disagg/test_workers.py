@@ -2,7 +2,10 @@
 in one test, pulled through JAX's transfer servers: the device backend).
 
 The test plays the router's part: open a Decode stream on the decode worker (it reserves first), pass the
-reservation to the prefill worker's Prefill call, read the tokens from the stream. Tokens must equal the
+reservation to the prefill worker's Prefill call, read the tokens from the stream. The workers register with a
+real router control port in this process (router/control.py), which hands them the peer table their KV
+addresses come from. Calls without the cluster token are refused, and so is a reservation naming an instance
+the router does not know. Tokens must equal the
 colocated engine's; a worker that is told the wrong role refuses; killing the prefill worker mid-request
 fails the decode side's reservation after its deadline with its blocks freed."""
 
@@ -14,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import grpc
 import pytest
@@ -23,7 +27,10 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.engine.llm_engine import EngineConfig
 from jaxserve.models.config import load_config
 from jaxserve.worker.main import READY
-from jaxserve.worker.rpc import Client
+from jaxserve.config import parse
+from jaxserve.worker import rpc
+from router.control import ControlServer
+from router.registry import Registry
 from transfer.plan import layer_groups
 
 pytestmark = pytest.mark.slow
@@ -33,12 +40,17 @@ PROMPTS = [BASE[:13], BASE[:3], [30, 31] + BASE[:11]]
 ENGINE = dict(block_size=4, num_blocks=64, chunk_size=8, max_num_batched_tokens=16, max_prefill_seqs=2,
               max_num_seqs=4, num_snapshots=8, warmup=False)
 GREEDY = dict(max_tokens=6, temperature=0.0, ignore_eos=True)
+TOKEN = "test-token"
 
 
-def start_worker(cfg_path: str, name: str) -> tuple[subprocess.Popen, dict]:
+def Client(address: str, token: str = TOKEN) -> rpc.Client:
+    return rpc.Client(address, token)
+
+
+def start_worker(cfg_path: str, name: str, router: str) -> tuple[subprocess.Popen, dict]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    p = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "worker", "--config", cfg_path, "--instance", name],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    p = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "worker", "--config", cfg_path, "--instance", name,
+                          "--router", router], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines = []
     for line in p.stdout:
         lines.append(line)
@@ -51,23 +63,32 @@ def run_cluster(checkpoint_dir, tmp_path_factory, **transfer):
     """Start p0 (prefill, core 0) and d0 (decode, core 1) of a 1P1D config; yields (model path, {name: (process,
     ready info)}, config path) and stops both."""
     path = checkpoint_dir("kimi_linear")
-    cfg = {"model": {"path": path}, "engine": ENGINE,
-           "transfer": {"token": "test-token", "connections": 2, "chunk_mb": 0.01, "deadline_s": 120.0,
+    cfg = {"model": {"path": path}, "engine": ENGINE, "router": {"heartbeat_s": 0.5, "down_after_s": 5.0},
+           "transfer": {"token": TOKEN, "connections": 2, "chunk_mb": 0.01, "deadline_s": 120.0,
                         "layers_per_group": 2, "stream_min_tokens": 0, **transfer},
            "clusters": [{"name": "pd", "instances": [{"name": "p0", "role": "prefill", "cpus": [0]},
                                                      {"name": "d0", "role": "decode", "cpus": [1]}]}]}
     cfg_path = str(tmp_path_factory.mktemp("cfg") / "disagg.yaml")
     with open(cfg_path, "w") as f:
         yaml.safe_dump(cfg, f)
+    conf = parse(cfg)
+    registry = Registry({i.name: i.role for i in conf.instances()}, conf.router.down_after_s)
+    control = ControlServer(registry, TOKEN, conf.router.heartbeat_s)
+    router = control.start("127.0.0.1", 0)
     procs = {}
     try:
         for name in ("p0", "d0"):
-            procs[name] = start_worker(cfg_path, name)
-        yield path, procs, cfg_path
+            procs[name] = start_worker(cfg_path, name, router)
+        deadline = time.monotonic() + 120  # the prefill worker's peer table names d0 from its next heartbeat on
+        while {"p0", "d0"} - set(registry.workers):
+            assert time.monotonic() < deadline, "workers did not register"
+            time.sleep(0.05)
+        yield path, procs, (cfg_path, router)
     finally:
         for p, _ in procs.values():
             p.terminate()
             p.wait(30)
+        control.stop()
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +114,8 @@ async def disagg_request(p_addr, d_addr, rid, prompt, params, output=()):
         first = await it.__anext__()
         msgs = [m async for m in p.stream("Prefill", {
             "request_id": rid, "prompt": prompt + list(output), "params": {**params, "max_tokens": params[
-                "max_tokens"] - len(output)}, "kv_tokens": kv, "sample": not output, "dst": first["reserved"]},
+                "max_tokens"] - len(output)}, "kv_tokens": kv, "sample": not output,
+            "dst": {"instance": "d0", **first["reserved"]}},
             timeout=60)]
         last = None
         async for msg in it:
@@ -196,7 +218,7 @@ def test_wrong_role_is_refused(cluster):
         try:
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await c.call("Prefill", {"request_id": "x", "prompt": [1], "kv_tokens": 1,
-                                         "dst": {"kv_address": ["127.0.0.1", 1], "blocks": [0], "skip": 0}})
+                                         "dst": {"instance": "d0", "blocks": [0], "skip": 0}})
             return e.value
         finally:
             await c.close()
@@ -229,8 +251,8 @@ def test_reservation_without_prefill_fails_after_deadline_and_frees(cluster):
 def test_prefill_worker_killed_mid_request_frees_decode_blocks(cluster):
     """A second prefill worker is killed (SIGKILL) while it serves Prefill: the decode side's request fails
     with a clear error at its deadline, nothing hangs, and no block stays held on the decode worker."""
-    _, procs, cfg_path = cluster
-    victim, info = start_worker(cfg_path, "p0")
+    _, procs, (cfg_path, router) = cluster
+    victim, info = start_worker(cfg_path, "p0", router)
     d_addr = procs["d0"][1]["address"]
     prompt = BASE[:17]
 
@@ -243,7 +265,8 @@ def test_prefill_worker_killed_mid_request_frees_decode_blocks(cluster):
             first = await it.__anext__()
             call = asyncio.ensure_future(p.call("Prefill", {"request_id": "killed", "prompt": prompt,
                                                             "params": GREEDY, "kv_tokens": len(prompt),
-                                                            "dst": first["reserved"]}, timeout=60))
+                                                            "dst": {"instance": "d0", **first["reserved"]}},
+                                                 timeout=60))
             await asyncio.sleep(0)  # the call is on its way
             victim.kill()
             with pytest.raises(grpc.aio.AioRpcError):
@@ -258,3 +281,46 @@ def test_prefill_worker_killed_mid_request_frees_decode_blocks(cluster):
     last = msgs[-1]["update"]
     assert last["finished"] and last["finish_reason"] == "error" and "KV transfer failed" in last["error"]
     assert h["stats"]["blocks_used"] == 0 and h["stats"]["running"] == 0
+
+
+def test_worker_methods_refuse_callers_without_the_token_and_forged_destinations(cluster):
+    """Health and Generate answer no caller without the cluster token; a Prefill call may not choose where the
+    KV goes: an instance the router has not registered, or a prefill instance, is refused before any work."""
+    _, procs, _ = cluster
+    p_addr, d_addr = procs["p0"][1]["address"], procs["d0"][1]["address"]
+
+    async def run():
+        out = {}
+        for token in ("", "wrong"):
+            c = Client(d_addr, token)
+            try:
+                for name, call in (("Health", lambda: c.call("Health", {})),
+                                   ("Generate", lambda: c.stream("Generate", {"request_id": "g", "prompt": [1, 2],
+                                                                              "params": GREEDY}).read())):
+                    with pytest.raises(grpc.aio.AioRpcError) as e:
+                        await call()
+                    out[(token, name)] = e.value.code()
+            finally:
+                await c.close()
+        p = Client(p_addr)
+        try:
+            for dst in ({"instance": "elsewhere", "blocks": [0, 1, 2], "skip": 0},
+                        {"instance": "p0", "blocks": [0, 1, 2], "skip": 0},
+                        {"instance": "d0", "blocks": [0], "skip": 0}):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await p.stream("Prefill", {"request_id": "forged", "prompt": BASE[:9], "params": GREEDY,
+                                               "kv_tokens": 9, "dst": dst}).read()
+                out[dst["instance"], len(dst["blocks"])] = (e.value.code(), e.value.details())
+            health = await p.call("Health", {})
+        finally:
+            await p.close()
+        return out, health
+    out, health = asyncio.run(run())
+    assert all(out[(t, n)] == grpc.StatusCode.UNAUTHENTICATED for t in ("", "wrong") for n in ("Health", "Generate"))
+    code, why = out["elsewhere", 3]
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "not an instance registered with the router" in why
+    code, why = out["p0", 3]
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "not a decode instance" in why
+    code, why = out["d0", 1]
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "dst.blocks" in why
+    assert health["stats"]["blocks_used"] == 0 and health["stats"]["running"] == 0

@@ -69,7 +69,7 @@ def worker_stats(workers) -> dict:
     async def go():
         out = {}
         for w in workers:
-            c = Client(w.address)
+            c = Client(w.address, "tok")
             try:
                 out[w.name] = (await c.call("Health", {}, timeout=30))["stats"]
             finally:

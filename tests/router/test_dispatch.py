@@ -16,7 +16,7 @@ from jaxserve.engine.async_engine import EngineUnavailable
 from jaxserve.engine.llm_engine import RequestError
 from jaxserve.engine.scheduler import QueueFull
 from jaxserve.sampling import SamplingParams
-from jaxserve.worker import rpc
+from jaxserve.worker import messages, rpc
 from router.cluster import ClusterEngine
 
 TOKEN = "tok"
@@ -36,9 +36,9 @@ class Fake:
         self.beating = True
 
     async def start(self):
-        self.server = rpc.server()
+        self.server = rpc.server(TOKEN)
         self.server.add_generic_rpc_handlers((rpc.handler(
-            {}, {"Prefill": self.prefill, "Decode": self.decode, "Generate": self.generate}),))
+            {}, {"Prefill": self.prefill, "Decode": self.decode, "Generate": self.generate}, messages.WORKER),))
         self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
         await self.server.start()
 
@@ -48,7 +48,7 @@ class Fake:
 
     @staticmethod
     def output(req):
-        seed = req["params"].get("seed")
+        seed = req["params"]["seed"]
         return [len(req["prompt"]), seed if seed is not None else 0]
 
     async def decode(self, req, ctx):
@@ -56,12 +56,15 @@ class Fake:
             await ctx.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "OutOfBlocks: no room")
         if self.decode_mode == "invalid":
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt too long")
+        if self.decode_mode == "bug":
+            raise KeyError("a handler's bug")
+        req = req.model_dump()
         xid = req["request_id"]
         self.opened.append(xid)
         self.requests.append(req)
         arrived = self.board.setdefault(xid, asyncio.Event())
         try:
-            yield {"reserved": {"blocks": [0], "skip": 0, "kv_address": ["127.0.0.1", 1]}}
+            yield {"reserved": {"blocks": [0], "skip": 0, "shm_base": None, "pull": False}}
             await arrived.wait()
             if self.decode_mode == "garbage":
                 yield {"update": {"bogus": 1}}
@@ -74,6 +77,7 @@ class Fake:
             self.closed.append(xid)
 
     async def prefill(self, req, ctx):
+        req = req.model_dump()
         self.prefills.append(req["request_id"])
         self.requests.append(req)
         if self.prefill_mode == "abort":
@@ -89,6 +93,7 @@ class Fake:
         yield {"kv_bytes": 100, "frames": 1, "sends": 1, "resends": 0, "token": 0, "ttft_s": 0.0, "backend": "tcp"}
 
     async def generate(self, req, ctx):
+        req = req.model_dump()
         self.generated.append(req["request_id"])
         yield {"update": update(self.output(req), True)}
 
@@ -112,11 +117,11 @@ async def cluster(fakes: dict, **router):
         await w.start()
 
     async def beat():
-        client = rpc.Client(ce.address)
+        client = rpc.Client(ce.address, TOKEN)
         while True:
             for w in workers.values():
                 if w.beating:
-                    await client.call("Register", {**w.health(), "token": TOKEN})
+                    await client.call("Register", w.health())
             await asyncio.sleep(0.05)
     beats = asyncio.ensure_future(beat())
     while len(ce.registry.up()) < len(workers):
@@ -151,16 +156,18 @@ def test_disaggregated_request_and_registration():
             assert u.route == {"route": "local", "prefill_instance": "p0", "decode_instance": "d0",
                                "kv_bytes_transferred": 100, "kv_backend": "tcp", "attempts": 1}
             assert w["d0"].opened == ["r.1"] and w["p0"].prefills == ["r.1"]
-            c = rpc.Client(ce.address)
+            c, intruder = rpc.Client(ce.address, TOKEN), rpc.Client(ce.address, "nope")
             try:
-                for bad, code in [({"token": "nope"}, grpc.StatusCode.PERMISSION_DENIED),
-                                  ({"name": "stranger"}, grpc.StatusCode.INVALID_ARGUMENT),
-                                  ({"role": "decode"}, grpc.StatusCode.INVALID_ARGUMENT)]:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await intruder.call("Register", w["p0"].health())
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                for bad in [{"name": "stranger"}, {"role": "decode"}, {"max_model_len": "64"}, {"extra": 1}]:
                     with pytest.raises(grpc.aio.AioRpcError) as e:
-                        await c.call("Register", {**w["p0"].health(), "token": TOKEN, **bad})
-                    assert e.value.code() == code
+                        await c.call("Register", {**w["p0"].health(), **bad})
+                    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             finally:
                 await c.close()
+                await intruder.close()
             assert sorted(ce.registry.workers) == ["d0", "p0"]
             await asyncio.sleep(0.05)
             assert ce.engine.has_work is False and w["d0"].closed == ["r.1"]
@@ -289,4 +296,18 @@ def test_a_malformed_worker_message_ends_the_request_with_an_error():
             assert u.finished and u.finish_reason == "error" and "router error: TypeError" in u.error
             await asyncio.sleep(0.05)
             assert w["d0"].closed == ["r.1"] and ce.tasks == {}
+    asyncio.run(go())
+
+
+def test_a_handler_bug_fails_the_placement_not_the_worker():
+    """INTERNAL (or any status but UNAVAILABLE) is the request's failure: it is placed elsewhere, and the worker
+    that answered stays in rotation (only a transport failure marks a worker down)."""
+    async def go():
+        async with cluster({"p0": P, "d0": ("decode", {"decode": "bug"}), "d1": D}) as (ce, w):
+            u, = await result(await ce.add("r", [1, 2, 3], GREEDY))
+            assert u.error is None and u.route["decode_instance"] == "d1"
+            assert ce.registry.is_up(ce.registry.workers["d0"]) and ce.registry.workers["d0"].failures == 0
+            w["d0"].decode_mode = "ok"
+            u, = await result(await ce.add("r2", [1, 2, 3], GREEDY))
+            assert u.error is None and u.route["decode_instance"] == "d0"  # in rotation: first by name again
     asyncio.run(go())

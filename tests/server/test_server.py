@@ -153,11 +153,15 @@ def test_models_health_metrics_profile(server):
     ({"model": "demo", "prompt": []}, 400, "prompt"),
     ({"model": "demo", "prompt": [1, 99999]}, 400, "prompt"),
     ({"model": "demo", "prompt": [1, -3]}, 400, "prompt"),
-    ({"model": "demo", "prompt": [5] * 300}, 400, "max_tokens"),
+    ({"model": "demo", "prompt": [5] * 250}, 400, "max_tokens"),  # with the default 16: over the context
+    ({"model": "demo", "prompt": [5] * 300}, 400, "prompt"),  # alone over the context
     ({"model": "demo", "prompt": "a", "n": 3}, 400, "n"),
     ({"model": "demo", "prompt": "a", "logprobs": 21}, 400, "logprobs"),
     ({"model": "demo", "prompt": "a", "stop": [""]}, 400, "stop"),
     ({"model": "demo"}, 400, "prompt"),
+    ({"model": "demo", "prompt": [5] * 100_000}, 400, "prompt"),  # refused before tokenising: over the context
+    ({"model": "demo", "prompt": "a", "stop_token_ids": [1] * 1000}, 400, "stop_token_ids"),
+    ({"model": "demo", "prompt": "a", "user": "u" * 1000}, 400, "user"),
 ])
 def test_bad_input_gets_openai_errors(server, body, status, param):
     client, engine = server
@@ -183,6 +187,18 @@ def test_bad_json_keys_and_chat_errors(server):
         r = httpx.get(f"{client.base_url}/v1/models", headers=headers)
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     assert httpx.get(f"{client.base_url}/health").status_code == 200  # health needs no key
+    wait_idle(engine)
+
+
+def test_a_huge_body_is_refused_before_it_is_read_and_the_server_goes_on(server):
+    """A 100 MB body (a prompt of 24M token ids) is 413 at once (server.max_request_mb), not parsed; the next
+    valid request is served."""
+    client, engine = server
+    body = b'{"model": "demo", "prompt": [' + b"1," * (50 << 20) + b'1]}'
+    r = client.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    r = client.post("/v1/completions", json={"model": "demo", "prompt": "Prefill", "max_tokens": 2})
+    assert r.status_code == 200, r.text
     wait_idle(engine)
 
 

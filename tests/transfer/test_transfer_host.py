@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from transfer import wire
 from transfer.align import Run, align, contiguous_runs
 from transfer.bufpool import PoolFull, RecvPool
 from transfer.link import LinkEmulation, TokenBucket
+from transfer.net import Timeouts
 from transfer.plan import PlanError, TransferPlan, layer_groups
 from transfer.receiver import KVReceiver, region_bytes
 from transfer.sender import KVSender
@@ -359,7 +361,7 @@ def test_peer_without_cluster_token_is_rejected():
         assert h.kind == wire.NACK and "token" in h.meta["reason"]
         assert sock.recv(1) == b""  # and the connection is closed
         assert any("not a cluster member" in x for x in p.server.rejections)
-        link = TcpLink(p.server.address, "wrong", connections=1, connect_timeout_s=0.5)
+        link = TcpLink(p.server.address, "wrong", connections=1, timeouts=Timeouts(connect_s=0.5))
         r = p.receiver("x", [7, 8, 9, 20])
         plan = TransferPlan.build(p.lay, "float32", 14, [3, 4, 9, 10], [7, 8, 9, 20], 0, [(0, 5)])
         s = KVSender("x", link, plan, plan.check(p.lay, "float32", [7, 8, 9, 20], 14, 0))
@@ -384,7 +386,7 @@ def test_receiver_deadline_fails_and_frees():
 
 
 def test_receiver_gone_fails_the_sender():
-    p = Pair(connect_timeout_s=0.5)
+    p = Pair(timeouts=Timeouts(connect_s=0.5))
     p.receiver("g", [7, 8, 9, 20])
     p.server.close()  # the decode worker died
     s, _, _ = p.send("g", [3, 4, 9, 10], [7, 8, 9, 20])
@@ -461,3 +463,145 @@ def test_checksum_incremental_equals_whole_and_detects_corruption():
     swapped[:4096], swapped[4096:8192] = data[4096:8192], data[:4096]  # two 4 KiB chunks reordered
     assert wire.checksum(swapped) != base
     assert wire.checksum(data[:-1]) != base  # truncation
+
+
+def test_silent_partition_fails_the_transfer_frees_everything_and_the_link_recovers():
+    """A partition with no reset (a proxy that stops forwarding and closes nothing) in the middle of a
+    transfer: the sender fails within the acknowledgement timeout plus a reconnect attempt, the receiver's
+    reservation fails at its deadline and its region is freed, the link's connections are rebuilt and the next
+    transfer through it succeeds, and no thread is left behind."""
+    from bench.faultproxy import FaultProxy
+    t = Timeouts(io_s=1.0, ack_s=2.0, connect_s=1.0, idle_s=3.0)
+    p = Pair(connections=2, chunk_bytes=1 << 20, timeouts=t)
+    proxy = FaultProxy(p.server.address)
+    p.link.close()
+    p.link = TcpLink(proxy.address, TOKEN, connections=2, chunk_bytes=1 << 20, timeouts=t)
+    try:
+        r = p.receiver("cut", [7, 8, 9, 20], deadline=4.0)
+        orig = p.link.shaper.send
+
+        def partition_at_data(sock, data):
+            if len(memoryview(data)) > 1000:  # the first DATA piece: from here on nothing gets through
+                proxy.set("blackhole")
+            orig(sock, data)
+        p.link.shaper.send = partition_at_data
+        t0 = time.monotonic()
+        s, st, arrays = p.send("cut", [3, 4, 9, 10], [7, 8, 9, 20])
+        assert s.wait(15) is KVPoll.FAILED, s.state.poll()
+        failed_after = time.monotonic() - t0
+        assert failed_after < t.ack_s + t.connect_s + 2.0, failed_after
+        assert r.state.wait(10) is KVPoll.FAILED and "deadline" in r.state.reason
+        r.release()
+        assert p.rpool.free_bytes == p.rpool.capacity and p.server.pending() == 0
+        # the partition heals: the same link rebuilds its connections and carries the next transfer
+        p.link.shaper.send = orig
+        proxy.set("pass")
+        r2 = p.receiver("after", [7, 8, 9, 20])
+        s2, st2, arrays2 = p.send("after", [3, 4, 9, 10], [7, 8, 9, 20])
+        assert s2.wait(15) is KVPoll.DONE and r2.state.wait(15) is KVPoll.DONE
+        _assert_same(st2, r2.arrays(), arrays2)
+        r2.release()
+        p.link.close()
+        for th in p.link._threads:
+            th.join(10)
+        assert p.link.alive_threads() == 0  # a closed link's writers end
+    finally:
+        proxy.close()
+        p.server.close()
+
+
+def test_frames_of_the_wrong_shape_are_refused_and_the_connection_goes_on():
+    """Well-formed JSON of the wrong shape in any frame's meta is NACKed (final) with a reason naming the field;
+    the same connection then carries a valid transfer. A header that cannot be a frame closes the connection,
+    and the server goes on serving others."""
+    p = Pair()
+    try:
+        r = p.receiver("ok", [1, 2, 3, 4])
+        plan = TransferPlan.build(p.lay, "float32", 14, [1, 2, 3, 4], [1, 2, 3, 4], 0, [(0, 5)])
+        sock, h = _raw_connection(p.server)
+        assert h.kind == wire.ACK
+        bad = [(wire.PLAN, {**plan.to_meta(), "runs": "all of them"}, "runs"),
+               (wire.PLAN, {**plan.to_meta(), "num_tokens": "14"}, "num_tokens"),
+               (wire.PLAN, {**plan.to_meta(), "layer_groups": [[0, 5, 9]]}, "layer_groups"),
+               (wire.DATA, {"a": "0", "o": 0}, "'a'"),
+               (wire.DATA, {"a": 0}, "'o'"),
+               (wire.PULL, {"arrays": {"0": 1}, "uuid": 1, "addr": "x", "bytes": 1}, "arrays"),
+               (wire.META, {"token": 3, "top": [[1, "x"]]}, "top"),
+               (wire.META, {"token": 3.5}, "token"),
+               (wire.ABORT, {"reason": ["x"]}, "reason")]
+        for seq, (kind, meta, field) in enumerate(bad, start=10):
+            wire.send_frame(sock, wire.Frame(kind, "ok", seq, meta))
+            a = wire.read_header(sock)
+            assert a.kind == wire.NACK and a.seq == seq and not a.meta["retry"] and field in a.meta["reason"], \
+                (kind, a.meta)
+        assert r.state.poll() is KVPoll.INIT  # frames refused for their shape do not touch the request
+        # a plan of the right shape that does not fit the reservation fails the request (a run far past its
+        # blocks is refused without building it), and so does one writing shared memory the region is not
+        wire.send_frame(sock, wire.Frame(wire.PLAN, "ok", 29, {**plan.to_meta(), "runs": [[0, 1, 1, 10**12]]}))
+        a = wire.read_header(sock)
+        assert a.kind == wire.NACK and "does not match the reserved blocks" in a.meta["reason"]
+        r3 = p.receiver("shm", [1, 2, 3, 4])
+        wire.send_frame(sock, wire.Frame(wire.PLAN, "shm", 30, {**plan.to_meta(), "shm_base": 4096}))
+        a = wire.read_header(sock)
+        assert a.kind == wire.NACK and "shared memory" in a.meta["reason"]
+        for x in (r, r3):
+            assert x.state.poll() is KVPoll.FAILED  # nothing is held
+            x.release()
+        # the connection is still good: a fresh request's transfer over it
+        r2 = p.receiver("ok2", [1, 2, 3, 4])
+        st = plan.check(p.lay, "float32", [1, 2, 3, 4], 14, 0)
+        wire.send_frame(sock, wire.Frame(wire.PLAN, "ok2", 40, plan.to_meta()))
+        assert wire.read_header(sock).kind == wire.ACK
+        arrays = export(p.lay, p.pool, st, [1, 2, 3, 4], 1)
+        for i, arr in enumerate(arrays):
+            for a_, off, n in plan.sends(st):
+                if a_ == i:
+                    payload = arr.reshape(-1).view(np.uint8)[off:off + n]
+                    wire.send_frame(sock, wire.Frame(wire.DATA, "ok2", 50 + i, {"a": i, "o": off}, payload))
+                    assert wire.read_header(sock).kind == wire.ACK
+        wire.send_frame(sock, wire.Frame(wire.META, "ok2", 99, {"token": 1}))
+        assert wire.read_header(sock).kind == wire.ACK and r2.state.poll() is KVPoll.DONE
+        _assert_same(st, r2.arrays(), arrays)
+        r2.release()
+        # a header that cannot be a frame (meta not an object) ends that connection only
+        body = b"[1]"
+        hdr = wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.META, 0, 1, 1, len(body), 0, 0) + b"x" + body
+        sock.sendall(hdr + bytes(-len(hdr) % wire.ALIGN))
+        assert sock.recv(64) == b""  # closed
+        sock2, h2 = _raw_connection(p.server)
+        assert h2.kind == wire.ACK
+        sock.close(), sock2.close()
+    finally:
+        p.close()
+        p.server.close()
+
+
+def _closed_by_peer(s: socket.socket) -> bool:
+    """The peer closed s (an orderly close, or a reset when it closed with our bytes unread)."""
+    s.settimeout(5)
+    try:
+        return s.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_unauthenticated_connections_are_bounded_and_timed_out():
+    """At most max_unauthenticated connections may wait to authenticate, more are closed at once; one that sends
+    no HELLO within hello_s, or a HELLO bigger than hello_max_bytes, is closed; members still get in."""
+    t = Timeouts(hello_s=1.0, max_unauthenticated=4, hello_max_bytes=256)
+    server = KVServer(TOKEN, timeouts=t)
+    try:
+        idle = [socket.create_connection(server.address) for _ in range(4)]
+        extra = socket.create_connection(server.address)
+        assert _closed_by_peer(extra)  # over the cap: closed at once
+        assert all(_closed_by_peer(s) for s in idle)  # no HELLO within hello_s: closed
+        big = socket.create_connection(server.address)
+        wire.send_frame(big, wire.Frame(wire.HELLO, "", 0, {"token": TOKEN, "name": "x" * 1000}))
+        assert _closed_by_peer(big)
+        sock, h = _raw_connection(server)
+        assert h.kind == wire.ACK
+        assert server.refused_connections == 1 and any("no valid HELLO" in x for x in server.rejections)
+        for s in idle + [extra, big, sock]:
+            s.close()
+    finally:
+        server.close()

@@ -1,0 +1,124 @@
+"""Schemas of the control-plane requests (rpc.py validates every request against its method's schema).
+
+Unknown fields are refused, types are strict (a string is not an integer), every list and string is bounded.
+What the engine checks itself (token ids inside the vocabulary, lengths against the context, sampling ranges)
+is left to it; it answers INVALID_ARGUMENT as well. No address, shared-memory segment name or offset outside a
+reservation comes from a caller: a Prefill call names its decode instance, and the worker looks it up in the
+router's registry of instances (the peer table that Register answers with).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, StrictBool, StrictInt, StrictStr
+
+from ..sampling import SamplingParams
+
+MAX_TOKENS = 1 << 22  # token ids in one prompt (+ output): far beyond any context, far below MAX_MESSAGE
+MAX_BLOCKS = 1 << 22
+
+Name = Annotated[StrictStr, Field(min_length=1, max_length=256)]
+Ids = Annotated[list[Annotated[StrictInt, Field(ge=0, lt=1 << 31)]], Field(max_length=MAX_TOKENS)]
+TopLogprob = tuple[StrictInt, FiniteFloat]
+Logprobs = Annotated[list[tuple[FiniteFloat, Annotated[list[TopLogprob], Field(max_length=64)]]],
+                     Field(max_length=MAX_TOKENS)]
+
+
+class _Msg(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Params(_Msg):
+    """SamplingParams as JSON (dataclasses.asdict of one); `sampling()` checks the ranges."""
+    max_tokens: StrictInt = Field(16, ge=1, le=MAX_TOKENS)
+    temperature: FiniteFloat = 1.0
+    top_p: FiniteFloat = 1.0
+    top_k: StrictInt = Field(0, ge=0, lt=1 << 31)
+    min_p: FiniteFloat = 0.0
+    repetition_penalty: FiniteFloat = 1.0
+    presence_penalty: FiniteFloat = 0.0
+    frequency_penalty: FiniteFloat = 0.0
+    seed: StrictInt | None = Field(None, ge=0, lt=1 << 63)
+    stop: Annotated[list[Annotated[StrictStr, Field(max_length=1024)]], Field(max_length=16)] = []
+    stop_token_ids: Annotated[list[Annotated[StrictInt, Field(ge=0, lt=1 << 31)]], Field(max_length=1024)] = []
+    ignore_eos: StrictBool = False
+    n: StrictInt = Field(1, ge=1, le=64)
+    logprobs: StrictInt | None = Field(None, ge=0, le=20)
+
+    def sampling(self) -> SamplingParams:
+        """-> SamplingParams; raises ValueError on an out-of-range value."""
+        return SamplingParams(**self.model_dump())
+
+
+class _Request(_Msg):
+    request_id: Name
+    prompt: Annotated[Ids, Field(min_length=1)]
+    params: Params = Params()
+
+
+class _Resumable(_Request):
+    output: Ids = []  # a resumed request's output so far (worker/main.py)
+    logprobs: Logprobs | None = None
+
+    def resume(self) -> dict:
+        """LLMEngine's resume arguments (output=, logprobs=), empty for a fresh request."""
+        return {"output": list(self.output), "logprobs": self.logprobs} if self.output else {}
+
+
+class Health(_Msg):
+    pass
+
+
+class Generate(_Resumable):
+    pass
+
+
+class Decode(_Resumable):
+    kv_tokens: StrictInt = Field(ge=1, le=MAX_TOKENS)
+    deadline_s: FiniteFloat | None = Field(None, gt=0, le=3600)
+
+
+class Reservation(_Msg):
+    """Where decode reserved a request's KV (its Decode stream's first answer), as the router passes it on."""
+    instance: Name  # the decode instance; its KV address and segment come from the peer table
+    blocks: Annotated[list[Annotated[StrictInt, Field(ge=0, lt=1 << 31)]], Field(max_length=MAX_BLOCKS)]
+    skip: StrictInt = Field(ge=0, le=MAX_BLOCKS)
+    shm_base: StrictInt | None = Field(None, ge=0, lt=1 << 48)  # the region's offset in decode's segment
+    pull: StrictBool = False
+
+
+class Prefill(_Request):
+    kv_tokens: StrictInt = Field(ge=1, le=MAX_TOKENS)
+    sample: StrictBool = True
+    dst: Reservation
+
+
+class ShmInfo(_Msg):
+    name: Annotated[StrictStr, Field(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9._-]+$")]
+    boot: Annotated[StrictStr, Field(max_length=255)]
+    bytes: StrictInt = Field(ge=0)
+
+
+Scalar = StrictInt | FiniteFloat | StrictStr | StrictBool | None
+
+
+class Register(_Msg):
+    """A worker's registration / heartbeat (its Health answer)."""
+    name: Name
+    role: Name
+    address: Annotated[StrictStr, Field(min_length=1, max_length=512)]
+    kv_address: tuple[Annotated[StrictStr, Field(max_length=255)], StrictInt] | None = None
+    max_model_len: StrictInt = Field(ge=1)
+    pid: StrictInt | None = None
+    stats: Annotated[dict[Annotated[str, Field(max_length=64)], Scalar], Field(max_length=64)] = {}
+    links: Annotated[dict[Annotated[str, Field(max_length=600)],
+                          Annotated[dict[Annotated[str, Field(max_length=64)], Scalar], Field(max_length=64)]],
+                     Field(max_length=256)] = {}
+    shm: ShmInfo | None = None  # decode: its shared-memory receive pool
+    pull: StrictBool = False  # decode: takes device pulls
+    pull_address: Annotated[StrictStr, Field(max_length=512)] | None = None  # prefill: its JAX transfer server
+
+
+WORKER = {"Health": Health, "Decode": Decode, "Prefill": Prefill, "Generate": Generate}
+ROUTER = {"Register": Register}

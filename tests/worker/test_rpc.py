@@ -1,0 +1,134 @@
+"""The control plane's gRPC layer (jaxserve/worker/rpc.py) over a real server on a local port: every method
+refuses a caller without the cluster token (UNAUTHENTICATED, before the handler runs), a request that does not
+fit its schema is INVALID_ARGUMENT naming the field, a handler's exception is INTERNAL (never UNKNOWN), and a
+Prefill reservation cannot carry an address or segment of the caller's choosing."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from jaxserve.worker import messages, rpc
+
+TOKEN = "cluster-secret"
+PREFILL = {"request_id": "r", "prompt": [1, 2, 3], "params": {"max_tokens": 2}, "kv_tokens": 3,
+           "dst": {"instance": "d0", "blocks": [0], "skip": 0}}
+
+
+async def serve(calls: list):
+    async def health(req, ctx):
+        calls.append(("Health", req))
+        return {"ok": True}
+
+    async def prefill(req, ctx):
+        calls.append(("Prefill", req))
+        if req.request_id == "boom":
+            raise RuntimeError("a bug")
+        yield {"kv_bytes": 1}
+
+    srv = rpc.server(TOKEN)
+    srv.add_generic_rpc_handlers((rpc.handler({"Health": health}, {"Prefill": prefill}, messages.WORKER),))
+    addr = f"127.0.0.1:{srv.add_insecure_port('127.0.0.1:0')}"
+    await srv.start()
+    return srv, addr
+
+
+async def code_of(aw) -> grpc.StatusCode | None:
+    try:
+        if hasattr(aw, "__aiter__"):  # a stream call
+            [m async for m in aw]
+        else:
+            await aw
+    except grpc.aio.AioRpcError as e:
+        return e.code(), e.details()
+    return None, None
+
+
+def test_every_method_requires_the_cluster_token():
+    async def go():
+        calls = []
+        srv, addr = await serve(calls)
+        for token in ("", "wrong", TOKEN[:-1], TOKEN + "x"):
+            c = rpc.Client(addr, token)
+            assert (await code_of(c.call("Health", {})))[0] == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                [m async for m in c.stream("Prefill", PREFILL)]
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            await c.close()
+        # no metadata at all: a raw channel
+        ch = grpc.aio.insecure_channel(addr)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await ch.unary_unary(f"/{rpc.SERVICE}/Health")(b"{}")
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        await ch.close()
+        assert calls == []  # no handler ran
+        c = rpc.Client(addr, TOKEN)
+        assert await c.call("Health", {}) == {"ok": True}
+        assert [m async for m in c.stream("Prefill", PREFILL)] == [{"kv_bytes": 1}]
+        await c.close()
+        await srv.stop(0)
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"prompt": "1 2 3"}, "prompt"),
+    ({"prompt": [1, "2"]}, "prompt.1"),
+    ({"prompt": []}, "prompt"),
+    ({"kv_tokens": 0}, "kv_tokens"),
+    ({"params": {"max_tokens": 2, "temperature": "hot"}}, "params.temperature"),
+    ({"params": {"bogus": 1}}, "params.bogus"),
+    ({"dst": {**PREFILL["dst"], "kv_address": ["10.0.0.1", 80]}}, "dst.kv_address"),
+    ({"dst": {**PREFILL["dst"], "shm": {"name": "other-segment", "base": 0}}}, "dst.shm"),
+    ({"dst": {**PREFILL["dst"], "shm_base": -4096}}, "dst.shm_base"),
+    ({"request_id": "x" * 300}, "request_id"),
+    ({"extra": 1}, "extra"),
+])
+def test_a_message_that_does_not_fit_its_schema_is_invalid_argument(change, field):
+    async def go():
+        calls = []
+        srv, addr = await serve(calls)
+        c = rpc.Client(addr, TOKEN)
+        code, details = await code_of(c.stream("Prefill", {**PREFILL, **change}))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(field + ":"), details
+        # not JSON at all
+        raw = c.channel.unary_unary(f"/{rpc.SERVICE}/Health")
+        code, _ = await code_of(raw(b"\xff{not json", metadata=c.metadata))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and calls == []
+        await c.close()
+        await srv.stop(0)
+    asyncio.run(go())
+
+
+def test_a_handler_bug_is_internal_and_the_server_goes_on():
+    async def go():
+        srv, addr = await serve([])
+        c = rpc.Client(addr, TOKEN)
+        code, details = await code_of(c.stream("Prefill", {**PREFILL, "request_id": "boom"}))
+        assert code == grpc.StatusCode.INTERNAL and "RuntimeError: a bug" in details
+        assert await c.call("Health", {}) == {"ok": True}
+        await c.close()
+        await srv.stop(0)
+    asyncio.run(go())
+
+
+def test_token_comparison_is_constant_time():
+    """Wrong tokens sharing a long prefix with the real one take as long to refuse as ones sharing none (the
+    comparison does not stop at the first differing byte)."""
+    token = "k" * 200_000
+    near, far = "k" * 199_999 + "x", "x" * 200_000
+
+    def cost(presented, n=300):
+        t = time.perf_counter()
+        for _ in range(n):
+            rpc.token_matches(presented, token)
+        return time.perf_counter() - t
+    near_s, far_s = [], []
+    for _ in range(15):  # interleaved, so both see the same machine noise
+        near_s.append(cost(near))
+        far_s.append(cost(far))
+    near_s.sort(), far_s.sort()
+    ratio = near_s[7] / far_s[7]
+    assert 0.7 < ratio < 1.4, ratio
