@@ -19,8 +19,10 @@ whose call fails at the transport level is marked down (registry.py) until its n
 ends with a final Update (tokens or an error): nothing hangs; at most `router.max_attempts` placements per
 request.
 
-Concurrency: everything runs on the router's asyncio loop (uvicorn's); one task per (sub-)request; gRPC
-channels are `grpc.aio`, one per worker address.
+Concurrency: requests run on the router's asyncio loop (uvicorn's), one task per (sub-)request; gRPC channels are
+`grpc.aio`, one per worker address, each call presenting the cluster token. Registrations (heartbeats) arrive on
+the control port's own thread (control.py), so a busy request path cannot starve them; the registry they update
+is thread-safe (registry.py).
 """
 
 from __future__ import annotations
