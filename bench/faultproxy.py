@@ -1,7 +1,7 @@
 """A TCP fault proxy for partition and corruption tests: it forwards connections to a target and, on command,
 stops forwarding without closing anything (`blackhole`: a silent partition, no reset, no FIN), cuts every
-connection (`reset`), or flips one bit in each forwarded chunk from client to target (`corrupt`). Loopback
-only. Concurrency: an accept thread and two pump threads per connection; `mode` is read by every pump.
+connection (`reset`), or flips one bit in each forwarded chunk from client to target (`corrupt`; with
+`only_from`, only on connections from those client addresses). Concurrency: an accept thread and two pump threads per connection; `mode` is read by every pump.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ class FaultProxy:
         self._sock = socket.create_server((host, 0))
         self.address = self._sock.getsockname()[:2]
         self._mode = "pass"
+        self._only: frozenset | None = None
         self._flowing = threading.Event()
         self._flowing.set()
         self._lock = threading.Lock()
@@ -29,9 +30,11 @@ class FaultProxy:
     def mode(self) -> str:
         return self._mode
 
-    def set(self, mode: str) -> None:
+    def set(self, mode: str, only_from=None) -> None:
+        """only_from: client IP addresses whose traffic `corrupt` flips (None: every connection's)."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self._only = None if only_from is None else frozenset(only_from)
         self._mode = mode
         if mode == "blackhole":
             self._flowing.clear()
@@ -59,7 +62,7 @@ class FaultProxy:
     def _accept(self) -> None:
         while True:
             try:
-                client, _ = self._sock.accept()
+                client, peer = self._sock.accept()
             except OSError:
                 return
             self.accepted += 1
@@ -76,9 +79,10 @@ class FaultProxy:
             with self._lock:
                 self._pairs.append((client, upstream))
             for src, dst, up in ((client, upstream, True), (upstream, client, False)):
-                threading.Thread(target=self._pump, args=(src, dst, up), name="fault-proxy-pump", daemon=True).start()
+                threading.Thread(target=self._pump, args=(src, dst, up, peer[0]), name="fault-proxy-pump",
+                                 daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket, upstream: bool) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, upstream: bool, peer: str) -> None:
         try:
             while True:
                 self._flowing.wait()
@@ -86,7 +90,7 @@ class FaultProxy:
                 if not data:
                     break
                 self._flowing.wait()  # blackholed while this chunk was read: it goes nowhere until restored
-                if self._mode == "corrupt" and upstream:
+                if self._mode == "corrupt" and upstream and (self._only is None or peer in self._only):
                     data = bytearray(data)
                     data[len(data) // 2] ^= 0x01
                 dst.sendall(data)

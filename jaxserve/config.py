@@ -62,11 +62,18 @@ class InstanceSection(_Strict):
     host: str = Field("127.0.0.1", description="address the worker's gRPC and KV servers listen on")
     port: int = Field(0, ge=0, le=65535, description="gRPC control port (0: any free port)")
     kv_port: int = Field(0, ge=0, le=65535, description="KV data port of a decode instance (0: any free port)")
+    kv_advertise: str | None = Field(None, description="host:port prefill instances dial for this decode "
+                                     "instance's KV data (a NAT, load balancer or proxy in front of it); "
+                                     "default: host and the bound kv_port")
     launch: bool = Field(True, description="`jaxserve serve` starts this worker as a child process; false: it "
                                            "joins from another host (`jaxserve worker ... --router HOST:PORT`)")
 
     @model_validator(mode="after")
     def _devices(self):
+        if self.kv_advertise is not None:
+            host, _, port = self.kv_advertise.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"kv_advertise must be host:port, got {self.kv_advertise!r}")
         if len(self.devices) < self.tp:
             raise ValueError(f"tp={self.tp} needs {self.tp} devices, {len(self.devices)} listed")
         return self

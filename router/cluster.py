@@ -80,6 +80,7 @@ class _Sub:
     it: object = None
     reserved: dict | None = None
     prefill: str | None = None
+    prefilling: str | None = None  # the prefill instance whose Prefill call for it is running now
     kv_bytes: int = 0
     kv_backend: str | None = None
     avoid: set = field(default_factory=set)  # instances that failed this request
@@ -147,6 +148,7 @@ class ClusterEngine:
         self.on_finish = on_finish  # (final Update, seconds since arrival)
         self.error: str | None = None  # the app's interface; a cluster reports its state through health()
         self.tasks: dict[str, list[asyncio.Task]] = {}
+        self.sequences: dict[str, list[_Sub]] = {}  # request id -> its sequences, while it runs (read-only view)
         self.kv_bytes_transferred = 0
         self.retries = 0
         self._clients: dict[str, rpc.Client] = {}
@@ -214,17 +216,19 @@ class ClusterEngine:
             raise
         q: asyncio.Queue = asyncio.Queue()
         tasks = [asyncio.ensure_future(self._drive(s, q, arrival)) for s in subs]
-        self.tasks[request_id] = tasks
+        self.tasks[request_id], self.sequences[request_id] = tasks, subs
 
         def done(_):
             if all(t.done() for t in tasks):
                 self.tasks.pop(request_id, None)
+                self.sequences.pop(request_id, None)
         for t in tasks:
             t.add_done_callback(done)
         return q
 
     def abort(self, request_id: str) -> None:
         """The client went away: cancel its tasks, which close their streams (the workers abort and free)."""
+        self.sequences.pop(request_id, None)
         for t in self.tasks.pop(request_id, []):
             t.cancel()
 
@@ -293,10 +297,14 @@ class ClusterEngine:
         first = None
         if method == "Decode":
             try:
-                first = await it.__anext__()
+                # a stopped process accepts the call and never answers: give up when its heartbeats stop
+                first = await self._watch(w, it.__anext__())
             except StopAsyncIteration:
                 call.cancel()
                 raise _Retry(f"{w.name} closed its Decode stream without a reservation") from None
+            except _Silent as e:
+                call.cancel()
+                raise _Retry(f"Decode on {e}") from None
             except BaseException:
                 call.cancel()
                 raise
@@ -322,6 +330,7 @@ class ClusterEngine:
         tokens = s.prompt + s.output  # resuming: the output so far is prompt to this prefill
         params = {**s.params, "max_tokens": s.params["max_tokens"] - len(s.output)}
         p.inflight += 1
+        s.prefilling = p.name
         call = self._client(p).stream("Prefill", {
             "request_id": s.xid, "prompt": tokens, "params": params, "kv_tokens": s.kv(),
             "sample": s.kv() == len(tokens), "dst": s.reserved}, timeout=self.cfg.server.request_timeout_s)
@@ -345,6 +354,7 @@ class ClusterEngine:
         finally:
             call.cancel()  # nothing once it has ended
             p.inflight -= 1
+            s.prefilling = None
         p.served += 1
         s.prefill, s.kv_bytes, s.kv_backend = p.name, int(res["kv_bytes"]), res.get("backend")
         self.kv_bytes_transferred += s.kv_bytes

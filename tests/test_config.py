@@ -52,6 +52,12 @@ def test_cluster_configs_are_checked():
         parse({"clusters": [{"name": "a", "instances": [{"name": "p", "role": "prefill"}]}]})
     with pytest.raises(ConfigFileError, match="router: .*down_after_s .* must exceed heartbeat_s"):
         parse({"router": {"heartbeat_s": 2, "down_after_s": 1}})
+    two = lambda adv: {"clusters": [{"name": "a", "instances": [  # noqa: E731
+        {"name": "p", "role": "prefill"}, {"name": "d", "role": "decode", "kv_advertise": adv}]}]}
+    assert parse(two("10.0.0.5:7300")).instances()[1].kv_advertise == "10.0.0.5:7300"
+    for bad in ("10.0.0.5", ":7300", "host:0", "host:http"):
+        with pytest.raises(ConfigFileError, match="kv_advertise must be host:port"):
+            parse(two(bad))
 
 
 def test_layerwise_streaming_starts_at_stream_min_tokens():

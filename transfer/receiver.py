@@ -32,7 +32,8 @@ class KVReceiver:
         self.request_id, self.layout, self.dtype = request_id, layout, dtype
         self.dst_blocks, self.num_tokens, self.skip = list(dst_blocks), num_tokens, skip
         self.region = region
-        self.deadline = time.monotonic() + deadline_s
+        self.created = time.monotonic()
+        self.deadline = self.created + deadline_s
         self.on_done = on_done  # called once with this receiver when it reaches DONE or FAILED
         self.state = TransferState(f"receive {request_id}")
         self.plan: TransferPlan | None = None

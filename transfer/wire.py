@@ -1,8 +1,12 @@
 """Frames on a data connection: a fixed header, the request id, a JSON meta record, then the payload.
 
     magic "JXKV" | version u8 | kind u8 | flags u16 | seq u32 | id_len u16 | meta_len u32 | payload_len u64 |
-    checksum u64 (of the payload; 0 with flag TRAILER) | request id (utf-8) | meta (JSON) | zero pad |
-    payload | [checksum u64, with flag TRAILER] | zero pad
+    checksum u64 (of the payload; 0 with flag TRAILER) | head checksum u64 | request id (utf-8) | meta (JSON) |
+    zero pad | payload | [checksum u64, with flag TRAILER] | zero pad
+
+The head checksum covers the fields before it, the id and the meta record: a bit flipped in transit in a
+control frame (a PLAN's block list, a HELLO's token, a length) is a `ProtocolError`, never a frame read as
+something else.
 
 The pads make the header part and the body each a multiple of ALIGN (64) bytes, so every payload starts
 64-byte aligned in the stream. The kernel fills its socket buffers in stream order, so copying a payload out
@@ -40,8 +44,9 @@ from dataclasses import dataclass, field
 import xxhash
 
 MAGIC = b"JXKV"
-VERSION = 4
-HEADER = struct.Struct("<4sBBHIHIQQ")
+VERSION = 5
+HEADER = struct.Struct("<4sBBHIHIQQQ")
+_HEAD_SUMMED = HEADER.size - 8  # the head checksum covers the fields before it
 TRAILER = struct.Struct("<Q")
 ALIGN = 64  # the header part and the body of a frame are each padded to a multiple of this
 F_TRAILER = 1  # header flag: the payload's checksum follows the payload, not in the header
@@ -114,11 +119,18 @@ def _pad(n: int) -> int:
 
 def encode_header(f: Frame, trailer: bool = False) -> bytes:
     """trailer: the payload's checksum follows the payload (`send_payload`), rather than in this header."""
-    rid = f.request_id.encode()
     meta = json.dumps(f.meta, separators=(",", ":")).encode() if f.meta else b""
     digest = 0 if trailer else checksum(f.payload) if f.digest is None else f.digest
-    head = HEADER.pack(MAGIC, VERSION, f.kind, F_TRAILER if trailer else 0, f.seq, len(rid), len(meta),
-                       len(f.payload), digest) + rid + meta
+    return pack_header(f.kind, F_TRAILER if trailer else 0, f.seq, f.request_id.encode(), meta, len(f.payload),
+                       digest)
+
+
+def pack_header(kind: int, flags: int, seq: int, rid: bytes, meta: bytes, payload_len: int, digest: int,
+                version: int = VERSION, magic: bytes = MAGIC) -> bytes:
+    """A frame's header part from raw fields (id and meta as bytes), head checksum and pad included."""
+    fields = HEADER.pack(magic, version, kind, flags, seq, len(rid), len(meta), payload_len, digest, 0)
+    fields = fields[:_HEAD_SUMMED]
+    head = fields + struct.pack("<Q", checksum(fields + rid + meta)) + rid + meta
     return head + bytes(_pad(len(head)))
 
 
@@ -209,7 +221,7 @@ def read_header(sock: socket.socket, max_meta: int = MAX_META) -> Header:
     if not first:
         raise PeerClosed("peer closed the connection")
     raw = first + (recv_exact(sock, HEADER.size - len(first)) if len(first) < HEADER.size else b"")
-    magic, version, kind, flags, seq, id_len, meta_len, payload_len, digest = HEADER.unpack(raw)
+    magic, version, kind, flags, seq, id_len, meta_len, payload_len, digest, head_sum = HEADER.unpack(raw)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {magic!r}: not a jaxserve KV connection")
     if version != VERSION:
@@ -219,6 +231,8 @@ def read_header(sock: socket.socket, max_meta: int = MAX_META) -> Header:
     if meta_len > max_meta or id_len > MAX_ID:
         raise ProtocolError(f"meta record of {meta_len} bytes or id of {id_len} exceeds {max_meta} / {MAX_ID}")
     rest = recv_exact(sock, id_len + meta_len + _pad(HEADER.size + id_len + meta_len))  # id, meta, pad
+    if checksum(raw[:_HEAD_SUMMED] + rest[:id_len + meta_len]) != head_sum:
+        raise ProtocolError(f"{KIND_NAMES[kind]} frame header corrupted in transit (head checksum mismatch)")
     try:
         rid = rest[:id_len].decode()
         meta = json.loads(rest[id_len:id_len + meta_len]) if meta_len else {}

@@ -11,6 +11,7 @@ back. Concurrency: `reserve` and `arrived` run on the engine thread; the server'
 from __future__ import annotations
 
 import logging
+import time
 
 from transfer.bufpool import PoolFull, RecvPool
 from transfer.receiver import KVReceiver, region_bytes
@@ -75,6 +76,14 @@ class KVIntake:
         if recv is not None:
             self.server.forget(request_id)
             recv.fail("request aborted")
+
+    def stats(self) -> dict:
+        """Reservations waiting for KV, receive-pool bytes held, and the age of the oldest reservation (a leak
+        check reads these once the instance is idle: all must be 0)."""
+        now = time.monotonic()
+        recvs = list(self.receivers.values())
+        return {"reservations": len(recvs), "pool_used_bytes": self.pool.capacity - self.pool.free_bytes,
+                "oldest_reservation_s": max((now - r.created for r in recvs), default=0.0)}
 
     def shm_base(self, request_id: str) -> int | None:
         """The request's region offset in this instance's shared-memory pool (None: TCP only), where a sender

@@ -67,7 +67,8 @@ class AsyncEngine:
 
     # ---- loop side
     async def call(self, fn, *args):
-        """Run fn(engine, *args) on the engine thread and await its result."""
+        """Run fn(engine, *args) on the engine thread and await its result. Cancelled before the engine thread
+        takes it, fn never runs; once it runs, it runs to the end (its result is dropped)."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._cmds.put((fn, args, fut))
         return await asyncio.wrap_future(fut)
@@ -90,7 +91,13 @@ class AsyncEngine:
             self._requests[request_id] = _Request(list(seqs), q, loop)
             self._owner.update((s.request_id, request_id) for s in seqs)
             return result
-        return q, await self.call(attach)
+        try:
+            return q, await self.call(attach)
+        except asyncio.CancelledError:
+            # the caller went away (its client disconnected): if `attach` ran, nobody reads the request's
+            # updates, so it is aborted (the abort runs after it on the engine thread; if it did not, a no-op)
+            self.abort(request_id)
+            raise
 
     def post(self, fn) -> None:
         """From any thread: run fn() on the engine thread; the sequences it returns are published."""
@@ -124,6 +131,8 @@ class AsyncEngine:
                 while True:
                     fn, args, fut = self._cmds.get(block=block)
                     block = False
+                    if fut is not None and not fut.set_running_or_notify_cancel():
+                        continue  # its caller was cancelled before it ran: it does not run at all
                     try:
                         res = fn(eng, *args)
                         if fut is not None:

@@ -181,7 +181,20 @@ class Worker:
     # ---- methods
     async def health(self, req=None, ctx=None):
         """The Health call: stats taken on the engine thread, so they follow every earlier command."""
-        return self._describe(await self.engine.call(lambda eng: eng.stats()))
+        return self._describe(await self.engine.call(self._stats))
+
+    def _stats(self, eng) -> dict:
+        """Engine thread: the engine's stats and, on a decode instance, its KV intake's (reservations, pool)."""
+        return {**eng.stats(), **(self.intake.stats() if self.intake else {})}
+
+    def _kv_address(self) -> list | None:
+        """[host, port] prefill instances dial for this instance's KV server (instance.kv_advertise, else bound)."""
+        if self.intake is None:
+            return None
+        if self.inst.kv_advertise:
+            host, _, port = self.inst.kv_advertise.rpartition(":")
+            return [host, int(port)]
+        return list(self.intake.address)
 
     def _describe(self, stats: dict) -> dict:
         from transfer.shm import boot_id
@@ -189,7 +202,7 @@ class Worker:
         pool = self.intake.pool if self.intake else None
         shm = {"name": pool.shm_name, "boot": boot_id(), "bytes": pool.capacity} if pool and pool.shm_name else None
         return {"name": self.inst.name, "role": self.inst.role, "address": self.address, "pid": os.getpid(),
-                "kv_address": list(self.intake.address) if self.intake else None,
+                "kv_address": self._kv_address(),
                 "max_model_len": self.llm.max_model_len, "stats": stats, "links": links, "shm": shm,
                 "pull": bool(self.intake and self.intake.server.puller is not None),
                 "pull_address": self.pull_server.address if self.pull_server and self.feeder else None}
@@ -368,7 +381,7 @@ class Worker:
         await server.start()
         self.address = f"{self.inst.host}:{port}"
         info = {"name": self.inst.name, "role": self.inst.role, "address": self.address,
-                "kv_address": list(self.intake.address) if self.intake else None, "pid": os.getpid(),
+                "kv_address": self._kv_address(), "pid": os.getpid(),
                 "cpus": sorted(os.sched_getaffinity(0))}
         print(f"{READY} {json.dumps(info)}", flush=True)
         stop = asyncio.Event()

@@ -25,7 +25,7 @@ TOKEN = "tok"
 class Fake:
     """A worker whose answers are scripted: `prefill` in ok | abort | hang | hold (the first token goes out, the
     KV waits for `release`), `decode` in ok | full | invalid | garbage (a malformed update after the KV arrived)
-    | die (the stream breaks after the first token)."""
+    | die (the stream breaks after the first token) | hang (no reservation, no heartbeat: a stopped process)."""
 
     def __init__(self, name, role, board, prefill="ok", decode="ok"):
         self.name, self.role, self.board = name, role, board
@@ -58,6 +58,9 @@ class Fake:
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt too long")
         if self.decode_mode == "bug":
             raise KeyError("a handler's bug")
+        if self.decode_mode == "hang":
+            self.beating = False
+            await asyncio.Event().wait()
         req = req.model_dump()
         xid = req["request_id"]
         self.opened.append(xid)
@@ -242,6 +245,19 @@ def test_hung_prefill_is_abandoned_when_its_heartbeat_stops():
             u, = await result(await ce.add("r", [1, 2, 3], GREEDY))
             assert u.error is None and u.route["prefill_instance"] == "p1"
             assert not ce.registry.is_up(ce.registry.workers["p0"])
+    asyncio.run(go())
+
+
+def test_a_decode_instance_that_hangs_before_reserving_is_abandoned_at_its_heartbeat():
+    """A stopped decode process accepts the Decode call (the kernel still answers TCP) and never sends its
+    reservation: the placement is given up once the registry stops counting it up, not when HTTP/2 keepalive
+    notices, and the request is placed on the other decode instance."""
+    async def go():
+        async with cluster({"p0": P, "d0": ("decode", {"decode": "hang"}), "d1": D}) as (ce, w):
+            t = asyncio.get_running_loop().time()
+            u, = await result(await asyncio.wait_for(ce.add("r", [1, 2, 3], GREEDY), 10))
+            assert u.error is None and u.route["decode_instance"] == "d1"
+            assert asyncio.get_running_loop().time() - t < 5  # down_after_s 1 plus a heartbeat, not keepalive
     asyncio.run(go())
 
 

@@ -565,8 +565,7 @@ def test_frames_of_the_wrong_shape_are_refused_and_the_connection_goes_on():
         r2.release()
         # a header that cannot be a frame (meta not an object) ends that connection only
         body = b"[1]"
-        hdr = wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.META, 0, 1, 1, len(body), 0, 0) + b"x" + body
-        sock.sendall(hdr + bytes(-len(hdr) % wire.ALIGN))
+        sock.sendall(wire.pack_header(wire.META, 0, 1, b"x", body, 0, 0))
         assert sock.recv(64) == b""  # closed
         sock2, h2 = _raw_connection(p.server)
         assert h2.kind == wire.ACK
