@@ -302,11 +302,16 @@ class Matrix:
             fault_at.append(time.monotonic())
             return await self.inject(role, fault)
 
+        programs = await self.holdings(("compiled_programs",))
         t0 = time.monotonic()
         inj = asyncio.ensure_future(injector())
         await asyncio.gather(*[client() for _ in range(a.concurrency)])
         repair = await inj
         run_s = time.monotonic() - t0
+        # programs the surviving instances compiled during the cell (a first compile lengthens recovery)
+        after = await self.holdings(("compiled_programs",))
+        compiled = {n: after[n]["compiled_programs"] - programs[n]["compiled_programs"] for n in after
+                    if n != VICTIM[role] and "error" not in after[n] and "error" not in programs.get(n, {"error": 1})}
         if repair is not None:
             await repair()
         # quiesce: every instance up and idle, then ask what each still holds
@@ -338,7 +343,7 @@ class Matrix:
                    leaked_blocks=leaked["blocks_used"], leaked_reservations=leaked["reservations"],
                    leaked_pool_bytes=leaked["pool_used_bytes"], leaked_requests=leaked["running"] + leaked["waiting"],
                    unreachable_after=[k for k, h in held.items() if "error" in h],
-                   run_s=round(run_s, 2), quiesce_s=round(time.monotonic() - q0, 2))
+                   compiled_during_cell=compiled, run_s=round(run_s, 2), quiesce_s=round(time.monotonic() - q0, 2))
         return out
 
 
