@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import contextlib
 import json
 import os
 import platform
@@ -70,13 +69,12 @@ class Topology:
     def __init__(self, model: str, args, tmp: str):
         from bench import netns
         from bench.faultproxy import FaultProxy
-        self.args, self.ns, self.why_no_ns = args, {}, netns.available()
+        self.ns, self.why_no_ns = {}, netns.available()
         if self.why_no_ns is None:  # KV from p0 to d0 goes through d0's proxy on the host: no forwarding needed
             self.ns = {"p0": netns.Netns(1), "d0": netns.Netns(2)}
             host = self.ns["p0"].host_ip  # the router and the host's workers: reachable from both namespaces
         else:
             host = "127.0.0.1"
-        self.host = host
         addr = {n: (self.ns[n].ns_ip if n in self.ns else host) for n in ("p0", "p1", "d0", "d1")}
         self.victim_ip = {n: addr[n] for n in self.ns}
         kv_ports = {d: free_port(host) if d not in self.ns else 7300 for d in ("d0", "d1")}
@@ -99,33 +97,25 @@ class Topology:
         self.path = os.path.join(tmp, "faults.yaml")
         with open(self.path, "w") as f:
             yaml.safe_dump(self.config, f)
-        self.children: dict = {}
-        self.router_address: str | None = None
+        self.launcher = None  # router/launcher.py, once the router's address is known (`launch`)
 
-    def start(self, name: str) -> None:
-        from router.launcher import Child
-        argv = [sys.executable, "-m", "jaxserve.cli", "worker", "--config", self.path, "--instance", name,
-                "--router", self.router_address, "--parent-pid", str(os.getpid())]
-        if name in self.ns:
-            argv = self.ns[name].argv(argv)
-        self.children[name] = Child(name, argv, None)
-
-    def kill(self, name: str) -> None:
-        from transfer.bufpool import remove_segments_of
-        c = self.children[name]
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(c.pid, signal.SIGKILL)
-        c.proc.wait(30)
-        remove_segments_of(c.pid)
+    def launch(self, router_address: str):
+        """Start every worker (the victims inside their namespaces); returns the Launcher."""
+        from router.launcher import Launcher
+        wrap = lambda name, argv: self.ns[name].argv(argv) if name in self.ns else argv  # noqa: E731
+        self.launcher = Launcher(self.path, ["p0", "p1", "d0", "d1"], router_address, wrap=wrap)
+        self.launcher.start()
+        return self.launcher
 
     def signal(self, name: str, sig) -> None:
-        os.kill(self.children[name].pid, sig)
+        os.kill(self.launcher.children[name].pid, sig)
 
     def close(self) -> None:
-        for c in self.children.values():
-            if c.exited() is None:
-                c.proc.kill()
-                c.proc.wait(30)
+        if self.launcher is not None:
+            for c in self.launcher.children.values():
+                if c.exited() is None:
+                    os.kill(c.pid, signal.SIGCONT)  # a stopped worker cannot act on SIGTERM
+            self.launcher.stop()
         for p in self.proxies.values():
             p.close()
         for n in self.ns.values():
@@ -136,17 +126,19 @@ class Matrix:
     def __init__(self, topo: Topology, cluster, prompts, want, args):
         self.topo, self.cluster, self.prompts, self.want, self.args = topo, cluster, prompts, want, args
 
-    async def wait_up(self, names, timeout: float) -> None:
+    async def wait_up(self, timeout: float) -> None:
+        """Until every worker is registered and up (raises WorkerExited with its output if one died)."""
+        from router.launcher import wait_ready
+        await wait_ready(self.cluster, self.topo.launcher, self.topo.launcher.names, timeout, progress=False)
+
+    async def quiesce(self, limit_s: float) -> dict:
+        """Ask every instance what it holds until all hold nothing or `limit_s` passes; returns the last answers."""
         t0 = time.monotonic()
-        reg = self.cluster.registry
-        while not all(reg.workers.get(n) is not None and reg.is_up(reg.workers[n]) for n in names):
-            for n in names:
-                c = self.topo.children.get(n)
-                if c is not None and c.exited() is not None:
-                    raise RuntimeError(f"worker {n} exited ({c.exited()}): {c.output()[-3000:]}")
-            if time.monotonic() - t0 > timeout:
-                raise RuntimeError(f"workers {names} not up after {timeout}s")
-            await asyncio.sleep(0.1)
+        while True:
+            held = await self.holdings()
+            if all(all(v == 0 for v in h.values()) for h in held.values()) or time.monotonic() - t0 > limit_s:
+                return held
+            await asyncio.sleep(0.25)
 
     async def warm(self) -> None:
         """Every prompt twice, four at a time (least-loaded placement spreads them over both prefill and both
@@ -200,7 +192,7 @@ class Matrix:
         """Apply the fault; returns the repair (async), which also undoes a timed fault if still on."""
         t, v = self.topo, VICTIM[role]
         if fault == "sigkill":
-            t.kill(v)
+            t.launcher.kill(v)
             return lambda: self._restart(v)
         if fault in ("sigstop", "sigstop_10s"):
             t.signal(v, signal.SIGSTOP)
@@ -237,8 +229,8 @@ class Matrix:
             p.set("pass")
 
     async def _restart(self, name: str) -> None:
-        self.topo.kill(name)
-        self.topo.start(name)
+        self.topo.launcher.kill(name)
+        self.topo.launcher.start_one(name)
 
     def skip_reason(self, role: str, fault: str) -> str | None:
         if fault == "partition" and not self.topo.ns:
@@ -316,13 +308,8 @@ class Matrix:
             await repair()
         # quiesce: every instance up and idle, then ask what each still holds
         q0 = time.monotonic()
-        await self.wait_up(list(VICTIM.values()) + ["p1", "d1"], a.restart_timeout_s)
-        held: dict = {}
-        while time.monotonic() - q0 < a.deadline_s + a.restart_timeout_s:
-            held = await self.holdings()
-            if all(all(v == 0 for v in h.values()) for h in held.values()):
-                break
-            await asyncio.sleep(0.5)
+        await self.wait_up(a.restart_timeout_s)
+        held = await self.quiesce(a.deadline_s + 10)
         if fault_at:
             t_f = fault_at[0]
             inflight = [r for r in recs if r["start"] <= t_f < r.get("end", float("inf"))]
@@ -336,7 +323,7 @@ class Matrix:
         errors = collections.Counter((r.get("error") or "")[:160] for r in recs if r.get("error"))
         ok = [i for i, r in enumerate(recs) if not r.get("error") and not r.get("hung")]
         exact = sum(recs[i]["tokens"] == self.want[i % len(self.want)] for i in ok)
-        leaked = {k: sum(h.get(k, 0) for h in held.values() if "error" not in h) for k in HELD}
+        leaked = total(held)
         out.update(requests=n, token_exact=exact, wrong_tokens=len(ok) - exact,
                    failed=sum(bool(r.get("error")) for r in recs), hung=sum(bool(r.get("hung")) for r in recs),
                    retried=sum((r.get("attempts") or 1) > 1 for r in recs), errors=dict(errors.most_common(4)),
@@ -389,18 +376,18 @@ async def storm(m: Matrix, n: int, concurrency: int, seed: int = 0) -> dict:
     running[0] = False
     await w
     q0 = time.monotonic()
-    held: dict = {}
-    while time.monotonic() - q0 < m.args.deadline_s + 10:
-        held = await m.holdings()
-        if all(all(v == 0 for v in h.values()) for h in held.values()):
-            break
-        await asyncio.sleep(0.25)
+    held = await m.quiesce(m.args.deadline_s + 10)
     return {"requests": n, "concurrency": concurrency, "request_life_s": round(life, 3),
             "aborted_in": dict(phases), "run_s": round(q0 - t0, 2),
             "longest_reservation_s": round(oldest[0], 3), "deadline_s": m.args.deadline_s,
             "quiesce_s": round(time.monotonic() - q0, 2),
-            "leaked": {k: sum(h.get(k, 0) for h in held.values() if "error" not in h) for k in HELD},
+            "leaked": total(held),
             "unreachable": [k for k, h in held.items() if "error" in h]}
+
+
+def total(held: dict) -> dict:
+    """What the instances that answered hold, summed over them (HELD keys)."""
+    return {k: sum(h.get(k, 0) for h in held.values() if "error" not in h) for k in HELD}
 
 
 def prompts_for(vocab: int, count: int, lo: int, hi: int, seed: int) -> list[list[int]]:
@@ -461,13 +448,11 @@ def main(argv=None):
 
             async def go():
                 cluster = ClusterEngine(cfg, None)
-                topo.router_address = await cluster.start()
+                topo.launch(await cluster.start())
                 try:
-                    for name in ("p0", "p1", "d0", "d1"):
-                        topo.start(name)
                     m = Matrix(topo, cluster, prompts, want, args)
                     print("starting 4 workers (compiling their programs) ...", flush=True)
-                    await m.wait_up(["p0", "p1", "d0", "d1"], args.restart_timeout_s)
+                    await m.wait_up(args.restart_timeout_s)
                     print("untimed pass: every prompt through every prefill and decode instance ...", flush=True)
                     await m.warm()
                     if args.storm:

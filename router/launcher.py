@@ -56,18 +56,24 @@ class Child:
 
 
 class Launcher:
-    def __init__(self, config_path: str | None, names: list[str], router_address: str, echo=None):
-        """config_path: the YAML the workers load (None: the embedded local.yaml). echo: line printer or None."""
+    def __init__(self, config_path: str | None, names: list[str], router_address: str, echo=None, wrap=None):
+        """config_path: the YAML the workers load (None: the embedded local.yaml). echo: line printer or None.
+        wrap: (name, argv) -> the argv that runs it (e.g. inside a network namespace), or None."""
         self.config_path, self.names, self.router_address, self.echo = config_path, names, router_address, echo
+        self.wrap = wrap
         self.children: dict[str, Child] = {}
 
     def start(self) -> None:
         for name in self.names:
-            argv = [sys.executable, "-m", "jaxserve.cli", "worker", "--instance", name, "--router", self.router_address,
-                    "--parent-pid", str(os.getpid())]
-            if self.config_path is not None:
-                argv[4:4] = ["--config", os.path.abspath(self.config_path)]
-            self.children[name] = Child(name, argv, self.echo)
+            self.start_one(name)
+
+    def start_one(self, name: str) -> None:
+        """Start (or, after `kill`, restart) the worker `name`."""
+        argv = [sys.executable, "-m", "jaxserve.cli", "worker", "--instance", name, "--router", self.router_address,
+                "--parent-pid", str(os.getpid())]
+        if self.config_path is not None:
+            argv[4:4] = ["--config", os.path.abspath(self.config_path)]
+        self.children[name] = Child(name, self.wrap(name, argv) if self.wrap else argv, self.echo)
 
     def check(self) -> None:
         """Raise WorkerExited (with its last output) if a child has exited."""

@@ -62,7 +62,7 @@ def test_cancelled_calls_neither_run_late_nor_kill_the_engine_thread():
         assert await asyncio.to_thread(started.wait, 30)
         await cancelled(running)
         release.set()
-        assert await ae.call(lambda eng: 42) == 42
+        assert await asyncio.wait_for(ae.call(lambda eng: 42), 30) == 42  # a dead engine thread: a timeout
         assert ran == []
     try:
         asyncio.run(go())
@@ -86,7 +86,7 @@ def test_a_request_attached_for_a_cancelled_caller_is_aborted():
         assert await asyncio.to_thread(started.wait, 30)
         await cancelled(attach)  # the caller went away while the engine thread was attaching
         release.set()
-        await ae.call(lambda e: None)  # every command queued before this one has run
+        await asyncio.wait_for(ae.call(lambda e: None), 30)  # every command queued before this one has run
         assert eng.aborted == ["r1.1"]
         assert "r1" not in ae._requests
     try:
