@@ -7,7 +7,8 @@
     alternately in the same run. Reported: median bytes/s of each and their ratio (goal >= 0.85). Also, in the
     same rotation, raw sockets plus the link's own payload checksum loops on both ends and nothing else of the
     link (`raw_checksum`): what the checksum alone costs raw sockets, and how the link compares with that. And the
-    device backend (transfer/pull.py) moving the same bytes, pulled through JAX's transfer server, and its ratio; and
+    device backend (transfer/pull.py) moving the same bytes, pulled through JAX's transfer server, and its ratio; the
+    KV link over mutual TLS (transfer/tls.py, `kv_tls`): what encryption costs against the plaintext link; and
     where the CPU goes: CPU seconds per GB moved of each process (sender, receiver) for each kind of transfer,
     the cores they keep busy, the CPU seconds per GB of the payload checksum alone (XXH3 over the payload as
     it lies in memory), and the efficiency a transfer whose only extra work is that checksum on each end would
@@ -74,33 +75,34 @@ def _layout(num_blocks: int):
     return PoolLayout.build(spec, 16, num_blocks, 1, 0)
 
 
-def _receiver(conn, raw_port_q):
-    """Receiver process: a KVServer with a receive pool (and a JAX transfer server for the device backend), and
-    a raw-socket sink, driven over a pipe."""
+def _receiver(conn, raw_port_q, tls):
+    """Receiver process: a KVServer with a receive pool (and a JAX transfer server for the device backend), a
+    second one speaking TLS (`tls`: transfer.tls.Tls), and a raw-socket sink, driven over a pipe."""
     from transfer.pull import PullServer
-    server = KVServer(TOKEN, puller=PullServer())
+    servers = {"plain": KVServer(TOKEN, puller=PullServer()), "tls": KVServer(TOKEN, tls=tls.server_context())}
     raw = socket.create_server(("127.0.0.1", 0))
     raw.listen(64)
-    raw_port_q.put((server.address, raw.getsockname()[1]))
+    raw_port_q.put(({k: v.address for k, v in servers.items()}, raw.getsockname()[1]))
     pool = None
     sink = None
     while True:
         msg = conn.recv()
         if msg[0] == "stop":
-            server.close()
+            for server in servers.values():
+                server.close()
             return
         if msg[0] == "cpu":
             conn.send(_cpu_s())
             continue
         if msg[0] == "expect":
-            _, rid, nblocks, dst = msg
+            _, rid, nblocks, dst, which = msg
             lay = _layout(max(dst) + 1)
             need = region_bytes(lay, "bfloat16", nblocks * 16, 0)
             if pool is None or pool.capacity < need:
                 pool = RecvPool(need + (1 << 20))
             r = KVReceiver(rid, lay, "bfloat16", dst, nblocks * 16, 0, pool.allocate(need), 60.0,
                            on_done=lambda r: r.release())
-            server.expect(r)
+            servers[which].expect(r)
             conn.send("ok")
         elif msg[0] == "raw":
             _, nbytes, nconn, checked = msg
@@ -143,10 +145,11 @@ def _checksum_s_per_gb(arr: np.ndarray, reps: int = 3) -> float:
     return statistics.median(times) / (len(view) / 1e9)
 
 
-def _kv_once(ctrl, link, lay, arr, nblocks, rid):
-    """One transfer of `arr` (numpy: DATA frames; a jax.Array on a PullLink: pulled by the receiver)."""
+def _kv_once(ctrl, link, lay, arr, nblocks, rid, which="plain"):
+    """One transfer of `arr` (numpy: DATA frames; a jax.Array on a PullLink: pulled by the receiver) to the
+    receiver's `which` server (plain or tls)."""
     blocks = list(range(nblocks))
-    ctrl.send(("expect", rid, nblocks, blocks))
+    ctrl.send(("expect", rid, nblocks, blocks, which))
     assert ctrl.recv() == "ok"
     plan = TransferPlan.build(lay, "bfloat16", nblocks * 16, blocks, blocks, 0, [(0, 32)])
     st = plan.check(lay, "bfloat16", blocks, nblocks * 16, 0)
@@ -203,18 +206,25 @@ def efficiency(mb: int, conns: int, reps: int) -> dict:
     lay = _layout(nblocks)
     rng = np.random.default_rng(0)
     arr = rng.integers(0, 2**16, (bucket(nblocks), 32, 2, 16, 8, 128), dtype=np.uint16)
+    import tempfile
+
+    from transfer.tls import Tls, make_certs
+    cert_dir = tempfile.mkdtemp(prefix="jaxserve-bench-certs-")
+    made = make_certs(cert_dir, ["127.0.0.1"], ["receiver", "sender"])
+    tls = {k: Tls(made["ca"][0], *made[k], mutual=True) for k in ("receiver", "sender")}
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
     q = ctx.Queue()
-    proc = ctx.Process(target=_receiver, args=(b, q), daemon=True)
+    proc = ctx.Process(target=_receiver, args=(b, q, tls["receiver"]), daemon=True)
     proc.start()
-    addr, raw_port = q.get(timeout=120)
+    addrs, raw_port = q.get(timeout=120)
+    addr = addrs["plain"]
     import jax.numpy as jnp
 
     from transfer.pull import PullLink, PullServer
-    kv, raw, raw_cs, dev, frames = [], [], [], [], 0
+    kv, raw, raw_cs, dev, ktls, frames = [], [], [], [], [], 0
     # per kind: sender s, receiver s, wall s (counted reps)
-    cpu = {k: [0.0, 0.0, 0.0] for k in ("raw", "raw_checksum", "kv", "device")}
+    cpu = {k: [0.0, 0.0, 0.0] for k in ("raw", "raw_checksum", "kv", "kv_tls", "device")}
 
     def timed(kind, counted, fn, *args):  # fn's result; counted: the CPU both processes spent on it adds to cpu[kind]
         a.send(("cpu",))
@@ -228,6 +238,7 @@ def efficiency(mb: int, conns: int, reps: int) -> dict:
         return res
     link = TcpLink(addr, TOKEN, connections=conns)  # links persist between transfers, as in a worker
     plink = PullLink(addr, TOKEN, PullServer(connections=conns), 120.0, connections=1)
+    tlink = TcpLink(addrs["tls"], TOKEN, connections=conns, tls=tls["sender"].client_context())
     on_device = jnp.asarray(arr[:nblocks])
     try:
         for i in tqdm(range(reps + 1), desc="transfer efficiency", unit="rep"):
@@ -236,16 +247,22 @@ def efficiency(mb: int, conns: int, reps: int) -> dict:
             rc = timed("raw_checksum", counted, _raw_once, a, raw_port, arr[:nblocks], conns, True)
             k, frames, sends = timed("kv", counted, _kv_once, a, link, lay, arr, nblocks, f"req{i}")
             d, _, _ = timed("device", counted, _kv_once, a, plink, lay, on_device, nblocks, f"dev{i}")
+            kt, _, _ = timed("kv_tls", counted, _kv_once, a, tlink, lay, arr, nblocks, f"tls{i}", "tls")
             if counted:
                 raw.append(r)
                 raw_cs.append(rc)
                 kv.append(k)
                 dev.append(d)
+                ktls.append(kt)
+        cipher = tls_cipher(tlink)
     finally:
         link.close()
         plink.close()
+        tlink.close()
         a.send(("stop",))
         proc.join(10)
+        import shutil
+        shutil.rmtree(cert_dir, ignore_errors=True)
     ratio = statistics.median(kv) / statistics.median(raw)
     med_cs = statistics.median(raw_cs)
     gb = reps * nblocks * 2 * 1024 * 1024 / 1e9
@@ -266,7 +283,19 @@ def efficiency(mb: int, conns: int, reps: int) -> dict:
                                        "transfer server (transfer/pull.py), its transport on the same number of "
                                        "connections; CPU here, so host memory to host memory",
                                "bytes_per_s_median": statistics.median(dev),
-                               "vs_raw": statistics.median(dev) / statistics.median(raw), "bytes_per_s": dev}}
+                               "vs_raw": statistics.median(dev) / statistics.median(raw), "bytes_per_s": dev},
+            "tls": {"what": "the same KV link (same frames, checksums, connections) over mutual TLS (transfer/tls.py: "
+                            "Python ssl, the OpenSSL build's default cipher suite), against the plaintext link",
+                    "cipher": cipher, "bytes_per_s_median": statistics.median(ktls),
+                    "vs_kv": statistics.median(ktls) / statistics.median(kv),
+                    "vs_raw": statistics.median(ktls) / statistics.median(raw), "bytes_per_s": ktls}}
+
+
+def tls_cipher(link) -> str | None:
+    """The protocol and cipher suite a connection like `link`'s negotiates (a probe; it sends no HELLO)."""
+    ctx = link.tls
+    with socket.create_connection(link.address, timeout=10) as s, ctx.wrap_socket(s, server_hostname=link.address[0]) as t:
+        return f"{t.version()} {t.cipher()[0]}"
 
 
 def sends_per_request(num_requests: int, seed: int = 0) -> dict:
@@ -455,6 +484,9 @@ def main(argv=None):
               f"{rc['kv_vs_this']:.2f} of it")
         d = e["device_backend"]
         print(f"(a) device backend {d['bytes_per_s_median'] / 1e9:.2f} GB/s, {d['vs_raw']:.2f} of raw")
+        t = e["tls"]
+        print(f"(a) KV link over TLS ({t['cipher']}) {t['bytes_per_s_median'] / 1e9:.2f} GB/s, {t['vs_kv']:.2f} of the "
+              f"plaintext link, {t['vs_raw']:.2f} of raw")
     if "sends_per_request" in out:
         s = out["sends_per_request"]
         print(f"(b) sends per request {s['per_block_per_layer_sends_mean']:.0f} -> {s['aligned_sends_mean']:.2f}")

@@ -77,6 +77,22 @@ def worker(config: str = typer.Option(None, "--config", "-c", help="cluster YAML
 
 
 @app.command()
+def certs(out_dir: str = typer.Argument(..., help="directory to write the PEM files to"),
+          hosts: str = typer.Option("127.0.0.1,localhost", help="comma-separated addresses the certificates are "
+                                    "valid for (every host a router or worker listens on)"),
+          names: str = typer.Option("node", help="comma-separated certificate names (one file pair each)"),
+          days: int = typer.Option(365, min=1, help="validity")):
+    """Write a cluster CA and certificates for transfer.tls (gRPC and KV links over TLS)."""
+    from transfer.tls import make_certs
+    out = make_certs(out_dir, [h for h in hosts.split(",") if h], [n for n in names.split(",") if n], days)
+    for name, (cert, key) in out.items():
+        typer.echo(f"{name}: {cert} {key}")
+    first = next(n for n in out if n != "ca")
+    typer.echo(f"\ntransfer:\n  tls:\n    ca_file: {out['ca'][0]}\n    cert_file: {out[first][0]}\n"
+               f"    key_file: {out[first][1]}\n    mutual: true")
+
+
+@app.command()
 def bench(name: str = typer.Argument(..., help="benchmark module under bench/ (e.g. serving, kv_footprint)"),
           json_out: str = typer.Option(..., "--json", help="where to write the JSON result"),
           args: list[str] = typer.Argument(None, help="extra arguments passed to the benchmark")):

@@ -97,6 +97,28 @@ class LinkSection(_Strict):
     connections: int = Field(4, ge=1)
 
 
+class TlsSection(_Strict):
+    """TLS on the control plane (gRPC: router <-> workers) and the KV links (TCP; shared memory and device pulls
+    keep TCP only for their small control frames, which then go over TLS too). Every process uses the same CA;
+    each server's certificate must name the host peers dial it at. `jaxserve certs` writes a CA and
+    certificates."""
+    ca_file: str = Field(description="PEM file of the cluster CA every certificate must chain to")
+    cert_file: str = Field(description="PEM file of this process's certificate")
+    key_file: str = Field(description="PEM file of its private key")
+    mutual: bool = Field(False, description="servers also require a client certificate signed by the CA")
+
+    @model_validator(mode="after")
+    def _files(self):
+        for name in ("ca_file", "cert_file", "key_file"):
+            if not os.path.isfile(getattr(self, name)):
+                raise ValueError(f"{name}: no such file {getattr(self, name)!r}")
+        return self
+
+    def build(self):
+        from transfer.tls import Tls
+        return Tls(self.ca_file, self.cert_file, self.key_file, self.mutual)
+
+
 class TransferSection(_Strict):
     token: str = Field("jaxserve-local", description="cluster token every KV data connection must present")
     connections: int = Field(4, ge=1, description="parallel TCP connections per link")
@@ -116,6 +138,8 @@ class TransferSection(_Strict):
     idle_timeout_s: float = Field(300.0, gt=0, description="a KV server closes a connection idle for this long")
     link_idle_s: float = Field(120.0, gt=0, description="a prefill worker closes a link to a decode instance "
                                "unused for this long (its threads end; the next transfer builds a fresh one)")
+    tls: TlsSection | None = Field(None, description="TLS (optionally mutual) on gRPC and the KV links; "
+                                   "none: plaintext, the cluster token still required")
     device_transfer: Literal["auto", "on", "off"] = Field(
         "auto", description="decode pulls KV device to device through JAX's transfer server (jax.experimental."
                             "transfer) when both ends enable it; auto: on where JAX runs on a GPU or TPU")

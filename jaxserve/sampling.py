@@ -9,6 +9,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 
+INT32_MAX = 2**31 - 1  # the engine samples with int32 token ids and top-k
+MAX_REPETITION_PENALTY = 1e6  # and float32 penalties (a value this large already means "never repeat")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -33,12 +37,13 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"SamplingParams.top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.top_k <= INT32_MAX:
+            raise ValueError(f"SamplingParams.top_k must be in [0, {INT32_MAX}], got {self.top_k}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"SamplingParams.repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"SamplingParams.repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got "
+                             f"{self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"SamplingParams.{name} must be in [-2, 2], got {getattr(self, name)}")
@@ -50,7 +55,10 @@ class SamplingParams:
         if any(not s for s in stop):
             raise ValueError("SamplingParams.stop strings must be non-empty")
         object.__setattr__(self, "stop", stop)
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        ids = tuple(int(t) for t in self.stop_token_ids)
+        if any(not 0 <= t <= INT32_MAX for t in ids):
+            raise ValueError(f"SamplingParams.stop_token_ids must be in [0, {INT32_MAX}]")
+        object.__setattr__(self, "stop_token_ids", ids)
 
 
 @dataclass

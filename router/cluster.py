@@ -156,6 +156,7 @@ class ClusterEngine:
         self._joined: asyncio.Event | None = None
         self.address: str | None = None
         self.launcher = None  # router/launcher.py, when serve started the workers
+        self._tls = self.cfg.transfer.tls.build() if self.cfg.transfer.tls else None
 
     # ---- control port (worker registration, on a thread of its own: control.py)
     async def start(self) -> str:
@@ -164,7 +165,7 @@ class ClusterEngine:
         loop = asyncio.get_running_loop()
         r = self.cfg.router
         self._control = ControlServer(self.registry, self.cfg.transfer.token, r.heartbeat_s,
-                                      on_join=lambda: loop.call_soon_threadsafe(self._joined.set))
+                                      on_join=lambda: loop.call_soon_threadsafe(self._joined.set), tls=self._tls)
         self.address = await asyncio.to_thread(self._control.start, r.host, r.port)
         return self.address
 
@@ -239,7 +240,7 @@ class ClusterEngine:
             live = self.registry.addresses()
             for addr in [a for a in self._clients if a not in live]:
                 asyncio.ensure_future(self._clients.pop(addr).close())
-            self._clients[w.address] = rpc.Client(w.address, self.cfg.transfer.token)
+            self._clients[w.address] = rpc.Client(w.address, self.cfg.transfer.token, self._tls)
         return self._clients[w.address]
 
     def _down(self, w: WorkerInfo, e: grpc.aio.AioRpcError) -> None:

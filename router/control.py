@@ -21,8 +21,9 @@ log = logging.getLogger("jaxserve.router")
 
 
 class ControlServer:
-    def __init__(self, registry: Registry, token: str, heartbeat_s: float, on_join=None):
+    def __init__(self, registry: Registry, token: str, heartbeat_s: float, on_join=None, tls=None):
         self.registry, self.token, self.heartbeat_s, self.on_join = registry, token, heartbeat_s, on_join
+        self.tls = tls  # transfer.tls.Tls: the port speaks TLS
         self.address: str | None = None
         self._thread: rpc.LoopThread | None = None
         self._server = None
@@ -36,7 +37,7 @@ class ControlServer:
     async def _start(self, host: str, port: int) -> str:
         self._server = rpc.server(self.token)
         self._server.add_generic_rpc_handlers((rpc.handler({"Register": self._register}, {}, messages.ROUTER),))
-        port = self._server.add_insecure_port(f"{host}:{port}")
+        port = rpc.listen(self._server, f"{host}:{port}", self.tls)
         await self._server.start()
         return f"{host}:{port}"
 

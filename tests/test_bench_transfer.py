@@ -17,7 +17,9 @@ def test_transfer_bench_smoke(tmp_path):
     assert e["bytes"] == 8 << 20 and len(e["kv_bytes_per_s"]) == 1 and e["efficiency"] > 0
     assert len(e["device_backend"]["bytes_per_s"]) == 1 and e["device_backend"]["vs_raw"] > 0
     cpu = e["cpu_s_per_gb"]
-    assert set(cpu) == {"raw", "raw_checksum", "kv", "device"}
+    assert set(cpu) == {"raw", "raw_checksum", "kv", "kv_tls", "device"}
+    t = e["tls"]  # the TLS link moved the bytes (a failed transfer raises) and says what it negotiated
+    assert len(t["bytes_per_s"]) == 1 and t["vs_kv"] > 0 and t["cipher"].startswith("TLS")
     rc = e["raw_checksum"]  # checksummed raw transfers were acknowledged as matching, and timed
     assert len(rc["bytes_per_s"]) == 1 and rc["vs_raw"] > 0 and rc["kv_vs_this"] > 0
     for k in cpu.values():  # both processes did work, on no more cores than the host has

@@ -97,3 +97,16 @@ def test_a_default_cluster_token_is_refused_off_loopback():
     parse({**exposed, "transfer": {"token": "a-real-secret"}}).check_exposure()
     # one colocated instance serves no control or KV port: only the HTTP host, which the token does not guard
     parse({"server": {"host": "0.0.0.0"}}).check_exposure()
+
+
+def test_tls_section_names_a_missing_file_and_builds(tmp_path):
+    from transfer.tls import make_certs
+    made = make_certs(str(tmp_path), ["127.0.0.1"], ["node"])
+    tls = {"ca_file": made["ca"][0], "cert_file": made["node"][0], "key_file": made["node"][1], "mutual": True}
+    cfg = parse({"transfer": {"tls": tls}})
+    built = cfg.transfer.tls.build()
+    assert built.mutual and built.server_context().verify_mode.name == "CERT_REQUIRED"
+    with pytest.raises(ConfigFileError, match=r"transfer.tls: .*key_file: no such file 'nope.pem'"):
+        parse({"transfer": {"tls": {**tls, "key_file": "nope.pem"}}})
+    with pytest.raises(ConfigFileError, match=r"transfer.tls.cert_file: Field required"):
+        parse({"transfer": {"tls": {"ca_file": made["ca"][0], "key_file": made["node"][1]}}})

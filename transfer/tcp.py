@@ -33,6 +33,7 @@ import hmac
 import logging
 import queue
 import socket
+import ssl
 import threading
 import time
 
@@ -44,6 +45,7 @@ from .plan import PlanError, TransferPlan
 from .receiver import KVReceiver
 from .sender import Outgoing
 from .state import KVPoll
+from .tls import SharedTls, shutdown
 
 log = logging.getLogger("jaxserve.transfer")
 MAX_PAYLOAD = 1 << 30  # a DATA frame's payload (a send is split into frames of at most transfer.chunk_mb)
@@ -51,10 +53,13 @@ MAX_PAYLOAD = 1 << 30  # a DATA frame's payload (a send is split into frames of 
 
 class KVServer:
     def __init__(self, token: str, host: str = "127.0.0.1", port: int = 0, reap_interval_s: float = 0.2,
-                 plan_wait_s: float = 10.0, puller=None, timeouts: Timeouts | None = None, pull_from=None):
+                 plan_wait_s: float = 10.0, puller=None, timeouts: Timeouts | None = None, pull_from=None,
+                 tls: ssl.SSLContext | None = None):
         """puller: a pull.PullServer when this instance takes the device backend's PULL frames; pull_from(address)
-        says whether a PULL's transfer-server address is a registered prefill instance's (None: any)."""
+        says whether a PULL's transfer-server address is a registered prefill instance's (None: any); tls: a
+        server context (tls.py): every connection must complete a TLS handshake within hello_s first."""
         self.token = token.encode()
+        self.tls = tls
         self.plan_wait_s = plan_wait_s
         self.puller, self.pull_from = puller, pull_from
         self.timeouts = t = timeouts or Timeouts()
@@ -115,10 +120,7 @@ class KVServer:
         with self._lock:
             conns = list(self._conns)
         for c in conns:
-            try:
-                c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            shutdown(c)
 
     # ---- threads
     def _reject(self, reason: str) -> None:
@@ -177,9 +179,24 @@ class KVServer:
         wire.send_frame(conn, wire.Frame(wire.ACK, "", hello.seq))
         return True
 
+    def _handshake(self, raw: socket.socket, peer: str) -> ssl.SSLSocket | None:
+        """Pre-authentication: the TLS handshake (and with mutual TLS, the peer's certificate) within hello_s.
+        The SSL socket takes the place of `raw` among the connections."""
+        raw.settimeout(self.timeouts.hello_s)
+        try:
+            conn = self.tls.wrap_socket(raw, server_side=True)
+        except (OSError, ValueError) as e:  # ssl.SSLError, a timeout, a reset
+            self._reject(f"connection from {peer}: TLS handshake failed ({e})")
+            return None
+        with self._lock:
+            self._conns.discard(raw)
+            self._conns.add(conn)
+        return conn
+
     def _serve(self, conn: socket.socket, addr) -> None:
         peer = f"{addr[0]}:{addr[1]}"
         pending = True  # counted among the unauthenticated connections
+        raw = conn
 
         def authenticated():
             nonlocal pending
@@ -188,6 +205,11 @@ class KVServer:
             pending = False
         try:
             tune(conn, self.timeouts)
+            if self.tls is not None:
+                secured = self._handshake(conn, peer)
+                if secured is None:
+                    return
+                conn = secured
             ok = self._hello(conn, peer)
             authenticated()
             if not ok:
@@ -217,7 +239,9 @@ class KVServer:
                 authenticated()
             with self._lock:
                 self._conns.discard(conn)
+                self._conns.discard(raw)
             conn.close()
+            raw.close()
 
     def _frame(self, conn: socket.socket, h: wire.Header, scratch: memoryview) -> None:
         def nack(reason: str, retry: bool = False):
@@ -333,10 +357,13 @@ class TcpLink:
 
     def __init__(self, address: tuple[str, int], token: str, connections: int = 4,
                  emulation: LinkEmulation | None = None, name: str | None = None, chunk_bytes: int = 64 << 20,
-                 timeouts: Timeouts | None = None):
+                 timeouts: Timeouts | None = None, tls: ssl.SSLContext | None = None):
+        """tls: a client context (tls.py): each connection is TLS, the receiver's certificate checked against the
+        cluster CA and the address's host."""
         if connections < 1:
             raise ValueError(f"connections must be >= 1, got {connections}")
         self.address, self.token = (address[0], int(address[1])), token
+        self.tls = tls
         self.connections = connections
         self.chunk_bytes = chunk_bytes
         self.timeouts = timeouts or Timeouts()
@@ -377,17 +404,24 @@ class TcpLink:
         deadline = time.monotonic() + t.connect_s
         delay = 0.01
         while True:
+            sock = None
             try:
                 sock = socket.create_connection(self.address, timeout=t.connect_s)
                 tune(sock, t)
+                if self.tls is not None:
+                    sock = SharedTls(self.tls.wrap_socket(sock, server_hostname=self.address[0]))
                 wire.send_frame(sock, wire.Frame(wire.HELLO, "", 0, {"token": self.token}))
                 h = wire.read_header(sock, max_meta=t.hello_max_bytes)
                 if h.kind != wire.ACK:
-                    sock.close()
                     raise ConnectionRefusedError(f"receiver refused the connection: {h.meta.get('reason')}")
                 self.metrics.track(sock)
                 return sock
             except (OSError, wire.ProtocolError) as e:
+                if sock is not None:
+                    sock.close()
+                if isinstance(e, ssl.SSLCertVerificationError):  # retrying cannot help
+                    raise ConnectionError(f"KV receiver {self.address[0]}:{self.address[1]}: its TLS certificate "
+                                          f"was refused: {e.verify_message}") from e
                 if time.monotonic() + delay > deadline or self._closed.is_set():
                     raise ConnectionError(f"KV receiver {self.address[0]}:{self.address[1]} unreachable: {e}") from e
                 time.sleep(delay)
@@ -534,10 +568,7 @@ class _Conn:
 
     def kill(self) -> None:
         self.dead = True
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        shutdown(self.sock)
 
     def release(self, metrics: LinkMetrics) -> None:
         """One of the two threads is done with this connection (killing it); the last closes the socket."""

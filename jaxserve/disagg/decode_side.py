@@ -23,12 +23,14 @@ log = logging.getLogger("jaxserve.decode")
 
 class KVIntake:
     def __init__(self, llm, token: str, post, host: str = "127.0.0.1", port: int = 0, pool_bytes: int = 256 << 20,
-                 deadline_s: float = 30.0, shared: bool = False, puller=None, timeouts=None, pull_from=None):
+                 deadline_s: float = 30.0, shared: bool = False, puller=None, timeouts=None, pull_from=None,
+                 tls=None):
         """shared: the receive pool is a shared-memory segment a sender on this host may write directly;
         puller: a transfer.pull.PullServer, to take the device backend's transfers; timeouts, pull_from: the KV
-        server's socket limits (transfer/net.py) and its check of PULL addresses (transfer/tcp.py)."""
+        server's socket limits (transfer/net.py) and its check of PULL addresses (transfer/tcp.py); tls: its
+        ssl server context (transfer/tls.py)."""
         self.llm, self.post, self.deadline_s = llm, post, deadline_s
-        self.server = KVServer(token, host, port, puller=puller, timeouts=timeouts, pull_from=pull_from)
+        self.server = KVServer(token, host, port, puller=puller, timeouts=timeouts, pull_from=pull_from, tls=tls)
         self.pool = RecvPool(pool_bytes, shared=shared)
         self.receivers: dict[str, KVReceiver] = {}
 

@@ -3,11 +3,11 @@ itself by the gate) and the OpenAI error shape."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
 
-from ..sampling import SamplingParams
+from ..sampling import INT32_MAX, MAX_REPETITION_PENALTY, SamplingParams
 
 
 class APIError(Exception):
@@ -37,14 +37,15 @@ class _Sampling(_Body):
     max_tokens: StrictInt | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: StrictInt = Field(0, ge=-1)
+    top_k: StrictInt = Field(0, ge=-1, le=INT32_MAX)
     min_p: float = Field(0.0, ge=0, le=1)
-    repetition_penalty: float = Field(1.0, gt=0)
+    repetition_penalty: float = Field(1.0, gt=0, le=MAX_REPETITION_PENALTY)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    seed: StrictInt | None = Field(None, ge=0)
+    seed: StrictInt | None = Field(None, ge=0, le=2**64 - 1)
     stop: StrictStr | list[StrictStr] | None = None
-    stop_token_ids: list[StrictInt] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
+    stop_token_ids: list[Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]] = Field(default_factory=list,
+                                                                                 max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: StrictBool = False
     n: StrictInt = Field(1, ge=1)
     stream: StrictBool = False

@@ -99,6 +99,8 @@ class Worker:
         print(f"{inst.name}: engine ready after {time.monotonic() - t0:.1f}s", flush=True)
         self.engine = AsyncEngine(self.llm)
         t = cfg.transfer
+        self.tls = t.tls.build() if t.tls else None  # transfer/tls.py: gRPC and KV links over TLS
+        self._client_tls = self.tls.client_context() if self.tls else None
         self.intake = self.feeder = self.pull_server = None
         self.links: dict[tuple, tuple[object, float]] = {}  # (address, segment, pull) -> (link, last used)
         self.peers: dict[str, dict] = {}  # the router's peer table (registry.py `peers`), from each heartbeat
@@ -119,7 +121,8 @@ class Worker:
             from ..disagg.decode_side import KVIntake
             self.intake = KVIntake(self.llm, t.token, self.engine.post, inst.host, inst.kv_port,
                                    t.recv_pool_mb << 20, t.deadline_s, shared=t.shared_memory,
-                                   puller=self.pull_server, timeouts=t.timeouts(), pull_from=self._pull_source)
+                                   puller=self.pull_server, timeouts=t.timeouts(), pull_from=self._pull_source,
+                                   tls=self.tls.server_context() if self.tls else None)
         if inst.role in ("prefill", "both"):
             from ..disagg.prefill_side import Feeder
             self.feeder = Feeder()
@@ -155,7 +158,7 @@ class Worker:
                 link.close()
         if key not in self.links:
             kw = dict(name=f"{self.inst.name}->{key[0]}:{key[1]}" + (" (shm)" if shm else " (device)" if pull else ""),
-                      chunk_bytes=int(t.chunk_mb * (1 << 20)), timeouts=t.timeouts())
+                      chunk_bytes=int(t.chunk_mb * (1 << 20)), timeouts=t.timeouts(), tls=self._client_tls)
             if pull:
                 link = PullLink(key[:2], t.token, self.pull_server, t.deadline_s, connections=t.connections, **kw)
             elif shm is not None:
@@ -277,7 +280,9 @@ class Worker:
         n = -(-kv // self.llm.layout.block_size)
         if len(dst.blocks) < n or dst.skip > n:
             return f"dst.blocks: {len(dst.blocks)} blocks (skipping {dst.skip}) do not hold {kv} tokens ({n} blocks)"
-        if dst.shm_base is not None and peer.get("shm"):
+        if dst.shm_base is not None and not peer.get("shm"):
+            return f"dst.shm_base: {dst.instance!r} has no shared-memory receive pool"
+        if dst.shm_base is not None:
             need = region_bytes(self.llm.layout, self.llm.dtype_name, kv, dst.skip)
             if dst.shm_base % PAGE or dst.shm_base + need > int(peer["shm"]["bytes"]):
                 return (f"dst.shm_base: a region of {need} bytes at {dst.shm_base} is not a page-aligned region "
@@ -348,7 +353,7 @@ class Worker:
         Refused when the router refuses this worker."""
         import grpc
         from . import rpc
-        self._router = rpc.Client(router, self.cfg.transfer.token)
+        self._router = rpc.Client(router, self.cfg.transfer.token, self.tls)
         every = self.cfg.router.heartbeat_s
         failing = False
         try:
@@ -371,15 +376,22 @@ class Worker:
         finally:
             await self._router.close()
 
-    async def serve(self, router: str | None = None) -> None:
+    async def start(self):
+        """Serve the worker methods on instance.host:port (with the cluster token, TLS when configured);
+        -> the started grpc.aio server. self.address is where it listens."""
         from . import messages, rpc
         server = rpc.server(self.cfg.transfer.token)
         server.add_generic_rpc_handlers((rpc.handler({"Health": self.health},
                                                      {"Decode": self.decode, "Generate": self.generate,
                                                       "Prefill": self.prefill}, messages.WORKER),))
-        port = server.add_insecure_port(f"{self.inst.host}:{self.inst.port}")
+        port = rpc.listen(server, f"{self.inst.host}:{self.inst.port}", self.tls)
         await server.start()
         self.address = f"{self.inst.host}:{port}"
+        return server
+
+    async def serve(self, router: str | None = None) -> None:
+        from . import rpc
+        server = await self.start()
         info = {"name": self.inst.name, "role": self.inst.role, "address": self.address,
                 "kv_address": self._kv_address(), "pid": os.getpid(),
                 "cpus": sorted(os.sched_getaffinity(0))}

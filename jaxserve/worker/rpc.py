@@ -11,6 +11,8 @@ Control messages are small (ids, token lists, block ids); KV bytes never travel 
   a worker that is gone (UNAVAILABLE), and only the last counts against a worker's health (router/cluster.py).
 - **Limits.** Messages are capped at `MAX_MESSAGE` on both ends (a prompt of MAX_TOKENS token ids fits);
   requests larger than `PARSE_INLINE` bytes are parsed on a small thread pool, not on the serving loop.
+- **TLS.** With `transfer.tls` (transfer/tls.py) servers listen with TLS and clients dial with it, verifying the
+  server's certificate against the cluster CA; with `mutual`, servers require a client certificate too.
 - **Liveness.** HTTP/2 keepalive pings on both ends, so a peer that vanishes without a reset (a silent
   partition) fails its calls within `KEEPALIVE_S` plus `KEEPALIVE_TIMEOUT_S` instead of leaving them open.
 
@@ -144,14 +146,23 @@ def server(token: str) -> grpc.aio.Server:
     return grpc.aio.server(options=OPTIONS, interceptors=[_Auth(token)])
 
 
+def listen(srv: grpc.aio.Server, address: str, tls=None) -> int:
+    """Bind `srv` to host:port (port 0: any free one), with TLS when `tls` (transfer.tls.Tls); the bound port."""
+    if tls is None:
+        return srv.add_insecure_port(address)
+    return srv.add_secure_port(address, tls.grpc_server_credentials())
+
+
 class Client:
     """Calls one worker's (or the router's) methods with the cluster token: `await client.call(name, msg)`,
     `client.stream(name, msg)` (an async iterator)."""
 
-    def __init__(self, address: str, token: str):
+    def __init__(self, address: str, token: str, tls=None):
+        """tls: a transfer.tls.Tls; the channel is then TLS, the server's certificate checked against its CA."""
         self.address = address
         self.metadata = ((TOKEN_KEY, token),)
-        self.channel = grpc.aio.insecure_channel(address, options=OPTIONS)
+        self.channel = (grpc.aio.insecure_channel(address, options=OPTIONS) if tls is None else
+                        grpc.aio.secure_channel(address, tls.grpc_channel_credentials(), options=OPTIONS))
 
     async def call(self, name: str, msg: dict, timeout: float | None = None) -> dict:
         fn = self.channel.unary_unary(f"/{SERVICE}/{name}", request_serializer=_enc, response_deserializer=_dec)

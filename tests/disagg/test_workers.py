@@ -1,6 +1,7 @@
 """Prefill and decode as two real worker processes (`jaxserve worker`), driven over gRPC, KV over TCP (and,
 in one test, pulled through JAX's transfer servers: the device backend).
 
+Every process speaks mutual TLS (transfer.tls: gRPC and the KV links), with certificates the module makes.
 The test plays the router's part: open a Decode stream on the decode worker (it reserves first), pass the
 reservation to the prefill worker's Prefill call, read the tokens from the stream. The workers register with a
 real router control port in this process (router/control.py), which hands them the peer table their KV
@@ -32,6 +33,7 @@ from jaxserve.worker import rpc
 from router.control import ControlServer
 from router.registry import Registry
 from transfer.plan import layer_groups
+from transfer.tls import Tls, make_certs
 
 pytestmark = pytest.mark.slow
 
@@ -43,8 +45,11 @@ GREEDY = dict(max_tokens=6, temperature=0.0, ignore_eos=True)
 TOKEN = "test-token"
 
 
-def Client(address: str, token: str = TOKEN) -> rpc.Client:
-    return rpc.Client(address, token)
+TLS: dict = {}  # the cluster's transfer.tls section, made by run_cluster
+
+
+def Client(address: str, token: str = TOKEN, tls: bool = True) -> rpc.Client:
+    return rpc.Client(address, token, Tls(**TLS) if tls else None)
 
 
 def start_worker(cfg_path: str, name: str, router: str) -> tuple[subprocess.Popen, dict]:
@@ -63,9 +68,12 @@ def run_cluster(checkpoint_dir, tmp_path_factory, **transfer):
     """Start p0 (prefill, core 0) and d0 (decode, core 1) of a 1P1D config; yields (model path, {name: (process,
     ready info)}, config path) and stops both."""
     path = checkpoint_dir("kimi_linear")
+    if not TLS:  # one CA for the module: both clusters' processes may be up at once
+        certs = make_certs(str(tmp_path_factory.mktemp("certs")), ["127.0.0.1"], ["node"])
+        TLS.update(ca_file=certs["ca"][0], cert_file=certs["node"][0], key_file=certs["node"][1], mutual=True)
     cfg = {"model": {"path": path}, "engine": ENGINE, "router": {"heartbeat_s": 0.5, "down_after_s": 5.0},
            "transfer": {"token": TOKEN, "connections": 2, "chunk_mb": 0.01, "deadline_s": 120.0,
-                        "layers_per_group": 2, "stream_min_tokens": 0, **transfer},
+                        "layers_per_group": 2, "stream_min_tokens": 0, "tls": dict(TLS), **transfer},
            "clusters": [{"name": "pd", "instances": [{"name": "p0", "role": "prefill", "cpus": [0]},
                                                      {"name": "d0", "role": "decode", "cpus": [1]}]}]}
     cfg_path = str(tmp_path_factory.mktemp("cfg") / "disagg.yaml")
@@ -73,7 +81,7 @@ def run_cluster(checkpoint_dir, tmp_path_factory, **transfer):
         yaml.safe_dump(cfg, f)
     conf = parse(cfg)
     registry = Registry({i.name: i.role for i in conf.instances()}, conf.router.down_after_s)
-    control = ControlServer(registry, TOKEN, conf.router.heartbeat_s)
+    control = ControlServer(registry, TOKEN, conf.router.heartbeat_s, tls=conf.transfer.tls.build())
     router = control.start("127.0.0.1", 0)
     procs = {}
     try:
@@ -284,7 +292,7 @@ def test_prefill_worker_killed_mid_request_frees_decode_blocks(cluster):
 
 
 def test_worker_methods_refuse_callers_without_the_token_and_forged_destinations(cluster):
-    """Health and Generate answer no caller without the cluster token; a Prefill call may not choose where the
+    """Health and Generate answer no caller without the cluster token, nor one without TLS; a Prefill call may not choose where the
     KV goes: an instance the router has not registered, or a prefill instance, is refused before any work."""
     _, procs, _ = cluster
     p_addr, d_addr = procs["p0"][1]["address"], procs["d0"][1]["address"]
@@ -302,6 +310,13 @@ def test_worker_methods_refuse_callers_without_the_token_and_forged_destinations
                     out[(token, name)] = e.value.code()
             finally:
                 await c.close()
+        plain = Client(d_addr, tls=False)  # the right token without TLS: no connection at all
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await plain.call("Health", {}, timeout=5)
+            out["plaintext"] = e.value.code()
+        finally:
+            await plain.close()
         p = Client(p_addr)
         try:
             for dst in ({"instance": "elsewhere", "blocks": [0, 1, 2], "skip": 0},
@@ -317,6 +332,7 @@ def test_worker_methods_refuse_callers_without_the_token_and_forged_destinations
         return out, health
     out, health = asyncio.run(run())
     assert all(out[(t, n)] == grpc.StatusCode.UNAUTHENTICATED for t in ("", "wrong") for n in ("Health", "Generate"))
+    assert out["plaintext"] in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
     code, why = out["elsewhere", 3]
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "not an instance registered with the router" in why
     code, why = out["p0", 3]

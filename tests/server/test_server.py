@@ -162,6 +162,10 @@ def test_models_health_metrics_profile(server):
     ({"model": "demo", "prompt": [5] * 100_000}, 400, "prompt"),  # refused before tokenising: over the context
     ({"model": "demo", "prompt": "a", "stop_token_ids": [1] * 1000}, 400, "stop_token_ids"),
     ({"model": "demo", "prompt": "a", "user": "u" * 1000}, 400, "user"),
+    # found by schemathesis: values past the engine's int32 / float32 tensors were a 503 or an overflow
+    ({"model": "demo", "prompt": "a", "top_k": 2**40}, 400, "top_k"),
+    ({"model": "demo", "prompt": "a", "repetition_penalty": 1e300}, 400, "repetition_penalty"),
+    ({"model": "demo", "prompt": "a", "stop_token_ids": [2**40]}, 400, "stop_token_ids.0"),
 ])
 def test_bad_input_gets_openai_errors(server, body, status, param):
     client, engine = server

@@ -108,10 +108,10 @@ def test_token_bucket_rate():
 class Pair:
     """A receiver server and a helper to run one transfer of the test layout through a link."""
 
-    def __init__(self, shm: bool = False, **link_kw):
+    def __init__(self, shm: bool = False, server_tls=None, **link_kw):
         self.lay = layout()
         self.pool = random_pool(self.lay)
-        self.server = KVServer(TOKEN)
+        self.server = KVServer(TOKEN, tls=server_tls)
         self.rpool = RecvPool(1 << 22, shared=shm)
         kw = {"connections": 2, "chunk_bytes": 512, **link_kw}
         self.link = (ShmLink(self.server.address, TOKEN, self.rpool.shm_name, **kw) if shm
