@@ -4,7 +4,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-fast serve install clean
+SOAK_S ?= 3600
+
+.PHONY: test test-fast serve soak install clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -20,6 +22,11 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not slow" tests
+
+# make soak: an hour (SOAK_S seconds) of Poisson load at 80% of capacity on `jaxserve serve`, RSS / threads / fds /
+# free blocks sampled (bench/soak.py); JSON and PNG into bench/results/
+soak: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m bench.soak --json bench/results/soak.json --png bench/results/soak.png --duration $(SOAK_S)
 
 serve: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m jaxserve.cli serve $(if $(CONFIG),--config $(CONFIG))

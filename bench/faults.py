@@ -82,7 +82,7 @@ class Topology:
         inst = lambda name, role, cpu, **kw: {"name": name, "role": role, "cpus": [cpu], "host": addr[name],  # noqa
                                               "launch": False, **kw}
         self.config = {
-            "model": {"path": model, "name": "m"}, "engine": ENGINE,
+            "model": {"path": model, "name": "m"}, "engine": {**ENGINE, "warmup": not args.no_warmup},
             "clusters": [{"name": "c", "instances": [
                 inst("p0", "prefill", 0), inst("p1", "prefill", 0),
                 *[inst(d, "decode", 1, kv_port=kv_ports[d],
@@ -403,6 +403,7 @@ def main(argv=None):
     ap.add_argument("--roles", default=",".join(ROLES))
     ap.add_argument("--faults", default=",".join(FAULTS))
     ap.add_argument("--phases", default=",".join(PHASES))
+    ap.add_argument("--cells", default=None, help="role:fault:phase,... instead of every roles x faults x phases")
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--warm", type=int, default=8, help="requests finished before the fault is armed")
@@ -414,6 +415,8 @@ def main(argv=None):
     ap.add_argument("--hang-s", type=float, default=120.0, help="a request unanswered this long is hung")
     ap.add_argument("--phase-wait-s", type=float, default=60.0)
     ap.add_argument("--restart-timeout-s", type=float, default=300.0)
+    ap.add_argument("--no-warmup", action="store_true", help="workers compile on first use, not at start (a "
+                    "compile then adds to recovery times)")
     ap.add_argument("--storm", type=int, default=200, help="requests in the cancellation storm (0: none)")
     args = ap.parse_args(argv)
     roles, faults, phases = (args.roles.split(","), args.faults.split(","), args.phases.split(","))
@@ -439,6 +442,11 @@ def main(argv=None):
                                                                         ignore_eos=True))]
     del llm
     cells = [(r, f, p) for r in roles for f in faults for p in phases]
+    if args.cells:
+        cells = [tuple(c.split(":")) for c in args.cells.split(",")]
+        bad = [c for c in cells if len(c) != 3 or c[0] not in ROLES or c[1] not in FAULTS or c[2] not in PHASES]
+        if bad:
+            ap.error(f"--cells: {bad} are not role:fault:phase of {list(ROLES)}, {list(FAULTS)}, {list(PHASES)}")
     results: list[dict] = []
     storm_out: dict = {}
     with tempfile.TemporaryDirectory(prefix="jaxserve-faults-") as tmp:

@@ -241,10 +241,13 @@ class Engine:
         k = min(params.logprobs or 0, MAX_LOGPROBS, self.V)
         return list(zip(ids[:k].tolist(), tlp[:k].tolist()))
 
-    def warmup(self, progress: bool = True, stages: list[tuple[int, int]] | None = None) -> int:
+    def warmup(self, progress: bool = True, stages: list[tuple[int, int]] | None = None, tails: bool = False) -> int:
         """Compile the decode program for every block-table width and the prefill program for every chunk
-        bucket (one request; with `stages`, also the layer-group programs of layer-wise prefill). Writes land
-        in block 0 and the scratch rows, which are rewritten before use."""
+        bucket (one request; with `stages`, also the layer-group programs of layer-wise prefill; with `tails`,
+        the one-token prefill chunk at the end of a sequence of every block-table width, alone and in a full
+        batch: what a decode instance runs when KV arrives for all but the last token, a resumed request's or
+        one prefill left with transfer.leave_last_token). Writes land in block 0 and the scratch rows, which are
+        rewritten before use."""
         from tqdm import tqdm
         bs = self.layout.block_size
         widths, w = [], 1
@@ -260,11 +263,16 @@ class Engine:
         jobs = [("decode", w, None) for w in widths] + [("prefill", t, None) for t in lengths]
         if stages is not None:
             jobs += [("prefill", t, stages) for t in lengths]
+        if tails:
+            jobs += [("tail", w, b) for w in widths for b in sorted({1, self.max_prefill_seqs})]
+        scratch = self.layout.scratch_row
         for kind, n, st in tqdm(jobs, desc="compiling", unit="program", disable=not progress):
             if kind == "decode":
                 self.generate([DecodeRow(0, 0, n * bs - 1, [0] * n, _IDLE, 0)])
+            elif kind == "tail":  # n: block-table width, st: rows
+                self.prefill([PrefillRow("warmup", [0], n * bs - 1, [0] * n, scratch, scratch, None, True, _IDLE, 0,
+                                         [0])] * st)
             else:
-                scratch = self.layout.scratch_row
                 self.prefill([PrefillRow("warmup", [0] * n, 0, [0] * -(-n // bs), scratch, scratch, None, True,
                                          _IDLE, 0, [0])], st)
         return len(self.programs)

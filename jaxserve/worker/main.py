@@ -92,7 +92,8 @@ class Worker:
             groups = layer_groups(self.llm.layout.num_layers, cfg.transfer.layers_per_group)
             sends = inst.role in ("prefill", "both")
             # layer-wise prefill runs one program per layer group
-            n = self.llm.engine.warmup(progress, groups if sends and len(groups) > 1 else None)
+            n = self.llm.engine.warmup(progress, groups if sends and len(groups) > 1 else None,
+                                       tails=inst.role in ("decode", "both"))
             n += self.llm.engine.warmup_transfer(self.llm.dtype_name, groups, export=sends,
                                                  receive=inst.role in ("decode", "both"), progress=progress)
             print(f"{inst.name}: {n} programs compiled", flush=True)

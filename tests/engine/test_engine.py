@@ -147,3 +147,39 @@ def test_engine_with_pallas_kernels_matches_references(engines, family):
     outs = llm.generate(PROMPTS[:3], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
     llm.engine.blocks.check()
+
+
+@pytest.mark.slow
+def test_decode_warmup_covers_what_a_resumed_request_runs(checkpoint_dir):
+    """A decode instance that took KV for all but a request's last token computes that token as a one-token
+    prefill chunk at the end of the sequence; warmup(tails=True) compiles those programs for every block-table
+    width (alone and batched), so no resumed request compiles on the decode instance (a compile stalls every
+    request there for seconds)."""
+    from transfer.bufpool import aligned_empty
+    from transfer.plan import bucket, layer_groups, staging
+    eng = LLM(checkpoint_dir("llama"), progress=False, engine=dataclasses.replace(ENGINE, max_model_len=32)).engine
+    runner = eng.engine
+    runner.warmup(progress=False)
+    plain = set(runner.programs)
+    runner.warmup(progress=False, tails=True)
+    runner.warmup_transfer(eng.dtype_name, layer_groups(eng.layout.num_layers, 1), export=False, receive=True,
+                           progress=False)
+    warmed = set(runner.programs)
+    runner.programs = set()  # a record of the programs run: now, those the requests run
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    seqs = []
+    for i, n in enumerate((2, 7, 13, 26)):  # prompt + output lengths across the block-table widths
+        prompt, output = (BASE * 2)[:n - 1], [6]
+        kv = len(prompt) + len(output) - 1
+        seq, skip = eng.reserve(f"resumed{i}", prompt, params, kv, output=output, logprobs=[(0.0, [])])
+        st = staging(eng.layout, eng.dtype_name, bucket(-(-kv // ENGINE.block_size) - skip),
+                     layer_groups(eng.layout.num_layers, 1))
+        buf = aligned_empty(st.nbytes)
+        buf[:] = 0
+        eng.kv_arrived(seq, st, st.views(buf), kv, None)
+        seqs.append(seq)
+    while eng.has_work:
+        eng.step()
+    assert all(s.finish_reason == "length" and len(s.output) == 4 for s in seqs)
+    assert runner.programs <= warmed, sorted(runner.programs - warmed)
+    assert runner.programs - plain  # which the plain warm-up leaves to the first such request

@@ -14,10 +14,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 
-from jaxserve import bundled
-from jaxserve.config import parse
-from jaxserve.server.serve import build
-from tests.server.test_server import wait_idle
+from tests.server.test_server import bundled_app, wait_idle
 
 pytestmark = pytest.mark.slow
 KEY = "sk-fuzz"
@@ -26,14 +23,11 @@ STATUS: collections.Counter = collections.Counter()
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("bundled") / "model")
-    bundled.build(path)
-    cfg = parse({"model": {"path": path, "name": "demo"},
-                 "engine": {"block_size": 16, "num_blocks": 32, "max_num_seqs": 4, "chunk_size": 32,
-                            "max_num_batched_tokens": 64, "max_model_len": 64, "warmup": False},
-                 "server": {"api_keys": [KEY], "max_waiting": 8, "max_tokens_limit": 4, "max_n": 2,
-                            "request_timeout_s": 60, "profile_dir": str(tmp_path_factory.mktemp("profiles"))}})
-    app, engine, _ = build(cfg, progress=False)
+    app, engine = bundled_app(tmp_path_factory, {"block_size": 16, "num_blocks": 32, "max_num_seqs": 4,
+                                                 "chunk_size": 32, "max_num_batched_tokens": 64,
+                                                 "max_model_len": 64},
+                              {"api_keys": [KEY], "max_waiting": 8, "max_tokens_limit": 4, "max_n": 2,
+                               "request_timeout_s": 60})
     yield app, engine
     engine.shutdown()
 

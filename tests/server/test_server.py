@@ -17,16 +17,22 @@ from tests.http_server import running
 KEY = "sk-test"
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def bundled_app(tmp_path_factory, engine: dict, server: dict):
+    """The app and engine serving a fresh copy of the bundled model as "demo" (no warm-up compiles)."""
     path = str(tmp_path_factory.mktemp("bundled") / "model")
     bundled.build(path)
-    cfg = parse({"model": {"path": path, "name": "demo"},
-                 "engine": {"block_size": 16, "num_blocks": 64, "max_num_seqs": 4, "chunk_size": 64,
-                            "max_num_batched_tokens": 128, "max_model_len": 256, "warmup": False},
-                 "server": {"api_keys": [KEY], "max_waiting": 2, "max_tokens_limit": 200, "max_n": 2,
-                            "profile_dir": str(tmp_path_factory.mktemp("profiles"))}})
-    app, engine, name = build(cfg, progress=False)
+    cfg = parse({"model": {"path": path, "name": "demo"}, "engine": {**engine, "warmup": False},
+                 "server": {**server, "profile_dir": str(tmp_path_factory.mktemp("profiles"))}})
+    app, eng, _ = build(cfg, progress=False)
+    return app, eng
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    app, engine = bundled_app(tmp_path_factory, {"block_size": 16, "num_blocks": 64, "max_num_seqs": 4,
+                                                 "chunk_size": 64, "max_num_batched_tokens": 128,
+                                                 "max_model_len": 256},
+                              {"api_keys": [KEY], "max_waiting": 2, "max_tokens_limit": 200, "max_n": 2})
     with running(app, {"Authorization": f"Bearer {KEY}"}) as client:
         yield client, engine
     engine.shutdown()

@@ -138,6 +138,18 @@ class Pair:
         s.finish({"token": 7, "logprob": -0.5})
         return s, st, arrays
 
+    def refused(self, link) -> None:
+        """A transfer through `link` (one the server will not admit) fails as unreachable, nothing received."""
+        r = self.receiver("x", [7, 8, 9, 20])
+        plan = TransferPlan.build(self.lay, "float32", 14, [3, 4, 9, 10], [7, 8, 9, 20], 0, [(0, 5)])
+        s = KVSender("x", link, plan, plan.check(self.lay, "float32", [7, 8, 9, 20], 14, 0))
+        s.start()
+        try:
+            assert s.wait(10) is KVPoll.FAILED and "unreachable" in s.state.reason
+            assert r.received == 0
+        finally:
+            link.close()
+
     def close(self):
         self.link.close()
         self.server.close()
@@ -361,14 +373,7 @@ def test_peer_without_cluster_token_is_rejected():
         assert h.kind == wire.NACK and "token" in h.meta["reason"]
         assert sock.recv(1) == b""  # and the connection is closed
         assert any("not a cluster member" in x for x in p.server.rejections)
-        link = TcpLink(p.server.address, "wrong", connections=1, timeouts=Timeouts(connect_s=0.5))
-        r = p.receiver("x", [7, 8, 9, 20])
-        plan = TransferPlan.build(p.lay, "float32", 14, [3, 4, 9, 10], [7, 8, 9, 20], 0, [(0, 5)])
-        s = KVSender("x", link, plan, plan.check(p.lay, "float32", [7, 8, 9, 20], 14, 0))
-        s.start()
-        assert s.wait(10) is KVPoll.FAILED and "unreachable" in s.state.reason
-        assert r.received == 0
-        link.close()
+        p.refused(TcpLink(p.server.address, "wrong", connections=1, timeouts=Timeouts(connect_s=0.5)))
     finally:
         p.close()
 

@@ -1,0 +1,351 @@
+"""Soak: Poisson load at a fraction of measured capacity on a real disaggregated deployment, and what grows.
+
+Deployment: `jaxserve serve` (router + HTTP server, one process) with a prefill worker (core 0) and a decode
+worker (core 1) as its children, KV over TCP, the bench-size Llama (bench/families.py) or `--model`.
+1. Capacity: closed-loop requests at `--calibrate-concurrency` for `--calibrate-s` seconds: completed
+   requests per second (the same prompt-length and output-length distribution as the load).
+2. Load: locust, headless (bench/soak_locust.py), Poisson arrivals at `--utilisation` x capacity for
+   `--duration` seconds (it stops by itself).
+3. Every `--sample-s`, for the router process and each worker: resident memory (VmRSS), threads and open file
+   descriptors (/proc); and the cluster's free and used cache blocks (/metrics, from the workers' heartbeats).
+4. After the load: the time until no block is used, and free blocks against the baseline taken before it.
+Reported: per process and series, the least-squares slope over the load after its first `--settle` fraction
+(compiles and allocator warm-up), per hour, and the start / end values; requests, failures and latency
+percentiles from locust; a PNG of the series over time (`--png`). JSON to `--json`.
+
+    python -m bench.soak --json bench/results/soak.json --png bench/results/soak.png --duration 3600
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+ENGINE = dict(block_size=16, num_blocks=512, max_num_seqs=16, max_num_batched_tokens=256, chunk_size=256,
+              max_prefill_seqs=4, max_model_len=512, num_snapshots=16, prefix_caching=False, warmup=True)
+SERIES = ("rss_mb", "threads", "fds")
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def proc_sample(pid: int) -> dict | None:
+    """rss_mb, threads, fds of a live process (None once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            status = f.read()
+        fds = len(os.listdir(f"/proc/{pid}/fd"))
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    rss = int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) / 1024
+    threads = int(re.search(r"Threads:\s+(\d+)", status).group(1))
+    return {"rss_mb": rss, "threads": threads, "fds": fds}
+
+
+def metrics(client) -> dict:
+    """The cluster's gauges from /metrics (blocks_free, blocks_used, running, waiting)."""
+    out = {}
+    for line in client.get("/metrics").text.splitlines():
+        m = re.match(r"jaxserve_(blocks_free|blocks_used|running|waiting) ([0-9.e+-]+)$", line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+class Deployment:
+    """`jaxserve serve` on a free port with a 1P1D config; its processes by name."""
+
+    def __init__(self, model: str, tmp: str, name: str):
+        self.port = free_port()
+        cfg = {"model": {"path": model, "name": name}, "engine": ENGINE,
+               "transfer": {"token": "soak-" + os.urandom(8).hex(), "connections": 2, "shared_memory": False},
+               "router": {"heartbeat_s": 0.5, "down_after_s": 5.0},
+               "server": {"host": "127.0.0.1", "port": self.port, "max_waiting": 256, "max_tokens_limit": 256},
+               "clusters": [{"name": "main", "instances": [
+                   {"name": "prefill-0", "role": "prefill", "cpus": [0]},
+                   {"name": "decode-0", "role": "decode", "cpus": [1 % os.cpu_count()]}]}]}
+        self.config = os.path.join(tmp, "soak.yaml")
+        import yaml
+        with open(self.config, "w") as f:
+            yaml.safe_dump(cfg, f)
+        self.log = open(os.path.join(tmp, "serve.log"), "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "serve", "--config", self.config],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout: float) -> None:
+        import httpx
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"jaxserve serve exited with {self.proc.returncode}; see {self.log.name}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).json().get("status") == "ok":
+                    return
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"jaxserve serve not ready after {timeout}s; see {self.log.name}")
+
+    def processes(self) -> dict[str, int]:
+        """router and each worker (by its --instance) -> pid."""
+        import psutil
+        out = {"router": self.proc.pid}
+        for child in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                argv = child.cmdline()
+            except psutil.Error:
+                continue
+            if "--instance" in argv:
+                out[argv[argv.index("--instance") + 1]] = child.pid
+        return out
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+def request_body(rng: random.Random, args, vocab: int) -> dict:
+    prompt = [rng.randrange(1, vocab) for _ in range(rng.randint(args.prompt_min, args.prompt_max))]
+    return {"model": "soak", "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
+
+
+def capacity(url: str, args, vocab: int) -> dict:
+    """Closed loop at `calibrate_concurrency` for `calibrate_s`: completed requests per second."""
+    import httpx
+    done, errors = [], []
+    stop = time.monotonic() + args.calibrate_s
+
+    def worker(i):
+        rng = random.Random(i)
+        with httpx.Client(base_url=url, timeout=300) as c:
+            while time.monotonic() < stop:
+                r = c.post("/v1/completions", json=request_body(rng, args, vocab))
+                (done if r.status_code == 200 else errors).append(time.monotonic())
+    t0 = time.monotonic()
+    ts = [threading.Thread(target=worker, args=(i,)) for i in range(args.calibrate_concurrency)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    wall = time.monotonic() - t0
+    if errors or not done:
+        raise RuntimeError(f"calibration: {len(errors)} errors, {len(done)} requests")
+    return {"requests": len(done), "wall_s": wall, "requests_per_s": len(done) / wall,
+            "concurrency": args.calibrate_concurrency}
+
+
+class Sampler(threading.Thread):
+    """Samples the processes and the cluster's blocks every `every` seconds until stopped."""
+
+    def __init__(self, dep: Deployment, every: float):
+        super().__init__(daemon=True)
+        import httpx
+        self.dep, self.every = dep, every
+        self.pids = dep.processes()
+        self.client = httpx.Client(base_url=dep.url, timeout=10)
+        self.samples: list[dict] = []
+        self.t0 = time.monotonic()
+        self._halt = threading.Event()
+
+    def sample(self) -> dict:
+        s = {"t": time.monotonic() - self.t0, "procs": {n: proc_sample(p) for n, p in self.pids.items()}}
+        try:
+            s["cluster"] = metrics(self.client)
+        except Exception as e:  # noqa: BLE001 - a failed scrape is recorded, the soak goes on
+            s["cluster"] = {"error": str(e)}
+        return s
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            self.samples.append(self.sample())
+            self._halt.wait(self.every)
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(30)
+        self.client.close()
+
+
+def slope_per_hour(ts: list[float], ys: list[float]) -> float | None:
+    if len(ts) < 3 or max(ts) - min(ts) <= 0:
+        return None
+    return float(np.polyfit(np.asarray(ts) / 3600.0, np.asarray(ys, float), 1)[0])
+
+
+def analyse(samples: list[dict], load: tuple[float, float], settle: float) -> dict:
+    """Per process and series: slope per hour over the settled load window, values at its start and end, max, and
+    the value in the last sample (idle, after the load)."""
+    a = load[0] + settle * (load[1] - load[0])
+    window = [s for s in samples if a <= s["t"] <= load[1]]
+    out = {}
+    for name in samples[0]["procs"]:
+        out[name] = {}
+        for k in SERIES:
+            pts = [(s["t"], s["procs"][name][k]) for s in window if s["procs"].get(name)]
+            if not pts:
+                continue
+            ts, ys = zip(*pts)
+            last = samples[-1]["procs"].get(name)
+            out[name][k] = {"slope_per_hour": slope_per_hour(ts, ys), "start": ys[0], "end": ys[-1],
+                            "max": max(ys), "after": last[k] if last else None, "window_s": ts[-1] - ts[0]}
+    return out
+
+
+def locust_stats(prefix: str) -> dict:
+    with open(prefix + "_stats.csv") as f:
+        rows = list(csv.DictReader(f))
+    agg = next(r for r in rows if r["Name"] == "Aggregated")
+    pct = {q: float(agg[f"{q}%"]) / 1e3 for q in ("50", "90", "99") if agg.get(f"{q}%") not in (None, "N/A")}
+    return {"requests": int(agg["Request Count"]), "failures": int(agg["Failure Count"]),
+            "requests_per_s": float(agg["Requests/s"]), "latency_s": pct,
+            "latency_mean_s": float(agg["Average Response Time"]) / 1e3}
+
+
+def plot(samples: list[dict], load: tuple[float, float], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(4, 1, figsize=(9, 11), sharex=True)
+    ts = [s["t"] / 60 for s in samples]
+    for ax, k, label in zip(axes, SERIES, ("resident memory (MB)", "threads", "open file descriptors")):
+        for name in samples[0]["procs"]:
+            ax.plot(ts, [s["procs"][name][k] if s["procs"].get(name) else np.nan for s in samples], label=name)
+        ax.set_ylabel(label)
+    axes[0].legend(loc="upper left")
+    for key, style in (("blocks_free", "-"), ("blocks_used", "--")):
+        axes[3].plot(ts, [s["cluster"].get(key, np.nan) for s in samples], style, label=key.replace("_", " "))
+    axes[3].set_ylabel("cache blocks (cluster)")
+    axes[3].legend(loc="upper left")
+    axes[3].set_xlabel("minutes")
+    for ax in axes:
+        ax.axvspan(load[0] / 60, load[1] / 60, color="0.92", zorder=0)
+    fig.suptitle("jaxserve soak: Poisson load (shaded) on 1 prefill + 1 decode worker")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--png", default=None, help="plot of the series over time")
+    ap.add_argument("--duration", type=float, default=600, help="seconds of load")
+    ap.add_argument("--utilisation", type=float, default=0.8, help="load as a fraction of measured capacity")
+    ap.add_argument("--users", type=int, default=16)
+    ap.add_argument("--calibrate-s", type=float, default=40)
+    ap.add_argument("--calibrate-concurrency", type=int, default=8)
+    ap.add_argument("--sample-s", type=float, default=2.0)
+    ap.add_argument("--settle", type=float, default=0.25, help="fraction of the load left out of the slopes")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--prompt-min", type=int, default=16)
+    ap.add_argument("--prompt-max", type=int, default=128)
+    ap.add_argument("--model", default=None, help="checkpoint directory (default: the bench-size Llama)")
+    ap.add_argument("--models", default="bench/.models")
+    args = ap.parse_args(argv)
+    if args.model is None:
+        from bench.families import checkpoint
+        args.model = checkpoint("llama", args.models)
+    with open(os.path.join(args.model, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    tmp = tempfile.mkdtemp(prefix="jaxserve-soak-")
+    dep = Deployment(os.path.abspath(args.model), tmp, "soak")
+    sampler = None
+    try:
+        print("soak: starting the deployment (router + 2 workers, compiling)", flush=True)
+        dep.wait_ready(900)
+        sampler = Sampler(dep, args.sample_s)
+        sampler.start()
+        time.sleep(args.sample_s * 2)
+        baseline = sampler.samples[-1]["cluster"]
+        print(f"soak: measuring capacity ({args.calibrate_s:.0f}s at concurrency {args.calibrate_concurrency})",
+              flush=True)
+        cap = capacity(dep.url, args, vocab)
+        rate = args.utilisation * cap["requests_per_s"]
+        print(f"soak: capacity {cap['requests_per_s']:.2f} req/s; Poisson load at {rate:.2f} req/s for "
+              f"{args.duration:.0f}s", flush=True)
+        prefix = os.path.join(tmp, "locust")
+        load0 = time.monotonic() - sampler.t0
+        lc = subprocess.run([shutil.which("locust", path=os.path.dirname(sys.executable)) or "locust",
+                             "-f", os.path.join(os.path.dirname(__file__), "soak_locust.py"), "--headless",
+                             "--host", dep.url, "-u", str(args.users), "-r", str(args.users),
+                             "--run-time", f"{int(args.duration)}s", "--stop-timeout", "120", "--csv", prefix,
+                             "--only-summary", "--loglevel", "WARNING", "--rate", str(rate),
+                             "--max-tokens", str(args.max_tokens), "--prompt-min", str(args.prompt_min),
+                             "--prompt-max", str(args.prompt_max), "--vocab", str(vocab), "--model-name", "soak"],
+                            capture_output=True, text=True, timeout=args.duration + 600)
+        load1 = time.monotonic() - sampler.t0
+        if not os.path.exists(prefix + "_stats.csv"):
+            raise RuntimeError(f"locust wrote no stats (exit {lc.returncode}):\n{lc.stdout[-2000:]}\n{lc.stderr[-2000:]}")
+        stats = locust_stats(prefix)
+        t = time.monotonic()  # the heartbeats carry the workers' stats: idle within a few of them
+        while True:
+            c = sampler.sample()["cluster"]
+            if c.get("blocks_used") == 0 and c.get("running") == 0 and c.get("waiting") == 0:
+                break
+            if time.monotonic() - t > 120:
+                break
+            time.sleep(0.25)
+        idle_after_s = time.monotonic() - t
+        time.sleep(args.sample_s * 2)
+        sampler.stop()
+        end = sampler.samples[-1]["cluster"]
+        out = {"benchmark": "soak", "host": platform.node(), "cpus": os.cpu_count(), "model": args.model,
+               "what": "jaxserve serve (router + HTTP) with a prefill and a decode worker; Poisson completions "
+                       "(locust) at a fraction of the capacity measured closed-loop in the same run; RSS, threads, "
+                       "fds of each process from /proc, cluster blocks from /metrics",
+               "capacity": cap, "utilisation": args.utilisation, "rate_requests_per_s": rate,
+               "duration_s": args.duration, "settle": args.settle, "locust": stats,
+               "blocks": {"baseline_free": baseline.get("blocks_free"), "end_free": end.get("blocks_free"),
+                          "end_used": end.get("blocks_used"), "idle_after_s": idle_after_s},
+               "slopes": analyse(sampler.samples, (load0, load1), args.settle),
+               "load_window_s": [load0, load1], "samples": sampler.samples}
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+        if args.png:
+            plot(sampler.samples, (load0, load1), args.png)
+        print(summary(out))
+        return out
+    finally:
+        if sampler is not None and sampler.is_alive():
+            sampler.stop()
+        dep.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def summary(out: dict) -> str:
+    s, b = out["locust"], out["blocks"]
+    lines = [f"soak: {s['requests']} requests at {out['rate_requests_per_s']:.2f} req/s "
+             f"({out['utilisation']:.0%} of {out['capacity']['requests_per_s']:.2f}), {s['failures']} failed, "
+             f"p50/p99 {s['latency_s'].get('50', float('nan')):.2f}/{s['latency_s'].get('99', float('nan')):.2f}s",
+             f"soak: free blocks {b['baseline_free']:.0f} before, {b['end_free']:.0f} after "
+             f"(idle {b['idle_after_s']:.1f}s after the load)"]
+    for name, series in out["slopes"].items():
+        lines.append(f"soak: {name:10s} " + ", ".join(
+            f"{k} {v['start']:.0f}->{v['end']:.0f} ({v['slope_per_hour']:+.1f}/h)" for k, v in series.items()))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
