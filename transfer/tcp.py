@@ -4,7 +4,9 @@ Receiver: one listening socket; a thread per accepted connection, bounded (net.p
 `max_connections` open and `max_unauthenticated` not yet authenticated, the rest closed at once. A connection
 must open within `hello_s` with a HELLO of at most `hello_max_bytes` carrying the cluster token (compared in
 constant time), or it is refused and closed with the reason logged; nothing else is read or parsed before.
-Every socket has timeouts and keepalive (net.py); a connection that carries no frame for `idle_s` is closed.
+With TLS (tls.py) a connection must first complete its handshake within `hello_s` (pre-authentication work
+too; with mutual TLS the peer's certificate is checked there). Every socket has timeouts and keepalive (net.py);
+a connection that carries no frame for `idle_s` is closed.
 Each frame's meta is checked against its kind (wire.check_meta; the plan's by plan.TransferPlan.from_meta):
 one that does not fit is drained and refused with NACK(final), and the connection goes on; a header that
 cannot be a frame closes the connection. Each DATA frame's payload is read with `recv_into` straight into its
@@ -23,7 +25,9 @@ load), applies the link emulation (link.py) and sends header then payload from t
 reader thread that matches ACK / NACK to the frames it has outstanding. A NACK(retry) requeues the frame;
 a broken connection, a write that times out, or a frame unacknowledged for `ack_s` (a silent partition)
 requeues everything the connection had outstanding and reconnects; a receiver unreachable for `connect_s`
-fails the transfers waiting on it. Concurrency: threads and locks throughout.
+fails the transfers waiting on it; with TLS, a receiver certificate the CA does not vouch for fails them at
+once, and the writer and reader share the connection's SSL object under its lock (tls.SharedTls).
+Concurrency: threads and locks throughout.
 """
 
 from __future__ import annotations
