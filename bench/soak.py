@@ -34,16 +34,11 @@ import time
 
 import numpy as np
 
+from bench.faults import free_port
+
 ENGINE = dict(block_size=16, num_blocks=512, max_num_seqs=16, max_num_batched_tokens=256, chunk_size=256,
               max_prefill_seqs=4, max_model_len=512, num_snapshots=16, prefix_caching=False, warmup=True)
 SERIES = ("rss_mb", "threads", "fds")
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def proc_sample(pid: int) -> dict | None:
@@ -73,7 +68,7 @@ class Deployment:
     """`jaxserve serve` on a free port with a 1P1D config; its processes by name."""
 
     def __init__(self, model: str, tmp: str, name: str):
-        self.port = free_port()
+        self.port = free_port("127.0.0.1")
         cfg = {"model": {"path": model, "name": name}, "engine": ENGINE,
                "transfer": {"token": "soak-" + os.urandom(8).hex(), "connections": 2, "shared_memory": False},
                "router": {"heartbeat_s": 0.5, "down_after_s": 5.0},
@@ -126,6 +121,20 @@ class Deployment:
         self.log.close()
 
 
+def wait_idle(url: str, limit_s: float) -> float:
+    """Seconds until /metrics shows no block used and no request running or waiting (the workers' stats come
+    with their heartbeats); gives up after limit_s (the caller reads what is still held)."""
+    import httpx
+    t = time.monotonic()
+    with httpx.Client(base_url=url, timeout=10) as client:
+        while time.monotonic() - t < limit_s:
+            c = metrics(client)
+            if c.get("blocks_used") == 0 and c.get("running") == 0 and c.get("waiting") == 0:
+                break
+            time.sleep(0.25)
+    return time.monotonic() - t
+
+
 def request_body(rng: random.Random, args, vocab: int) -> dict:
     prompt = [rng.randrange(1, vocab) for _ in range(rng.randint(args.prompt_min, args.prompt_max))]
     return {"model": "soak", "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
@@ -157,7 +166,8 @@ def capacity(url: str, args, vocab: int) -> dict:
 
 
 class Sampler(threading.Thread):
-    """Samples the processes and the cluster's blocks every `every` seconds until stopped."""
+    """Samples the processes and the cluster's blocks every `every` seconds from start() to stop(); the first
+    sample is taken at construction (the baseline), the last by stop() (after the load, once idle)."""
 
     def __init__(self, dep: Deployment, every: float):
         super().__init__(daemon=True)
@@ -165,9 +175,9 @@ class Sampler(threading.Thread):
         self.dep, self.every = dep, every
         self.pids = dep.processes()
         self.client = httpx.Client(base_url=dep.url, timeout=10)
-        self.samples: list[dict] = []
         self.t0 = time.monotonic()
         self._halt = threading.Event()
+        self.samples: list[dict] = [self.sample()]
 
     def sample(self) -> dict:
         s = {"t": time.monotonic() - self.t0, "procs": {n: proc_sample(p) for n, p in self.pids.items()}}
@@ -178,13 +188,13 @@ class Sampler(threading.Thread):
         return s
 
     def run(self) -> None:
-        while not self._halt.is_set():
+        while not self._halt.wait(self.every):
             self.samples.append(self.sample())
-            self._halt.wait(self.every)
 
     def stop(self) -> None:
         self._halt.set()
         self.join(30)
+        self.samples.append(self.sample())
         self.client.close()
 
 
@@ -276,9 +286,8 @@ def main(argv=None):
         print("soak: starting the deployment (router + 2 workers, compiling)", flush=True)
         dep.wait_ready(900)
         sampler = Sampler(dep, args.sample_s)
+        baseline = sampler.samples[0]["cluster"]
         sampler.start()
-        time.sleep(args.sample_s * 2)
-        baseline = sampler.samples[-1]["cluster"]
         print(f"soak: measuring capacity ({args.calibrate_s:.0f}s at concurrency {args.calibrate_concurrency})",
               flush=True)
         cap = capacity(dep.url, args, vocab)
@@ -299,16 +308,7 @@ def main(argv=None):
         if not os.path.exists(prefix + "_stats.csv"):
             raise RuntimeError(f"locust wrote no stats (exit {lc.returncode}):\n{lc.stdout[-2000:]}\n{lc.stderr[-2000:]}")
         stats = locust_stats(prefix)
-        t = time.monotonic()  # the heartbeats carry the workers' stats: idle within a few of them
-        while True:
-            c = sampler.sample()["cluster"]
-            if c.get("blocks_used") == 0 and c.get("running") == 0 and c.get("waiting") == 0:
-                break
-            if time.monotonic() - t > 120:
-                break
-            time.sleep(0.25)
-        idle_after_s = time.monotonic() - t
-        time.sleep(args.sample_s * 2)
+        idle_after_s = wait_idle(dep.url, 120)
         sampler.stop()
         end = sampler.samples[-1]["cluster"]
         out = {"benchmark": "soak", "host": platform.node(), "cpus": os.cpu_count(), "model": args.model,

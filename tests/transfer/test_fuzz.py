@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.transfer.test_transfer_host import TOKEN, Pair, _assert_same, _raw_connection
+from tests.transfer.test_transfer_host import Pair, _assert_same, _raw_connection
 from transfer import wire
 from transfer.state import KVPoll
 
