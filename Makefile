@@ -29,7 +29,7 @@ soak: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m bench.soak --json bench/results/soak.json --png bench/results/soak.png --duration $(SOAK_S)
 
 serve: $(STAMP)
-	HF_HUB_OFFLINE=1 $(PY) -m jaxserve.cli serve $(if $(CONFIG),--config $(CONFIG))
+	HF_HUB_OFFLINE=1 $(PY) -m router.cli serve $(if $(CONFIG),--config $(CONFIG))
 
 clean:
 	rm -rf $(VENV)

@@ -10,12 +10,12 @@ def run(config: dict, fn):
     """Start the workers of `config` (a config mapping), run `await fn(cluster)` against the router once every
     worker has registered, stop everything; returns fn's result."""
     from jaxserve.config import parse
-    from router.cluster import ClusterEngine
+    from router.cluster import Router
     from router.launcher import workers
     cfg = parse(config)
 
     async def go():
-        cluster = ClusterEngine(cfg, None)
+        cluster = Router(cfg, None)
         async with workers(cluster, cfg, [i.name for i in cfg.instances()]):
             return await fn(cluster)
     return asyncio.run(go())

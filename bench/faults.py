@@ -432,7 +432,7 @@ def main(argv=None):
     from jaxserve.bundled import resolve
     from jaxserve.config import parse
     from jaxserve.engine.llm_engine import EngineConfig
-    from router.cluster import ClusterEngine
+    from router.cluster import Router
     from bench import families
     model = families.checkpoint(args.model, "models/bench") if args.model in families.NAMES else resolve(args.model)
     print("reference: the colocated engine's greedy tokens ...", flush=True)
@@ -455,7 +455,7 @@ def main(argv=None):
             cfg = parse(topo.config)
 
             async def go():
-                cluster = ClusterEngine(cfg, None)
+                cluster = Router(cfg, None)
                 topo.launch(await cluster.start())
                 try:
                     m = Matrix(topo, cluster, prompts, want, args)

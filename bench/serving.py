@@ -71,7 +71,7 @@ def run_jaxserve(llm, reqs) -> dict:
             "requests_per_s": len(seqs) / span,
             "ttft_s": {"p50": pct(ttft, 50), "p90": pct(ttft, 90), "p99": pct(ttft, 99)},
             "tpot_s": {"p50": pct(tpot, 50), "p90": pct(tpot, 90), "p99": pct(tpot, 99)},
-            "compiled_programs": len(eng.engine.programs), "preemptions": eng.scheduler.num_preemptions}
+            "compiled_programs": len(eng.runner.programs), "preemptions": eng.scheduler.num_preemptions}
 
 
 def run_transformers(path: str, reqs) -> dict:
@@ -123,7 +123,7 @@ def main(argv=None):
         for r, t in zip(warm, np.cumsum(gaps)):
             r["prompt"], r["arrival"] = rng.integers(3, V, size=len(r["prompt"])).tolist(), float(t)
         run_jaxserve(llm, warm)
-    compiled = len(llm.engine.engine.programs)
+    compiled = len(llm.engine.runner.programs)
     print("jaxserve: timed pass ...", flush=True)
     ours = run_jaxserve(llm, reqs)
     result = {"benchmark": "serving", "device": f"cpu ({platform.processor() or platform.machine()}, "
@@ -133,7 +133,7 @@ def main(argv=None):
                                           "min": min(len(r["prompt"]) for r in reqs),
                                           "max": max(len(r["prompt"]) for r in reqs)},
                            "output_len": reqs[0]["max_tokens"], "scale": args.scale},
-              "jaxserve": ours, "programs_compiled_during_timed_pass": len(llm.engine.engine.programs) - compiled}
+              "jaxserve": ours, "programs_compiled_during_timed_pass": len(llm.engine.runner.programs) - compiled}
     if not args.no_baseline:
         print("transformers generate: timed pass ...", flush=True)
         base = run_transformers(path, reqs)

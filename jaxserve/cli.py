@@ -1,4 +1,4 @@
-"""The `jaxserve` command line."""
+"""The `jaxserve` command line's engine-level commands; router/cli.py adds `serve` (the console script)."""
 
 from __future__ import annotations
 
@@ -43,21 +43,6 @@ def generate(model: str = typer.Argument(..., help="checkpoint directory (Huggin
     out = llm.generate([p], SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed))[0]
     json.dump({"token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason}, sys.stdout)
     sys.stdout.write("\n")
-
-
-@app.command()
-def serve(config: str = typer.Option(None, "--config", "-c", help="cluster YAML (default: the embedded local.yaml)"),
-          port: int = typer.Option(None, help="override server.port"),
-          host: str = typer.Option(None, help="override server.host")):
-    """Serve the OpenAI-compatible API for the cluster a config describes."""
-    from .config import ConfigFileError, load
-    from .server.serve import serve as _serve
-    try:
-        cfg = load(config)
-        _serve(cfg, port, host)
-    except ConfigFileError as e:
-        typer.echo(f"config error: {e}", err=True)
-        raise typer.Exit(2)
 
 
 @app.command()

@@ -178,8 +178,33 @@ class RouterSection(_Strict):
 
 
 class PolicySection(_Strict):
-    name: str = "local"
-    params: dict = Field(default_factory=dict)
+    """Where requests run (router/policy.py). `least_loaded`: the least loaded prefill and decode instances.
+    `prfaas`: selective offload of long uncached prefills to a PrfaaS cluster, bandwidth- and cache-aware."""
+    name: Literal["least_loaded", "prfaas"] = "least_loaded"
+    threshold_tokens: int = Field(1024, ge=0, description="prfaas: a request whose uncached prompt length exceeds "
+                                  "this is prefilled in a PrfaaS cluster, the rest in the PD cluster")
+    adaptive: bool = Field(True, description="prfaas: the effective threshold follows the PrfaaS -> PD link's "
+                           "utilisation (raised before it saturates, lowered when there is room)")
+    raise_utilisation: float = Field(0.8, gt=0, description="link utilisation at which the threshold rises")
+    lower_utilisation: float = Field(0.4, ge=0, description="link utilisation below which it falls back")
+    threshold_step: float = Field(1.5, gt=1, description="factor per threshold change")
+    max_threshold_tokens: int | None = Field(None, ge=1, description="ceiling of the effective threshold "
+                                             "(default 16 x threshold_tokens)")
+    hold_s: float = Field(2.0, ge=0, description="least time between two threshold changes")
+    scarce_utilisation: float = Field(0.6, ge=0, description="link utilisation from which bandwidth counts as "
+                                      "scarce: each cluster's cached prefix is judged alone, none moves across")
+    affinity_slack: int = Field(2, ge=0, description="the instance holding the request's prefix is chosen unless "
+                                "it has more than this many requests in flight beyond the least loaded one")
+    local_prefill_tokens: int = Field(256, ge=0, description="prfaas: a decode instance that holds all but this "
+                                      "many prompt tokens (a conversation's next turn) prefills them itself")
+
+    @model_validator(mode="after")
+    def _band(self):
+        if self.raise_utilisation <= self.lower_utilisation * self.threshold_step:
+            raise ValueError(f"raise_utilisation ({self.raise_utilisation}) must exceed lower_utilisation x "
+                             f"threshold_step ({self.lower_utilisation} x {self.threshold_step}): one change of "
+                             f"the threshold must not carry the link across both levels")
+        return self
 
 
 class ServerSection(_Strict):
@@ -218,7 +243,14 @@ class Config(_Strict):
             raise ValueError(f"instance names must be unique: {sorted(dup)}")
         if not any(i.role in ("decode", "both") for c in self.clusters for i in c.instances):
             raise ValueError("clusters: no instance can decode (every instance has role 'prefill')")
+        for c in self.clusters:
+            wrong = [i.name for i in c.instances if i.role != "prefill"]
+            if c.kind == "prfaas" and wrong:
+                raise ValueError(f"clusters[{c.name}]: a prfaas cluster holds prefill instances only; "
+                                 f"{wrong} have another role")
         clusters = {c.name for c in self.clusters}
+        if len(clusters) != len(self.clusters):
+            raise ValueError(f"cluster names must be unique: {[c.name for c in self.clusters]}")
         for link in self.links:
             for end in (link.src, link.dst):
                 if end not in clusters:

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from .engine.llm_engine import EngineConfig, LLMEngine, RequestError
+from .engine.client import RequestError
+from .engine.llm_engine import EngineConfig, LLMEngine
 from .models.batch import Batch
 from .models.cache_spec import init_dense_cache
 from .models.model import jit_forward

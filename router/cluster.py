@@ -1,12 +1,14 @@
-"""The router's request path over worker processes: the AsyncEngine interface the HTTP app uses, for a cluster.
+"""The router: the engine-client protocol (jaxserve/engine/client.py) the HTTP app uses, over worker processes.
 
-Per request (the KV Messenger flow): pick a decode instance (policy.py) and open its `Decode` stream, which
-reserves cache space and validates the request (a bad one is refused before any prefill work); pick a
-prefill instance and open its `Prefill` call with the reservation, and relay both to the request's queue: the
+Per request (the KV Messenger flow): the placement policy (policy.py, `policy.name`) picks the decode and the
+prefill instance from a snapshot of the cluster (snapshot.py); open the decode instance's `Decode` stream,
+which reserves cache space and validates the request (a bad one is refused before any prefill work), then the
+prefill instance's `Prefill` call with the reservation, and relay both to the request's queue: the
 prefill call sends the first token the moment it is sampled (the client has it while the KV travels), then
 answers once decode has acknowledged every KV byte; the decode stream's Updates follow (its report of that
 first token is dropped). n > 1 fans out into n requests with seeds seed, seed + 1, ... (as the colocated
-engine does).
+engine does). A placement without a prefill instance runs the request whole on the decode instance
+(`Generate`: it holds most of the prompt already, or no prefill instance is up).
 
 Faults: a prefill that fails (its worker died, or the transfer failed) before decode has the KV closes the
 reservation (decode frees its blocks at once) and the request is placed again, on another prefill instance,
@@ -37,16 +39,17 @@ from dataclasses import dataclass, field
 import grpc
 
 from jaxserve.config import Config
-from jaxserve.engine.async_engine import EngineUnavailable as Unavailable
-from jaxserve.engine.async_engine import Update
-from jaxserve.engine.llm_engine import RequestError, encode
-from jaxserve.engine.scheduler import QueueFull
+from jaxserve.engine.client import EngineUnavailable as Unavailable
+from jaxserve.engine.client import QueueFull, RequestError, Update, encode
 from jaxserve.sampling import SamplingParams
 from jaxserve.worker import rpc
 
+from . import policy as policies
 from .control import ControlServer
-from .policy import least_loaded
+from .kv_index import KVIndex
+from .policy import Placement
 from .registry import Registry, WorkerInfo
+from .snapshot import Topology
 
 log = logging.getLogger("jaxserve.router")
 Code = grpc.StatusCode
@@ -85,6 +88,7 @@ class _Sub:
     kv_backend: str | None = None
     avoid: set = field(default_factory=set)  # instances that failed this request
     avoid_prefill: set = field(default_factory=set)
+    placement: Placement | None = None  # the policy's latest answer
     ttft_s: float | None = None
     errors: list = field(default_factory=list)
     sent: Update | None = None  # the last update the client got (updates are cumulative)
@@ -103,50 +107,32 @@ class _Sub:
         """The placement message's fields that resume the request (worker/main.py: "output", "logprobs")."""
         return {"output": self.output, "logprobs": self.sent.logprobs} if self.output else {}
 
-    def route(self) -> dict:
+    def route(self, topo: Topology) -> dict:
+        """Where it ran: `colocated` (whole on one instance), `pd` (prefill and decode in one cluster, or a
+        PD cluster's own prefill) or `prfaas` (prefill in a PrfaaS cluster, KV over the inter-cluster link)."""
         name = self.worker.name if self.worker else None
-        return {"route": "local", "prefill_instance": self.prefill or name, "decode_instance": name,
+        pre = self.prefill or name
+        route = "colocated"
+        if self.prefill is not None and name is not None:
+            route = "prfaas" if (topo.kind(pre) == "prfaas" and topo.cluster(pre) != topo.cluster(name)) else "pd"
+        pl = self.placement
+        return {"route": route, "prefill_instance": pre, "decode_instance": name,
+                "prefill_cluster": topo.cluster(pre) if pre else None,
+                "decode_cluster": topo.cluster(name) if name else None,
+                "prefix_source": pl.prefix_source if pl is not None else None,
                 "kv_bytes_transferred": self.kv_bytes, "kv_backend": self.kv_backend, "attempts": self.attempts}
 
 
-class Frontend:
-    """What the HTTP app reads from `engine.engine`: tokenizer, encode, max_model_len, has_work, stats."""
-
-    def __init__(self, cluster: "ClusterEngine", tokenizer):
-        self.cluster, self.tokenizer = cluster, tokenizer
-
-    def encode(self, prompt) -> list[int]:
-        return encode(self.tokenizer, prompt)
-
-    @property
-    def max_model_len(self) -> int | None:
-        lens = [w.max_model_len for w in self.cluster.registry.all()]
-        return min(lens) if lens else None
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self.cluster.tasks)
-
-    def stats(self) -> dict:
-        """Sums over the instances' last heartbeats (the hit rate: their mean)."""
-        out: dict = {}
-        workers = self.cluster.registry.up()
-        for w in workers:
-            for k, v in w.stats.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool):
-                    out[k] = out.get(k, 0) + v
-        if workers and "prefix_hit_rate" in out:
-            out["prefix_hit_rate"] /= len(workers)
-        return out
-
-
-class ClusterEngine:
+class Router:
     def __init__(self, cfg: Config, tokenizer, on_finish=None):
         self.cfg = cfg
+        self.tokenizer = tokenizer
         self.registry = Registry({i.name: i.role for i in cfg.instances()}, cfg.router.down_after_s)
-        self.engine = Frontend(self, tokenizer)
+        self.topology = Topology(cfg)
+        self.index = KVIndex(cfg.engine.block_size)  # the global KV index, fed by heartbeats (control.py)
+        self.policy = policies.make(cfg.policy)
+        self.routes: dict[str, int] = {}  # route -> requests finished on it
         self.on_finish = on_finish  # (final Update, seconds since arrival)
-        self.error: str | None = None  # the app's interface; a cluster reports its state through health()
         self.tasks: dict[str, list[asyncio.Task]] = {}
         self.sequences: dict[str, list[_Sub]] = {}  # request id -> its sequences, while it runs (read-only view)
         self.kv_bytes_transferred = 0
@@ -165,7 +151,8 @@ class ClusterEngine:
         loop = asyncio.get_running_loop()
         r = self.cfg.router
         self._control = ControlServer(self.registry, self.cfg.transfer.token, r.heartbeat_s,
-                                      on_join=lambda: loop.call_soon_threadsafe(self._joined.set), tls=self._tls)
+                                      on_join=lambda: loop.call_soon_threadsafe(self._joined.set), tls=self._tls,
+                                      index=self.index)
         self.address = await asyncio.to_thread(self._control.start, r.host, r.port)
         return self.address
 
@@ -186,18 +173,62 @@ class ClusterEngine:
             self._control = None
 
     def metrics_state(self) -> dict:
-        """What server/metrics.py publishes for a cluster (instances, links, KV bytes, retries)."""
+        """What server/metrics.py publishes for a cluster (instances, links, KV bytes, retries, requests per
+        route, the policy's state)."""
         links = {snap.get("link", f"{w.name}:{addr}"): snap for w in self.registry.all()
                  for addr, snap in w.links.items()}
         return {"instances": self.registry.state(), "links": links,
-                "kv_bytes_transferred": self.kv_bytes_transferred, "retries": self.retries}
+                "kv_bytes_transferred": self.kv_bytes_transferred, "retries": self.retries,
+                "routes": dict(self.routes), "policy": self.policy.state(), "index": self.index.stats()}
 
     def health(self) -> dict:
         up = self.registry.up("decode") or (self.cfg.router.local_fallback and self.registry.up())
         return {"status": "ok" if up else "degraded", "instances": self.registry.state(),
                 **({} if up else {"error": "no instance can decode"})}
 
-    # ---- requests (the AsyncEngine interface)
+    # ---- admin
+    async def set_link(self, src: str, dst: str, gbps: float) -> dict:
+        """Change the emulated bandwidth of the link from cluster src to cluster dst now: every prefill instance
+        of src reshapes its open links to dst (SetLink) and builds later ones at this rate; the policies see
+        the new capacity at once. Raises RequestError for a link the config does not have."""
+        if src == dst or self.cfg.link(src, dst) is None:
+            have = [f"{lk.src}->{lk.dst}" for lk in self.cfg.links if lk.src != lk.dst]
+            raise RequestError(f"no link from cluster {src!r} to cluster {dst!r} in the config (links: {have})",
+                               "src")
+        self.topology.bandwidth[(src, dst)] = gbps
+        out = {}
+        for w in self.registry.up("prefill"):
+            if self.topology.cluster(w.name) == src:
+                try:
+                    ans = await self._client(w).call("SetLink", {"dst": dst, "bandwidth_gbps": gbps}, timeout=10)
+                    out[w.name] = {"links": ans["links"]}
+                except grpc.aio.AioRpcError as e:
+                    out[w.name] = {"error": f"{e.code().name}: {e.details()}"}
+        log.info("link %s -> %s: %.3f Gbit/s (%s)", src, dst, gbps, out)
+        return {"src": src, "dst": dst, "bandwidth_gbps": gbps, "instances": out}
+
+    # ---- the EngineClient protocol
+    def encode(self, prompt) -> list[int]:
+        return encode(self.tokenizer, prompt)
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The smallest of the registered instances' (None before any registered)."""
+        lens = [w.max_model_len for w in self.registry.all()]
+        return min(lens) if lens else None
+
+    def stats(self) -> dict:
+        """Sums over the instances' last heartbeats (the hit rate: their mean)."""
+        out: dict = {}
+        workers = self.registry.up()
+        for w in workers:
+            for k, v in w.stats.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    out[k] = out.get(k, 0) + v
+        if workers and "prefix_hit_rate" in out:
+            out["prefix_hit_rate"] /= len(workers)
+        return out
+
     async def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> asyncio.Queue:
         """Place the request (raises RequestError / QueueFull / Unavailable) and stream its Updates to a queue."""
         arrival = time.monotonic()
@@ -247,21 +278,35 @@ class ClusterEngine:
         if e.code() in DEAD:
             log.warning("%s failed (%s: %s); not used until it answers again", w.name, e.code().name, e.details())
             self.registry.mark_down(w.name, f"{e.code().name}: {e.details()}")
+            self.index.drop(w.name)  # its cache may be gone: nothing of it counts until it resyncs
+
+    def _snapshot(self, s: _Sub, exclude: set):
+        """The policy's view for this sequence: instances up and not excluded, each with the prefix of the
+        prompt (and any output so far) that the global KV index says it holds."""
+        workers = self.registry.up(exclude=exclude)
+        tokens = s.prompt + s.output
+        cached = self.index.match(tokens, {w.name for w in workers})
+        return self.topology.snapshot(workers, self.registry.all(), len(tokens), s.kv(), cached, time.monotonic())
 
     async def _place(self, s: _Sub) -> None:
-        """Open the sequence's stream: a reservation on a decode instance, or (no decode instance up, local
-        fallback on) the whole request on another instance. Raises RequestError, QueueFull, Unavailable."""
+        """Ask the policy and open the sequence's stream: a reservation on its decode instance (the prefill
+        follows in _drive), or the whole request on one instance (a placement without prefill instance; or no
+        decode instance up, local fallback on). Raises RequestError, QueueFull, Unavailable."""
         r = self.cfg.router
         deadline, delay, busy = time.monotonic() + r.busy_wait_s, 0.01, set()
         while True:
             if len(s.errors) >= r.max_attempts:
                 raise Unavailable(f"gave up after {len(s.errors)} failed attempts: {'; '.join(s.errors[-3:])}")
-            decodes = self.registry.up("decode", exclude=s.avoid)
-            free = [w for w in decodes if w.name not in busy]
-            if free:
-                w, method = least_loaded(free), "Decode"
-            elif not decodes and r.local_fallback and self.registry.up(exclude=s.avoid | busy):
-                w, method = least_loaded(self.registry.up(exclude=s.avoid | busy)), "Generate"
+            snap = self._snapshot(s, s.avoid | s.avoid_prefill | busy)
+            pl = self.policy.place(snap)
+            if pl.decode is not None:
+                if pl.prefill is None and not r.local_fallback and not snap.of("prefill"):
+                    raise Unavailable("no prefill instance is up")
+                w, method = self.registry.get(pl.decode), "Decode" if pl.prefill is not None else "Generate"
+            elif not self.registry.up("decode", exclude=s.avoid) and r.local_fallback and snap.instances:
+                w = self.registry.get(policies.least_loaded(list(snap.instances)).name)
+                method = "Generate"
+                pl = Placement(w.name, None, "colocated", "no decode instance is up: local fallback")
             elif busy and time.monotonic() < deadline:
                 await asyncio.sleep(delay)
                 delay, busy = min(2 * delay, 0.5), set()
@@ -271,6 +316,8 @@ class ClusterEngine:
             else:
                 raise Unavailable("no instance is up to serve the request"
                                   + (f" ({'; '.join(s.errors[-3:])})" if s.errors else ""))
+            s.placement = pl
+            log.debug("%s: %s", s.rid, pl)
             try:
                 await self._open(s, w, method)
                 return
@@ -401,7 +448,8 @@ class ClusterEngine:
     # ---- one sequence, start to end
     async def _drive(self, s: _Sub, q: asyncio.Queue, arrival: float) -> None:
         def final(u: Update):
-            u.route = s.route()
+            u.route = s.route(self.topology)
+            self.routes[u.route["route"]] = self.routes.get(u.route["route"], 0) + 1
             q.put_nowait(u)
             if self.on_finish is not None:
                 self.on_finish(u, time.monotonic() - arrival)
@@ -425,15 +473,12 @@ class ClusterEngine:
             while True:
                 try:
                     if s.method == "Decode":
-                        p = least_loaded(self.registry.up("prefill", exclude=s.avoid_prefill | {s.worker.name}))
-                        if p is not None:
-                            pre = asyncio.ensure_future(self._prefill(s, p, relay))
-                        elif not self.cfg.router.local_fallback:
-                            raise Unavailable("no prefill instance is up")
-                        else:
-                            w = s.worker  # prefill locally: the whole request on the decode instance
-                            self._close(s)
-                            await self._open(s, w, "Generate")
+                        name = s.placement.prefill
+                        p = self.registry.get(name)
+                        if p is None or not self.registry.is_up(p):
+                            s.avoid_prefill.add(name)
+                            raise _Retry(f"prefill instance {name} went down before its Prefill call")
+                        pre = asyncio.ensure_future(self._prefill(s, p, relay))
                     kv_pending = s.method == "Decode"
                     while True:
                         try:

@@ -5,8 +5,10 @@ that keeps the router's main loop busy (a large body being parsed, many streams)
 heartbeats and get healthy workers marked down. Every call must present the cluster token (rpc.py); a
 registration whose fields do not fit the schema is INVALID_ARGUMENT, one the registry refuses (an instance or
 role the config does not list) too. The answer carries the peer table (registry.py `peers`): the only place a
-worker learns other instances' data addresses from. Concurrency: this module's handlers run on the control
-thread; `on_join` is called there after each accepted registration.
+worker learns other instances' data addresses from. A registration's prefix-cache events go to the global KV
+index (kv_index.py), and the answer says which event the index wants next (`kv_want`; None: the full state).
+Concurrency: this module's handlers run on the control thread; `on_join` is called there after each accepted
+registration.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ log = logging.getLogger("jaxserve.router")
 
 
 class ControlServer:
-    def __init__(self, registry: Registry, token: str, heartbeat_s: float, on_join=None, tls=None):
+    def __init__(self, registry: Registry, token: str, heartbeat_s: float, on_join=None, tls=None, index=None):
         self.registry, self.token, self.heartbeat_s, self.on_join = registry, token, heartbeat_s, on_join
+        self.index = index  # kv_index.KVIndex: each heartbeat's prefix-cache events go there
         self.tls = tls  # transfer.tls.Tls: the port speaks TLS
         self.address: str | None = None
         self._thread: rpc.LoopThread | None = None
@@ -47,9 +50,14 @@ class ControlServer:
         except RegistrationError as e:
             log.warning("registration refused: %s", e)
             await ctx.abort(rpc.Code.INVALID_ARGUMENT, str(e))
+        ans = {"name": w.name, "heartbeat_s": self.heartbeat_s, "peers": self.registry.peers()}
+        if self.index is not None:
+            self.index.request_state = self.index.request_state or req.request_state
+            batch = req.kv.model_dump(by_alias=True, exclude_none=True) if req.kv else None
+            ans["kv_want"] = self.index.apply(w.name, batch)
         if self.on_join is not None:
             self.on_join()
-        return {"name": w.name, "heartbeat_s": self.heartbeat_s, "peers": self.registry.peers()}
+        return ans
 
     def stop(self) -> None:
         if self._thread is None:

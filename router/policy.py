@@ -1,19 +1,293 @@
-"""Dispatch within a PD cluster: which prefill and which decode instance serve a request (plain Python).
+"""Placement policies: where a request's prefill and decode run (plain Python, no I/O).
 
-`least_loaded` is the load-aware rule (BanaServe's dispatch with no prefix affinity): the instance with the
-fewest requests the router has in flight there, then the fewest waiting and running requests it last
-reported, then the most free cache blocks; the name breaks exact ties, so the choice is deterministic.
+A policy sees an immutable `Snapshot` (the request's length, every instance it may use with its role,
+cluster, load, free blocks and the prefix index's answer for this request, the inter-cluster links with
+capacity and live utilisation, the time) and returns a `Placement` (the decode instance, the prefill
+instance or none, a cached prefix to move between clusters, the route, and why). It reads nothing else and
+does no I/O, so the live router (cluster.py, snapshots from snapshot.py) and a simulator run the same
+objects. A policy may keep state that the snapshots drive (the prfaas threshold controller); given the same
+sequence of snapshots it places the same way. `make(cfg.policy)` builds the one `policy.name` selects.
+
+- `least_loaded` (BanaServe's dispatch with no prefix affinity): decode on the least loaded decode instance,
+  prefill on the least loaded prefill instance of any cluster.
+- `prfaas` (PrfaaS section 3.4.3): selective offload of long uncached prefills to a PrfaaS cluster, judged on
+  the uncached length against a threshold that follows the link's utilisation with hysteresis; cache-aware
+  (bandwidth scarce: each cluster's own prefix; abundant: the best prefix anywhere, moved across when it
+  sits in the other cluster) and cache-affine within a cluster unless the affine instance is overloaded.
+
+Load, everywhere: requests the router has in flight on the instance, then its reported waiting + running,
+then fewest free blocks last; the name breaks exact ties, so placements are deterministic.
 """
 
 from __future__ import annotations
 
-from .registry import WorkerInfo
+from dataclasses import dataclass, field
+from typing import Protocol
+
+ROUTES = ("colocated", "pd", "prfaas")
 
 
-def load_key(w: WorkerInfo) -> tuple:
-    s = w.stats
-    return (w.inflight, s.get("waiting", 0) + s.get("running", 0), -s.get("blocks_free", 0), w.name)
+@dataclass(frozen=True)
+class InstanceState:
+    name: str
+    role: str  # prefill / decode / both
+    cluster: str
+    kind: str  # the cluster's kind: pd / prfaas
+    inflight: int = 0  # requests the router has on it now
+    waiting: int = 0  # its last reported queue
+    running: int = 0
+    blocks_free: int = 0
+    blocks_total: int = 0
+    cached_tokens: int = 0  # the prefix index's answer: prompt tokens whose KV this instance holds
+
+    def serves(self, role: str) -> bool:
+        return self.role == role or self.role == "both"
+
+    @property
+    def load(self) -> tuple:
+        return (self.inflight, self.waiting + self.running, -self.blocks_free, self.name)
 
 
-def least_loaded(candidates: list[WorkerInfo]) -> WorkerInfo | None:
-    return min(candidates, key=load_key, default=None)
+@dataclass(frozen=True)
+class LinkState:
+    """KV traffic from cluster `src`'s prefill instances to cluster `dst`'s decode instances."""
+    src: str
+    dst: str
+    capacity_bytes_s: float | None  # None: not shaped (no configured bandwidth)
+    egress_bytes_s: float = 0.0  # recent throughput, summed over the instances sending on it
+    pending_bytes: int = 0  # sent and not yet acknowledged
+    queued_frames: int = 0
+    retransmits: int = 0  # TCP retransmits so far (TCP_INFO)
+
+    @property
+    def utilisation(self) -> float:
+        if not self.capacity_bytes_s:
+            return 0.0
+        return self.egress_bytes_s / self.capacity_bytes_s
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    prompt_tokens: int
+    kv_tokens: int  # tokens whose KV prefill hands over
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    request: RequestInfo
+    instances: tuple[InstanceState, ...]  # up, and not excluded for this request
+    links: tuple[LinkState, ...] = ()
+    now: float = 0.0  # seconds (monotonic), for policies that follow the links over time
+
+    def of(self, role: str, kind: str | None = None, cluster: str | None = None) -> list[InstanceState]:
+        return [i for i in self.instances if i.serves(role) and (kind is None or i.kind == kind)
+                and (cluster is None or i.cluster == cluster)]
+
+    def link(self, src: str, dst: str) -> LinkState | None:
+        return next((lk for lk in self.links if lk.src == src and lk.dst == dst), None)
+
+
+@dataclass(frozen=True)
+class PrefixMove:
+    """Cached prefix KV to copy from `src` (an instance of another cluster) before the prefill."""
+    src: str
+    tokens: int
+
+
+@dataclass(frozen=True)
+class Placement:
+    decode: str | None  # None: no decode instance can take it
+    prefill: str | None  # None: the decode instance prefills itself
+    route: str  # colocated / pd / prfaas
+    reason: str
+    move_prefix: PrefixMove | None = None
+    uncached_tokens: int | None = None  # prompt tokens the prefill computes
+    prefix_source: str | None = None  # the instance whose cached prefix the prefill uses
+    details: dict = field(default_factory=dict, compare=False)  # numbers behind the choice (logs, metrics)
+
+
+class Policy(Protocol):
+    name: str
+
+    def place(self, snap: Snapshot) -> Placement: ...
+
+    def state(self) -> dict[str, float]:
+        """Numbers the policy keeps between placements (/metrics publishes them as jaxserve_policy_<key>)."""
+
+
+def least_loaded(candidates: list[InstanceState]) -> InstanceState | None:
+    return min(candidates, key=lambda i: i.load, default=None)
+
+
+def affine(candidates: list[InstanceState], slack: int) -> InstanceState | None:
+    """The instance holding the longest prefix of the request, unless it has more than `slack` requests in
+    flight beyond the least loaded candidate (a hot cache must not draw every request): then the least loaded."""
+    if not candidates:
+        return None
+    low = least_loaded(candidates)
+    best = min(candidates, key=lambda i: (-i.cached_tokens,) + i.load)
+    if best.cached_tokens > low.cached_tokens and best.inflight - low.inflight <= slack:
+        return best
+    return low
+
+
+def _route(prefill: InstanceState, decode: InstanceState) -> str:
+    return "prfaas" if prefill.kind == "prfaas" and decode.cluster != prefill.cluster else "pd"
+
+
+class LeastLoaded:
+    name = "least_loaded"
+
+    def state(self) -> dict[str, float]:
+        return {}
+
+    def place(self, snap: Snapshot) -> Placement:
+        d = least_loaded(snap.of("decode"))
+        if d is None:
+            return Placement(None, None, "colocated", "no decode instance is up")
+        p = least_loaded([i for i in snap.of("prefill") if i.name != d.name])
+        if p is None:
+            return Placement(d.name, None, "colocated", "no prefill instance is up: decode prefills")
+        return Placement(d.name, p.name, _route(p, d), "least loaded prefill and decode instances",
+                         uncached_tokens=snap.request.prompt_tokens - p.cached_tokens)
+
+
+@dataclass(frozen=True)
+class ThresholdParams:
+    threshold_tokens: int  # t: uncached length above which prefill goes to a PrfaaS cluster
+    adaptive: bool = True  # follow the link's utilisation
+    raise_utilisation: float = 0.8  # at or above: raise the effective threshold (fewer, longer offloads)
+    lower_utilisation: float = 0.4  # below: lower it again, never under threshold_tokens
+    step: float = 1.5  # factor per change
+    max_threshold_tokens: int | None = None  # default 16 x threshold_tokens
+    hold_s: float = 2.0  # at least this long between changes (utilisation is measured over 2 s windows)
+    scarce_utilisation: float = 0.6  # at or above: bandwidth is scarce (each cluster's prefix judged alone)
+    affinity_slack: int = 2  # see `affine`
+    local_prefill_tokens: int = 256  # a decode instance holding all but this many prompt tokens prefills itself
+
+    def __post_init__(self):
+        if not 0 <= self.lower_utilisation < self.raise_utilisation:
+            raise ValueError(f"policy: lower_utilisation ({self.lower_utilisation}) must be below "
+                             f"raise_utilisation ({self.raise_utilisation})")
+        if self.step <= 1:
+            raise ValueError(f"policy: threshold_step must be > 1, got {self.step}")
+        if self.raise_utilisation <= self.lower_utilisation * self.step:
+            # one raise divides a utilisation at raise_utilisation by about `step`: it must stay above the
+            # lower level, or the next observation lowers the threshold again (oscillation)
+            raise ValueError(f"policy: raise_utilisation ({self.raise_utilisation}) must exceed lower_utilisation "
+                             f"x threshold_step ({self.lower_utilisation} x {self.step})")
+
+
+class ThresholdController:
+    """The effective threshold: raised by `step` when the link's utilisation reaches raise_utilisation (or
+    TCP retransmits grow), lowered by `step` when it falls below lower_utilisation, at most one change per
+    hold_s. The band between the two levels is the hysteresis: a steady load inside it changes nothing, and
+    one change moves the utilisation by less than the band (raise > lower x step, checked), so the threshold
+    does not oscillate."""
+
+    def __init__(self, p: ThresholdParams):
+        self.p = p
+        self.base = p.threshold_tokens
+        self.top = p.max_threshold_tokens or max(16 * p.threshold_tokens, 1)
+        self.value = float(p.threshold_tokens)
+        self.changed_at: float | None = None
+        self.retransmits: int | None = None
+        self.changes = 0
+
+    def observe(self, link: LinkState | None, now: float) -> float:
+        if not self.p.adaptive or link is None or link.capacity_bytes_s is None:
+            return self.value
+        lossy = self.retransmits is not None and link.retransmits > self.retransmits
+        self.retransmits = link.retransmits
+        if self.changed_at is not None and now - self.changed_at < self.p.hold_s:
+            return self.value
+        u = link.utilisation
+        if (u >= self.p.raise_utilisation or lossy) and self.value < self.top:
+            self.value = min(self.top, max(self.value, 1.0) * self.p.step)
+        elif u < self.p.lower_utilisation and self.value > self.base:
+            self.value = max(self.base, self.value / self.p.step)
+        else:
+            return self.value
+        self.changed_at, self.changes = now, self.changes + 1
+        return self.value
+
+
+class PrfaaS:
+    """Selective offload (PrfaaS 3.3, 3.4.3). Decode runs in a PD cluster, on the cache-affine decode instance
+    unless it is overloaded. A decode instance that already holds all but `local_prefill_tokens` of the
+    prompt (the next turn of a conversation it served) prefills the rest itself. Otherwise, with l_total the
+    prompt and l_c the longest prefix a prefill instance of cluster c holds, and t the controller's threshold:
+    - bandwidth scarce (a PrfaaS -> PD link at or above scarce_utilisation): each cluster's prefix alone:
+      l_total - l_pd <= t stays on the PD cluster's prefill, else the request goes to PrfaaS;
+    - abundant: l_prefix = max(l_prfaas, l_pd); l_total - l_prefix <= t stays on PD, else PrfaaS; when the
+      other cluster holds a longer prefix than the chosen prefill instance, it moves across (`move_prefix`).
+    Within the chosen cluster the prefill instance is the cache-affine one unless overloaded. A cluster with
+    no prefill instance up sends everything to the other; with none anywhere, decode prefills itself. Only the
+    KV beyond what the decode instance holds crosses the link (the decode side's reservation skips it)."""
+
+    name = "prfaas"
+
+    def __init__(self, params: ThresholdParams):
+        self.params = params
+        self.threshold = ThresholdController(params)
+
+    def state(self) -> dict[str, float]:
+        return {"threshold_tokens": self.threshold.value, "threshold_changes": self.threshold.changes}
+
+    def place(self, snap: Snapshot) -> Placement:
+        p = self.params
+        d = affine(snap.of("decode", kind="pd") or snap.of("decode"), p.affinity_slack)
+        if d is None:
+            return Placement(None, None, "colocated", "no decode instance is up")
+        total = snap.request.prompt_tokens
+        remote = [i for i in snap.of("prefill", kind="prfaas") if i.role == "prefill"]
+        local = [i for i in snap.of("prefill", cluster=d.cluster) if i.role == "prefill"]
+        links = [lk for lk in (snap.link(c, d.cluster) for c in sorted({i.cluster for i in remote})) if lk]
+        link = max(links, key=lambda lk: lk.utilisation, default=None)
+        t = self.threshold.observe(link, snap.now)
+        util = link.utilisation if link is not None else 0.0
+        scarce = link is not None and link.capacity_bytes_s is not None and util >= p.scarce_utilisation
+        l_pd = max((i.cached_tokens for i in local), default=0)
+        l_prfaas = max((i.cached_tokens for i in remote), default=0)
+        details = {"threshold": round(t), "utilisation": round(util, 4), "scarce": scarce, "l_total": total,
+                   "l_pd": l_pd, "l_prfaas": l_prfaas, "l_decode": d.cached_tokens}
+        if d.cached_tokens and total - d.cached_tokens <= p.local_prefill_tokens:
+            return Placement(d.name, None, "colocated",
+                             f"{d.name} holds {d.cached_tokens} of {total} prompt tokens: it prefills the rest",
+                             uncached_tokens=total - d.cached_tokens, prefix_source=d.name, details=details)
+        uncached = total - (l_pd if scarce else max(l_pd, l_prfaas))
+        offload = uncached > t
+        why = (f"{'scarce' if scarce else 'abundant'} bandwidth (link at {util:.0%}): uncached {uncached} "
+               f"{'>' if offload else '<='} threshold {t:.0f}")
+        if offload and not remote:
+            offload, why = False, why + ", but no PrfaaS prefill instance is up"
+        elif not offload and not local and remote:
+            offload, why = True, why + ", but the PD cluster has no prefill instance up"
+        pre = affine(remote if offload else local, p.affinity_slack)
+        if pre is None:
+            return Placement(d.name, None, "colocated", why + ": no prefill instance is up, decode prefills",
+                             uncached_tokens=total - d.cached_tokens,
+                             prefix_source=d.name if d.cached_tokens else None, details=details)
+        move = None
+        if not scarce:  # the best prefix anywhere: one held in the other cluster moves to the compute cluster
+            holder = max(local if offload else remote, key=lambda i: (i.cached_tokens, i.name), default=None)
+            if holder is not None and holder.cached_tokens > pre.cached_tokens:
+                move = PrefixMove(holder.name, holder.cached_tokens)
+        cached = move.tokens if move else pre.cached_tokens
+        return Placement(d.name, pre.name, _route(pre, d), why, move, total - cached,
+                         (move.src if move else pre.name) if cached else None, details)
+
+
+POLICIES = {"least_loaded": LeastLoaded, "prfaas": PrfaaS}
+
+
+def make(section) -> Policy:
+    """The policy a config's `policy` section names (jaxserve/config.py PolicySection)."""
+    if section.name == "least_loaded":
+        return LeastLoaded()
+    if section.name == "prfaas":
+        return PrfaaS(ThresholdParams(
+            section.threshold_tokens, section.adaptive, section.raise_utilisation, section.lower_utilisation,
+            section.threshold_step, section.max_threshold_tokens, section.hold_s, section.scarce_utilisation,
+            section.affinity_slack, section.local_prefill_tokens))
+    raise ValueError(f"policy.name: unknown policy {section.name!r} (one of {sorted(POLICIES)})")

@@ -113,6 +113,10 @@ class Registry:
     def is_up(self, w: WorkerInfo) -> bool:
         return w.down_reason is None and self.now() - w.last_seen <= self.down_after_s
 
+    def get(self, name: str) -> WorkerInfo | None:
+        with self._lock:
+            return self.workers.get(name)
+
     def all(self) -> list[WorkerInfo]:
         """Every registered worker (a snapshot of the table)."""
         with self._lock:

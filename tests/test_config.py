@@ -110,3 +110,16 @@ def test_tls_section_names_a_missing_file_and_builds(tmp_path):
         parse({"transfer": {"tls": {**tls, "key_file": "nope.pem"}}})
     with pytest.raises(ConfigFileError, match=r"transfer.tls.cert_file: Field required"):
         parse({"transfer": {"tls": {"ca_file": made["ca"][0], "key_file": made["node"][1]}}})
+
+
+def test_prfaas_preset_and_topology_rules():
+    cfg = load("configs/prfaas.yaml")
+    kinds = {c.name: (c.kind, sorted(i.role for i in c.instances)) for c in cfg.clusters}
+    assert kinds == {"prfaas": ("prfaas", ["prefill"]), "pd": ("pd", ["decode", "prefill"])}
+    # the PrfaaS prefill instance has a core of its own; the PD cluster's two instances share the other
+    cpus = {i.name: tuple(i.cpus) for i in cfg.instances()}
+    assert cpus["pd-p0"] == cpus["pd-d0"] and not set(cpus["prfaas-p0"]) & set(cpus["pd-p0"])
+    assert cfg.link("prfaas", "pd").bandwidth_gbps > 0 and cfg.policy.name == "prfaas"
+    two = {"name": "x", "kind": "prfaas", "instances": [{"name": "x0", "role": "decode"}]}
+    with pytest.raises(ConfigFileError, match=r"clusters\[x\]: a prfaas cluster holds prefill instances only"):
+        parse({"clusters": [two, {"name": "y", "instances": [{"name": "y0"}]}]})

@@ -18,7 +18,7 @@ import uuid
 
 import numpy as np
 
-from jaxserve.cache.allocator import OutOfBlocks, SegmentAllocator
+from .segments import OutOfBlocks, SegmentAllocator
 
 PAGE = 4096
 ALIGN = 64

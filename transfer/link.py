@@ -50,6 +50,13 @@ class TokenBucket:
         self.t = time.monotonic()
         self._lock = threading.Lock()
 
+    def set_rate(self, rate: float, burst: float) -> None:
+        with self._lock:
+            now = time.monotonic()
+            self.tokens = min(self.burst, self.tokens + (now - self.t) * self.rate)
+            self.t, self.rate, self.burst = now, rate, burst
+            self.tokens = min(self.tokens, burst)
+
     def consume(self, n: int) -> None:
         """Take n bytes' worth of tokens, waiting for the bucket to refill when it is short."""
         while True:
@@ -75,6 +82,17 @@ class Shaper:
         self.bucket = TokenBucket(rate, max(self.PIECE, rate * 0.005)) if rate else None
         self._rng = random.Random(self.emu.seed)
         self._lock = threading.Lock()
+
+    def set_bandwidth(self, gbps: float | None) -> None:
+        """Change the emulated bandwidth at run time (None: unshaped); frames already drawn keep their pace."""
+        self.emu = LinkEmulation(gbps, self.emu.latency_ms, self.emu.loss, self.emu.seed)
+        rate = self.emu.bytes_per_s
+        if rate is None:
+            self.bucket = None
+        elif self.bucket is None:
+            self.bucket = TokenBucket(rate, max(self.PIECE, rate * 0.005))
+        else:
+            self.bucket.set_rate(rate, max(self.PIECE, rate * 0.005))
 
     def lose(self) -> bool:
         if not self.emu.loss:
@@ -116,6 +134,7 @@ class LinkMetrics:
 
     def __init__(self, name: str, bandwidth_bytes_s: float | None):
         self.name, self.bandwidth = name, bandwidth_bytes_s
+        self.labels: dict = {}  # set by the owner (a worker: the clusters the link joins), copied into snapshots
         self.bytes_sent = 0
         self.frames_sent = 0
         self.resends = 0
@@ -162,7 +181,7 @@ class LinkMetrics:
     def snapshot(self) -> dict:
         with self._lock:
             socks = list(self._sockets)
-            base = {"link": self.name, "bytes_sent": self.bytes_sent, "frames_sent": self.frames_sent,
+            base = {**self.labels, "link": self.name, "bytes_sent": self.bytes_sent, "frames_sent": self.frames_sent,
                     "resends": self.resends, "queue_depth": self.queue_depth, "in_flight_bytes": self.in_flight}
             retrans = self._tcp_retrans_closed
         infos = [i for i in (tcp_info(s) for s in socks) if i is not None]
@@ -170,6 +189,7 @@ class LinkMetrics:
         base.update({
             "throughput_bytes_s": thr,
             "utilisation": (thr / self.bandwidth) if self.bandwidth else None,
+            "bandwidth_bytes_s": self.bandwidth,
             "tcp_retransmits": retrans + sum(i["retransmits_total"] for i in infos),
             "rtt_us": max((i["rtt_us"] for i in infos), default=None),
             "connections": len(socks),

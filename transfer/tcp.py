@@ -393,6 +393,11 @@ class TcpLink:
         self.metrics.add("queue_depth", 1)
         self._queue.put(out)
 
+    def set_bandwidth(self, gbps: float | None) -> None:
+        """Change the emulated bandwidth at run time (the admin endpoint stages a bandwidth drop)."""
+        self.shaper.set_bandwidth(gbps)
+        self.metrics.bandwidth = self.shaper.emu.bytes_per_s
+
     def close(self) -> None:
         """Stop the link: its writer threads end (closing their connections), and so do their readers."""
         self._closed.set()

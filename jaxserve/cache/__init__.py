@@ -1,1 +1,2 @@
-"""The KV cache: segment allocator and block manager (plain Python), device pool layout (layout.py)."""
+"""The KV cache: block manager with prefix caching and its events log (plain Python; the allocator is
+transfer/segments.py), device pool layout (layout.py)."""

@@ -1,7 +1,8 @@
 """Block manager: reference-counted blocks of the shared pool, prefix caching, LRU eviction.
 
 A block holds `block_size` consecutive tokens of one request for every full-attention layer. Blocks come
-from the segment allocator (allocator.py), so a request's blocks are contiguous whenever possible.
+from the segment allocator (transfer/segments.py, which serves the receive pools too), so a request's blocks
+are contiguous whenever possible.
 
 Prefix cache (vLLM style): a full block of prompt tokens gets the hash of (hash of the previous block, its
 tokens), a chain that names the whole prefix. A new request reuses the longest chain of cached blocks
@@ -14,8 +15,9 @@ Request-level state (linear-attention and sliding-window layers) cannot be cut a
 it is reusable only at exactly that length. A model with such state reuses a prefix only up to a boundary
 that has a snapshot.
 
-Invariant (checked by `check()`): free + evictable + referenced blocks == total. Plain Python; the engine
-thread owns it.
+Every hash and snapshot gained or lost is reported to an events log (events.py) when one is given: the
+router's global KV index follows it. Invariant (checked by `check()`): free + evictable + referenced blocks
+== total. Plain Python; the engine thread owns it.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from .allocator import OutOfBlocks, SegmentAllocator
+from transfer.segments import OutOfBlocks, SegmentAllocator
 
 
 def block_hashes(tokens, block_size: int) -> list[bytes]:
@@ -41,8 +43,9 @@ def block_hashes(tokens, block_size: int) -> list[bytes]:
 class SnapshotPool:
     """`capacity` state rows holding request-level state at block boundaries; LRU replacement."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, events=None):
         self.capacity = capacity
+        self.events = events  # events.CacheEvents or None
         self._rows: OrderedDict[bytes, int] = OrderedDict()  # hash -> row, oldest first
         self._free = list(range(capacity))
 
@@ -66,7 +69,23 @@ class SnapshotPool:
             if victim is None:
                 return None
             row = self._rows.pop(victim)
+            if self.events is not None:
+                self.events.emit("unsnap", [victim])
         self._rows[h] = row
+        if self.events is not None:
+            self.events.emit("snap", [h])
+        return row
+
+    def rekey(self, old: bytes | None, h: bytes, pinned: set[int] = frozenset()) -> int | None:
+        """A row for `h`, reusing the one keyed by `old` when it is still held (a decoding request moves its one
+        snapshot forward to each new block boundary instead of filling the pool); else as `acquire`."""
+        if old is None or old not in self._rows or h in self._rows:
+            return self.acquire(h, pinned)
+        row = self._rows.pop(old)
+        self._rows[h] = row
+        if self.events is not None:
+            self.events.emit("unsnap", [old])
+            self.events.emit("snap", [h])
         return row
 
     def __len__(self) -> int:
@@ -74,7 +93,9 @@ class SnapshotPool:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, num_snapshots: int = 0, prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, num_snapshots: int = 0, prefix_caching: bool = True,
+                 events=None):
+        """events: a CacheEvents log (events.py) told of every hash and snapshot gained and lost."""
         self.num_blocks, self.block_size = num_blocks, block_size
         self.allocator = SegmentAllocator(num_blocks)
         self.prefix_caching = prefix_caching
@@ -82,7 +103,8 @@ class BlockManager:
         self.block_hash: dict[int, bytes] = {}
         self.hash_block: dict[bytes, int] = {}
         self.evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 but hashed, oldest first
-        self.snapshots = SnapshotPool(num_snapshots if prefix_caching else 0)
+        self.events = events
+        self.snapshots = SnapshotPool(num_snapshots if prefix_caching else 0, events)
         self.query_tokens = 0
         self.hit_tokens = 0
 
@@ -125,9 +147,13 @@ class BlockManager:
         """Hash the full blocks among the first `num_computed` tokens; returns the chain hashes."""
         hashes = block_hashes(list(tokens)[:num_computed], self.block_size)
         if self.prefix_caching:
+            new = []
             for b, h in zip(block_ids, hashes):
                 if b not in self.block_hash and h not in self.hash_block:
                     self.block_hash[b], self.hash_block[h] = h, b
+                    new.append(h)
+            if self.events is not None:
+                self.events.emit("stored", new)
         return hashes
 
     # ---- allocation
@@ -156,11 +182,14 @@ class BlockManager:
             return []
         if n > self.num_free:
             raise OutOfBlocks(f"need {n} blocks, {self.num_free} free")
-        evict = []
+        evict, gone = [], []
         while self.allocator.num_free + len(evict) < n:
             b, _ = self.evictable.popitem(last=False)
-            del self.hash_block[self.block_hash.pop(b)]
+            gone.append(self.block_hash.pop(b))
+            del self.hash_block[gone[-1]]
             evict.append(b)
+        if self.events is not None:
+            self.events.emit("removed", gone)
         self.allocator.free(evict)
         out = self.allocator.allocate(n, hint)
         for b in out:
@@ -180,6 +209,10 @@ class BlockManager:
                 else:
                     released.append(b)
         self.allocator.free(released)
+
+    def full_state(self) -> dict:
+        """Every hash and snapshot held, numbered (events.py `full`); the events log must be set."""
+        return self.events.full(list(self.hash_block), list(self.snapshots._rows))
 
     # ---- stats and invariants
     @property

@@ -83,7 +83,7 @@ class Handoff:
     def begin(self, llm, seq) -> list[tuple[int, int]] | None:
         """Plan the transfer and send the plan. Returns the layer groups to run the step as (None: one
         program, everything exported after it)."""
-        eng = llm.engine
+        eng = llm.runner
         layout = eng.layout
         dtype = llm.dtype_name
         self._groups = layer_groups(layout.num_layers, self.layers_per_group)
@@ -94,7 +94,7 @@ class Handoff:
         self.sender = KVSender(self.request_id or seq.request_id, self.link, plan, self._staging,
                                shm_base=self.shm_base)
         self.sender.start()
-        self._engine, self._seq = eng, seq
+        self._runner, self._seq = eng, seq
         self._blocks = seq.block_ids[self.skip:self.skip + plan.nblocks]
         self._exported: set[int] = set()
         return self._groups if len(self._groups) > 1 else None
@@ -105,7 +105,7 @@ class Handoff:
         if k in self._exported:
             return
         self._exported.add(k)
-        items = self._engine.export_kv(self._staging, k, self._blocks, self._seq.slot)
+        items = self._runner.export_kv(self._staging, k, self._blocks, self._seq.slot)
         self.feeder.put(self.sender, items, None)
 
     def finish(self, prefix) -> None:

@@ -1,4 +1,4 @@
-"""Runs an `LLMEngine` on its own thread for an asyncio server.
+"""Runs an `LLMEngine` on its own thread for an asyncio server: the colocated `EngineClient` (client.py).
 
 Concurrency model: one engine thread owns the LLMEngine (scheduler, block manager, device programs) and is
 the only code that touches it. Callers on the asyncio loop send commands (add, abort, call) through a
@@ -18,30 +18,11 @@ import threading
 from dataclasses import dataclass, field
 
 from ..sampling import SamplingParams
+from .client import RequestError, Update, encode
 from .llm_engine import LLMEngine
 from .sequence import Sequence
 
 log = logging.getLogger("jaxserve.engine")
-
-
-class EngineUnavailable(RuntimeError):
-    """Nothing can take the request now (the server answers 503): e.g. no worker of a cluster is up."""
-
-
-@dataclass
-class Update:
-    """A snapshot of one sequence after a step (safe to read on the loop: nothing in it is shared)."""
-    index: int  # choice index (0..n-1)
-    token_ids: list[int]
-    text: str
-    finished: bool
-    finish_reason: str | None
-    logprobs: list
-    cached_tokens: int
-    prompt_tokens: int
-    error: str | None = None
-    ttft_s: float | None = None  # arrival -> first token
-    route: dict | None = None  # where it ran, set by the router on the final update (server/app.py: meta)
 
 
 @dataclass
@@ -55,17 +36,35 @@ class _Request:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, on_finish=None):
         self.engine = engine
+        self.tokenizer = engine.tokenizer
         self.on_finish = on_finish  # called on the engine thread with each finished Sequence
         self._cmds: queue.Queue = queue.Queue()
         self._requests: dict[str, _Request] = {}  # engine thread only
         self._owner: dict[str, str] = {}  # sequence id -> request id (n > 1 gives several sequences)
         self._stop = False
         self.error: str | None = None
-        self.stats: dict = engine.stats()  # refreshed by the engine thread each iteration (readable anywhere)
+        self._stats: dict = engine.stats()  # refreshed by the engine thread each iteration (readable anywhere)
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
 
-    # ---- loop side
+    # ---- loop side (the EngineClient protocol, and what the disaggregated sides use)
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def encode(self, prompt) -> list[int]:
+        return encode(self.tokenizer, prompt)
+
+    def stats(self) -> dict:
+        """The engine's stats as of its last iteration (no call into the engine thread)."""
+        return self._stats
+
+    def metrics_state(self) -> None:
+        return None
+
+    async def set_link(self, src: str, dst: str, gbps: float) -> dict:
+        raise RequestError("a colocated deployment has no links between clusters", "src")
+
     async def call(self, fn, *args):
         """Run fn(engine, *args) on the engine thread and await its result. Cancelled before the engine thread
         takes it, fn never runs; once it runs, it runs to the end (its result is dropped)."""
@@ -76,6 +75,8 @@ class AsyncEngine:
     async def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, **resume) -> asyncio.Queue:
         """Queue a request; returns the asyncio.Queue its Updates arrive on. Raises RequestError / QueueFull.
         resume: output= and logprobs= of a request resumed (LLMEngine.add_request)."""
+        if self.error is not None and not self.engine.has_work:
+            self.error = None  # the failed step's requests are gone; try again
         q, _ = await self.attach(request_id,
                                  lambda eng: (eng.add_request(request_id, prompt_ids, params, **resume), None))
         return q
@@ -143,7 +144,7 @@ class AsyncEngine:
             except queue.Empty:
                 pass
             if self._stop or not eng.has_work:
-                self.stats = eng.stats()
+                self._stats = eng.stats()
                 continue
             try:
                 changed = eng.step()
@@ -153,7 +154,7 @@ class AsyncEngine:
                 self._fail_all(self.error)
                 continue
             self._publish(changed)
-            self.stats = eng.stats()
+            self._stats = eng.stats()
 
     def _publish(self, changed: list[Sequence]) -> None:
         by_req: dict[str, list[Sequence]] = {}

@@ -1,6 +1,6 @@
 """The engine loop: schedule -> prefill program -> insert -> decode program -> postprocess (stop checks).
 
-`LLMEngine` owns the model, the block manager, the scheduler and the device `Engine`; `step()` runs one
+`LLMEngine` owns the model, the block manager, the scheduler and the device programs (`ModelRunner`); `step()` runs one
 iteration and returns the requests that changed. Detokenisation is incremental per request; stop strings
 are matched on the text and the text is cut before them. Single-threaded: the offline `LLM` calls it
 directly, the server drives it from one engine thread (async_engine.py).
@@ -19,6 +19,7 @@ import numpy as np
 from pallas_kernels.select import MODES, resolve
 
 from ..cache.block_manager import BlockManager
+from ..cache.events import CacheEvents
 from ..cache.layout import PoolLayout
 from ..checkpoint import load_any
 from ..models.cache_spec import cache_spec
@@ -26,7 +27,8 @@ from ..models.config import load_config
 from ..models.model import model_graphdef
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
-from .runner import DecodeRow, Engine, PrefillRow, Prefix
+from .client import RequestError, encode
+from .runner import DecodeRow, ModelRunner, PrefillRow, Prefix
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import Sequence
 
@@ -56,23 +58,6 @@ class EngineConfig:
                 raise ValueError(f"engine.{f.name} must be >= 1, got {v}")
 
 
-class RequestError(ValueError):
-    """A request the engine cannot take (the server answers 400)."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-
-def encode(tokenizer: Tokenizer | None, prompt) -> list[int]:
-    """A text prompt (needs the tokenizer) or a token-id list -> token ids."""
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise RequestError("this model has no tokenizer.json: send token ids", "prompt")
-        return tokenizer.encode(prompt)
-    return [int(t) for t in prompt]
-
-
 class LLMEngine:
     def __init__(self, model: str, dtype: str = "float32", config: EngineConfig | None = None, mesh=None,
                  progress: bool = True):
@@ -93,11 +78,12 @@ class LLMEngine:
                                  self.model_config.max_position_embeddings, cfg.num_blocks * bs)
         self.layout = PoolLayout.build(self.cache_spec, bs, cfg.num_blocks, cfg.max_num_seqs, cfg.num_snapshots)
         self.snapshot_base = cfg.max_num_seqs
-        self.blocks = BlockManager(cfg.num_blocks, bs, cfg.num_snapshots, cfg.prefix_caching)
+        self.cache_events = CacheEvents()  # what the router's global KV index follows (cache/events.py)
+        self.blocks = BlockManager(cfg.num_blocks, bs, cfg.num_snapshots, cfg.prefix_caching, self.cache_events)
         self.scheduler = Scheduler(SchedulerConfig(
             cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.chunk_size, cfg.max_prefill_seqs, cfg.max_waiting, bs,
             self.layout.has_request_state), self.blocks)
-        self.engine = Engine(self.graphdef, self.state, self.layout, self.model_config.vocab_size, self.dtype,
+        self.runner = ModelRunner(self.graphdef, self.state, self.layout, self.model_config.vocab_size, self.dtype,
                              num_slots=cfg.max_num_seqs, max_prefill_seqs=cfg.max_prefill_seqs,
                              chunk_size=cfg.chunk_size, max_blocks_per_seq=-(-self.max_model_len // bs), mesh=mesh)
         self.eos = set(self.model_config.eos_token_ids)
@@ -182,14 +168,14 @@ class LLMEngine:
         whether the sequence changed (it got its first token)."""
         skip = seq.num_cached // self.cfg.block_size
         n = -(-kv_tokens // self.cfg.block_size)
-        self.engine.import_kv(staging, views, seq.block_ids[skip:n], seq.slot)
+        self.runner.import_kv(staging, views, seq.block_ids[skip:n], seq.slot)
         self.scheduler.kv_arrived(seq, kv_tokens)
         if first is None or first.get("token") is None:
             return False
         prefix = Prefix(seq.request_id, seq.slot, seq.block_ids, kv_tokens, int(first["token"]),
                         float(first.get("logprob", 0.0)), [tuple(t) for t in first.get("top", [])],
-                        self.engine._prompt_mask(seq.prompt))
-        self.engine.insert(prefix, seq.slot)
+                        self.runner._prompt_mask(seq.prompt))
+        self.runner.insert(prefix, seq.slot)
         self._append(seq, prefix.token, prefix.logprob, prefix.top)
         return True
 
@@ -237,7 +223,7 @@ class LLMEngine:
                     streamed.append(h)
             on_stage = (lambda k: [h.export(k) for h in streamed]) if streamed else None
             try:
-                prefixes = self.engine.prefill(rows, stages, on_stage)
+                prefixes = self.runner.prefill(rows, stages, on_stage)
             except BaseException as e:
                 for h, _ in due:
                     h.abort(f"prefill step failed: {type(e).__name__}: {e}")
@@ -254,13 +240,15 @@ class LLMEngine:
                     self.scheduler.finish(c.seq, "handoff")
                     changed.append(c.seq)
                 elif prefix is not None:
-                    self.engine.insert(prefix, c.seq.slot)
+                    self.runner.insert(prefix, c.seq.slot)
                     self._append(c.seq, prefix.token, prefix.logprob, prefix.top)
                     changed.append(c.seq)
         if plan.decodes:
             rows = [DecodeRow(s.slot, s.output[-1] if s.output else s.prompt[-1], s.num_tokens - 1, s.block_ids,
-                              s.params, len(s.output)) for s in plan.decodes]
-            for seq, (tok, lp, top) in zip(plan.decodes, self.engine.generate(rows)):
+                              s.params, len(s.output),
+                              None if s.decode_snapshot is None else s.decode_snapshot + self.snapshot_base)
+                    for s in plan.decodes]
+            for seq, (tok, lp, top) in zip(plan.decodes, self.runner.generate(rows)):
                 self._append(seq, tok, lp, top)
                 changed.append(seq)
         return changed
@@ -283,20 +271,19 @@ class LLMEngine:
 
     def _append(self, seq: Sequence, tok: int, lp: float, top) -> None:
         reason = self._record(seq, tok, lp, top)
+        self.scheduler.complete_decode(seq)  # before a finish too: the last full block joins the prefix cache
         if reason is not None:
             seq.detok.finish(stop_token=reason == "stop" and tok in (set(seq.params.stop_token_ids) | self.eos))
-            self.engine.free(seq.slot)
+            self.runner.free(seq.slot)
             self.scheduler.finish(seq, reason)
             seq.finish_time = time.monotonic()
-        else:
-            self.scheduler.complete_decode(seq)
 
     # ---- introspection
     def stats(self) -> dict:
         b = self.blocks
         return {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
                 "blocks_total": b.num_blocks, "blocks_free": b.num_free, "blocks_used": b.num_referenced(),
-                "prefix_hit_rate": b.hit_rate, "compiled_programs": len(self.engine.programs),
+                "prefix_hit_rate": b.hit_rate, "compiled_programs": len(self.runner.programs),
                 "preemptions": self.scheduler.num_preemptions}
 
 

@@ -12,7 +12,7 @@ Shapes are bucketed (prefill B is 1 or max_prefill_seqs, T a power of two up to 
 a power of two up to the longest sequence) so a workload compiles a bounded number of programs: at most
 2 * |T buckets| * |W buckets| prefill and |W buckets| decode programs. `programs` records the shapes compiled.
 
-Colocated mode uses one Engine for both roles: prefill writes straight into the blocks and state row that
+Colocated mode uses one ModelRunner for both roles: prefill writes straight into the blocks and state row that
 decode then reads, so `insert` only records the slot's sampling state. Disaggregated, the prefill instance's
 `export_kv` hands a request's staged KV to the transfer layer and the decode instance's `import_kv` writes
 what arrived into its reserved blocks and slot (transfer/device.py) before `insert`.
@@ -83,9 +83,10 @@ class DecodeRow:
     block_ids: list[int]
     params: object
     step: int
+    snap_row: int | None = None  # also save the request-level state here (a block boundary during decode)
 
 
-class Engine:
+class ModelRunner:
     def __init__(self, graphdef, state, layout: PoolLayout, vocab_size: int, dtype, *, num_slots: int,
                  max_prefill_seqs: int, chunk_size: int, max_blocks_per_seq: int, mesh=None):
         self.layout, self.V, self.dtype = layout, vocab_size, dtype
@@ -117,10 +118,10 @@ class Engine:
             logits = m.head(x, jnp.maximum(batch.lengths - 1, 0)[:, None])
             return (pool,) + sample(logits[:, 0], st, pmask, jnp.zeros(pmask.shape, jnp.int32))
 
-        def decode_fn(state, pool, prompt_mask, out_counts, batch, table, rows, st):
+        def decode_fn(state, pool, prompt_mask, out_counts, batch, table, rows, snap, st):
             cache = gather(layout, pool, table, rows, batch.start, paged=True)
             logits, cache = model(state)(batch, cache, jnp.zeros((batch.tokens.shape[0], 1), jnp.int32))
-            pool = scatter(layout, pool, cache, batch, table, rows, jnp.full_like(rows, layout.scratch_row))
+            pool = scatter(layout, pool, cache, batch, table, rows, snap)
             tok, lp, ids, tlp = sample(logits[:, 0], st, prompt_mask, out_counts)
             out_counts = out_counts.at[jnp.arange(tok.shape[0]), tok].add(batch.lengths)
             return pool, out_counts, tok, lp, ids, tlp
@@ -210,12 +211,15 @@ class Engine:
         S = self.num_slots
         tokens, start, lengths = np.zeros((S, 1), np.int32), np.zeros(S, np.int32), np.zeros(S, np.int32)
         slot_rows = np.full(S, self.layout.scratch_row, np.int32)
+        snap_rows = np.full(S, self.layout.scratch_row, np.int32)
         blocks = [[] for _ in range(S)]
         params: list = [None] * S
         steps = [0] * S
         for r in rows:
             tokens[r.slot, 0], start[r.slot], lengths[r.slot] = r.token, r.position, 1
             slot_rows[r.slot], blocks[r.slot], params[r.slot], steps[r.slot] = r.slot, r.block_ids, r.params, r.step
+            if r.snap_row is not None:
+                snap_rows[r.slot] = r.snap_row
         bs = self.layout.block_size
         min_w = max([-(-(r.position + 1) // bs) for r in rows] + [1])
         table = self._table(blocks, S, min_w)
@@ -224,7 +228,7 @@ class Engine:
         batch = Batch(jnp.asarray(tokens), jnp.asarray(start), jnp.asarray(lengths))
         self.pool, self.out_counts, tok, lp, ids, tlp = self._decode(
             self.state, self.pool, self.prompt_mask, self.out_counts, batch, jnp.asarray(table),
-            jnp.asarray(slot_rows), st)
+            jnp.asarray(slot_rows), jnp.asarray(snap_rows), st)
         tok, lp, ids, tlp = (np.asarray(x) for x in (tok, lp, ids, tlp))
         return [(int(tok[r.slot]), float(lp[r.slot]), self._top(r.params, ids[r.slot], tlp[r.slot])) for r in rows]
 

@@ -26,8 +26,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..cache.allocator import OutOfBlocks
+from transfer.segments import OutOfBlocks
 from ..cache.block_manager import BlockManager, block_hashes
+from .client import QueueFull
 from .sequence import Sequence, Status
 
 
@@ -75,10 +76,6 @@ class StepPlan:
     @property
     def empty(self) -> bool:
         return not self.prefills and not self.decodes
-
-
-class QueueFull(RuntimeError):
-    pass
 
 
 class Scheduler:
@@ -167,6 +164,8 @@ class Scheduler:
                         break
         budget = self.cfg.max_num_batched_tokens
         pinned: set[int] = set()
+        for seq in plan.decodes:
+            self._decode_snapshot(seq, pinned)
         for seq in self.running:
             if (seq.is_prefilling and not seq.awaiting_kv and budget > 0
                     and len(plan.prefills) < self.cfg.max_prefill_seqs):
@@ -213,6 +212,20 @@ class Scheduler:
         plan.prefills.append(chunk)
         return chunk.length
 
+    def _decode_snapshot(self, seq: Sequence, pinned: set[int]) -> None:
+        """A decode step whose token completes a block also saves the request-level state there, so the next
+        turn of a conversation (prompt + answer + message) can reuse the answer too. One pool row per request,
+        moved forward boundary by boundary (SnapshotPool.rekey); pinned for the step."""
+        seq.decode_snapshot = None
+        n = seq.num_tokens  # the KV / state of all of them once this step has run
+        if not (self.cfg.has_request_state and self.blocks.snapshots.capacity and n % self.cfg.block_size == 0):
+            return
+        h = block_hashes(seq.tokens, self.cfg.block_size)[-1]
+        row = self.blocks.snapshots.rekey(seq.snapshot_hash, h, pinned)
+        if row is not None:
+            seq.decode_snapshot, seq.snapshot_hash = row, h
+            pinned.add(row)
+
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         self._release(seq)
         seq.status, seq.num_computed, seq.state_src = Status.WAITING, 0, None
@@ -232,3 +245,7 @@ class Scheduler:
 
     def complete_decode(self, seq: Sequence) -> None:
         seq.num_computed = seq.num_tokens - 1  # the newest token is the next step's input
+        if seq.num_computed % self.cfg.block_size == 0:
+            # a block of generated tokens is complete: cached like a prompt's, so the next turn of a
+            # conversation (prompt + this answer + a new message) reuses the answer's KV too
+            self.blocks.register(seq.block_ids, seq.tokens, seq.num_computed)

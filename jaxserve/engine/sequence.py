@@ -38,6 +38,8 @@ class Sequence:
     detok: object = None  # llm_engine.Detokenizer
     awaiting_kv: bool = False  # decode side of a disaggregated request: blocks reserved, KV not yet arrived
     handoff: object = None  # prefill side: disagg.prefill_side.Handoff, sends the KV instead of decoding here
+    decode_snapshot: int | None = None  # this decode step also saves its request-level state in this row
+    snapshot_hash: bytes | None = None  # the chain hash the row it saved during decode is keyed by
 
     @property
     def tokens(self) -> list[int]:

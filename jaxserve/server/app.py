@@ -1,12 +1,14 @@
-"""The OpenAI-compatible HTTP server (FastAPI): completions, chat completions, models, health, metrics, profile.
+"""The OpenAI-compatible HTTP server (FastAPI): completions, chat completions, models, health, metrics, profile,
+and the admin route that changes an emulated link's bandwidth.
 
 Requests pass the gate first (gate.py: API keys, rate limits, the body limit), are validated (protocol.py),
-tokenized, and queued on the AsyncEngine; responses are plain JSON or server-sent events. Every error is an
-OpenAI-shaped body with a 4xx status (503 when the engine cannot take work). A streaming client that disconnects
-aborts its request, which releases its slot and blocks; a non-streaming one is checked for disconnection while
-it waits. Concurrency: asyncio on the server's event loop; JSON parsing and validation of a body, tokenising
-and chat templating run on a small thread pool (`_work`) so a large request does not hold the loop that
-streams other requests' tokens; the engine runs on its own thread (engine/async_engine.py).
+tokenized, and queued on the EngineClient (engine/client.py); responses are plain JSON or server-sent events.
+Every error is an OpenAI-shaped body with a 4xx status (503 when the engine cannot take work). A streaming
+client that disconnects aborts its request, which releases its slot and blocks; a non-streaming one is checked
+for disconnection while it waits. Concurrency: asyncio on the server's event loop; JSON parsing and validation
+of a body, tokenising and chat templating run on a small thread pool (`_work`) so a large request does not hold
+the loop that streams other requests' tokens; the engine runs on its own thread (engine/async_engine.py) or in
+worker processes behind the router.
 """
 
 from __future__ import annotations
@@ -25,12 +27,10 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import Config
-from ..engine.async_engine import AsyncEngine, EngineUnavailable, Update
-from ..engine.llm_engine import RequestError
-from ..engine.scheduler import QueueFull
+from ..engine.client import EngineClient, EngineUnavailable, QueueFull, RequestError, Update
 from .gate import Gate
 from .metrics import Metrics
-from .protocol import APIError, ChatRequest, CompletionRequest
+from .protocol import APIError, ChatRequest, CompletionRequest, LinkUpdate
 
 _work = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="http-work")
 
@@ -70,15 +70,15 @@ def _logprobs_block(u: Update, start: int, tokenizer, chat: bool):
             "top_logprobs": [{piece(i): v for i, v in top} for _, top in items], "text_offset": []}
 
 
-def create_app(config: Config, engine: AsyncEngine, model_name: str, metrics: Metrics, lifespan=None) -> FastAPI:
-    """engine: an AsyncEngine (colocated) or a router.cluster.ClusterEngine (the same interface over workers).
+def create_app(config: Config, engine: EngineClient, model_name: str, metrics: Metrics, lifespan=None) -> FastAPI:
+    """engine: the colocated AsyncEngine or a cluster's router (the same protocol over workers).
     lifespan: FastAPI lifespan (the cluster's worker start-up and shutdown)."""
     app = FastAPI(title="jaxserve", version="0.1.0", lifespan=lifespan)
-    llm = engine.engine
-    tok = llm.tokenizer
+    tok = engine.tokenizer
     srv = config.server
     app.state.profiling = False
     instance = config.instances()[0].name
+    cluster = config.cluster_of(instance)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
@@ -103,7 +103,7 @@ def create_app(config: Config, engine: AsyncEngine, model_name: str, metrics: Me
             from fastapi.openapi.utils import get_openapi
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
             comps = schema.setdefault("components", {}).setdefault("schemas", {})
-            for model in (CompletionRequest, ChatRequest):
+            for model in (CompletionRequest, ChatRequest, LinkUpdate):
                 js = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 comps.update(js.pop("$defs", {}))
                 comps[model.__name__] = js
@@ -144,15 +144,13 @@ def create_app(config: Config, engine: AsyncEngine, model_name: str, metrics: Me
             raise APIError(400, str(e)) from None
 
     async def submit(prompt, params):
-        if engine.error is not None and not llm.has_work:
-            engine.error = None  # the failed step's requests are gone; try again
         rid = uuid.uuid4().hex
         try:
-            limit = llm.max_model_len
+            limit = engine.max_model_len
             if isinstance(prompt, list) and limit is not None and len(prompt) > limit:
                 raise RequestError(f"prompt of {len(prompt)} tokens exceeds the maximum context length {limit}",
                                    "prompt")
-            ids = await _off_loop(llm.encode, prompt)
+            ids = await _off_loop(engine.encode, prompt)
             q = await engine.add(rid, ids, params)
         except RequestError as e:
             raise APIError(400, str(e), param=e.param) from None
@@ -186,12 +184,18 @@ def create_app(config: Config, engine: AsyncEngine, model_name: str, metrics: Me
         return [final[i] for i in range(n)]
 
     def meta(updates: list[Update]):
+        """The response's `jaxserve` object: where the request ran and what its prefill reused."""
         ttft = [u.ttft_s for u in updates if u.ttft_s is not None]
-        route = updates[0].route or {"route": "local", "prefill_instance": instance, "decode_instance": instance}
+        route = updates[0].route or {"route": "colocated", "prefill_instance": instance, "decode_instance": instance,
+                                     "prefill_cluster": cluster, "decode_cluster": cluster,
+                                     "prefix_source": instance if updates[0].cached_tokens else None}
         kv = sum((u.route or {}).get("kv_bytes_transferred", 0) for u in updates)
+        cached = max(u.cached_tokens for u in updates)
         return {"route": route["route"], "prefill_instance": route["prefill_instance"],
-                "decode_instance": route["decode_instance"], "kv_backend": route.get("kv_backend"),
-                "cached_tokens": max(u.cached_tokens for u in updates),
+                "decode_instance": route["decode_instance"], "prefill_cluster": route.get("prefill_cluster"),
+                "decode_cluster": route.get("decode_cluster"), "kv_backend": route.get("kv_backend"),
+                "cached_tokens": cached, "uncached_tokens": updates[0].prompt_tokens - cached,
+                "prefix_source": route.get("prefix_source"),
                 "kv_bytes_transferred": kv, "ttft_s": round(min(ttft), 6) if ttft else None}
 
     def usage(updates: list[Update]):
@@ -200,9 +204,17 @@ def create_app(config: Config, engine: AsyncEngine, model_name: str, metrics: Me
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
                 "prompt_tokens_details": {"cached_tokens": max(u.cached_tokens for u in updates)}}
 
-    async def stream(rid, q, chat: bool, body):
+    def token_ids(body, ids, updates: list[Update], out: dict) -> dict:
+        """return_token_ids (vLLM's extension): the prompt's ids and each choice's generated ids."""
+        if body.return_token_ids:
+            out["prompt_token_ids"] = ids
+            for c, u in zip(out["choices"], updates):
+                c["token_ids"] = u.token_ids
+        return out
+
+    async def stream(rid, q, chat: bool, body, ids):
         obj = "chat.completion.chunk" if chat else "text_completion"
-        created, sent_text, sent_lp = int(time.time()), "", 0
+        created, sent_text, sent_lp, sent_ids = int(time.time()), "", 0, 0
         want_lp = bool(body.logprobs) if chat else body.logprobs is not None
 
         def chunk(delta_text, finish, u=None, extra=None):
@@ -213,7 +225,11 @@ def create_app(config: Config, engine: AsyncEngine, model_name: str, metrics: Me
                 choice = {"index": 0, "text": delta_text, "finish_reason": finish, "logprobs": None}
             if u is not None and want_lp and len(u.logprobs) > sent_lp:
                 choice["logprobs"] = _logprobs_block(u, sent_lp, tok, chat)
+            if body.return_token_ids:
+                choice["token_ids"] = u.token_ids[sent_ids:] if u is not None else []
             d = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": [choice]}
+            if body.return_token_ids and sent_ids == 0 and not sent_text:
+                d["prompt_token_ids"] = ids
             if extra:
                 d.update(extra)
             return f"data: {json.dumps(d)}\n\n"
@@ -246,9 +262,10 @@ def create_app(config: Config, engine: AsyncEngine, model_name: str, metrics: Me
                              "usage": usage([u])}
                         yield f"data: {json.dumps(d)}\n\n"
                     break
-                if delta or (want_lp and len(u.logprobs) > sent_lp):
+                if delta or (want_lp and len(u.logprobs) > sent_lp) or (body.return_token_ids and
+                                                                        len(u.token_ids) > sent_ids):
                     yield chunk(delta, None, u)
-                    sent_text, sent_lp = text, len(u.logprobs)
+                    sent_text, sent_lp, sent_ids = text, len(u.logprobs), len(u.token_ids)
             yield "data: [DONE]\n\n"
         finally:
             engine.abort(rid)  # no-op when finished; frees the slot when the client went away
@@ -262,7 +279,7 @@ def create_app(config: Config, engine: AsyncEngine, model_name: str, metrics: Me
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "jaxserve",
-                                            "max_model_len": llm.max_model_len}]}
+                                            "max_model_len": engine.max_model_len}]}
 
     @app.get("/metrics")
     async def prom():
@@ -283,13 +300,14 @@ def create_app(config: Config, engine: AsyncEngine, model_name: str, metrics: Me
         params = sampling(body, body.logprobs)
         rid, ids, q = await submit(prompt, params)
         if body.stream:
-            return StreamingResponse(stream(rid, q, False, body), media_type="text/event-stream")
+            return StreamingResponse(stream(rid, q, False, body, ids), media_type="text/event-stream")
         ups = await collect(request, rid, q, params.n)
         choices = [{"index": u.index, "text": u.text, "finish_reason": u.finish_reason,
                     "logprobs": _logprobs_block(u, 0, tok, False) if body.logprobs is not None else None}
                    for u in ups]
-        return {"id": f"cmpl-{rid}", "object": "text_completion", "created": int(time.time()), "model": model_name,
-                "choices": choices, "usage": usage(ups), "jaxserve": meta(ups)}
+        return token_ids(body, ids, ups, {
+            "id": f"cmpl-{rid}", "object": "text_completion", "created": int(time.time()), "model": model_name,
+            "choices": choices, "usage": usage(ups), "jaxserve": meta(ups)})
 
     @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatRequest))
     async def chat(request: Request):
@@ -305,13 +323,23 @@ def create_app(config: Config, engine: AsyncEngine, model_name: str, metrics: Me
         params = sampling(body, (body.top_logprobs or 0) if body.logprobs else None)
         rid, ids, q = await submit(prompt, params)
         if body.stream:
-            return StreamingResponse(stream(rid, q, True, body), media_type="text/event-stream")
+            return StreamingResponse(stream(rid, q, True, body, ids), media_type="text/event-stream")
         ups = await collect(request, rid, q, params.n)
         choices = [{"index": u.index, "message": {"role": "assistant", "content": u.text},
                     "finish_reason": u.finish_reason,
                     "logprobs": _logprobs_block(u, 0, tok, True) if body.logprobs else None} for u in ups]
-        return {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time()),
-                "model": model_name, "choices": choices, "usage": usage(ups), "jaxserve": meta(ups)}
+        return token_ids(body, ids, ups, {
+            "id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time()),
+            "model": model_name, "choices": choices, "usage": usage(ups), "jaxserve": meta(ups)})
+
+    @app.post("/admin/links", openapi_extra=_body_schema(LinkUpdate))
+    async def admin_links(request: Request):
+        """Change an emulated inter-cluster link's bandwidth now (stages a bandwidth drop on a live cluster)."""
+        body = await parse(request, LinkUpdate)
+        try:
+            return await engine.set_link(body.src, body.dst, body.bandwidth_gbps)
+        except RequestError as e:
+            raise APIError(400, str(e), param=e.param) from None
 
     @app.post("/debug/profile")
     async def profile(request: Request):

@@ -10,7 +10,8 @@ _LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 class Metrics:
     def __init__(self, stats_fn, cluster_fn=None):
         """stats_fn: -> LLMEngine.stats()-shaped dict; cluster_fn: -> {"instances": registry state, "links":
-        {name: link snapshot}, "kv_bytes_transferred", "retries"} when serving a cluster."""
+        {name: link snapshot}, "kv_bytes_transferred", "retries", "routes": {route: requests}, "policy": {key:
+        number}} when serving a cluster (router/cluster.py metrics_state)."""
         self.registry = r = CollectorRegistry()
         self.stats_fn = stats_fn
         self.cluster_fn = cluster_fn
@@ -41,9 +42,15 @@ class Metrics:
             "kv_bytes": Gauge("jaxserve_kv_bytes_transferred", "KV bytes acknowledged by decode instances so far",
                               registry=r),
             "retries": Gauge("jaxserve_router_retries", "requests placed again after a worker or transfer failure",
-                             registry=r)}
+                             registry=r),
+            "routes": Gauge("jaxserve_route_requests", "requests finished per route (colocated, pd, prfaas)",
+                            ["route"], registry=r),
+            "index": Gauge("jaxserve_kv_index", "the global KV index: instances synced, blocks, snapshots, "
+                           "resyncs so far", ["what"], registry=r)}
+        self.policy: dict[str, Gauge] = {}  # jaxserve_policy_<key>, made as the policy reports keys
         self.links = {k: Gauge(f"jaxserve_link_{k}", doc, ["link"], registry=r) for k, doc in [
-            ("throughput_bytes_s", "recent KV throughput of a link"), ("utilisation", "throughput / bandwidth"),
+            ("bytes_sent", "KV bytes sent on a link so far"), ("throughput_bytes_s", "recent KV throughput of a link"),
+            ("bandwidth_bytes_s", "the link's emulated bandwidth (bytes/s)"), ("utilisation", "throughput / bandwidth"),
             ("queue_depth", "frames waiting to be sent"), ("in_flight_bytes", "bytes sent, not yet acknowledged"),
             ("resends", "frames sent again"), ("tcp_retransmits", "TCP retransmits (TCP_INFO)")]}
 
@@ -82,6 +89,15 @@ class Metrics:
                 self.cluster["inflight"].labels(name).set(st["inflight"])
             self.cluster["kv_bytes"].set(c["kv_bytes_transferred"])
             self.cluster["retries"].set(c["retries"])
+            for what, n in c.get("index", {}).items():
+                self.cluster["index"].labels(what).set(n)
+            for route, n in c.get("routes", {}).items():
+                self.cluster["routes"].labels(route).set(n)
+            for k, v in c.get("policy", {}).items():
+                if k not in self.policy:
+                    self.policy[k] = Gauge(f"jaxserve_policy_{k}", f"the placement policy's {k}",
+                                           registry=self.registry)
+                self.policy[k].set(v)
             for link, snap in c["links"].items():
                 for k, gauge in self.links.items():
                     if snap.get(k) is not None:

@@ -51,6 +51,8 @@ class _Sampling(_Body):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = Field(None, max_length=256)
+    return_token_ids: StrictBool = Field(False, description="vLLM's extension: the answer adds prompt_token_ids "
+                                         "and choices[].token_ids (a stream: each chunk's new token ids)")
 
     @field_validator("stop")
     @classmethod
@@ -87,3 +89,10 @@ class ChatRequest(_Sampling):
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+
+
+class LinkUpdate(_Body):
+    """POST /admin/links: the emulated bandwidth of the link from cluster src to cluster dst."""
+    src: StrictStr = Field(min_length=1, max_length=256)
+    dst: StrictStr = Field(min_length=1, max_length=256)
+    bandwidth_gbps: float = Field(gt=0, le=1e4, allow_inf_nan=False)

@@ -20,13 +20,16 @@ schema in messages.py before a handler sees it):
             failed. The decode instance's KV address and segment come from the router's peer table, never from
             the caller: an instance the router has not registered is INVALID_ARGUMENT.
   Generate  (any role, stream) {"request_id", "prompt", "params", "output"?, "logprobs"?} -> one {"update": ...}
-            per step: the whole request on this instance (the router's fallback when no prefill / decode pair is
-            available).
+            per step: the whole request on this instance (a placement without prefill instance: this instance
+            holds most of the prompt already, or no prefill instance is up).
+  SetLink   {"dst", "bandwidth_gbps"} -> {"links"}: the emulated bandwidth of this instance's links to cluster
+            dst, open and future (the router's admin endpoint).
 "output" / "logprobs" resume a request whose first tokens were generated (and streamed to the client) before its
 instance failed: it continues from there (LLMEngine.add_request); its Updates count those tokens as output.
 With `--router HOST:PORT` the worker registers with the router and repeats the registration every
 `router.heartbeat_s` with its Health message (its heartbeat), on a thread of its own so that a busy request
-path cannot delay it; the answer carries the peer table. The router refuses names and roles its config does not
+path cannot delay it, plus its prefix-cache events for the router's global KV index ("kv"); the answer carries
+the peer table and the next event the index wants ("kv_want"). The router refuses names and roles its config does not
 list, and workers that do not present the cluster token.
 When ready it prints one line `JAXSERVE_WORKER_READY {json}` with its addresses. Concurrency: one asyncio loop
 (gRPC server and handlers), the heartbeat thread's loop, the engine thread (engine/async_engine.py) and the
@@ -92,9 +95,9 @@ class Worker:
             groups = layer_groups(self.llm.layout.num_layers, cfg.transfer.layers_per_group)
             sends = inst.role in ("prefill", "both")
             # layer-wise prefill runs one program per layer group
-            n = self.llm.engine.warmup(progress, groups if sends and len(groups) > 1 else None,
+            n = self.llm.runner.warmup(progress, groups if sends and len(groups) > 1 else None,
                                        tails=inst.role in ("decode", "both"))
-            n += self.llm.engine.warmup_transfer(self.llm.dtype_name, groups, export=sends,
+            n += self.llm.runner.warmup_transfer(self.llm.dtype_name, groups, export=sends,
                                                  receive=inst.role in ("decode", "both"), progress=progress)
             print(f"{inst.name}: {n} programs compiled", flush=True)
         print(f"{inst.name}: engine ready after {time.monotonic() - t0:.1f}s", flush=True)
@@ -107,6 +110,9 @@ class Worker:
         self.peers: dict[str, dict] = {}  # the router's peer table (registry.py `peers`), from each heartbeat
         self._names = {i.name for i in cfg.instances()}
         self._beats = self._router = None  # the heartbeat thread (rpc.LoopThread) and its router client
+        self.link_bandwidth: dict[str, float] = {}  # cluster -> Gbit/s set at run time (SetLink)
+        self._kv_want: int | None = None  # the cache event the router's KV index expects next (None: full)
+        self._kv_full = None  # the full cache state being taken on the engine thread
         import jax
         if t.pulls(jax.default_backend()):
             from transfer.pull import PullServer
@@ -165,8 +171,10 @@ class Worker:
             elif shm is not None:
                 link = ShmLink(key[:2], t.token, shm["name"], connections=t.connections, **kw)
             else:
-                emu = LinkEmulation(lk.bandwidth_gbps, lk.latency_ms, lk.loss) if lk else None
+                gbps = self.link_bandwidth.get(dst_cluster, lk.bandwidth_gbps) if lk else None
+                emu = LinkEmulation(gbps, lk.latency_ms, lk.loss) if lk else None
                 link = TcpLink(key[:2], t.token, lk.connections if lk else t.connections, emulation=emu, **kw)
+            link.metrics.labels = {"src": self.cluster, "dst": dst_cluster}  # the router sums per cluster pair
             self.links[key] = (link, now)
         link = self.links[key][0]
         self.links[key] = (link, now)
@@ -186,6 +194,18 @@ class Worker:
     async def health(self, req=None, ctx=None):
         """The Health call: stats taken on the engine thread, so they follow every earlier command."""
         return self._describe(await self.engine.call(self._stats))
+
+    async def set_link(self, req, ctx=None):
+        """SetLink: the emulated bandwidth of the links from this instance to cluster req.dst, now and for links
+        built later. -> {"links": how many open links changed}"""
+        self.link_bandwidth[req.dst] = req.bandwidth_gbps
+        changed = 0
+        for link, _ in list(self.links.values()):
+            if link.metrics.labels.get("dst") == req.dst and link.shaper.bucket is not None:
+                link.set_bandwidth(req.bandwidth_gbps)
+                changed += 1
+        log.info("links to %s: %.3f Gbit/s (%d open)", req.dst, req.bandwidth_gbps, changed)
+        return {"links": changed}
 
     def _stats(self, eng) -> dict:
         """Engine thread: the engine's stats and, on a decode instance, its KV intake's (reservations, pool)."""
@@ -209,7 +229,8 @@ class Worker:
                 "kv_address": self._kv_address(),
                 "max_model_len": self.llm.max_model_len, "stats": stats, "links": links, "shm": shm,
                 "pull": bool(self.intake and self.intake.server.puller is not None),
-                "pull_address": self.pull_server.address if self.pull_server and self.feeder else None}
+                "pull_address": self.pull_server.address if self.pull_server and self.feeder else None,
+                "request_state": self.llm.scheduler.cfg.has_request_state}
 
     async def _updates(self, q, rid):
         """The request's Updates as stream messages until it finishes; leaving early aborts it."""
@@ -225,8 +246,8 @@ class Worker:
     async def decode(self, req, ctx):
         import grpc
         from transfer.bufpool import PoolFull
-        from ..cache.allocator import OutOfBlocks
-        from ..engine.llm_engine import RequestError
+        from transfer.segments import OutOfBlocks
+        from ..engine.client import RequestError
         if self.intake is None:
             await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.inst.name} is a {self.inst.role} instance")
         rid = req.request_id
@@ -248,8 +269,7 @@ class Worker:
 
     async def generate(self, req, ctx):
         import grpc
-        from ..engine.llm_engine import RequestError
-        from ..engine.scheduler import QueueFull
+        from ..engine.client import QueueFull, RequestError
         try:
             params = req.params.sampling()
             if params.n != 1:
@@ -294,7 +314,7 @@ class Worker:
         import grpc
         from ..disagg.prefill_side import Handoff
         from transfer.pull import PullLink
-        from ..engine.llm_engine import RequestError
+        from ..engine.client import RequestError
         from transfer.state import KVPoll
         if self.feeder is None:
             await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.inst.name} is a {self.inst.role} instance")
@@ -341,13 +361,35 @@ class Worker:
 
     # ---- heartbeats (on the thread of self._beats)
     async def _register(self) -> None:
-        """One registration with the router; its answer replaces the peer table."""
+        """One registration with the router, carrying the prefix-cache events it asked for last time (the
+        global KV index, router/kv_index.py); its answer replaces the peer table."""
         # the engine thread's last snapshot: a long step or compile must not look like a dead worker
-        ans = await self._router.call("Register", self._describe(self.engine.stats),
-                                      timeout=max(self.cfg.router.heartbeat_s, 1.0))
-        peers = ans.get("peers") if isinstance(ans, dict) else None
-        if isinstance(peers, dict):
-            self.peers = peers
+        msg = self._describe(self.engine.stats())
+        batch = self._cache_batch()
+        if batch is not None:
+            msg["kv"] = batch
+        ans = await self._router.call("Register", msg, timeout=max(self.cfg.router.heartbeat_s, 1.0))
+        if not isinstance(ans, dict):
+            return
+        if isinstance(ans.get("peers"), dict):
+            self.peers = ans["peers"]
+        want = ans.get("kv_want")
+        self._kv_want = want if isinstance(want, int) else None
+
+    def _cache_batch(self) -> dict | None:
+        """The events from the number the router wants; when it wants the full state (or the events are no
+        longer held), the full state, taken on the engine thread: asked for now and sent by a later heartbeat,
+        so a long step never delays a heartbeat."""
+        batch = self.llm.cache_events.since(self._kv_want)
+        if batch is not None:
+            return batch
+        if self._kv_full is None:
+            self._kv_full = asyncio.ensure_future(self.engine.call(lambda eng: eng.blocks.full_state()))
+            return None
+        if not self._kv_full.done():
+            return None
+        fut, self._kv_full = self._kv_full, None
+        return None if fut.cancelled() or fut.exception() is not None else fut.result()
 
     async def _heartbeat(self, router: str) -> None:
         """Register with the router, then again every heartbeat_s with fresh stats, until cancelled. Raises
@@ -382,7 +424,7 @@ class Worker:
         -> the started grpc.aio server. self.address is where it listens."""
         from . import messages, rpc
         server = rpc.server(self.cfg.transfer.token)
-        server.add_generic_rpc_handlers((rpc.handler({"Health": self.health},
+        server.add_generic_rpc_handlers((rpc.handler({"Health": self.health, "SetLink": self.set_link},
                                                      {"Decode": self.decode, "Generate": self.generate,
                                                       "Prefill": self.prefill}, messages.WORKER),))
         port = rpc.listen(server, f"{self.inst.host}:{self.inst.port}", self.tls)

@@ -74,6 +74,12 @@ class Generate(_Resumable):
     pass
 
 
+class SetLink(_Msg):
+    """The emulated bandwidth of this worker's links to cluster `dst` (the router's admin endpoint)."""
+    dst: Name
+    bandwidth_gbps: FiniteFloat = Field(gt=0, le=1e4)
+
+
 class Decode(_Resumable):
     kv_tokens: StrictInt = Field(ge=1, le=MAX_TOKENS)
     deadline_s: FiniteFloat | None = Field(None, gt=0, le=3600)
@@ -103,8 +109,28 @@ class ShmInfo(_Msg):
 Scalar = StrictInt | FiniteFloat | StrictStr | StrictBool | None
 
 
+Hash = Annotated[StrictStr, Field(min_length=32, max_length=32, pattern="^[0-9a-f]{32}$")]
+Hashes = Annotated[list[Hash], Field(max_length=MAX_BLOCKS)]
+EventKind = Annotated[StrictStr, Field(pattern="^(stored|removed|snap|unsnap|cleared)$")]
+
+
+class CacheState(_Msg):
+    blocks: Hashes = []
+    snaps: Hashes = []
+
+
+class CacheBatch(_Msg):
+    """Prefix-cache events (jaxserve/cache/events.py): those numbered from `from_` on, or the full state."""
+    epoch: Annotated[StrictStr, Field(min_length=1, max_length=64)]
+    from_: StrictInt | None = Field(None, ge=0, alias="from")
+    events: Annotated[list[tuple[EventKind, Hashes]], Field(max_length=4096)] = []
+    full: CacheState | None = None
+    next: StrictInt = Field(ge=0)
+
+
 class Register(_Msg):
-    """A worker's registration / heartbeat (its Health answer)."""
+    """A worker's registration / heartbeat (its Health answer); `kv`: its prefix-cache events since the number
+    the router's last answer asked for (`kv_want`), or its full cache state when that was None."""
     name: Name
     role: Name
     address: Annotated[StrictStr, Field(min_length=1, max_length=512)]
@@ -118,7 +144,9 @@ class Register(_Msg):
     shm: ShmInfo | None = None  # decode: its shared-memory receive pool
     pull: StrictBool = False  # decode: takes device pulls
     pull_address: Annotated[StrictStr, Field(max_length=512)] | None = None  # prefill: its JAX transfer server
+    request_state: StrictBool = False  # the model has request-level state (prefixes reusable at snapshots only)
+    kv: CacheBatch | None = None
 
 
-WORKER = {"Health": Health, "Decode": Decode, "Prefill": Prefill, "Generate": Generate}
+WORKER = {"Health": Health, "Decode": Decode, "Prefill": Prefill, "Generate": Generate, "SetLink": SetLink}
 ROUTER = {"Register": Register}

@@ -2,7 +2,7 @@
 
 import pytest
 
-from jaxserve.cache.allocator import OutOfBlocks
+from transfer.segments import OutOfBlocks
 from jaxserve.cache.block_manager import BlockManager, block_hashes
 
 

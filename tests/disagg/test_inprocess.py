@@ -32,8 +32,8 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 def compiled_transfer_programs(pre, dec) -> tuple[int, int]:
     """Executables compiled so far by the export programs of `pre` and the import programs of `dec`."""
-    return (sum(f._cache_size() for f in pre.engine._io._export.values()),
-            sum(f._cache_size() for f in dec.engine._io._import.values()))
+    return (sum(f._cache_size() for f in pre.runner._io._export.values()),
+            sum(f._cache_size() for f in dec.runner._io._import.values()))
 
 
 def run_disagg(path, prompts, params, *, sample=True, layers_per_group=None, warm_decode=None, tp=(1, 1),
@@ -55,17 +55,17 @@ def run_disagg(path, prompts, params, *, sample=True, layers_per_group=None, war
     feeder = Feeder()
     pre.blocks.allocate([], 5 * CFG.block_size)  # shift prefill's block ids so the two pools differ
     if exported is not None:
-        export_kv = pre.engine.export_kv
+        export_kv = pre.runner.export_kv
 
         def record(*a):
             items = export_kv(*a)
             exported.extend(items)
             return items
-        pre.engine.export_kv = record
+        pre.runner.export_kv = record
     if warm_transfer:
         groups = layer_groups(pre.layout.num_layers, layers_per_group)
-        pre.engine.warmup_transfer("float32", groups, export=True, receive=False, progress=False)
-        dec.engine.warmup_transfer("float32", groups, export=False, receive=True, progress=False)
+        pre.runner.warmup_transfer("float32", groups, export=True, receive=False, progress=False)
+        dec.runner.warmup_transfer("float32", groups, export=False, receive=True, progress=False)
         compiled = compiled_transfer_programs(pre, dec)
     try:
         if warm_decode is not None:  # decode computes this prompt itself first: its blocks are prefix cache there
@@ -183,19 +183,19 @@ def test_layerwise_prefill_equals_one_program_and_exports_early(checkpoint_dir, 
     prompt = BASE[:13]
     blocks = list(range(1, 5))
     row = PrefillRow("r", prompt, 0, blocks, 0, 0, None, True, GREEDY, 0, prompt)
-    want, = one.engine.prefill([row])
+    want, = one.runner.prefill([row])
     groups = layer_groups(staged.layout.num_layers, 1)
     assert len(groups) == staged.layout.num_layers > 1
     order = []
-    run_stage = staged.engine._prefill
+    run_stage = staged.runner._prefill
 
     def stage(*a, **kw):
         order.append(("stage", kw["lo"]))
         return run_stage(*a, **kw)
-    staged.engine._prefill = stage
-    got = staged.engine.prefill([row], groups, lambda k: order.append(("export", groups[k][0])))
+    staged.runner._prefill = stage
+    got = staged.runner.prefill([row], groups, lambda k: order.append(("export", groups[k][0])))
     assert got[0].token == want.token and abs(got[0].logprob - want.logprob) < 1e-5
-    for a, b in zip(jax.tree.leaves(one.engine.pool), jax.tree.leaves(staged.engine.pool)):
+    for a, b in zip(jax.tree.leaves(one.runner.pool), jax.tree.leaves(staged.runner.pool)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
     assert order == [(kind, lo) for lo, _ in groups for kind in ("stage", "export")]
 
@@ -214,7 +214,7 @@ def test_sharded_transfer_between_different_tensor_parallelism(checkpoint_dir, f
     got, handoffs, skips, dec = run_disagg(path, PROMPTS[:3], GREEDY, layers_per_group=2, tp=tp, exported=exported)
     assert got == want, (family, tp)
     if tp[1] == 2:  # the decode pool really is split over both devices after the import
-        assert any(len(x.sharding.device_set) == 2 for x in jax.tree.leaves(dec.engine.pool))
+        assert any(len(x.sharding.device_set) == 2 for x in jax.tree.leaves(dec.runner.pool))
     split = tp[0] == 2 and family == "llama"
     for h in handoffs:
         assert h.sender.plan.head_parts == ([2] if split else None)

@@ -16,6 +16,7 @@ from jaxserve.engine.async_engine import AsyncEngine
 class Idle:
     """What AsyncEngine's thread asks of an engine with nothing scheduled."""
     has_work = False
+    tokenizer = None
 
     def __init__(self):
         self.aborted: list[str] = []

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.engine.llm_engine import EngineConfig, RequestError
+from jaxserve.engine.client import RequestError
+from jaxserve.engine.llm_engine import EngineConfig
 
 BASE = [5, 7, 9, 11, 13, 2, 3, 4, 8, 10, 12, 14, 15, 6, 16, 17, 18, 19, 20, 21, 22]
 PROMPTS = [BASE[:3], BASE[:13], BASE[:9], BASE[:21], [30, 31] + BASE[:11]]
@@ -53,6 +54,22 @@ def test_greedy_matches_reference_with_chunks_and_prefix_hits(engines, family):
     # a second identical round is served from the cache with the same answers
     again = llm.generate(PROMPTS[3:4], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert again[0].token_ids == outs[3].token_ids and again[0].cached_tokens == 20
+
+
+@pytest.mark.parametrize("family", ["llama", "kimi_linear"])
+def test_next_turn_reuses_the_kv_of_the_answer(engines, family):
+    """Generated tokens' full blocks join the prefix cache (and, for a hybrid model, decode saves its linear /
+    sliding state at each block boundary): a conversation's next turn (prompt + answer + a new message) reuses
+    the answer's KV as well as the prompt's, with the same tokens as a cold run."""
+    llm = engines(family)
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    first = llm.generate([BASE[:9]], greedy)[0]
+    turn = BASE[:9] + first.token_ids + [23, 24]
+    second = llm.generate([turn], greedy)[0]
+    # 9 prompt + 8 generated tokens: the KV of all but the last generated one was computed (16 = 4 blocks)
+    assert second.cached_tokens == 16
+    assert second.token_ids == reference_greedy(llm, turn, 8)
+    llm.engine.blocks.check()
 
 
 def test_preemption_gives_the_same_tokens(engines):
@@ -158,7 +175,7 @@ def test_decode_warmup_covers_what_a_resumed_request_runs(checkpoint_dir):
     from transfer.bufpool import aligned_empty
     from transfer.plan import bucket, layer_groups, staging
     eng = LLM(checkpoint_dir("llama"), progress=False, engine=dataclasses.replace(ENGINE, max_model_len=32)).engine
-    runner = eng.engine
+    runner = eng.runner
     runner.warmup(progress=False)
     plain = set(runner.programs)
     runner.warmup(progress=False, tails=True)

@@ -3,7 +3,8 @@
 import pytest
 
 from jaxserve.cache.block_manager import BlockManager
-from jaxserve.engine.scheduler import QueueFull, Scheduler, SchedulerConfig
+from jaxserve.engine.client import QueueFull
+from jaxserve.engine.scheduler import Scheduler, SchedulerConfig
 from jaxserve.engine.sequence import Sequence
 from jaxserve.sampling import SamplingParams
 

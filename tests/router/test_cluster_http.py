@@ -15,7 +15,7 @@ import pytest
 from jaxserve.config import parse
 from jaxserve.models.cache_spec import cache_spec
 from jaxserve.models.config import load_config
-from jaxserve.server.serve import build
+from router.serve import build
 from jaxserve.worker.rpc import Client
 from tests.http_server import running
 
@@ -101,7 +101,7 @@ def test_disaggregated_http_equals_colocated(family, checkpoint_dir):
     for p, w, g in zip(PROMPTS, want, got):
         assert tokens(g["choices"][0]) == tokens(w["choices"][0]), (family, p)
         meta = g["jaxserve"]
-        assert meta["prefill_instance"] == "p0" and meta["decode_instance"] == "d0" and meta["route"] == "local"
+        assert meta["prefill_instance"] == "p0" and meta["decode_instance"] == "d0" and meta["route"] == "pd"
         skip = meta["cached_tokens"] // BS  # prefix blocks decode already held are not sent
         assert meta["kv_bytes_transferred"] == spec.transfer_bytes(len(p), BS, 4, skip) > 0, (family, p, meta)
         assert w["jaxserve"]["kv_bytes_transferred"] == 0 and w["jaxserve"]["prefill_instance"] == "solo"

@@ -12,12 +12,10 @@ import grpc
 import pytest
 
 from jaxserve.config import parse
-from jaxserve.engine.async_engine import EngineUnavailable
-from jaxserve.engine.llm_engine import RequestError
-from jaxserve.engine.scheduler import QueueFull
+from jaxserve.engine.client import EngineUnavailable, QueueFull, RequestError
 from jaxserve.sampling import SamplingParams
 from jaxserve.worker import messages, rpc
-from router.cluster import ClusterEngine
+from router.cluster import Router
 
 TOKEN = "tok"
 
@@ -114,7 +112,7 @@ async def cluster(fakes: dict, **router):
                  "router": {"heartbeat_s": 0.1, "down_after_s": 1.0, "busy_wait_s": 0.2, **router}})
     board: dict = {}
     workers = {n: Fake(n, role, board, **kw) for n, (role, kw) in fakes.items()}
-    ce = ClusterEngine(cfg, tokenizer=None)
+    ce = Router(cfg, tokenizer=None)
     await ce.start()
     for w in workers.values():
         await w.start()
@@ -156,7 +154,8 @@ def test_disaggregated_request_and_registration():
         async with cluster({"p0": P, "d0": D}) as (ce, w):
             u, = await result(await ce.add("r", [1, 2, 3], GREEDY))
             assert u.token_ids == [3, 0] and u.error is None
-            assert u.route == {"route": "local", "prefill_instance": "p0", "decode_instance": "d0",
+            assert u.route == {"route": "pd", "prefill_instance": "p0", "decode_instance": "d0",
+                               "prefill_cluster": "c", "decode_cluster": "c", "prefix_source": None,
                                "kv_bytes_transferred": 100, "kv_backend": "tcp", "attempts": 1}
             assert w["d0"].opened == ["r.1"] and w["p0"].prefills == ["r.1"]
             c, intruder = rpc.Client(ce.address, TOKEN), rpc.Client(ce.address, "nope")
@@ -173,7 +172,7 @@ def test_disaggregated_request_and_registration():
                 await intruder.close()
             assert sorted(ce.registry.workers) == ["d0", "p0"]
             await asyncio.sleep(0.05)
-            assert ce.engine.has_work is False and w["d0"].closed == ["r.1"]
+            assert not ce.tasks and w["d0"].closed == ["r.1"]
     asyncio.run(go())
 
 
@@ -231,7 +230,9 @@ def test_no_prefill_left_prefills_locally_or_fails(fallback):
         async with cluster({"p0": ("prefill", {"prefill": "abort"}), "d0": D}, local_fallback=fallback) as (ce, w):
             u, = await result(await ce.add("r", [1, 2, 3], GREEDY))
             if fallback:  # the whole request on the decode instance
-                assert u.error is None and u.token_ids == [3, 0] and w["d0"].generated == ["r.3"]
+                # placed again with no prefill instance left: straight to Generate, no second reservation
+                assert u.error is None and u.token_ids == [3, 0] and w["d0"].generated == ["r.2"]
+                assert w["d0"].opened == ["r.1"] and u.route["route"] == "colocated"
                 assert u.route["prefill_instance"] == u.route["decode_instance"] == "d0"
                 assert u.route["kv_bytes_transferred"] == 0
             else:

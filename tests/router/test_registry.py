@@ -3,6 +3,7 @@
 import pytest
 
 from router.policy import least_loaded
+from router.snapshot import instance_state
 from router.registry import Registry, RegistrationError
 
 
@@ -56,13 +57,17 @@ def test_registration_refusals():
 
 
 def test_least_loaded():
+    """Load as the policies see it: registry entries through the snapshot builder."""
     reg = Registry()
     a = reg.register(msg("a", "decode", stats={"waiting": 0, "running": 3, "blocks_free": 10}))
     b = reg.register(msg("b", "decode", stats={"waiting": 1, "running": 0, "blocks_free": 5}))
     c = reg.register(msg("c", "decode", stats={"waiting": 0, "running": 1, "blocks_free": 20}))
-    assert least_loaded([a, b, c]) is c  # fewest reported waiting + running; then most free blocks
+
+    def pick():
+        return least_loaded([instance_state(w, "main", "pd") for w in (a, b, c)]).name
+    assert pick() == "c"  # fewest reported waiting + running; then most free blocks
     c.inflight = 1
-    assert least_loaded([a, b, c]) is b  # the router's own in-flight count comes first
+    assert pick() == "b"  # the router's own in-flight count comes first
     b.inflight = 1
-    assert least_loaded([a, b, c]) is a
+    assert pick() == "a"
     assert least_loaded([]) is None

@@ -11,7 +11,7 @@ import pytest
 
 from jaxserve import bundled
 from jaxserve.config import parse
-from jaxserve.server.serve import build
+from router.serve import build
 from tests.http_server import running
 
 KEY = "sk-test"
@@ -88,7 +88,7 @@ def test_completion_matches_offline_greedy(server):
     assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 12,
                              "total_tokens": len(prompt) + 12, "prompt_tokens_details": {"cached_tokens": 0}}
     js = body["jaxserve"]
-    assert js["route"] == "local" and js["prefill_instance"] == js["decode_instance"] == "local-0"
+    assert js["route"] == "colocated" and js["prefill_instance"] == js["decode_instance"] == "local-0"
     assert js["kv_bytes_transferred"] == 0 and js["ttft_s"] > 0
     # the same prompt again reuses its cached prefix (blocks + linear-state snapshot at the last boundary)
     again = client.post("/v1/completions", json={"model": "demo", "prompt": prompt + prompt, "max_tokens": 4,
@@ -126,6 +126,31 @@ def test_stream_equals_non_stream_and_chat(server):
     assert streamed == chat["choices"][0]["message"]["content"]
     two = client.post("/v1/completions", json=dict(req, n=2)).json()
     assert [c["index"] for c in two["choices"]] == [0, 1]
+    wait_idle(engine)
+
+
+def test_return_token_ids(server):
+    """vLLM's extension: the prompt's token ids and each choice's generated ids, streamed or not."""
+    client, engine = server
+    tok = engine.engine.tokenizer
+    req = {"model": "demo", "prompt": "Agents continue by ids", "max_tokens": 5, "temperature": 0,
+           "ignore_eos": True, "return_token_ids": True}
+    body = client.post("/v1/completions", json=req).json()
+    ids = tok.encode("Agents continue by ids")
+    ch = body["choices"][0]
+    assert body["prompt_token_ids"] == ids and len(ch["token_ids"]) == body["usage"]["completion_tokens"] == 5
+    with client.stream("POST", "/v1/completions", json=dict(req, stream=True)) as r:
+        events = sse(r)
+    assert events[0]["prompt_token_ids"] == ids and all("prompt_token_ids" not in e for e in events[1:])
+    assert sum((e["choices"][0]["token_ids"] for e in events), []) == ch["token_ids"]
+    plain = client.post("/v1/completions", json=dict(req, return_token_ids=False)).json()
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+    msgs = [{"role": "user", "content": "Hello!"}]
+    chat = client.post("/v1/chat/completions", json={"model": "demo", "messages": msgs, "max_tokens": 3,
+                                                     "temperature": 0, "ignore_eos": True,
+                                                     "return_token_ids": True}).json()
+    assert chat["prompt_token_ids"] == tok.encode(tok.apply_chat_template(msgs))
+    assert len(chat["choices"][0]["token_ids"]) == 3
     wait_idle(engine)
 
 

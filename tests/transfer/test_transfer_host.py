@@ -105,6 +105,22 @@ def test_token_bucket_rate():
     assert dt >= 0.4  # 1 MB at 2 MB/s with a 100 kB burst: at least 0.45 s
 
 
+def test_shaper_bandwidth_changes_at_run_time():
+    """A lower rate set mid-stream paces what follows at the new rate (the admin endpoint's bandwidth drop)."""
+    import time
+    from transfer.link import Shaper
+    sh = Shaper(LinkEmulation(bandwidth_gbps=0.8))  # 100 MB/s
+    sh.bucket.consume(int(sh.bucket.burst))  # empty the bucket
+    sh.set_bandwidth(0.016)  # 2 MB/s: its burst is one 1 MiB piece
+    assert sh.emu.bandwidth_gbps == 0.016 and sh.bucket.rate == 2e6
+    t = time.monotonic()
+    for _ in range(3):
+        sh.bucket.consume(sh.PIECE)
+    assert time.monotonic() - t >= 2 * sh.PIECE / 2e6 * 0.95  # the first piece may ride the refill
+    sh.set_bandwidth(None)
+    assert sh.bucket is None
+
+
 class Pair:
     """A receiver server and a helper to run one transfer of the test layout through a link."""
 

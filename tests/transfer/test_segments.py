@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from jaxserve.cache.allocator import OutOfBlocks, SegmentAllocator
+from transfer.segments import OutOfBlocks, SegmentAllocator
 
 
 def test_contiguous_best_fit_and_merge():

@@ -1,0 +1,268 @@
+"""PrfaaS live: selective offload against never- and always-offload on one mixed workload, then a link
+bandwidth drop, over real worker processes.
+
+Topology (configs/prfaas.yaml's shape, the bench-size dense llama of bench/families.py): a PrfaaS cluster of
+one prefill worker on core 0; a PD cluster of a prefill and a decode worker sharing core 1; the PrfaaS -> PD
+link is TCP shaped to `--bandwidth-gbps` with `--latency-ms`. The router runs in this process
+(bench/clusters.py); its policy is switched between runs, the workers stay (warm, same processes).
+
+Workload: input lengths from PrfaaS 4.1's truncated log-normal (mu 9.90, sigma 1.00, [128, 128K]) divided by
+`--scale` (64: [2, 2048] tokens, mean about 420); output fixed at 1024 / scale = 16 tokens (greedy); Poisson
+arrivals of new conversations at `--rate`; a conversation has a second turn with probability `--turns` (its
+prompt + answer + a 32-token message, sent `--think-s` after the answer). Each run draws fresh token ids (no
+cache carries over between runs).
+
+(a) never (`prfaas` with an unreachable threshold: everything on the PD cluster), always (threshold 0,
+    fixed: every prefill in PrfaaS, the naive heterogeneous setup) and selective (`--threshold`, adaptive),
+    each for `--duration` seconds of arrivals: throughput (completed requests and tokens per second), goodput
+    (requests per second whose TTFT met `--slo-ttft`), TTFT p50 / p90, routes, KV bytes over the link.
+(b) selective with the adaptive threshold and with a fixed one; halfway through each run the link's
+    bandwidth halves (the router's set_link, as POST /admin/links does): p90 TTFT per `--window` seconds
+    before and after, and the effective threshold over time; `--png` plots them.
+
+    python -m bench.prfaas_live --json bench/results/prfaas_live.json --png bench/results/prfaas_live.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import time
+
+import numpy as np
+
+from bench.clusters import finish, run
+from bench.faults import pct
+
+MU, SIGMA, LO, HI = 9.90, 1.00, 128, 128 * 1024
+MESSAGE = 32
+
+
+def lengths(rng: np.random.Generator, n: int, scale: int) -> list[int]:
+    """n input lengths: the truncated log-normal, scaled down by `scale` (rejection sampling)."""
+    out = []
+    while len(out) < n:
+        x = rng.lognormal(MU, SIGMA)
+        if LO <= x <= HI:
+            out.append(max(2, int(x / scale)))
+    return out
+
+
+def config(args, path: str) -> dict:
+    return {"model": {"path": path, "name": "bench"},
+            "engine": dict(block_size=16, num_blocks=2048, max_num_seqs=16, max_num_batched_tokens=512,
+                           chunk_size=256, max_prefill_seqs=4, max_model_len=HI // args.scale + 2 * MESSAGE + 64,
+                           num_snapshots=16, warmup=False),
+            "clusters": [{"name": "prfaas", "kind": "prfaas",
+                          "instances": [{"name": "prfaas-p0", "role": "prefill", "cpus": [0]}]},
+                         {"name": "pd", "kind": "pd",
+                          "instances": [{"name": "pd-p0", "role": "prefill", "cpus": [1]},
+                                        {"name": "pd-d0", "role": "decode", "cpus": [1]}]}],
+            "links": [{"src": "prfaas", "dst": "pd", "bandwidth_gbps": args.bandwidth_gbps,
+                       "latency_ms": args.latency_ms, "connections": 4}],
+            "transfer": {"token": "bench-prfaas", "layers_per_group": 4, "stream_min_tokens": 256, "deadline_s": 60},
+            "router": {"heartbeat_s": 0.5, "down_after_s": 10.0, "busy_wait_s": 120},
+            "policy": {"name": "prfaas", "threshold_tokens": args.threshold},
+            "server": {"request_timeout_s": 600}}
+
+
+def policy(args, name: str):
+    from jaxserve.config import PolicySection
+    from router import policy as policies
+    kw = {"never": dict(threshold_tokens=10**9, adaptive=False), "always": dict(threshold_tokens=0, adaptive=False),
+          "selective": dict(threshold_tokens=args.threshold), "fixed": dict(threshold_tokens=args.threshold,
+                                                                              adaptive=False)}[name]
+    return policies.make(PolicySection(name="prfaas", local_prefill_tokens=MESSAGE + 16, **kw))
+
+
+async def workload(cluster, args, seed: int, duration: float, on_tick=None) -> list[dict]:
+    """Open-loop conversations for `duration` s; -> one record per request."""
+    from jaxserve.sampling import SamplingParams
+    rng = np.random.default_rng(seed)
+    vocab = 1000
+    params = SamplingParams(max_tokens=1024 // args.scale, temperature=0, ignore_eos=True)
+    records: list[dict] = []
+    t0 = time.monotonic()
+
+    async def one(rid: str, prompt: list[int], turn: int) -> list[int] | None:
+        arrival = time.monotonic() - t0
+        try:
+            u = await finish(await cluster.add(rid, prompt, params))
+        except Exception as e:  # noqa: BLE001 - a failed request is counted, the run goes on
+            records.append({"t": arrival, "ok": False, "error": str(e)[:200], "turn": turn, "len": len(prompt)})
+            return None
+        r = u.route or {}
+        records.append({"t": arrival, "ok": True, "ttft_s": u.ttft_s, "e2e_s": time.monotonic() - t0 - arrival,
+                        "turn": turn, "len": len(prompt), "cached": u.cached_tokens, "route": r.get("route"),
+                        "kv_bytes": r.get("kv_bytes_transferred", 0), "tokens": len(u.token_ids)})
+        return u.token_ids
+
+    async def conversation(i: int, n: int):
+        first = [int(x) for x in rng.integers(1, vocab, n)]
+        ans = await one(f"s{seed}-c{i}-t1", first, 1)
+        if ans is not None and rng.random() < args.turns:
+            await asyncio.sleep(args.think_s)
+            await one(f"s{seed}-c{i}-t2", first + ans + [int(x) for x in rng.integers(1, vocab, MESSAGE)], 2)
+
+    tasks, i = [], 0
+    lens = iter(lengths(rng, 100_000, args.scale))
+    next_at = rng.exponential(1 / args.rate)
+    while (now := time.monotonic() - t0) < duration:
+        if on_tick is not None:
+            on_tick(now)
+        if now >= next_at:
+            tasks.append(asyncio.ensure_future(conversation(i, next(lens))))
+            i += 1
+            next_at += rng.exponential(1 / args.rate)
+        await asyncio.sleep(min(0.05, max(0.0, next_at - now)))
+    await asyncio.gather(*tasks)
+    return records
+
+
+def summary(records: list[dict], duration: float, slo: float) -> dict:
+    ok = [r for r in records if r["ok"]]
+    ttft = [r["ttft_s"] for r in ok]
+    span = max(duration, max((r["t"] + r["e2e_s"] for r in ok), default=duration))
+    routes: dict = {}
+    for r in ok:
+        routes[r["route"]] = routes.get(r["route"], 0) + 1
+    return {"requests": len(records), "failed": len(records) - len(ok), "routes": routes,
+            "throughput_rps": len(ok) / span, "tokens_per_s": sum(r["tokens"] + r["len"] for r in ok) / span,
+            "goodput_rps": sum(1 for t in ttft if t <= slo) / span, "slo_attainment": (
+                sum(1 for t in ttft if t <= slo) / len(ttft) if ttft else None),
+            "ttft_p50_s": pct(ttft, 50), "ttft_p90_s": pct(ttft, 90),
+            "second_turn_cached_fraction": pct([r["cached"] / r["len"] for r in ok if r["turn"] == 2], 50),
+            "kv_bytes_prfaas": sum(r["kv_bytes"] for r in ok if r["route"] == "prfaas")}
+
+
+def windows(records: list[dict], width: float, duration: float) -> list[dict]:
+    out = []
+    for k in range(int(np.ceil(duration / width))):
+        xs = [r["ttft_s"] for r in records if r["ok"] and k * width <= r["t"] < (k + 1) * width]
+        out.append({"t": k * width, "requests": len(xs), "ttft_p90_s": pct(xs, 90)})
+    return out
+
+
+async def warm(cluster, args):
+    """Untimed: every route's programs for every prefill bucket compile before anything is measured."""
+    from jaxserve.sampling import SamplingParams
+    params = SamplingParams(max_tokens=1024 // args.scale, temperature=0, ignore_eos=True)
+    n = 16
+    sizes = []
+    while n <= HI // args.scale:
+        sizes.append(n)
+        n *= 2
+    for name in ("never", "always"):
+        cluster.policy = policy(args, name)
+        for k, n in enumerate(sizes + [sizes[-1] + MESSAGE]):
+            await finish(await cluster.add(f"warm-{name}-{k}", [(7 * j + k) % 999 + 1 for j in range(n)], params))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--png", default=None)
+    ap.add_argument("--models", default="bench/.models", help="where bench-size checkpoints are built")
+    ap.add_argument("--scale", type=int, default=64, help="input lengths divided by this")
+    ap.add_argument("--rate", type=float, default=0.6, help="new conversations per second")
+    ap.add_argument("--turns", type=float, default=0.3, help="probability of a conversation's second turn")
+    ap.add_argument("--think-s", type=float, default=0.5)
+    ap.add_argument("--duration", type=float, default=90, help="seconds of arrivals per run")
+    ap.add_argument("--threshold", type=int, default=256, help="the selective policy's threshold (tokens)")
+    ap.add_argument("--bandwidth-gbps", type=float, default=0.4)
+    ap.add_argument("--latency-ms", type=float, default=5.0)
+    ap.add_argument("--slo-ttft", type=float, default=3.0, help="TTFT SLO (s) for goodput")
+    ap.add_argument("--window", type=float, default=10.0, help="seconds per p90 window in (b)")
+    ap.add_argument("--parts", default="a,b")
+    args = ap.parse_args(argv)
+    from bench.families import checkpoint
+    from tqdm import tqdm
+    path = checkpoint("llama", args.models)
+    parts = args.parts.split(",")
+
+    async def go(cluster):
+        out: dict = {}
+        bar = tqdm(total=1 + 3 * ("a" in parts) + 2 * ("b" in parts), desc="prfaas_live", unit="run")
+        await warm(cluster, args)
+        bar.update()
+        if "a" in parts:
+            out["policies"] = {}
+            for k, name in enumerate(("never", "always", "selective")):
+                cluster.policy = policy(args, name)
+                recs = await workload(cluster, args, 100 + k, args.duration)
+                out["policies"][name] = summary(recs, args.duration, args.slo_ttft)
+                bar.update()
+        if "b" in parts:
+            out["bandwidth_drop"] = {}
+            for k, name in enumerate(("selective", "fixed")):
+                await cluster.set_link("prfaas", "pd", args.bandwidth_gbps)
+                cluster.policy = policy(args, name)
+                threshold: list = []
+                state = {"dropped": False}
+
+                def tick(now, name=name, threshold=threshold, state=state):
+                    if not state["dropped"] and now >= args.duration / 2:
+                        state["dropped"] = True
+                        asyncio.ensure_future(cluster.set_link("prfaas", "pd", args.bandwidth_gbps / 2))
+                    if not threshold or now - threshold[-1][0] >= 0.5:
+                        threshold.append((now, cluster.policy.state().get("threshold_tokens")))
+                recs = await workload(cluster, args, 200 + k, args.duration, tick)
+                half = args.duration / 2
+                out["bandwidth_drop"][name] = {
+                    "before": summary([r for r in recs if r["t"] < half], half, args.slo_ttft),
+                    "after": summary([r for r in recs if r["t"] >= half], half, args.slo_ttft),
+                    "windows": windows(recs, args.window, args.duration), "threshold": threshold}
+                bar.update()
+            await cluster.set_link("prfaas", "pd", args.bandwidth_gbps)
+        bar.close()
+        return out
+
+    res = run(config(args, path), go)
+    result = {"benchmark": "prfaas_live", "host": platform.node(), "cpus": os.cpu_count(),
+              "measured": "one run, same worker processes: the policies side by side on the same arrival process "
+                          "(fresh prompts per run), then a link bandwidth drop halfway with the adaptive and the "
+                          "fixed threshold", "args": vars(args), **res}
+    pol = res.get("policies")
+    if pol:
+        best = max(pol, key=lambda k: pol[k]["goodput_rps"])
+        result["verdict"] = {"best_goodput": best, **{f"{k}_goodput_over_never": pol[k]["goodput_rps"] /
+                                                      max(pol["never"]["goodput_rps"], 1e-9) for k in pol}}
+    drop = res.get("bandwidth_drop")
+    if drop:
+        result["verdict_drop"] = {k: {"ttft_p90_before_s": v["before"]["ttft_p90_s"],
+                                      "ttft_p90_after_s": v["after"]["ttft_p90_s"]} for k, v in drop.items()}
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=1)
+    if args.png and drop:
+        plot(result, args.png)
+    print(json.dumps({k: result[k] for k in ("verdict", "verdict_drop") if k in result}, indent=1))
+
+
+def plot(result: dict, png: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    args, drop = result["args"], result["bandwidth_drop"]
+    fig, (a, b) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    for name, v in drop.items():
+        w = [x for x in v["windows"] if x["ttft_p90_s"] is not None]
+        a.plot([x["t"] + args["window"] / 2 for x in w], [x["ttft_p90_s"] for x in w], marker="o",
+               label=f"{'adaptive' if name == 'selective' else 'fixed'} threshold")
+        b.step([t for t, _ in v["threshold"]], [x for _, x in v["threshold"]], where="post",
+               label=f"{'adaptive' if name == 'selective' else 'fixed'}")
+    for ax in (a, b):
+        ax.axvline(args["duration"] / 2, color="grey", ls="--")
+        ax.legend()
+    a.set_ylabel("p90 TTFT (s)")
+    a.set_title(f"link {args['bandwidth_gbps']} -> {args['bandwidth_gbps'] / 2} Gbit/s at the dashed line")
+    b.set_ylabel("effective threshold (tokens)")
+    b.set_xlabel("seconds into the run")
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+
+
+if __name__ == "__main__":
+    main()

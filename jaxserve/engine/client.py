@@ -1,0 +1,104 @@
+"""The engine-client protocol: what the HTTP app (server/app.py) asks of whatever serves its requests.
+
+Two classes implement it: `AsyncEngine` (async_engine.py: one colocated `LLMEngine` on a thread of this
+process) and `router.cluster.Router` (a cluster of worker processes behind the router). The app holds an
+`EngineClient` and nothing else, so every route behaves the same over both. Like JetStream's `engine_api.Engine`
+the contract is the protocol plus its value and error types, all here:
+
+- `add` queues a request and returns the asyncio.Queue its `Update`s arrive on (cumulative snapshots; the last
+  one has `finished` set, and an `error` when the request failed after it was accepted). It raises
+  `RequestError` (the request is bad: HTTP 400), `QueueFull` (no room now: 429) or `EngineUnavailable`
+  (nothing can serve it: 503) before anything is queued.
+- `abort` is fire and forget, and a no-op for a finished or unknown request: it frees the request's slot and
+  cache blocks.
+- `health` answers `{"status": "ok" | "degraded", ...}`; `stats` the engine counters `/metrics` publishes
+  (LLMEngine.stats keys: waiting, running, blocks_*, prefix_hit_rate, ...); `metrics_state` the cluster's
+  instances and links (None when there is no cluster); `set_link` changes an emulated link's bandwidth at run
+  time.
+
+Concurrency: every method is called on the server's asyncio loop; implementations say how they reach their
+engine (a thread, gRPC streams).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:  # the types only: this module imports nothing heavy (the scheduler and the router use it)
+    from ..sampling import SamplingParams
+    from ..tokenizer import Tokenizer
+
+
+class RequestError(ValueError):
+    """A request the engine cannot take (the server answers 400); param names the field at fault."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class QueueFull(RuntimeError):
+    """No room for the request now (the server answers 429)."""
+
+
+class EngineUnavailable(RuntimeError):
+    """Nothing can take the request now (the server answers 503): e.g. no worker of a cluster is up."""
+
+
+@dataclass
+class Update:
+    """A snapshot of one sequence after a step (safe to read on the loop: nothing in it is shared)."""
+    index: int  # choice index (0..n-1)
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    logprobs: list
+    cached_tokens: int
+    prompt_tokens: int
+    error: str | None = None
+    ttft_s: float | None = None  # arrival -> first token
+    route: dict | None = None  # where it ran, set by the router on the final update (server/app.py: meta)
+
+
+def encode(tokenizer: Tokenizer | None, prompt) -> list[int]:
+    """A text prompt (needs the tokenizer) or a token-id list -> token ids. Raises RequestError."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise RequestError("this model has no tokenizer.json: send token ids", "prompt")
+        return tokenizer.encode(prompt)
+    return [int(t) for t in prompt]
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    tokenizer: Tokenizer | None
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The longest prompt + output a request may have (None: not known yet, e.g. no worker registered)."""
+
+    def encode(self, prompt) -> list[int]:
+        """Text or token ids -> token ids (raises RequestError)."""
+
+    async def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> asyncio.Queue:
+        """Queue a request; its Updates arrive on the returned queue. Raises RequestError, QueueFull,
+        EngineUnavailable."""
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free what it holds (no-op once finished)."""
+
+    def health(self) -> dict:
+        """{"status": "ok"} or {"status": "degraded", "error": ..., ...}."""
+
+    def stats(self) -> dict:
+        """Engine counters (LLMEngine.stats keys), summed over a cluster's instances."""
+
+    def metrics_state(self) -> dict | None:
+        """A cluster's instances, links and transfer counters for /metrics; None without a cluster."""
+
+    async def set_link(self, src: str, dst: str, gbps: float) -> dict:
+        """Change the emulated bandwidth of the link between two clusters (the admin endpoint); RequestError
+        when there is no such link."""

@@ -1,0 +1,109 @@
+"""PrfaaS end to end on `configs/prfaas.yaml` over real processes (the bundled hybrid KDA + MLA model; the
+engine section shrunk for test time): a PrfaaS cluster (one prefill worker on core 0) and a PD cluster (a
+prefill and a decode worker sharing core 1) joined by an emulated link, served by `jaxserve serve`'s router
+with the `prfaas` policy. A short prompt stays on the PD cluster; a long unique one is prefilled in PrfaaS and
+its KV crosses the link; the conversation's next turn (that prompt + the answer + a short message) stays in
+the PD cluster with the history served from the decode instance's cache (blocks and the linear state saved at
+the last block boundary during decode), which the global KV index learned from the workers' cache events.
+Every answer equals the colocated greedy answer. Then the admin endpoint halves the link's bandwidth live."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+import yaml
+
+from jaxserve import bundled
+from router.snapshot import link_states
+from tests.router.test_cluster_http import complete as _complete
+from tests.router.test_cluster_http import serving
+
+pytestmark = pytest.mark.slow
+
+SHORT = [5, 7, 9, 11, 13, 2, 3, 4]
+LONG = [(7 * i + 3) % 60 + 1 for i in range(300)]  # above the preset's threshold_tokens (256)
+MESSAGE = [21, 22, 23]
+ENGINE = dict(num_blocks=256, max_model_len=512, max_num_seqs=4, num_snapshots=16, warmup=False)
+
+
+def complete(client, prompt) -> dict:
+    """Greedy, 6 tokens, with the token ids in the answer (return_token_ids: the model has a tokenizer)."""
+    return _complete(client, prompt, return_token_ids=True)
+
+
+def tokens(choice) -> list[int]:
+    return choice["token_ids"]
+
+
+def prfaas_config(path: str) -> dict:
+    with open("configs/prfaas.yaml") as f:
+        cfg = yaml.safe_load(f)
+    cfg["model"].update(path=path, name="m")
+    cfg["engine"].update(ENGINE)
+    cfg["router"].update(heartbeat_s=0.3)
+    return cfg
+
+
+def wait_for(cond, what: str, timeout: float = 20.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_short_local_long_prfaas_next_turn_from_the_decode_cache(tmp_path):
+    path = str(tmp_path / "model")
+    bundled.build(path)
+    cfg = prfaas_config(path)
+    colocated = {"model": cfg["model"], "engine": cfg["engine"],
+                 "clusters": [{"name": "c", "instances": [{"name": "c0"}]}]}
+    with serving(colocated) as (client, _):
+        want_short = tokens(complete(client, SHORT)["choices"][0])
+        want_long = tokens(complete(client, LONG)["choices"][0])
+        turn = LONG + want_long + MESSAGE
+        want_turn = tokens(complete(client, turn)["choices"][0])
+    with serving(cfg) as (client, router):
+        short = complete(client, SHORT)
+        assert tokens(short["choices"][0]) == want_short
+        js = short["jaxserve"]
+        assert (js["route"], js["prefill_instance"], js["decode_instance"]) == ("pd", "pd-p0", "pd-d0")
+        assert js["prefill_cluster"] == js["decode_cluster"] == "pd" and js["uncached_tokens"] == len(SHORT)
+
+        long = complete(client, LONG)
+        assert tokens(long["choices"][0]) == want_long
+        js = long["jaxserve"]
+        assert (js["route"], js["prefill_instance"], js["decode_instance"]) == ("prfaas", "prfaas-p0", "pd-d0")
+        assert (js["prefill_cluster"], js["decode_cluster"], js["kv_backend"]) == ("prfaas", "pd", "tcp")
+        assert js["kv_bytes_transferred"] > 0
+
+        # the decode instance now holds the long prompt's KV (received) and the answer's (generated): the index
+        # hears it with the next heartbeats
+        history = (len(LONG) + len(want_long) - 1) // 16 * 16
+        wait_for(lambda: router.index.match(turn).get("pd-d0") == history, "the index to see pd-d0's history")
+        nxt = complete(client, turn)
+        assert tokens(nxt["choices"][0]) == want_turn
+        js = nxt["jaxserve"]
+        assert js["route"] != "prfaas" and js["decode_instance"] == "pd-d0" and js["prefill_cluster"] == "pd"
+        assert js["cached_tokens"] == history and js["prefix_source"] == "pd-d0"
+        assert js["uncached_tokens"] == len(turn) - history and js["kv_bytes_transferred"] == 0
+
+        metrics = client.get("/metrics").text
+        for route, n in (("pd", 1), ("prfaas", 1), ("colocated", 1)):
+            assert re.search(rf'jaxserve_route_requests{{route="{route}"}} {n}\.0', metrics), route
+        sent = [float(v) for v in re.findall(r'jaxserve_link_bytes_sent{link="prfaas-p0->[^"]*"} (\S+)', metrics)]
+        assert sent and sum(sent) >= js["kv_bytes_transferred"] and sum(sent) >= long["jaxserve"]["kv_bytes_transferred"]
+        assert re.search(r'jaxserve_kv_index{what="instances"} 3\.0', metrics)
+
+        # the admin endpoint reshapes the live link (a bandwidth drop staged at run time)
+        r = client.post("/admin/links", json={"src": "prfaas", "dst": "pd", "bandwidth_gbps": 0.2})
+        assert r.status_code == 200 and r.json()["instances"] == {"prfaas-p0": {"links": 1}}, r.text
+        wait_for(lambda: re.search(r'jaxserve_link_bandwidth_bytes_s{link="prfaas-p0->[^"]*"} 2\.5e\+07',
+                                   client.get("/metrics").text), "the new bandwidth in the link's report")
+        links = link_states(router.cfg, router.registry.all(), router.topology.bandwidth)
+        assert [(lk.src, lk.dst, lk.capacity_bytes_s) for lk in links] == [("prfaas", "pd", 0.2e9 / 8)]
+        r = client.post("/admin/links", json={"src": "pd", "dst": "prfaas", "bandwidth_gbps": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "src"
+        r = client.post("/admin/links", json={"src": "prfaas", "dst": "pd", "bandwidth_gbps": -1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "bandwidth_gbps"
