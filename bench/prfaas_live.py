@@ -55,7 +55,7 @@ def config(args, path: str) -> dict:
     return {"model": {"path": path, "name": "bench"},
             "engine": dict(block_size=16, num_blocks=2048, max_num_seqs=16, max_num_batched_tokens=512,
                            chunk_size=256, max_prefill_seqs=4, max_model_len=HI // args.scale + 2 * MESSAGE + 64,
-                           num_snapshots=16, warmup=False),
+                           num_snapshots=16, warmup=True),
             "clusters": [{"name": "prfaas", "kind": "prfaas",
                           "instances": [{"name": "prfaas-p0", "role": "prefill", "cpus": [0]}]},
                          {"name": "pd", "kind": "pd",
@@ -147,18 +147,19 @@ def windows(records: list[dict], width: float, duration: float) -> list[dict]:
 
 
 async def warm(cluster, args):
-    """Untimed: every route's programs for every prefill bucket compile before anything is measured."""
+    """Untimed: every prefill bucket once through each route, then `--warm-s` of the workload with each route
+    (batched shapes, table widths, transfer programs), so the runs measure serving, not compiling."""
     from jaxserve.sampling import SamplingParams
     params = SamplingParams(max_tokens=1024 // args.scale, temperature=0, ignore_eos=True)
-    n = 16
-    sizes = []
+    n, sizes = 16, []
     while n <= HI // args.scale:
         sizes.append(n)
         n *= 2
-    for name in ("never", "always"):
+    for k, name in enumerate(("never", "always")):
         cluster.policy = policy(args, name)
-        for k, n in enumerate(sizes + [sizes[-1] + MESSAGE]):
-            await finish(await cluster.add(f"warm-{name}-{k}", [(7 * j + k) % 999 + 1 for j in range(n)], params))
+        for j, n in enumerate(sizes + [sizes[-1] + MESSAGE]):
+            await finish(await cluster.add(f"warm-{name}-{j}", [(7 * i + j) % 999 + 1 for i in range(n)], params))
+        await workload(cluster, args, 10 + k, args.warm_s)
 
 
 def main(argv=None):
@@ -172,10 +173,12 @@ def main(argv=None):
     ap.add_argument("--think-s", type=float, default=0.5)
     ap.add_argument("--duration", type=float, default=90, help="seconds of arrivals per run")
     ap.add_argument("--threshold", type=int, default=256, help="the selective policy's threshold (tokens)")
-    ap.add_argument("--bandwidth-gbps", type=float, default=0.4)
+    ap.add_argument("--bandwidth-gbps", type=float, default=0.048,
+                    help="the PrfaaS -> PD link (scaled with the compute: about the KV rate of offloading all)")
     ap.add_argument("--latency-ms", type=float, default=5.0)
     ap.add_argument("--slo-ttft", type=float, default=3.0, help="TTFT SLO (s) for goodput")
     ap.add_argument("--window", type=float, default=10.0, help="seconds per p90 window in (b)")
+    ap.add_argument("--warm-s", type=float, default=30, help="untimed workload per route before the runs")
     ap.add_argument("--parts", default="a,b")
     args = ap.parse_args(argv)
     from bench.families import checkpoint

@@ -190,7 +190,8 @@ class PolicySection(_Strict):
     threshold_step: float = Field(1.5, gt=1, description="factor per threshold change")
     max_threshold_tokens: int | None = Field(None, ge=1, description="ceiling of the effective threshold "
                                              "(default 16 x threshold_tokens)")
-    hold_s: float = Field(2.0, ge=0, description="least time between two threshold changes")
+    hold_s: float = Field(4.0, ge=0, description="a utilisation level moves the threshold once it has held this "
+                          "long since it began and since the last change")
     scarce_utilisation: float = Field(0.6, ge=0, description="link utilisation from which bandwidth counts as "
                                       "scarce: each cluster's cached prefix is judged alone, none moves across")
     affinity_slack: int = Field(2, ge=0, description="the instance holding the request's prefix is chosen unless "

@@ -119,7 +119,8 @@ class _Sub:
         return {"route": route, "prefill_instance": pre, "decode_instance": name,
                 "prefill_cluster": topo.cluster(pre) if pre else None,
                 "decode_cluster": topo.cluster(name) if name else None,
-                "prefix_source": pl.prefix_source if pl is not None else None,
+                # a cross-cluster prefix move is not carried out yet: then the prefill used its own cache only
+                "prefix_source": pl.prefix_source if pl is not None and pl.move_prefix is None else None,
                 "kv_bytes_transferred": self.kv_bytes, "kv_backend": self.kv_backend, "attempts": self.attempts}
 
 

@@ -160,7 +160,7 @@ class ThresholdParams:
     lower_utilisation: float = 0.4  # below: lower it again, never under threshold_tokens
     step: float = 1.5  # factor per change
     max_threshold_tokens: int | None = None  # default 16 x threshold_tokens
-    hold_s: float = 2.0  # at least this long between changes (utilisation is measured over 2 s windows)
+    hold_s: float = 4.0  # a level must hold this long (after the last change) before the threshold moves
     scarce_utilisation: float = 0.6  # at or above: bandwidth is scarce (each cluster's prefix judged alone)
     affinity_slack: int = 2  # see `affine`
     local_prefill_tokens: int = 256  # a decode instance holding all but this many prompt tokens prefills itself
@@ -181,7 +181,9 @@ class ThresholdParams:
 class ThresholdController:
     """The effective threshold: raised by `step` when the link's utilisation reaches raise_utilisation (or
     TCP retransmits grow), lowered by `step` when it falls below lower_utilisation, at most one change per
-    hold_s. The band between the two levels is the hysteresis: a steady load inside it changes nothing, and
+    hold_s. A level counts once it has held for hold_s, measured from the later of its start and the last
+    change: one burst of transfers (the link's own figure covers 2 s) does not move the threshold, and each
+    change is judged on evidence gathered after it, so a change never follows a stale reading. The band between the two levels is the hysteresis: a steady load inside it changes nothing, and
     one change moves the utilisation by less than the band (raise > lower x step, checked), so the threshold
     does not oscillate."""
 
@@ -193,22 +195,31 @@ class ThresholdController:
         self.changed_at: float | None = None
         self.retransmits: int | None = None
         self.changes = 0
+        self.utilisation = 0.0  # the last reading
+        self.high_since: float | None = None  # since when the link has read at or above raise_utilisation
+        self.low_since: float | None = None  # ... below lower_utilisation
 
     def observe(self, link: LinkState | None, now: float) -> float:
         if not self.p.adaptive or link is None or link.capacity_bytes_s is None:
             return self.value
         lossy = self.retransmits is not None and link.retransmits > self.retransmits
         self.retransmits = link.retransmits
-        if self.changed_at is not None and now - self.changed_at < self.p.hold_s:
-            return self.value
-        u = link.utilisation
-        if (u >= self.p.raise_utilisation or lossy) and self.value < self.top:
+        u = self.utilisation = link.utilisation
+        self.high_since = (now if self.high_since is None else self.high_since) if u >= self.p.raise_utilisation \
+            else None
+        self.low_since = (now if self.low_since is None else self.low_since) if u < self.p.lower_utilisation \
+            else None
+        held = lambda since: since is not None and now - since >= self.p.hold_s  # noqa: E731
+        rested = self.changed_at is None or now - self.changed_at >= self.p.hold_s
+        if (held(self.high_since) or (lossy and rested)) and self.value < self.top:
             self.value = min(self.top, max(self.value, 1.0) * self.p.step)
-        elif u < self.p.lower_utilisation and self.value > self.base:
+        elif held(self.low_since) and self.value > self.base:
             self.value = max(self.base, self.value / self.p.step)
         else:
             return self.value
+        # the next change needs a level that holds from now on, under the new threshold
         self.changed_at, self.changes = now, self.changes + 1
+        self.high_since = self.low_since = None
         return self.value
 
 
@@ -232,7 +243,8 @@ class PrfaaS:
         self.threshold = ThresholdController(params)
 
     def state(self) -> dict[str, float]:
-        return {"threshold_tokens": self.threshold.value, "threshold_changes": self.threshold.changes}
+        return {"threshold_tokens": self.threshold.value, "threshold_changes": self.threshold.changes,
+                "link_utilisation": self.threshold.utilisation}
 
     def place(self, snap: Snapshot) -> Placement:
         p = self.params
@@ -288,6 +300,6 @@ def make(section) -> Policy:
     if section.name == "prfaas":
         return PrfaaS(ThresholdParams(
             section.threshold_tokens, section.adaptive, section.raise_utilisation, section.lower_utilisation,
-            section.threshold_step, section.max_threshold_tokens, section.hold_s, section.scarce_utilisation,
-            section.affinity_slack, section.local_prefill_tokens))
+            section.threshold_step, section.max_threshold_tokens, section.hold_s,
+            section.scarce_utilisation, section.affinity_slack, section.local_prefill_tokens))
     raise ValueError(f"policy.name: unknown policy {section.name!r} (one of {sorted(POLICIES)})")

@@ -51,3 +51,15 @@ def test_the_check_sees_lazy_and_relative_imports(tmp_path):
         (tmp_path / pkg).mkdir()
     assert violations(tmp_path) == ["jaxserve/server/y.py:2 imports router.cluster",
                                     "transfer/x.py:2 imports jaxserve.cache"]
+
+
+def test_the_console_script_has_every_command():
+    """`jaxserve` (pyproject's console script) is router/cli.py: the engine-level commands and `serve`."""
+    import tomllib
+
+    from typer.main import get_command
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        target = tomllib.load(f)["project"]["scripts"]["jaxserve"]
+    module, _, attr = target.partition(":")
+    app = getattr(__import__(module, fromlist=[attr]), attr)
+    assert set(get_command(app).commands) == {"convert", "generate", "worker", "certs", "bench", "serve"}

@@ -131,20 +131,34 @@ def test_fallbacks_when_a_cluster_has_no_prefill_instance():
 def test_threshold_rises_before_the_link_saturates_and_falls_back():
     c = ThresholdController(ThresholdParams(1000, hold_s=2.0))
     link = lambda u, r=0: LinkState("prfaas", "pd", GBPS, u * GBPS, retransmits=r)  # noqa: E731
-    assert c.observe(link(0.85), 0.0) == 1500
-    assert c.observe(link(0.95), 1.0) == 1500  # within hold_s: no second change
-    assert c.observe(link(0.95), 2.0) == 2250
-    assert c.observe(link(0.6), 4.0) == 2250  # inside the band: kept
-    assert c.observe(link(0.1), 6.0) == 1500
-    assert c.observe(link(0.1), 8.0) == 1000
-    assert c.observe(link(0.0), 10.0) == 1000  # never below threshold_tokens
-    assert c.observe(link(0.5, r=0), 12.0) == 1000
-    assert c.observe(link(0.5, r=7), 14.0) == 1500  # TCP retransmits grew: raised though utilisation is moderate
-    assert c.observe(link(0.99), 16.0) == 2250
+    assert c.observe(link(0.85), 0.0) == 1000  # a level must hold for hold_s first
+    assert c.observe(link(0.95), 1.0) == 1000
+    assert c.observe(link(0.9), 2.0) == 1500  # held 2 s
+    assert c.observe(link(0.95), 3.0) == 1500  # the evidence starts again after a change
+    assert c.observe(link(0.95), 5.0) == 2250
+    assert c.observe(link(0.6), 6.0) == 2250  # inside the band: kept
+    assert c.observe(link(0.1), 7.0) == 2250
+    assert c.observe(link(0.1), 9.0) == 1500
+    assert c.observe(link(0.1), 10.0) == 1500  # the first reading under the new threshold starts the clock
+    assert c.observe(link(0.1), 12.0) == 1000
+    assert c.observe(link(0.0), 14.0) == 1000  # never below threshold_tokens
+    assert c.observe(link(0.0), 17.0) == 1000
+    assert c.observe(link(0.5, r=0), 20.0) == 1000
+    assert c.observe(link(0.5, r=7), 21.0) == 1500  # TCP retransmits grew: raised at once
+    assert c.observe(link(0.5, r=9), 22.0) == 1500  # ... at most once per hold_s
     top = ThresholdController(ThresholdParams(1000, max_threshold_tokens=1200, hold_s=0))
     assert top.observe(link(1.0), 0) == 1200 and top.observe(link(1.0), 1) == 1200
     fixed = ThresholdController(ThresholdParams(1000, adaptive=False))
     assert fixed.observe(link(1.0), 0) == 1000 and fixed.changes == 0
+
+
+def test_a_burst_does_not_move_the_threshold():
+    """Readings that cross a level for less than hold_s (bursts of transfers) change nothing."""
+    c = ThresholdController(ThresholdParams(1000, hold_s=4.0))
+    for k in range(100):
+        u = 0.95 if k % 6 < 3 else 0.5  # 1.5 s above raise_utilisation, 1.5 s inside the band, repeated
+        c.observe(LinkState("prfaas", "pd", GBPS, u * GBPS), k * 0.5)
+    assert c.changes == 0 and c.value == 1000
 
 
 @pytest.mark.parametrize("demand", [0.3, 0.7, 1.0, 2.5, 6.0])
