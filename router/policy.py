@@ -16,7 +16,7 @@ sequence of snapshots it places the same way. `make(cfg.policy)` builds the one 
   sits in the other cluster) and cache-affine within a cluster unless the affine instance is overloaded.
 
 Load, everywhere: requests the router has in flight on the instance, then its reported waiting + running,
-then fewest free blocks last; the name breaks exact ties, so placements are deterministic.
+then the most free blocks; the name breaks exact ties, so placements are deterministic.
 """
 
 from __future__ import annotations
@@ -180,12 +180,12 @@ class ThresholdParams:
 
 class ThresholdController:
     """The effective threshold: raised by `step` when the link's utilisation reaches raise_utilisation (or
-    TCP retransmits grow), lowered by `step` when it falls below lower_utilisation, at most one change per
-    hold_s. A level counts once it has held for hold_s, measured from the later of its start and the last
-    change: one burst of transfers (the link's own figure covers 2 s) does not move the threshold, and each
-    change is judged on evidence gathered after it, so a change never follows a stale reading. The band between the two levels is the hysteresis: a steady load inside it changes nothing, and
-    one change moves the utilisation by less than the band (raise > lower x step, checked), so the threshold
-    does not oscillate."""
+    TCP retransmits grow: at once, at most once per hold_s), lowered by `step` when it falls below
+    lower_utilisation. A level counts once it has held for hold_s, measured from the later of its start and
+    the last change: one burst of transfers (the link's own figure covers 2 s) does not move the threshold,
+    and each change is judged on readings taken after it. The band between the two levels is the hysteresis:
+    a steady load inside it changes nothing, and one change moves the utilisation by less than the band
+    (raise > lower x step, checked), so the threshold does not oscillate."""
 
     def __init__(self, p: ThresholdParams):
         self.p = p
