@@ -81,7 +81,7 @@ class Deployment:
         with open(self.config, "w") as f:
             yaml.safe_dump(cfg, f)
         self.log = open(os.path.join(tmp, "serve.log"), "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "serve", "--config", self.config],
+        self.proc = subprocess.Popen([sys.executable, "-m", "router.cli", "serve", "--config", self.config],
                                      stdout=self.log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.port}"
 
