@@ -206,7 +206,7 @@ def main(argv=None):
                 threshold: list = []
                 state = {"dropped": False}
 
-                def tick(now, name=name, threshold=threshold, state=state):
+                def tick(now, threshold=threshold, state=state):
                     if not state["dropped"] and now >= args.duration / 2:
                         state["dropped"] = True
                         asyncio.ensure_future(cluster.set_link("prfaas", "pd", args.bandwidth_gbps / 2))
@@ -232,7 +232,8 @@ def main(argv=None):
     if pol:
         best = max(pol, key=lambda k: pol[k]["goodput_rps"])
         result["verdict"] = {"best_goodput": best, **{f"{k}_goodput_over_never": pol[k]["goodput_rps"] /
-                                                      max(pol["never"]["goodput_rps"], 1e-9) for k in pol}}
+                                                      max(pol["never"]["goodput_rps"], 1e-9) for k in pol
+                                                      if k != "never"}}
     drop = res.get("bandwidth_drop")
     if drop:
         result["verdict_drop"] = {k: {"ttft_p90_before_s": v["before"]["ttft_p90_s"],

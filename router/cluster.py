@@ -114,7 +114,7 @@ class _Sub:
         pre = self.prefill or name
         route = "colocated"
         if self.prefill is not None and name is not None:
-            route = "prfaas" if (topo.kind(pre) == "prfaas" and topo.cluster(pre) != topo.cluster(name)) else "pd"
+            route = policies.route_of(topo.kind(pre), topo.cluster(pre), topo.cluster(name))
         pl = self.placement
         return {"route": route, "prefill_instance": pre, "decode_instance": name,
                 "prefill_cluster": topo.cluster(pre) if pre else None,

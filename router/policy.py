@@ -131,8 +131,14 @@ def affine(candidates: list[InstanceState], slack: int) -> InstanceState | None:
     return low
 
 
+def route_of(prefill_kind: str, prefill_cluster: str, decode_cluster: str) -> str:
+    """The route of a prefill and a decode on different instances: `prfaas` when the prefill ran in a PrfaaS
+    cluster and the KV crossed to another cluster, else `pd` (one instance doing both is `colocated`)."""
+    return "prfaas" if prefill_kind == "prfaas" and prefill_cluster != decode_cluster else "pd"
+
+
 def _route(prefill: InstanceState, decode: InstanceState) -> str:
-    return "prfaas" if prefill.kind == "prfaas" and decode.cluster != prefill.cluster else "pd"
+    return route_of(prefill.kind, prefill.cluster, decode.cluster)
 
 
 class LeastLoaded:

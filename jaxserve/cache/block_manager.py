@@ -30,10 +30,12 @@ import numpy as np
 from transfer.segments import OutOfBlocks, SegmentAllocator
 
 
-def block_hashes(tokens, block_size: int) -> list[bytes]:
-    """Chain hash of every full block of `tokens`."""
-    out, prev = [], b""
-    arr = np.asarray(tokens, np.int64)
+def block_hashes(tokens, block_size: int, known: list[bytes] = ()) -> list[bytes]:
+    """Chain hash of every full block of `tokens`. known: the hashes of its first blocks, already computed
+    (a growing sequence extends its chain instead of hashing it all again)."""
+    out = list(known[:len(tokens) // block_size])
+    prev = out[-1] if out else b""
+    arr = np.asarray(tokens[len(out) * block_size:len(tokens) // block_size * block_size], np.int64)
     for i in range(len(arr) // block_size):
         prev = hashlib.blake2b(prev + arr[i * block_size:(i + 1) * block_size].tobytes(), digest_size=16).digest()
         out.append(prev)
@@ -143,9 +145,10 @@ class BlockManager:
         self.query_tokens += num_tokens
         self.hit_tokens += num_hit
 
-    def register(self, block_ids: list[int], tokens, num_computed: int) -> list[bytes]:
-        """Hash the full blocks among the first `num_computed` tokens; returns the chain hashes."""
-        hashes = block_hashes(list(tokens)[:num_computed], self.block_size)
+    def register(self, block_ids: list[int], tokens, num_computed: int, known: list[bytes] = ()) -> list[bytes]:
+        """Hash the full blocks among the first `num_computed` tokens (`known`: hashes already computed for the
+        first of them); returns the chain hashes."""
+        hashes = block_hashes(list(tokens)[:num_computed], self.block_size, known)
         if self.prefix_caching:
             new = []
             for b, h in zip(block_ids, hashes):

@@ -1,9 +1,9 @@
 """The engine loop: schedule -> prefill program -> insert -> decode program -> postprocess (stop checks).
 
-`LLMEngine` owns the model, the block manager, the scheduler and the device programs (`ModelRunner`); `step()` runs one
-iteration and returns the requests that changed. Detokenisation is incremental per request; stop strings
-are matched on the text and the text is cut before them. Single-threaded: the offline `LLM` calls it
-directly, the server drives it from one engine thread (async_engine.py).
+`LLMEngine` owns the model, the block manager, the scheduler and the device programs (`ModelRunner`);
+`step()` runs one iteration and returns the requests that changed. Detokenisation is incremental per
+request; stop strings are matched on the text and the text is cut before them. Single-threaded: the offline
+`LLM` calls it directly, the server drives it from one engine thread (async_engine.py).
 """
 
 from __future__ import annotations
@@ -84,8 +84,9 @@ class LLMEngine:
             cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.chunk_size, cfg.max_prefill_seqs, cfg.max_waiting, bs,
             self.layout.has_request_state), self.blocks)
         self.runner = ModelRunner(self.graphdef, self.state, self.layout, self.model_config.vocab_size, self.dtype,
-                             num_slots=cfg.max_num_seqs, max_prefill_seqs=cfg.max_prefill_seqs,
-                             chunk_size=cfg.chunk_size, max_blocks_per_seq=-(-self.max_model_len // bs), mesh=mesh)
+                                  num_slots=cfg.max_num_seqs, max_prefill_seqs=cfg.max_prefill_seqs,
+                                  chunk_size=cfg.chunk_size, max_blocks_per_seq=-(-self.max_model_len // bs),
+                                  mesh=mesh)
         self.eos = set(self.model_config.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
         self._rng = np.random.default_rng()

@@ -144,7 +144,7 @@ class Scheduler:
     def kv_arrived(self, seq: Sequence, kv_tokens: int) -> None:
         seq.awaiting_kv = False
         seq.num_computed = kv_tokens
-        self.blocks.register(seq.block_ids, seq.tokens, kv_tokens)
+        self.blocks.register(seq.block_ids, seq.tokens, kv_tokens, self._hashes(seq, kv_tokens))
 
     # ---- planning
     def schedule(self) -> StepPlan:
@@ -205,12 +205,20 @@ class Scheduler:
         if seq.state_src is not None:
             pinned.add(seq.state_src)
         if self.cfg.has_request_state and end % bs == 0 and self.blocks.snapshots.capacity:
-            h = block_hashes(seq.tokens[:end], bs)[-1]  # registered only once computed (complete_prefill)
+            h = self._hashes(seq, end)[-1]  # registered only once computed (complete_prefill)
             chunk.snapshot_row = self.blocks.snapshots.acquire(h, pinned)
             if chunk.snapshot_row is not None:
                 pinned.add(chunk.snapshot_row)
         plan.prefills.append(chunk)
         return chunk.length
+
+    def _hashes(self, seq: Sequence, n: int) -> list[bytes]:
+        """Chain hashes of the full blocks among seq's first n tokens, extending those it holds (a sequence's
+        tokens only grow, so each block is hashed once)."""
+        bs = self.cfg.block_size
+        if len(seq.hashes) < n // bs:
+            seq.hashes = block_hashes(seq.tokens[:n], bs, seq.hashes)
+        return seq.hashes[:n // bs]
 
     def _decode_snapshot(self, seq: Sequence, pinned: set[int]) -> None:
         """A decode step whose token completes a block also saves the request-level state there, so the next
@@ -220,7 +228,7 @@ class Scheduler:
         n = seq.num_tokens  # the KV / state of all of them once this step has run
         if not (self.cfg.has_request_state and self.blocks.snapshots.capacity and n % self.cfg.block_size == 0):
             return
-        h = block_hashes(seq.tokens, self.cfg.block_size)[-1]
+        h = self._hashes(seq, n)[-1]
         row = self.blocks.snapshots.rekey(seq.snapshot_hash, h, pinned)
         if row is not None:
             seq.decode_snapshot, seq.snapshot_hash = row, h
@@ -241,11 +249,11 @@ class Scheduler:
         seq = chunk.seq
         seq.num_computed = chunk.end
         seq.state_src = None
-        self.blocks.register(seq.block_ids, seq.tokens, chunk.end)
+        self.blocks.register(seq.block_ids, seq.tokens, chunk.end, self._hashes(seq, chunk.end))
 
     def complete_decode(self, seq: Sequence) -> None:
         seq.num_computed = seq.num_tokens - 1  # the newest token is the next step's input
         if seq.num_computed % self.cfg.block_size == 0:
             # a block of generated tokens is complete: cached like a prompt's, so the next turn of a
             # conversation (prompt + this answer + a new message) reuses the answer's KV too
-            self.blocks.register(seq.block_ids, seq.tokens, seq.num_computed)
+            self.blocks.register(seq.block_ids, seq.tokens, seq.num_computed, self._hashes(seq, seq.num_computed))

@@ -40,6 +40,7 @@ class Sequence:
     handoff: object = None  # prefill side: disagg.prefill_side.Handoff, sends the KV instead of decoding here
     decode_snapshot: int | None = None  # this decode step also saves its request-level state in this row
     snapshot_hash: bytes | None = None  # the chain hash the row it saved during decode is keyed by
+    hashes: list[bytes] = field(default_factory=list)  # chain hashes of its full blocks computed so far
 
     @property
     def tokens(self) -> list[int]:

@@ -13,6 +13,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, StrictBool, StrictInt, StrictStr
 
+from ..cache.events import KINDS
 from ..sampling import SamplingParams
 
 MAX_TOKENS = 1 << 22  # token ids in one prompt (+ output): far beyond any context, far below MAX_MESSAGE
@@ -111,7 +112,7 @@ Scalar = StrictInt | FiniteFloat | StrictStr | StrictBool | None
 
 Hash = Annotated[StrictStr, Field(min_length=32, max_length=32, pattern="^[0-9a-f]{32}$")]
 Hashes = Annotated[list[Hash], Field(max_length=MAX_BLOCKS)]
-EventKind = Annotated[StrictStr, Field(pattern="^(stored|removed|snap|unsnap|cleared)$")]
+EventKind = Annotated[StrictStr, Field(pattern=f"^({'|'.join(KINDS)})$")]
 
 
 class CacheState(_Msg):

@@ -2,8 +2,8 @@
 
 import pytest
 
-from transfer.segments import OutOfBlocks
 from jaxserve.cache.block_manager import BlockManager, block_hashes
+from transfer.segments import OutOfBlocks
 
 
 def test_hash_chain_names_the_whole_prefix():
@@ -12,6 +12,10 @@ def test_hash_chain_names_the_whole_prefix():
     c = block_hashes([0, 2, 3, 4, 5, 6, 7, 8], 4)
     assert a == b and len(a) == 2
     assert a[1] != c[1]  # same second block, different first: different chain
+    # a growing sequence extends its chain: the same hashes as hashing it all again
+    tokens = list(range(3, 30))
+    assert block_hashes(tokens, 4, block_hashes(tokens[:9], 4)) == block_hashes(tokens, 4)
+    assert block_hashes(tokens[:5], 4, block_hashes(tokens, 4)) == block_hashes(tokens[:5], 4)
 
 
 def test_prefix_hit_shares_blocks_and_leaves_one_token():

@@ -158,3 +158,14 @@ def test_an_overflowing_log_sends_the_full_state():
     assert w.bm.events.since(w.want) is None  # the log kept only the newest 3 events
     w.beat(index)
     check(index, [w], [[i * 10 + k for k in range(9)] + [0] for i in range(6)])
+
+
+def test_a_cleared_cache_empties_the_instance():
+    index = KVIndex(BS)
+    w = Worker("a")
+    w.serve(list(range(40, 60)))
+    w.beat(index)
+    assert index.match(list(range(40, 61))) == {"a": 20}
+    w.bm.events.emit("cleared")
+    w.beat(index)
+    assert index.match(list(range(40, 61))) == {} and index.stats()["resyncs"] == 0

@@ -93,7 +93,7 @@ def test_short_local_long_prfaas_next_turn_from_the_decode_cache(tmp_path):
         for route, n in (("pd", 1), ("prfaas", 1), ("colocated", 1)):
             assert re.search(rf'jaxserve_route_requests{{route="{route}"}} {n}\.0', metrics), route
         sent = [float(v) for v in re.findall(r'jaxserve_link_bytes_sent{link="prfaas-p0->[^"]*"} (\S+)', metrics)]
-        assert sent and sum(sent) >= js["kv_bytes_transferred"] and sum(sent) >= long["jaxserve"]["kv_bytes_transferred"]
+        assert sent and sum(sent) >= long["jaxserve"]["kv_bytes_transferred"]
         assert re.search(r'jaxserve_kv_index{what="instances"} 3\.0', metrics)
 
         # the admin endpoint reshapes the live link (a bandwidth drop staged at run time)
