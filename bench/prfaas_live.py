@@ -16,9 +16,11 @@ cache carries over between runs).
     fixed: every prefill in PrfaaS, the naive heterogeneous setup) and selective (`--threshold`, adaptive),
     each for `--duration` seconds of arrivals: throughput (completed requests and tokens per second), goodput
     (requests per second whose TTFT met `--slo-ttft`), TTFT p50 / p90, routes, KV bytes over the link.
-(b) selective with the adaptive threshold and with a fixed one; halfway through each run the link's
-    bandwidth halves (the router's set_link, as POST /admin/links does): p90 TTFT per `--window` seconds
-    before and after, and the effective threshold over time; `--png` plots them.
+(b) selective with the adaptive threshold and with a fixed one, on the same arrivals, lengths and turns (fresh
+    token ids); halfway through each run the link's bandwidth halves (the router's set_link, as POST
+    /admin/links does): p90 TTFT and p90 time to the second token per `--window` seconds, and the effective
+    threshold over time; `--png` plots them. The first token leaves the prefill instance before the KV, so a
+    congested link shows in the time to the second token (decode waits for the KV), not in TTFT.
 
     python -m bench.prfaas_live --json bench/results/prfaas_live.json --png bench/results/prfaas_live.png
 """
@@ -78,10 +80,13 @@ def policy(args, name: str):
     return policies.make(PolicySection(name="prfaas", local_prefill_tokens=MESSAGE + 16, **kw))
 
 
-async def workload(cluster, args, seed: int, duration: float, on_tick=None) -> list[dict]:
-    """Open-loop conversations for `duration` s; -> one record per request."""
+async def workload(cluster, args, seed: int, duration: float, on_tick=None, salt: int = 0) -> list[dict]:
+    """Open-loop conversations for `duration` s; -> one record per request. `seed` draws the arrivals, lengths
+    and second turns, `salt` the token ids: two runs with one seed and different salts offer the same load
+    with prompts neither has cached."""
     from jaxserve.sampling import SamplingParams
     rng = np.random.default_rng(seed)
+    ids = np.random.default_rng([seed, salt])
     vocab = 1000
     params = SamplingParams(max_tokens=1024 // args.scale, temperature=0, ignore_eos=True)
     records: list[dict] = []
@@ -89,23 +94,29 @@ async def workload(cluster, args, seed: int, duration: float, on_tick=None) -> l
 
     async def one(rid: str, prompt: list[int], turn: int) -> list[int] | None:
         arrival = time.monotonic() - t0
+        second = []  # when the second token arrived: decode ran on the KV (the first leaves before the KV)
+
+        def seen(u):
+            if not second and len(u.token_ids) >= 2:
+                second.append(time.monotonic() - t0 - arrival)
         try:
-            u = await finish(await cluster.add(rid, prompt, params))
+            u = await finish(await cluster.add(rid, prompt, params), seen)
         except Exception as e:  # noqa: BLE001 - a failed request is counted, the run goes on
             records.append({"t": arrival, "ok": False, "error": str(e)[:200], "turn": turn, "len": len(prompt)})
             return None
         r = u.route or {}
-        records.append({"t": arrival, "ok": True, "ttft_s": u.ttft_s, "e2e_s": time.monotonic() - t0 - arrival,
+        records.append({"t": arrival, "ok": True, "ttft_s": u.ttft_s, "tt2t_s": second[0] if second else None,
+                        "e2e_s": time.monotonic() - t0 - arrival,
                         "turn": turn, "len": len(prompt), "cached": u.cached_tokens, "route": r.get("route"),
                         "kv_bytes": r.get("kv_bytes_transferred", 0), "tokens": len(u.token_ids)})
         return u.token_ids
 
-    async def conversation(i: int, n: int):
-        first = [int(x) for x in rng.integers(1, vocab, n)]
-        ans = await one(f"s{seed}-c{i}-t1", first, 1)
-        if ans is not None and rng.random() < args.turns:
+    async def conversation(i: int, n: int, second: bool, message: list[int]):
+        first = [int(x) for x in ids.integers(1, vocab, n)]
+        ans = await one(f"s{seed}.{salt}-c{i}-t1", first, 1)
+        if ans is not None and second:
             await asyncio.sleep(args.think_s)
-            await one(f"s{seed}-c{i}-t2", first + ans + [int(x) for x in rng.integers(1, vocab, MESSAGE)], 2)
+            await one(f"s{seed}.{salt}-c{i}-t2", first + ans + message, 2)
 
     tasks, i = [], 0
     lens = iter(lengths(rng, 100_000, args.scale))
@@ -114,7 +125,9 @@ async def workload(cluster, args, seed: int, duration: float, on_tick=None) -> l
         if on_tick is not None:
             on_tick(now)
         if now >= next_at:
-            tasks.append(asyncio.ensure_future(conversation(i, next(lens))))
+            # drawn here, in arrival order, so that every run with this seed offers the same conversations
+            turn2, message = rng.random() < args.turns, [int(x) for x in ids.integers(1, vocab, MESSAGE)]
+            tasks.append(asyncio.ensure_future(conversation(i, next(lens), turn2, message)))
             i += 1
             next_at += rng.exponential(1 / args.rate)
         await asyncio.sleep(min(0.05, max(0.0, next_at - now)))
@@ -134,6 +147,7 @@ def summary(records: list[dict], duration: float, slo: float) -> dict:
             "goodput_rps": sum(1 for t in ttft if t <= slo) / span, "slo_attainment": (
                 sum(1 for t in ttft if t <= slo) / len(ttft) if ttft else None),
             "ttft_p50_s": pct(ttft, 50), "ttft_p90_s": pct(ttft, 90),
+            "tt2t_p90_s": pct([r["tt2t_s"] for r in ok if r.get("tt2t_s") is not None], 90),
             "second_turn_cached_fraction": pct([r["cached"] / r["len"] for r in ok if r["turn"] == 2], 50),
             "kv_bytes_prfaas": sum(r["kv_bytes"] for r in ok if r["route"] == "prfaas")}
 
@@ -141,9 +155,29 @@ def summary(records: list[dict], duration: float, slo: float) -> dict:
 def windows(records: list[dict], width: float, duration: float) -> list[dict]:
     out = []
     for k in range(int(np.ceil(duration / width))):
-        xs = [r["ttft_s"] for r in records if r["ok"] and k * width <= r["t"] < (k + 1) * width]
-        out.append({"t": k * width, "requests": len(xs), "ttft_p90_s": pct(xs, 90)})
+        rs = [r for r in records if r["ok"] and k * width <= r["t"] < (k + 1) * width]
+        out.append({"t": k * width, "requests": len(rs), "ttft_p90_s": pct([r["ttft_s"] for r in rs], 90),
+                    "tt2t_p90_s": pct([r["tt2t_s"] for r in rs if r["tt2t_s"] is not None], 90),
+                    "offloaded": sum(1 for r in rs if r["route"] == "prfaas")})
     return out
+
+
+async def settle(cluster, limit_s: float = 120.0) -> float:
+    """Wait until the last heartbeats show every instance idle (nothing running, waiting or reserved) and every
+    link drained (no frame queued or unacknowledged), twice a heartbeat apart; -> the seconds it took. A run
+    that starts while the one before still drains its link would pay for it."""
+    t0, idle = time.monotonic(), 0
+    while time.monotonic() - t0 < limit_s:
+        ws = cluster.registry.all()
+        quiet = all(not w.inflight and not any(int(w.stats.get(k, 0) or 0)
+                                               for k in ("running", "waiting", "reservations")) and
+                    not any(int(v.get("queue_depth") or 0) or int(v.get("in_flight_bytes") or 0)
+                            for v in w.links.values()) for w in ws)
+        idle = idle + 1 if quiet else 0
+        if idle >= 2:
+            break
+        await asyncio.sleep(cluster.cfg.router.heartbeat_s)
+    return time.monotonic() - t0
 
 
 async def warm(cluster, args):
@@ -179,6 +213,7 @@ def main(argv=None):
     ap.add_argument("--slo-ttft", type=float, default=3.0, help="TTFT SLO (s) for goodput")
     ap.add_argument("--window", type=float, default=10.0, help="seconds per p90 window in (b)")
     ap.add_argument("--warm-s", type=float, default=30, help="untimed workload per route before the runs")
+    ap.add_argument("--repeats", type=int, default=2, help="runs of each threshold in (b), in ABBA order")
     ap.add_argument("--parts", default="a,b")
     args = ap.parse_args(argv)
     from bench.families import checkpoint
@@ -188,20 +223,26 @@ def main(argv=None):
 
     async def go(cluster):
         out: dict = {}
-        bar = tqdm(total=1 + 3 * ("a" in parts) + 2 * ("b" in parts), desc="prfaas_live", unit="run")
+        bar = tqdm(total=1 + 3 * ("a" in parts) + 2 * args.repeats * ("b" in parts), desc="prfaas_live",
+                   unit="run")
         await warm(cluster, args)
         bar.update()
         if "a" in parts:
             out["policies"] = {}
             for k, name in enumerate(("never", "always", "selective")):
+                await settle(cluster)
                 cluster.policy = policy(args, name)
                 recs = await workload(cluster, args, 100 + k, args.duration)
                 out["policies"][name] = summary(recs, args.duration, args.slo_ttft)
                 bar.update()
         if "b" in parts:
-            out["bandwidth_drop"] = {}
-            for k, name in enumerate(("selective", "fixed")):
+            out["bandwidth_drop"] = {"selective": [], "fixed": []}
+            # ABBA: fixed, adaptive, adaptive, fixed, ...: neither goes first every time
+            order = [n for r in range(args.repeats) for n in (("fixed", "selective") if r % 2 == 0
+                                                              else ("selective", "fixed"))]
+            for k, name in enumerate(order):
                 await cluster.set_link("prfaas", "pd", args.bandwidth_gbps)
+                waited = await settle(cluster)
                 cluster.policy = policy(args, name)
                 threshold: list = []
                 state = {"dropped": False}
@@ -212,12 +253,14 @@ def main(argv=None):
                         asyncio.ensure_future(cluster.set_link("prfaas", "pd", args.bandwidth_gbps / 2))
                     if not threshold or now - threshold[-1][0] >= 0.5:
                         threshold.append((now, cluster.policy.state().get("threshold_tokens")))
-                recs = await workload(cluster, args, 200 + k, args.duration, tick)
+                # the same arrivals, lengths and turns in every run; fresh token ids
+                recs = await workload(cluster, args, 200, args.duration, tick, salt=k)
                 half = args.duration / 2
-                out["bandwidth_drop"][name] = {
+                out["bandwidth_drop"][name].append({
+                    "settled_s": waited,
                     "before": summary([r for r in recs if r["t"] < half], half, args.slo_ttft),
                     "after": summary([r for r in recs if r["t"] >= half], half, args.slo_ttft),
-                    "windows": windows(recs, args.window, args.duration), "threshold": threshold}
+                    "windows": windows(recs, args.window, args.duration), "threshold": threshold})
                 bar.update()
             await cluster.set_link("prfaas", "pd", args.bandwidth_gbps)
         bar.close()
@@ -236,8 +279,9 @@ def main(argv=None):
                                                       if k != "never"}}
     drop = res.get("bandwidth_drop")
     if drop:
-        result["verdict_drop"] = {k: {"ttft_p90_before_s": v["before"]["ttft_p90_s"],
-                                      "ttft_p90_after_s": v["after"]["ttft_p90_s"]} for k, v in drop.items()}
+        result["verdict_drop"] = {k: {f"{m}_p90_{h}_s": [run[h][f"{m}_p90_s"] for run in v]
+                                      for m in ("ttft", "tt2t") for h in ("before", "after")}
+                                  for k, v in drop.items()}
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)
     if args.png and drop:
@@ -250,17 +294,23 @@ def plot(result: dict, png: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     args, drop = result["args"], result["bandwidth_drop"]
-    fig, (a, b) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    for name, v in drop.items():
-        w = [x for x in v["windows"] if x["ttft_p90_s"] is not None]
-        a.plot([x["t"] + args["window"] / 2 for x in w], [x["ttft_p90_s"] for x in w], marker="o",
-               label=f"{'adaptive' if name == 'selective' else 'fixed'} threshold")
-        b.step([t for t, _ in v["threshold"]], [x for _, x in v["threshold"]], where="post",
-               label=f"{'adaptive' if name == 'selective' else 'fixed'}")
-    for ax in (a, b):
+    fig, (a, c, b) = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
+    colors = {"selective": "tab:blue", "fixed": "tab:orange"}
+    for name, runs in drop.items():
+        for i, v in enumerate(runs):
+            label = f"{'adaptive' if name == 'selective' else 'fixed'} threshold" if i == 0 else None
+            style = dict(color=colors[name], alpha=1.0 if i == 0 else 0.5, ls="-" if i == 0 else ":")
+            for ax, key in ((a, "ttft_p90_s"), (c, "tt2t_p90_s")):
+                w = [x for x in v["windows"] if x[key] is not None]
+                ax.plot([x["t"] + args["window"] / 2 for x in w], [x[key] for x in w], marker="o", label=label,
+                        **style)
+            b.step([t for t, _ in v["threshold"]], [x for _, x in v["threshold"]], where="post", label=label,
+                   **style)
+    for ax in (a, c, b):
         ax.axvline(args["duration"] / 2, color="grey", ls="--")
         ax.legend()
     a.set_ylabel("p90 TTFT (s)")
+    c.set_ylabel("p90 time to 2nd token (s)")
     a.set_title(f"link {args['bandwidth_gbps']} -> {args['bandwidth_gbps'] / 2} Gbit/s at the dashed line")
     b.set_ylabel("effective threshold (tokens)")
     b.set_xlabel("seconds into the run")

@@ -61,9 +61,10 @@ class InstanceSection(_Strict):
     cpus: list[int] = Field(default_factory=list, description="CPU cores the worker is pinned to (empty: all)")
     host: str = Field("127.0.0.1", description="address the worker's gRPC and KV servers listen on")
     port: int = Field(0, ge=0, le=65535, description="gRPC control port (0: any free port)")
-    kv_port: int = Field(0, ge=0, le=65535, description="KV data port of a decode instance (0: any free port)")
-    kv_advertise: str | None = Field(None, description="host:port prefill instances dial for this decode "
-                                     "instance's KV data (a NAT, load balancer or proxy in front of it); "
+    kv_port: int = Field(0, ge=0, le=65535, description="KV data port: where KV sent to this instance arrives "
+                         "(0: any free port)")
+    kv_advertise: str | None = Field(None, description="host:port other instances dial for this instance's "
+                                     "KV data (a NAT, load balancer or proxy in front of it); "
                                      "default: host and the bound kv_port")
     launch: bool = Field(True, description="`jaxserve serve` starts this worker as a child process; false: it "
                                            "joins from another host (`jaxserve worker ... --router HOST:PORT`)")
@@ -192,6 +193,8 @@ class PolicySection(_Strict):
                                              "(default 16 x threshold_tokens)")
     hold_s: float = Field(4.0, ge=0, description="a utilisation level moves the threshold once it has held this "
                           "long since it began and since the last change")
+    window_s: float = Field(20.0, gt=0, description="prfaas: the recent uncached prompt lengths the link's "
+                            "predicted demand is taken over (the threshold's floor)")
     scarce_utilisation: float = Field(0.6, ge=0, description="link utilisation from which bandwidth counts as "
                                       "scarce: each cluster's cached prefix is judged alone, none moves across")
     affinity_slack: int = Field(2, ge=0, description="the instance holding the request's prefix is chosen unless "

@@ -89,6 +89,7 @@ class _Sub:
     avoid: set = field(default_factory=set)  # instances that failed this request
     avoid_prefill: set = field(default_factory=set)
     placement: Placement | None = None  # the policy's latest answer
+    moved: dict | None = None  # the cached prefix moved to its prefill instance: {"src", "tokens", "kv_bytes", ...}
     ttft_s: float | None = None
     errors: list = field(default_factory=list)
     sent: Update | None = None  # the last update the client got (updates are cumulative)
@@ -119,8 +120,10 @@ class _Sub:
         return {"route": route, "prefill_instance": pre, "decode_instance": name,
                 "prefill_cluster": topo.cluster(pre) if pre else None,
                 "decode_cluster": topo.cluster(name) if name else None,
-                # a cross-cluster prefix move is not carried out yet: then the prefill used its own cache only
-                "prefix_source": pl.prefix_source if pl is not None and pl.move_prefix is None else None,
+                # a prefix move that failed leaves the prefill with its own cache only
+                "prefix_source": None if pl is None else self.moved["src"] if self.moved
+                else pl.prefix_source if pl.move_prefix is None else None,
+                "prefix_move": self.moved,
                 "kv_bytes_transferred": self.kv_bytes, "kv_backend": self.kv_backend, "attempts": self.attempts}
 
 
@@ -138,6 +141,8 @@ class Router:
         self.sequences: dict[str, list[_Sub]] = {}  # request id -> its sequences, while it runs (read-only view)
         self.kv_bytes_transferred = 0
         self.retries = 0
+        self.prefix_moves = {"done": 0, "failed": 0, "bytes": 0}  # cached prefixes moved between instances
+        self.kv_bytes_per_token: float | None = None  # measured on the transfers so far
         self._clients: dict[str, rpc.Client] = {}
         self._control: ControlServer | None = None
         self._joined: asyncio.Event | None = None
@@ -180,7 +185,8 @@ class Router:
                  for addr, snap in w.links.items()}
         return {"instances": self.registry.state(), "links": links,
                 "kv_bytes_transferred": self.kv_bytes_transferred, "retries": self.retries,
-                "routes": dict(self.routes), "policy": self.policy.state(), "index": self.index.stats()}
+                "routes": dict(self.routes), "policy": self.policy.state(), "index": self.index.stats(),
+                "prefix_moves": dict(self.prefix_moves)}
 
     def health(self) -> dict:
         up = self.registry.up("decode") or (self.cfg.router.local_fallback and self.registry.up())
@@ -287,7 +293,8 @@ class Router:
         workers = self.registry.up(exclude=exclude)
         tokens = s.prompt + s.output
         cached = self.index.match(tokens, {w.name for w in workers})
-        return self.topology.snapshot(workers, self.registry.all(), len(tokens), s.kv(), cached, time.monotonic())
+        return self.topology.snapshot(workers, self.registry.all(), len(tokens), s.kv(), cached, time.monotonic(),
+                                      self.kv_bytes_per_token)
 
     async def _place(self, s: _Sub) -> None:
         """Ask the policy and open the sequence's stream: a reservation on its decode instance (the prefill
@@ -317,7 +324,7 @@ class Router:
             else:
                 raise Unavailable("no instance is up to serve the request"
                                   + (f" ({'; '.join(s.errors[-3:])})" if s.errors else ""))
-            s.placement = pl
+            s.placement, s.moved = pl, None
             log.debug("%s: %s", s.rid, pl)
             try:
                 await self._open(s, w, method)
@@ -373,9 +380,49 @@ class Router:
             s.worker.inflight -= 1
             s.call = None
 
+    async def _move_prefix(self, s: _Sub, p: WorkerInfo) -> None:
+        """Copy the cached prefix the placement names (`move_prefix`, PrfaaS 3.4.3: bandwidth abundant, the
+        longer prefix held in the other cluster) from its holder into prefill instance p's prefix cache: an
+        Import stream on p reserves the blocks, an Export call on the holder sends the KV into them, and p's
+        answer says they are cached. A move that fails costs only its time: p computes those tokens itself."""
+        mv = s.placement.move_prefix
+        src = self.registry.get(mv.src)
+        tokens = (s.prompt + s.output)[:mv.tokens]
+        if src is None or not self.registry.is_up(src):
+            self.prefix_moves["failed"] += 1
+            log.warning("%s: prefix holder %s is down; %s prefills without it", s.rid, mv.src, p.name)
+            return
+        rid, t0 = f"{s.xid}.prefix", time.monotonic()
+        deadline = self.cfg.transfer.deadline_s
+        imp = self._client(p).stream("Import", {"request_id": rid, "prompt": tokens, "deadline_s": deadline})
+        try:
+            it = imp.__aiter__()
+            first = await self._watch(p, it.__anext__())
+            sent = await self._watch(src, self._client(src).call(
+                "Export", {"request_id": rid, "prompt": tokens, "dst": {"instance": p.name, **first["reserved"]}},
+                timeout=deadline))
+            done = await self._watch(p, it.__anext__())
+            if "imported" not in done:
+                raise ValueError(f"Import answered {str(done)[:200]}")
+        except (grpc.aio.AioRpcError, _Silent, StopAsyncIteration, KeyError, TypeError, ValueError) as e:
+            self.prefix_moves["failed"] += 1
+            why = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else f"{e!r}"
+            log.warning("%s: moving the %d-token prefix %s -> %s failed (%s); %s prefills without it",
+                        s.rid, len(tokens), src.name, p.name, why, p.name)
+            return
+        finally:
+            imp.cancel()
+        s.moved = {"src": src.name, "dst": p.name, "tokens": len(tokens), "kv_bytes": int(sent["kv_bytes"]),
+                   "seconds": round(time.monotonic() - t0, 6)}
+        self.prefix_moves["done"] += 1
+        self.prefix_moves["bytes"] += s.moved["kv_bytes"]
+
     async def _prefill(self, s: _Sub, p: WorkerInfo, on_first) -> None:
-        """Run the prompt on prefill instance p into the reservation; on_first(Update) gets the first token as
-        soon as it is sampled; returns once decode acknowledged every KV byte. Raises _Retry."""
+        """Run the prompt on prefill instance p into the reservation (after moving a cached prefix to p when
+        the placement says so); on_first(Update) gets the first token as soon as it is sampled; returns once
+        decode acknowledged every KV byte. Raises _Retry."""
+        if s.placement.move_prefix is not None:
+            await self._move_prefix(s, p)
         tokens = s.prompt + s.output  # resuming: the output so far is prompt to this prefill
         params = {**s.params, "max_tokens": s.params["max_tokens"] - len(s.output)}
         p.inflight += 1
@@ -407,6 +454,10 @@ class Router:
         p.served += 1
         s.prefill, s.kv_bytes, s.kv_backend = p.name, int(res["kv_bytes"]), res.get("backend")
         self.kv_bytes_transferred += s.kv_bytes
+        sent = s.kv() - int(s.reserved.get("skip", 0)) * self.cfg.engine.block_size  # tokens beyond decode's own
+        if sent > 0 and s.kv_bytes > 0:  # the policies' bytes per token (a moving average over transfers)
+            x, old = s.kv_bytes / sent, self.kv_bytes_per_token
+            self.kv_bytes_per_token = x if old is None else 0.8 * old + 0.2 * x
 
     async def _next(self, s: _Sub, pre: asyncio.Future | None, kv_pending: bool) -> dict:
         """The open stream's next message. While the request's prefill call (`pre`) runs and decode has not yet

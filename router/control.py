@@ -54,7 +54,7 @@ class ControlServer:
         if self.index is not None:
             self.index.request_state = self.index.request_state or req.request_state
             batch = req.kv.model_dump(by_alias=True, exclude_none=True) if req.kv else None
-            ans["kv_want"] = self.index.apply(w.name, batch)
+            ans["kv_want"] = self.index.apply(w.name, batch, req.kv_epoch)
         if self.on_join is not None:
             self.on_join()
         return ans

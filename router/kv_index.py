@@ -41,11 +41,15 @@ class KVIndex:
         self._lock = threading.Lock()
 
     # ---- the heartbeat side
-    def apply(self, instance: str, batch: dict | None) -> int | None:
+    def apply(self, instance: str, batch: dict | None, epoch: str | None = None) -> int | None:
         """Apply one heartbeat's batch ({"epoch", "from", "events", "next"} or {"epoch", "full", "next"}, or
-        None when the worker sent nothing); returns the number to ask for next (None: the full state)."""
+        None when the worker sent nothing); epoch: the worker's current event epoch, which every heartbeat
+        carries (a restarted worker's first heartbeat, before it has a batch to send, already drops what the
+        old process held). Returns the number to ask for next (None: the full state)."""
         with self._lock:
             e = self._entries.setdefault(instance, _Entry())
+            if epoch is not None and e.epoch is not None and epoch != e.epoch:
+                self._reset(e, None)  # a new process: nothing of the old one counts
             if batch is None:
                 return e.want
             epoch = batch["epoch"]

@@ -78,6 +78,7 @@ class Snapshot:
     instances: tuple[InstanceState, ...]  # up, and not excluded for this request
     links: tuple[LinkState, ...] = ()
     now: float = 0.0  # seconds (monotonic), for policies that follow the links over time
+    kv_bytes_per_token: float | None = None  # KV bytes a transfer sends per token, as measured (None: not yet)
 
     def of(self, role: str, kind: str | None = None, cluster: str | None = None) -> list[InstanceState]:
         return [i for i in self.instances if i.serves(role) and (kind is None or i.kind == kind)
@@ -167,6 +168,7 @@ class ThresholdParams:
     step: float = 1.5  # factor per change
     max_threshold_tokens: int | None = None  # default 16 x threshold_tokens
     hold_s: float = 4.0  # a level must hold this long (after the last change) before the threshold moves
+    window_s: float = 20.0  # the recent uncached lengths the predicted link demand is taken over
     scarce_utilisation: float = 0.6  # at or above: bandwidth is scarce (each cluster's prefix judged alone)
     affinity_slack: int = 2  # see `affine`
     local_prefill_tokens: int = 256  # a decode instance holding all but this many prompt tokens prefills itself
@@ -177,6 +179,8 @@ class ThresholdParams:
                              f"raise_utilisation ({self.raise_utilisation})")
         if self.step <= 1:
             raise ValueError(f"policy: threshold_step must be > 1, got {self.step}")
+        if self.window_s <= 0:
+            raise ValueError(f"policy: window_s must be > 0, got {self.window_s}")
         if self.raise_utilisation <= self.lower_utilisation * self.step:
             # one raise divides a utilisation at raise_utilisation by about `step`: it must stay above the
             # lower level, or the next observation lowers the threshold again (oscillation)
@@ -185,29 +189,72 @@ class ThresholdParams:
 
 
 class ThresholdController:
-    """The effective threshold: raised by `step` when the link's utilisation reaches raise_utilisation (or
-    TCP retransmits grow: at once, at most once per hold_s), lowered by `step` when it falls below
-    lower_utilisation. A level counts once it has held for hold_s, measured from the later of its start and
-    the last change: one burst of transfers (the link's own figure covers 2 s) does not move the threshold,
-    and each change is judged on readings taken after it. The band between the two levels is the hysteresis:
-    a steady load inside it changes nothing, and one change moves the utilisation by less than the band
-    (raise > lower x step, checked), so the threshold does not oscillate."""
+    """The effective threshold, the larger of two parts (PrfaaS 3.4.3, short term):
+
+    - a predicted floor, from the distribution of recent uncached lengths (`record`, the last window_s
+      seconds): the smallest threshold at which the KV of the requests above it, at the measured bytes per
+      token, would fill at most raise_utilisation of the link's capacity. It follows a change of capacity (a
+      bandwidth drop) at once, before any queue builds. The lengths do not depend on the threshold, so this
+      part has no feedback loop to oscillate in.
+    - a measured staircase: raised by `step` when the link's utilisation reaches raise_utilisation (or TCP
+      retransmits grow: at once, at most once per hold_s), lowered by `step` when it falls below
+      lower_utilisation. A level counts once it has held for hold_s, measured from the later of its start
+      and the last change: one burst of transfers (the link's own figure covers 2 s) does not move it, and
+      each change is judged on readings taken after it. The band between the two levels is the hysteresis: a
+      steady load inside it changes nothing, and one change moves the utilisation by less than the band
+      (raise > lower x step, checked), so it does not oscillate. It catches what the prediction misses
+      (a wrong bytes-per-token figure, other traffic, loss)."""
 
     def __init__(self, p: ThresholdParams):
         self.p = p
         self.base = p.threshold_tokens
         self.top = p.max_threshold_tokens or max(16 * p.threshold_tokens, 1)
-        self.value = float(p.threshold_tokens)
+        self.stair = float(p.threshold_tokens)  # the measured part
+        self.floor = float(p.threshold_tokens)  # the predicted part
         self.changed_at: float | None = None
         self.retransmits: int | None = None
         self.changes = 0
         self.utilisation = 0.0  # the last reading
+        self.predicted = 0.0  # the predicted utilisation at the effective threshold
         self.high_since: float | None = None  # since when the link has read at or above raise_utilisation
         self.low_since: float | None = None  # ... below lower_utilisation
+        self._recent: list[tuple[float, int]] = []  # (time, uncached length) of recent requests
 
-    def observe(self, link: LinkState | None, now: float) -> float:
+    @property
+    def value(self) -> float:
+        return max(self.stair, self.floor)
+
+    def record(self, uncached: int, now: float) -> None:
+        """A request's uncached length, as the policy judged it (offloaded or not: the distribution)."""
+        self._recent.append((now, uncached))
+
+    def _predict(self, link: LinkState, now: float, per_token: float | None) -> None:
+        """The floor: the smallest threshold (base or a recent length) whose predicted demand fits
+        raise_utilisation x capacity."""
+        self._recent = [(t, n) for t, n in self._recent if now - t <= self.p.window_s]
+        if not per_token or not link.capacity_bytes_s:
+            self.floor, self.predicted = float(self.base), 0.0
+            return
+        rate = per_token / self.p.window_s / link.capacity_bytes_s  # utilisation per token of the window
+        above = sorted((n for _, n in self._recent if n > self.base), reverse=True)
+        budget = self.p.raise_utilisation / rate
+        floor, load = float(self.base), float(sum(above))
+        for n in reversed(above):  # shortest first: each one kept local lowers the load
+            if load <= budget:
+                break
+            load -= n
+            floor = float(n)  # requests of n tokens and fewer stay local
+        self.floor = min(float(self.top), floor)
+        self.predicted = rate * sum(n for _, n in self._recent if n > self.value)
+
+    def observe(self, link: LinkState | None, now: float, per_token: float | None = None) -> float:
+        """The effective threshold now, given the link's state and the KV bytes per token measured so far."""
         if not self.p.adaptive or link is None or link.capacity_bytes_s is None:
             return self.value
+        before = self.value
+        self._predict(link, now, per_token)
+        if self.value != before:
+            self.changes += 1
         lossy = self.retransmits is not None and link.retransmits > self.retransmits
         self.retransmits = link.retransmits
         u = self.utilisation = link.utilisation
@@ -217,10 +264,10 @@ class ThresholdController:
             else None
         held = lambda since: since is not None and now - since >= self.p.hold_s  # noqa: E731
         rested = self.changed_at is None or now - self.changed_at >= self.p.hold_s
-        if (held(self.high_since) or (lossy and rested)) and self.value < self.top:
-            self.value = min(self.top, max(self.value, 1.0) * self.p.step)
-        elif held(self.low_since) and self.value > self.base:
-            self.value = max(self.base, self.value / self.p.step)
+        if (held(self.high_since) or (lossy and rested)) and self.stair < self.top:
+            self.stair = min(self.top, max(self.value, 1.0) * self.p.step)  # above whatever holds now
+        elif held(self.low_since) and self.stair > self.base:
+            self.stair = max(self.base, self.stair / self.p.step)
         else:
             return self.value
         # the next change needs a level that holds from now on, under the new threshold
@@ -249,8 +296,9 @@ class PrfaaS:
         self.threshold = ThresholdController(params)
 
     def state(self) -> dict[str, float]:
-        return {"threshold_tokens": self.threshold.value, "threshold_changes": self.threshold.changes,
-                "link_utilisation": self.threshold.utilisation}
+        c = self.threshold
+        return {"threshold_tokens": c.value, "threshold_floor_tokens": c.floor, "threshold_changes": c.changes,
+                "link_utilisation": c.utilisation, "link_predicted_utilisation": c.predicted}
 
     def place(self, snap: Snapshot) -> Placement:
         p = self.params
@@ -262,7 +310,7 @@ class PrfaaS:
         local = [i for i in snap.of("prefill", cluster=d.cluster) if i.role == "prefill"]
         links = [lk for lk in (snap.link(c, d.cluster) for c in sorted({i.cluster for i in remote})) if lk]
         link = max(links, key=lambda lk: lk.utilisation, default=None)
-        t = self.threshold.observe(link, snap.now)
+        t = self.threshold.observe(link, snap.now, snap.kv_bytes_per_token)
         util = link.utilisation if link is not None else 0.0
         scarce = link is not None and link.capacity_bytes_s is not None and util >= p.scarce_utilisation
         l_pd = max((i.cached_tokens for i in local), default=0)
@@ -274,6 +322,7 @@ class PrfaaS:
                              f"{d.name} holds {d.cached_tokens} of {total} prompt tokens: it prefills the rest",
                              uncached_tokens=total - d.cached_tokens, prefix_source=d.name, details=details)
         uncached = total - (l_pd if scarce else max(l_pd, l_prfaas))
+        self.threshold.record(uncached, snap.now)
         offload = uncached > t
         why = (f"{'scarce' if scarce else 'abundant'} bandwidth (link at {util:.0%}): uncached {uncached} "
                f"{'>' if offload else '<='} threshold {t:.0f}")
@@ -306,6 +355,6 @@ def make(section) -> Policy:
     if section.name == "prfaas":
         return PrfaaS(ThresholdParams(
             section.threshold_tokens, section.adaptive, section.raise_utilisation, section.lower_utilisation,
-            section.threshold_step, section.max_threshold_tokens, section.hold_s,
+            section.threshold_step, section.max_threshold_tokens, section.hold_s, section.window_s,
             section.scarce_utilisation, section.affinity_slack, section.local_prefill_tokens))
     raise ValueError(f"policy.name: unknown policy {section.name!r} (one of {sorted(POLICIES)})")

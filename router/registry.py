@@ -33,7 +33,7 @@ class WorkerInfo:
     name: str
     role: str
     address: str  # gRPC control address host:port
-    kv_address: tuple[str, int] | None  # KV data server (decode / both)
+    kv_address: tuple[str, int] | None  # its KV data server
     max_model_len: int
     pid: int | None = None
     stats: dict = field(default_factory=dict)

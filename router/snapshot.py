@@ -54,10 +54,11 @@ class Topology:
         return self.where[name][1]
 
     def snapshot(self, workers: list[WorkerInfo], every: list[WorkerInfo], prompt_tokens: int, kv_tokens: int,
-                 cached: dict[str, int] | None = None, now: float = 0.0) -> Snapshot:
+                 cached: dict[str, int] | None = None, now: float = 0.0,
+                 kv_bytes_per_token: float | None = None) -> Snapshot:
         """workers: the instances the request may use; every: all registered (their link reports);
         cached: instance -> prompt tokens whose KV it holds (the prefix index's answer)."""
         cached = cached or {}
         insts = tuple(instance_state(w, *self.where[w.name], cached.get(w.name, 0)) for w in workers)
         return Snapshot(RequestInfo(prompt_tokens, kv_tokens), insts, link_states(self.cfg, every, self.bandwidth),
-                        now)
+                        now, kv_bytes_per_token)

@@ -125,10 +125,14 @@ class BlockManager:
         if not self.prefix_caching:
             return [], 0, None
         hashes = block_hashes(tokens, self.block_size)
+        hits, row = self.cached(hashes[:(len(tokens) - 1) // self.block_size], needs_snapshot)
+        return hits, len(hits) * self.block_size, row
+
+    def cached(self, hashes: list[bytes], needs_snapshot: bool) -> tuple[list[int], int | None]:
+        """The blocks of the longest cached run of `hashes` (a chain) and, with needs_snapshot, cut back to its
+        longest snapshotted boundary and that snapshot's row: (block ids, row or None)."""
         hits: list[int] = []
-        for i, h in enumerate(hashes):
-            if (i + 1) * self.block_size >= len(tokens):
-                break
+        for h in hashes:
             b = self.hash_block.get(h)
             if b is None:
                 break
@@ -139,7 +143,7 @@ class BlockManager:
                 hits.pop()
             if hits:
                 row = self.snapshots.lookup(hashes[len(hits) - 1])
-        return hits, len(hits) * self.block_size, row
+        return hits, row
 
     def record_query(self, num_tokens: int, num_hit: int) -> None:
         self.query_tokens += num_tokens

@@ -1,11 +1,13 @@
-"""Decode instance: reserve cache for a request before its prefill runs elsewhere, then admit it on arrival.
+"""Receiving KV: reserve cache for a request before its prefill runs elsewhere, then admit it on arrival.
 
 `KVIntake.reserve` (engine thread) takes a slot and blocks (skipping prefix blocks this instance already holds),
 a receive region sized for the transfer, and registers a `KVReceiver` with the instance's KV server. The receiver
 counts arriving bytes (or pulled device arrays) on the server's connection threads; when it reaches DONE or
 FAILED it posts `arrived` back to the engine thread (`post`), which imports the KV into the reserved blocks and
 starts decoding, or fails the request and frees its blocks. A request aborted meanwhile only gives its region
-back. Concurrency: `reserve` and `arrived` run on the engine thread; the server's threads only call `post`.
+back. `reserve_prefix` receives a cached prefix into this instance's prefix cache the same way (the router's
+prefix move between clusters; any instance may receive one). Concurrency: `reserve`, `reserve_prefix` and the
+arrivals run on the engine thread; the server's threads only call `post`.
 """
 
 from __future__ import annotations
@@ -71,6 +73,42 @@ class KVIntake:
             return [seq]
         finally:
             recv.release()
+
+    def reserve_prefix(self, request_id: str, tokens: list[int], on_done, deadline_s: float | None = None):
+        """A cached prefix another instance sends into this instance's prefix cache (a prefix move): blocks
+        (LLMEngine.reserve_prefix) and a receive region. When the transfer ends, on the engine thread, the KV is
+        imported and cached, or the blocks are released, and on_done(None or the failure's reason) is called.
+        -> (dst block ids, skip). Raises RequestError, OutOfBlocks / PoolFull (busy)."""
+        llm = self.llm
+        blocks, skip = llm.reserve_prefix(tokens)
+        try:
+            region = self.pool.allocate(region_bytes(llm.layout, llm.dtype_name, len(tokens), skip))
+        except PoolFull:
+            llm.blocks.free(blocks)
+            raise
+
+        def arrived(recv: KVReceiver) -> list:
+            self.receivers.pop(request_id, None)
+            error = None if recv.state.poll() is KVPoll.DONE else recv.state.reason
+            try:
+                if error is None:
+                    llm.prefix_arrived(tokens, blocks, skip, recv.staging, recv.arrays())
+                else:
+                    llm.blocks.free(blocks)
+            except Exception as e:  # noqa: BLE001 - a failed import releases the blocks like a failed transfer
+                log.exception("%s: importing a cached prefix failed", request_id)
+                llm.blocks.free(blocks)
+                error = f"import failed: {type(e).__name__}: {e}"
+            finally:
+                recv.release()
+            on_done(error)
+            return []
+
+        recv = KVReceiver(request_id, llm.layout, llm.dtype_name, blocks, len(tokens), skip, region,
+                          deadline_s or self.deadline_s, on_done=lambda r: self.post(lambda: arrived(r)))
+        self.receivers[request_id] = recv
+        self.server.expect(recv)
+        return list(blocks), skip
 
     def cancel(self, request_id: str) -> None:
         """The request was aborted: stop expecting its KV."""

@@ -83,21 +83,31 @@ class Handoff:
     def begin(self, llm, seq) -> list[tuple[int, int]] | None:
         """Plan the transfer and send the plan. Returns the layer groups to run the step as (None: one
         program, everything exported after it)."""
+        self._start(llm, seq.block_ids, seq.slot, self.request_id or seq.request_id)
+        return self._groups if len(self._groups) > 1 else None
+
+    def send_cached(self, llm, blocks: list[int], row: int) -> None:
+        """Send KV that is already in the pool (a cached prefix: `blocks` and the state in `row`,
+        LLMEngine.cached_prefix) with no step: plan, every group's export, and an empty first-token record."""
+        self._start(llm, blocks, row, self.request_id)
+        for k in range(len(self._groups)):
+            self.export(k)
+        self.feeder.put(self.sender, [], {"token": None})
+
+    def _start(self, llm, blocks: list[int], row: int, request_id: str) -> None:
         eng = llm.runner
         layout = eng.layout
         dtype = llm.dtype_name
         self._groups = layer_groups(layout.num_layers, self.layers_per_group)
-        plan = TransferPlan.build(layout, dtype, self.kv_tokens, seq.block_ids, self.dst_blocks, self.skip,
+        plan = TransferPlan.build(layout, dtype, self.kv_tokens, blocks, self.dst_blocks, self.skip,
                                   self._groups, eng.head_parts)
         plan.shm_base = self.shm_base  # the receiver refuses the plan unless that is its region's offset
         self._staging = plan.check(layout, dtype, self.dst_blocks, self.kv_tokens, self.skip)
-        self.sender = KVSender(self.request_id or seq.request_id, self.link, plan, self._staging,
-                               shm_base=self.shm_base)
+        self.sender = KVSender(request_id, self.link, plan, self._staging, shm_base=self.shm_base)
         self.sender.start()
-        self._runner, self._seq = eng, seq
-        self._blocks = seq.block_ids[self.skip:self.skip + plan.nblocks]
+        self._runner, self._row = eng, row
+        self._blocks = blocks[self.skip:self.skip + plan.nblocks]
         self._exported: set[int] = set()
-        return self._groups if len(self._groups) > 1 else None
 
     def export(self, k: int) -> None:
         """Dispatch layer group k's export (its program reads the pool as the step's group k left it) and
@@ -105,7 +115,7 @@ class Handoff:
         if k in self._exported:
             return
         self._exported.add(k)
-        items = self._runner.export_kv(self._staging, k, self._blocks, self._seq.slot)
+        items = self._runner.export_kv(self._staging, k, self._blocks, self._row)
         self.feeder.put(self.sender, items, None)
 
     def finish(self, prefix) -> None:

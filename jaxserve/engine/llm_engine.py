@@ -18,7 +18,7 @@ import numpy as np
 
 from pallas_kernels.select import MODES, resolve
 
-from ..cache.block_manager import BlockManager
+from ..cache.block_manager import BlockManager, block_hashes
 from ..cache.events import CacheEvents
 from ..cache.layout import PoolLayout
 from ..checkpoint import load_any
@@ -179,6 +179,46 @@ class LLMEngine:
         self.runner.insert(prefix, seq.slot)
         self._append(seq, prefix.token, prefix.logprob, prefix.top)
         return True
+
+    # ---- cached prefixes copied between instances (the router's prefix move, router/cluster.py)
+    def _prefix_hashes(self, tokens) -> list[bytes]:
+        bs = self.cfg.block_size
+        if not tokens or len(tokens) % bs:
+            raise RequestError(f"a cached prefix is whole blocks of {bs} tokens, got {len(tokens)} tokens", "prompt")
+        ids = self.encode(list(tokens))
+        self.validate(ids, SamplingParams(max_tokens=1))  # ids in range, room for a token after them
+        return block_hashes(ids, bs)
+
+    def cached_prefix(self, tokens) -> tuple[list[int], int] | None:
+        """Sending side: (block ids, state row) holding the KV of `tokens` (whole blocks) and, for a model with
+        request-level state, the snapshot at their end; None when this instance no longer holds all of it.
+        Read them before the next step (export programs dispatched now read the pool as it is)."""
+        hashes = self._prefix_hashes(tokens)
+        hits, row = self.blocks.cached(hashes, self.layout.has_request_state)
+        if len(hits) < len(hashes):
+            return None
+        return hits, (self.layout.scratch_row if row is None else row + self.snapshot_base)
+
+    def reserve_prefix(self, tokens) -> tuple[list[int], int]:
+        """Receiving side: blocks for the KV of `tokens` (whole blocks) that another instance's prefix cache
+        sends, the leading ones this instance holds skipped (never the last: with it comes the state). Returns
+        (block ids, skip). Raises RequestError, OutOfBlocks. `prefix_arrived` or `blocks.free` ends it."""
+        hashes = self._prefix_hashes(tokens)
+        hits, _ = self.blocks.cached(hashes[:-1], False)
+        return self.blocks.allocate(hits, len(tokens)), len(hits)
+
+    def prefix_arrived(self, tokens, block_ids: list[int], skip: int, staging, views) -> None:
+        """Receiving side: the prefix's KV is here. Import it, cache its blocks and (request-level state) a
+        snapshot at its end, and drop the reservation's references: the blocks stay as prefix cache, and the
+        cache events tell the router's index."""
+        hashes = self._prefix_hashes(tokens)
+        row = None
+        if self.layout.has_request_state and self.blocks.snapshots.capacity:
+            row = self.blocks.snapshots.acquire(hashes[-1])
+        self.runner.import_kv(staging, views, block_ids[skip:],
+                              self.layout.scratch_row if row is None else row + self.snapshot_base)
+        self.blocks.register(block_ids, tokens, len(tokens), hashes)
+        self.blocks.free(block_ids)
 
     def fail(self, seq: Sequence, error: str) -> None:
         """Finish a request with an error (its transfer failed); frees its slot and blocks."""

@@ -195,7 +195,7 @@ def create_app(config: Config, engine: EngineClient, model_name: str, metrics: M
                 "decode_instance": route["decode_instance"], "prefill_cluster": route.get("prefill_cluster"),
                 "decode_cluster": route.get("decode_cluster"), "kv_backend": route.get("kv_backend"),
                 "cached_tokens": cached, "uncached_tokens": updates[0].prompt_tokens - cached,
-                "prefix_source": route.get("prefix_source"),
+                "prefix_source": route.get("prefix_source"), "prefix_move": route.get("prefix_move"),
                 "kv_bytes_transferred": kv, "ttft_s": round(min(ttft), 6) if ttft else None}
 
     def usage(updates: list[Update]):

@@ -11,7 +11,8 @@ class Metrics:
     def __init__(self, stats_fn, cluster_fn=None):
         """stats_fn: -> LLMEngine.stats()-shaped dict; cluster_fn: -> {"instances": registry state, "links":
         {name: link snapshot}, "kv_bytes_transferred", "retries", "routes": {route: requests}, "policy": {key:
-        number}} when serving a cluster (router/cluster.py metrics_state)."""
+        number}, "index", "prefix_moves": {"done", "failed", "bytes"}} when serving a cluster
+        (router/cluster.py metrics_state)."""
         self.registry = r = CollectorRegistry()
         self.stats_fn = stats_fn
         self.cluster_fn = cluster_fn
@@ -45,6 +46,10 @@ class Metrics:
                              registry=r),
             "routes": Gauge("jaxserve_route_requests", "requests finished per route (colocated, pd, prfaas)",
                             ["route"], registry=r),
+            "prefix_moves": Gauge("jaxserve_prefix_moves", "cached prefixes moved between instances so far "
+                                  "(outcome done / failed)", ["outcome"], registry=r),
+            "prefix_move_bytes": Gauge("jaxserve_prefix_move_bytes", "KV bytes of the cached prefixes moved so far",
+                                       registry=r),
             "index": Gauge("jaxserve_kv_index", "the global KV index: instances synced, blocks, snapshots, "
                            "resyncs so far", ["what"], registry=r)}
         self.policy: dict[str, Gauge] = {}  # jaxserve_policy_<key>, made as the policy reports keys
@@ -91,6 +96,12 @@ class Metrics:
             self.cluster["retries"].set(c["retries"])
             for what, n in c.get("index", {}).items():
                 self.cluster["index"].labels(what).set(n)
+            moves = c.get("prefix_moves", {})
+            for outcome in ("done", "failed"):
+                if outcome in moves:
+                    self.cluster["prefix_moves"].labels(outcome).set(moves[outcome])
+            if "bytes" in moves:
+                self.cluster["prefix_move_bytes"].set(moves["bytes"])
             for route, n in c.get("routes", {}).items():
                 self.cluster["routes"].labels(route).set(n)
             for k, v in c.get("policy", {}).items():

@@ -7,7 +7,7 @@ only then does it build the engine on a mesh over its own devices, warm it up, a
 Methods (rpc.py: JSON over gRPC; every call presents the cluster token, every request is checked against its
 schema in messages.py before a handler sees it):
   Health    {} -> {"name", "role", "address", "kv_address", "max_model_len", "pid", "stats", "links", "shm"
-            (decode: its shared-memory receive pool), "pull" (decode: takes device pulls), "pull_address"}
+            (its shared-memory receive pool), "pull" (takes device pulls), "pull_address"}
   Decode    (decode, stream) {"request_id", "prompt", "params", "kv_tokens", "deadline_s"?, "output"?, "logprobs"?}
             -> first {"reserved": {"blocks", "skip", "shm_base" (the region's offset in this instance's
             shared-memory pool, or None), "pull"}}, then one {"update": ...} per engine step that changed the
@@ -24,6 +24,12 @@ schema in messages.py before a handler sees it):
             holds most of the prompt already, or no prefill instance is up).
   SetLink   {"dst", "bandwidth_gbps"} -> {"links"}: the emulated bandwidth of this instance's links to cluster
             dst, open and future (the router's admin endpoint).
+  Import    (any role, stream) {"request_id", "prompt" (a prefix: whole blocks), "deadline_s"?} -> first
+            {"reserved": {...}} as Decode's, then {"imported": {"tokens", "skip"}} once another instance's Export
+            filled it and the prefix is in this instance's cache (the router's cross-cluster prefix move).
+  Export    (prefill) {"request_id", "prompt" (the prefix), "dst": reservation} -> {"kv_bytes", "frames", "sends",
+            "resends", "backend"}: sends the prefix's KV from this instance's prefix cache, no compute;
+            FAILED_PRECONDITION when it is no longer cached.
 "output" / "logprobs" resume a request whose first tokens were generated (and streamed to the client) before its
 instance failed: it continues from there (LLMEngine.add_request); its Updates count those tokens as output.
 With `--router HOST:PORT` the worker registers with the router and repeats the registration every
@@ -124,12 +130,12 @@ class Worker:
                     raise ConfigFileError(f"transfer.device_transfer: on, but JAX's transfer server did not start "
                                           f"on {jax.default_backend()}: {e}") from e
                 log.warning("%s: no device transfer (%s); KV goes over TCP / shared memory", inst.name, e)
-        if inst.role in ("decode", "both"):
-            from ..disagg.decode_side import KVIntake
-            self.intake = KVIntake(self.llm, t.token, self.engine.post, inst.host, inst.kv_port,
-                                   t.recv_pool_mb << 20, t.deadline_s, shared=t.shared_memory,
-                                   puller=self.pull_server, timeouts=t.timeouts(), pull_from=self._pull_source,
-                                   tls=self.tls.server_context() if self.tls else None)
+        # every instance receives KV: a decode instance its requests', any instance a cached prefix moved to it
+        from ..disagg.decode_side import KVIntake
+        self.intake = KVIntake(self.llm, t.token, self.engine.post, inst.host, inst.kv_port,
+                               t.recv_pool_mb << 20, t.deadline_s, shared=t.shared_memory,
+                               puller=self.pull_server, timeouts=t.timeouts(), pull_from=self._pull_source,
+                               tls=self.tls.server_context() if self.tls else None)
         if inst.role in ("prefill", "both"):
             from ..disagg.prefill_side import Feeder
             self.feeder = Feeder()
@@ -208,13 +214,11 @@ class Worker:
         return {"links": changed}
 
     def _stats(self, eng) -> dict:
-        """Engine thread: the engine's stats and, on a decode instance, its KV intake's (reservations, pool)."""
-        return {**eng.stats(), **(self.intake.stats() if self.intake else {})}
+        """Engine thread: the engine's stats and its KV intake's (reservations, receive pool)."""
+        return {**eng.stats(), **self.intake.stats()}
 
     def _kv_address(self) -> list | None:
-        """[host, port] prefill instances dial for this instance's KV server (instance.kv_advertise, else bound)."""
-        if self.intake is None:
-            return None
+        """[host, port] senders dial for this instance's KV server (instance.kv_advertise, else bound)."""
         if self.inst.kv_advertise:
             host, _, port = self.inst.kv_advertise.rpartition(":")
             return [host, int(port)]
@@ -223,12 +227,12 @@ class Worker:
     def _describe(self, stats: dict) -> dict:
         from transfer.shm import boot_id
         links = {v.metrics.name: v.metrics.snapshot() for v, _ in list(self.links.values())}
-        pool = self.intake.pool if self.intake else None
-        shm = {"name": pool.shm_name, "boot": boot_id(), "bytes": pool.capacity} if pool and pool.shm_name else None
+        pool = self.intake.pool
+        shm = {"name": pool.shm_name, "boot": boot_id(), "bytes": pool.capacity} if pool.shm_name else None
         return {"name": self.inst.name, "role": self.inst.role, "address": self.address, "pid": os.getpid(),
                 "kv_address": self._kv_address(),
                 "max_model_len": self.llm.max_model_len, "stats": stats, "links": links, "shm": shm,
-                "pull": bool(self.intake and self.intake.server.puller is not None),
+                "pull": self.intake.server.puller is not None,
                 "pull_address": self.pull_server.address if self.pull_server and self.feeder else None,
                 "request_state": self.llm.scheduler.cfg.has_request_state}
 
@@ -248,7 +252,7 @@ class Worker:
         from transfer.bufpool import PoolFull
         from transfer.segments import OutOfBlocks
         from ..engine.client import RequestError
-        if self.intake is None:
+        if self.inst.role == "prefill":
             await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.inst.name} is a {self.inst.role} instance")
         rid = req.request_id
         try:
@@ -287,17 +291,19 @@ class Worker:
                                                 req.deadline_s, **req.resume())
         return [seq], (blocks, skip, self.intake.shm_base(req.request_id))
 
-    def _check_dst(self, peer: dict | None, dst, kv: int) -> str | None:
-        """Why a Prefill call's reservation cannot be sent to (None: it can): the instance must be a registered
-        decode instance, its blocks must cover the KV, and a shared-memory region must lie page aligned inside
-        the instance's segment, with exactly the room the transfer's staging takes."""
+    def _check_dst(self, peer: dict | None, dst, kv: int, decode: bool = True) -> str | None:
+        """Why a reservation cannot be sent to (None: it can): the instance must be a registered instance (a
+        decode instance, for a request's KV), its blocks must cover the KV, and a shared-memory region must lie
+        page aligned inside the instance's segment, with exactly the room the transfer's staging takes."""
         from transfer.bufpool import PAGE
         from transfer.receiver import region_bytes
         if peer is None:
             return (f"dst.instance: {dst.instance!r} is not an instance registered with the router"
                     + ("" if self._beats is not None else " (this worker has no router: start it with --router)"))
-        if not peer.get("kv_address"):
+        if decode and peer.get("role") not in ("decode", "both"):
             return f"dst.instance: {dst.instance!r} is a {peer.get('role')} instance, not a decode instance"
+        if not peer.get("kv_address"):
+            return f"dst.instance: {dst.instance!r} has no KV server"
         n = -(-kv // self.llm.layout.block_size)
         if len(dst.blocks) < n or dst.skip > n:
             return f"dst.blocks: {len(dst.blocks)} blocks (skipping {dst.skip}) do not hold {kv} tokens ({n} blocks)"
@@ -313,9 +319,7 @@ class Worker:
     async def prefill(self, req, ctx):
         import grpc
         from ..disagg.prefill_side import Handoff
-        from transfer.pull import PullLink
         from ..engine.client import RequestError
-        from transfer.state import KVPoll
         if self.feeder is None:
             await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.inst.name} is a {self.inst.role} instance")
         rid, kv, dst = req.request_id, req.kv_tokens, req.dst
@@ -326,8 +330,7 @@ class Worker:
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
         try:
             params = req.params.sampling()
-            link, shm_base = self._link(peer, self.cfg.cluster_of(dst.instance) if dst.instance in self._names
-                                        else self.cluster, dst.shm_base)
+            link, shm_base = self._link_to(peer, dst)
             handoff = Handoff(link, self.feeder, list(dst.blocks), dst.skip, kv, req.sample, t.groups_of(kv),
                               request_id=rid, shm_base=shm_base)
 
@@ -350,21 +353,102 @@ class Worker:
         sender = handoff.sender
         if handoff.sample and not handoff.ends:  # the client may see the first token while its KV travels
             yield {"first": dataclasses.asdict(dataclasses.replace(u, finished=False, finish_reason=None))}
-        state = await sender.state.wait_async(t.deadline_s)
+        sent = await self._sent(sender, ctx)
+        yield {**sent, "token": u.token_ids[0] if u.token_ids and handoff.sample else None, "ttft_s": u.ttft_s}
+
+    def _link_to(self, peer: dict, dst):
+        """(link, shm region base) for a reservation on instance dst.instance (`peer`: its peer-table entry)."""
+        return self._link(peer, self.cfg.cluster_of(dst.instance) if dst.instance in self._names else self.cluster,
+                          dst.shm_base)
+
+    async def _sent(self, sender, ctx) -> dict:
+        """Wait until the receiver acknowledged every byte (ABORTED when the transfer failed or outlived
+        transfer.deadline_s) -> the transfer's numbers."""
+        import grpc
+        from transfer.pull import PullLink
+        from transfer.state import KVPoll
+        try:
+            state = await sender.state.wait_async(self.cfg.transfer.deadline_s)
+        except asyncio.CancelledError:
+            sender.abort("the caller went away")
+            raise
         if state is not KVPoll.DONE:
             sender.abort("deadline passed" if not sender.state.final else sender.state.reason)
             await ctx.abort(grpc.StatusCode.ABORTED, f"KV transfer failed: {sender.state.reason}")
-        yield {"kv_bytes": sender.bytes_acked, "frames": sender.frames, "sends": sender.sends,
-               "resends": sender.resends, "token": u.token_ids[0] if u.token_ids and handoff.sample else None,
-               "ttft_s": u.ttft_s,
-               "backend": "device" if isinstance(link, PullLink) else "shm" if sender.shm_base is not None else "tcp"}
+        return {"kv_bytes": sender.bytes_acked, "frames": sender.frames, "sends": sender.sends,
+                "resends": sender.resends, "backend": "device" if isinstance(sender.link, PullLink)
+                else "shm" if sender.shm_base is not None else "tcp"}
+
+    async def import_prefix(self, req, ctx):
+        """Import (stream): reserve blocks for a cached prefix another instance exports to this one (the router's
+        prefix move), answer the reservation, then {"imported": {"tokens", "skip"}} once its KV is cached here;
+        ABORTED when the transfer failed. Closing the stream early releases the reservation."""
+        import grpc
+        from transfer.bufpool import PoolFull
+        from transfer.segments import OutOfBlocks
+        from ..engine.client import RequestError
+        rid, tokens = req.request_id, list(req.prompt)
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def on_done(error):  # engine thread
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(error))
+        try:
+            blocks, skip = await self.engine.call(
+                lambda eng: self.intake.reserve_prefix(rid, tokens, on_done, req.deadline_s))
+        except (RequestError, ValueError) as e:
+            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except (OutOfBlocks, PoolFull) as e:
+            await ctx.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{type(e).__name__}: {e}")
+        try:
+            yield {"reserved": {"blocks": blocks, "skip": skip, "shm_base": self.intake.shm_base(rid),
+                                "pull": self.intake.server.puller is not None}}
+            error = await done
+        finally:
+            if not done.done():
+                self.intake.cancel(rid)  # its arrival (failed) releases the blocks on the engine thread
+        if error is not None:
+            await ctx.abort(grpc.StatusCode.ABORTED, f"prefix import failed: {error}")
+        yield {"imported": {"tokens": len(tokens), "skip": skip}}
+
+    async def export_prefix(self, req, ctx):
+        """Export: send the KV of a prefix this instance holds in its prefix cache (whole blocks; with
+        request-level state, a snapshot at its end) into a reservation that Import made on another instance ->
+        the transfer's numbers once acknowledged. FAILED_PRECONDITION when the prefix is no longer cached."""
+        import grpc
+        from ..disagg.prefill_side import Handoff
+        from ..engine.client import RequestError
+        if self.feeder is None:
+            await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.inst.name} is a {self.inst.role} instance")
+        dst, tokens = req.dst, list(req.prompt)
+        peer = await self._peer(dst.instance)
+        why = self._check_dst(peer, dst, len(tokens), decode=False)
+        if why is not None:
+            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+        link, shm_base = self._link_to(peer, dst)
+        handoff = Handoff(link, self.feeder, list(dst.blocks), dst.skip, len(tokens), False,
+                          self.cfg.transfer.groups_of(len(tokens)), request_id=req.request_id, shm_base=shm_base)
+
+        def send(eng) -> bool:
+            found = eng.cached_prefix(tokens)
+            if found is not None:
+                handoff.send_cached(eng, *found)
+            return found is not None
+        try:
+            sent = await self.engine.call(send)
+        except (RequestError, ValueError) as e:
+            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if not sent:
+            await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                            f"{self.inst.name} no longer holds the {len(tokens)}-token prefix")
+        return await self._sent(handoff.sender, ctx)
 
     # ---- heartbeats (on the thread of self._beats)
     async def _register(self) -> None:
         """One registration with the router, carrying the prefix-cache events it asked for last time (the
         global KV index, router/kv_index.py); its answer replaces the peer table."""
         # the engine thread's last snapshot: a long step or compile must not look like a dead worker
-        msg = self._describe(self.engine.stats())
+        msg = {**self._describe(self.engine.stats()), "kv_epoch": self.llm.cache_events.epoch}
         batch = self._cache_batch()
         if batch is not None:
             msg["kv"] = batch
@@ -424,9 +508,10 @@ class Worker:
         -> the started grpc.aio server. self.address is where it listens."""
         from . import messages, rpc
         server = rpc.server(self.cfg.transfer.token)
-        server.add_generic_rpc_handlers((rpc.handler({"Health": self.health, "SetLink": self.set_link},
-                                                     {"Decode": self.decode, "Generate": self.generate,
-                                                      "Prefill": self.prefill}, messages.WORKER),))
+        unary = {"Health": self.health, "SetLink": self.set_link, "Export": self.export_prefix}
+        streams = {"Decode": self.decode, "Generate": self.generate, "Prefill": self.prefill,
+                   "Import": self.import_prefix}
+        server.add_generic_rpc_handlers((rpc.handler(unary, streams, messages.WORKER),))
         port = rpc.listen(server, f"{self.inst.host}:{self.inst.port}", self.tls)
         await server.start()
         self.address = f"{self.inst.host}:{port}"
@@ -469,8 +554,7 @@ class Worker:
             link.close()
         if self.feeder:
             self.feeder.close()
-        if self.intake:
-            self.intake.close()
+        self.intake.close()
         self.engine.shutdown()
 
 

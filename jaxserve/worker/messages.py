@@ -87,8 +87,8 @@ class Decode(_Resumable):
 
 
 class Reservation(_Msg):
-    """Where decode reserved a request's KV (its Decode stream's first answer), as the router passes it on."""
-    instance: Name  # the decode instance; its KV address and segment come from the peer table
+    """Where an instance reserved KV (the first answer of its Decode or Import stream), as the router passes it on."""
+    instance: Name  # the receiving instance; its KV address and segment come from the peer table
     blocks: Annotated[list[Annotated[StrictInt, Field(ge=0, lt=1 << 31)]], Field(max_length=MAX_BLOCKS)]
     skip: StrictInt = Field(ge=0, le=MAX_BLOCKS)
     shm_base: StrictInt | None = Field(None, ge=0, lt=1 << 48)  # the region's offset in decode's segment
@@ -98,6 +98,20 @@ class Reservation(_Msg):
 class Prefill(_Request):
     kv_tokens: StrictInt = Field(ge=1, le=MAX_TOKENS)
     sample: StrictBool = True
+    dst: Reservation
+
+
+class Import(_Msg):
+    """A cached prefix (whole blocks) to receive into this instance's prefix cache."""
+    request_id: Name
+    prompt: Annotated[Ids, Field(min_length=1)]
+    deadline_s: FiniteFloat | None = Field(None, gt=0, le=3600)
+
+
+class Export(_Msg):
+    """A prefix of this instance's prefix cache to send into the reservation Import made on `dst.instance`."""
+    request_id: Name
+    prompt: Annotated[Ids, Field(min_length=1)]
     dst: Reservation
 
 
@@ -131,7 +145,8 @@ class CacheBatch(_Msg):
 
 class Register(_Msg):
     """A worker's registration / heartbeat (its Health answer); `kv`: its prefix-cache events since the number
-    the router's last answer asked for (`kv_want`), or its full cache state when that was None."""
+    the router's last answer asked for (`kv_want`), or its full cache state when that was None; `kv_epoch`:
+    its events' epoch, on every heartbeat (a restarted worker is a new epoch at once)."""
     name: Name
     role: Name
     address: Annotated[StrictStr, Field(min_length=1, max_length=512)]
@@ -142,12 +157,14 @@ class Register(_Msg):
     links: Annotated[dict[Annotated[str, Field(max_length=600)],
                           Annotated[dict[Annotated[str, Field(max_length=64)], Scalar], Field(max_length=64)]],
                      Field(max_length=256)] = {}
-    shm: ShmInfo | None = None  # decode: its shared-memory receive pool
-    pull: StrictBool = False  # decode: takes device pulls
+    shm: ShmInfo | None = None  # its shared-memory receive pool
+    pull: StrictBool = False  # takes device pulls
     pull_address: Annotated[StrictStr, Field(max_length=512)] | None = None  # prefill: its JAX transfer server
     request_state: StrictBool = False  # the model has request-level state (prefixes reusable at snapshots only)
     kv: CacheBatch | None = None
+    kv_epoch: Annotated[StrictStr, Field(min_length=1, max_length=64)] | None = None  # its cache events' epoch
 
 
-WORKER = {"Health": Health, "Decode": Decode, "Prefill": Prefill, "Generate": Generate, "SetLink": SetLink}
+WORKER = {"Health": Health, "Decode": Decode, "Prefill": Prefill, "Generate": Generate, "SetLink": SetLink,
+          "Import": Import, "Export": Export}
 ROUTER = {"Register": Register}

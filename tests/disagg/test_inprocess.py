@@ -48,7 +48,9 @@ def run_disagg(path, prompts, params, *, sample=True, layers_per_group=None, war
     pre = LLMEngine(path, "float32", CFG, mesh(tp[0]), progress=False)
     dec = LLMEngine(path, "float32", CFG, mesh(tp[1]), progress=False)
     posted: queue.Queue = queue.Queue()
-    intake = KVIntake(dec, "t0k", posted.put, shared=shm, puller=PullServer(connections=2) if pull else None)
+    # the deadline is not under test here: long enough for a loaded machine to compile the prefill programs
+    intake = KVIntake(dec, "t0k", posted.put, deadline_s=600, shared=shm,
+                      puller=PullServer(connections=2) if pull else None)
     link = (ShmLink(intake.address, "t0k", intake.pool.shm_name, connections=2, chunk_bytes=4096) if shm
             else PullLink(intake.address, "t0k", PullServer(connections=2), connections=2) if pull
             else TcpLink(intake.address, "t0k", connections=2, chunk_bytes=4096))

@@ -166,7 +166,7 @@ def test_worker_processes_match_colocated(cluster):
     path, procs, _ = cluster
     pinfo, dinfo = procs["p0"][1], procs["d0"][1]
     assert pinfo["cpus"] == [0] and dinfo["cpus"] == [1]  # pinned before JAX started
-    assert dinfo["kv_address"] and pinfo["kv_address"] is None
+    assert dinfo["kv_address"] and pinfo["kv_address"]  # every instance receives KV (a moved prefix, too)
     want = colocated_tokens(path)
     for (reserved, res, last, early), p, w in zip(run_prompts(pinfo, dinfo), PROMPTS, want):
         assert last["token_ids"] == w and last["finished"] and not last["error"]

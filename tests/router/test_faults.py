@@ -10,6 +10,8 @@ lands while the request is in the middle of that worker's part, deterministicall
    stream stopped, whole on p1 (local prefill fallback, no decode instance left) with the tokens streamed so
    far: the client gets every token once, equal to the colocated answer. The next request does not go to d0
    either.
+3. d0 started again: the global KV index counts nothing of the killed process's cache (a new event epoch),
+   takes the new process's full state and follows it from there.
 After each fault, no surviving worker holds a cache block or a request.
 """
 
@@ -28,7 +30,7 @@ import yaml
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.llm_engine import EngineConfig
-from tests.router.test_cluster_http import BASE, ENGINE, disagg_config, serving, tokens, worker_stats
+from tests.router.test_cluster_http import BASE, ENGINE, complete, disagg_config, serving, tokens, worker_stats
 
 pytestmark = pytest.mark.slow
 
@@ -152,4 +154,23 @@ def test_decode_killed_mid_stream_is_resumed_and_avoided(faulty):
     assert tokens(body["choices"][0]) == want
     assert body["jaxserve"]["prefill_instance"] == body["jaxserve"]["decode_instance"] == "p1"
     assert body["jaxserve"]["kv_bytes_transferred"] == 0
+    check_no_leak(cluster)
+
+
+def test_killed_worker_restarted_holds_nothing_in_the_index(faulty):
+    """d0 was killed above while it held the prompt's prefix. Started again (a new process, a new cache-event
+    epoch) it counts for nothing of the old process's cache: the global KV index takes the new process's full
+    state, which holds none of the prompt, and then follows what the new process caches."""
+    path, client, cluster = faulty
+    prompt = BASE[:9]
+    old = cluster.registry.workers["d0"].pid
+    cluster.launcher.start_one("d0")
+    d0 = lambda: cluster.registry.workers["d0"]  # noqa: E731
+    wait_for(lambda: d0().pid != old and cluster.registry.is_up(d0()), 300, "d0 to come back")
+    wait_for(lambda: cluster.index.want("d0") is not None, 30, "d0's full cache state")
+    assert "d0" not in cluster.index.match(prompt)
+    body = complete(client, prompt)
+    assert tokens(body["choices"][0]) == reference(path, prompt, 6)
+    assert body["jaxserve"]["decode_instance"] == "d0"
+    wait_for(lambda: cluster.index.match(prompt).get("d0") == 8, 30, "the index to see d0's new blocks")
     check_no_leak(cluster)

@@ -113,13 +113,18 @@ def test_lost_events_resync_and_never_report_a_dropped_prefix():
     check(index, [w], [old + [1], list(range(200, 229)) + [1], [7, 7, 7, 7, 7, 1], [8, 8, 8, 8, 8, 1]])
 
 
-def test_a_restarted_worker_starts_from_nothing():
-    index = KVIndex(BS)
-    w = Worker("a")
-    p = list(range(50, 70))
+def served(p) -> tuple[KVIndex, Worker]:
+    """An index that heard of worker "a" serving the 20-token prompt p."""
+    index, w = KVIndex(BS), Worker("a")
     w.serve(p)
     w.beat(index)
     assert index.match(p + [1]) == {"a": 20}
+    return index, w
+
+
+def test_a_restarted_worker_starts_from_nothing():
+    p = list(range(50, 70))
+    index, w = served(p)
     fresh = Worker("a")  # the same instance name, a new process: a new epoch and an empty cache
     fresh.want = w.want  # it answers the router's last question, with events of its own epoch
     fresh.serve([1, 2, 3, 4, 5])
@@ -127,6 +132,20 @@ def test_a_restarted_worker_starts_from_nothing():
     assert index.match(p + [1]) == {} and fresh.want is None
     fresh.beat(index)
     check(index, [fresh], [p + [1], [1, 2, 3, 4, 5, 6]])
+
+
+def test_a_restarted_worker_heard_without_events_already_counts_for_nothing():
+    """A restarted worker's first heartbeats carry no batch (its full state is still being taken on the engine
+    thread) but do carry its epoch: the old process's entries go with the first of them, not a beat later."""
+    p = list(range(80, 100))
+    index, w = served(p)
+    assert index.apply("a", None, w.bm.events.epoch) == w.want  # the same process, nothing to send: no change
+    assert index.match(p + [1]) == {"a": 20}
+    fresh = Worker("a")
+    assert index.apply("a", None, fresh.bm.events.epoch) is None  # it asks for the new process's full state
+    assert index.match(p + [1]) == {} and index.stats()["resyncs"] == 1
+    fresh.beat(index)
+    check(index, [fresh], [p + [1]])
 
 
 def test_a_dead_worker_counts_for_nothing_until_it_resyncs():

@@ -180,6 +180,43 @@ def test_threshold_settles_under_steady_load(demand):
     assert final_u >= p.lower_utilisation or values[-1] == p.threshold_tokens
 
 
+def test_predicted_floor_follows_a_bandwidth_drop_at_once():
+    """The floor: from the recent uncached lengths and the measured bytes per token, the smallest threshold
+    whose offloaded KV fits raise_utilisation of the link. Halving the capacity raises it on the next
+    placement, with no utilisation level to wait for; restoring it lowers it again; old lengths age out."""
+    c = ThresholdController(ThresholdParams(100, window_s=10.0, hold_s=4.0))
+    for n in (50, 150, 300, 600):
+        c.record(n, 0.0)
+    per_token = 1000.0  # bytes; the lengths above 100 offload 1050 tokens per 10 s: 105 kB/s
+    full = LinkState("prfaas", "pd", 210e3)  # at 100: 0.5 utilisation
+    assert c.observe(full, 1.0, per_token) == 100 and c.predicted == pytest.approx(0.5)
+    half = LinkState("prfaas", "pd", 105e3)  # at 100: 1.0; keeping 150 local: 0.857; 300 too: 0.571
+    assert c.observe(half, 1.5, per_token) == 300 and c.predicted == pytest.approx(600 / 1050)
+    assert c.floor == 300 and c.stair == 100  # the prediction moved, not the measured staircase
+    assert c.observe(full, 2.0, per_token) == 100
+    assert c.observe(half, 2.5, None) == 100  # no transfer measured yet: no prediction
+    assert c.observe(half, 12.0, per_token) == 100  # the lengths left the window
+    fixed = ThresholdController(ThresholdParams(100, adaptive=False))
+    fixed.record(600, 0.0)
+    assert fixed.observe(half, 1.0, per_token) == 100
+
+
+def test_prfaas_keeps_more_local_after_a_bandwidth_drop():
+    """Through the policy: a 200-token prompt goes to PrfaaS on the full link and stays on the PD cluster once
+    the link halves, because the window's long requests alone fill what is left of it."""
+    pol = prfaas(100, window_s=10.0)
+    insts = cluster(1, 1, 1)
+
+    def place(total, capacity, now):
+        link = (LinkState("prfaas", "pd", capacity),)
+        return pol.place(Snapshot(RequestInfo(total, total), tuple(insts), link, now, 1000.0))
+    for k, n in enumerate((2000, 2000, 200)):
+        assert place(n, 1e6, k * 0.1).route == "prfaas"  # 420 kB per 10 s on 1 MB/s: room for all
+    assert place(200, 0.5e6, 1.0).route == "pd"  # 4.2k tokens in the window x 1 kB / 10 s: 0.84 of 0.5 MB/s
+    assert pol.state()["threshold_floor_tokens"] == 200
+    assert place(3000, 0.5e6, 1.1).route == "prfaas"
+
+
 def test_band_must_be_wider_than_one_step():
     with pytest.raises(ValueError, match="must exceed lower_utilisation"):
         ThresholdParams(1000, raise_utilisation=0.5, lower_utilisation=0.4, step=1.5)

@@ -4,8 +4,10 @@ prefill and a decode worker sharing core 1) joined by an emulated link, served b
 with the `prfaas` policy. A short prompt stays on the PD cluster; a long unique one is prefilled in PrfaaS and
 its KV crosses the link; the conversation's next turn (that prompt + the answer + a short message) stays in
 the PD cluster with the history served from the decode instance's cache (blocks and the linear state saved at
-the last block boundary during decode), which the global KV index learned from the workers' cache events.
-Every answer equals the colocated greedy answer. Then the admin endpoint halves the link's bandwidth live."""
+the last block boundary during decode), which the global KV index learned from the workers' cache events; a
+prompt sharing the long one's prefix stays on the PD prefill, which first receives that cached prefix from
+PrfaaS (a cross-cluster prefix move). Every answer equals the colocated greedy answer. Then the admin endpoint
+halves the link's bandwidth live."""
 
 from __future__ import annotations
 
@@ -25,6 +27,9 @@ pytestmark = pytest.mark.slow
 SHORT = [5, 7, 9, 11, 13, 2, 3, 4]
 LONG = [(7 * i + 3) % 60 + 1 for i in range(300)]  # above the preset's threshold_tokens (256)
 MESSAGE = [21, 22, 23]
+# shares the long prompt's first 288 tokens (its last block boundary: the PrfaaS prefill's snapshot), then 100
+# new ones: the PD cluster's prefill computes them after the cached prefix moves across from PrfaaS
+BRANCH = LONG[:288] + [(11 * i + 5) % 60 + 1 for i in range(100)]
 ENGINE = dict(num_blocks=256, max_model_len=512, max_num_seqs=4, num_snapshots=16, warmup=False)
 
 
@@ -64,6 +69,7 @@ def test_short_local_long_prfaas_next_turn_from_the_decode_cache(tmp_path):
         want_long = tokens(complete(client, LONG)["choices"][0])
         turn = LONG + want_long + MESSAGE
         want_turn = tokens(complete(client, turn)["choices"][0])
+        want_branch = tokens(complete(client, BRANCH)["choices"][0])
     with serving(cfg) as (client, router):
         short = complete(client, SHORT)
         assert tokens(short["choices"][0]) == want_short
@@ -89,8 +95,25 @@ def test_short_local_long_prfaas_next_turn_from_the_decode_cache(tmp_path):
         assert js["cached_tokens"] == history and js["prefix_source"] == "pd-d0"
         assert js["uncached_tokens"] == len(turn) - history and js["kv_bytes_transferred"] == 0
 
+        # bandwidth abundant: the best prefix anywhere counts (PrfaaS holds 288 of BRANCH's tokens, the PD
+        # prefill none, the decode instance no state there), so the 100 uncached tokens stay on the PD
+        # prefill and the cached prefix moves across the link first (Import on pd-p0, Export on prfaas-p0)
+        branch = complete(client, BRANCH)
+        assert tokens(branch["choices"][0]) == want_branch
+        js = branch["jaxserve"]
+        assert (js["route"], js["prefill_instance"], js["decode_instance"]) == ("pd", "pd-p0", "pd-d0"), js
+        assert js["prefix_source"] == "prfaas-p0" and js["uncached_tokens"] == 100
+        move = js["prefix_move"]
+        assert (move["src"], move["dst"], move["tokens"]) == ("prfaas-p0", "pd-p0", 288) and move["kv_bytes"] > 0
+        # pd-p0 served the 288 tokens from the moved cache (its hit rate was 0), and the index heard of them and
+        # of the blocks it computed on top (to BRANCH's last block boundary, with the state snapshot there)
+        wait_for(lambda: router.registry.get("pd-p0").stats.get("prefix_hit_rate", 0) > 0, "pd-p0's prefix hit")
+        wait_for(lambda: router.index.match(BRANCH).get("pd-p0") == 384, "the index to see the moved prefix")
+
         metrics = client.get("/metrics").text
-        for route, n in (("pd", 1), ("prfaas", 1), ("colocated", 1)):
+        assert re.search(r'jaxserve_prefix_moves{outcome="done"} 1\.0', metrics)
+        assert re.search(r'jaxserve_prefix_moves{outcome="failed"} 0\.0', metrics)
+        for route, n in (("pd", 2), ("prfaas", 1), ("colocated", 1)):
             assert re.search(rf'jaxserve_route_requests{{route="{route}"}} {n}\.0', metrics), route
         sent = [float(v) for v in re.findall(r'jaxserve_link_bytes_sent{link="prfaas-p0->[^"]*"} (\S+)', metrics)]
         assert sent and sum(sent) >= long["jaxserve"]["kv_bytes_transferred"]
@@ -98,7 +121,8 @@ def test_short_local_long_prfaas_next_turn_from_the_decode_cache(tmp_path):
 
         # the admin endpoint reshapes the live link (a bandwidth drop staged at run time)
         r = client.post("/admin/links", json={"src": "prfaas", "dst": "pd", "bandwidth_gbps": 0.2})
-        assert r.status_code == 200 and r.json()["instances"] == {"prfaas-p0": {"links": 1}}, r.text
+        # prfaas-p0's links to the PD cluster: to pd-d0 (LONG's KV) and to pd-p0 (the moved prefix)
+        assert r.status_code == 200 and r.json()["instances"] == {"prfaas-p0": {"links": 2}}, r.text
         wait_for(lambda: re.search(r'jaxserve_link_bandwidth_bytes_s{link="prfaas-p0->[^"]*"} 2\.5e\+07',
                                    client.get("/metrics").text), "the new bandwidth in the link's report")
         links = link_states(router.cfg, router.registry.all(), router.topology.bandwidth)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import socket
 import time
 
-import httpx
 import pytest
 from fastapi import FastAPI, Request
 

@@ -1,0 +1,110 @@
+"""A cached prefix copied from one instance's prefix cache into another's (the router's cross-cluster prefix
+move): two engines in one process, the sender's Export path (Handoff.send_cached from LLMEngine.cached_prefix,
+no compute) over TCP (loopback) into the receiver's Import reservation (KVIntake.reserve_prefix). The receiver
+then serves a longer prompt from the moved blocks (and, for the hybrid model, the moved linear state at the
+prefix's end), and its greedy tokens equal the colocated engine's."""
+
+from __future__ import annotations
+
+import queue
+
+import pytest
+
+from jaxserve import LLM
+from jaxserve.disagg.decode_side import KVIntake
+from jaxserve.disagg.prefill_side import Feeder, Handoff
+from jaxserve.engine.client import RequestError
+from jaxserve.engine.llm_engine import LLMEngine
+from tests.disagg.test_inprocess import BASE, CFG, GREEDY
+from transfer.state import KVPoll
+from transfer.tcp import TcpLink
+
+PROMPT = BASE[:13]  # cached on the sender up to its last block boundary (12 tokens, block_size 4)
+PREFIX = PROMPT[:12]
+FOLLOWUP = PROMPT + [40, 41, 42, 43, 44]
+
+
+def run(eng: LLMEngine, rid: str, prompt):
+    (seq,) = eng.add_request(rid, prompt, GREEDY)
+    while eng.has_work:
+        eng.step()
+    return seq
+
+
+class Mover:
+    """The receiving engine's KV intake and a TCP link to it from the sending side's feeder."""
+
+    def __init__(self, dst: LLMEngine):
+        self.posted: queue.Queue = queue.Queue()
+        self.intake = KVIntake(dst, "t0k", self.posted.put, deadline_s=600)  # the deadline is not under test
+        self.link = TcpLink(self.intake.address, "t0k", connections=2, chunk_bytes=4096)
+        self.feeder = Feeder()
+
+    def move(self, src: LLMEngine, rid: str, tokens) -> tuple[list, int, Handoff]:
+        """-> (the arrival outcomes (None: cached), skip, handoff)"""
+        outcomes = []
+        blocks, skip = self.intake.reserve_prefix(rid, tokens, outcomes.append)
+        found = src.cached_prefix(tokens)
+        assert found is not None
+        h = Handoff(self.link, self.feeder, blocks, skip, len(tokens), False, 2, request_id=rid)
+        h.send_cached(src, *found)
+        assert h.sender.wait(30) is KVPoll.DONE, h.sender.state.reason
+        self.posted.get(timeout=30)()  # the arrival, on "the engine thread"
+        return outcomes, skip, h
+
+    def close(self):
+        self.link.close()
+        self.feeder.close()
+        self.intake.close()
+
+
+@pytest.mark.parametrize("family", ["llama", "kimi_linear"])
+def test_moved_prefix_serves_the_next_request(checkpoint_dir, family):
+    path = checkpoint_dir(family)
+    want = LLM(path, progress=False, engine=CFG).generate([FOLLOWUP], GREEDY)[0].token_ids
+    src = LLMEngine(path, "float32", CFG, progress=False)
+    dst = LLMEngine(path, "float32", CFG, progress=False)
+    dst.blocks.allocate([], 3 * CFG.block_size)  # the two pools' block ids differ
+    run(src, "a", PROMPT)
+    assert src.cached_prefix(PROMPT[:8] + [60, 61, 62, 63]) is None  # not held: nothing to send
+    mover = Mover(dst)
+    try:
+        events = dst.cache_events.since(0)["next"]
+        outcomes, skip, h = mover.move(src, "m", PREFIX)
+        assert outcomes == [None] and skip == 0 and h.sender.bytes_acked > 0
+        assert dst.blocks.num_referenced() == 3  # only the blocks allocated above: the move's are cache now
+        stored = [e for e in dst.cache_events.since(events)["events"] if e[0] in ("stored", "snap")]
+        assert sum(len(hs) for kind, hs in stored if kind == "stored") == 3
+        assert any(kind == "snap" for kind, _ in stored) == dst.layout.has_request_state
+
+        seq = run(dst, "b", FOLLOWUP)
+        assert seq.num_cached == len(PREFIX)  # served from the moved blocks (and snapshot), not recomputed
+        assert seq.output == want, family
+
+        # moved again: the blocks it holds are skipped (all but the last, which comes with the state)
+        outcomes, skip, _ = mover.move(src, "m2", PREFIX)
+        assert outcomes == [None] and skip == len(PREFIX) // CFG.block_size - 1
+        for eng in (src, dst):
+            eng.blocks.check()
+        assert mover.intake.pool.free_bytes == mover.intake.pool.capacity and not mover.intake.receivers
+    finally:
+        mover.close()
+
+
+def test_a_move_that_never_arrives_releases_its_blocks(checkpoint_dir):
+    dst = LLMEngine(checkpoint_dir("llama"), "float32", CFG, progress=False)
+    mover = Mover(dst)
+    try:
+        outcomes = []
+        mover.intake.reserve_prefix("m", PREFIX, outcomes.append)
+        assert dst.blocks.num_referenced() == 3
+        mover.intake.cancel("m")  # the router closed the Import stream (the sender failed)
+        mover.posted.get(timeout=30)()
+        assert outcomes == ["request aborted"]
+        assert dst.blocks.num_referenced() == 0 and not dst.blocks.hash_block  # nothing cached from it
+        assert mover.intake.pool.free_bytes == mover.intake.pool.capacity
+        with pytest.raises(RequestError, match="whole blocks"):
+            mover.intake.reserve_prefix("x", PREFIX[:6], outcomes.append)
+        dst.blocks.check()
+    finally:
+        mover.close()
