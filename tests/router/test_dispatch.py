@@ -156,6 +156,7 @@ def test_disaggregated_request_and_registration():
             assert u.token_ids == [3, 0] and u.error is None
             assert u.route == {"route": "pd", "prefill_instance": "p0", "decode_instance": "d0",
                                "prefill_cluster": "c", "decode_cluster": "c", "prefix_source": None,
+                               "prefix_move": None,
                                "kv_bytes_transferred": 100, "kv_backend": "tcp", "attempts": 1}
             assert w["d0"].opened == ["r.1"] and w["p0"].prefills == ["r.1"]
             c, intruder = rpc.Client(ce.address, TOKEN), rpc.Client(ce.address, "nope")
