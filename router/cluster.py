@@ -8,7 +8,9 @@ prefill call sends the first token the moment it is sampled (the client has it w
 answers once decode has acknowledged every KV byte; the decode stream's Updates follow (its report of that
 first token is dropped). n > 1 fans out into n requests with seeds seed, seed + 1, ... (as the colocated
 engine does). A placement without a prefill instance runs the request whole on the decode instance
-(`Generate`: it holds most of the prompt already, or no prefill instance is up).
+(`Generate`: it holds most of the prompt already, or no prefill instance is up). A placement that names a
+cached prefix to move (`move_prefix`) copies it into the prefill instance first (`Import` there, `Export` on
+its holder); a failed move only means the prefill computes those tokens.
 
 Faults: a prefill that fails (its worker died, or the transfer failed) before decode has the KV closes the
 reservation (decode frees its blocks at once) and the request is placed again, on another prefill instance,
