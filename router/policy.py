@@ -21,6 +21,7 @@ then the most free blocks; the name breaks exact ties, so placements are determi
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -218,7 +219,7 @@ class ThresholdController:
         self.predicted = 0.0  # the predicted utilisation at the effective threshold
         self.high_since: float | None = None  # since when the link has read at or above raise_utilisation
         self.low_since: float | None = None  # ... below lower_utilisation
-        self._recent: list[tuple[float, int]] = []  # (time, uncached length) of recent requests
+        self._recent: deque[tuple[float, int]] = deque()  # (time, uncached length), the last window_s seconds
 
     @property
     def value(self) -> float:
@@ -227,19 +228,24 @@ class ThresholdController:
     def record(self, uncached: int, now: float) -> None:
         """A request's uncached length, as the policy judged it (offloaded or not: the distribution)."""
         self._recent.append((now, uncached))
+        self._expire(now)
+
+    def _expire(self, now: float) -> None:
+        while self._recent and now - self._recent[0][0] > self.p.window_s:
+            self._recent.popleft()
 
     def _predict(self, link: LinkState, now: float, per_token: float | None) -> None:
         """The floor: the smallest threshold (base or a recent length) whose predicted demand fits
         raise_utilisation x capacity."""
-        self._recent = [(t, n) for t, n in self._recent if now - t <= self.p.window_s]
+        self._expire(now)
         if not per_token or not link.capacity_bytes_s:
             self.floor, self.predicted = float(self.base), 0.0
             return
         rate = per_token / self.p.window_s / link.capacity_bytes_s  # utilisation per token of the window
-        above = sorted((n for _, n in self._recent if n > self.base), reverse=True)
+        above = sorted(n for _, n in self._recent if n > self.base)
         budget = self.p.raise_utilisation / rate
         floor, load = float(self.base), float(sum(above))
-        for n in reversed(above):  # shortest first: each one kept local lowers the load
+        for n in above:  # shortest first: each one kept local lowers the load
             if load <= budget:
                 break
             load -= n

@@ -80,7 +80,7 @@ class KVIntake:
         imported and cached, or the blocks are released, and on_done(None or the failure's reason) is called.
         -> (dst block ids, skip). Raises RequestError, OutOfBlocks / PoolFull (busy)."""
         llm = self.llm
-        blocks, skip = llm.reserve_prefix(tokens)
+        blocks, skip, hashes = llm.reserve_prefix(tokens)
         try:
             region = self.pool.allocate(region_bytes(llm.layout, llm.dtype_name, len(tokens), skip))
         except PoolFull:
@@ -92,7 +92,7 @@ class KVIntake:
             error = None if recv.state.poll() is KVPoll.DONE else recv.state.reason
             try:
                 if error is None:
-                    llm.prefix_arrived(tokens, blocks, skip, recv.staging, recv.arrays())
+                    llm.prefix_arrived(tokens, hashes, blocks, skip, recv.staging, recv.arrays())
                 else:
                     llm.blocks.free(blocks)
             except Exception as e:  # noqa: BLE001 - a failed import releases the blocks like a failed transfer

@@ -199,19 +199,19 @@ class LLMEngine:
             return None
         return hits, (self.layout.scratch_row if row is None else row + self.snapshot_base)
 
-    def reserve_prefix(self, tokens) -> tuple[list[int], int]:
+    def reserve_prefix(self, tokens) -> tuple[list[int], int, list[bytes]]:
         """Receiving side: blocks for the KV of `tokens` (whole blocks) that another instance's prefix cache
         sends, the leading ones this instance holds skipped (never the last: with it comes the state). Returns
-        (block ids, skip). Raises RequestError, OutOfBlocks. `prefix_arrived` or `blocks.free` ends it."""
+        (block ids, skip, the tokens' chain hashes). Raises RequestError, OutOfBlocks. `prefix_arrived` or
+        `blocks.free` ends it."""
         hashes = self._prefix_hashes(tokens)
         hits, _ = self.blocks.cached(hashes[:-1], False)
-        return self.blocks.allocate(hits, len(tokens)), len(hits)
+        return self.blocks.allocate(hits, len(tokens)), len(hits), hashes
 
-    def prefix_arrived(self, tokens, block_ids: list[int], skip: int, staging, views) -> None:
-        """Receiving side: the prefix's KV is here. Import it, cache its blocks and (request-level state) a
-        snapshot at its end, and drop the reservation's references: the blocks stay as prefix cache, and the
-        cache events tell the router's index."""
-        hashes = self._prefix_hashes(tokens)
+    def prefix_arrived(self, tokens, hashes: list[bytes], block_ids: list[int], skip: int, staging, views) -> None:
+        """Receiving side: the prefix's KV is here (hashes: reserve_prefix's). Import it, cache its blocks and
+        (request-level state) a snapshot at its end, and drop the reservation's references: the blocks stay as
+        prefix cache, and the cache events tell the router's index."""
         row = None
         if self.layout.has_request_state and self.blocks.snapshots.capacity:
             row = self.blocks.snapshots.acquire(hashes[-1])

@@ -199,6 +199,8 @@ def test_predicted_floor_follows_a_bandwidth_drop_at_once():
     fixed = ThresholdController(ThresholdParams(100, adaptive=False))
     fixed.record(600, 0.0)
     assert fixed.observe(half, 1.0, per_token) == 100
+    fixed.record(50, 25.0)  # a fixed threshold never predicts: its window still forgets old lengths
+    assert [n for _, n in fixed._recent] == [50]
 
 
 def test_prfaas_keeps_more_local_after_a_bandwidth_drop():
