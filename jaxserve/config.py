@@ -36,7 +36,9 @@ class EngineSection(_Strict):
     prefix_caching: bool = True
     num_snapshots: int = Field(32, ge=0)
     kernels: Literal["auto", "reference", "pallas", "interpret"] = Field(
-        "auto", description="Pallas kernels (GPU) or jnp references; auto: kernels on GPU")
+        "auto", description="Pallas kernels (GPU) or jnp references; auto: on a GPU each kernel the model uses is "
+        "checked against its reference at start-up and one that fails runs as the reference; pallas: such a "
+        "kernel stops the start")
     warmup: bool = Field(True, description="compile the decode programs before serving")
 
     @model_validator(mode="after")

@@ -25,15 +25,29 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 NEG = -1e30  # finite "minus infinity": masked scores, and m before any key
-BLOCK_Q_ROWS = 128  # query rows (tokens x G) per tile
-BLOCK_K = 128  # keys per tile
+BLOCK_Q_ROWS = 64  # query rows (tokens x G) per tile
+BLOCK_K = 64  # keys per tile
+GPU_LAUNCH = (4, 2)  # Triton warps and pipeline stages
 _BIG = 2 ** 30
+
+
+GPU_MIN_DIM = 16  # Triton's smallest matmul dimension
 
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def require_gpu_dims(what: str, **dims: int) -> None:
+    """Compiled (not interpreted) kernels lower through Pallas' Triton backend: every array a kernel body
+    touches has power-of-two dims, and a matmul's dims are at least GPU_MIN_DIM (smaller ones give wrong
+    numbers). A ValueError names the dim that is not; the self-test (check.py) then runs the reference."""
+    for name, n in dims.items():
+        if n < GPU_MIN_DIM or n & (n - 1):
+            raise ValueError(f"{what} compiled for the GPU needs {name} a power of two >= {GPU_MIN_DIM}, got {n}")
 
 
 # ------------------------------------------------------------------------------------------------ kernel
@@ -107,16 +121,33 @@ def _tile_ranges(q_pos, q_seg, k_pos, k_seg, bq: int, bk: int, causal: bool, win
     return lo.astype(jnp.int32), hi.astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "causal", "window", "block_q", "block_k", "interpret"))
+def triton_params(interpret: bool, num_warps: int | None, num_stages: int | None, default: tuple[int, int]):
+    """pallas_call's compiler_params for the Triton lowering: the given warps and stages, each defaulting to
+    `default` (the kernel's best on an H100 in bench/results/kernel_tune_h100.json); None when interpreting."""
+    if interpret:
+        return None
+    return plt.CompilerParams(num_warps=num_warps or default[0], num_stages=num_stages or default[1])
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "causal", "window", "block_q", "block_k", "interpret",
+                                             "num_warps", "num_stages"))
 def _flash(q, k, v, q_pos, q_seg, k_pos, k_seg, sinks, *, scale: float, causal: bool, window: int | None,
-           block_q: int, block_k: int, interpret: bool):
+           block_q: int, block_k: int, interpret: bool, num_warps: int | None = None, num_stages: int | None = None):
     """q [B, T, Hq, Dk]; k [B, S, Hkv, Dk]; v [B, S, Hkv, Dv]; q_pos, q_seg [B, T]; k_pos, k_seg [B, S] int32
     (segment < 0: padding); sinks [Hq] float32 or None; block_q tokens and block_k keys per tile
     -> [B, T, Hq, Dv] (zeros for queries that see no key)"""
     B, T, Hq, Dk = q.shape
     S, Hkv, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    G = Hq // Hkv
+    Dv_out, G = Dv, Hq // Hkv
     bq, bk = min(block_q, _pow2(T)), min(block_k, _pow2(S))
+    if not interpret:  # Triton: power-of-two tiles of at least 16 rows and keys, head dims padded with zeros
+        if G & (G - 1):
+            raise ValueError(f"flash attention compiled for the GPU needs a power-of-two GQA group, got {G}")
+        bq, bk = max(bq, -(-GPU_MIN_DIM // G)), max(bk, GPU_MIN_DIM)
+        Dkp, Dvp = max(GPU_MIN_DIM, _pow2(Dk)), max(GPU_MIN_DIM, _pow2(Dv))
+        q, k = (jnp.pad(x, [(0, 0)] * 3 + [(0, Dkp - Dk)]) for x in (q, k))
+        v = jnp.pad(v, [(0, 0)] * 3 + [(0, Dvp - Dv)])
+        Dk, Dv = Dkp, Dvp
     Tp, Sp = -(-T // bq) * bq, -(-S // bk) * bk
     pad_t, pad_s = [(0, 0), (0, Tp - T)], [(0, 0), (0, Sp - S)]
     q = jnp.pad(q, pad_t + [(0, 0), (0, 0)])
@@ -151,10 +182,11 @@ def _flash(q, k, v, q_pos, q_seg, k_pos, k_seg, sinks, *, scale: float, causal: 
         out_specs=pl.BlockSpec((None, None, R, Dv), lambda b, h, i: (b, h, i, 0)),
         out_shape=jax.ShapeDtypeStruct((B, Hkv, Tp * G, Dv), q.dtype),
         interpret=interpret,
+        compiler_params=triton_params(interpret, num_warps, num_stages, GPU_LAUNCH),
         name="flash_attention",
     )(lo, hi, qr, k, v, qpos_r, qseg_r, k_pos, k_seg, sink_r)
     out = out.reshape(B, Hkv, Tp, G, Dv).transpose(0, 2, 1, 3, 4).reshape(B, Tp, Hq, Dv)
-    return out[:, :T]
+    return out[:, :T, :, :Dv_out]
 
 
 # ------------------------------------------------------------------------------------------------ checks
@@ -194,13 +226,15 @@ def _packed_meta(T: int, cu_seqlens):
 # ------------------------------------------------------------------------------------------------ public
 
 def flash_attention(q, k, v, *, cu_seqlens, causal=True, sliding_window=None, sinks=None, scale=None,
-                    interpret=False, block_q: int = BLOCK_Q_ROWS, block_k: int = BLOCK_K):
+                    interpret=False, block_q: int = BLOCK_Q_ROWS, block_k: int = BLOCK_K, num_warps=None,
+                    num_stages=None):
     """Prefill attention over sequences packed along T.
 
     q [T, Hq, Dk]; k [T, Hkv, Dk]; v [T, Hkv, Dv]; cu_seqlens [B+1] int32 (sequence b is tokens
     cu_seqlens[b]:cu_seqlens[b+1]); sliding_window: a query sees the last `sliding_window` positions including
     itself; sinks [Hq] float32 per-head logits joining the softmax denominator; scale defaults to Dk**-0.5
-    -> out [T, Hq, Dv] (zeros for tokens past cu_seqlens[-1]). block_q counts query rows (tokens x G).
+    -> out [T, Hq, Dv] (zeros for tokens past cu_seqlens[-1]). block_q counts query rows (tokens x G);
+    num_warps, num_stages: the Triton launch parameters on a GPU (None: Triton's defaults).
     """
     _check_qkv(q, k, v, sinks, 0)
     _check_window(sliding_window, causal)
@@ -215,14 +249,16 @@ def flash_attention(q, k, v, *, cu_seqlens, causal=True, sliding_window=None, si
     scale = Dk ** -0.5 if scale is None else float(scale)
     out = _flash(q[None], k[None], v[None], pos[None], q_seg[None], pos[None], seg[None], sinks, scale=scale,
                  causal=bool(causal), window=None if sliding_window is None else int(sliding_window),
-                 block_q=max(1, block_q // G), block_k=block_k, interpret=bool(interpret))
+                 block_q=max(1, block_q // G), block_k=block_k, interpret=bool(interpret), num_warps=num_warps,
+                 num_stages=num_stages)
     return out[0]
 
 
 def ref_flash_attention(q, k, v, *, cu_seqlens, causal=True, sliding_window=None, sinks=None, scale=None,
-                        interpret=False, block_q: int = BLOCK_Q_ROWS, block_k: int = BLOCK_K):
+                        interpret=False, block_q: int = BLOCK_Q_ROWS, block_k: int = BLOCK_K, num_warps=None,
+                        num_stages=None):
     """Dense-mask reference of `flash_attention`, same arguments and result."""
-    del interpret, block_q, block_k
+    del interpret, block_q, block_k, num_warps, num_stages
     _check_qkv(q, k, v, sinks, 0)
     _check_window(sliding_window, causal)
     T, Hq, Dk = q.shape
@@ -252,7 +288,8 @@ def ref_flash_attention(q, k, v, *, cu_seqlens, causal=True, sliding_window=None
 
 
 def batched_attention(q, k, v, q_pos, k_pos, k_valid, *, scale: float, window: int | None = None, sinks=None,
-                      interpret=False, block_q: int = BLOCK_Q_ROWS, block_k: int = BLOCK_K):
+                      interpret=False, block_q: int = BLOCK_Q_ROWS, block_k: int = BLOCK_K, num_warps=None,
+                      num_stages=None):
     """Causal attention of B query rows over their key caches, keys placed by explicit positions.
 
     q [B, T, Hq, Dk]; k [B, S, Hkv, Dk]; v [B, S, Hkv, Dv]; q_pos [B, T] int32; k_pos [B, S] int32;
@@ -265,19 +302,21 @@ def batched_attention(q, k, v, q_pos, k_pos, k_valid, *, scale: float, window: i
     k_seg = jnp.where(k_valid, 0, -1).astype(jnp.int32)
     return _flash(q, k, v, q_pos.astype(jnp.int32), jnp.zeros((B, T), jnp.int32), k_pos.astype(jnp.int32), k_seg,
                   sinks, scale=float(scale), causal=True, window=None if window is None else int(window),
-                  block_q=max(1, block_q // G), block_k=block_k, interpret=bool(interpret))
+                  block_q=max(1, block_q // G), block_k=block_k, interpret=bool(interpret), num_warps=num_warps,
+                  num_stages=num_stages)
 
 
 REF_QUERY_TILE = 256  # the reference computes long prompts this many query rows at a time
 
 
 def ref_batched_attention(q, k, v, q_pos, k_pos, k_valid, *, scale: float, window: int | None = None, sinks=None,
-                          interpret=False, block_q: int = BLOCK_Q_ROWS, block_k: int = BLOCK_K):
+                          interpret=False, block_q: int = BLOCK_Q_ROWS, block_k: int = BLOCK_K, num_warps=None,
+                          num_stages=None):
     """Pure-jnp `batched_attention` (GQA by grouping, no K/V repeat), softmax in float32; queries that see
     no key give zeros, as in the kernel. Prompts longer than REF_QUERY_TILE (a multiple of it) are computed a
     tile of query rows at a time (`lax.map`), so the score matrix held at once is [tile, S], not [T, S]:
     the same numbers, a fraction of the memory (and of the fresh pages each program run touches)."""
-    del interpret, block_q, block_k
+    del interpret, block_q, block_k, num_warps, num_stages
     B, T = q.shape[:2]
     n = T // REF_QUERY_TILE
     if n > 1 and T % REF_QUERY_TILE == 0:

@@ -31,7 +31,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from .flash_attention import require_gpu_dims, triton_params
+
 SUB = 16  # sub-chunk of the per-channel decay products
+GPU_LAUNCH = (4, 1)  # Triton warps and pipeline stages: one stage keeps a chunk's tiles within shared memory
 _HI = jax.lax.Precision.HIGHEST
 
 
@@ -119,8 +122,6 @@ def ref_recurrent_gated_delta_rule(q, k, v, g, beta, *, initial_state=None, outp
                                    use_qk_l2norm_in_kernel=False, interpret=False):
     """Token-by-token form; same arguments and results as `ref_chunk_gated_delta_rule` (no chunk_size)."""
     del interpret
-    B, T, H, Dk = q.shape
-    Dv = v.shape[-1]
     out_dtype = v.dtype
     q, k, v, g, beta, S0 = _prep(q, k, v, g, beta, initial_state, use_qk_l2norm_in_kernel)
 
@@ -194,7 +195,7 @@ def _chunk_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, s0_ref, o_ref, s_ref, *, ch
         eG = jnp.exp(G)
         v_new = _dot(inv, v * beta) - _dot(_dot(inv, kb * eG), S)
         o_ref[sl, :] = (_dot(q * eG, S) + _dot(jnp.where(incl, qk, 0.0), v_new)).astype(o_ref.dtype)
-        G_last = G[C - 1:C]  # [1, Dg]
+        G_last = jnp.sum(g, axis=0, keepdims=True)  # [1, Dg] the chunk's total decay: G's last row
         kd = k * jnp.exp(G_last - G)  # [C, Dk]
         upd = jax.lax.dot_general(kd, v_new, (((0,), (0,)), ((), ())), precision=_HI,
                                   preferred_element_type=jnp.float32)
@@ -238,6 +239,11 @@ def _run(q, k, v, g, beta, S0, *, chunk: int | None, out_dtype, interpret: bool)
     """Prepared float32 inputs -> (out [B, T, H, Dv], final state [B, H, Dk, Dv]); chunk None: recurrent."""
     B, T, H, Dk = q.shape
     Dv, Dg = v.shape[-1], g.shape[-1]
+    if not interpret:
+        require_gpu_dims("the gated delta rule", Dk=Dk, Dv=Dv, **({} if chunk is None else {"chunk_size": chunk}))
+        if chunk is not None and Dg > 1:  # _decayed_products slices sub-chunks of values: no Triton lowering
+            raise ValueError("the chunked gated delta rule with per-channel decay (KDA) cannot be compiled for the GPU "
+                             "(its sub-chunk slices do not lower)")
     if chunk is not None:
         pad = (-T) % chunk
         q, k, v, g = (jnp.pad(x, [(0, 0), (0, pad), (0, 0), (0, 0)]) for x in (q, k, v, g))
@@ -255,6 +261,7 @@ def _run(q, k, v, g, beta, S0, *, chunk: int | None, out_dtype, interpret: bool)
         out_specs=[seq(Dv), state],
         out_shape=[jax.ShapeDtypeStruct((B, Tp, H, Dv), out_dtype), jax.ShapeDtypeStruct((B, H, Dk, Dv), jnp.float32)],
         interpret=interpret,
+        compiler_params=triton_params(interpret, None, None, GPU_LAUNCH),
         name="gated_delta_rule" if chunk is None else "chunk_gated_delta_rule",
     )(q, k, v, g, beta, S0)
     return o[:, :T], S

@@ -22,11 +22,12 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from .flash_attention import NEG, online_softmax_step, ref_batched_attention
+from .flash_attention import NEG, online_softmax_step, ref_batched_attention, require_gpu_dims, triton_params
 from .merge import add_sinks, merge_partials, normalize
 
-TILE_TOKENS = 128  # keys per tile: pages_per_tile = max(1, TILE_TOKENS // block_size)
-MAX_PARTITIONS = 8
+TILE_TOKENS = 64  # keys per tile: pages_per_tile = max(1, TILE_TOKENS // block_size)
+MAX_PARTITIONS = 4
+GPU_LAUNCH = (2, 1)  # Triton warps and pipeline stages (tiles, partitions and these: bench/kernel_tune.py)
 
 
 def _paged_kernel(len_ref, tbl_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block_size: int, ppt: int,
@@ -70,9 +71,10 @@ def _pages(block_size: int, W: int, pages_per_tile: int | None, pages_per_partit
 
 
 @functools.partial(jax.jit, static_argnames=("layer", "k_dim", "v_entry", "v_lo", "v_hi", "scale", "window", "ppt",
-                                             "ppp", "interpret"))
+                                             "ppp", "interpret", "num_warps", "num_stages"))
 def _paged(q, pool, block_tables, lengths, sinks, *, layer: int, k_dim: int, v_entry: int, v_lo: int, v_hi: int,
-           scale: float, window: int | None, ppt: int, ppp: int, interpret: bool):
+           scale: float, window: int | None, ppt: int, ppp: int, interpret: bool, num_warps: int | None = None,
+           num_stages: int | None = None):
     """q [B, Hq, Dk]; pool [NB, L, E, bs, Hkv, D]; block_tables [B, W]; lengths [B]; sinks [Hq] or None
     -> [B, Hq, v_hi - v_lo] in q's dtype"""
     B, Hq, Dk = q.shape
@@ -80,6 +82,11 @@ def _paged(q, pool, block_tables, lengths, sinks, *, layer: int, k_dim: int, v_e
     G, Dv = Hq // Hkv, v_hi - v_lo
     W = block_tables.shape[1]
     P = -(-W // ppp)
+    if not interpret:
+        if k_dim != D or v_hi - v_lo != D:  # a column slice of a loaded tile does not lower (Triton)
+            raise ValueError("paged attention compiled for the GPU reads whole head rows: K|V concatenated on D "
+                             f"and the MLA latent layout are not supported (K {k_dim}, V {v_hi - v_lo}, D {D})")
+        require_gpu_dims("paged attention", head_dim=D, tile_tokens=ppt * bs)
     table = jnp.pad(block_tables.astype(jnp.int32), [(0, 0), (0, P * ppp - W)])
     kernel = functools.partial(_paged_kernel, block_size=bs, ppt=ppt, ppp=ppp, k_dim=k_dim, v_lo=v_lo, v_hi=v_hi,
                                scale=scale, window=window)
@@ -102,6 +109,7 @@ def _paged(q, pool, block_tables, lengths, sinks, *, layer: int, k_dim: int, v_e
                    jax.ShapeDtypeStruct((B, Hkv, P, G), jnp.float32),
                    jax.ShapeDtypeStruct((B, Hkv, P, G), jnp.float32)],
         interpret=interpret,
+        compiler_params=triton_params(interpret, num_warps, num_stages, GPU_LAUNCH),
         name="paged_attention",
     )(lengths.astype(jnp.int32), table, q.reshape(B, Hkv, G, Dk), pool, pool)
     o, m, l = merge_partials(o, m, l, axis=2)  # [B, Hkv, G, Dv], [B, Hkv, G]
@@ -140,13 +148,14 @@ def _gqa_layout(E: int, Dk: int, D: int):
 
 
 def paged_attention(q, pool, block_tables, lengths, *, layer, sliding_window=None, sinks=None, scale=None,
-                    interpret=False, pages_per_tile=None, pages_per_partition=None):
+                    interpret=False, pages_per_tile=None, pages_per_partition=None, num_warps=None, num_stages=None):
     """Decode attention, one query token per request, K/V read through block tables.
 
     q [B, Hq, Dk]; pool [NB, L, E, block_size, Hkv, D] one full group of the engine's pool; block_tables [B, W]
     int32; lengths [B] int32 tokens in the cache including the query's own (it sits at position lengths - 1;
     0 marks an empty slot); layer: index within the group; sliding_window: the query sees the last
-    `sliding_window` positions including itself; sinks [Hq] float32; scale defaults to Dk**-0.5
+    `sliding_window` positions including itself; sinks [Hq] float32; scale defaults to Dk**-0.5;
+    num_warps, num_stages: the Triton launch parameters on a GPU (None: Triton's defaults)
     -> [B, Hq, Dv] in q's dtype
     """
     E, Dk, D = _views(q, pool, block_tables, lengths, layer)
@@ -159,7 +168,7 @@ def paged_attention(q, pool, block_tables, lengths, *, layer, sliding_window=Non
     return _paged(q, pool, block_tables, lengths, sinks, layer=int(layer), k_dim=Dk, v_entry=v_entry, v_lo=v_lo,
                   v_hi=v_hi, scale=Dk ** -0.5 if scale is None else float(scale),
                   window=None if sliding_window is None else int(sliding_window), ppt=ppt, ppp=ppp,
-                  interpret=bool(interpret))
+                  interpret=bool(interpret), num_warps=num_warps, num_stages=num_stages)
 
 
 def _dense_view(pool, block_tables, lengths, layer):
@@ -172,9 +181,10 @@ def _dense_view(pool, block_tables, lengths, layer):
 
 
 def ref_paged_attention(q, pool, block_tables, lengths, *, layer, sliding_window=None, sinks=None, scale=None,
-                        interpret=False, pages_per_tile=None, pages_per_partition=None):
+                        interpret=False, pages_per_tile=None, pages_per_partition=None, num_warps=None,
+                        num_stages=None):
     """Gather-then-attend reference of `paged_attention`, same arguments and result."""
-    del interpret, pages_per_tile, pages_per_partition
+    del interpret, pages_per_tile, pages_per_partition, num_warps, num_stages
     E, Dk, D = _views(q, pool, block_tables, lengths, layer)
     v_entry, v_lo, v_hi = _gqa_layout(E, Dk, D)
     x, k_pos = _dense_view(pool, block_tables, lengths, layer)

@@ -6,12 +6,15 @@ callable for a mode:
   pallas      the Pallas kernels, compiled (GPU)
   interpret   the Pallas kernels in interpret mode: the kernel bodies evaluated on the CPU (tests)
   auto        pallas on GPU, reference elsewhere
-Models take the mode at construction (`CausalLM(..., kernels=mode)`), the engine from its config
-(`engine.kernels`); nothing reads the environment.
+A `KernelPlan` is a resolved mode with exceptions: the kernels named in its `reference` run as their
+references (check.py puts there those that fail their self-test on this device). Models take a mode or a plan
+at construction (`CausalLM(..., kernels=...)`), the engine from its config (`engine.kernels`, through
+check.plan); nothing reads the environment.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Literal
 
@@ -36,21 +39,35 @@ KERNELS = {  # name -> (reference, kernel)
 }
 
 
-def resolve(mode: str) -> str:
-    """'auto' -> 'pallas' on GPU, 'reference' elsewhere; other modes are returned after validation."""
+@dataclasses.dataclass(frozen=True)
+class KernelPlan:
+    """mode ("pallas" or "interpret") for every kernel but those named in `reference`."""
+    mode: str
+    reference: frozenset = frozenset()
+
+
+def auto_mode() -> str:
+    """What 'auto' means on this machine: the compiled kernels on GPU, the references elsewhere."""
+    return "pallas" if jax.default_backend() == "gpu" else "reference"
+
+
+def resolve(mode):
+    """'auto' -> auto_mode(); other modes are returned after validation, a KernelPlan as it is."""
+    if isinstance(mode, KernelPlan):
+        return mode
     if mode not in MODES:
         raise ValueError(f"kernels must be one of {', '.join(MODES)}; got {mode!r}")
-    if mode == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "reference"
-    return mode
+    return auto_mode() if mode == "auto" else mode
 
 
-def select(name: str, mode: str):
-    """The implementation of kernel `name` for `mode`."""
+def select(name: str, mode):
+    """The implementation of kernel `name` for `mode` (a mode name or a KernelPlan)."""
     if name not in KERNELS:
         raise KeyError(f"no kernel {name!r}; known: {', '.join(KERNELS)}")
     ref, kernel = KERNELS[name]
     mode = resolve(mode)
+    if isinstance(mode, KernelPlan):
+        mode = "reference" if name in mode.reference else mode.mode
     if mode == "reference":
         return ref
     return functools.partial(kernel, interpret=mode == "interpret")

@@ -9,6 +9,7 @@ request; stop strings are matched on the text and the text is cut before them. S
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -16,7 +17,8 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from pallas_kernels.select import MODES, resolve
+from pallas_kernels import check
+from pallas_kernels.select import MODES
 
 from ..cache.block_manager import BlockManager, block_hashes
 from ..cache.events import CacheEvents
@@ -24,13 +26,15 @@ from ..cache.layout import PoolLayout
 from ..checkpoint import load_any
 from ..models.cache_spec import cache_spec
 from ..models.config import load_config
-from ..models.model import model_graphdef
+from ..models.model import kernel_cases, model_graphdef
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
 from .client import RequestError, encode
 from .runner import DecodeRow, ModelRunner, PrefillRow, Prefix
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import Sequence
+
+log = logging.getLogger("jaxserve.engine")
 
 DTYPES = {"float32": jax.numpy.float32, "bfloat16": jax.numpy.bfloat16}
 
@@ -70,7 +74,11 @@ class LLMEngine:
         self.model_config = load_config(model)
         self.cache_spec = cache_spec(self.model_config)
         _, self.state = load_any(model, self.model_config, dtype, mesh, progress)
-        self.kernels = resolve(cfg.kernels)
+        # kernels: auto on a GPU compiles each kernel the model uses and runs any that fails as its reference
+        self.kernels, self.kernel_fallbacks = check.plan(
+            cfg.kernels, kernel_cases(self.model_config, self.dtype, cfg.block_size), progress)
+        for why in self.kernel_fallbacks.values():
+            log.warning("kernel replaced by its jnp reference: %s", why)
         self.graphdef = model_graphdef(self.model_config, self.dtype, self.kernels)
         self.tokenizer = Tokenizer.maybe_load(model)
         bs = cfg.block_size
@@ -325,7 +333,7 @@ class LLMEngine:
         return {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
                 "blocks_total": b.num_blocks, "blocks_free": b.num_free, "blocks_used": b.num_referenced(),
                 "prefix_hit_rate": b.hit_rate, "compiled_programs": len(self.runner.programs),
-                "preemptions": self.scheduler.num_preemptions}
+                "preemptions": self.scheduler.num_preemptions, "kernel_fallbacks": len(self.kernel_fallbacks)}
 
 
 class Detokenizer:

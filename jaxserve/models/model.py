@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.check import Case
 from pallas_kernels.select import resolve
 
 from .attention import GQAAttention, MLAAttention
@@ -126,6 +127,30 @@ def model_graphdef(cfg: ModelConfig, dtype, kernels: str):
     """The graph definition of the model with the given kernel mode: it pairs with any loaded state of `cfg`
     (the mode is static structure, the state is the same)."""
     return nnx.split(abstract_model(cfg, dtype, kernels))[0]
+
+
+def kernel_cases(cfg: ModelConfig, dtype, block_size: int) -> list[Case]:
+    """The kernels the model calls, each with the dims of its layers, for the self-test (pallas_kernels/check.py):
+    attention over dense caches and over the paged pool, MLA over the latent pool, the delta rule chunked
+    (prefill) and recurrent (decode)."""
+    cases = set()
+    for spec in (layer.mixer for layer in cfg.layers):
+        if isinstance(spec, GQASpec):
+            dims = dict(Hq=spec.num_heads, Hkv=spec.num_kv_heads, Dk=spec.head_dim, Dv=spec.v_head_dim, dtype=dtype,
+                        window=spec.window, sinks=spec.sinks, scale=spec.scale)
+            cases |= {Case.of("batched_attention", **dims), Case.of("paged_attention", block_size=block_size, **dims)}
+        elif isinstance(spec, MLASpec):
+            L, R = spec.kv_lora_rank, spec.qk_rope_head_dim
+            cases |= {Case.of("batched_attention", Hq=spec.num_heads, Hkv=1, Dk=L + R, Dv=L, dtype=dtype,
+                              scale=spec.scale),
+                      Case.of("paged_mla_attention", H=spec.num_heads, L=L, R=R, dtype=dtype, block_size=block_size,
+                              scale=spec.scale)}
+        else:
+            H, Dk, Dv = ((spec.num_v_heads, spec.head_k_dim, spec.head_v_dim) if isinstance(spec, GDNSpec)
+                         else (spec.num_heads, spec.head_dim, spec.head_dim))
+            dims = dict(H=H, Dk=Dk, Dv=Dv, dtype=dtype, per_channel=isinstance(spec, KDASpec))
+            cases |= {Case.of("chunk_gated_delta_rule", **dims), Case.of("recurrent_gated_delta_rule", **dims)}
+    return sorted(cases, key=str)
 
 
 def make_forward(graphdef):

@@ -10,7 +10,7 @@ import pytest
 
 from pallas_kernels.flash_attention import (batched_attention, flash_attention, ref_batched_attention,
                                             ref_flash_attention)
-from tests.pallas_kernels.conftest import close, randn
+from tests.pallas_kernels.conftest import INTERPRET, close, randn
 
 
 def _numpy_packed(q, k, v, lens, causal, window, sinks, scale):
@@ -53,7 +53,7 @@ def test_flash_attention_matches_reference(case):
     sinks = randn(r, (Hq,)) if use_sinks else None
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
     kw = dict(cu_seqlens=cu, causal=causal, sliding_window=window, sinks=sinks)
-    run = jax.jit(functools.partial(flash_attention, interpret=True, block_q=bq, block_k=bk, **kw))
+    run = jax.jit(functools.partial(flash_attention, interpret=INTERPRET, block_q=bq, block_k=bk, **kw))
     got = run(q, k, v)
     want = ref_flash_attention(q, k, v, **kw)
     assert got.shape == (T, Hq, Dv) and got.dtype == dtype
@@ -75,7 +75,7 @@ def test_batched_attention_matches_reference(dtype, G, window):
     k_valid = jnp.asarray(r.rand(B, S) > 0.3).at[2].set(False)
     sinks = randn(r, (Hkv * G,))
     kw = dict(scale=0.3, window=window, sinks=sinks)
-    got = jax.jit(functools.partial(batched_attention, interpret=True, block_q=8, block_k=8, **kw))(
+    got = jax.jit(functools.partial(batched_attention, interpret=INTERPRET, block_q=8, block_k=8, **kw))(
         q, k, v, q_pos, k_pos, k_valid)
     close(got, ref_batched_attention(q, k, v, q_pos, k_pos, k_valid, **kw), dtype)
     assert not np.asarray(got[2], np.float32).any()

@@ -13,7 +13,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated
 
 from pallas_kernels.gated_delta_rule import (chunk_gated_delta_rule, recurrent_gated_delta_rule,
                                              ref_chunk_gated_delta_rule, ref_recurrent_gated_delta_rule)
-from tests.pallas_kernels.conftest import close
+from tests.pallas_kernels.conftest import INTERPRET, close
 
 
 def _inputs(per_channel: bool, T=37, B=2, H=3, Dk=8, Dv=6, seed=0):
@@ -63,7 +63,7 @@ def test_chunk_kernel_matches_reference(case):
     g, beta = jnp.asarray(g * decay), jnp.asarray(beta, dtype)
     s0 = jnp.asarray(s0) if with_state else None
     kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=l2)
-    o, s = jax.jit(functools.partial(chunk_gated_delta_rule, chunk_size=C, interpret=True, **kw))(q, k, v, g, beta)
+    o, s = jax.jit(functools.partial(chunk_gated_delta_rule, chunk_size=C, interpret=INTERPRET, **kw))(q, k, v, g, beta)
     ro, rs = ref_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=C, **kw)
     assert o.shape == v.shape and o.dtype == dtype and s.dtype == jnp.float32
     assert np.isfinite(np.asarray(s)).all()
@@ -76,7 +76,8 @@ def test_recurrent_kernel_matches_reference(per_channel, dtype):
     q, k, v, g, beta, s0 = _inputs(per_channel, T=3)
     q, k, v, beta = (jnp.asarray(x, dtype) for x in (q, k, v, beta))
     kw = dict(initial_state=jnp.asarray(s0), output_final_state=True, use_qk_l2norm_in_kernel=True)
-    o, s = jax.jit(functools.partial(recurrent_gated_delta_rule, interpret=True, **kw))(q, k, v, jnp.asarray(g), beta)
+    run = jax.jit(functools.partial(recurrent_gated_delta_rule, interpret=INTERPRET, **kw))
+    o, s = run(q, k, v, jnp.asarray(g), beta)
     ro, rs = ref_recurrent_gated_delta_rule(q, k, v, jnp.asarray(g), beta, **kw)
     close(o, ro, dtype)
     close(s, rs, dtype)

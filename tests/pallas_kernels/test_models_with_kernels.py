@@ -10,7 +10,9 @@ from jaxserve.models.batch import Batch
 from jaxserve.models.cache_spec import init_dense_cache
 from jaxserve.models.config import load_config
 from jaxserve.models.loader import load_state
-from jaxserve.models.model import jit_forward, model_graphdef
+from jaxserve.models.model import jit_forward, kernel_cases, model_graphdef
+from pallas_kernels import check
+from tests.pallas_kernels.conftest import MODE
 from tests.tiny_models import FAMILIES
 
 
@@ -39,7 +41,9 @@ def test_same_logits_with_kernels_on_and_off(name, checkpoint_dir):
     graphdef, state = load_state(d, cfg, jnp.float32, progress=False)
     ids = np.random.RandomState(5).randint(3, 256, size=(2, 16)).astype(np.int32)
     lens = np.array([16, 11])
-    ref_fwd, ker_fwd = jit_forward(graphdef), jit_forward(model_graphdef(cfg, jnp.float32, "interpret"))
+    # on a GPU the engine's path: kernels where they pass the self-test, references where not
+    kernels = MODE if MODE == "interpret" else check.plan("auto", kernel_cases(cfg, jnp.float32, 16))[0]
+    ref_fwd, ker_fwd = jit_forward(graphdef), jit_forward(model_graphdef(cfg, jnp.float32, kernels))
     # the kernel graph really runs Pallas kernels (prefill and decode shapes), the reference graph none
     for T in (6, 1):
         args = (state, Batch(jnp.zeros((2, T), jnp.int32), jnp.zeros(2, jnp.int32), jnp.full(2, T, jnp.int32)),
@@ -57,7 +61,7 @@ def test_kernel_mode_is_validated():
     from pallas_kernels.select import resolve, select
     with pytest.raises(ValueError, match="kernels must be one of"):
         resolve("cuda")
-    assert resolve("auto") == "reference"  # CPU
+    assert resolve("auto") == ("reference" if MODE == "interpret" else "pallas")  # kernels on GPU only
     from pallas_kernels.flash_attention import ref_flash_attention
     assert select("flash_attention", "reference") is ref_flash_attention
     assert select("flash_attention", "interpret").keywords == {"interpret": True}

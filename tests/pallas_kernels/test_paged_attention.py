@@ -11,7 +11,7 @@ import pytest
 from pallas_kernels.flash_attention import ref_batched_attention
 from pallas_kernels.paged_attention import (paged_attention, paged_mla_attention, ref_paged_attention,
                                             ref_paged_mla_attention)
-from tests.pallas_kernels.conftest import close, randn
+from tests.pallas_kernels.conftest import INTERPRET, close, randn
 
 
 def _tables(r, B, W, NB):
@@ -41,7 +41,7 @@ def test_paged_attention_matches_reference(case):
     lens = jnp.asarray(lengths, jnp.int32)
     kw = dict(layer=1, sliding_window=window, sinks=randn(r, (Hq,)) if use_sinks else None, pages_per_tile=ppt,
               pages_per_partition=ppp)
-    got = jax.jit(functools.partial(paged_attention, interpret=True, **kw))(q, pool, table, lens)
+    got = jax.jit(functools.partial(paged_attention, interpret=INTERPRET, **kw))(q, pool, table, lens)
     want = ref_paged_attention(q, pool, table, lens, **kw)
     assert got.shape == (B, Hq, D if E == 2 else D - Dk) and got.dtype == dtype
     close(got, want, dtype)
@@ -77,7 +77,7 @@ def test_paged_mla_attention_matches_reference(dtype, bs, ppt, ppp):
     q = randn(r, (B, H, Lr + R), dtype)
     table, lens = _tables(r, B, W, NB), jnp.asarray(lengths, jnp.int32)
     kw = dict(layer=0, kv_lora_rank=Lr, scale=0.2, pages_per_tile=ppt, pages_per_partition=ppp)
-    got = jax.jit(functools.partial(paged_mla_attention, interpret=True, **kw))(q, pool, table, lens)
+    got = jax.jit(functools.partial(paged_mla_attention, interpret=INTERPRET, **kw))(q, pool, table, lens)
     assert got.shape == (B, H, Lr)
     close(got, ref_paged_mla_attention(q, pool, table, lens, **kw), dtype)
 

@@ -1,0 +1,158 @@
+"""Kernel self-test: each Pallas kernel a model uses, compiled for this device on a small case of the model's
+own head dims and dtype, against its jnp reference.
+
+A `Case` names a kernel and the dims that decide how it lowers (heads, head dims, dtype, window, sinks, block
+size, decay kind); `run_case` builds seeded random inputs of those dims (a few tokens, two sequences), runs
+kernel and reference, and returns None when they agree, else why not: the lowering error, a non-finite
+output, or the largest difference. `plan` turns an `engine.kernels` setting into the `KernelPlan` the model
+is built with: under `auto` a kernel that fails runs as its reference (the others stay kernels); an explicit
+`pallas` refuses to start instead. Agreement is judged at a tolerance that admits the device's matmul
+rounding (TF32 for float32 on GPUs, bf16 accumulation order) and nothing like a wrong answer.
+
+Pure functions over small arrays; called once per engine, before the model is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .select import KERNELS, KernelPlan, resolve
+
+TOLERANCE = {"float32": 5e-3, "bfloat16": 3e-2, "float16": 1e-2}  # max |kernel - ref| / (1 + max |ref|)
+
+
+class KernelCheckError(RuntimeError):
+    """An explicitly requested kernel does not compile or does not agree with its reference on this device."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """kernel: a name in select.KERNELS; dims: the builder's keyword arguments (sorted pairs, hashable)."""
+    kernel: str
+    dims: tuple
+
+    @classmethod
+    def of(cls, kernel: str, **dims) -> "Case":
+        if kernel not in _BUILD:  # flash_attention is not among them: it shares batched_attention's kernel
+            raise KeyError(f"no self-test case for kernel {kernel!r}; known: {', '.join(_BUILD)}")
+        if "dtype" in dims:
+            dims["dtype"] = jnp.dtype(dims["dtype"]).name
+        return cls(kernel, tuple(sorted(dims.items())))
+
+    def __str__(self) -> str:
+        return f"{self.kernel}({', '.join(f'{k}={v}' for k, v in self.dims)})"
+
+
+def _rand(r, shape, dtype, s=1.0):
+    return jnp.asarray(r.randn(*shape) * s, dtype)
+
+
+def _table(r, B: int, ctx: int, bs: int):
+    """A shuffled block table of B rows over ctx tokens each, block 0 left unused: (num_blocks, [B, W])."""
+    W = -(-ctx // bs)
+    return B * W + 1, jnp.asarray(r.permutation(B * W).reshape(B, W) + 1, jnp.int32)
+
+
+def _attention(r, *, Hq, Hkv, Dk, Dv, dtype, window=None, sinks=False, scale=None):
+    B, T, S = 2, 5, 40
+    q, k, v = _rand(r, (B, T, Hq, Dk), dtype), _rand(r, (B, S, Hkv, Dk), dtype), _rand(r, (B, S, Hkv, Dv), dtype)
+    q_pos = jnp.asarray([[30, 31, 32, 33, 34], [3, 4, 5, 6, 7]], jnp.int32)
+    k_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    k_valid = k_pos <= jnp.asarray([[34], [7]])
+    kw = dict(scale=scale or Dk ** -0.5, window=window, sinks=_rand(r, (Hq,), jnp.float32) if sinks else None)
+    return (q, k, v, q_pos, k_pos, k_valid), kw
+
+
+def _paged(r, *, Hq, Hkv, Dk, Dv, dtype, block_size, window=None, sinks=False, scale=None):
+    B, ctx = 2, 3 * block_size + 5
+    NB, table = _table(r, B, ctx, block_size)
+    E, D = (2, Dk) if Dk == Dv else (1, Dk + Dv)
+    kw = dict(layer=0, sliding_window=window, sinks=_rand(r, (Hq,), jnp.float32) if sinks else None, scale=scale)
+    return (_rand(r, (B, Hq, Dk), dtype), _rand(r, (NB, 1, E, block_size, Hkv, D), dtype), table,
+            jnp.asarray([ctx, block_size + 1], jnp.int32)), kw
+
+
+def _paged_mla(r, *, H, L, R, dtype, block_size, scale):
+    B, ctx = 2, 3 * block_size + 5
+    NB, table = _table(r, B, ctx, block_size)
+    return (_rand(r, (B, H, L + R), dtype, 0.3), _rand(r, (NB, 1, 1, block_size, 1, L + R), dtype), table,
+            jnp.asarray([ctx, block_size + 1], jnp.int32)), dict(layer=0, kv_lora_rank=L, scale=scale)
+
+
+def _delta(r, *, H, Dk, Dv, dtype, per_channel, T):
+    B = 2
+    g = -jnp.abs(_rand(r, (B, T, H, Dk) if per_channel else (B, T, H), jnp.float32)) * 0.1
+    args = (_rand(r, (B, T, H, Dk), dtype), _rand(r, (B, T, H, Dk), dtype), _rand(r, (B, T, H, Dv), dtype), g,
+            jnp.asarray(r.rand(B, T, H), dtype))
+    return args, dict(initial_state=_rand(r, (B, H, Dk, Dv), jnp.float32, 0.1), output_final_state=True,
+                      use_qk_l2norm_in_kernel=True)
+
+
+_BUILD = {
+    "batched_attention": _attention,
+    "paged_attention": _paged,
+    "paged_mla_attention": _paged_mla,
+    "chunk_gated_delta_rule": functools.partial(_delta, T=37),
+    "recurrent_gated_delta_rule": functools.partial(_delta, T=1),
+}
+
+
+def run_case(case: Case, mode: str) -> str | None:
+    """None when the kernel compiles in `mode` ("pallas" or "interpret") and agrees with its reference on
+    `case`; otherwise the reason."""
+    ref, kernel = KERNELS[case.kernel]
+    dims = dict(case.dims)
+    args, kw = _BUILD[case.kernel](np.random.RandomState(0), **dims)
+    try:
+        got = jax.block_until_ready(jax.jit(functools.partial(kernel, interpret=mode == "interpret", **kw))(*args))
+    except Exception as e:  # lowering / compile / runtime failure of the kernel on this device
+        return f"does not compile: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+    want = jax.jit(functools.partial(ref, **kw))(*args)
+    worst = 0.0
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        if a.shape != b.shape:
+            return f"returns shape {a.shape}, the reference {b.shape}"
+        if not np.isfinite(a).all():
+            return "returns non-finite values"
+        worst = max(worst, float(np.abs(a - b).max() / (1.0 + np.abs(b).max())))
+    tol = TOLERANCE[dims["dtype"]]
+    return None if worst <= tol else f"differs from its reference by {worst:.3g} (tolerance {tol:g})"
+
+
+def self_test(cases, mode: str, progress: bool = False) -> dict[str, str]:
+    """{kernel name: reason} for the kernels that fail any of `cases` in `mode`."""
+    failed: dict[str, str] = {}
+    cases = sorted(set(cases), key=str)
+    if progress:
+        from tqdm.auto import tqdm
+        cases = tqdm(cases, desc="kernel self-test", unit="case")
+    for c in cases:
+        if c.kernel in failed:
+            continue
+        why = run_case(c, mode)
+        if why is not None:
+            failed[c.kernel] = f"{c}: {why}"
+    return failed
+
+
+def plan(requested: str, cases, progress: bool = False) -> tuple[str | KernelPlan, dict[str, str]]:
+    """The kernel choice for an `engine.kernels` setting and the model's cases -> (mode or KernelPlan,
+    {kernel: why it runs as its reference}).
+
+    reference, interpret: taken as they are (interpret is the test mode: the kernel bodies on the CPU).
+    pallas: every kernel is checked; one that fails raises KernelCheckError.
+    auto: kernels where they pass (select.auto_mode), the reference for each one that fails."""
+    mode = resolve(requested)
+    if mode == "reference" or requested == "interpret":
+        return mode, {}
+    failed = self_test(cases, mode, progress)
+    if failed and requested != "auto":
+        raise KernelCheckError("engine.kernels: pallas, but on this device " + "; ".join(failed.values())
+                               + " (engine.kernels: auto runs such kernels as their references)")
+    return KernelPlan(mode, frozenset(failed)), failed
