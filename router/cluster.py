@@ -429,6 +429,8 @@ class Router:
         params = {**s.params, "max_tokens": s.params["max_tokens"] - len(s.output)}
         p.inflight += 1
         s.prefilling = p.name
+        n, t0, computed = max(1, s.placement.uncached_tokens or len(tokens)), time.monotonic(), False
+        p.prefill.start(n)
         call = self._client(p).stream("Prefill", {
             "request_id": s.xid, "prompt": tokens, "params": params, "kv_tokens": s.kv(),
             "sample": s.kv() == len(tokens), "dst": s.reserved}, timeout=self.cfg.server.request_timeout_s)
@@ -441,6 +443,9 @@ class Router:
                     raise _Retry(f"{p.name} ended its Prefill call without an answer") from None
                 if "first" not in res:
                     break
+                if not computed:  # the prompt is computed: its tokens leave p's queue and time its rate
+                    computed = True
+                    p.prefill.end(n, t0, time.monotonic(), True)
                 on_first(Update(**res["first"]))
         except grpc.aio.AioRpcError as e:
             self._down(p, e)
@@ -453,6 +458,8 @@ class Router:
             call.cancel()  # nothing once it has ended
             p.inflight -= 1
             s.prefilling = None
+            if not computed:
+                p.prefill.end(n, t0, time.monotonic(), False)
         p.served += 1
         s.prefill, s.kv_bytes, s.kv_backend = p.name, int(res["kv_bytes"]), res.get("backend")
         self.kv_bytes_transferred += s.kv_bytes

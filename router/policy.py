@@ -40,6 +40,13 @@ class InstanceState:
     blocks_free: int = 0
     blocks_total: int = 0
     cached_tokens: int = 0  # the prefix index's answer: prompt tokens whose KV this instance holds
+    queued_tokens: int = 0  # uncached tokens of the prefills the router has on it, not yet computed
+    prefill_tokens_s: float | None = None  # its measured prefill rate (None: not measured yet)
+
+    def prefill_wait(self, tokens: int) -> float | None:
+        """Seconds until a prefill of `tokens` more would be computed here: its queue and them at its measured
+        rate (None before a rate is measured)."""
+        return None if not self.prefill_tokens_s else (self.queued_tokens + tokens) / self.prefill_tokens_s
 
     def serves(self, role: str) -> bool:
         return self.role == role or self.role == "both"
@@ -58,6 +65,7 @@ class LinkState:
     egress_bytes_s: float = 0.0  # recent throughput, summed over the instances sending on it
     pending_bytes: int = 0  # sent and not yet acknowledged
     queued_frames: int = 0
+    queued_bytes: int = 0  # waiting in the senders' queues, not yet on the wire
     retransmits: int = 0  # TCP retransmits so far (TCP_INFO)
 
     @property
@@ -291,6 +299,8 @@ class PrfaaS:
       l_total - l_pd <= t stays on the PD cluster's prefill, else the request goes to PrfaaS;
     - abundant: l_prefix = max(l_prfaas, l_pd); l_total - l_prefix <= t stays on PD, else PrfaaS; when the
       other cluster holds a longer prefix than the chosen prefill instance, it moves across (`move_prefix`).
+    A request that only a raised threshold keeps local still goes to PrfaaS when the PD prefill's queue would hold
+    it longer than the link's backlog and the PrfaaS prefill's queue (`_weigh`, on measured prefill rates).
     Within the chosen cluster the prefill instance is the cache-affine one unless overloaded. A cluster with
     no prefill instance up sends everything to the other; with none anywhere, decode prefills itself. Only the
     KV beyond what the decode instance holds crosses the link (the decode side's reservation skips it)."""
@@ -336,6 +346,8 @@ class PrfaaS:
             offload, why = False, why + ", but no PrfaaS prefill instance is up"
         elif not offload and not local and remote:
             offload, why = True, why + ", but the PD cluster has no prefill instance up"
+        elif not offload and p.threshold_tokens < uncached and link is not None:
+            offload, why = self._weigh(local, remote, link, uncached, snap.kv_bytes_per_token, details, why)
         pre = affine(remote if offload else local, p.affinity_slack)
         if pre is None:
             return Placement(d.name, None, "colocated", why + ": no prefill instance is up, decode prefills",
@@ -349,6 +361,26 @@ class PrfaaS:
         cached = move.tokens if move else pre.cached_tokens
         return Placement(d.name, pre.name, _route(pre, d), why, move, total - cached,
                          (move.src if move else pre.name) if cached else None, details)
+
+    def _weigh(self, local, remote, link: LinkState, uncached: int, per_token: float | None, details: dict,
+               why: str) -> tuple[bool, str]:
+        """A request only the raised threshold keeps local (base < uncached <= threshold) still goes to PrfaaS
+        when the PD prefill would hold it longer than the way out: the link's backlog (queued and unacknowledged
+        bytes) and this request's KV at the link's capacity, plus the PrfaaS prefill's queue. A raise moves work
+        only to a PD prefill with room. Waits come from the router's measured prefill rates; before they are
+        measured, the threshold decides."""
+        slack = self.params.affinity_slack
+        near, far = affine(local, slack), affine(remote, slack)
+        wait_local = near.prefill_wait(uncached) if near is not None else None
+        if wait_local is None or far is None or not link.capacity_bytes_s or not per_token:
+            return False, why
+        wait_far = ((link.queued_bytes + link.pending_bytes + uncached * per_token) / link.capacity_bytes_s
+                    + (far.prefill_wait(uncached) or 0.0))
+        details.update(wait_local_s=round(wait_local, 3), wait_prfaas_s=round(wait_far, 3))
+        if wait_local <= wait_far:
+            return False, why + f" (PD prefill {wait_local:.1f}s <= link and PrfaaS {wait_far:.1f}s)"
+        return True, (why + f", but PD prefill's queue ({wait_local:.1f}s) outlasts the link and PrfaaS "
+                      f"({wait_far:.1f}s)")
 
 
 POLICIES = {"least_loaded": LeastLoaded, "prfaas": PrfaaS}

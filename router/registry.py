@@ -29,6 +29,36 @@ class RegistrationError(ValueError):
 
 
 @dataclass
+class PrefillMeter:
+    """An instance's prefill queue and rate as the router sees them: uncached tokens dispatched and not yet
+    computed, and tokens computed per second busy. A prefill's busy time is the gap from the later of its
+    start and the previous prefill's end to its own end: over a busy period the gaps add up to the period, so
+    prefills batched together are not counted twice. Both sums decay by DECAY per prefill (the recent ones)."""
+    DECAY = 0.9
+    queued_tokens: int = 0
+    tokens: float = 0.0
+    busy_s: float = 0.0
+    last_end: float = 0.0
+
+    def start(self, n: int) -> None:
+        self.queued_tokens += n
+
+    def end(self, n: int, started: float, now: float, computed: bool) -> None:
+        """A prefill of n tokens begun at `started` ended at `now`; computed: its first token came (a failed or
+        cancelled one only leaves the queue)."""
+        self.queued_tokens -= n
+        if computed:
+            gap = max(0.0, now - max(started, self.last_end))
+            self.tokens = self.DECAY * self.tokens + n
+            self.busy_s = self.DECAY * self.busy_s + gap
+            self.last_end = now
+
+    @property
+    def tokens_s(self) -> float | None:
+        return self.tokens / self.busy_s if self.busy_s > 0 else None
+
+
+@dataclass
 class WorkerInfo:
     name: str
     role: str
@@ -44,6 +74,7 @@ class WorkerInfo:
     last_seen: float = 0.0
     down_reason: str | None = None  # set while marked down by a failed call
     inflight: int = 0  # requests the router has on this instance now
+    prefill: PrefillMeter = field(default_factory=PrefillMeter)  # its prefill queue and rate
     served: int = 0
     failures: int = 0
 

@@ -1,10 +1,11 @@
 """The router's view of its cluster, frozen into a policy `Snapshot` (policy.py) for one request.
 
 Instances come from the registry (registry.py: those up and not excluded for the request), with their
-cluster and its kind from the config, the router's own count of requests in flight, and the last heartbeat's
-stats; the prefix index's answer for the request fills `cached_tokens`. Links are the configured
-inter-cluster links, each with the live traffic its prefill instances last reported (transfer/link.py
-snapshots, labelled with the clusters they join), summed over the instances sending on it. Plain Python.
+cluster and its kind from the config, the router's own counts (requests in flight, uncached prefill tokens
+queued) and measured prefill rate, and the last heartbeat's stats; the prefix index's answer for the request
+fills `cached_tokens`. Links are the configured inter-cluster links, each with the live traffic its prefill
+instances last reported (transfer/link.py snapshots, labelled with the clusters they join), summed over the
+instances sending on it. Plain Python.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ def instance_state(w: WorkerInfo, cluster: str, kind: str, cached: int = 0) -> I
     s = w.stats
     return InstanceState(w.name, w.role, cluster, kind, w.inflight, int(s.get("waiting", 0)),
                          int(s.get("running", 0)), int(s.get("blocks_free", 0)), int(s.get("blocks_total", 0)),
-                         cached)
+                         cached, w.prefill.queued_tokens, w.prefill.tokens_s)
 
 
 def link_states(cfg: Config, workers: list[WorkerInfo], bandwidth: dict | None = None) -> tuple[LinkState, ...]:
@@ -35,6 +36,7 @@ def link_states(cfg: Config, workers: list[WorkerInfo], bandwidth: dict | None =
                              sum(float(v.get("throughput_bytes_s") or 0) for v in snaps),
                              sum(int(v.get("in_flight_bytes") or 0) for v in snaps),
                              sum(int(v.get("queue_depth") or 0) for v in snaps),
+                             sum(int(v.get("queued_bytes") or 0) for v in snaps),
                              sum(int(v.get("tcp_retransmits") or 0) for v in snaps)))
     return tuple(out)
 

@@ -139,6 +139,7 @@ class LinkMetrics:
         self.frames_sent = 0
         self.resends = 0
         self.queue_depth = 0  # frames queued, not yet on the wire
+        self.queued_bytes = 0  # their payload bytes
         self.in_flight = 0  # payload bytes sent, not yet acknowledged
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
         self._lock = threading.Lock()
@@ -153,6 +154,12 @@ class LinkMetrics:
             self._recent.append((now, nbytes))
             while self._recent and self._recent[0][0] < now - self.WINDOW_S:
                 self._recent.popleft()
+
+    def queued(self, frames: int, nbytes: int) -> None:
+        """Frames (and their payload bytes) entering (+) or leaving (-) the send queue."""
+        with self._lock:
+            self.queue_depth += frames
+            self.queued_bytes += nbytes
 
     def add(self, field: str, delta: int) -> None:
         with self._lock:
@@ -182,7 +189,8 @@ class LinkMetrics:
         with self._lock:
             socks = list(self._sockets)
             base = {**self.labels, "link": self.name, "bytes_sent": self.bytes_sent, "frames_sent": self.frames_sent,
-                    "resends": self.resends, "queue_depth": self.queue_depth, "in_flight_bytes": self.in_flight}
+                    "resends": self.resends, "queue_depth": self.queue_depth, "queued_bytes": self.queued_bytes,
+                    "in_flight_bytes": self.in_flight}
             retrans = self._tcp_retrans_closed
         infos = [i for i in (tcp_info(s) for s in socks) if i is not None]
         thr = self.throughput()

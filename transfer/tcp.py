@@ -390,7 +390,7 @@ class TcpLink:
 
     def submit(self, out: Outgoing) -> None:
         out.queued_at = time.monotonic()
-        self.metrics.add("queue_depth", 1)
+        self.metrics.queued(1, len(out.frame.payload))
         self._queue.put(out)
 
     def set_bandwidth(self, gbps: float | None) -> None:
@@ -446,7 +446,7 @@ class TcpLink:
             out = self._queue.get()
             if out is None:
                 break
-            self.metrics.add("queue_depth", -1)
+            self.metrics.queued(-1, -len(out.frame.payload))
             if out.sender.state.final and out.frame.kind != wire.ABORT:
                 continue
             wait = out.queued_at + self.shaper.emu.latency_ms / 1e3 - time.monotonic()
@@ -516,7 +516,7 @@ class TcpLink:
             if out is None:
                 self._queue.put(None)
                 return
-            self.metrics.add("queue_depth", -1)
+            self.metrics.queued(-1, -len(out.frame.payload))
             out.sender.link_failed(reason)
 
     def _reader(self, conn: "_Conn") -> None:

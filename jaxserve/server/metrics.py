@@ -32,7 +32,9 @@ class Metrics:
                           ("blocks_free", "cache blocks free or evictable"),
                           ("prefix_hit_rate", "prompt tokens served from the prefix cache / prompt tokens"),
                           ("compiled_programs", "distinct step programs compiled (bucketed shapes)"),
-                          ("preemptions", "requests preempted for recompute so far")]:
+                          ("preemptions", "requests preempted for recompute so far"),
+                          ("kernel_fallbacks", "Pallas kernels running as their jnp references after failing the "
+                           "start-up self-test on this device")]:
             g[name] = Gauge(f"jaxserve_{name}", doc, registry=r)
         self.gauges = g
         self.cluster = {
@@ -56,7 +58,9 @@ class Metrics:
         self.links = {k: Gauge(f"jaxserve_link_{k}", doc, ["link"], registry=r) for k, doc in [
             ("bytes_sent", "KV bytes sent on a link so far"), ("throughput_bytes_s", "recent KV throughput of a link"),
             ("bandwidth_bytes_s", "the link's emulated bandwidth (bytes/s)"), ("utilisation", "throughput / bandwidth"),
-            ("queue_depth", "frames waiting to be sent"), ("in_flight_bytes", "bytes sent, not yet acknowledged"),
+            ("queue_depth", "frames waiting to be sent"),
+            ("queued_bytes", "payload bytes of the frames waiting to be sent"),
+            ("in_flight_bytes", "bytes sent, not yet acknowledged"),
             ("resends", "frames sent again"), ("tcp_retransmits", "TCP retransmits (TCP_INFO)")]}
 
     def observe(self, reason: str | None, prompt: int, cached: int, generated: int, ttft_s: float | None,

@@ -219,6 +219,45 @@ def test_prfaas_keeps_more_local_after_a_bandwidth_drop():
     assert place(3000, 0.5e6, 1.1).route == "prfaas"
 
 
+def test_a_raised_threshold_keeps_work_local_only_where_pd_prefill_has_room():
+    """After the drop the floor keeps a 200-token prompt local. With the PD prefill idle it stays; with a
+    queue it would wait behind longer than the link's backlog plus this KV plus PrfaaS's queue, it goes to
+    PrfaaS all the same. Requests under the base threshold are never weighed; before a rate is measured the
+    threshold decides."""
+    def place(pd_queue, pd_rate, pending=0, total=200, pf_queue=0):
+        pol = prfaas(100, window_s=10.0)
+        insts = cluster(1, 1, 1, ppd=[dict(queued_tokens=pd_queue, prefill_tokens_s=pd_rate)],
+                        rp=[dict(queued_tokens=pf_queue, prefill_tokens_s=2000.0)])
+        link = (LinkState("prfaas", "pd", 0.5e6, pending_bytes=pending),)
+        for k, n in enumerate((2000, 2000, 200)):  # the window's lengths fill the halved link: floor 200
+            pol.place(Snapshot(RequestInfo(n, n), tuple(insts), link, k * 0.1, 1000.0))
+        return pol.place(Snapshot(RequestInfo(total, total), tuple(insts), link, 1.0, 1000.0))
+    idle = place(0, 1000.0)  # PD: 200 / 1000 = 0.2 s; PrfaaS: 200 kB / 0.5 MB/s + 0.1 s = 0.5 s
+    assert idle.route == "pd" and idle.details["wait_local_s"] == 0.2 and idle.details["wait_prfaas_s"] == 0.5
+    busy = place(4800, 1000.0)  # PD: 5 s behind its queue
+    assert busy.route == "prfaas" and "outlasts the link" in busy.reason
+    assert place(4800, 1000.0, pending=5e6).route == "pd"  # the link's backlog is longer still: 10.5 s
+    assert place(4800, 1000.0, pf_queue=20000).route == "pd"  # and so is PrfaaS's queue: 10.5 s
+    assert place(4800, None).route == "pd"  # no rate measured yet
+    assert place(4800, 1000.0, total=90).route == "pd"  # under the base threshold: always local
+
+
+def test_prefill_meter_counts_busy_time_once():
+    """Two prefills batched together end 10 ms apart: the rate is their tokens over the busy second, not the
+    second one's 1000 tokens over 10 ms; a failed prefill only leaves the queue."""
+    from router.registry import PrefillMeter
+    m = PrefillMeter()
+    m.start(1000)
+    m.start(1000)
+    assert m.queued_tokens == 2000 and m.tokens_s is None
+    m.end(1000, 0.0, 1.0, True)
+    m.end(1000, 0.0, 1.01, True)
+    assert m.queued_tokens == 0 and m.tokens_s == pytest.approx(1900 / 0.91, rel=1e-3)
+    m.start(500)
+    m.end(500, 5.0, 6.0, False)
+    assert m.queued_tokens == 0 and m.tokens_s == pytest.approx(1900 / 0.91, rel=1e-3)
+
+
 def test_band_must_be_wider_than_one_step():
     with pytest.raises(ValueError, match="must exceed lower_utilisation"):
         ThresholdParams(1000, raise_utilisation=0.5, lower_utilisation=0.4, step=1.5)

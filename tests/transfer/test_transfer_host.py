@@ -230,6 +230,23 @@ def test_tcp_transfer_exact_bytes_and_first_token():
         p.close()
 
 
+def test_link_reports_the_bytes_waiting_in_its_queue():
+    """Frames held by the link's one-way delay count in queue_depth and queued_bytes (the router's estimate of
+    the link's backlog), and leave both once sent."""
+    p = Pair(emulation=LinkEmulation(latency_ms=300))
+    try:
+        r = p.receiver("a", [7, 8, 9, 20])
+        s, _, _ = p.send("a", [3, 4, 9, 10], [7, 8, 9, 20])
+        snap = p.link.metrics.snapshot()
+        assert snap["queue_depth"] > 1 and snap["queued_bytes"] > 0
+        assert s.wait(10) is KVPoll.DONE and r.state.wait(10) is KVPoll.DONE
+        snap = p.link.metrics.snapshot()
+        assert snap["queue_depth"] == snap["queued_bytes"] == snap["in_flight_bytes"] == 0
+        r.release()
+    finally:
+        p.close()
+
+
 def test_tcp_emulated_loss_is_detected_and_resent():
     p = Pair(emulation=LinkEmulation(loss=0.3, seed=3))
     try:
