@@ -40,6 +40,9 @@ class EngineSection(_Strict):
         "checked against its reference at start-up and one that fails runs as the reference; pallas: such a "
         "kernel stops the start")
     warmup: bool = Field(True, description="compile the decode programs before serving")
+    compilation_cache: str | None = Field(
+        "~/.cache/jaxserve/xla", description="XLA's persistent compilation cache directory: a restart compiles "
+        "nothing it compiled before (null: off; JAX_COMPILATION_CACHE_DIR, when set, wins)")
 
     @model_validator(mode="after")
     def _chunk(self):

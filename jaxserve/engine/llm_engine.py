@@ -37,6 +37,21 @@ from .sequence import Sequence
 log = logging.getLogger("jaxserve.engine")
 
 DTYPES = {"float32": jax.numpy.float32, "bfloat16": jax.numpy.bfloat16}
+XLA_CACHE = "~/.cache/jaxserve/xla"  # engine.compilation_cache's default
+
+
+def use_compilation_cache(path: str | None) -> str | None:
+    """XLA's persistent compilation cache in `path`, every program cached however fast it compiled, so a
+    restart on the same model and config compiles nothing. A cache JAX already has (JAX_COMPILATION_CACHE_DIR,
+    or an earlier engine in this process) is kept; None or "" leaves it off. Returns the directory in use."""
+    current = jax.config.jax_compilation_cache_dir
+    if current or not path:
+        return current or None
+    d = os.path.abspath(os.path.expanduser(path))
+    os.makedirs(d, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", d)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    return d
 
 
 @dataclass(frozen=True)
@@ -52,6 +67,7 @@ class EngineConfig:
     prefix_caching: bool = True
     num_snapshots: int = 32  # request-level state snapshots kept for prefix reuse
     kernels: str = "auto"  # Pallas kernels or jnp references: auto / reference / pallas / interpret
+    compilation_cache: str | None = XLA_CACHE  # XLA's persistent compilation cache (None: off)
 
     def __post_init__(self):
         if self.kernels not in MODES:
@@ -71,6 +87,7 @@ class LLMEngine:
             raise FileNotFoundError(f"{model}: not a model directory")
         self.cfg = cfg = config or EngineConfig()
         self.path, self.dtype, self.dtype_name, self.mesh = model, DTYPES[dtype], dtype, mesh
+        self.compilation_cache = use_compilation_cache(cfg.compilation_cache)  # before anything compiles
         self.model_config = load_config(model)
         self.cache_spec = cache_spec(self.model_config)
         _, self.state = load_any(model, self.model_config, dtype, mesh, progress)
