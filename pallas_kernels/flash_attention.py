@@ -31,10 +31,8 @@ NEG = -1e30  # finite "minus infinity": masked scores, and m before any key
 BLOCK_Q_ROWS = 64  # query rows (tokens x G) per tile
 BLOCK_K = 64  # keys per tile
 GPU_LAUNCH = (4, 2)  # Triton warps and pipeline stages
-_BIG = 2 ** 30
-
-
 GPU_MIN_DIM = 16  # Triton's smallest matmul dimension
+_BIG = 2 ** 30
 
 
 def _pow2(n: int) -> int:
@@ -234,7 +232,7 @@ def flash_attention(q, k, v, *, cu_seqlens, causal=True, sliding_window=None, si
     cu_seqlens[b]:cu_seqlens[b+1]); sliding_window: a query sees the last `sliding_window` positions including
     itself; sinks [Hq] float32 per-head logits joining the softmax denominator; scale defaults to Dk**-0.5
     -> out [T, Hq, Dv] (zeros for tokens past cu_seqlens[-1]). block_q counts query rows (tokens x G);
-    num_warps, num_stages: the Triton launch parameters on a GPU (None: Triton's defaults).
+    num_warps, num_stages: the Triton launch parameters on a GPU (None: GPU_LAUNCH, tuned on an H100).
     """
     _check_qkv(q, k, v, sinks, 0)
     _check_window(sliding_window, causal)

@@ -155,7 +155,7 @@ def paged_attention(q, pool, block_tables, lengths, *, layer, sliding_window=Non
     int32; lengths [B] int32 tokens in the cache including the query's own (it sits at position lengths - 1;
     0 marks an empty slot); layer: index within the group; sliding_window: the query sees the last
     `sliding_window` positions including itself; sinks [Hq] float32; scale defaults to Dk**-0.5;
-    num_warps, num_stages: the Triton launch parameters on a GPU (None: Triton's defaults)
+    num_warps, num_stages: the Triton launch parameters on a GPU (None: GPU_LAUNCH, tuned on an H100)
     -> [B, Hq, Dv] in q's dtype
     """
     E, Dk, D = _views(q, pool, block_tables, lengths, layer)
