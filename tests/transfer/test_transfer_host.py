@@ -233,7 +233,7 @@ def test_tcp_transfer_exact_bytes_and_first_token():
 def test_link_reports_the_bytes_waiting_in_its_queue():
     """Frames held by the link's one-way delay count in queue_depth and queued_bytes (the router's estimate of
     the link's backlog), and leave both once sent."""
-    p = Pair(emulation=LinkEmulation(latency_ms=300))
+    p = Pair(emulation=LinkEmulation(latency_ms=1000))  # a second: the snapshot below is taken well inside it
     try:
         r = p.receiver("a", [7, 8, 9, 20])
         s, _, _ = p.send("a", [3, 4, 9, 10], [7, 8, 9, 20])
