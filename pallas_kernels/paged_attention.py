@@ -12,6 +12,12 @@ walks partition p of the block table in tiles of `pages_per_tile` blocks (online
 partitions are the split-KV ("flash decoding") form: each returns an unnormalised (O, m, l) triple and
 merge.py combines them (BanaServe eqs. 6-10); sinks join the merge as a part with no value. With a sliding
 window, tiles wholly before the window are skipped. Slots with length 0 give zeros.
+
+The references gather the blocks and attend with jnp. Given `total_blocks` (a static bound on the blocks the
+batch holds, sum of ceil(lengths / block_size)), they gather only those, as one ragged list over the batch,
+and reduce per request with segment sums: work in proportion to the tokens in the batch, not to B times the
+longest request (what the engine runs where the kernels do not compile, e.g. on a CPU). The kernels read the
+blocks in place and ignore it.
 """
 
 from __future__ import annotations
@@ -148,16 +154,19 @@ def _gqa_layout(E: int, Dk: int, D: int):
 
 
 def paged_attention(q, pool, block_tables, lengths, *, layer, sliding_window=None, sinks=None, scale=None,
-                    interpret=False, pages_per_tile=None, pages_per_partition=None, num_warps=None, num_stages=None):
+                    interpret=False, pages_per_tile=None, pages_per_partition=None, num_warps=None, num_stages=None,
+                    total_blocks=None):
     """Decode attention, one query token per request, K/V read through block tables.
 
     q [B, Hq, Dk]; pool [NB, L, E, block_size, Hkv, D] one full group of the engine's pool; block_tables [B, W]
     int32; lengths [B] int32 tokens in the cache including the query's own (it sits at position lengths - 1;
     0 marks an empty slot); layer: index within the group; sliding_window: the query sees the last
     `sliding_window` positions including itself; sinks [Hq] float32; scale defaults to Dk**-0.5;
-    num_warps, num_stages: the Triton launch parameters on a GPU (None: GPU_LAUNCH, tuned on an H100)
+    num_warps, num_stages: the Triton launch parameters on a GPU (None: GPU_LAUNCH, tuned on an H100);
+    total_blocks: read by the reference only (see the module docstring)
     -> [B, Hq, Dv] in q's dtype
     """
+    del total_blocks
     E, Dk, D = _views(q, pool, block_tables, lengths, layer)
     v_entry, v_lo, v_hi = _gqa_layout(E, Dk, D)
     if sinks is not None and sinks.shape != (q.shape[1],):
@@ -180,17 +189,64 @@ def _dense_view(pool, block_tables, lengths, layer):
     return x, jnp.broadcast_to(jnp.arange(W * bs, dtype=jnp.int32), (B, W * bs))
 
 
+def _ragged_view(pool, block_tables, lengths, layer, total_blocks: int):
+    """Ragged reference gather: the first ceil(lengths[b] / bs) blocks of every row, in row order, into one
+    list of `total_blocks` (padded) -> (x [M, bs, E, Hkv, D], row [M] int32, k_pos [M, bs], k_valid [M, bs])."""
+    B, W = block_tables.shape
+    bs = pool.shape[3]
+    counts = (lengths + bs - 1) // bs
+    ends = jnp.cumsum(counts)
+    j = jnp.arange(total_blocks, dtype=jnp.int32)
+    row = jnp.minimum(jnp.searchsorted(ends, j, side="right"), B - 1).astype(jnp.int32)
+    k = j - (ends - counts)[row]  # block index within its row
+    blk = block_tables[row, jnp.clip(k, 0, W - 1)]
+    x = jnp.swapaxes(pool[blk, layer], 1, 2)  # [M, bs, E, Hkv, D]
+    k_pos = k[:, None] * bs + jnp.arange(bs, dtype=jnp.int32)[None, :]
+    return x, row, k_pos, (j < ends[-1])[:, None] & (k_pos < lengths[row][:, None])
+
+
+def _ragged_attend(q, k, v, row, k_pos, k_valid, lengths, *, scale, window, sinks):
+    """q [B, Hq, Dk]; k [M, bs, Hkv, Dk], v [M, bs, Hkv, Dv] the ragged blocks of rows `row` [M]; k_pos,
+    k_valid [M, bs] -> [B, Hq, Dv] in q's dtype (softmax in float32 per request over its blocks)."""
+    B, Hq, Dk = q.shape
+    Hkv = k.shape[2]
+    G = Hq // Hkv
+    qg = q.reshape(B, Hkv, G, Dk)[row]  # [M, Hkv, G, Dk]
+    s = jnp.einsum("mkgd,mtkd->mkgt", qg, k, preferred_element_type=jnp.float32) * scale
+    mask = k_valid
+    if window is not None:
+        mask = mask & (k_pos > (lengths - 1 - window)[row][:, None])
+    mask = mask[:, None, None, :]
+    s = jnp.where(mask, s, NEG)
+    m = jax.ops.segment_max(s.max(-1), row, B, indices_are_sorted=True)  # [B, Hkv, G]
+    if sinks is not None:
+        m = jnp.maximum(m, sinks.astype(jnp.float32).reshape(Hkv, G))
+    p = jnp.where(mask, jnp.exp(s - m[row][..., None]), 0.0)
+    den = jax.ops.segment_sum(p.sum(-1), row, B, indices_are_sorted=True)
+    if sinks is not None:
+        den = den + jnp.exp(sinks.astype(jnp.float32).reshape(Hkv, G) - m)
+    o = jax.ops.segment_sum(jnp.einsum("mkgt,mtkd->mkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32),
+                            row, B, indices_are_sorted=True)  # [B, Hkv, G, Dv]
+    o = o / jnp.where(den > 0, den, 1.0)[..., None]
+    return o.reshape(B, Hq, v.shape[-1]).astype(q.dtype)
+
+
 def ref_paged_attention(q, pool, block_tables, lengths, *, layer, sliding_window=None, sinks=None, scale=None,
                         interpret=False, pages_per_tile=None, pages_per_partition=None, num_warps=None,
-                        num_stages=None):
-    """Gather-then-attend reference of `paged_attention`, same arguments and result."""
+                        num_stages=None, total_blocks=None):
+    """Gather-then-attend reference of `paged_attention`, same arguments and result (ragged with total_blocks)."""
     del interpret, pages_per_tile, pages_per_partition, num_warps, num_stages
     E, Dk, D = _views(q, pool, block_tables, lengths, layer)
     v_entry, v_lo, v_hi = _gqa_layout(E, Dk, D)
+    scale = Dk ** -0.5 if scale is None else scale
+    if total_blocks is not None:
+        x, row, k_pos, k_valid = _ragged_view(pool, block_tables, lengths, layer, int(total_blocks))
+        return _ragged_attend(q, x[:, :, 0, :, :Dk], x[:, :, v_entry, :, v_lo:v_hi], row, k_pos, k_valid, lengths,
+                              scale=scale, window=sliding_window, sinks=sinks)
     x, k_pos = _dense_view(pool, block_tables, lengths, layer)
     k, v = x[:, :, 0, :, :Dk], x[:, :, v_entry, :, v_lo:v_hi]
     out = ref_batched_attention(q[:, None], k, v, (lengths - 1)[:, None], k_pos, k_pos < lengths[:, None],
-                                scale=Dk ** -0.5 if scale is None else scale, window=sliding_window, sinks=sinks)
+                                scale=scale, window=sliding_window, sinks=sinks)
     return out[:, 0]
 
 
@@ -203,14 +259,15 @@ def _check_mla(q, pool, kv_lora_rank):
 
 
 def paged_mla_attention(q, pool, block_tables, lengths, *, layer, kv_lora_rank, scale, interpret=False,
-                        pages_per_tile=None, pages_per_partition=None):
+                        pages_per_tile=None, pages_per_partition=None, total_blocks=None):
     """MLA decode attention in the absorbed form over the latent cache.
 
     q [B, H, L + R]: the query projected into the latent space (q_nope @ W_UK) followed by its rope part;
     pool [NB, layers, 1, block_size, 1, L + R] latent (L = kv_lora_rank) + rope key per token; block_tables,
-    lengths, layer as in `paged_attention`; scale: the model's softmax scale (of the unabsorbed head dim)
-    -> [B, H, L] attended latent in q's dtype (the value up-projection W_UV is applied by the caller)
+    lengths, layer, total_blocks as in `paged_attention`; scale: the model's softmax scale (of the unabsorbed head
+    dim) -> [B, H, L] attended latent in q's dtype (the value up-projection W_UV is applied by the caller)
     """
+    del total_blocks
     _views(q, pool, block_tables, lengths, layer)
     _check_mla(q, pool, kv_lora_rank)
     ppt, ppp = _pages(pool.shape[3], block_tables.shape[1], pages_per_tile, pages_per_partition)
@@ -219,11 +276,17 @@ def paged_mla_attention(q, pool, block_tables, lengths, *, layer, kv_lora_rank, 
 
 
 def ref_paged_mla_attention(q, pool, block_tables, lengths, *, layer, kv_lora_rank, scale, interpret=False,
-                            pages_per_tile=None, pages_per_partition=None):
-    """Gather-then-attend reference of `paged_mla_attention`, same arguments and result."""
+                            pages_per_tile=None, pages_per_partition=None, total_blocks=None):
+    """Gather-then-attend reference of `paged_mla_attention`, same arguments and result (ragged with
+    total_blocks)."""
     del interpret, pages_per_tile, pages_per_partition
     _views(q, pool, block_tables, lengths, layer)
     _check_mla(q, pool, kv_lora_rank)
+    if total_blocks is not None:
+        x, row, k_pos, k_valid = _ragged_view(pool, block_tables, lengths, layer, int(total_blocks))
+        kv = x[:, :, 0]  # [M, bs, 1, L + R]
+        return _ragged_attend(q, kv, kv[..., :kv_lora_rank], row, k_pos, k_valid, lengths, scale=scale, window=None,
+                              sinks=None)
     x, k_pos = _dense_view(pool, block_tables, lengths, layer)
     kv = x[:, :, 0]  # [B, S, 1, L + R]
     out = ref_batched_attention(q[:, None], kv, kv[..., :kv_lora_rank], (lengths - 1)[:, None], k_pos,

@@ -60,14 +60,20 @@ def resolve(mode):
     return auto_mode() if mode == "auto" else mode
 
 
-def select(name: str, mode):
-    """The implementation of kernel `name` for `mode` (a mode name or a KernelPlan)."""
+def mode_of(name: str, mode) -> str:
+    """"reference", "pallas" or "interpret": how kernel `name` runs under `mode` (a mode name or a KernelPlan)."""
     if name not in KERNELS:
         raise KeyError(f"no kernel {name!r}; known: {', '.join(KERNELS)}")
-    ref, kernel = KERNELS[name]
     mode = resolve(mode)
     if isinstance(mode, KernelPlan):
-        mode = "reference" if name in mode.reference else mode.mode
+        return "reference" if name in mode.reference else mode.mode
+    return mode
+
+
+def select(name: str, mode):
+    """The implementation of kernel `name` for `mode` (a mode name or a KernelPlan)."""
+    ref, kernel = KERNELS[name] if name in KERNELS else (None, None)
+    mode = mode_of(name, mode)
     if mode == "reference":
         return ref
     return functools.partial(kernel, interpret=mode == "interpret")

@@ -151,12 +151,13 @@ def _span(g: CacheGroup, span: tuple[int, int] | None) -> tuple[int, int]:
 
 
 def gather(layout: PoolLayout, pool: list, block_table, src_rows, start, paged: bool = False,
-           span: tuple[int, int] | None = None) -> list:
+           span: tuple[int, int] | None = None, total_blocks: int | None = None) -> list:
     """Per-layer caches for a batch: dense copies, or with `paged` (decode) `PagedKV` views of the full groups.
 
     block_table [B, W] int32 block ids (capacity W * block_size tokens); src_rows [B] int32 state rows;
     start [B] int32 tokens already cached (state of rows with start == 0 reads as zeros); span: only the
-    model layers [lo, hi) (the others stay None).
+    model layers [lo, hi) (the others stay None); total_blocks: the views' bound on the blocks the batch holds
+    (models/paged.py).
     """
     B, W = block_table.shape
     cache: list = [None] * layout.num_layers
@@ -168,7 +169,7 @@ def gather(layout: PoolLayout, pool: list, block_table, src_rows, start, paged: 
             continue
         if g.kind == "full" and paged:
             for j in range(j0, j1):
-                cache[g.layers[j]] = PagedKV(arr, block_table, gi, j)
+                cache[g.layers[j]] = PagedKV(arr, block_table, gi, j, total_blocks)
             continue
         if g.kind == "full":
             x = arr[block_table, j0:j1]  # [B, W, L, E, bs, H, D]

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from pallas_kernels import check
-from pallas_kernels.select import MODES
+from pallas_kernels.select import MODES, mode_of
 
 from ..cache.block_manager import BlockManager, block_hashes
 from ..cache.events import CacheEvents
@@ -33,6 +33,7 @@ from .client import RequestError, encode
 from .runner import DecodeRow, ModelRunner, PrefillRow, Prefix
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import Sequence
+from .steptimer import StepTimer
 
 log = logging.getLogger("jaxserve.engine")
 
@@ -108,10 +109,13 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(
             cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.chunk_size, cfg.max_prefill_seqs, cfg.max_waiting, bs,
             self.layout.has_request_state), self.blocks)
+        self.timer = StepTimer()  # where each step's time goes (bench/offline.py)
         self.runner = ModelRunner(self.graphdef, self.state, self.layout, self.model_config.vocab_size, self.dtype,
                                   num_slots=cfg.max_num_seqs, max_prefill_seqs=cfg.max_prefill_seqs,
                                   chunk_size=cfg.chunk_size, max_blocks_per_seq=-(-self.max_model_len // bs),
-                                  mesh=mesh)
+                                  mesh=mesh, timer=self.timer,
+                                  ragged=all(mode_of(k, self.kernels) == "reference"
+                                             for k in ("paged_attention", "paged_mla_attention")))
         self.eos = set(self.model_config.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
         self._rng = np.random.default_rng()
@@ -266,7 +270,9 @@ class LLMEngine:
 
     # ---- one iteration
     def step(self) -> list[Sequence]:
+        self.timer.begin()
         plan = self.scheduler.schedule()
+        self.timer.mark("schedule")
         changed: list[Sequence] = []
         if plan.prefills:
             rows = []
@@ -309,6 +315,7 @@ class LLMEngine:
                     self.runner.insert(prefix, c.seq.slot)
                     self._append(c.seq, prefix.token, prefix.logprob, prefix.top)
                     changed.append(c.seq)
+            self.timer.mark("prefill.output")
         if plan.decodes:
             rows = [DecodeRow(s.slot, s.output[-1] if s.output else s.prompt[-1], s.num_tokens - 1, s.block_ids,
                               s.params, len(s.output),
@@ -317,6 +324,9 @@ class LLMEngine:
             for seq, (tok, lp, top) in zip(plan.decodes, self.runner.generate(rows)):
                 self._append(seq, tok, lp, top)
                 changed.append(seq)
+            self.timer.mark("decode.output")
+        self.timer.end("mixed" if plan.prefills and plan.decodes else "prefill" if plan.prefills
+                       else "decode" if plan.decodes else "")
         return changed
 
     def _record(self, seq: Sequence, tok: int, lp: float, top) -> str | None:

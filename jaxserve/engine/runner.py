@@ -4,13 +4,14 @@ The cache pool (cache/layout.py), the per-slot penalty state (prompt token mask,
 the model parameters live on device. Two jitted programs do all the work, each with the pool donated:
   prefill   B chunks of T tokens (padded to buckets) -> cache written, first token sampled for chunks that
             complete their prompt
-  generate  one token for every decode slot (inactive slots are padding); full-attention layers write into
-            their blocks and read them with paged attention (no dense copy of the pool), request-level
-            state (sliding rings, linear state) is gathered by row
+  generate  one token for each running request, the rows padded to a batch bucket; full-attention layers
+            write into their blocks and read them with paged attention (no dense copy of the pool),
+            request-level state (sliding rings, linear state) and penalty state are gathered by slot
 The model's kernel mode (engine.kernels) picks Pallas kernels or jnp references for both programs.
 Shapes are bucketed (prefill B is 1 or max_prefill_seqs, T a power of two up to chunk_size, block-table width W
-a power of two up to the longest sequence) so a workload compiles a bounded number of programs: at most
-2 * |T buckets| * |W buckets| prefill and |W buckets| decode programs. `programs` records the shapes compiled.
+a power of two up to the longest sequence, decode B a power of two from 8 up to the slots) so a workload
+compiles a bounded number of programs: at most 2 * |T buckets| * |W buckets| prefill and
+|decode B buckets| * |W buckets| decode programs. `programs` records the shapes compiled.
 
 Colocated mode uses one ModelRunner for both roles: prefill writes straight into the blocks and state row that
 decode then reads, so `insert` only records the slot's sampling state. Disaggregated, the prefill instance's
@@ -35,8 +36,9 @@ from ..cache.layout import PoolLayout, gather, head_parts, init_pool, pool_shard
 from ..models.batch import Batch
 from ..sampling import SamplingParams
 from .sampler import MAX_LOGPROBS, SamplingTensors, sample
+from .steptimer import StepTimer
 
-_IDLE = SamplingParams(temperature=0.0, seed=0)  # sampling parameters of idle decode slots
+_IDLE = SamplingParams(temperature=0.0, seed=0)  # sampling parameters of the warm-up's requests
 
 
 def pow2_bucket(n: int, lo: int, hi: int) -> int:
@@ -88,8 +90,13 @@ class DecodeRow:
 
 class ModelRunner:
     def __init__(self, graphdef, state, layout: PoolLayout, vocab_size: int, dtype, *, num_slots: int,
-                 max_prefill_seqs: int, chunk_size: int, max_blocks_per_seq: int, mesh=None):
+                 max_prefill_seqs: int, chunk_size: int, max_blocks_per_seq: int, mesh=None,
+                 timer: StepTimer | None = None, ragged: bool = False):
+        """ragged: decode attention runs as the jnp reference, which then gathers only the blocks in use
+        (the decode programs are keyed by the batch's total blocks instead of the table width)."""
         self.layout, self.V, self.dtype = layout, vocab_size, dtype
+        self.ragged = ragged
+        self.timer = timer or StepTimer()  # phases: input preparation, the device program (to results on host)
         self.num_slots, self.max_prefill_seqs, self.chunk_size = num_slots, max_prefill_seqs, chunk_size
         self.max_blocks_per_seq = max_blocks_per_seq
         self.state = state
@@ -99,8 +106,9 @@ class ModelRunner:
                     else jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
         self.pool = init_pool(layout, dtype, sharding if mesh is None else pool_shardings(layout, mesh))
         self.head_parts = head_parts(layout, mesh)  # how a transfer from this pool splits each group's heads
-        self.prompt_mask = jnp.zeros((num_slots, vocab_size), bool, device=sharding)
-        self.out_counts = jnp.zeros((num_slots, vocab_size), jnp.int32, device=sharding)
+        # per-slot penalty state, one more row for the padding rows of a decode batch to write to
+        self.prompt_mask = jnp.zeros((num_slots + 1, vocab_size), bool, device=sharding)
+        self.out_counts = jnp.zeros((num_slots + 1, vocab_size), jnp.int32, device=sharding)
         self.programs: set[tuple] = set()
         model = lambda st: nnx.merge(graphdef, st)  # noqa: E731
 
@@ -115,28 +123,28 @@ class ModelRunner:
             pool = scatter(layout, pool, cache, batch, table, dst, snap, span=(lo, hi))
             if not last:
                 return pool, x
-            logits = m.head(x, jnp.maximum(batch.lengths - 1, 0)[:, None])
+            logits = m.head(batch.unpack(x), jnp.maximum(batch.lengths - 1, 0)[:, None])
             return (pool,) + sample(logits[:, 0], st, pmask, jnp.zeros(pmask.shape, jnp.int32))
 
-        def decode_fn(state, pool, prompt_mask, out_counts, batch, table, rows, snap, st):
-            cache = gather(layout, pool, table, rows, batch.start, paged=True)
+        def decode_fn(state, pool, prompt_mask, out_counts, batch, table, rows, snap, slots, st, *, total_blocks):
+            cache = gather(layout, pool, table, rows, batch.start, paged=True, total_blocks=total_blocks)
             logits, cache = model(state)(batch, cache, jnp.zeros((batch.tokens.shape[0], 1), jnp.int32))
             pool = scatter(layout, pool, cache, batch, table, rows, snap)
-            tok, lp, ids, tlp = sample(logits[:, 0], st, prompt_mask, out_counts)
-            out_counts = out_counts.at[jnp.arange(tok.shape[0]), tok].add(batch.lengths)
+            tok, lp, ids, tlp = sample(logits[:, 0], st, prompt_mask[slots], out_counts[slots])
+            out_counts = out_counts.at[slots, tok].add(batch.lengths)
             return pool, out_counts, tok, lp, ids, tlp
 
         def insert_fn(prompt_mask, out_counts, slot, mask_row, token):
             return prompt_mask.at[slot].set(mask_row), out_counts.at[slot].set(0).at[slot, token].set(1)
 
         self._prefill = jax.jit(prefill_fn, donate_argnums=(1,), static_argnames=("lo", "hi", "last"))
-        self._decode = jax.jit(decode_fn, donate_argnums=(1, 3))
+        self._decode = jax.jit(decode_fn, donate_argnums=(1, 3), static_argnames=("total_blocks",))
         self._insert = jax.jit(insert_fn, donate_argnums=(0, 1))
         self._io = DeviceIO()
 
     # ---- helpers
-    def _table(self, rows_blocks: list[list[int]], B: int, min_width: int) -> np.ndarray:
-        W = pow2_bucket(max([min_width] + [len(b) for b in rows_blocks]), 1, self.max_blocks_per_seq)
+    def _table(self, rows_blocks: list[list[int]], B: int, min_width: int, W: int | None = None) -> np.ndarray:
+        W = W or pow2_bucket(max([min_width] + [len(b) for b in rows_blocks]), 1, self.max_blocks_per_seq)
         table = np.zeros((B, W), np.int32)
         for i, blocks in enumerate(rows_blocks):
             table[i, :len(blocks)] = blocks
@@ -176,13 +184,22 @@ class ModelRunner:
         min_w = max(-(-(r.start + len(r.tokens)) // bs) for r in rows)
         table = self._table([r.block_ids for r in rows], B, min_w)
         st = SamplingTensors.from_params([r.params for r in rows], [r.step for r in rows], B)
-        batch = Batch(jnp.asarray(tokens), jnp.asarray(start), jnp.asarray(lengths))
+        # several rows: pack the real tokens so only the mixers see the [B, T] padding (models/batch.py)
+        N = pow2_bucket(int(lengths.sum()), 16, B * T) if B > 1 else B * T
+        packed = None
+        if N < B * T:
+            packed = np.full(N, B * T, np.int32)
+            packed[:int(lengths.sum())] = np.concatenate([i * T + np.arange(n, dtype=np.int32)
+                                                          for i, n in enumerate(lengths) if n])
+            packed = jnp.asarray(packed)
+        batch = Batch(jnp.asarray(tokens), jnp.asarray(start), jnp.asarray(lengths), packed)
         args = (batch, jnp.asarray(table), jnp.asarray(src), jnp.asarray(dst), jnp.asarray(snap), st,
                 jnp.asarray(pmask))
+        self.timer.mark("prefill.prepare")
         x = None
         for k, (lo, hi) in enumerate(stages):
             last = k == len(stages) - 1
-            self.programs.add(("prefill", B, T, table.shape[1], lo, hi))
+            self.programs.add(("prefill", B, T, table.shape[1], lo, hi, N))
             out = self._prefill(self.state, self.pool, x, *args, lo=lo, hi=hi, last=last)
             self.pool, rest = out[0], out[1:]
             if not last:
@@ -191,6 +208,7 @@ class ModelRunner:
                 on_stage(k)
         tok, lp, ids, tlp = rest
         tok, lp, ids, tlp = (np.asarray(x) for x in (tok, lp, ids, tlp))
+        self.timer.mark("prefill.device")
         out: list[Prefix | None] = []
         for i, r in enumerate(rows):
             if not r.sample:
@@ -206,31 +224,41 @@ class ModelRunner:
         self.prompt_mask, self.out_counts = self._insert(self.prompt_mask, self.out_counts, jnp.int32(slot),
                                                          jnp.asarray(mask), jnp.int32(prefix.token))
 
+    def decode_batch(self, n: int) -> int:
+        """Rows of the decode program for n running requests: a power of two from 8, at most num_slots."""
+        return pow2_bucket(n, min(8, self.num_slots), self.num_slots)
+
     def generate(self, rows: list[DecodeRow]) -> list[tuple[int, float, list[tuple[int, float]]]]:
-        """One decode step for the given slots (the others idle): per row (token, logprob, top logprobs)."""
-        S = self.num_slots
-        tokens, start, lengths = np.zeros((S, 1), np.int32), np.zeros(S, np.int32), np.zeros(S, np.int32)
-        slot_rows = np.full(S, self.layout.scratch_row, np.int32)
-        snap_rows = np.full(S, self.layout.scratch_row, np.int32)
-        blocks = [[] for _ in range(S)]
-        params: list = [None] * S
-        steps = [0] * S
-        for r in rows:
-            tokens[r.slot, 0], start[r.slot], lengths[r.slot] = r.token, r.position, 1
-            slot_rows[r.slot], blocks[r.slot], params[r.slot], steps[r.slot] = r.slot, r.block_ids, r.params, r.step
+        """One decode step for the given slots: per row (token, logprob, top logprobs). The program runs
+        `decode_batch(len(rows))` rows, the given ones first, the rest padding."""
+        if not 0 < len(rows) <= self.num_slots:
+            raise ValueError(f"decode takes 1..{self.num_slots} rows, got {len(rows)}")
+        B = self.decode_batch(len(rows))
+        tokens, start, lengths = np.zeros((B, 1), np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32)
+        state_rows = np.full(B, self.layout.scratch_row, np.int32)
+        snap_rows = np.full(B, self.layout.scratch_row, np.int32)
+        slots = np.full(B, self.num_slots, np.int32)  # padding: the penalty state's spare row
+        for i, r in enumerate(rows):
+            tokens[i, 0], start[i], lengths[i], state_rows[i], slots[i] = r.token, r.position, 1, r.slot, r.slot
             if r.snap_row is not None:
-                snap_rows[r.slot] = r.snap_row
+                snap_rows[i] = r.snap_row
         bs = self.layout.block_size
-        min_w = max([-(-(r.position + 1) // bs) for r in rows] + [1])
-        table = self._table(blocks, S, min_w)
-        st = SamplingTensors.from_params([p or _IDLE for p in params], steps, S)
-        self.programs.add(("decode", S, 1, table.shape[1]))
+        used = [-(-(r.position + 1) // bs) for r in rows]  # blocks each row attends over
+        M = W = None
+        if self.ragged:  # the blocks in use, bucketed; a table as wide as the longest row can be
+            M = pow2_bucket(sum(used), B, B * self.max_blocks_per_seq)
+            W = min(M, self.max_blocks_per_seq)
+        table = self._table([r.block_ids for r in rows], B, max(used), W)
+        st = SamplingTensors.from_params([r.params for r in rows], [r.step for r in rows], B)
+        self.programs.add(("decode", B, 1, table.shape[1], M))
         batch = Batch(jnp.asarray(tokens), jnp.asarray(start), jnp.asarray(lengths))
+        self.timer.mark("decode.prepare")
         self.pool, self.out_counts, tok, lp, ids, tlp = self._decode(
             self.state, self.pool, self.prompt_mask, self.out_counts, batch, jnp.asarray(table),
-            jnp.asarray(slot_rows), jnp.asarray(snap_rows), st)
+            jnp.asarray(state_rows), jnp.asarray(snap_rows), jnp.asarray(slots), st, total_blocks=M)
         tok, lp, ids, tlp = (np.asarray(x) for x in (tok, lp, ids, tlp))
-        return [(int(tok[r.slot]), float(lp[r.slot]), self._top(r.params, ids[r.slot], tlp[r.slot])) for r in rows]
+        self.timer.mark("decode.device")
+        return [(int(tok[i]), float(lp[i]), self._top(r.params, ids[i], tlp[i])) for i, r in enumerate(rows)]
 
     def export_kv(self, staging, layer_group: int, blocks: list[int], row: int) -> list[tuple[int, jax.Array]]:
         """A request's staged KV for one layer group (dispatched; read before any later step writes the pool)."""
@@ -246,8 +274,8 @@ class ModelRunner:
         return list(zip(ids[:k].tolist(), tlp[:k].tolist()))
 
     def warmup(self, progress: bool = True, stages: list[tuple[int, int]] | None = None, tails: bool = False) -> int:
-        """Compile the decode program for every block-table width and the prefill program for every chunk
-        bucket (one request; with `stages`, also the layer-group programs of layer-wise prefill; with `tails`,
+        """Compile the decode program for every batch bucket and block-table width (ragged: every total-blocks
+        bucket), the prefill program for every chunk bucket (one request; with `stages`, also the layer-group programs of layer-wise prefill; with `tails`,
         the one-token prefill chunk at the end of a sequence of every block-table width, alone and in a full
         batch: what a decode instance runs when KV arrives for all but the last token, a resumed request's or
         one prefill left with transfer.leave_last_token). Writes land in block 0 and the scratch rows, which are
@@ -264,7 +292,19 @@ class ModelRunner:
             lengths.append(t)
             t *= 2
         lengths.append(self.chunk_size)
-        jobs = [("decode", w, None) for w in widths] + [("prefill", t, None) for t in lengths]
+        batches = sorted({self.decode_batch(n) for n in range(1, self.num_slots + 1)})
+        if self.ragged:  # every total-blocks bucket of every batch bucket, the blocks spread evenly over the rows
+            decodes = []
+            for b in batches:
+                m, hi = b, b * self.max_blocks_per_seq
+                while True:
+                    decodes.append(("decode", m // b, b))
+                    if m >= hi:
+                        break
+                    m = min(2 * m, hi)
+        else:
+            decodes = [("decode", w, b) for w in widths for b in batches]
+        jobs = decodes + [("prefill", t, None) for t in lengths]
         if stages is not None:
             jobs += [("prefill", t, stages) for t in lengths]
         if tails:
@@ -272,7 +312,7 @@ class ModelRunner:
         scratch = self.layout.scratch_row
         for kind, n, st in tqdm(jobs, desc="compiling", unit="program", disable=not progress):
             if kind == "decode":
-                self.generate([DecodeRow(0, 0, n * bs - 1, [0] * n, _IDLE, 0)])
+                self.generate([DecodeRow(0, 0, n * bs - 1, [0] * n, _IDLE, 0)] * st)  # n: blocks, st: rows
             elif kind == "tail":  # n: block-table width, st: rows
                 self.prefill([PrefillRow("warmup", [0], n * bs - 1, [0] * n, scratch, scratch, None, True, _IDLE, 0,
                                          [0])] * st)

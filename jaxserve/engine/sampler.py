@@ -5,6 +5,8 @@ negative multiplied), presence and frequency penalties (over output tokens), the
 or temperature + top-k + top-p + min-p and a draw from a key derived from (seed, output index), so a seeded
 request gives the same tokens whatever it is batched with. Log-probabilities are those of the model's
 distribution (before penalties and temperature): the sampled token's and the `max_logprobs` best.
+A batch with no sampled row skips the sort and the draws, and one where no row asks for top logprobs skips
+the top-k (`lax.cond`: the other branch is not run), so greedy decoding pays for an argmax only.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class SamplingTensors:
     frequency_penalty: jax.Array  # [B] float32
     seed: jax.Array  # [B] uint32
     step: jax.Array  # [B] int32: index of the token being sampled among the outputs
+    top: jax.Array  # [B] int32: top logprobs asked for (0: none)
 
     @staticmethod
     def from_params(params: list, steps: list[int], size: int) -> "SamplingTensors":
@@ -44,10 +47,13 @@ class SamplingTensors:
             seeds[i] = (p.seed or 0) & 0xFFFFFFFF
         st = np.zeros(size, np.int32)
         st[:len(steps)] = steps
+        top = np.zeros(size, np.int32)
+        for i, p in enumerate(params):
+            top[i] = p.logprobs or 0
         return SamplingTensors(col("temperature", np.float32, 0.0), col("top_p", np.float32, 1.0),
                                col("top_k", np.int32, 0), col("min_p", np.float32, 0.0),
                                col("repetition_penalty", np.float32, 1.0), col("presence_penalty", np.float32, 0.0),
-                               col("frequency_penalty", np.float32, 0.0), seeds, st)
+                               col("frequency_penalty", np.float32, 0.0), seeds, st, top)
 
 
 def apply_penalties(logits, st: SamplingTensors, prompt_mask, out_counts):
@@ -78,12 +84,22 @@ def _filtered(logits, st: SamplingTensors):
 
 def sample(logits, st: SamplingTensors, prompt_mask, out_counts):
     """logits [B, V] float32 -> (tokens [B] int32, logprob [B], top_ids [B, K] int32, top_logprobs [B, K])."""
+    B = logits.shape[0]
     logp = jax.nn.log_softmax(logits, axis=-1)
     x = apply_penalties(logits, st, prompt_mask, out_counts)
-    greedy = jnp.argmax(x, axis=-1)
-    z = _filtered(x, st)
-    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(st.seed, st.step)
-    drawn = jax.vmap(jax.random.categorical)(keys, z)
-    tok = jnp.where(st.temperature > 0, drawn, greedy).astype(jnp.int32)
-    top_lp, top_ids = jax.lax.top_k(logp, MAX_LOGPROBS)
-    return tok, jnp.take_along_axis(logp, tok[:, None], -1)[:, 0], top_ids.astype(jnp.int32), top_lp
+    greedy = jnp.argmax(x, axis=-1).astype(jnp.int32)
+
+    def drawn(x):
+        keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(st.seed, st.step)
+        d = jax.vmap(jax.random.categorical)(keys, _filtered(x, st)).astype(jnp.int32)
+        return jnp.where(st.temperature > 0, d, greedy)
+
+    tok = jax.lax.cond(jnp.any(st.temperature > 0), drawn, lambda x: greedy, x)
+
+    def top(logp):
+        top_lp, top_ids = jax.lax.top_k(logp, MAX_LOGPROBS)
+        return top_ids.astype(jnp.int32), top_lp
+
+    none = (jnp.zeros((B, MAX_LOGPROBS), jnp.int32), jnp.zeros((B, MAX_LOGPROBS), logp.dtype))
+    top_ids, top_lp = jax.lax.cond(jnp.any(st.top > 0), top, lambda logp: none, logp)
+    return tok, jnp.take_along_axis(logp, tok[:, None], -1)[:, 0], top_ids, top_lp

@@ -66,7 +66,8 @@ def kv_attention(q, k_new, v_new, cache: dict, batch: Batch, *, scale, window, s
             vals = jnp.concatenate([k_new, v_new.astype(k_new.dtype)], axis=-1)[:, :, None]
         cache = cache.write(vals, batch)
         out = select("paged_attention", kernels)(q[:, 0], cache.pool, cache.table, PagedKV.lengths(batch),
-                                                 layer=cache.layer, sliding_window=window, sinks=sinks, scale=scale)
+                                                 layer=cache.layer, sliding_window=window, sinks=sinks, scale=scale,
+                                                 total_blocks=cache.total_blocks)
         return out[:, None], cache
     attend = select("batched_attention", kernels)
     if window is None:
@@ -171,7 +172,7 @@ class MLAAttention(nnx.Module):
             cache = cache.write(kv_new[:, :, None], batch)
             out_lat = select("paged_mla_attention", self.kernels)(
                 qf[:, 0], cache.pool, cache.table, PagedKV.lengths(batch), layer=cache.layer, kv_lora_rank=L,
-                scale=s.scale)[:, None]
+                scale=s.scale, total_blocks=cache.total_blocks)[:, None]
         else:
             kv = write_full(cache["kv"], kv_new, batch)
             k_pos, k_valid = full_positions(kv.shape[1], batch)

@@ -3,6 +3,11 @@
 A forward step processes, for each of B sequences, `lengths[b]` new tokens (right-padded to T) that
 follow `start[b]` tokens already held in the cache. Prefill is start=0; a decode step is T=1; chunked
 prefill is anything in between.
+
+Packed (engine prefill): with `packed` set, the residual stream holds only the real tokens, N of them in a
+row [1, N, ...] (N bucketed, the rest padding), so embeddings, norms, MLPs and MoEs do no work on the [B, T]
+padding; each mixer (attention, linear attention) still sees its rows as [B, T] (`unpack` before, `pack`
+after).
 """
 
 from __future__ import annotations
@@ -19,6 +24,26 @@ class Batch:
     tokens: jax.Array  # [B, T] int32, right-padded
     start: jax.Array  # [B] int32: tokens of this sequence already in the cache
     lengths: jax.Array  # [B] int32: valid new tokens (<= T)
+    packed: jax.Array | None = None  # [N] int32: packed token i is [B, T] token packed[i] // T, packed[i] % T;
+    #                                   B * T marks padding
+
+    def pack(self, x):
+        """[B, T, ...] -> [1, N, ...] the real tokens in packed order (padding zeros); x itself unpacked."""
+        if self.packed is None:
+            return x
+        flat = x.reshape((-1,) + x.shape[2:])
+        flat = jnp.concatenate([flat, jnp.zeros((1,) + flat.shape[1:], flat.dtype)])
+        return flat[self.packed][None]
+
+    def unpack(self, x):
+        """[1, N, ...] packed -> [B, T, ...] (padding zeros); x itself unpacked."""
+        if self.packed is None:
+            return x
+        B, T = self.tokens.shape
+        N = self.packed.shape[0]
+        where = jnp.full(B * T + 1, N, jnp.int32).at[self.packed].set(jnp.arange(N, dtype=jnp.int32))[:B * T]
+        flat = jnp.concatenate([x[0], jnp.zeros((1,) + x.shape[2:], x.dtype)])
+        return flat[where].reshape((B, T) + x.shape[2:])
 
     @property
     def positions(self):  # [B, T] int32

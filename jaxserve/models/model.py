@@ -63,8 +63,9 @@ class DecoderLayer(nnx.Module):
                            shared_name="shared_expert" if cfg.model_type == "qwen3_next" else "shared_experts")
 
     def __call__(self, x, batch: Batch, cache: dict):
-        h, cache = self.mixer(self.input_layernorm(x), batch, cache)
-        x = x + h
+        """x [B, T, H], or [1, N, H] packed (models/batch.py): the mixer runs on the [B, T] rows either way."""
+        h, cache = self.mixer(batch.unpack(self.input_layernorm(x)), batch, cache)
+        x = x + batch.pack(h)
         return x + self.mlp(self.post_attention_layernorm(x)), cache
 
 
@@ -85,11 +86,11 @@ class CausalLM(nnx.Module):
         decode); logits_idx [B, P] token indices in [0, T)
         -> (logits [B, P, V] float32, new cache)"""
         x, new_cache = self.run_layers(self.embed(batch), batch, cache, 0, len(self.layers))
-        return self.head(x, logits_idx), new_cache
+        return self.head(batch.unpack(x), logits_idx), new_cache
 
     def embed(self, batch: Batch):
-        """-> hidden states [B, T, H] of the batch's tokens."""
-        return self.embed_tokens[...][batch.tokens]
+        """-> hidden states [B, T, H] of the batch's tokens ([1, N, H] packed)."""
+        return self.embed_tokens[...][batch.pack(batch.tokens)]
 
     def run_layers(self, x, batch: Batch, cache: list, lo: int, hi: int):
         """Layers lo..hi-1 over hidden states x [B, T, H]; cache: per-layer entries (only lo..hi-1 are read)
@@ -100,7 +101,7 @@ class CausalLM(nnx.Module):
         for i in range(lo, hi):
             c = cache[i]
             if isinstance(c, PagedKV) and c.group in shared:
-                c = PagedKV(shared[c.group], c.table, c.group, c.layer)
+                c = PagedKV(shared[c.group], c.table, c.group, c.layer, c.total_blocks)
             x, c = self.layers[i](x, batch, c)
             if isinstance(c, PagedKV):
                 shared[c.group] = c.pool
@@ -108,7 +109,7 @@ class CausalLM(nnx.Module):
         return x, new_cache
 
     def head(self, x, logits_idx):
-        """x [B, T, H], logits_idx [B, P] -> logits [B, P, V] float32."""
+        """x [B, T, H] (unpacked), logits_idx [B, P] -> logits [B, P, V] float32."""
         x = self.norm(x)
         x = jnp.take_along_axis(x, logits_idx[..., None], axis=1)
         if self.cfg.tie_word_embeddings:

@@ -24,6 +24,9 @@ class PagedKV:
     table: jax.Array  # [B, W] int32 block ids per request
     group: int = field(metadata=dict(static=True))  # index of the group in the pool list
     layer: int = field(metadata=dict(static=True))  # index of this layer within the group
+    # a bound on the blocks the batch holds (sum over rows of ceil(length / block_size)): the reference
+    # attention then gathers only those (pallas_kernels/paged_attention.py); None: table width per row
+    total_blocks: int | None = field(default=None, metadata=dict(static=True))
 
     def write(self, vals, batch: Batch) -> "PagedKV":
         """Store vals [B, T, E, Hkv, D] at the batch's positions (padding tokens are dropped)."""
@@ -32,7 +35,7 @@ class PagedKV:
         blk = jnp.take_along_axis(self.table, jnp.clip(pos // bs, 0, self.table.shape[1] - 1), axis=1)
         blk = jnp.where(batch.valid, blk, NB)
         pool = self.pool.at[blk, self.layer, :, pos % bs].set(vals.astype(self.pool.dtype), mode="drop")
-        return PagedKV(pool, self.table, self.group, self.layer)
+        return PagedKV(pool, self.table, self.group, self.layer, self.total_blocks)
 
     @staticmethod
     def lengths(batch: Batch):

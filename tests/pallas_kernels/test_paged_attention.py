@@ -47,6 +47,11 @@ def test_paged_attention_matches_reference(case):
     close(got, want, dtype)
     if lengths[0] == 0:
         assert not np.asarray(got[0], np.float32).any()
+    # the ragged reference (only the blocks in use, one list over the batch, padded) gives the same numbers
+    used = sum(-(-n // bs) for n in lengths)
+    for total in (used, used + 5):
+        ragged = jax.jit(functools.partial(ref_paged_attention, total_blocks=total, **kw))(q, pool, table, lens)
+        close(ragged, want, dtype)
 
 
 def test_paged_reference_reads_the_right_tokens():
@@ -79,7 +84,11 @@ def test_paged_mla_attention_matches_reference(dtype, bs, ppt, ppp):
     kw = dict(layer=0, kv_lora_rank=Lr, scale=0.2, pages_per_tile=ppt, pages_per_partition=ppp)
     got = jax.jit(functools.partial(paged_mla_attention, interpret=INTERPRET, **kw))(q, pool, table, lens)
     assert got.shape == (B, H, Lr)
-    close(got, ref_paged_mla_attention(q, pool, table, lens, **kw), dtype)
+    want = ref_paged_mla_attention(q, pool, table, lens, **kw)
+    close(got, want, dtype)
+    total = sum(-(-n // bs) for n in lengths) + 3  # the ragged reference, padded
+    close(jax.jit(functools.partial(ref_paged_mla_attention, total_blocks=total, **kw))(q, pool, table, lens), want,
+          dtype)
 
 
 def test_paged_attention_rejects_bad_inputs():
