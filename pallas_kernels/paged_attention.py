@@ -189,46 +189,49 @@ def _dense_view(pool, block_tables, lengths, layer):
     return x, jnp.broadcast_to(jnp.arange(W * bs, dtype=jnp.int32), (B, W * bs))
 
 
-def _ragged_view(pool, block_tables, lengths, layer, total_blocks: int):
+def _ragged_view(pool, block_tables, lengths, layer, total_blocks: int, parts):
     """Ragged reference gather: the first ceil(lengths[b] / bs) blocks of every row, in row order, into one
-    list of `total_blocks` (padded) -> (x [M, bs, E, Hkv, D], row [M] int32, k_pos [M, bs], k_valid [M, bs])."""
+    list of `total_blocks` (padded). parts: (entry, lo, hi) column ranges to gather, each kept in the pool's
+    token-major order (no transposes: the products below take every head against every key of a block)
+    -> ([x [M, bs * Hkv, hi - lo] per part], row [M] int32, k_pos [M, bs], k_valid [M, bs])."""
     B, W = block_tables.shape
-    bs = pool.shape[3]
+    bs, Hkv = pool.shape[3], pool.shape[4]
     counts = (lengths + bs - 1) // bs
     ends = jnp.cumsum(counts)
     j = jnp.arange(total_blocks, dtype=jnp.int32)
     row = jnp.minimum(jnp.searchsorted(ends, j, side="right"), B - 1).astype(jnp.int32)
     k = j - (ends - counts)[row]  # block index within its row
     blk = block_tables[row, jnp.clip(k, 0, W - 1)]
-    x = jnp.swapaxes(pool[blk, layer], 1, 2)  # [M, bs, E, Hkv, D]
+    xs = [pool[blk, layer, e, :, :, lo:hi].reshape(total_blocks, bs * Hkv, hi - lo) for e, lo, hi in parts]
     k_pos = k[:, None] * bs + jnp.arange(bs, dtype=jnp.int32)[None, :]
-    return x, row, k_pos, (j < ends[-1])[:, None] & (k_pos < lengths[row][:, None])
+    return xs, row, k_pos, (j < ends[-1])[:, None] & (k_pos < lengths[row][:, None])
 
 
 def _ragged_attend(q, k, v, row, k_pos, k_valid, lengths, *, scale, window, sinks):
-    """q [B, Hq, Dk]; k [M, bs, Hkv, Dk], v [M, bs, Hkv, Dv] the ragged blocks of rows `row` [M]; k_pos,
-    k_valid [M, bs] -> [B, Hq, Dv] in q's dtype (softmax in float32 per request over its blocks)."""
+    """q [B, Hq, Dk]; k [M, bs * Hkv, Dk], v [M, bs * Hkv, Dv] the ragged blocks of rows `row` [M] (token-major,
+    heads inner); k_pos, k_valid [M, bs] -> [B, Hq, Dv] in q's dtype (softmax in float32 per request over its
+    blocks). Every query head meets every key of its block and the other heads' keys are masked: Hkv times
+    the products' work, which on a CPU costs less than the transposes that a per-head product needs."""
     B, Hq, Dk = q.shape
-    Hkv = k.shape[2]
-    G = Hq // Hkv
-    qg = q.reshape(B, Hkv, G, Dk)[row]  # [M, Hkv, G, Dk]
-    s = jnp.einsum("mkgd,mtkd->mkgt", qg, k, preferred_element_type=jnp.float32) * scale
-    mask = k_valid
+    bs = k_pos.shape[1]
+    Hkv = k.shape[1] // bs
+    s = jnp.einsum("mqd,mnd->mqn", q[row], k, preferred_element_type=jnp.float32) * scale  # [M, Hq, bs * Hkv]
+    valid = k_valid
     if window is not None:
-        mask = mask & (k_pos > (lengths - 1 - window)[row][:, None])
-    mask = mask[:, None, None, :]
+        valid = valid & (k_pos > (lengths - 1 - window)[row][:, None])
+    own = (jnp.arange(Hq)[:, None] // (Hq // Hkv)) == (jnp.arange(bs * Hkv)[None, :] % Hkv)  # [Hq, bs * Hkv]
+    mask = own[None] & jnp.repeat(valid, Hkv, axis=1)[:, None, :]
     s = jnp.where(mask, s, NEG)
-    m = jax.ops.segment_max(s.max(-1), row, B, indices_are_sorted=True)  # [B, Hkv, G]
+    m = jax.ops.segment_max(s.max(-1), row, B, indices_are_sorted=True)  # [B, Hq]
     if sinks is not None:
-        m = jnp.maximum(m, sinks.astype(jnp.float32).reshape(Hkv, G))
+        m = jnp.maximum(m, sinks.astype(jnp.float32))
     p = jnp.where(mask, jnp.exp(s - m[row][..., None]), 0.0)
     den = jax.ops.segment_sum(p.sum(-1), row, B, indices_are_sorted=True)
     if sinks is not None:
-        den = den + jnp.exp(sinks.astype(jnp.float32).reshape(Hkv, G) - m)
-    o = jax.ops.segment_sum(jnp.einsum("mkgt,mtkd->mkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32),
-                            row, B, indices_are_sorted=True)  # [B, Hkv, G, Dv]
-    o = o / jnp.where(den > 0, den, 1.0)[..., None]
-    return o.reshape(B, Hq, v.shape[-1]).astype(q.dtype)
+        den = den + jnp.exp(sinks.astype(jnp.float32) - m)
+    o = jax.ops.segment_sum(jnp.einsum("mqn,mnd->mqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32),
+                            row, B, indices_are_sorted=True)  # [B, Hq, Dv]
+    return (o / jnp.where(den > 0, den, 1.0)[..., None]).astype(q.dtype)
 
 
 def ref_paged_attention(q, pool, block_tables, lengths, *, layer, sliding_window=None, sinks=None, scale=None,
@@ -240,9 +243,9 @@ def ref_paged_attention(q, pool, block_tables, lengths, *, layer, sliding_window
     v_entry, v_lo, v_hi = _gqa_layout(E, Dk, D)
     scale = Dk ** -0.5 if scale is None else scale
     if total_blocks is not None:
-        x, row, k_pos, k_valid = _ragged_view(pool, block_tables, lengths, layer, int(total_blocks))
-        return _ragged_attend(q, x[:, :, 0, :, :Dk], x[:, :, v_entry, :, v_lo:v_hi], row, k_pos, k_valid, lengths,
-                              scale=scale, window=sliding_window, sinks=sinks)
+        (k, v), row, k_pos, k_valid = _ragged_view(pool, block_tables, lengths, layer, int(total_blocks),
+                                                   [(0, 0, Dk), (v_entry, v_lo, v_hi)])
+        return _ragged_attend(q, k, v, row, k_pos, k_valid, lengths, scale=scale, window=sliding_window, sinks=sinks)
     x, k_pos = _dense_view(pool, block_tables, lengths, layer)
     k, v = x[:, :, 0, :, :Dk], x[:, :, v_entry, :, v_lo:v_hi]
     out = ref_batched_attention(q[:, None], k, v, (lengths - 1)[:, None], k_pos, k_pos < lengths[:, None],
@@ -283,10 +286,9 @@ def ref_paged_mla_attention(q, pool, block_tables, lengths, *, layer, kv_lora_ra
     _views(q, pool, block_tables, lengths, layer)
     _check_mla(q, pool, kv_lora_rank)
     if total_blocks is not None:
-        x, row, k_pos, k_valid = _ragged_view(pool, block_tables, lengths, layer, int(total_blocks))
-        kv = x[:, :, 0]  # [M, bs, 1, L + R]
-        return _ragged_attend(q, kv, kv[..., :kv_lora_rank], row, k_pos, k_valid, lengths, scale=scale, window=None,
-                              sinks=None)
+        (kv, v), row, k_pos, k_valid = _ragged_view(pool, block_tables, lengths, layer, int(total_blocks),
+                                                    [(0, 0, pool.shape[5]), (0, 0, int(kv_lora_rank))])
+        return _ragged_attend(q, kv, v, row, k_pos, k_valid, lengths, scale=scale, window=None, sinks=None)
     x, k_pos = _dense_view(pool, block_tables, lengths, layer)
     kv = x[:, :, 0]  # [B, S, 1, L + R]
     out = ref_batched_attention(q[:, None], kv, kv[..., :kv_lora_rank], (lengths - 1)[:, None], k_pos,

@@ -10,8 +10,9 @@ the model parameters live on device. Two jitted programs do all the work, each w
 The model's kernel mode (engine.kernels) picks Pallas kernels or jnp references for both programs.
 Shapes are bucketed (prefill B is 1 or max_prefill_seqs, T a power of two up to chunk_size, block-table width W
 a power of two up to the longest sequence, decode B a power of two from 8 up to the slots) so a workload
-compiles a bounded number of programs: at most 2 * |T buckets| * |W buckets| prefill and
-|decode B buckets| * |W buckets| decode programs. `programs` records the shapes compiled.
+compiles a bounded number of programs: at most 2 * |T buckets| * |W buckets| prefill programs (times the
+packed token counts, powers of two, of batches of several rows) and |decode B buckets| * |W buckets| decode
+programs (ragged attention: |total-blocks buckets| in place of |W buckets|). `programs` records the shapes.
 
 Colocated mode uses one ModelRunner for both roles: prefill writes straight into the blocks and state row that
 decode then reads, so `insert` only records the slot's sampling state. Disaggregated, the prefill instance's
@@ -275,11 +276,11 @@ class ModelRunner:
 
     def warmup(self, progress: bool = True, stages: list[tuple[int, int]] | None = None, tails: bool = False) -> int:
         """Compile the decode program for every batch bucket and block-table width (ragged: every total-blocks
-        bucket), the prefill program for every chunk bucket (one request; with `stages`, also the layer-group programs of layer-wise prefill; with `tails`,
-        the one-token prefill chunk at the end of a sequence of every block-table width, alone and in a full
-        batch: what a decode instance runs when KV arrives for all but the last token, a resumed request's or
-        one prefill left with transfer.leave_last_token). Writes land in block 0 and the scratch rows, which are
-        rewritten before use."""
+        bucket), the prefill program for every chunk bucket (one request; with `stages`, also the layer-group
+        programs of layer-wise prefill; with `tails`, the one-token prefill chunk at the end of a sequence of
+        every block-table width, alone and in a full batch: what a decode instance runs when KV arrives for all
+        but the last token, a resumed request's or one prefill left with transfer.leave_last_token). Writes land
+        in block 0 and the scratch rows, which are rewritten before use."""
         from tqdm import tqdm
         bs = self.layout.block_size
         widths, w = [], 1

@@ -105,7 +105,9 @@ class GQAAttention(nnx.Module):
         if spec.sinks:
             declare(self, "sinks", (H,), dtype, ParamInfo(((f"{prefix}.{spec.sinks_name}",),), tp_axis=0))
 
-    def __call__(self, x, batch: Batch, cache: dict):  # x [B, T, hidden]
+    packed_input = True  # takes a packed batch's [1, N, hidden] (models/batch.py): projections on real tokens only
+
+    def __call__(self, x, batch: Batch, cache: dict):  # x [B, T, hidden], or [1, N, hidden] packed
         s = self.spec
         B, T, _ = x.shape
         q = self.q_proj(x)
@@ -121,11 +123,12 @@ class GQAAttention(nnx.Module):
         if s.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if s.rope is not None:
-            q, k = apply_rope(q, batch.positions, s.rope), apply_rope(k, batch.positions, s.rope)
+            pos = batch.pack(batch.positions)
+            q, k = apply_rope(q, pos, s.rope), apply_rope(k, pos, s.rope)
         sinks = self.sinks[...] if s.sinks else None
-        out, cache = kv_attention(q, k, v, cache, batch, scale=s.scale, window=s.window, sinks=sinks,
-                                  kernels=self.kernels)
-        out = out.reshape(B, T, -1)
+        out, cache = kv_attention(batch.unpack(q), batch.unpack(k), batch.unpack(v), cache, batch, scale=s.scale,
+                                  window=s.window, sinks=sinks, kernels=self.kernels)
+        out = batch.pack(out).reshape(B, T, -1)
         if gate is not None:
             out = out * jax.nn.sigmoid(gate)
         return self.o_proj(out), cache

@@ -6,8 +6,8 @@ prefill is anything in between.
 
 Packed (engine prefill): with `packed` set, the residual stream holds only the real tokens, N of them in a
 row [1, N, ...] (N bucketed, the rest padding), so embeddings, norms, MLPs and MoEs do no work on the [B, T]
-padding; each mixer (attention, linear attention) still sees its rows as [B, T] (`unpack` before, `pack`
-after).
+padding; GQA attention projects the packed tokens and unpacks only for attention itself; the other mixers
+(MLA, linear attention) see their rows as [B, T] (`unpack` before, `pack` after).
 """
 
 from __future__ import annotations

@@ -63,9 +63,15 @@ class DecoderLayer(nnx.Module):
                            shared_name="shared_expert" if cfg.model_type == "qwen3_next" else "shared_experts")
 
     def __call__(self, x, batch: Batch, cache: dict):
-        """x [B, T, H], or [1, N, H] packed (models/batch.py): the mixer runs on the [B, T] rows either way."""
-        h, cache = self.mixer(batch.unpack(self.input_layernorm(x)), batch, cache)
-        x = x + batch.pack(h)
+        """x [B, T, H], or [1, N, H] packed (models/batch.py): a mixer that takes packed input (GQA attention:
+        its projections) gets it as it is, the others their [B, T] rows."""
+        h = self.input_layernorm(x)
+        if getattr(self.mixer, "packed_input", False):
+            h, cache = self.mixer(h, batch, cache)
+        else:
+            h, cache = self.mixer(batch.unpack(h), batch, cache)
+            h = batch.pack(h)
+        x = x + h
         return x + self.mlp(self.post_attention_layernorm(x)), cache
 
 
