@@ -9,7 +9,7 @@ the model parameters live on device. Two jitted programs do all the work, each w
             request-level state (sliding rings, linear state) and penalty state are gathered by slot
 The model's kernel mode (engine.kernels) picks Pallas kernels or jnp references for both programs.
 Shapes are bucketed (prefill B is 1 or max_prefill_seqs, T a power of two up to chunk_size, block-table width W
-a power of two up to the longest sequence, decode B a power of two from 8 up to the slots) so a workload
+a power of two up to the longest sequence, decode B a power of two up to the slots) so a workload
 compiles a bounded number of programs: at most 2 * |T buckets| * |W buckets| prefill programs (times the
 packed token counts, powers of two, of batches of several rows) and |decode B buckets| * |W buckets| decode
 programs (ragged attention: |total-blocks buckets| in place of |W buckets|). `programs` records the shapes.
@@ -226,8 +226,10 @@ class ModelRunner:
                                                          jnp.asarray(mask), jnp.int32(prefix.token))
 
     def decode_batch(self, n: int) -> int:
-        """Rows of the decode program for n running requests: a power of two from 8, at most num_slots."""
-        return pow2_bucket(n, min(8, self.num_slots), self.num_slots)
+        """Rows of the decode program for n running requests: a power of two from max(16, num_slots / 4), at
+        most num_slots (at most three buckets: on a CPU a few rows cost about what 16 do, and each bucket is
+        compiled at warm-up for every table width)."""
+        return pow2_bucket(n, min(max(16, self.num_slots // 4), self.num_slots), self.num_slots)
 
     def generate(self, rows: list[DecodeRow]) -> list[tuple[int, float, list[tuple[int, float]]]]:
         """One decode step for the given slots: per row (token, logprob, top logprobs). The program runs
