@@ -1,5 +1,5 @@
-"""Offline throughput: `LLM.generate` on a batch of prompts against transformers `generate` (same run, same
-checkpoint, same tokens), and where a jaxserve decode step's time goes.
+"""Offline throughput: `LLM.generate` on a batch of prompts against its peers, transformers `generate` and vLLM's
+CPU build (same run, same checkpoint, same token ids), and where a jaxserve step's time goes.
 
 Workload (the speed issue's): a random Llama-family checkpoint of 32M parameters (hidden 512, 8 layers, GQA 8/2,
 intermediate 1536, vocabulary 8192, float32), 48 prompts of 16-900 random tokens (log-normal lengths, about

@@ -72,8 +72,8 @@ def mode_of(name: str, mode) -> str:
 
 def select(name: str, mode):
     """The implementation of kernel `name` for `mode` (a mode name or a KernelPlan)."""
-    ref, kernel = KERNELS[name] if name in KERNELS else (None, None)
     mode = mode_of(name, mode)
+    ref, kernel = KERNELS[name]
     if mode == "reference":
         return ref
     return functools.partial(kernel, interpret=mode == "interpret")

@@ -185,7 +185,7 @@ class ModelRunner:
         min_w = max(-(-(r.start + len(r.tokens)) // bs) for r in rows)
         table = self._table([r.block_ids for r in rows], B, min_w)
         st = SamplingTensors.from_params([r.params for r in rows], [r.step for r in rows], B)
-        # several rows: pack the real tokens so only the mixers see the [B, T] padding (models/batch.py)
+        # several rows: pack the real tokens so only attention itself sees the [B, T] padding (models/batch.py)
         N = pow2_bucket(int(lengths.sum()), 16, B * T) if B > 1 else B * T
         packed = None
         if N < B * T:
