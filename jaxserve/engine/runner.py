@@ -9,9 +9,9 @@ the model parameters live on device. Two jitted programs do all the work, each w
             request-level state (sliding rings, linear state) and penalty state are gathered by slot
 The model's kernel mode (engine.kernels) picks Pallas kernels or jnp references for both programs.
 Shapes are bucketed (prefill B is 1 or max_prefill_seqs, T a power of two up to chunk_size, block-table width W
-a power of two up to the longest sequence, decode B a power of two up to the slots) so a workload
-compiles a bounded number of programs: at most 2 * |T buckets| * |W buckets| prefill programs (times the
-packed token counts, powers of two, of batches of several rows) and |decode B buckets| * |W buckets| decode
+a power of two up to the longest sequence, decode B doublings from max(16, slots / 4) up to the slots) so a
+workload compiles a bounded number of programs: at most 2 * |T buckets| * |W buckets| prefill programs (times
+the packed token counts, powers of two, of batches of several rows) and |decode B buckets| * |W buckets| decode
 programs (ragged attention: |total-blocks buckets| in place of |W buckets|). `programs` records the shapes.
 
 Colocated mode uses one ModelRunner for both roles: prefill writes straight into the blocks and state row that
