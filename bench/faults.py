@@ -496,9 +496,8 @@ def main(argv=None):
                       "recover_p99_s_max": max((c.get("recover_p99_s") or 0 for c in ran), default=None)},
            "cancellation_storm": storm_out or None, "cells": results}
     out["config"]["transfer"] = {k: v for k, v in out["config"]["transfer"].items() if k != "token"}
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(out, f, indent=1)
+    from bench.stamp import write
+    write(args.json, out, indent=1)
     print(json.dumps(out["totals"]))
     return out
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing as mp
 import os
 import platform
@@ -126,8 +125,8 @@ def main(argv=None):
     out = {"benchmark": "interference", "host": platform.node(), "cpus": mp.cpu_count(),
            "model": os.path.basename(path), "workload": {k: v for k, v in vars(args).items() if k != "json"},
            "setups": res, "p99_tpot_ratio": ratio, "goal": 2.0}
-    with open(args.json, "w") as f:
-        json.dump(out, f, indent=1)
+    from bench.stamp import write
+    write(args.json, out, indent=1)
     for name, r in res.items():
         print(f"{name:14s} TPOT p50 {r['tpot_p50_s'] * 1e3:.1f} ms, p99 {r['tpot_p99_s'] * 1e3:.1f} ms, "
               f"prefill TTFT {r['prefill_ttft_median_s'] * 1e3:.0f} ms")

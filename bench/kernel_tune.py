@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
-import json
 import platform
 
 from bench.kernels import PEAKS, SHAPES, _cases, _time
@@ -72,8 +71,8 @@ def main(argv=None):
             r["best_fraction_of_hbm_peak"] = r["bytes"] / r["best"]["seconds"] / peak[0]
             r["best_fraction_of_bf16_peak"] = r["flops"] / r["best"]["seconds"] / peak[1]
         print(r["kernel"], "best", r["best"], "x defaults", r["speedup_best_vs_defaults"])
-    with open(args.json, "w") as f:
-        json.dump(out, f, indent=1)
+    from bench.stamp import write
+    write(args.json, out, indent=1)
     print(f"wrote {args.json}")
 
 

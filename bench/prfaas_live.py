@@ -282,8 +282,8 @@ def main(argv=None):
         result["verdict_drop"] = {k: {f"{m}_p90_{h}_s": [run[h][f"{m}_p90_s"] for run in v]
                                       for m in ("ttft", "tt2t") for h in ("before", "after")}
                                   for k, v in drop.items()}
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=1)
+    from bench.stamp import write
+    write(args.json, result, indent=1)
     if args.png and drop:
         plot(result, args.png)
     print(json.dumps({k: result[k] for k in ("verdict", "verdict_drop") if k in result}, indent=1))

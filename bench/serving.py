@@ -139,9 +139,8 @@ def main(argv=None):
         base = run_transformers(path, reqs)
         result["transformers"] = base
         result["ratio_output_tokens_per_s"] = ours["output_tokens_per_s"] / base["output_tokens_per_s"]
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=2)
+    from bench.stamp import write
+    write(args.json, result, indent=2)
     print(json.dumps(result, indent=2))
 
 

@@ -228,7 +228,11 @@ def locust_stats(prefix: str) -> dict:
         rows = list(csv.DictReader(f))
     agg = next(r for r in rows if r["Name"] == "Aggregated")
     pct = {q: float(agg[f"{q}%"]) / 1e3 for q in ("50", "90", "99") if agg.get(f"{q}%") not in (None, "N/A")}
-    return {"requests": int(agg["Request Count"]), "failures": int(agg["Failure Count"]),
+    errors = []  # what each failure was (locust's failures file: method, name, error, occurrences)
+    if os.path.isfile(prefix + "_failures.csv"):
+        with open(prefix + "_failures.csv") as f:
+            errors = [{"error": r["Error"], "occurrences": int(r["Occurrences"])} for r in csv.DictReader(f)]
+    return {"requests": int(agg["Request Count"]), "failures": int(agg["Failure Count"]), "errors": errors,
             "requests_per_s": float(agg["Requests/s"]), "latency_s": pct,
             "latency_mean_s": float(agg["Average Response Time"]) / 1e3}
 
@@ -321,8 +325,8 @@ def main(argv=None):
                           "end_used": end.get("blocks_used"), "idle_after_s": idle_after_s},
                "slopes": analyse(sampler.samples, (load0, load1), args.settle),
                "load_window_s": [load0, load1], "samples": sampler.samples}
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        from bench.stamp import write
+        write(args.json, out, indent=1)
         if args.png:
             plot(sampler.samples, (load0, load1), args.png)
         print(summary(out))

@@ -10,7 +10,6 @@ programs each worker compiled, and the command.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import re
@@ -83,8 +82,8 @@ def main(argv=None):
            "measured": "jaxserve serve on the embedded config (router + prefill and decode workers, each on its "
                        "own core), launch to /health 200, with an empty and with a filled XLA compilation cache",
            "runs": runs, "cold_over_warm": runs[0]["ready_s"] / runs[1]["ready_s"]}
-    with open(args.json, "w") as f:
-        json.dump(out, f, indent=1)
+    from bench.stamp import write
+    write(args.json, out, indent=1)
     print(f"cold / warm start: {out['cold_over_warm']:.1f}x; wrote {args.json}")
 
 

@@ -41,7 +41,6 @@ under `--models`.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import platform
@@ -469,8 +468,8 @@ def main(argv=None):
     if "d" in parts:
         link = out.get("efficiency", {}).get("kv_bytes_per_s_median")
         out["phi_kv"] = phi_kv(args.phi_families.split(","), args.models, ints(args.phi_lengths), args.phi_reps, link)
-    with open(args.json, "w") as f:
-        json.dump(out, f, indent=1)
+    from bench.stamp import write
+    write(args.json, out, indent=1)
     if "efficiency" in out:
         e = out["efficiency"]
         print(f"(a) efficiency {e['efficiency']:.2f} (kv {e['kv_bytes_per_s_median'] / 1e9:.2f} GB/s, raw "

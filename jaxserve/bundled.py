@@ -17,7 +17,11 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</
 
 
 def resolve(path: str, progress: bool = True) -> str:
-    """A model path from a config: 'bundled' is created on first use under ./models."""
+    """A model path from a config: 'bundled' is created on first use under ./models; a GGUF file (or 'smollm2',
+    the packaged SmolLM2-135M-Instruct) is converted on first use into its checkpoint directory (models/gguf.py)."""
+    from .models import gguf
+    if gguf.is_gguf(path):
+        return gguf.resolve(path, progress=progress)
     if path != BUNDLED:
         return path
     if not os.path.isfile(os.path.join(MODEL_DIR, "config.json")):
@@ -30,8 +34,12 @@ def resolve(path: str, progress: bool = True) -> str:
 
 
 def build(path: str) -> None:
-    import torch
-    import transformers
+    try:
+        import torch
+        import transformers
+    except ImportError as e:
+        raise RuntimeError(f"the bundled demo model is written through transformers and torch ({e}); install them "
+                           f"(make install, or pip install -e '.[test]') or serve another model") from None
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
     cfg = transformers.KimiLinearConfig(
         vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=8,

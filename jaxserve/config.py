@@ -20,7 +20,8 @@ class _Strict(BaseModel):
 
 
 class ModelSection(_Strict):
-    path: str = Field("bundled", description="checkpoint directory, or 'bundled' for the bundled demo model")
+    path: str = Field("bundled", description="checkpoint directory, a .gguf file, 'smollm2' (SmolLM2-135M-Instruct, "
+                      "GGUF) or 'bundled' (a small random Kimi Linear)")
     dtype: Literal["float32", "bfloat16"] = "float32"
     name: str | None = Field(None, description="served model name (default: the directory name)")
 
@@ -28,7 +29,8 @@ class ModelSection(_Strict):
 class EngineSection(_Strict):
     block_size: int = Field(16, ge=1, le=1024)
     num_blocks: int = Field(512, ge=1)
-    max_num_seqs: int = Field(8, ge=1)
+    max_num_seqs: int | None = Field(None, ge=1, description="concurrent requests (default: as many as the "
+                                     "cache holds at 256 tokens each, 8 to 256)")
     max_num_batched_tokens: int = Field(512, ge=1)
     chunk_size: int = Field(256, ge=1)
     max_prefill_seqs: int = Field(4, ge=1)

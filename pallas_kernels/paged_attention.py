@@ -215,7 +215,11 @@ def _ragged_attend(q, k, v, row, k_pos, k_valid, lengths, *, scale, window, sink
     B, Hq, Dk = q.shape
     bs = k_pos.shape[1]
     Hkv = k.shape[1] // bs
-    s = jnp.einsum("mqd,mnd->mqn", q[row], k, preferred_element_type=jnp.float32) * scale  # [M, Hq, bs * Hkv]
+    # each block's query row by a one-hot product, not a gather: XLA fuses a gather with q's producers (rope's
+    # sin and cos) and computes them again for every block
+    one_hot = (row[:, None] == jnp.arange(B, dtype=row.dtype)[None, :]).astype(q.dtype)  # [M, B]
+    q_blocks = jnp.einsum("mb,bqd->mqd", one_hot, q, precision=jax.lax.Precision.HIGHEST)  # exact: a copy
+    s = jnp.einsum("mqd,mnd->mqn", q_blocks, k, preferred_element_type=jnp.float32) * scale  # [M, Hq, bs * Hkv]
     valid = k_valid
     if window is not None:
         valid = valid & (k_pos > (lengths - 1 - window)[row][:, None])

@@ -55,11 +55,20 @@ def use_compilation_cache(path: str | None) -> str | None:
     return d
 
 
+SLOT_TOKENS = 256  # the cache a default-sized slot can count on
+
+
+def default_max_num_seqs(num_blocks: int, block_size: int) -> int:
+    """Concurrent requests when not configured: as many as the cache holds at SLOT_TOKENS tokens each, from 8 to
+    256 (more slots than the cache can fill only preempt; on a CPU each decode batch bucket costs its rows)."""
+    return max(8, min(256, num_blocks * block_size // SLOT_TOKENS))
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     block_size: int = 16
     num_blocks: int = 512
-    max_num_seqs: int = 8
+    max_num_seqs: int | None = None  # default: sized from the cache (default_max_num_seqs)
     max_num_batched_tokens: int = 512
     chunk_size: int = 256
     max_prefill_seqs: int = 4
@@ -71,6 +80,8 @@ class EngineConfig:
     compilation_cache: str | None = XLA_CACHE  # XLA's persistent compilation cache (None: off)
 
     def __post_init__(self):
+        if self.max_num_seqs is None:
+            object.__setattr__(self, "max_num_seqs", default_max_num_seqs(self.num_blocks, self.block_size))
         if self.kernels not in MODES:
             raise ValueError(f"engine.kernels must be one of {', '.join(MODES)}, got {self.kernels!r}")
         for f in dataclasses.fields(self):
@@ -84,6 +95,8 @@ class LLMEngine:
                  progress: bool = True):
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        from ..bundled import resolve
+        model = resolve(model, progress)  # a GGUF file or a named model -> its checkpoint directory
         if not os.path.isdir(model):
             raise FileNotFoundError(f"{model}: not a model directory")
         self.cfg = cfg = config or EngineConfig()
@@ -349,7 +362,7 @@ class LLMEngine:
         reason = self._record(seq, tok, lp, top)
         self.scheduler.complete_decode(seq)  # before a finish too: the last full block joins the prefix cache
         if reason is not None:
-            seq.detok.finish(stop_token=reason == "stop" and tok in (set(seq.params.stop_token_ids) | self.eos))
+            seq.detok.finish()
             self.runner.free(seq.slot)
             self.scheduler.finish(seq, reason)
             seq.finish_time = time.monotonic()
@@ -395,8 +408,8 @@ class Detokenizer:
             self.text = visible
         return False
 
-    def finish(self, stop_token: bool) -> None:
+    def finish(self) -> None:
+        """The request ended: show everything held back (a stop token is never added, so no text of it)."""
         if self.tok is None or self.stopped:
             return
-        ids = self.ids[:-1] if stop_token else self.ids
-        self.text = self.tok.decode(ids)
+        self.text = self.tok.decode(self.ids)

@@ -193,14 +193,15 @@ class ModelRunner:
             packed[:int(lengths.sum())] = np.concatenate([i * T + np.arange(n, dtype=np.int32)
                                                           for i, n in enumerate(lengths) if n])
             packed = jnp.asarray(packed)
-        batch = Batch(jnp.asarray(tokens), jnp.asarray(start), jnp.asarray(lengths), packed)
+        fresh = not bool(start.any())  # nothing cached in any row: full attention skips the cached view
+        batch = Batch(jnp.asarray(tokens), jnp.asarray(start), jnp.asarray(lengths), packed, fresh)
         args = (batch, jnp.asarray(table), jnp.asarray(src), jnp.asarray(dst), jnp.asarray(snap), st,
                 jnp.asarray(pmask))
         self.timer.mark("prefill.prepare")
         x = None
         for k, (lo, hi) in enumerate(stages):
             last = k == len(stages) - 1
-            self.programs.add(("prefill", B, T, table.shape[1], lo, hi, N))
+            self.programs.add(("prefill", B, T, table.shape[1], lo, hi, N, fresh))
             out = self._prefill(self.state, self.pool, x, *args, lo=lo, hi=hi, last=last)
             self.pool, rest = out[0], out[1:]
             if not last:
@@ -276,13 +277,17 @@ class ModelRunner:
         k = min(params.logprobs or 0, MAX_LOGPROBS, self.V)
         return list(zip(ids[:k].tolist(), tlp[:k].tolist()))
 
-    def warmup(self, progress: bool = True, stages: list[tuple[int, int]] | None = None, tails: bool = False) -> int:
-        """Compile the decode program for every batch bucket and block-table width (ragged: every total-blocks
-        bucket), the prefill program for every chunk bucket (one request; with `stages`, also the layer-group
-        programs of layer-wise prefill; with `tails`, the one-token prefill chunk at the end of a sequence of
-        every block-table width, alone and in a full batch: what a decode instance runs when KV arrives for all
-        but the last token, a resumed request's or one prefill left with transfer.leave_last_token). Writes land
-        in block 0 and the scratch rows, which are rewritten before use."""
+    def warmup(self, progress: bool = True, stages: list[tuple[int, int]] | None = None, tails: bool = False,
+               decode: bool = True, whole: bool = True) -> int:
+        """Compile what an instance runs in normal operation (anything else compiles when first needed):
+          decode  the decode program for every batch bucket and block-table width (ragged: every total-blocks
+                  bucket)
+          whole   the whole-model prefill program for every chunk bucket (one request)
+          stages  the layer-group programs of layer-wise prefill, for every chunk bucket
+          tails   the one-token prefill chunk at the end of a sequence of every block-table width, alone and in
+                  a full batch: what a decode instance runs when KV arrives for all but the last token, a
+                  resumed request's or one prefill left with transfer.leave_last_token
+        Writes land in block 0 and the scratch rows, which are rewritten before use."""
         from tqdm import tqdm
         bs = self.layout.block_size
         widths, w = [], 1
@@ -307,7 +312,7 @@ class ModelRunner:
                     m = min(2 * m, hi)
         else:
             decodes = [("decode", w, b) for w in widths for b in batches]
-        jobs = decodes + [("prefill", t, None) for t in lengths]
+        jobs = (decodes if decode else []) + ([("prefill", t, None) for t in lengths] if whole else [])
         if stages is not None:
             jobs += [("prefill", t, stages) for t in lengths]
         if tails:

@@ -34,6 +34,12 @@ def write_full(cache, new, batch: Batch):
     return cache.at[jnp.arange(cache.shape[0])[:, None], idx].set(new.astype(cache.dtype), mode="drop")
 
 
+def fit(x, S: int):
+    """x [B, T, ...] cut or zero-padded along T to S."""
+    T = x.shape[1]
+    return x[:, :S] if T >= S else jnp.pad(x, [(0, 0), (0, S - T)] + [(0, 0)] * (x.ndim - 2))
+
+
 def full_positions(S: int, batch: Batch):
     k_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[None, :], (batch.start.shape[0], S))
     return k_pos, k_pos < batch.end[:, None]
@@ -71,10 +77,13 @@ def kv_attention(q, k_new, v_new, cache: dict, batch: Batch, *, scale, window, s
         return out[:, None], cache
     attend = select("batched_attention", kernels)
     if window is None:
-        k = write_full(cache["k"], k_new, batch)
-        v = write_full(cache["v"], v_new, batch)
+        if batch.fresh:  # nothing cached: the keys are this step's, token t at position t (the view goes unread)
+            k, v = (fit(x.astype(c.dtype), c.shape[1]) for x, c in ((k_new, cache["k"]), (v_new, cache["v"])))
+        else:
+            k = write_full(cache["k"], k_new, batch)
+            v = write_full(cache["v"], v_new, batch)
         k_pos, k_valid = full_positions(k.shape[1], batch)
-        out = attend(q, k, v, batch.positions, k_pos, k_valid, scale=scale, sinks=sinks)
+        out = attend(q, k, v, batch.positions, k_pos, k_valid, scale=scale, sinks=sinks, aligned=batch.fresh)
         return out, {"k": k, "v": v}
     W = cache["k"].shape[1]
     r_pos, r_valid = ring_positions(batch.start, W)

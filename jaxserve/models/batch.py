@@ -4,6 +4,8 @@ A forward step processes, for each of B sequences, `lengths[b]` new tokens (righ
 follow `start[b]` tokens already held in the cache. Prefill is start=0; a decode step is T=1; chunked
 prefill is anything in between.
 
+Fresh (engine prefill of first chunks only): `fresh` says statically that no row has cached tokens.
+
 Packed (engine prefill): with `packed` set, the residual stream holds only the real tokens, N of them in a
 row [1, N, ...] (N bucketed, the rest padding), so embeddings, norms, MLPs and MoEs do no work on the [B, T]
 padding; GQA attention projects the packed tokens and unpacks only for attention itself; the other mixers
@@ -12,7 +14,7 @@ padding; GQA attention projects the packed tokens and unpacks only for attention
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +28,9 @@ class Batch:
     lengths: jax.Array  # [B] int32: valid new tokens (<= T)
     packed: jax.Array | None = None  # [N] int32: packed token i is [B, T] token packed[i] // T, packed[i] % T;
     #                                   B * T marks padding
+    # static: every row starts at 0 (nothing cached), so token t of a row sits at position t: full attention
+    # then needs no cached keys and its reference skips the key tiles above the diagonal
+    fresh: bool = field(default=False, metadata=dict(static=True))
 
     def pack(self, x):
         """[B, T, ...] -> [1, N, ...] the real tokens in packed order (padding zeros); x itself unpacked."""

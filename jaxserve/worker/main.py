@@ -99,12 +99,15 @@ class Worker:
             print(f"{inst.name}: compiling the step programs (engine.warmup)", flush=True)
             from transfer.plan import layer_groups
             groups = layer_groups(self.llm.layout.num_layers, cfg.transfer.layers_per_group)
-            sends = inst.role in ("prefill", "both")
-            # layer-wise prefill runs one program per layer group
-            n = self.llm.runner.warmup(progress, groups if sends and len(groups) > 1 else None,
-                                       tails=inst.role in ("decode", "both"))
+            sends, layerwise = inst.role in ("prefill", "both"), len(groups) > 1
+            receives = inst.role in ("decode", "both")
+            # what the role runs: layer-wise prefill one program per layer group, the whole model only where
+            # requests run colocated; a role's fallbacks (a prefill instance decoding when no decode instance is
+            # up, a decode instance prefilling when no prefill instance is) compile when first needed
+            n = self.llm.runner.warmup(progress, groups if sends and layerwise else None, tails=receives,
+                                       decode=receives, whole=inst.role == "both" or (sends and not layerwise))
             n += self.llm.runner.warmup_transfer(self.llm.dtype_name, groups, export=sends,
-                                                 receive=inst.role in ("decode", "both"), progress=progress)
+                                                 receive=receives, progress=progress)
             print(f"{inst.name}: {n} programs compiled", flush=True)
         print(f"{inst.name}: engine ready after {time.monotonic() - t0:.1f}s", flush=True)
         self.engine = AsyncEngine(self.llm)

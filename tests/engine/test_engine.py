@@ -194,16 +194,17 @@ def test_engine_with_pallas_kernels_matches_references(engines, family):
 @pytest.mark.slow
 def test_decode_warmup_covers_what_a_resumed_request_runs(checkpoint_dir):
     """A decode instance that took KV for all but a request's last token computes that token as a one-token
-    prefill chunk at the end of the sequence; warmup(tails=True) compiles those programs for every block-table
-    width (alone and batched), so no resumed request compiles on the decode instance (a compile stalls every
-    request there for seconds)."""
+    prefill chunk at the end of the sequence; a decode instance's warm-up (decode programs and tails, no
+    whole-prompt prefill) compiles those programs for every block-table width (alone and batched), so no resumed
+    request compiles on the decode instance (a compile stalls every request there for seconds)."""
     from transfer.bufpool import aligned_empty
     from transfer.plan import bucket, layer_groups, staging
     eng = LLM(checkpoint_dir("llama"), progress=False, engine=dataclasses.replace(ENGINE, max_model_len=32)).engine
     runner = eng.runner
     runner.warmup(progress=False)
     plain = set(runner.programs)
-    runner.warmup(progress=False, tails=True)
+    runner.programs = set()
+    runner.warmup(progress=False, tails=True, whole=False)  # what jaxserve/worker/main.py runs for a decode role
     runner.warmup_transfer(eng.dtype_name, layer_groups(eng.layout.num_layers, 1), export=False, receive=True,
                            progress=False)
     warmed = set(runner.programs)

@@ -111,3 +111,22 @@ def test_flash_attention_rejects_bad_shapes():
         flash_attention(k, k.astype(jnp.bfloat16), k, cu_seqlens=cu)
     with pytest.raises(ValueError, match="sinks"):
         flash_attention(k, k, k, cu_seqlens=cu, sinks=jnp.zeros(3))
+
+
+@pytest.mark.parametrize("S", [256, 192])
+def test_aligned_reference_skips_only_future_keys(S):
+    """aligned (a fresh prefill: token t at position t): the reference meets each query tile with the keys up to
+    its end only; same numbers as the full product, with sinks, GQA, rows of different lengths, and a key view
+    shorter or as long as the queries."""
+    from pallas_kernels import flash_attention as fa
+    r = np.random.RandomState(2)
+    B, T, Hkv, G, D = 3, 4 * fa.REF_ALIGNED_TILE, 2, 3, 8
+    q, k, v = randn(r, (B, T, Hkv * G, D)), randn(r, (B, S, Hkv, D)), randn(r, (B, S, Hkv, D))
+    q_pos = jnp.asarray(np.arange(T)[None].repeat(B, 0), jnp.int32)
+    k_pos = jnp.asarray(np.arange(S)[None].repeat(B, 0), jnp.int32)
+    k_valid = jnp.asarray(np.arange(S)[None] < np.array([[S], [130], [5]]))
+    kw = dict(scale=0.35, sinks=randn(r, (Hkv * G,)))
+    aligned = jax.jit(functools.partial(ref_batched_attention, aligned=True, **kw))(q, k, v, q_pos, k_pos, k_valid)
+    whole = fa._ref_rows(q, k, v, q_pos, k_pos, k_valid, kw["scale"], None, kw["sinks"])
+    np.testing.assert_allclose(np.asarray(aligned), np.asarray(whole), atol=1e-6, rtol=1e-6)
+    assert not np.allclose(np.asarray(aligned[:, 64:]), 0)  # later tiles saw keys

@@ -1,0 +1,99 @@
+"""Where a benchmark result came from, and whether the code has moved on since.
+
+Every benchmark writes its JSON through `write(path, result)`, which adds a "stamp": the commit (and whether
+tracked files differed from it), the UTC date, the machine (platform, cores, JAX backend and devices) and the
+exact command line. `python -m bench.stamp` lists bench/results/*.json with their stamps and marks a result
+stale when a commit after its own changed the code it measures (CODE and the benchmark's own module);
+`--check` exits 1 when any result is stale or unstamped. `make bench` regenerates them all from one commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import json
+import os
+import platform
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "bench", "results")
+CODE = ("jaxserve", "pallas_kernels", "transfer", "router", "pyproject.toml")  # what every result describes
+
+
+def measured_paths(command: str | None) -> tuple[str, ...]:
+    """The code a result describes: CODE and the benchmark's own module (`python -m bench.NAME ...`; every
+    benchmark when the command names none)."""
+    parts = (command or "").split()
+    mods = [parts[i + 1] for i, p in enumerate(parts[:-1]) if p == "-m" and parts[i + 1].startswith("bench.")]
+    own = tuple(os.path.join(*m.split(".")) + ".py" for m in mods[:1]) or ("bench",)
+    return CODE + own
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", "-C", ROOT, *args], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+
+
+def _machine() -> dict:
+    m = {"platform": platform.platform(), "cpus": os.cpu_count(), "affinity": len(os.sched_getaffinity(0))}
+    if "jax" in sys.modules:  # a benchmark that ran JAX: where
+        import jax
+        m["backend"] = jax.default_backend()
+        m["devices"] = sorted({d.device_kind for d in jax.devices()})
+    return m
+
+
+def stamp() -> dict:
+    return {"commit": _git("rev-parse", "HEAD") or None,
+            "dirty": bool(_git("status", "--porcelain", "--untracked-files=no", "--", *CODE, "bench")),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": _machine(),
+            "command": " ".join(["python"] + sys.orig_argv[1:])}
+
+
+def write(path: str, result: dict, indent: int = 1) -> None:
+    """Write `result` with its stamp to `path` (folders created)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({**result, "stamp": stamp()}, f, indent=indent)
+
+
+def staleness(path: str) -> str | None:
+    """Why the result at `path` no longer describes the code (None: it does)."""
+    try:
+        with open(path) as f:
+            st = json.load(f).get("stamp")
+    except (OSError, ValueError, AttributeError):
+        return "unreadable"
+    if not st or not st.get("commit"):
+        return "no stamp"
+    if not _git("rev-parse", "--verify", "-q", f"{st['commit']}^{{commit}}"):
+        return f"commit {st['commit'][:10]} is not in this repository"
+    changed = _git("rev-list", "--count", f"{st['commit']}..HEAD", "--", *measured_paths(st.get("command")))
+    if changed and int(changed):
+        return f"{changed} later commits changed the code it measures"
+    return "measured with uncommitted changes" if st.get("dirty") else None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 when a result is stale or unstamped")
+    a = ap.parse_args(argv)
+    bad = 0
+    for path in sorted(glob.glob(os.path.join(RESULTS, "*.json"))):
+        why = staleness(path)
+        with open(path) as f:
+            st = (json.load(f).get("stamp") or {}) if why != "unreadable" else {}
+        bad += why is not None
+        print(f"{os.path.basename(path):34s} {(st.get('commit') or '-')[:10]:10s} {st.get('date', '-'):25s} "
+              f"{'STALE: ' + why if why else 'current'}")
+    return 1 if a.check and bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

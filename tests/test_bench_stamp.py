@@ -1,0 +1,48 @@
+"""Benchmark results carry their stamp (commit, date, machine, command), and a result older than the code it
+measures is reported stale (bench/stamp.py)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from bench import stamp
+
+ROOT = stamp.ROOT
+
+
+def git(*args):
+    return subprocess.run(["git", "-C", ROOT, *args], capture_output=True, text=True).stdout.strip()
+
+
+def test_write_stamps_the_result(tmp_path):
+    path = str(tmp_path / "sub" / "r.json")
+    stamp.write(path, {"figure": 1.5})
+    with open(path) as f:
+        d = json.load(f)
+    st = d["stamp"]
+    assert d["figure"] == 1.5 and st["commit"] == git("rev-parse", "HEAD")
+    assert st["command"].split()[1:] == sys.orig_argv[1:] and st["date"].endswith("+00:00")
+    assert st["machine"]["cpus"] >= 1 and isinstance(st["dirty"], bool)
+
+
+def write_with(tmp_path, st):
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"figure": 1, **({"stamp": st} if st else {})}))
+    return str(path)
+
+
+def test_staleness(tmp_path):
+    head = git("rev-parse", "HEAD")
+    assert stamp.staleness(write_with(tmp_path, None)) == "no stamp"
+    assert "not in this repository" in stamp.staleness(write_with(tmp_path, {"commit": "0" * 40}))
+    assert stamp.staleness(write_with(tmp_path, {"commit": head, "dirty": False})) is None
+    assert stamp.staleness(write_with(tmp_path, {"commit": head, "dirty": True})) == "measured with uncommitted changes"
+    assert stamp.measured_paths("python -m bench.offline --json x") == stamp.CODE + ("bench/offline.py",)
+    assert stamp.measured_paths(None) == stamp.CODE + ("bench",)
+    last = git("log", "-n", "1", "--format=%H", "--", *stamp.CODE)  # the newest commit that changed measured code
+    parent = git("rev-parse", "--verify", "-q", f"{last}^")
+    if not parent:
+        pytest.skip("shallow history: no commit before the last code change")
+    assert "later commits changed the code" in stamp.staleness(write_with(tmp_path, {"commit": parent}))
