@@ -68,30 +68,29 @@ def test_smollm2_matches_transformers_gguf_loading(smollm2, hf_smollm2):
     assert "Paris" in out.text and out.text == tok.decode(out.token_ids)  # English, to the last token
 
 
-def test_unsupported_gguf_is_a_clear_error(tmp_path):
+def _write_gguf(path: str, arch: str, rows: int, **kv) -> str:
+    """A GGUF file of one zero embedding of `rows` tokens; kv: GGUFWriter.add_<key>(value) calls."""
     from gguf import GGUFWriter
-    path = str(tmp_path / "tiny-falcon.gguf")
-    w = GGUFWriter(path, "falcon")
-    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w = GGUFWriter(path, arch)
+    for key, value in kv.items():
+        getattr(w, f"add_{key}")(value)
+    w.add_tensor("token_embd.weight", np.zeros((rows, 8), np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return path
+
+
+def test_unsupported_gguf_is_a_clear_error(tmp_path):
+    path = _write_gguf(str(tmp_path / "tiny-falcon.gguf"), "falcon", 4)
     with pytest.raises(ValueError, match="architecture 'falcon' is not supported"):
         gguf.resolve(path, cache=str(tmp_path / "cache"), progress=False)
     assert not (tmp_path / "cache").exists() or not os.listdir(tmp_path / "cache")  # nothing half-written left
     from gguf import GGUFReader
-    path = str(tmp_path / "tiny-qwen2-tokenizer.gguf")
-    w = GGUFWriter(path, "llama")
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")  # not GPT-2's split: refused rather than tokenised wrongly
-    w.add_token_list(["a", "b", "ab"])
-    w.add_token_merges(["a b"])
-    w.add_tensor("token_embd.weight", np.zeros((3, 8), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    # a pre-tokenizer other than GPT-2's split: refused rather than tokenised wrongly
+    path = _write_gguf(str(tmp_path / "tiny-qwen2-tokenizer.gguf"), "llama", 3, tokenizer_model="gpt2",
+                       tokenizer_pre="qwen2", token_list=["a", "b", "ab"], token_merges=["a b"])
     with pytest.raises(ValueError, match="pre-tokenizer 'qwen2' is not supported"):
         gguf.read_tokenizer(GGUFReader(path))
     with pytest.raises(FileNotFoundError, match="no such GGUF file"):
