@@ -8,7 +8,10 @@ models compile each program once.
 
 import os
 import shutil
+import sys
 import tempfile
+import threading
+import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -27,9 +30,42 @@ import pytest  # noqa: E402
 from tests.tiny_models import build_checkpoint  # noqa: E402
 
 
+# threads of the project's own (engine, KV plane, worker output readers, control loops): none may outlive the
+# test that started it
+OWN_THREADS = ("jaxserve-engine", "kv-", "worker-", "router-control")
+_exit = {"status": None}
+
+
+def _leftover_threads(grace_s: float = 5.0) -> list[str]:
+    deadline = time.monotonic() + grace_s  # a thread that is closing gets a moment to finish
+    while True:
+        left = [t.name for t in threading.enumerate() if t.name.startswith(OWN_THREADS)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
 def pytest_sessionfinish(session, exitstatus):
     if _XLA_CACHE is not None:
         shutil.rmtree(_XLA_CACHE, ignore_errors=True)
+    left = _leftover_threads() if exitstatus == 0 and session.testscollected > 0 else []
+    if left:
+        sys.stderr.write(f"threads of the project still running after the session: {sorted(left)}\n")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    _exit["status"] = int(session.exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """The verdict is in (the summary printed, every other plugin unconfigured): leave without the interpreter's
+    finalisation. Idle daemon threads of C++ libraries that stay for the process's life (gRPC's asyncio poller,
+    XLA's) can abort it there (glibc's forced unwind through C++ frames: "FATAL: exception not rethrown") after
+    every test passed; the project's own threads are checked above."""
+    if _exit["status"] is None:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_exit["status"])
 
 
 @pytest.fixture(scope="session")
