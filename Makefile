@@ -43,16 +43,17 @@ soak: $(STAMP)
 
 # make bench: regenerate every file in bench/results/ from the current commit, each stamped with commit, date,
 # machine and command (bench/stamp.py); hours (the fault matrix, the PrfaaS runs, the hour-long soak).
-# vLLM's CPU build joins the offline comparison from its own environment, bench/.vllm-venv, created on first use
-# (VLLM_PYTHON=path/to/venv/bin/python: one made by hand; VLLM_PYTHON=none: without vLLM); the *_h100 files are
-# regenerated only where nvidia-smi finds a GPU. make bench-status lists the results and which are stale.
+# vLLM's CPU build joins the offline and online comparisons from its own environment, bench/.vllm-venv, created
+# on first use (VLLM_PYTHON=path/to/venv/bin/python: one made by hand; VLLM_PYTHON=none: offline without vLLM, no
+# online run); the *_h100 files are regenerated only where nvidia-smi finds a GPU. make bench-status lists the results and which are stale.
 BENCH := HF_HUB_OFFLINE=1 $(PY) -m
 R := bench/results
 VLLM := $(if $(VLLM_PYTHON),$(if $(filter none,$(VLLM_PYTHON)),,--vllm-python $(VLLM_PYTHON)),--vllm-venv bench/.vllm-venv)
 bench: $(STAMP)
 	$(BENCH) bench.offline --json $(R)/offline.json --max-num-seqs 48 --reps 5 $(VLLM)
 	$(BENCH) bench.offline --model smollm2 --json $(R)/offline_smollm2.json --max-num-seqs 48 --reps 3 $(VLLM)
-	$(BENCH) bench.online --json $(R)/online_smollm2.json --requests 32 --rate 0.5 --reps 3 $(VLLM)
+	$(if $(filter none,$(VLLM_PYTHON)),,$(BENCH) bench.online --json $(R)/online_smollm2.json --requests 32 \
+		--rate 0.5 --reps 3 $(VLLM))
 	$(BENCH) bench.serving --json $(R)/serving.json
 	$(BENCH) bench.startup --json $(R)/startup.json
 	$(BENCH) bench.kernels --json $(R)/kernels.json
