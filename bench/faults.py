@@ -283,12 +283,18 @@ class Matrix:
             for i in nxt:
                 await one(i)
 
+        missed: list[str] = []
+
         async def injector():
             while done_count[0] < a.warm:
                 await asyncio.sleep(0.005)
             t0 = time.monotonic()
             while not self.in_phase(role, phase):
-                if time.monotonic() - t0 > a.phase_wait_s or done_count[0] >= n:
+                if done_count[0] >= n:
+                    missed.append("every request of the cell finished before the phase was seen")
+                    return None
+                if time.monotonic() - t0 > a.phase_wait_s:
+                    missed.append(f"phase not reached within {a.phase_wait_s}s")
                     return None
                 await asyncio.sleep(0.001)
             fault_at.append(time.monotonic())
@@ -319,7 +325,7 @@ class Matrix:
                        recover_p50_s=pct(rec, 50), recover_p99_s=pct(rec, 99),
                        service_restored_s=min((r["end"] - t_f for r in after), default=None))
         else:
-            out.update(fault_injected=False, note=f"phase not reached within {a.phase_wait_s}s")
+            out.update(fault_injected=False, note=missed[0] if missed else "no fault injected")
         errors = collections.Counter((r.get("error") or "")[:160] for r in recs if r.get("error"))
         ok = [i for i, r in enumerate(recs) if not r.get("error") and not r.get("hung")]
         exact = sum(recs[i]["tokens"] == self.want[i % len(self.want)] for i in ok)

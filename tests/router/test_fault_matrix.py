@@ -1,7 +1,9 @@
 """A slice of the fault matrix (bench/faults.py) in the suite: the router and four real worker processes with
 the tiny Llama; while requests are mid-stream, the decode victim SIGKILLed, and the prefill victim partitioned
 (its network namespace's link down; without root, where no namespace can be made, SIGKILLed instead); then a
-cancellation storm. Every request ends token-exact or with a clean error, none hangs, nothing is held after."""
+cancellation storm. Every request ends token-exact or with a clean error, none hangs, nothing is held after.
+32 tokens a request keep each request's stream phase long enough for the injector to catch (with 8, a cell's
+requests could all finish in a fraction of a second, before it saw one on the victim)."""
 
 import json
 
@@ -16,7 +18,7 @@ def test_fault_matrix_slice_nothing_hangs_nothing_leaks(tmp_path, checkpoint_dir
     prefill_fault = "partition" if netns.available() is None else "sigkill"
     out = faults.main(["--json", str(tmp_path / "faults.json"), "--model", checkpoint_dir("llama"),
                        "--cells", f"decode:sigkill:stream,prefill:{prefill_fault}:stream", "--requests", "12",
-                       "--warm", "4", "--storm", "12", "--max-tokens", "8", "--prompt-len", "16,48",
+                       "--warm", "4", "--storm", "12", "--max-tokens", "32", "--prompt-len", "16,48",
                        "--hang-s", "60", "--deadline-s", "10", "--no-warmup"])
     assert json.loads((tmp_path / "faults.json").read_text())["totals"] == out["totals"]
     assert [(c["role"], c["fault"]) for c in out["cells"]] == [("decode", "sigkill"), ("prefill", prefill_fault)]
