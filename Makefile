@@ -45,7 +45,8 @@ soak: $(STAMP)
 # machine and command (bench/stamp.py); hours (the fault matrix, the PrfaaS runs, the hour-long soak).
 # vLLM's CPU build joins the offline and online comparisons from its own environment, bench/.vllm-venv, created
 # on first use (VLLM_PYTHON=path/to/venv/bin/python: one made by hand; VLLM_PYTHON=none: offline without vLLM, no
-# online run); the *_h100 files are regenerated only where nvidia-smi finds a GPU. make bench-status lists the results and which are stale.
+# online run); the *_h100 files are regenerated only where nvidia-smi finds a GPU. make bench-status lists the
+# results and which are stale.
 BENCH := HF_HUB_OFFLINE=1 $(PY) -m
 R := bench/results
 VLLM := $(if $(VLLM_PYTHON),$(if $(filter none,$(VLLM_PYTHON)),,--vllm-python $(VLLM_PYTHON)),--vllm-venv bench/.vllm-venv)
