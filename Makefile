@@ -49,7 +49,8 @@ soak: $(STAMP)
 # results and which are stale.
 BENCH := HF_HUB_OFFLINE=1 $(PY) -m
 R := bench/results
-VLLM := $(if $(VLLM_PYTHON),$(if $(filter none,$(VLLM_PYTHON)),,--vllm-python $(VLLM_PYTHON)),--vllm-venv bench/.vllm-venv)
+VLLM_GIVEN := $(if $(filter none,$(VLLM_PYTHON)),,--vllm-python $(VLLM_PYTHON))
+VLLM := $(if $(VLLM_PYTHON),$(VLLM_GIVEN),--vllm-venv bench/.vllm-venv)
 bench: $(STAMP)
 	$(BENCH) bench.offline --json $(R)/offline.json --max-num-seqs 48 --reps 5 $(VLLM)
 	$(BENCH) bench.offline --model smollm2 --json $(R)/offline_smollm2.json --max-num-seqs 48 --reps 3 $(VLLM)
