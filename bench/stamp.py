@@ -50,7 +50,9 @@ def _machine() -> dict:
 
 def stamp() -> dict:
     return {"commit": _git("rev-parse", "HEAD") or None,
-            "dirty": bool(_git("status", "--porcelain", "--untracked-files=no", "--", *CODE, "bench")),
+            # results are not code: one result left uncommitted must not mark the next one measured as dirty
+            "dirty": bool(_git("status", "--porcelain", "--untracked-files=no", "--", *CODE, "bench",
+                               ":(exclude)bench/results")),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": _machine(),
             "command": " ".join(["python"] + sys.orig_argv[1:])}
