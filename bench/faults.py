@@ -63,6 +63,17 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def stop_process(proc, timeout: float = 60.0) -> None:
+    """SIGTERM a subprocess.Popen, SIGKILL it if it has not exited after `timeout` seconds, and reap it."""
+    import subprocess
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 class Topology:
     """The config, the namespaces and proxies, and the worker processes (started, restarted, stopped here)."""
 

@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 
-from bench.faults import free_port, pct
+from bench.faults import free_port, pct, stop_process
 from bench.offline import ensure_vllm, prompts
 
 
@@ -59,12 +59,7 @@ class Server:
         raise RuntimeError(f"{self.name} not ready after {timeout}s; see {self.log.name}")
 
     def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc)
         self.log.close()
 
 
@@ -120,7 +115,10 @@ async def workload(url: str, reqs: list[dict], max_tokens: int) -> list[dict]:
 
         async def at(r):
             await asyncio.sleep(max(0.0, r["arrival"] - (time.monotonic() - t0)))
-            return await one(client, url, r["prompt"], max_tokens)
+            try:
+                return await one(client, url, r["prompt"], max_tokens)
+            except httpx.HTTPError as e:  # counted as failed; the pass goes on
+                return {"ok": False, "error": f"{type(e).__name__}: {e}"[:200]}
         return list(await asyncio.gather(*(at(r) for r in reqs)))
 
 

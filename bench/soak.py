@@ -34,7 +34,7 @@ import time
 
 import numpy as np
 
-from bench.faults import free_port
+from bench.faults import free_port, stop_process
 
 ENGINE = dict(block_size=16, num_blocks=512, max_num_seqs=16, max_num_batched_tokens=256, chunk_size=256,
               max_prefill_seqs=4, max_model_len=512, num_snapshots=16, prefix_caching=False, warmup=True)
@@ -113,11 +113,7 @@ class Deployment:
         return out
 
     def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        stop_process(self.proc)
         self.log.close()
 
 
