@@ -63,6 +63,23 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def wait_ready(proc, ready, what: str, log: str, timeout: float, every: float = 0.5) -> float:
+    """Poll ready() (a server's readiness over HTTP; an HTTP error or bad JSON counts as not yet) until it holds;
+    -> the seconds it took. Raises if `proc` exits first or `timeout` passes (`what` and `log` name them)."""
+    import httpx
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}; see {log}")
+        try:
+            if ready():
+                return time.monotonic() - t0
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(every)
+    raise RuntimeError(f"{what} not ready after {timeout}s; see {log}")
+
+
 def stop_process(proc, timeout: float = 60.0) -> None:
     """SIGTERM a subprocess.Popen, SIGKILL it if it has not exited after `timeout` seconds, and reap it."""
     import subprocess

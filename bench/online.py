@@ -32,31 +32,22 @@ import time
 
 import numpy as np
 
-from bench.faults import free_port, pct, stop_process
+from bench.faults import free_port, pct, stop_process, wait_ready
 from bench.offline import ensure_vllm, prompts
 
 
 class Server:
     """An OpenAI-compatible server process on a free local port, its output in a log file."""
 
-    def __init__(self, name: str, argv: list[str], port: int, log_dir: str, env: dict | None = None):
+    def __init__(self, name: str, argv: list[str], port: int, log_dir: str):
         self.name, self.port, self.url = name, port, f"http://127.0.0.1:{port}"
         self.log = open(os.path.join(log_dir, f"{name}.log"), "w")
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float) -> float:
         import httpx
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.log.name}")
-            try:
-                if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
-                    return time.monotonic() - t0
-            except httpx.HTTPError:
-                pass
-            time.sleep(1.0)
-        raise RuntimeError(f"{self.name} not ready after {timeout}s; see {self.log.name}")
+        return wait_ready(self.proc, lambda: httpx.get(self.url + "/v1/models", timeout=2).status_code == 200,
+                          self.name, self.log.name, timeout, every=1.0)
 
     def close(self) -> None:
         stop_process(self.proc)

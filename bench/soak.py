@@ -34,7 +34,7 @@ import time
 
 import numpy as np
 
-from bench.faults import free_port, stop_process
+from bench.faults import free_port, stop_process, wait_ready
 
 ENGINE = dict(block_size=16, num_blocks=512, max_num_seqs=16, max_num_batched_tokens=256, chunk_size=256,
               max_prefill_seqs=4, max_model_len=512, num_snapshots=16, prefix_caching=False, warmup=True)
@@ -87,17 +87,8 @@ class Deployment:
 
     def wait_ready(self, timeout: float) -> None:
         import httpx
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"jaxserve serve exited with {self.proc.returncode}; see {self.log.name}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).json().get("status") == "ok":
-                    return
-            except (httpx.HTTPError, ValueError):
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"jaxserve serve not ready after {timeout}s; see {self.log.name}")
+        wait_ready(self.proc, lambda: httpx.get(self.url + "/health", timeout=2).json().get("status") == "ok",
+                   "jaxserve serve", self.log.name, timeout)
 
     def processes(self) -> dict[str, int]:
         """router and each worker (by its --instance) -> pid."""
