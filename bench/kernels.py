@@ -56,6 +56,8 @@ def _time(fn, args, iters: int) -> float:
 def _cases(shapes: dict, dtype):
     """(name, shape description, kernel name, args, kwargs, bytes, flops, kind) per benchmark."""
     import jax.numpy as jnp
+
+    from pallas_kernels.check import inputs
     r = np.random.RandomState(0)
     it = jnp.dtype(dtype).itemsize
     rnd = lambda *s: jnp.asarray(r.randn(*s) * 0.5, dtype)  # noqa: E731
@@ -69,42 +71,37 @@ def _cases(shapes: dict, dtype):
                 it * T * D * (2 * Hq + 2 * Hkv), 4 * pairs * Hq * D, "compute"))
     p = shapes["paged"]
     B, ctx, bs = p["B"], p["ctx"], p["bs"]
-    W = ctx // bs
-    NB = B * W + 1
-    table = jnp.asarray(r.permutation(NB - 1)[:B * W].reshape(B, W) + 1, jnp.int32)
-    lens = jnp.full((B,), ctx, jnp.int32)
+    args, kw = inputs("paged_attention", r, Hq=p["Hq"], Hkv=p["Hkv"], Dk=p["D"], Dv=p["D"], dtype=dtype,
+                      block_size=bs, B=B, ctx=ctx, full=True)
     out.append(("paged_attention", f"B={B} ctx={ctx} Hq={p['Hq']} Hkv={p['Hkv']} D={p['D']} block={bs}",
-                "paged_attention", (rnd(B, p["Hq"], p["D"]), rnd(NB, 1, 2, bs, p["Hkv"], p["D"]), table, lens),
-                dict(layer=0), it * (B * ctx * 2 * p["Hkv"] * p["D"] + 2 * B * p["Hq"] * p["D"]),
+                "paged_attention", args, kw, it * (B * ctx * 2 * p["Hkv"] * p["D"] + 2 * B * p["Hq"] * p["D"]),
                 4 * B * ctx * p["Hq"] * p["D"], "memory"))
     m = shapes["mla"]
     Dm = m["L"] + m["R"]
-    out.append(("paged_mla_attention", f"B={B} ctx={ctx} H={m['H']} latent={m['L']} rope={m['R']} block={bs}",
-                "paged_mla_attention", (rnd(B, m["H"], Dm), rnd(NB, 1, 1, bs, 1, Dm), table, lens),
-                dict(layer=0, kv_lora_rank=m["L"], scale=0.1),
-                it * (B * ctx * Dm + B * m["H"] * (Dm + m["L"])), 2 * B * ctx * m["H"] * (Dm + m["L"]), "memory"))
+    args, kw = inputs("paged_mla_attention", r, H=m["H"], L=m["L"], R=m["R"], dtype=dtype, block_size=m["bs"],
+                      scale=0.1, B=m["B"], ctx=m["ctx"], full=True)
+    out.append(("paged_mla_attention", f"B={m['B']} ctx={m['ctx']} H={m['H']} latent={m['L']} rope={m['R']} "
+                f"block={m['bs']}", "paged_mla_attention", args, kw,
+                it * (m["B"] * m["ctx"] * Dm + m["B"] * m["H"] * (Dm + m["L"])),
+                2 * m["B"] * m["ctx"] * m["H"] * (Dm + m["L"]), "memory"))
     g = shapes["gdn"]
     Bg, Tg, H, Dk, Dv, C = g["B"], g["T"], g["H"], g["Dk"], g["Dv"], g["C"]
+    state = 4 * Bg * H * Dk * Dv  # float32 state, read at the start and written at the end
     for per_channel in (False, True):
-        gshape = (Bg, Tg, H, Dk) if per_channel else (Bg, Tg, H)
-        args = (rnd(Bg, Tg, H, Dk), rnd(Bg, Tg, H, Dk), rnd(Bg, Tg, H, Dv),
-                -jnp.abs(jnp.asarray(r.randn(*gshape), jnp.float32)) * 0.1,
-                jnp.asarray(r.rand(Bg, Tg, H), dtype))
+        args, kw = inputs("chunk_gated_delta_rule", r, H=H, Dk=Dk, Dv=Dv, dtype=dtype, per_channel=per_channel,
+                          T=Tg, B=Bg)
         # per chunk: KK, QK (C^2 Dk each), T inverse (log2 C matmuls C^3), U/W (C^2 (Dv + Dk)), state terms (3 C Dk Dv)
         per_chunk = 2 * (2 * C * C * Dk + np.log2(C) * 2 * C ** 3 + C * C * (Dv + Dk) + 3 * C * Dk * Dv + C * C * Dv)
         out.append(("chunk_gated_delta_rule", f"B={Bg} T={Tg} H={H} Dk={Dk} Dv={Dv} C={C} "
                     + ("per-channel decay (KDA)" if per_channel else "scalar decay (GDN)"), "chunk_gated_delta_rule",
-                    args, dict(chunk_size=C, output_final_state=True, use_qk_l2norm_in_kernel=True),
+                    args, dict(kw, chunk_size=C),
                     it * Bg * Tg * H * (2 * Dk + 2 * Dv + 1) + 4 * Bg * Tg * H * (Dk if per_channel else 1)
-                    + 4 * Bg * H * Dk * Dv, float(Bg * H * (Tg // C) * per_chunk), "compute"))
+                    + 2 * state, float(Bg * H * (Tg // C) * per_chunk), "compute"))
     q = shapes["rec"]
     Br, H, Dk, Dv = q["B"], q["H"], q["Dk"], q["Dv"]
-    args = (rnd(Br, 1, H, Dk), rnd(Br, 1, H, Dk), rnd(Br, 1, H, Dv),
-            -jnp.abs(jnp.asarray(r.randn(Br, 1, H, Dk), jnp.float32)) * 0.1, jnp.asarray(r.rand(Br, 1, H), dtype))
+    args, kw = inputs("recurrent_gated_delta_rule", r, H=H, Dk=Dk, Dv=Dv, dtype=dtype, per_channel=True, B=Br)
     out.append(("recurrent_gated_delta_rule", f"B={Br} H={H} Dk={Dk} Dv={Dv} one decode step, per-channel decay",
-                "recurrent_gated_delta_rule", args,
-                dict(initial_state=jnp.asarray(r.randn(Br, H, Dk, Dv) * 0.1, jnp.float32), output_final_state=True,
-                     use_qk_l2norm_in_kernel=True),
+                "recurrent_gated_delta_rule", args, kw,
                 2 * 4 * Br * H * Dk * Dv + it * Br * H * (2 * Dk + 2 * Dv), 6 * Br * H * Dk * Dv, "memory"))
     return out
 

@@ -68,24 +68,29 @@ def _attention(r, *, Hq, Hkv, Dk, Dv, dtype, window=None, sinks=False, scale=Non
     return (q, k, v, q_pos, k_pos, k_valid), kw
 
 
-def _paged(r, *, Hq, Hkv, Dk, Dv, dtype, block_size, window=None, sinks=False, scale=None):
-    B, ctx = 2, 3 * block_size + 5
+def _lengths(B: int, ctx: int, bs: int, full: bool):
+    """[B] context lengths: every row ctx (full), else alternately ctx and one token past a block."""
+    return jnp.asarray([ctx if full or i % 2 == 0 else bs + 1 for i in range(B)], jnp.int32)
+
+
+def _paged(r, *, Hq, Hkv, Dk, Dv, dtype, block_size, window=None, sinks=False, scale=None, B=2, ctx=None,
+           full=False):
+    ctx = ctx or 3 * block_size + 5
     NB, table = _table(r, B, ctx, block_size)
     E, D = (2, Dk) if Dk == Dv else (1, Dk + Dv)
     kw = dict(layer=0, sliding_window=window, sinks=_rand(r, (Hq,), jnp.float32) if sinks else None, scale=scale)
     return (_rand(r, (B, Hq, Dk), dtype), _rand(r, (NB, 1, E, block_size, Hkv, D), dtype), table,
-            jnp.asarray([ctx, block_size + 1], jnp.int32)), kw
+            _lengths(B, ctx, block_size, full)), kw
 
 
-def _paged_mla(r, *, H, L, R, dtype, block_size, scale):
-    B, ctx = 2, 3 * block_size + 5
+def _paged_mla(r, *, H, L, R, dtype, block_size, scale, B=2, ctx=None, full=False):
+    ctx = ctx or 3 * block_size + 5
     NB, table = _table(r, B, ctx, block_size)
     return (_rand(r, (B, H, L + R), dtype, 0.3), _rand(r, (NB, 1, 1, block_size, 1, L + R), dtype), table,
-            jnp.asarray([ctx, block_size + 1], jnp.int32)), dict(layer=0, kv_lora_rank=L, scale=scale)
+            _lengths(B, ctx, block_size, full)), dict(layer=0, kv_lora_rank=L, scale=scale)
 
 
-def _delta(r, *, H, Dk, Dv, dtype, per_channel, T):
-    B = 2
+def _delta(r, *, H, Dk, Dv, dtype, per_channel, T, B=2):
     g = -jnp.abs(_rand(r, (B, T, H, Dk) if per_channel else (B, T, H), jnp.float32)) * 0.1
     args = (_rand(r, (B, T, H, Dk), dtype), _rand(r, (B, T, H, Dk), dtype), _rand(r, (B, T, H, Dv), dtype), g,
             jnp.asarray(r.rand(B, T, H), dtype))
@@ -102,12 +107,19 @@ _BUILD = {
 }
 
 
+def inputs(kernel: str, r: np.random.RandomState, **dims) -> tuple[tuple, dict]:
+    """(args, keyword args) of seeded random inputs for `kernel` with a Case's dims; the sizes default to the
+    self-test's small case (a few tokens, two sequences) and can be raised (bench/kernels.py): B rows, ctx tokens
+    of context (paged; full: every row that long), T tokens (delta rule)."""
+    return _BUILD[kernel](r, **dims)
+
+
 def run_case(case: Case, mode: str) -> str | None:
     """None when the kernel compiles in `mode` ("pallas" or "interpret") and agrees with its reference on
     `case`; otherwise the reason."""
     ref, kernel = KERNELS[case.kernel]
     dims = dict(case.dims)
-    args, kw = _BUILD[case.kernel](np.random.RandomState(0), **dims)
+    args, kw = inputs(case.kernel, np.random.RandomState(0), **dims)
     try:
         got = jax.block_until_ready(jax.jit(functools.partial(kernel, interpret=mode == "interpret", **kw))(*args))
     except Exception as e:  # lowering / compile / runtime failure of the kernel on this device

@@ -9,11 +9,11 @@ the model parameters live on device. Two jitted programs do all the work, each w
             request-level state (sliding rings, linear state) and penalty state are gathered by slot
 The model's kernel mode (engine.kernels) picks Pallas kernels or jnp references for both programs.
 Shapes are bucketed (prefill B is 1 or max_prefill_seqs, T a power of two up to chunk_size, block-table width W
-a power of two up to the longest sequence, decode B 4 for up to 4 requests, else doublings from max(16, slots / 4)
-up to the slots) so a workload compiles a bounded number of programs: at most 2 * |T buckets| * |W buckets|
-prefill programs (times the packed token counts, powers of two, of batches of several rows) and
-|decode B buckets| * |W buckets| decode programs (ragged attention: |total-blocks buckets| in place of
-|W buckets|). `programs` records the shapes.
+a power of two up to the longest sequence, in prefill only up to the chunk's end so that a first chunk's W
+follows from T, decode B 4 for up to 4 requests, else doublings from max(16, slots / 4) up to the slots) so a
+workload compiles a bounded number of programs: at most 2 * |T buckets| * |W buckets| prefill programs (times
+the packed token counts, powers of two, of batches of several rows) and |decode B buckets| * |W buckets| decode
+programs (ragged attention: |total-blocks buckets| in place of |W buckets|). `programs` records the shapes.
 
 Colocated mode uses one ModelRunner for both roles: prefill writes straight into the blocks and state row that
 decode then reads, so `insert` only records the slot's sampling state. Disaggregated, the prefill instance's
@@ -183,9 +183,10 @@ class ModelRunner:
             snap[i] = scratch if r.snap_row is None else r.snap_row
             if r.sample:
                 pmask[i] = self._prompt_mask(r.prompt)
-        # the dense view must hold every row's end
-        min_w = max(-(-(r.start + len(r.tokens)) // bs) for r in rows)
-        table = self._table([r.block_ids for r in rows], B, min_w)
+        # each row's table up to the block holding its chunk's end (the blocks after it are not read), so the
+        # width follows the chunk, not the prompt: a long prompt's first chunk runs the program warm-up compiled
+        ends = [-(-(r.start + len(r.tokens)) // bs) for r in rows]
+        table = self._table([r.block_ids[:n] for r, n in zip(rows, ends)], B, max(ends))
         st = SamplingTensors.from_params([r.params for r in rows], [r.step for r in rows], B)
         # several rows: pack the real tokens so only attention itself sees the [B, T] padding (models/batch.py)
         N = pow2_bucket(int(lengths.sum()), 16, B * T) if B > 1 else B * T

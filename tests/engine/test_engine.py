@@ -193,6 +193,22 @@ def test_engine_with_pallas_kernels_matches_references(engines, family):
     llm.engine.blocks.check()
 
 
+def test_first_chunks_of_long_prompts_run_warmed_programs(engines):
+    """A prompt's first chunk reads no cache, so its program is keyed by the chunk, not by the prompt: prompts
+    longer than a chunk, of several block-table widths, start on the programs warm-up compiled, and the
+    answers are the dense path's."""
+    llm = engines("llama", dataclasses.replace(ENGINE, max_model_len=64))
+    runner = llm.engine.runner
+    runner.warmup(progress=False)
+    warmed, runner.programs = set(runner.programs), set()
+    prompts = [(BASE * 3)[:n] for n in (12, 30, 50)]  # 3, 8 and 13 blocks: widths 4, 8 and 16
+    for p in prompts:  # one at a time: a batch of first chunks is another program (compiled when first needed)
+        out, = llm.generate([p], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+        assert out.token_ids == reference_greedy(llm, p, 3)
+    first = {k for k in runner.programs if k[0] == "prefill" and k[-1]}  # keys end with `fresh`
+    assert first and first <= warmed, sorted(first - warmed)
+
+
 @pytest.mark.slow
 def test_decode_warmup_covers_what_a_resumed_request_runs(checkpoint_dir):
     """A decode instance that took KV for all but a request's last token computes that token as a one-token
