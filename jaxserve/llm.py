@@ -40,7 +40,7 @@ class LLM:
         self.engine = LLMEngine(model, dtype, engine, mesh, progress)
         self.path, self.dtype, self.mesh = model, self.engine.dtype, mesh
         self.config, self.cache_spec = self.engine.model_config, self.engine.cache_spec
-        self.graphdef, self.state, self.tokenizer = self.engine.graphdef, self.engine.state, self.engine.tokenizer
+        self.graphdef, self.tokenizer = self.engine.graphdef, self.engine.tokenizer
         self._forward = None
         self._ids = itertools.count()
 
@@ -49,13 +49,13 @@ class LLM:
         ids = self.engine.encode(token_ids)
         self.engine.validate(ids, SamplingParams(max_tokens=1))
         if self._forward is None:
-            self._forward = jit_forward(self.graphdef)
+            self._forward = jit_forward(self.graphdef, self.engine.runner.stack)
         T = bucket(len(ids))
         tokens = np.zeros((1, T), np.int32)
         tokens[0, :len(ids)] = ids
         cache = init_dense_cache(self.config, 1, T, self.dtype)
         batch = Batch(jnp.asarray(tokens), jnp.zeros(1, jnp.int32), jnp.asarray([len(ids)], jnp.int32))
-        logits, _ = self._forward(self.state, batch, cache, jnp.arange(T, dtype=jnp.int32)[None])
+        logits, _ = self._forward(self.engine.runner.params, batch, cache, jnp.arange(T, dtype=jnp.int32)[None])
         return np.asarray(logits[0, :len(ids)])
 
     def generate(self, prompts, sampling_params: SamplingParams | None = None) -> list[Output]:

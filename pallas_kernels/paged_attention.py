@@ -133,7 +133,7 @@ def _views(q, pool, block_tables, lengths, layer):
     B = q.shape[0]
     if block_tables.ndim != 2 or block_tables.shape[0] != B or lengths.shape != (B,):
         raise ValueError(f"block_tables must be [{B}, W] and lengths [{B}], got {block_tables.shape}, {lengths.shape}")
-    if not 0 <= layer < pool.shape[1]:
+    if isinstance(layer, int) and not 0 <= layer < pool.shape[1]:  # a traced index (a scan over layers): unchecked
         raise ValueError(f"layer {layer} outside the group's {pool.shape[1]} layers")
     if q.dtype != pool.dtype:
         raise ValueError(f"q dtype {q.dtype} differs from the pool's {pool.dtype}")

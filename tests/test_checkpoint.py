@@ -58,9 +58,12 @@ def test_convert_cli_and_restore_into_tp2_mesh(kimi_with_tokenizer, tmp_path):
     ref = LLM(kimi_with_tokenizer, progress=False)
     tp = LLM(out, tp=2, progress=False)
     # weights landed sharded over the two devices (expert intermediate dim), others replicated
-    q = tp.state["layers"][1]["mlp"]["w_gate"][...]
-    assert q.sharding.spec[2] == "tp" and len(q.sharding.device_set) == 2
-    assert {s.data.shape for s in q.addressable_shards} == {q.shape[:2] + (q.shape[2] // 2,)}
+    rest, stacks = tp.engine.runner.params
+    run = tp.engine.runner.stack.run_of(1)  # layer 1's weights, stacked on a leading axis when in a run
+    q = (stacks[tp.engine.runner.stack.runs.index(run)] if run else rest["layers"][1])["mlp"]["w_gate"][...]
+    lead = 1 if run else 0
+    assert q.sharding.spec[2 + lead] == "tp" and len(q.sharding.device_set) == 2
+    assert {s.data.shape for s in q.addressable_shards} == {q.shape[:2 + lead] + (q.shape[2 + lead] // 2,)}
     ids = [5, 9, 200, 17, 3, 44, 61]
     np.testing.assert_allclose(tp.score(ids), ref.score(ids), atol=1e-4, rtol=0)
     p = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

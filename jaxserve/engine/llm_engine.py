@@ -27,6 +27,7 @@ from ..checkpoint import load_any
 from ..models.cache_spec import cache_spec
 from ..models.config import load_config
 from ..models.model import kernel_cases, model_graphdef
+from ..models.stack import LayerStack, layer_runs
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
 from .client import RequestError, encode
@@ -104,7 +105,7 @@ class LLMEngine:
         self.compilation_cache = use_compilation_cache(cfg.compilation_cache)  # before anything compiles
         self.model_config = load_config(model)
         self.cache_spec = cache_spec(self.model_config)
-        _, self.state = load_any(model, self.model_config, dtype, mesh, progress)
+        _, state = load_any(model, self.model_config, dtype, mesh, progress)
         # kernels: auto on a GPU compiles each kernel the model uses and runs any that fails as its reference
         self.kernels, self.kernel_fallbacks = check.plan(
             cfg.kernels, kernel_cases(self.model_config, self.dtype, cfg.block_size), progress)
@@ -123,12 +124,15 @@ class LLMEngine:
             cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.chunk_size, cfg.max_prefill_seqs, cfg.max_waiting, bs,
             self.layout.has_request_state), self.blocks)
         self.timer = StepTimer()  # where each step's time goes (bench/offline.py)
-        self.runner = ModelRunner(self.graphdef, self.state, self.layout, self.model_config.vocab_size, self.dtype,
+        # the reference paged attention takes a traced layer index: then runs of identical layers run as one
+        # lax.scan (models/stack.py; a Pallas paged kernel takes its layer as a static index)
+        ragged = all(mode_of(k, self.kernels) == "reference" for k in ("paged_attention", "paged_mla_attention"))
+        self.runner = ModelRunner(self.graphdef, state, self.layout, self.model_config.vocab_size, self.dtype,
                                   num_slots=cfg.max_num_seqs, max_prefill_seqs=cfg.max_prefill_seqs,
                                   chunk_size=cfg.chunk_size, max_blocks_per_seq=-(-self.max_model_len // bs),
-                                  mesh=mesh, timer=self.timer,
-                                  ragged=all(mode_of(k, self.kernels) == "reference"
-                                             for k in ("paged_attention", "paged_mla_attention")))
+                                  mesh=mesh, timer=self.timer, ragged=ragged,
+                                  stack=LayerStack(layer_runs(self.model_config) if ragged else ()))
+        del state  # the runner's params hold the weights (stacked runs: their only copy)
         self.eos = set(self.model_config.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
         self._rng = np.random.default_rng()

@@ -25,17 +25,18 @@ Not thread-safe: one thread (the engine loop) drives it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from transfer.device import DeviceIO
 
 from ..cache.layout import PoolLayout, gather, head_parts, init_pool, pool_shardings, scatter
 from ..models.batch import Batch
+from ..models.stack import LayerStack
 from ..sampling import SamplingParams
 from .sampler import MAX_LOGPROBS, SamplingTensors, sample
 from .steptimer import StepTimer
@@ -94,15 +95,18 @@ class DecodeRow:
 class ModelRunner:
     def __init__(self, graphdef, state, layout: PoolLayout, vocab_size: int, dtype, *, num_slots: int,
                  max_prefill_seqs: int, chunk_size: int, max_blocks_per_seq: int, mesh=None,
-                 timer: StepTimer | None = None, ragged: bool = False):
+                 timer: StepTimer | None = None, ragged: bool = False, stack: LayerStack | None = None):
         """ragged: decode attention runs as the jnp reference, which then gathers only the blocks in use
-        (the decode programs are keyed by the batch's total blocks instead of the table width)."""
+        (the decode programs are keyed by the batch's total blocks instead of the table width).
+        stack: runs of identical layers to stack and scan (models/stack.py); the runner then holds the only copy
+        of their weights (`params`): drop `state` after this."""
         self.layout, self.V, self.dtype = layout, vocab_size, dtype
         self.ragged = ragged
         self.timer = timer or StepTimer()  # phases: input preparation, the device program (to results on host)
         self.num_slots, self.max_prefill_seqs, self.chunk_size = num_slots, max_prefill_seqs, chunk_size
         self.max_blocks_per_seq = max_blocks_per_seq
-        self.state = state
+        self.stack = stack or LayerStack(())
+        self.params = self.stack.stack(state)  # (rest, stacks): the model's weights as the programs take them
         # committed from the start (as every program's outputs are), so a warmed program is not compiled again
         # for committed arguments after the first step
         sharding = (jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None
@@ -113,25 +117,26 @@ class ModelRunner:
         self.prompt_mask = jnp.zeros((num_slots + 1, vocab_size), bool, device=sharding)
         self.out_counts = jnp.zeros((num_slots + 1, vocab_size), jnp.int32, device=sharding)
         self.programs: set[tuple] = set()
-        model = lambda st: nnx.merge(graphdef, st)  # noqa: E731
+        merge = functools.partial(self.stack.merge, graphdef)
 
-        def prefill_fn(state, pool, x, batch, table, src, dst, snap, st, pmask, *, lo, hi, last):
+        def prefill_fn(params, pool, x, batch, table, src, dst, snap, st, pmask, *, lo, hi, last):
             # layers lo..hi-1 of a prefill (embedding first, LM head and sampling last): the whole model in
             # one program, or one layer group of a layer-wise prefill
-            m = model(state)
+            m, stacks = merge(params)
             cache = gather(layout, pool, table, src, batch.start, span=(lo, hi))
             if lo == 0:
                 x = m.embed(batch)
-            x, cache = m.run_layers(x, batch, cache, lo, hi)
+            x, cache = m.run_layers(x, batch, cache, lo, hi, stacks)
             pool = scatter(layout, pool, cache, batch, table, dst, snap, span=(lo, hi))
             if not last:
                 return pool, x
             logits = m.head(batch.unpack(x), jnp.maximum(batch.lengths - 1, 0)[:, None])
             return (pool,) + sample(logits[:, 0], st, pmask, jnp.zeros(pmask.shape, jnp.int32))
 
-        def decode_fn(state, pool, prompt_mask, out_counts, batch, table, rows, snap, slots, st, *, total_blocks):
+        def decode_fn(params, pool, prompt_mask, out_counts, batch, table, rows, snap, slots, st, *, total_blocks):
             cache = gather(layout, pool, table, rows, batch.start, paged=True, total_blocks=total_blocks)
-            logits, cache = model(state)(batch, cache, jnp.zeros((batch.tokens.shape[0], 1), jnp.int32))
+            m, stacks = merge(params)
+            logits, cache = m(batch, cache, jnp.zeros((batch.tokens.shape[0], 1), jnp.int32), stacks)
             pool = scatter(layout, pool, cache, batch, table, rows, snap)
             tok, lp, ids, tlp = sample(logits[:, 0], st, prompt_mask[slots], out_counts[slots])
             out_counts = out_counts.at[slots, tok].add(batch.lengths)
@@ -205,7 +210,7 @@ class ModelRunner:
         for k, (lo, hi) in enumerate(stages):
             last = k == len(stages) - 1
             self.programs.add(("prefill", B, T, table.shape[1], lo, hi, N, fresh))
-            out = self._prefill(self.state, self.pool, x, *args, lo=lo, hi=hi, last=last)
+            out = self._prefill(self.params, self.pool, x, *args, lo=lo, hi=hi, last=last)
             self.pool, rest = out[0], out[1:]
             if not last:
                 x, = rest
@@ -264,7 +269,7 @@ class ModelRunner:
         batch = Batch(jnp.asarray(tokens), jnp.asarray(start), jnp.asarray(lengths))
         self.timer.mark("decode.prepare")
         self.pool, self.out_counts, tok, lp, ids, tlp = self._decode(
-            self.state, self.pool, self.prompt_mask, self.out_counts, batch, jnp.asarray(table),
+            self.params, self.pool, self.prompt_mask, self.out_counts, batch, jnp.asarray(table),
             jnp.asarray(state_rows), jnp.asarray(snap_rows), jnp.asarray(slots), st, total_blocks=M)
         tok, lp, ids, tlp = (np.asarray(x) for x in (tok, lp, ids, tlp))
         self.timer.mark("decode.device")

@@ -21,6 +21,7 @@ from .linear_attention import GatedDeltaNet, KimiDeltaAttention
 from .modules import MLP, Linear, MoE, RMSNorm
 from .paged import PagedKV
 from .params import ParamInfo, declare
+from .stack import LayerStack
 
 # Alternative spellings of checkpoint tensor names, per family: (regex, replacement) tried in order when
 # the canonical name is absent. Kimi Linear's hub checkpoints keep `block_sparse_moe` and w1/w2/w3.
@@ -87,24 +88,32 @@ class CausalLM(nnx.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear("lm_head", H, V, dtype, tp="col")
 
-    def __call__(self, batch: Batch, cache: list[dict], logits_idx):
+    def __call__(self, batch: Batch, cache: list[dict], logits_idx, stacks=None):
         """batch: B sequences of T new tokens; cache: per-layer dicts (or PagedKV views of the engine's pool, in
-        decode); logits_idx [B, P] token indices in [0, T)
+        decode); logits_idx [B, P] token indices in [0, T); stacks: layer runs to scan (run_layers)
         -> (logits [B, P, V] float32, new cache)"""
-        x, new_cache = self.run_layers(self.embed(batch), batch, cache, 0, len(self.layers))
+        x, new_cache = self.run_layers(self.embed(batch), batch, cache, 0, len(self.layers), stacks)
         return self.head(batch.unpack(x), logits_idx), new_cache
 
     def embed(self, batch: Batch):
         """-> hidden states [B, T, H] of the batch's tokens ([1, N, H] packed)."""
         return self.embed_tokens[...][batch.pack(batch.tokens)]
 
-    def run_layers(self, x, batch: Batch, cache: list, lo: int, hi: int):
+    def run_layers(self, x, batch: Batch, cache: list, lo: int, hi: int, stacks=None):
         """Layers lo..hi-1 over hidden states x [B, T, H]; cache: per-layer entries (only lo..hi-1 are read)
         -> (x, cache with lo..hi-1 replaced). Prefill runs the stack in layer groups this way (layer-wise
-        KV streaming: each group's KV can leave while the next group computes)."""
+        KV streaming: each group's KV can leave while the next group computes). stacks: {(lo, hi): (layer
+        graphdef, stacked state)} of runs of identical layers (models/stack.py), each run as one lax.scan."""
         new_cache = list(cache)
         shared = {}  # paged groups: the pool array as the last layer of the group left it
-        for i in range(lo, hi):
+        i = lo
+        while i < hi:
+            run = next((r for r in stacks or () if r[0] <= i < r[1]), None)
+            if run is not None:
+                end = min(hi, run[1])
+                x = _scan_layers(x, batch, cache, new_cache, shared, *stacks[run], i - run[0], i, end)
+                i = end
+                continue
             c = cache[i]
             if isinstance(c, PagedKV) and c.group in shared:
                 c = PagedKV(shared[c.group], c.table, c.group, c.layer, c.total_blocks)
@@ -112,6 +121,7 @@ class CausalLM(nnx.Module):
             if isinstance(c, PagedKV):
                 shared[c.group] = c.pool
             new_cache[i] = c
+            i += 1
         return x, new_cache
 
     def head(self, x, logits_idx):
@@ -123,6 +133,39 @@ class CausalLM(nnx.Module):
         else:
             logits = self.lm_head(x)
         return logits.astype(jnp.float32)
+
+
+def _scan_layers(x, batch: Batch, cache: list, new_cache: list, shared: dict, graphdef, stacked, k0: int, lo: int,
+                 hi: int):
+    """Model layers lo..hi-1, weights k0.. of `stacked`, as one lax.scan; fills new_cache[lo:hi] -> x.
+    Dense caches are stacked into the scan and out again; paged ones (one group, consecutive layers in it)
+    carry the group's pool array through it, the layer index traced."""
+    ks = jnp.arange(k0, k0 + hi - lo)
+    layer = lambda k: nnx.merge(graphdef, jax.tree.map(lambda a: a[k], stacked))  # noqa: E731
+
+    first = cache[lo]
+    if isinstance(first, PagedKV):
+        js = [cache[i].layer for i in range(lo, hi)]
+        if js != list(range(js[0], js[0] + hi - lo)) or any(cache[i].group != first.group for i in range(lo, hi)):
+            raise ValueError(f"layers {lo}..{hi - 1} are not consecutive layers of one cache group")
+
+        def paged(carry, kj):
+            x, pool = carry
+            x, c = layer(kj[0])(x, batch, PagedKV(pool, first.table, first.group, kj[1], first.total_blocks))
+            return (x, c.pool), None
+        pool = shared.get(first.group, first.pool)
+        (x, pool), _ = jax.lax.scan(paged, (x, pool), (ks, jnp.asarray(js, jnp.int32)))
+        shared[first.group] = pool
+        for i, j in zip(range(lo, hi), js):
+            new_cache[i] = PagedKV(pool, first.table, first.group, j, first.total_blocks)
+        return x
+
+    def dense(x, kc):
+        return layer(kc[0])(x, batch, kc[1])
+    x, out = jax.lax.scan(dense, x, (ks, jax.tree.map(lambda *a: jnp.stack(a), *cache[lo:hi])))
+    for n, i in enumerate(range(lo, hi)):
+        new_cache[i] = jax.tree.map(lambda a, n=n: a[n], out)
+    return x
 
 
 def abstract_model(cfg: ModelConfig, dtype, kernels: str = "reference") -> CausalLM:
@@ -160,13 +203,17 @@ def kernel_cases(cfg: ModelConfig, dtype, block_size: int) -> list[Case]:
     return sorted(cases, key=str)
 
 
-def make_forward(graphdef):
-    """Pure function (state, batch, cache, logits_idx) -> (logits, cache) over the split model."""
-    def forward(state, batch: Batch, cache, logits_idx):
-        return nnx.merge(graphdef, state)(batch, cache, logits_idx)
+def make_forward(graphdef, stack: LayerStack | None = None):
+    """Pure function (params, batch, cache, logits_idx) -> (logits, cache) over the split model: params the
+    model's state, or with `stack` the (rest, stacks) it made (models/stack.py), its runs scanned."""
+    def forward(params, batch: Batch, cache, logits_idx):
+        if stack is None:
+            return nnx.merge(graphdef, params)(batch, cache, logits_idx)
+        model, stacks = stack.merge(graphdef, params)
+        return model(batch, cache, logits_idx, stacks)
     return forward
 
 
-def jit_forward(graphdef):
+def jit_forward(graphdef, stack: LayerStack | None = None):
     """The forward step, jitted with the cache donated (it is updated in place)."""
-    return jax.jit(make_forward(graphdef), donate_argnums=(2,))
+    return jax.jit(make_forward(graphdef, stack), donate_argnums=(2,))

@@ -23,7 +23,7 @@ class PagedKV:
     pool: jax.Array  # [NB, L, E, bs, Hkv, D] the layer's cache group
     table: jax.Array  # [B, W] int32 block ids per request
     group: int = field(metadata=dict(static=True))  # index of the group in the pool list
-    layer: int = field(metadata=dict(static=True))  # index of this layer within the group
+    layer: int | jax.Array  # index of this layer within the group (traced where a scan runs the layers)
     # a bound on the blocks the batch holds (sum over rows of ceil(length / block_size)): the reference
     # attention then gathers only those (pallas_kernels/paged_attention.py); None: table width per row
     total_blocks: int | None = field(default=None, metadata=dict(static=True))

@@ -56,6 +56,32 @@ def test_greedy_matches_reference_with_chunks_and_prefix_hits(engines, family):
     assert again[0].token_ids == outs[3].token_ids and again[0].cached_tokens == 20
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3", "deepseek_v3", "kimi_linear", "qwen3_next", "gpt_oss",
+                                    "mimo_v2_flash"])
+def test_scanned_layer_runs_match_the_unrolled_model(engines, checkpoint_dir, family):
+    """Runs of identical layers run as one lax.scan over stacked weights (models/stack.py): the same logits as
+    the model with its own per-layer weights, every layer unrolled (a separate load of the checkpoint)."""
+    import jax.numpy as jnp
+
+    from jaxserve.checkpoint import load_any
+    from jaxserve.models.batch import Batch
+    from jaxserve.models.cache_spec import init_dense_cache
+    from jaxserve.models.model import jit_forward
+    from jaxserve.models.stack import layer_runs
+    llm = engines(family)
+    cfg = llm.engine.model_config
+    assert llm.engine.runner.stack.runs == layer_runs(cfg)  # CPU: the reference paged attention, so scanned
+    if family in ("llama", "qwen3"):
+        assert layer_runs(cfg) == ((0, cfg.num_layers),)
+    _, state = load_any(checkpoint_dir(family), cfg, llm.engine.dtype_name, None, False)
+    ids = (BASE * 2)[:29]
+    tokens = jnp.asarray([ids + [0] * 3], jnp.int32)
+    batch = Batch(tokens, jnp.zeros(1, jnp.int32), jnp.asarray([len(ids)], jnp.int32))
+    logits, _ = jit_forward(llm.graphdef)(state, batch, init_dense_cache(cfg, 1, 32, llm.engine.dtype),
+                                          jnp.arange(len(ids), dtype=jnp.int32)[None])
+    np.testing.assert_allclose(llm.score(ids), np.asarray(logits[0]), atol=2e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
 def test_decode_batches_and_ragged_attention_match_reference(engines, family):
     """Eighteen requests on twenty slots: decode runs in batch buckets (4 rows while at most four requests

@@ -73,12 +73,12 @@ def test_completion_matches_offline_greedy(server):
     from jaxserve.models.cache_spec import init_dense_cache
     from jaxserve.models.model import jit_forward
     import jax.numpy as jnp
-    fwd = jit_forward(llm.graphdef)
+    fwd = jit_forward(llm.graphdef, llm.runner.stack)
     ids, ref = list(prompt), []
     for _ in range(12):
         cache = init_dense_cache(llm.model_config, 1, 128, llm.dtype)
         tokens = jnp.asarray([ids + [0] * (128 - len(ids))], jnp.int32)
-        logits, _ = fwd(llm.state, Batch(tokens, jnp.zeros(1, jnp.int32), jnp.asarray([len(ids)], jnp.int32)),
+        logits, _ = fwd(llm.runner.params, Batch(tokens, jnp.zeros(1, jnp.int32), jnp.asarray([len(ids)], jnp.int32)),
                         cache, jnp.asarray([[len(ids) - 1]], jnp.int32))
         ref.append(int(np.asarray(logits)[0, 0].argmax()))
         ids.append(ref[-1])
