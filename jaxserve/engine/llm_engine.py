@@ -131,6 +131,7 @@ class LLMEngine:
                                   num_slots=cfg.max_num_seqs, max_prefill_seqs=cfg.max_prefill_seqs,
                                   chunk_size=cfg.chunk_size, max_blocks_per_seq=-(-self.max_model_len // bs),
                                   mesh=mesh, timer=self.timer, ragged=ragged,
+                                  max_batched_tokens=cfg.max_num_batched_tokens,
                                   stack=LayerStack(layer_runs(self.model_config) if ragged else ()))
         del state  # the runner's params hold the weights (stacked runs: their only copy)
         self.eos = set(self.model_config.eos_token_ids)

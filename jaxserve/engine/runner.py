@@ -95,16 +95,19 @@ class DecodeRow:
 class ModelRunner:
     def __init__(self, graphdef, state, layout: PoolLayout, vocab_size: int, dtype, *, num_slots: int,
                  max_prefill_seqs: int, chunk_size: int, max_blocks_per_seq: int, mesh=None,
-                 timer: StepTimer | None = None, ragged: bool = False, stack: LayerStack | None = None):
+                 timer: StepTimer | None = None, ragged: bool = False, stack: LayerStack | None = None,
+                 max_batched_tokens: int | None = None):
         """ragged: decode attention runs as the jnp reference, which then gathers only the blocks in use
         (the decode programs are keyed by the batch's total blocks instead of the table width).
         stack: runs of identical layers to stack and scan (models/stack.py); the runner then holds the only copy
-        of their weights (`params`): drop `state` after this."""
+        of their weights (`params`): drop `state` after this. max_batched_tokens: the most prompt tokens of one
+        prefill step (the scheduler's budget; warm-up compiles the packed buckets up to it)."""
         self.layout, self.V, self.dtype = layout, vocab_size, dtype
         self.ragged = ragged
         self.timer = timer or StepTimer()  # phases: input preparation, the device program (to results on host)
         self.num_slots, self.max_prefill_seqs, self.chunk_size = num_slots, max_prefill_seqs, chunk_size
         self.max_blocks_per_seq = max_blocks_per_seq
+        self.max_batched_tokens = max_batched_tokens or max_prefill_seqs * chunk_size
         self.stack = stack or LayerStack(())
         self.params = self.stack.stack(state)  # (rest, stacks): the model's weights as the programs take them
         # committed from the start (as every program's outputs are), so a warmed program is not compiled again
@@ -165,16 +168,57 @@ class ModelRunner:
         return m
 
     # ---- protocol
+    def prefill_groups(self, rows: list[PrefillRow]) -> list[list[PrefillRow]]:
+        """The programs a prefill step over `rows` runs: the first chunks (nothing cached) together, each chunk
+        that reads cached tokens alone, so that every prefill program has one of the shapes warm-up compiles:
+          first chunks, one     B 1, T = pow2 bucket of its length, W from T, unpacked
+          first chunks, several B max_prefill_seqs, T chunk_size, W from T, N = pow2 bucket of their tokens
+                                (packed: the [B, T] padding costs attention only)
+          a chunk after cached  B 1, T = pow2 bucket of its length, W = pow2 bucket of the blocks to its end"""
+        fresh = [r for r in rows if r.start == 0]
+        return ([fresh] if fresh else []) + [[r] for r in rows if r.start > 0]
+
     def prefill(self, rows: list[PrefillRow], stages: list[tuple[int, int]] | None = None,
                 on_stage=None) -> list[Prefix | None]:
-        """One prefill step over `rows`. stages: run the layers as these groups [(lo, hi)], one program each,
-        calling on_stage(k) once group k's program is dispatched (its KV is in the pool for the programs
-        dispatched next: layer-wise export); None: one program for the whole model."""
+        """One prefill step over `rows` (one program per `prefill_groups` group). stages: run the layers as these
+        groups [(lo, hi)], one program each, calling on_stage(k) once group k's programs are dispatched (its KV
+        is in the pool for the programs dispatched next: layer-wise export); None: the whole model at once."""
         stages = stages or [(0, self.layout.num_layers)]
         if not rows or len(rows) > self.max_prefill_seqs:
             raise ValueError(f"prefill takes 1..{self.max_prefill_seqs} rows, got {len(rows)}")
-        B = 1 if len(rows) == 1 else self.max_prefill_seqs  # two batch shapes: fewer programs to compile
-        T = pow2_bucket(max(len(r.tokens) for r in rows), 16, self.chunk_size)
+        groups = self.prefill_groups(rows)
+        preps = [self._prefill_inputs(g) for g in groups]
+        self.timer.mark("prefill.prepare")
+        xs: list = [None] * len(groups)
+        for k, (lo, hi) in enumerate(stages):
+            last = k == len(stages) - 1
+            for gi, (key, args, _) in enumerate(preps):
+                self.programs.add(key[:4] + (lo, hi) + key[4:])
+                out = self._prefill(self.params, self.pool, xs[gi], *args, lo=lo, hi=hi, last=last)
+                self.pool, xs[gi] = out[0], out[1:]
+            if on_stage is not None:
+                on_stage(k)
+        got = {}
+        for g, (_, _, pmask), rest in zip(groups, preps, xs):
+            tok, lp, ids, tlp = (np.asarray(x) for x in rest)
+            for i, r in enumerate(g):
+                got[id(r)] = (int(tok[i]), float(lp[i]), ids[i], tlp[i], pmask[i])
+        self.timer.mark("prefill.device")
+        out: list[Prefix | None] = []
+        for r in rows:
+            if not r.sample:
+                out.append(None)
+                continue
+            tok, lp, ids, tlp, mask = got[id(r)]
+            out.append(Prefix(r.request_id, r.dst_row, list(r.block_ids), r.start + len(r.tokens), tok, lp,
+                              self._top(r.params, ids, tlp), mask))
+        return out
+
+    def _prefill_inputs(self, rows: list[PrefillRow]):
+        """One prefill program's (key, arguments, [B, V] prompt masks) for a `prefill_groups` group."""
+        fresh = all(r.start == 0 for r in rows)
+        B = 1 if len(rows) == 1 else self.max_prefill_seqs
+        T = self.chunk_size if B > 1 else pow2_bucket(max(len(r.tokens) for r in rows), 16, self.chunk_size)
         bs = self.layout.block_size
         tokens = np.zeros((B, T), np.int32)
         start, lengths = np.zeros(B, np.int32), np.zeros(B, np.int32)
@@ -188,10 +232,10 @@ class ModelRunner:
             snap[i] = scratch if r.snap_row is None else r.snap_row
             if r.sample:
                 pmask[i] = self._prompt_mask(r.prompt)
-        # each row's table up to the block holding its chunk's end (the blocks after it are not read), so the
-        # width follows the chunk, not the prompt: a long prompt's first chunk runs the program warm-up compiled
+        # each row's table up to the block holding its chunk's end (the blocks after it are not read); first
+        # chunks as wide as T (their keys are the chunk's own): the width follows the chunk, not the prompt
         ends = [-(-(r.start + len(r.tokens)) // bs) for r in rows]
-        table = self._table([r.block_ids[:n] for r, n in zip(rows, ends)], B, max(ends))
+        table = self._table([r.block_ids[:n] for r, n in zip(rows, ends)], B, -(-T // bs) if fresh else max(ends))
         st = SamplingTensors.from_params([r.params for r in rows], [r.step for r in rows], B)
         # several rows: pack the real tokens so only attention itself sees the [B, T] padding (models/batch.py)
         N = pow2_bucket(int(lengths.sum()), 16, B * T) if B > 1 else B * T
@@ -201,32 +245,10 @@ class ModelRunner:
             packed[:int(lengths.sum())] = np.concatenate([i * T + np.arange(n, dtype=np.int32)
                                                           for i, n in enumerate(lengths) if n])
             packed = jnp.asarray(packed)
-        fresh = not bool(start.any())  # nothing cached in any row: full attention skips the cached view
         batch = Batch(jnp.asarray(tokens), jnp.asarray(start), jnp.asarray(lengths), packed, fresh)
         args = (batch, jnp.asarray(table), jnp.asarray(src), jnp.asarray(dst), jnp.asarray(snap), st,
                 jnp.asarray(pmask))
-        self.timer.mark("prefill.prepare")
-        x = None
-        for k, (lo, hi) in enumerate(stages):
-            last = k == len(stages) - 1
-            self.programs.add(("prefill", B, T, table.shape[1], lo, hi, N, fresh))
-            out = self._prefill(self.params, self.pool, x, *args, lo=lo, hi=hi, last=last)
-            self.pool, rest = out[0], out[1:]
-            if not last:
-                x, = rest
-            if on_stage is not None:
-                on_stage(k)
-        tok, lp, ids, tlp = rest
-        tok, lp, ids, tlp = (np.asarray(x) for x in (tok, lp, ids, tlp))
-        self.timer.mark("prefill.device")
-        out: list[Prefix | None] = []
-        for i, r in enumerate(rows):
-            if not r.sample:
-                out.append(None)
-                continue
-            out.append(Prefix(r.request_id, r.dst_row, list(r.block_ids), r.start + len(r.tokens), int(tok[i]),
-                              float(lp[i]), self._top(r.params, ids[i], tlp[i]), pmask[i]))
-        return out
+        return ("prefill", B, T, table.shape[1], N, fresh), args, pmask
 
     def insert(self, prefix: Prefix, slot: int) -> None:
         """Make `slot` decode the request of `prefix` (colocated: its cache is already in place)."""
@@ -290,14 +312,18 @@ class ModelRunner:
 
     def warmup(self, progress: bool = True, stages: list[tuple[int, int]] | None = None, tails: bool = False,
                decode: bool = True, whole: bool = True) -> int:
-        """Compile what an instance runs in normal operation (anything else compiles when first needed):
+        """Compile what an instance runs (every shape of `prefill_groups` and `decode_batch`), so that traffic
+        compiles nothing afterwards:
           decode  the decode program for every batch bucket and block-table width (ragged: every total-blocks
                   bucket)
-          whole   the whole-model prefill program for every chunk bucket (one request)
-          stages  the layer-group programs of layer-wise prefill, for every chunk bucket
-          tails   the one-token prefill chunk at the end of a sequence of every block-table width, alone and in
-                  a full batch: what a decode instance runs when KV arrives for all but the last token, a
-                  resumed request's or one prefill left with transfer.leave_last_token
+          whole   the whole-model prefill programs: first chunks alone (every chunk bucket) and together (every
+                  packed token bucket), and chunks after cached tokens (every chunk bucket and table width that
+                  can follow)
+          stages  the layer-group programs of layer-wise prefill, for a first chunk alone (every chunk bucket);
+                  other layer-wise shapes compile when first needed
+          tails   (without whole) the one-token chunk at the end of a sequence of every table width: what a
+                  decode instance runs when KV arrives for all but the last token, a resumed request's or one
+                  prefill left with transfer.leave_last_token
         Writes land in block 0 and the scratch rows, which are rewritten before use."""
         from tqdm import tqdm
         bs = self.layout.block_size
@@ -323,21 +349,35 @@ class ModelRunner:
                     m = min(2 * m, hi)
         else:
             decodes = [("decode", w, b) for w in widths for b in batches]
-        jobs = (decodes if decode else []) + ([("prefill", t, None) for t in lengths] if whole else [])
+        # a chunk after cached tokens: per chunk bucket T and width W, one of length in (previous T, T] ending at
+        # the last token of W blocks (none when no such chunk has a token before it)
+        cached = [(min(t, w * bs - 1), w) for i, t in enumerate(lengths) for w in widths
+                  if min(t, w * bs - 1) > (lengths[i - 1] if i else 0)]
+        jobs = decodes if decode else []
+        if whole:
+            jobs += [("first", [t], None) for t in lengths] + [("cached", c, None) for c in cached]
+            if self.max_prefill_seqs > 1:  # every packed token bucket N, as rows of first chunks N tokens in all
+                n, top = 16, pow2_bucket(min(self.max_batched_tokens, self.max_prefill_seqs * self.chunk_size), 16,
+                                         self.max_prefill_seqs * self.chunk_size)
+                while n <= top:
+                    k = max(2, -(-n // self.chunk_size))
+                    jobs.append(("first", [n // k + (i < n % k) for i in range(k)], None))
+                    n *= 2
+        elif tails:
+            jobs += [("cached", c, None) for c in cached if c[0] <= lengths[0]]
         if stages is not None:
-            jobs += [("prefill", t, stages) for t in lengths]
-        if tails:
-            jobs += [("tail", w, b) for w in widths for b in sorted({1, self.max_prefill_seqs})]
+            jobs += [("first", [t], stages) for t in lengths]
         scratch = self.layout.scratch_row
         for kind, n, st in tqdm(jobs, desc="compiling", unit="program", disable=not progress):
             if kind == "decode":
                 self.generate([DecodeRow(0, 0, n * bs - 1, [0] * n, _IDLE, 0)] * st)  # n: blocks, st: rows
-            elif kind == "tail":  # n: block-table width, st: rows
-                self.prefill([PrefillRow("warmup", [0], n * bs - 1, [0] * n, scratch, scratch, None, True, _IDLE, 0,
-                                         [0])] * st)
-            else:
-                self.prefill([PrefillRow("warmup", [0] * n, 0, [0] * -(-n // bs), scratch, scratch, None, True,
-                                         _IDLE, 0, [0])], st)
+            elif kind == "cached":  # n: (tokens, blocks to the chunk's end)
+                t, w = n
+                self.prefill([PrefillRow("warmup", [0] * t, w * bs - t, [0] * w, scratch, scratch, None, True,
+                                         _IDLE, 0, [0])])
+            else:  # n: the rows' lengths
+                self.prefill([PrefillRow("warmup", [0] * t, 0, [0] * -(-t // bs), scratch, scratch, None, True,
+                                         _IDLE, 0, [0]) for t in n], st)
         return len(self.programs)
 
     def warmup_transfer(self, dtype_name: str, groups: list[tuple[int, int]], export: bool, receive: bool,

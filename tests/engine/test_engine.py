@@ -102,7 +102,7 @@ def test_decode_batches_and_ragged_attention_match_reference(engines, family):
     decodes = {k[1] for k in eng.runner.programs if k[0] == "decode"}
     assert {16, 20} <= decodes <= {4, 16, 20}, decodes
     assert [eng.runner.decode_batch(n) for n in (1, 4, 5, 16, 17, 20)] == [4, 4, 16, 16, 20, 20]
-    assert any(k[0] == "prefill" and k[-1] < k[1] * k[2] for k in eng.runner.programs)  # a packed prefill ran
+    assert any(k[0] == "prefill" and k[6] < k[1] * k[2] for k in eng.runner.programs)  # a packed prefill ran
     steps = eng.timer.summary()
     assert sum(s["count"] for s in steps.values()) >= 5
     for s in steps.values():
@@ -219,35 +219,44 @@ def test_engine_with_pallas_kernels_matches_references(engines, family):
     llm.engine.blocks.check()
 
 
-def test_first_chunks_of_long_prompts_run_warmed_programs(engines):
-    """A prompt's first chunk reads no cache, so its program is keyed by the chunk, not by the prompt: prompts
-    longer than a chunk, of several block-table widths, start on the programs warm-up compiled, and the
-    answers are the dense path's."""
-    llm = engines("llama", dataclasses.replace(ENGINE, max_model_len=64))
+def test_a_varied_workload_compiles_nothing_after_warmup(engines):
+    """After warm-up (runner.warmup: every prefill_groups and decode_batch shape), traffic of varied lengths runs
+    only programs warm-up compiled: prompts from 1 token to several chunks and block-table widths, together
+    (first chunks batched, later chunks after cached tokens, decode in every batch bucket) and alone, and
+    prompts that extend cached ones (a first chunk after prefix-cache hits). Answers equal the dense path's."""
+    llm = engines("llama", dataclasses.replace(ENGINE, max_model_len=80, max_num_seqs=8, max_prefill_seqs=3,
+                                              num_blocks=256))
     runner = llm.engine.runner
     runner.warmup(progress=False)
     warmed, runner.programs = set(runner.programs), set()
-    prompts = [(BASE * 3)[:n] for n in (12, 30, 50)]  # 3, 8 and 13 blocks: widths 4, 8 and 16
-    for p in prompts:  # one at a time: a batch of first chunks is another program (compiled when first needed)
-        out, = llm.generate([p], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
-        assert out.token_ids == reference_greedy(llm, p, 3)
-    first = {k for k in runner.programs if k[0] == "prefill" and k[-1]}  # keys end with `fresh`
-    assert first and first <= warmed, sorted(first - warmed)
+    rng = np.random.default_rng(0)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [rng.integers(1, 100, n).tolist() for n in (1, 3, 8, 12, 17, 30, 45, 50, 9, 26)]
+    outs = llm.generate(prompts, params)
+    extended = [p + [7, 8, 9] for p in prompts[5:8]]
+    outs += llm.generate(extended, params)
+    alone = [rng.integers(1, 100, n).tolist() for n in (5, 21, 40)]
+    outs += [llm.generate([p], params)[0] for p in alone]
+    for p, o in zip(prompts + extended + alone, outs):
+        assert o.token_ids == reference_greedy(llm, p, 12), p
+    assert max(o.cached_tokens for o in outs) > 0
+    assert runner.programs <= warmed, sorted(runner.programs - warmed)
+    ran = runner.programs
+    assert {k[1] for k in ran if k[0] == "prefill"} == {1, 3}  # alone and batched
+    assert {k[-1] for k in ran if k[0] == "prefill" and k[1] == 1} == {True, False}  # first and later chunks
+    assert len({k[1] for k in ran if k[0] == "decode"}) == 2  # decode batch buckets 4 and 8
 
 
 @pytest.mark.slow
 def test_decode_warmup_covers_what_a_resumed_request_runs(checkpoint_dir):
     """A decode instance that took KV for all but a request's last token computes that token as a one-token
     prefill chunk at the end of the sequence; a decode instance's warm-up (decode programs and tails, no
-    whole-prompt prefill) compiles those programs for every block-table width (alone and batched), so no resumed
-    request compiles on the decode instance (a compile stalls every request there for seconds)."""
+    whole-prompt prefill) compiles those programs for every block-table width, so no resumed request compiles on
+    the decode instance (a compile stalls every request there for seconds)."""
     from transfer.bufpool import aligned_empty
     from transfer.plan import bucket, layer_groups, staging
     eng = LLM(checkpoint_dir("llama"), progress=False, engine=dataclasses.replace(ENGINE, max_model_len=32)).engine
     runner = eng.runner
-    runner.warmup(progress=False)
-    plain = set(runner.programs)
-    runner.programs = set()
     runner.warmup(progress=False, tails=True, whole=False)  # what jaxserve/worker/main.py runs for a decode role
     runner.warmup_transfer(eng.dtype_name, layer_groups(eng.layout.num_layers, 1), export=False, receive=True,
                            progress=False)
@@ -269,4 +278,4 @@ def test_decode_warmup_covers_what_a_resumed_request_runs(checkpoint_dir):
         eng.step()
     assert all(s.finish_reason == "length" and len(s.output) == 4 for s in seqs)
     assert runner.programs <= warmed, sorted(runner.programs - warmed)
-    assert runner.programs - plain  # which the plain warm-up leaves to the first such request
+    assert not any(k[0] == "prefill" and k[-1] for k in warmed)  # the decode role compiles no first chunks
