@@ -8,12 +8,11 @@ the model parameters live on device. Two jitted programs do all the work, each w
             write into their blocks and read them with paged attention (no dense copy of the pool),
             request-level state (sliding rings, linear state) and penalty state are gathered by slot
 The model's kernel mode (engine.kernels) picks Pallas kernels or jnp references for both programs.
-Shapes are bucketed (prefill B is 1 or max_prefill_seqs, T a power of two up to chunk_size, block-table width W
-a power of two up to the longest sequence, in prefill only up to the chunk's end so that a first chunk's W
-follows from T, decode B 4 for up to 4 requests, else doublings from max(16, slots / 4) up to the slots) so a
-workload compiles a bounded number of programs: at most 2 * |T buckets| * |W buckets| prefill programs (times
-the packed token counts, powers of two, of batches of several rows) and |decode B buckets| * |W buckets| decode
-programs (ragged attention: |total-blocks buckets| in place of |W buckets|). `programs` records the shapes.
+Shapes are bucketed so that a workload compiles a bounded set of programs, all of which warm-up can compile
+ahead (`warmup`): prefill in the three families of `prefill_groups` (chunk lengths and block-table widths in
+powers of two, a batch's real tokens packed into a power-of-two bucket), decode in `decode_batch` rows (4 for up
+to 4 requests, else doublings from max(16, slots / 4) up to the slots) times the block-table widths (ragged
+attention: the buckets of the blocks in use). `programs` records the shapes run.
 
 Colocated mode uses one ModelRunner for both roles: prefill writes straight into the blocks and state row that
 decode then reads, so `insert` only records the slot's sampling state. Disaggregated, the prefill instance's
@@ -195,7 +194,7 @@ class ModelRunner:
             for gi, (key, args, _) in enumerate(preps):
                 self.programs.add(key[:4] + (lo, hi) + key[4:])
                 out = self._prefill(self.params, self.pool, xs[gi], *args, lo=lo, hi=hi, last=last)
-                self.pool, xs[gi] = out[0], out[1:]
+                self.pool, xs[gi] = out[0], (out[1:] if last else out[1])  # last: the sampled token's arrays
             if on_stage is not None:
                 on_stage(k)
         got = {}
