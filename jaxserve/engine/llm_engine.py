@@ -305,15 +305,16 @@ class LLMEngine:
             # layer-wise streaming the step runs as layer groups and each group's KV is exported as soon as
             # its program is dispatched, so it travels while the later groups compute.
             due = [(c.seq.handoff, c.seq) for c in plan.prefills if c.last and c.seq.handoff is not None]
-            stages, streamed = None, []
+            stages, streamed, staged = None, [], set()
             for h, seq in due:
                 groups = h.begin(self, seq)
                 if groups is not None and (stages is None or groups == stages):
                     stages = groups
                     streamed.append(h)
+                    staged.add(seq.request_id)
             on_stage = (lambda k: [h.export(k) for h in streamed]) if streamed else None
             try:
-                prefixes = self.runner.prefill(rows, stages, on_stage)
+                prefixes = self.runner.prefill(rows, stages, on_stage, staged)
             except BaseException as e:
                 for h, _ in due:
                     h.abort(f"prefill step failed: {type(e).__name__}: {e}")

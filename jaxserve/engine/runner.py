@@ -178,20 +178,26 @@ class ModelRunner:
         return ([fresh] if fresh else []) + [[r] for r in rows if r.start > 0]
 
     def prefill(self, rows: list[PrefillRow], stages: list[tuple[int, int]] | None = None,
-                on_stage=None) -> list[Prefix | None]:
+                on_stage=None, staged: set[str] | None = None) -> list[Prefix | None]:
         """One prefill step over `rows` (one program per `prefill_groups` group). stages: run the layers as these
         groups [(lo, hi)], one program each, calling on_stage(k) once group k's programs are dispatched (its KV
-        is in the pool for the programs dispatched next: layer-wise export); None: the whole model at once."""
-        stages = stages or [(0, self.layout.num_layers)]
+        is in the pool for the programs dispatched next: layer-wise export); staged: the request ids that need
+        it (their programs' groups run layer by layer, the others whole; None: all); stages None: the whole
+        model at once."""
+        whole = [(0, self.layout.num_layers)]
+        stages = stages or whole
         if not rows or len(rows) > self.max_prefill_seqs:
             raise ValueError(f"prefill takes 1..{self.max_prefill_seqs} rows, got {len(rows)}")
         groups = self.prefill_groups(rows)
         preps = [self._prefill_inputs(g) for g in groups]
+        plans = [stages if staged is None or any(r.request_id in staged for r in g) else whole for g in groups]
         self.timer.mark("prefill.prepare")
         xs: list = [None] * len(groups)
-        for k, (lo, hi) in enumerate(stages):
-            last = k == len(stages) - 1
+        for k in range(len(stages)):
             for gi, (key, args, _) in enumerate(preps):
+                if k >= len(plans[gi]):
+                    continue
+                (lo, hi), last = plans[gi][k], k == len(plans[gi]) - 1
                 self.programs.add(key[:4] + (lo, hi) + key[4:])
                 out = self._prefill(self.params, self.pool, xs[gi], *args, lo=lo, hi=hi, last=last)
                 self.pool, xs[gi] = out[0], (out[1:] if last else out[1])  # last: the sampled token's arrays
@@ -310,7 +316,7 @@ class ModelRunner:
         return list(zip(ids[:k].tolist(), tlp[:k].tolist()))
 
     def warmup(self, progress: bool = True, stages: list[tuple[int, int]] | None = None, tails: bool = False,
-               decode: bool = True, whole: bool = True) -> int:
+               decode: bool = True, whole: bool = True, stage_min_tokens: int = 0) -> int:
         """Compile what an instance runs (every shape of `prefill_groups` and `decode_batch`), so that traffic
         compiles nothing afterwards:
           decode  the decode program for every batch bucket and block-table width (ragged: every total-blocks
@@ -318,8 +324,8 @@ class ModelRunner:
           whole   the whole-model prefill programs: first chunks alone (every chunk bucket) and together (every
                   packed token bucket), and chunks after cached tokens (every chunk bucket and table width that
                   can follow)
-          stages  the layer-group programs of layer-wise prefill, for a first chunk alone (every chunk bucket);
-                  other layer-wise shapes compile when first needed
+          stages  the layer-group programs of layer-wise prefill for the same shapes, those of prompts of at
+                  least stage_min_tokens (transfer.stream_min_tokens: shorter ones are sent whole)
           tails   (without whole) the one-token chunk at the end of a sequence of every table width: what a
                   decode instance runs when KV arrives for all but the last token, a resumed request's or one
                   prefill left with transfer.leave_last_token
@@ -352,20 +358,22 @@ class ModelRunner:
         # the last token of W blocks (none when no such chunk has a token before it)
         cached = [(min(t, w * bs - 1), w) for i, t in enumerate(lengths) for w in widths
                   if min(t, w * bs - 1) > (lengths[i - 1] if i else 0)]
+        batched = []  # every packed token bucket N of several first chunks, as rows N tokens in all
+        n, top = 16, pow2_bucket(min(self.max_batched_tokens, self.max_prefill_seqs * self.chunk_size), 16,
+                                 self.max_prefill_seqs * self.chunk_size)
+        while self.max_prefill_seqs > 1 and n <= top:
+            k = max(2, -(-n // self.chunk_size))
+            batched.append([n // k + (i < n % k) for i in range(k)])
+            n *= 2
+        prefills = [("first", [t]) for t in lengths] + [("first", b) for b in batched] + [("cached", c) for c in cached]
         jobs = decodes if decode else []
         if whole:
-            jobs += [("first", [t], None) for t in lengths] + [("cached", c, None) for c in cached]
-            if self.max_prefill_seqs > 1:  # every packed token bucket N, as rows of first chunks N tokens in all
-                n, top = 16, pow2_bucket(min(self.max_batched_tokens, self.max_prefill_seqs * self.chunk_size), 16,
-                                         self.max_prefill_seqs * self.chunk_size)
-                while n <= top:
-                    k = max(2, -(-n // self.chunk_size))
-                    jobs.append(("first", [n // k + (i < n % k) for i in range(k)], None))
-                    n *= 2
+            jobs += [(kind, n, None) for kind, n in prefills]
         elif tails:
             jobs += [("cached", c, None) for c in cached if c[0] <= lengths[0]]
-        if stages is not None:
-            jobs += [("first", [t], stages) for t in lengths]
+        if stages is not None:  # a staged request's chunk: its whole prompt of at least stage_min_tokens
+            long = lambda kind, n: (sum(n) if kind == "first" else n[1] * bs) >= stage_min_tokens  # noqa: E731
+            jobs += [(kind, n, stages) for kind, n in prefills if long(kind, n)]
         scratch = self.layout.scratch_row
         for kind, n, st in tqdm(jobs, desc="compiling", unit="program", disable=not progress):
             if kind == "decode":
@@ -373,7 +381,7 @@ class ModelRunner:
             elif kind == "cached":  # n: (tokens, blocks to the chunk's end)
                 t, w = n
                 self.prefill([PrefillRow("warmup", [0] * t, w * bs - t, [0] * w, scratch, scratch, None, True,
-                                         _IDLE, 0, [0])])
+                                         _IDLE, 0, [0])], st)
             else:  # n: the rows' lengths
                 self.prefill([PrefillRow("warmup", [0] * t, 0, [0] * -(-t // bs), scratch, scratch, None, True,
                                          _IDLE, 0, [0]) for t in n], st)

@@ -101,12 +101,12 @@ class Worker:
             groups = layer_groups(self.llm.layout.num_layers, cfg.transfer.layers_per_group)
             sends, layerwise = inst.role in ("prefill", "both"), len(groups) > 1
             receives = inst.role in ("decode", "both")
-            # what the role runs: every whole-model prefill shape where requests are prefilled (a prefill
-            # instance's chunks before the last run whole), layer-wise prefill's first chunks one program per
-            # layer group; a role's fallbacks (a prefill instance decoding when no decode instance is up, a
-            # decode instance prefilling when no prefill instance is) compile when first needed
+            # what the role runs: every whole-model prefill shape where requests are prefilled, and on a
+            # layer-wise prefill instance the layer-group programs of the shapes a streamed prompt's last chunk
+            # can take; a role's fallbacks (a prefill instance decoding when no decode instance is up, a decode
+            # instance prefilling when no prefill instance is) compile when first needed
             n = self.llm.runner.warmup(progress, groups if sends and layerwise else None, tails=receives,
-                                       decode=receives, whole=sends)
+                                       decode=receives, whole=sends, stage_min_tokens=cfg.transfer.stream_min_tokens)
             n += self.llm.runner.warmup_transfer(self.llm.dtype_name, groups, export=sends,
                                                  receive=receives, progress=progress)
             print(f"{inst.name}: {n} programs compiled", flush=True)

@@ -247,6 +247,31 @@ def test_a_varied_workload_compiles_nothing_after_warmup(engines):
     assert len({k[1] for k in ran if k[0] == "decode"}) == 2  # decode batch buckets 4 and 8
 
 
+def test_layerwise_warmup_covers_a_streamed_prompts_chunks(engines):
+    """A layer-wise prefill instance runs a streamed prompt's chunks before the last whole and its last chunk
+    layer group by layer group (the groups of other requests in the step stay whole): warm-up with the stages
+    compiles both for prompts of at least stage_min_tokens, and the staged result is the dense path's."""
+    from jaxserve.engine.runner import PrefillRow
+    from transfer.plan import layer_groups
+    llm = engines("llama", dataclasses.replace(ENGINE, max_model_len=80, num_blocks=96, prefix_caching=False))
+    runner = llm.engine.runner
+    stages = layer_groups(runner.layout.num_layers, 1)
+    runner.warmup(progress=False, stages=stages, decode=False, stage_min_tokens=24)
+    warmed, runner.programs = set(runner.programs), set()
+    params = SamplingParams(max_tokens=1, temperature=0)
+    for n in (26, 41, 77):
+        prompt = [int(t) for t in np.random.default_rng(n).integers(1, 100, n)]
+        blocks = list(range(1, -(-n // ENGINE.block_size) + 1))
+        for start in range(0, n, ENGINE.chunk_size):
+            end = min(start + ENGINE.chunk_size, n)
+            row = PrefillRow(f"r{n}", prompt[start:end], start, blocks, 0, 0, None, end == n, params, 0,
+                             prompt if end == n else None)
+            out, = runner.prefill([row], stages if end == n else None, None, {f"r{n}"})
+        assert out.token == int(llm.score(prompt)[-1].argmax())
+    assert runner.programs <= warmed, sorted(runner.programs - warmed)
+    assert {k[4:6] for k in runner.programs} == set(stages) | {(0, runner.layout.num_layers)}
+
+
 @pytest.mark.slow
 def test_decode_warmup_covers_what_a_resumed_request_runs(checkpoint_dir):
     """A decode instance that took KV for all but a request's last token computes that token as a one-token
