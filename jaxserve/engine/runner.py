@@ -194,11 +194,11 @@ class ModelRunner:
         self.timer.mark("prefill.prepare")
         xs: list = [None] * len(groups)
         for k in range(len(stages)):
-            for gi, (key, args, _) in enumerate(preps):
+            for gi, ((B, T, W, N, fresh), args, _) in enumerate(preps):
                 if k >= len(plans[gi]):
                     continue
                 (lo, hi), last = plans[gi][k], k == len(plans[gi]) - 1
-                self.programs.add(key[:4] + (lo, hi) + key[4:])
+                self.programs.add(("prefill", B, T, W, lo, hi, N, fresh))
                 out = self._prefill(self.params, self.pool, xs[gi], *args, lo=lo, hi=hi, last=last)
                 self.pool, xs[gi] = out[0], (out[1:] if last else out[1])  # last: the sampled token's arrays
             if on_stage is not None:
@@ -220,7 +220,8 @@ class ModelRunner:
         return out
 
     def _prefill_inputs(self, rows: list[PrefillRow]):
-        """One prefill program's (key, arguments, [B, V] prompt masks) for a `prefill_groups` group."""
+        """One prefill program's ((B, T, W, N, fresh) shape, arguments, [B, V] prompt masks) for a `prefill_groups`
+        group."""
         fresh = all(r.start == 0 for r in rows)
         B = 1 if len(rows) == 1 else self.max_prefill_seqs
         T = self.chunk_size if B > 1 else pow2_bucket(max(len(r.tokens) for r in rows), 16, self.chunk_size)
@@ -253,7 +254,7 @@ class ModelRunner:
         batch = Batch(jnp.asarray(tokens), jnp.asarray(start), jnp.asarray(lengths), packed, fresh)
         args = (batch, jnp.asarray(table), jnp.asarray(src), jnp.asarray(dst), jnp.asarray(snap), st,
                 jnp.asarray(pmask))
-        return ("prefill", B, T, table.shape[1], N, fresh), args, pmask
+        return (B, T, table.shape[1], N, fresh), args, pmask
 
     def insert(self, prefix: Prefix, slot: int) -> None:
         """Make `slot` decode the request of `prefix` (colocated: its cache is already in place)."""
