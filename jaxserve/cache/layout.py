@@ -10,11 +10,11 @@ Entries E: 2 (K and V) when their head dims agree; 1 with K and V concatenated o
 1 for MLA (latent + rope key). Request-level groups (sliding, linear) have `rows` state rows: one per
 decode slot, then the prefix-cache snapshots, then one scratch row that padding rows of a batch write to.
 
-`gather` builds the dense per-request caches the model reads (attention.py / linear_attention.py layouts)
-for a batch from block tables and state rows; `scatter` writes back what the step added: the new tokens'
-K/V into their blocks, and the request-level state into its row (and a snapshot row when asked). Padding
-(invalid) tokens are dropped. Decode gathers with `paged=True`: full groups are then not copied; their
-layers get `PagedKV` views (models/paged.py), write into the blocks and run paged attention over them.
+`gather` gives the model its per-layer caches for a batch: each layer of a full group a `PagedKV` view of the
+group's blocks (models/paged.py; the layer writes its new tokens into the blocks itself, then attends with paged
+attention in decode, over a dense copy of its own blocks in prefill), and dense copies of the request-level
+state from the batch's state rows. `scatter` writes the state back into its row (and a snapshot row when asked)
+and returns the pool. No program copies a whole group: a scan over a run of layers carries the group's array.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from ..models.batch import Batch
 from ..models.cache_spec import CacheGroup, CacheSpec
 from ..models.paged import PagedKV
 
@@ -150,16 +149,26 @@ def _span(g: CacheGroup, span: tuple[int, int] | None) -> tuple[int, int]:
     return (0, len(g.layers)) if span is None else g.span(*span)
 
 
-def gather(layout: PoolLayout, pool: list, block_table, src_rows, start, paged: bool = False,
-           span: tuple[int, int] | None = None, total_blocks: int | None = None) -> list:
-    """Per-layer caches for a batch: dense copies, or with `paged` (decode) `PagedKV` views of the full groups.
+def _index(rows, j0: int, j1: int, shift):
+    """Index of state rows [B] x group layers j0 + shift..j1 - 1 + shift: a [B, j1 - j0, ...] block."""
+    if isinstance(shift, int):
+        return rows, slice(j0 + shift, j1 + shift)
+    return rows[:, None], (jnp.arange(j0, j1) + shift)[None, :]
+
+
+def gather(layout: PoolLayout, pool: list, block_table, src_rows, start, span: tuple[int, int] | None = None,
+           total_blocks: int | None = None, dense: bool = False, shift=0) -> list:
+    """Per-layer caches for a batch: `PagedKV` views of the full groups (decode: paged attention over the
+    blocks; dense, for prefill: each layer attends over a dense copy of its own blocks; models/paged.py) and
+    dense copies of the request-level state (sliding rings, linear state).
 
     block_table [B, W] int32 block ids (capacity W * block_size tokens); src_rows [B] int32 state rows;
     start [B] int32 tokens already cached (state of rows with start == 0 reads as zeros); span: only the
     model layers [lo, hi) (the others stay None); total_blocks: the views' bound on the blocks the batch holds
-    (models/paged.py).
+    (models/paged.py); shift: the entries of span's layers hold those of layers lo + shift..hi - 1 + shift
+    (traced: one program for every layer group of a run of one cache group, CausalLM.run_layers).
     """
-    B, W = block_table.shape
+    B = block_table.shape[0]
     cache: list = [None] * layout.num_layers
     fresh = start == 0
     for gi, (gl, arr) in enumerate(zip(layout.groups, pool)):
@@ -167,18 +176,11 @@ def gather(layout: PoolLayout, pool: list, block_table, src_rows, start, paged: 
         j0, j1 = _span(g, span)
         if j0 == j1:
             continue
-        if g.kind == "full" and paged:
-            for j in range(j0, j1):
-                cache[g.layers[j]] = PagedKV(arr, block_table, gi, j, total_blocks)
-            continue
         if g.kind == "full":
-            x = arr[block_table, j0:j1]  # [B, W, L, E, bs, H, D]
-            x = jnp.moveaxis(x, 2, 0)  # [L, B, W, E, bs, H, D]
-            x = jnp.swapaxes(x, 2, 3).reshape((j1 - j0, B, gl.entries, W * layout.block_size) + x.shape[-2:])
             for j in range(j0, j1):
-                cache[g.layers[j]] = _to_layer(gl, x[j - j0])
+                cache[g.layers[j]] = PagedKV(arr, block_table, gi, j + shift, total_blocks, dense)
             continue
-        rows = jax.tree.map(lambda a: a[src_rows, j0:j1], arr)
+        rows = jax.tree.map(lambda a: a[_index(src_rows, j0, j1, shift)], arr)
         rows = jax.tree.map(lambda a: jnp.where(fresh.reshape((B,) + (1,) * (a.ndim - 1)), 0, a), rows)
         for j in range(j0, j1):
             if g.kind == "sliding":
@@ -188,19 +190,16 @@ def gather(layout: PoolLayout, pool: list, block_table, src_rows, start, paged: 
     return cache
 
 
-def scatter(layout: PoolLayout, pool: list, cache: list[dict], batch: Batch, block_table, dst_rows, snap_rows,
-            span: tuple[int, int] | None = None) -> list:
-    """Write what a step added back into the pool.
+def scatter(layout: PoolLayout, pool: list, cache: list, dst_rows, snap_rows,
+            span: tuple[int, int] | None = None, shift=0) -> list:
+    """Write what a step added back into the pool: the full groups' layers wrote their tokens into the blocks
+    themselves (their `PagedKV`s hold the group's array), the request-level state goes into its row (and a
+    snapshot row when asked).
 
-    cache: the model's updated per-layer caches (from `gather`); block_table [B, W]; dst_rows [B] and
-    snap_rows [B] int32 state rows (the scratch row where nothing is to be saved); span: only the model
-    layers [lo, hi) were run (the rest of the pool is returned as it was).
+    cache: the model's updated per-layer caches (from `gather`); dst_rows [B] and snap_rows [B] int32 state rows
+    (the scratch row where nothing is to be saved); span: only the model layers [lo, hi) were run (the rest of
+    the pool is returned as it was); shift: as `gather`'s.
     """
-    bs = layout.block_size
-    pos = batch.positions  # [B, T]
-    blk = jnp.take_along_axis(block_table, jnp.clip(pos // bs, 0, block_table.shape[1] - 1), axis=1)
-    blk = jnp.where(batch.valid, blk, layout.num_blocks)  # out of range: dropped
-    off = pos % bs
     out = []
     for gl, arr in zip(layout.groups, pool):
         g = gl.group
@@ -209,26 +208,15 @@ def scatter(layout: PoolLayout, pool: list, cache: list[dict], batch: Batch, blo
             out.append(arr)
             continue
         layers = g.layers[j0:j1]
-        if isinstance(cache[layers[0]], PagedKV):  # the layers wrote their tokens into the blocks themselves
-            out.append(cache[layers[-1]].pool)
-            continue
         if g.kind == "full":
-            S = block_table.shape[1] * bs
-            idx = jnp.clip(pos, 0, S - 1)
-            new = []
-            for layer in layers:
-                x = _from_layer(gl, cache[layer])  # [B, E, S, H, D]
-                new.append(jnp.take_along_axis(x, idx[:, None, :, None, None], axis=2))  # [B, E, T, H, D]
-            vals = jnp.stack(new, axis=0)  # [L, B, E, T, H, D]
-            vals = jnp.transpose(vals, (1, 3, 0, 2, 4, 5))  # [B, T, L, E, H, D]
-            out.append(arr.at[blk, j0:j1, :, off].set(vals.astype(arr.dtype), mode="drop"))
+            out.append(cache[layers[-1]].pool)
             continue
         if g.kind == "sliding":
             vals = jnp.stack([_from_layer(gl, cache[layer]) for layer in layers], axis=1)
         else:
             vals = {k: jnp.stack([cache[layer][k] for layer in layers], axis=1) for k in ("conv", "ssm")}
-        arr = jax.tree.map(lambda a, v: a.at[dst_rows, j0:j1].set(v.astype(a.dtype)), arr, vals)
-        arr = jax.tree.map(lambda a, v: a.at[snap_rows, j0:j1].set(v.astype(a.dtype)), arr, vals)
+        for rows in (dst_rows, snap_rows):
+            arr = jax.tree.map(lambda a, v, r=rows: a.at[_index(r, j0, j1, shift)].set(v.astype(a.dtype)), arr, vals)
         out.append(arr)
     return out
 

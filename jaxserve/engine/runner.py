@@ -121,25 +121,27 @@ class ModelRunner:
         self.programs: set[tuple] = set()
         merge = functools.partial(self.stack.merge, graphdef)
 
-        def prefill_fn(params, pool, x, batch, table, src, dst, snap, st, pmask, *, lo, hi, last):
+        def prefill_fn(params, pool, x, shift, batch, table, src, dst, snap, st, pmask, *, lo, hi, last):
             # layers lo..hi-1 of a prefill (embedding first, LM head and sampling last): the whole model in
-            # one program, or one layer group of a layer-wise prefill
+            # one program, or one layer group of a layer-wise prefill (its layers shifted by `shift`: one
+            # program for the groups of a run, `_stage`)
             m, stacks = merge(params)
-            cache = gather(layout, pool, table, src, batch.start, span=(lo, hi))
+            shift = 0 if shift is None else shift
+            cache = gather(layout, pool, table, src, batch.start, span=(lo, hi), dense=True, shift=shift)
             if lo == 0:
                 x = m.embed(batch)
-            x, cache = m.run_layers(x, batch, cache, lo, hi, stacks)
-            pool = scatter(layout, pool, cache, batch, table, dst, snap, span=(lo, hi))
+            x, cache = m.run_layers(x, batch, cache, lo, hi, stacks, shift)
+            pool = scatter(layout, pool, cache, dst, snap, span=(lo, hi), shift=shift)
             if not last:
                 return pool, x
             logits = m.head(batch.unpack(x), jnp.maximum(batch.lengths - 1, 0)[:, None])
             return (pool,) + sample(logits[:, 0], st, pmask, jnp.zeros(pmask.shape, jnp.int32))
 
         def decode_fn(params, pool, prompt_mask, out_counts, batch, table, rows, snap, slots, st, *, total_blocks):
-            cache = gather(layout, pool, table, rows, batch.start, paged=True, total_blocks=total_blocks)
+            cache = gather(layout, pool, table, rows, batch.start, total_blocks=total_blocks)
             m, stacks = merge(params)
             logits, cache = m(batch, cache, jnp.zeros((batch.tokens.shape[0], 1), jnp.int32), stacks)
-            pool = scatter(layout, pool, cache, batch, table, rows, snap)
+            pool = scatter(layout, pool, cache, rows, snap)
             tok, lp, ids, tlp = sample(logits[:, 0], st, prompt_mask[slots], out_counts[slots])
             out_counts = out_counts.at[slots, tok].add(batch.lengths)
             return pool, out_counts, tok, lp, ids, tlp
@@ -197,9 +199,10 @@ class ModelRunner:
             for gi, ((B, T, W, N, fresh), args, _) in enumerate(preps):
                 if k >= len(plans[gi]):
                     continue
-                (lo, hi), last = plans[gi][k], k == len(plans[gi]) - 1
+                last = k == len(plans[gi]) - 1
+                lo, hi, shift = self._stage(*plans[gi][k], last)
                 self.programs.add(("prefill", B, T, W, lo, hi, N, fresh))
-                out = self._prefill(self.params, self.pool, xs[gi], *args, lo=lo, hi=hi, last=last)
+                out = self._prefill(self.params, self.pool, xs[gi], shift, *args, lo=lo, hi=hi, last=last)
                 self.pool, xs[gi] = out[0], (out[1:] if last else out[1])  # last: the sampled token's arrays
             if on_stage is not None:
                 on_stage(k)
@@ -218,6 +221,17 @@ class ModelRunner:
             out.append(Prefix(r.request_id, r.dst_row, list(r.block_ids), r.start + len(r.tokens), tok, lp,
                               self._top(r.params, ids, tlp), mask))
         return out
+
+    def _stage(self, lo: int, hi: int, last: bool) -> tuple[int, int, jax.Array | None]:
+        """The program that runs layers lo..hi-1 of a prefill: (lo, hi) it is compiled for, and the shift to the
+        layers run (an int32 argument; None: unshifted). A group inside a run of stacked layers, neither the first (embedding) nor the last
+        (LM head), runs the program of the run's earliest group of its size: one program for all the middle
+        groups of a run, however many layer groups a layer-wise prefill streams."""
+        run = self.stack.run_of(lo)
+        if lo == 0 or last or run is None or hi > run[1]:
+            return lo, hi, None
+        base = max(run[0], 1)
+        return base, base + hi - lo, jnp.int32(lo - base)
 
     def _prefill_inputs(self, rows: list[PrefillRow]):
         """One prefill program's ((B, T, W, N, fresh) shape, arguments, [B, V] prompt masks) for a `prefill_groups`

@@ -71,6 +71,14 @@ def kv_attention(q, k_new, v_new, cache: dict, batch: Batch, *, scale, window, s
         else:
             vals = jnp.concatenate([k_new, v_new.astype(k_new.dtype)], axis=-1)[:, :, None]
         cache = cache.write(vals, batch)
+        if cache.dense:  # prefill: the chunk's own keys (first chunk), or the layer's blocks with them written
+            if batch.fresh:
+                k, v = k_new.astype(cache.pool.dtype), v_new.astype(cache.pool.dtype)
+            else:
+                x = cache.view()  # [B, E, S, Hkv, D]
+                Dk = k_new.shape[-1]
+                k, v = (x[:, 0], x[:, 1]) if x.shape[1] == 2 else (x[:, 0, ..., :Dk], x[:, 0, ..., Dk:])
+            return _attend_full(q, k, v, batch, scale, sinks, kernels), cache
         out = select("paged_attention", kernels)(q[:, 0], cache.pool, cache.table, PagedKV.lengths(batch),
                                                  layer=cache.layer, sliding_window=window, sinks=sinks, scale=scale,
                                                  total_blocks=cache.total_blocks)
@@ -82,9 +90,7 @@ def kv_attention(q, k_new, v_new, cache: dict, batch: Batch, *, scale, window, s
         else:
             k = write_full(cache["k"], k_new, batch)
             v = write_full(cache["v"], v_new, batch)
-        k_pos, k_valid = full_positions(k.shape[1], batch)
-        out = attend(q, k, v, batch.positions, k_pos, k_valid, scale=scale, sinks=sinks, aligned=batch.fresh)
-        return out, {"k": k, "v": v}
+        return _attend_full(q, k, v, batch, scale, sinks, kernels), {"k": k, "v": v}
     W = cache["k"].shape[1]
     r_pos, r_valid = ring_positions(batch.start, W)
     k_all = jnp.concatenate([cache["k"], k_new.astype(cache["k"].dtype)], axis=1)
@@ -93,6 +99,14 @@ def kv_attention(q, k_new, v_new, cache: dict, batch: Batch, *, scale, window, s
     k_valid = jnp.concatenate([r_valid, batch.valid], axis=1)
     out = attend(q, k_all, v_all, batch.positions, k_pos, k_valid, scale=scale, window=window, sinks=sinks)
     return out, {"k": ring_update(cache["k"], k_new, batch), "v": ring_update(cache["v"], v_new, batch)}
+
+
+def _attend_full(q, k, v, batch: Batch, scale, sinks, kernels):
+    """Attention of q [B, T, Hq, Dk] over a full cache k [B, S, Hkv, Dk], v [B, S, Hkv, Dv] holding position p at
+    index p (a first chunk's keys are its own tokens: aligned with the queries)."""
+    k_pos, k_valid = full_positions(k.shape[1], batch)
+    return select("batched_attention", kernels)(q, k, v, batch.positions, k_pos, k_valid, scale=scale, sinks=sinks,
+                                                aligned=batch.fresh)
 
 
 class GQAAttention(nnx.Module):
@@ -180,16 +194,20 @@ class MLAAttention(nnx.Module):
         w = self.kv_b_proj.weight[...].reshape(H, nope + s.v_head_dim, L)
         q_lat = jnp.einsum("bthn,hnl->bthl", q_nope, w[:, :nope])
         qf = jnp.concatenate([q_lat, q_rot], axis=-1)  # absorbed query [B, T, H, L + R]
-        if isinstance(cache, PagedKV):
+        if isinstance(cache, PagedKV) and not cache.dense:
             cache = cache.write(kv_new[:, :, None], batch)
             out_lat = select("paged_mla_attention", self.kernels)(
                 qf[:, 0], cache.pool, cache.table, PagedKV.lengths(batch), layer=cache.layer, kv_lora_rank=L,
                 scale=s.scale, total_blocks=cache.total_blocks)[:, None]
         else:
-            kv = write_full(cache["kv"], kv_new, batch)
+            if isinstance(cache, PagedKV):  # prefill: the layer's blocks with the chunk written
+                cache = cache.write(kv_new[:, :, None], batch)
+                kv = kv_new.astype(cache.pool.dtype) if batch.fresh else cache.view()[:, 0]
+            else:
+                kv = write_full(cache["kv"], kv_new, batch)
+                cache = {"kv": kv}
             k_pos, k_valid = full_positions(kv.shape[1], batch)
             out_lat = select("batched_attention", self.kernels)(qf, kv, kv[..., :L], batch.positions, k_pos, k_valid,
                                                                 scale=s.scale)
-            cache = {"kv": kv}
         out = jnp.einsum("bthl,hvl->bthv", out_lat, w[:, nope:]).reshape(B, T, H * s.v_head_dim)
         return self.o_proj(out), cache

@@ -7,6 +7,8 @@ a `Batch` and a per-layer cache; prefill, chunked prefill and decode are all cal
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -99,11 +101,14 @@ class CausalLM(nnx.Module):
         """-> hidden states [B, T, H] of the batch's tokens ([1, N, H] packed)."""
         return self.embed_tokens[...][batch.pack(batch.tokens)]
 
-    def run_layers(self, x, batch: Batch, cache: list, lo: int, hi: int, stacks=None):
+    def run_layers(self, x, batch: Batch, cache: list, lo: int, hi: int, stacks=None, shift=0):
         """Layers lo..hi-1 over hidden states x [B, T, H]; cache: per-layer entries (only lo..hi-1 are read)
         -> (x, cache with lo..hi-1 replaced). Prefill runs the stack in layer groups this way (layer-wise
         KV streaming: each group's KV can leave while the next group computes). stacks: {(lo, hi): (layer
-        graphdef, stacked state)} of runs of identical layers (models/stack.py), each run as one lax.scan."""
+        graphdef, stacked state)} of runs of identical layers (models/stack.py), each run as one lax.scan.
+        shift: run the weights of layers lo + shift..hi - 1 + shift instead (traced: one program for every
+        group of a run; lo..hi-1 and the shifted layers must lie in one run, and the cache entries, which
+        the scan carries as they are, must be the shifted layers')."""
         new_cache = list(cache)
         shared = {}  # paged groups: the pool array as the last layer of the group left it
         i = lo
@@ -111,12 +116,14 @@ class CausalLM(nnx.Module):
             run = next((r for r in stacks or () if r[0] <= i < r[1]), None)
             if run is not None:
                 end = min(hi, run[1])
-                x = _scan_layers(x, batch, cache, new_cache, shared, *stacks[run], i - run[0], i, end)
+                x = _scan_layers(x, batch, cache, new_cache, shared, *stacks[run], i - run[0] + shift, i, end)
                 i = end
                 continue
+            if not (isinstance(shift, int) and shift == 0):
+                raise ValueError(f"layer {i} is not in a stacked run: its layer group cannot be shifted")
             c = cache[i]
             if isinstance(c, PagedKV) and c.group in shared:
-                c = PagedKV(shared[c.group], c.table, c.group, c.layer, c.total_blocks)
+                c = replace(c, pool=shared[c.group])
             x, c = self.layers[i](x, batch, c)
             if isinstance(c, PagedKV):
                 shared[c.group] = c.pool
@@ -135,29 +142,31 @@ class CausalLM(nnx.Module):
         return logits.astype(jnp.float32)
 
 
-def _scan_layers(x, batch: Batch, cache: list, new_cache: list, shared: dict, graphdef, stacked, k0: int, lo: int,
+def _scan_layers(x, batch: Batch, cache: list, new_cache: list, shared: dict, graphdef, stacked, k0, lo: int,
                  hi: int):
-    """Model layers lo..hi-1, weights k0.. of `stacked`, as one lax.scan; fills new_cache[lo:hi] -> x.
-    Dense caches are stacked into the scan and out again; paged ones (one group, consecutive layers in it)
-    carry the group's pool array through it, the layer index traced."""
-    ks = jnp.arange(k0, k0 + hi - lo)
+    """Model layers lo..hi-1, weights k0.. (traced or not) of `stacked`, as one lax.scan; fills new_cache[lo:hi]
+    -> x. Dense caches are stacked into the scan and out again; paged ones (one group, consecutive layers in
+    it) carry the group's pool array through it, the layer index traced."""
+    ks = jnp.arange(hi - lo) + k0
     layer = lambda k: nnx.merge(graphdef, jax.tree.map(lambda a: a[k], stacked))  # noqa: E731
 
     first = cache[lo]
     if isinstance(first, PagedKV):
         js = [cache[i].layer for i in range(lo, hi)]
-        if js != list(range(js[0], js[0] + hi - lo)) or any(cache[i].group != first.group for i in range(lo, hi)):
+        static = all(isinstance(j, int) for j in js)
+        if any(cache[i].group != first.group for i in range(lo, hi)) or (
+                static and js != list(range(js[0], js[0] + hi - lo))):
             raise ValueError(f"layers {lo}..{hi - 1} are not consecutive layers of one cache group")
 
         def paged(carry, kj):
             x, pool = carry
-            x, c = layer(kj[0])(x, batch, PagedKV(pool, first.table, first.group, kj[1], first.total_blocks))
+            x, c = layer(kj[0])(x, batch, replace(first, pool=pool, layer=kj[1]))
             return (x, c.pool), None
         pool = shared.get(first.group, first.pool)
-        (x, pool), _ = jax.lax.scan(paged, (x, pool), (ks, jnp.asarray(js, jnp.int32)))
+        (x, pool), _ = jax.lax.scan(paged, (x, pool), (ks, jnp.stack([jnp.asarray(j, jnp.int32) for j in js])))
         shared[first.group] = pool
         for i, j in zip(range(lo, hi), js):
-            new_cache[i] = PagedKV(pool, first.table, first.group, j, first.total_blocks)
+            new_cache[i] = replace(first, pool=pool, layer=j)
         return x
 
     def dense(x, kc):

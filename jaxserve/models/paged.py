@@ -1,15 +1,19 @@
-"""A full-attention layer's view of the engine's block pool, for decode without a dense copy of the cache.
+"""A full-attention layer's view of the engine's block pool: its cache without a copy of the whole group.
 
 The engine hands each layer of a full cache group a `PagedKV`: the group's pool array
 [num_blocks, layers_in_group, E, block_size, kv_heads, D] (cache/layout.py), the batch's block tables and
-the layer's index in the group. The layer writes its new token's K/V (or MLA latent) into the blocks and
-attends with paged attention (pallas_kernels/paged_attention.py), which reads the blocks in place. Layers
-of one group share the array: the model passes each layer the array the previous one returned.
+the layer's index in the group. The layer writes its new tokens' K/V (or MLA latent) into the blocks, then
+  decode   attends with paged attention (pallas_kernels/paged_attention.py), which reads the blocks in place;
+  prefill  (`dense`) attends over a dense copy of its own layer's blocks (`view`): the chunk's own keys for a
+           first chunk, which reads nothing.
+Layers of one group share the array: the model passes each layer the array the previous one returned, and a
+scan over a run of layers carries it (the layer index traced), so a program has one write and one read per
+run, not per layer.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +31,13 @@ class PagedKV:
     # a bound on the blocks the batch holds (sum over rows of ceil(length / block_size)): the reference
     # attention then gathers only those (pallas_kernels/paged_attention.py); None: table width per row
     total_blocks: int | None = field(default=None, metadata=dict(static=True))
+    dense: bool = field(default=False, metadata=dict(static=True))  # prefill: attend over `view`
+
+    def view(self):
+        """The layer's blocks of the batch as a dense cache [B, E, W * block_size, Hkv, D]."""
+        x = self.pool[self.table, self.layer]  # [B, W, E, bs, Hkv, D]
+        B, W, E, bs = x.shape[:4]
+        return jnp.swapaxes(x, 1, 2).reshape((B, E, W * bs) + x.shape[4:])
 
     def write(self, vals, batch: Batch) -> "PagedKV":
         """Store vals [B, T, E, Hkv, D] at the batch's positions (padding tokens are dropped)."""
@@ -35,7 +46,7 @@ class PagedKV:
         blk = jnp.take_along_axis(self.table, jnp.clip(pos // bs, 0, self.table.shape[1] - 1), axis=1)
         blk = jnp.where(batch.valid, blk, NB)
         pool = self.pool.at[blk, self.layer, :, pos % bs].set(vals.astype(self.pool.dtype), mode="drop")
-        return PagedKV(pool, self.table, self.group, self.layer, self.total_blocks)
+        return replace(self, pool=pool)
 
     @staticmethod
     def lengths(batch: Batch):

@@ -191,8 +191,8 @@ def test_layerwise_prefill_equals_one_program_and_exports_early(checkpoint_dir, 
     order = []
     run_stage = staged.runner._prefill
 
-    def stage(*a, **kw):
-        order.append(("stage", kw["lo"]))
+    def stage(*a, **kw):  # a[3]: the shift of a middle group of a run (runner._stage)
+        order.append(("stage", kw["lo"] + (0 if a[3] is None else int(a[3]))))
         return run_stage(*a, **kw)
     staged.runner._prefill = stage
     got = staged.runner.prefill([row], groups, lambda k: order.append(("export", groups[k][0])))

@@ -269,7 +269,55 @@ def test_layerwise_warmup_covers_a_streamed_prompts_chunks(engines):
             out, = runner.prefill([row], stages if end == n else None, None, {f"r{n}"})
         assert out.token == int(llm.score(prompt)[-1].argmax())
     assert runner.programs <= warmed, sorted(runner.programs - warmed)
-    assert {k[4:6] for k in runner.programs} == set(stages) | {(0, runner.layout.num_layers)}
+    # one program per layer group, the middle groups (1, 2) and (2, 3) of the 4-layer run sharing one
+    assert {k[4:6] for k in runner.programs} == {(0, 1), (1, 2), (3, 4), (0, 4)}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "deepseek_v3", "kimi_linear", "qwen3_next", "gpt_oss",
+                                    "mimo_v2_flash"])
+def test_layer_by_layer_prefill_writes_what_the_whole_model_writes(engines, family):
+    """A prompt prefilled one layer group per layer (a first chunk, then a chunk after it, each group its own
+    program; the middle groups of a run of stacked layers share one program, their layers shifted) leaves the
+    same KV in its blocks, the same request-level state in its row, and samples the same token, as the
+    whole-model programs do for the same prompt in other blocks and another row."""
+    import jax
+
+    from jaxserve.engine.runner import PrefillRow
+    from transfer.plan import layer_groups
+    llm = engines(family)
+    runner, bs = llm.engine.runner, ENGINE.block_size
+    stages = layer_groups(runner.layout.num_layers, 1)
+    params = SamplingParams(max_tokens=1, temperature=0)
+    prompt, n = BASE[:14], 14
+    nb = -(-n // bs)
+    runner.programs = set()
+    toks = []
+    for blocks, row, st in ((list(range(40, 40 + nb)), 1, None), (list(range(50, 50 + nb)), 2, stages)):
+        for start in range(0, n, ENGINE.chunk_size):
+            end = min(start + ENGINE.chunk_size, n)
+            out, = runner.prefill([PrefillRow("r", prompt[start:end], start, blocks, row, row, None, end == n, params,
+                                              0, prompt if end == n else None)], st)
+        toks.append(out.token)
+    assert toks[0] == toks[1] == int(llm.score(prompt)[-1].argmax())
+    for gl, arr in zip(runner.layout.groups, runner.pool):
+        if gl.kind == "full":  # [blocks, layers, E, bs, H, D] -> the prompt's tokens [n, layers, E, H, D]
+            a, b = (np.asarray(jnp_take(arr, list(range(b0, b0 + nb))))[:n] for b0 in (40, 50))
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=family)
+        else:
+            for x in jax.tree.leaves(arr):
+                np.testing.assert_allclose(np.asarray(x[1]), np.asarray(x[2]), rtol=1e-5, atol=1e-5, err_msg=family)
+    # programs: the whole model, and per layer group its own, except the middle groups (neither first nor last)
+    # of each run of stacked layers, which share one
+    middle = [(lo, hi) for lo, hi in stages[1:-1] if runner.stack.run_of(lo)]
+    runs = {runner.stack.run_of(lo) for lo, _ in middle}
+    assert len({k[4:6] for k in runner.programs}) == 1 + len(stages) - len(middle) + len(runs), family
+    assert family == "gpt_oss" or len(middle) > len(runs)  # gpt-oss alternates layer kinds: no runs
+
+
+def jnp_take(arr, blocks):
+    """A full group's blocks [NB, L, E, bs, H, D] -> their tokens in order [len(blocks) * bs, L, E, H, D]."""
+    x = np.asarray(arr)[blocks]  # [b, L, E, bs, H, D]
+    return np.moveaxis(x, 3, 1).reshape((-1,) + x.shape[1:3] + x.shape[4:])
 
 
 @pytest.mark.slow
