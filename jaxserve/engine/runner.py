@@ -224,9 +224,9 @@ class ModelRunner:
 
     def _stage(self, lo: int, hi: int, last: bool) -> tuple[int, int, jax.Array | None]:
         """The program that runs layers lo..hi-1 of a prefill: (lo, hi) it is compiled for, and the shift to the
-        layers run (an int32 argument; None: unshifted). A group inside a run of stacked layers, neither the first (embedding) nor the last
-        (LM head), runs the program of the run's earliest group of its size: one program for all the middle
-        groups of a run, however many layer groups a layer-wise prefill streams."""
+        layers run (an int32 argument; None: unshifted). A group inside a run of stacked layers, neither the
+        first (embedding) nor the last (LM head), runs the program of the run's earliest group of its size: one
+        program for all the middle groups of a run, however many layer groups a layer-wise prefill streams."""
         run = self.stack.run_of(lo)
         if lo == 0 or last or run is None or hi > run[1]:
             return lo, hi, None
