@@ -1,12 +1,16 @@
 """The device side of the engine, in JetStream's shape: `prefill` -> `Prefix`, `insert`, `generate`, `free`.
 
 The cache pool (cache/layout.py), the per-slot penalty state (prompt token mask, output token counts) and
-the model parameters live on device. Two jitted programs do all the work, each with the pool donated:
-  prefill   B chunks of T tokens (padded to buckets) -> cache written, first token sampled for chunks that
-            complete their prompt
+the model parameters live on device. Two families of jitted programs do the model's work, each with the pool
+donated:
+  prefill   B chunks of T tokens (padded to buckets) -> cache written (full-attention layers write into their
+            blocks and attend over a copy of their own layer's blocks), the hidden state of each chunk's last
+            token
   generate  one token for each running request, the rows padded to a batch bucket; full-attention layers
             write into their blocks and read them with paged attention (no dense copy of the pool),
-            request-level state (sliding rings, linear state) and penalty state are gathered by slot
+            request-level state (sliding rings, linear state) is gathered by slot
+and two small ones, keyed by the rows only, run the LM head and sampling after them: `first` (a prefill's first
+tokens) and `sample` (a decode step's, with the slots' penalty state), so no shape compiles the sampler again.
 The model's kernel mode (engine.kernels) picks Pallas kernels or jnp references for both programs.
 Shapes are bucketed so that a workload compiles a bounded set of programs, all of which warm-up can compile
 ahead (`warmup`): prefill in the three families of `prefill_groups` (chunk lengths and block-table widths in
@@ -121,10 +125,10 @@ class ModelRunner:
         self.programs: set[tuple] = set()
         merge = functools.partial(self.stack.merge, graphdef)
 
-        def prefill_fn(params, pool, x, shift, batch, table, src, dst, snap, st, pmask, *, lo, hi, last):
-            # layers lo..hi-1 of a prefill (embedding first, LM head and sampling last): the whole model in
-            # one program, or one layer group of a layer-wise prefill (its layers shifted by `shift`: one
-            # program for the groups of a run, `_stage`)
+        def prefill_fn(params, pool, x, shift, batch, table, src, dst, snap, *, lo, hi, last):
+            # layers lo..hi-1 of a prefill (embedding first; last: the hidden state of each row's last token
+            # [B, 1, H] out, for `first_fn`): the whole model in one program, or one layer group of a layer-wise
+            # prefill (its layers shifted by `shift`: one program for the groups of a run, `_stage`)
             m, stacks = merge(params)
             shift = 0 if shift is None else shift
             cache = gather(layout, pool, table, src, batch.start, span=(lo, hi), dense=True, shift=shift)
@@ -132,25 +136,38 @@ class ModelRunner:
                 x = m.embed(batch)
             x, cache = m.run_layers(x, batch, cache, lo, hi, stacks, shift)
             pool = scatter(layout, pool, cache, dst, snap, span=(lo, hi), shift=shift)
-            if not last:
-                return pool, x
-            logits = m.head(batch.unpack(x), jnp.maximum(batch.lengths - 1, 0)[:, None])
-            return (pool,) + sample(logits[:, 0], st, pmask, jnp.zeros(pmask.shape, jnp.int32))
+            if last:
+                x = jnp.take_along_axis(batch.unpack(x), jnp.maximum(batch.lengths - 1, 0)[:, None, None], axis=1)
+            return pool, x
 
-        def decode_fn(params, pool, prompt_mask, out_counts, batch, table, rows, snap, slots, st, *, total_blocks):
+        def decode_fn(params, pool, batch, table, rows, snap, *, total_blocks):
+            # the model over one token per row -> (pool, hidden states [B, 1, H]) for `sample_fn`
             cache = gather(layout, pool, table, rows, batch.start, total_blocks=total_blocks)
             m, stacks = merge(params)
-            logits, cache = m(batch, cache, jnp.zeros((batch.tokens.shape[0], 1), jnp.int32), stacks)
-            pool = scatter(layout, pool, cache, rows, snap)
-            tok, lp, ids, tlp = sample(logits[:, 0], st, prompt_mask[slots], out_counts[slots])
-            out_counts = out_counts.at[slots, tok].add(batch.lengths)
-            return pool, out_counts, tok, lp, ids, tlp
+            x, cache = m.run_layers(m.embed(batch), batch, cache, 0, layout.num_layers, stacks)
+            return scatter(layout, pool, cache, rows, snap), x
+
+        # the LM head and sampling are programs of their own, keyed by the rows only: every prefill and decode
+        # shape shares them (compiled once, not once per shape)
+        def logits_of(params, h):  # h [B, 1, H] -> [B, V] float32
+            return merge(params)[0].head(h, jnp.zeros((h.shape[0], 1), jnp.int32))[:, 0]
+
+        def first_fn(params, h, st, pmask):
+            # a prefill's first tokens: pmask [B, V] the prompts' tokens, no outputs yet
+            return sample(logits_of(params, h), st, pmask, jnp.zeros(pmask.shape, jnp.int32))
+
+        def sample_fn(params, h, prompt_mask, out_counts, slots, lengths, st):
+            # a decode step's tokens, with each slot's penalty state; counts the tokens drawn
+            tok, lp, ids, tlp = sample(logits_of(params, h), st, prompt_mask[slots], out_counts[slots])
+            return out_counts.at[slots, tok].add(lengths), tok, lp, ids, tlp
 
         def insert_fn(prompt_mask, out_counts, slot, mask_row, token):
             return prompt_mask.at[slot].set(mask_row), out_counts.at[slot].set(0).at[slot, token].set(1)
 
         self._prefill = jax.jit(prefill_fn, donate_argnums=(1,), static_argnames=("lo", "hi", "last"))
-        self._decode = jax.jit(decode_fn, donate_argnums=(1, 3), static_argnames=("total_blocks",))
+        self._decode = jax.jit(decode_fn, donate_argnums=(1,), static_argnames=("total_blocks",))
+        self._first = jax.jit(first_fn)
+        self._sample = jax.jit(sample_fn, donate_argnums=(3,))
         self._insert = jax.jit(insert_fn, donate_argnums=(0, 1))
         self._io = DeviceIO()
 
@@ -196,18 +213,21 @@ class ModelRunner:
         self.timer.mark("prefill.prepare")
         xs: list = [None] * len(groups)
         for k in range(len(stages)):
-            for gi, ((B, T, W, N, fresh), args, _) in enumerate(preps):
+            for gi, ((B, T, W, N, fresh), args, sargs, _) in enumerate(preps):
                 if k >= len(plans[gi]):
                     continue
                 last = k == len(plans[gi]) - 1
                 lo, hi, shift = self._stage(*plans[gi][k], last)
                 self.programs.add(("prefill", B, T, W, lo, hi, N, fresh))
-                out = self._prefill(self.params, self.pool, xs[gi], shift, *args, lo=lo, hi=hi, last=last)
-                self.pool, xs[gi] = out[0], (out[1:] if last else out[1])  # last: the sampled token's arrays
+                self.pool, xs[gi] = self._prefill(self.params, self.pool, xs[gi], shift, *args, lo=lo, hi=hi,
+                                                  last=last)
+                if last:  # the first tokens: [B, 1, H] -> (tokens, logprobs, top ids, top logprobs)
+                    self.programs.add(("first", B))
+                    xs[gi] = self._first(self.params, xs[gi], *sargs)
             if on_stage is not None:
                 on_stage(k)
         got = {}
-        for g, (_, _, pmask), rest in zip(groups, preps, xs):
+        for g, (*_, pmask), rest in zip(groups, preps, xs):
             tok, lp, ids, tlp = (np.asarray(x) for x in rest)
             for i, r in enumerate(g):
                 got[id(r)] = (int(tok[i]), float(lp[i]), ids[i], tlp[i], pmask[i])
@@ -234,8 +254,8 @@ class ModelRunner:
         return base, base + hi - lo, jnp.int32(lo - base)
 
     def _prefill_inputs(self, rows: list[PrefillRow]):
-        """One prefill program's ((B, T, W, N, fresh) shape, arguments, [B, V] prompt masks) for a `prefill_groups`
-        group."""
+        """One prefill program's ((B, T, W, N, fresh) shape, arguments, `first_fn`'s arguments, [B, V] prompt
+        masks) for a `prefill_groups` group."""
         fresh = all(r.start == 0 for r in rows)
         B = 1 if len(rows) == 1 else self.max_prefill_seqs
         T = self.chunk_size if B > 1 else pow2_bucket(max(len(r.tokens) for r in rows), 16, self.chunk_size)
@@ -266,9 +286,8 @@ class ModelRunner:
                                                           for i, n in enumerate(lengths) if n])
             packed = jnp.asarray(packed)
         batch = Batch(jnp.asarray(tokens), jnp.asarray(start), jnp.asarray(lengths), packed, fresh)
-        args = (batch, jnp.asarray(table), jnp.asarray(src), jnp.asarray(dst), jnp.asarray(snap), st,
-                jnp.asarray(pmask))
-        return (B, T, table.shape[1], N, fresh), args, pmask
+        args = (batch, jnp.asarray(table), jnp.asarray(src), jnp.asarray(dst), jnp.asarray(snap))
+        return (B, T, table.shape[1], N, fresh), args, (st, jnp.asarray(pmask)), pmask
 
     def insert(self, prefix: Prefix, slot: int) -> None:
         """Make `slot` decode the request of `prefix` (colocated: its cache is already in place)."""
@@ -307,12 +326,13 @@ class ModelRunner:
             W = min(M, self.max_blocks_per_seq)
         table = self._table([r.block_ids for r in rows], B, max(used), W)
         st = SamplingTensors.from_params([r.params for r in rows], [r.step for r in rows], B)
-        self.programs.add(("decode", B, 1, table.shape[1], M))
+        self.programs.update({("decode", B, 1, table.shape[1], M), ("sample", B)})
         batch = Batch(jnp.asarray(tokens), jnp.asarray(start), jnp.asarray(lengths))
         self.timer.mark("decode.prepare")
-        self.pool, self.out_counts, tok, lp, ids, tlp = self._decode(
-            self.params, self.pool, self.prompt_mask, self.out_counts, batch, jnp.asarray(table),
-            jnp.asarray(state_rows), jnp.asarray(snap_rows), jnp.asarray(slots), st, total_blocks=M)
+        self.pool, h = self._decode(self.params, self.pool, batch, jnp.asarray(table), jnp.asarray(state_rows),
+                                    jnp.asarray(snap_rows), total_blocks=M)
+        self.out_counts, tok, lp, ids, tlp = self._sample(self.params, h, self.prompt_mask, self.out_counts,
+                                                          jnp.asarray(slots), batch.lengths, st)
         tok, lp, ids, tlp = (np.asarray(x) for x in (tok, lp, ids, tlp))
         self.timer.mark("decode.device")
         return [(int(tok[i]), float(lp[i]), self._top(r.params, ids[i], tlp[i])) for i, r in enumerate(rows)]
