@@ -20,7 +20,8 @@ they do not depend on the sender's parallelism. The device backend (pull.py) off
 the pulled arrays to the import in place of the region's views.
 
 Programs are cached per staging structure; the row count is a power of two, so a workload compiles a
-bounded number of them. Pure functions over the pool pytree; called from the engine thread.
+bounded number of them, and the layer groups of equal structure share one export program (their first layers
+an argument). Pure functions over the pool pytree; called from the engine thread.
 """
 
 from __future__ import annotations
@@ -42,8 +43,10 @@ def _from_wire(x, dtype):
     return jax.lax.bitcast_convert_type(x, dtype) if x.dtype == jnp.uint16 else x.astype(dtype)
 
 
-def _key(arrays: list[ArraySpec]) -> tuple:
-    return tuple((a.group, a.kind, a.j0, a.j1, a.shape, a.dtype, a.parts) for a in arrays)
+def _key(arrays: list[ArraySpec], layers: bool = True) -> tuple:
+    """What a program over these arrays depends on; layers=False: how many layers of their cache group, not
+    which (`export` takes the first one traced)."""
+    return tuple((a.group, a.kind, a.j0 if layers else None, a.j1 - a.j0, a.shape, a.dtype, a.parts) for a in arrays)
 
 
 def _head_sharding(mesh, ndim: int):
@@ -72,13 +75,14 @@ class DeviceIO:
         if not arrays:
             return []
         mesh = _mesh(pool)
-        key = (_key([p for _, parts in arrays for p in parts]), mesh)
+        # one program for the layer groups of equal structure: the groups' first layers are an argument
+        key = (_key([p for _, parts in arrays for p in parts], layers=False), mesh)
         fn = self._export.get(key)
         if fn is None:
-            def take(pool, ids, row):
+            def take(pool, ids, row, j0s):
                 out = []
-                for w, parts in arrays:
-                    x = _to_wire(_take(pool, w, ids, row))
+                for (w, parts), j0 in zip(arrays, j0s):
+                    x = _to_wire(_take(pool, w, ids, row, j0))
                     if mesh is not None:  # where each result lives is fixed: split in its parts, or replicated
                         where = (_head_sharding(mesh, x.ndim) if len(parts) > 1
                                  else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
@@ -89,7 +93,8 @@ class DeviceIO:
         # a group without block arrays takes a [1] id vector: one program for every row count
         ids = _ids(st, blocks, 0) if any(w.kind == "blocks" for w, _ in arrays) else np.zeros(1, np.int32)
         items = []
-        for (w, parts), x in zip(arrays, fn(pool, jnp.asarray(ids), jnp.int32(row))):
+        j0s = [jnp.int32(w.j0) for w, _ in arrays]
+        for (w, parts), x in zip(arrays, fn(pool, jnp.asarray(ids), jnp.int32(row), j0s)):
             items += zip((p.index for p in parts), _head_shards(x, len(parts)) if len(parts) > 1 else [x])
         return items
 
@@ -171,13 +176,15 @@ def _ids(st: Staging, blocks: list[int], pad: int) -> np.ndarray:
     return ids
 
 
-def _take(pool: list, a: ArraySpec, ids, row):
+def _take(pool: list, a: ArraySpec, ids, row, j0):
+    """a's layers j0..j0 + (a.j1 - a.j0) - 1 of its cache group (j0 traced) for the rows `ids` / state row."""
     g = pool[a.group]
+    layers = jnp.arange(a.j1 - a.j0) + j0
     if a.kind == "blocks":
-        return g[ids][:, a.j0:a.j1]
+        return g[ids[:, None], layers[None, :]]
     if a.kind == "ring":
-        return g[row, a.j0:a.j1]
-    return g[a.kind][row, a.j0:a.j1]
+        return g[row, layers]
+    return g[a.kind][row, layers]
 
 
 def whole(x: jax.Array) -> jax.Array:

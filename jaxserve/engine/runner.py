@@ -426,26 +426,23 @@ class ModelRunner:
                         progress: bool = True) -> int:
         """Compile the KV export (prefill side) and import (decode side) programs for every staged row-count
         bucket, so the first disaggregated requests do not wait for them. Imports write only out-of-range
-        blocks (dropped) and the scratch row. Returns the number of programs run."""
+        blocks (dropped) and the scratch row. Returns the number of transfer programs compiled."""
         from tqdm import tqdm
 
         from transfer.bufpool import aligned_empty
         from transfer.plan import bucket, staging
         rows = sorted({bucket(n) for n in range(1, self.max_blocks_per_seq + 1)})
         scratch = self.layout.scratch_row
-        n = 0
         for M in tqdm(rows, desc="compiling transfer", unit="bucket", disable=not progress):
             st = staging(self.layout, dtype_name, M, groups, self.head_parts)
             if export:
                 for k in range(len(groups)):
                     jax.block_until_ready([x for _, x in self.export_kv(st, k, [0] * M, scratch)])
-                    n += 1
             if receive:
                 buf = aligned_empty(st.nbytes)
                 buf[:] = 0
                 self.import_kv(st, st.views(buf), [], scratch)
-                n += 1
-        return n
+        return len(self._io._export) + len(self._io._import)
 
     def free(self, slot: int) -> None:
         """Nothing on device: the slot's rows are overwritten by the next insert / first chunk."""

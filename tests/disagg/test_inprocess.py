@@ -172,6 +172,27 @@ def test_seeded_sampling_matches_colocated(checkpoint_dir):
     assert np.unique([len(g) for g in got]).tolist() == [6]
 
 
+def test_layer_groups_of_one_structure_share_an_export_program(checkpoint_dir):
+    """Llama's four layers in four groups: one export program per row bucket serves every group (the group's
+    first layer an argument), and group k's export holds exactly layer k of the sent blocks."""
+    import jax.numpy as jnp
+
+    from transfer.plan import bucket, staging
+    pre = LLMEngine(checkpoint_dir("llama"), "float32", CFG, progress=False)
+    runner = pre.runner
+    groups = layer_groups(pre.layout.num_layers, 1)
+    assert len(groups) == 4
+    runner.warmup_transfer("float32", groups, export=True, receive=False, progress=False)
+    assert len(runner._io._export) == len({bucket(n) for n in range(1, runner.max_blocks_per_seq + 1)})
+    pool = np.random.default_rng(0).standard_normal(runner.pool[0].shape).astype(np.float32)
+    runner.pool = [jnp.asarray(pool)]
+    blocks = [9, 3, 7]
+    st = staging(pre.layout, "float32", bucket(len(blocks)), groups, runner.head_parts)
+    for k, (lo, hi) in enumerate(groups):
+        (_, x), = runner.export_kv(st, k, blocks, 0)
+        np.testing.assert_array_equal(np.asarray(x)[:len(blocks)], pool[blocks, lo:hi])
+
+
 @pytest.mark.parametrize("family", ["kimi_linear", "gpt_oss"])
 def test_layerwise_prefill_equals_one_program_and_exports_early(checkpoint_dir, family):
     """Prefill run as one program per layer (layer-wise streaming) leaves the same pool and samples the same
