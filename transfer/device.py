@@ -81,8 +81,8 @@ class DeviceIO:
         if fn is None:
             def take(pool, ids, row, j0s):
                 out = []
-                for (w, parts), j0 in zip(arrays, j0s):
-                    x = _to_wire(_take(pool, w, ids, row, j0))
+                for i, (w, parts) in enumerate(arrays):
+                    x = _to_wire(_take(pool, w, ids, row, j0s[i]))
                     if mesh is not None:  # where each result lives is fixed: split in its parts, or replicated
                         where = (_head_sharding(mesh, x.ndim) if len(parts) > 1
                                  else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
@@ -93,8 +93,8 @@ class DeviceIO:
         # a group without block arrays takes a [1] id vector: one program for every row count
         ids = _ids(st, blocks, 0) if any(w.kind == "blocks" for w, _ in arrays) else np.zeros(1, np.int32)
         items = []
-        j0s = [jnp.int32(w.j0) for w, _ in arrays]
-        for (w, parts), x in zip(arrays, fn(pool, jnp.asarray(ids), jnp.int32(row), j0s)):
+        j0s = np.array([w.j0 for w, _ in arrays], np.int32)  # [arrays] each array's first layer
+        for (w, parts), x in zip(arrays, fn(pool, jnp.asarray(ids), jnp.int32(row), jnp.asarray(j0s))):
             items += zip((p.index for p in parts), _head_shards(x, len(parts)) if len(parts) > 1 else [x])
         return items
 

@@ -66,18 +66,12 @@ def ring_update(ring, new, batch: Batch):
 def kv_attention(q, k_new, v_new, cache: dict, batch: Batch, *, scale, window, sinks=None, kernels="reference"):
     """Append this step's K/V to the layer cache and attend. Returns (out [B, T, Hq, Dv], new cache)."""
     if isinstance(cache, PagedKV):
-        if cache.pool.shape[2] == 2:
-            vals = jnp.stack([k_new, v_new], axis=2)
-        else:
-            vals = jnp.concatenate([k_new, v_new.astype(k_new.dtype)], axis=-1)[:, :, None]
-        cache = cache.write(vals, batch)
+        cache = cache.write(PagedKV.pack(k_new, v_new, cache.pool.shape[2]), batch)
         if cache.dense:  # prefill: the chunk's own keys (first chunk), or the layer's blocks with them written
             if batch.fresh:
                 k, v = k_new.astype(cache.pool.dtype), v_new.astype(cache.pool.dtype)
             else:
-                x = cache.view()  # [B, E, S, Hkv, D]
-                Dk = k_new.shape[-1]
-                k, v = (x[:, 0], x[:, 1]) if x.shape[1] == 2 else (x[:, 0, ..., :Dk], x[:, 0, ..., Dk:])
+                k, v = PagedKV.unpack(cache.view(), k_new.shape[-1])
             return _attend_full(q, k, v, batch, scale, sinks, kernels), cache
         out = select("paged_attention", kernels)(q[:, 0], cache.pool, cache.table, PagedKV.lengths(batch),
                                                  layer=cache.layer, sliding_window=window, sinks=sinks, scale=scale,

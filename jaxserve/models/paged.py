@@ -33,6 +33,19 @@ class PagedKV:
     total_blocks: int | None = field(default=None, metadata=dict(static=True))
     dense: bool = field(default=False, metadata=dict(static=True))  # prefill: attend over `view`
 
+    @staticmethod
+    def pack(k, v, entries: int):
+        """k [B, T, Hkv, Dk], v [B, T, Hkv, Dv] -> the pool's entries [B, T, E, Hkv, D]: 2 (K and V), or 1 with K
+        and V concatenated on D (head dims that differ)."""
+        if entries == 2:
+            return jnp.stack([k, v], axis=2)
+        return jnp.concatenate([k, v.astype(k.dtype)], axis=-1)[:, :, None]
+
+    @staticmethod
+    def unpack(x, k_dim: int):
+        """`view`'s [B, E, S, Hkv, D] -> (k [B, S, Hkv, Dk], v [B, S, Hkv, Dv]), the inverse of `pack`."""
+        return (x[:, 0], x[:, 1]) if x.shape[1] == 2 else (x[:, 0, ..., :k_dim], x[:, 0, ..., k_dim:])
+
     def view(self):
         """The layer's blocks of the batch as a dense cache [B, E, W * block_size, Hkv, D]."""
         x = self.pool[self.table, self.layer]  # [B, W, E, bs, Hkv, D]

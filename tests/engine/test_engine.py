@@ -301,7 +301,7 @@ def test_layer_by_layer_prefill_writes_what_the_whole_model_writes(engines, fami
     assert toks[0] == toks[1] == int(llm.score(prompt)[-1].argmax())
     for gl, arr in zip(runner.layout.groups, runner.pool):
         if gl.kind == "full":  # [blocks, layers, E, bs, H, D] -> the prompt's tokens [n, layers, E, H, D]
-            a, b = (np.asarray(jnp_take(arr, list(range(b0, b0 + nb))))[:n] for b0 in (40, 50))
+            a, b = (block_tokens(arr, list(range(b0, b0 + nb)))[:n] for b0 in (40, 50))
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=family)
         else:
             for x in jax.tree.leaves(arr):
@@ -315,7 +315,7 @@ def test_layer_by_layer_prefill_writes_what_the_whole_model_writes(engines, fami
     assert family == "gpt_oss" or len(middle) > len(runs)  # gpt-oss alternates layer kinds: no runs
 
 
-def jnp_take(arr, blocks):
+def block_tokens(arr, blocks):
     """A full group's blocks [NB, L, E, bs, H, D] -> their tokens in order [len(blocks) * bs, L, E, H, D]."""
     x = np.asarray(arr)[blocks]  # [b, L, E, bs, H, D]
     return np.moveaxis(x, 3, 1).reshape((-1,) + x.shape[1:3] + x.shape[4:])
