@@ -37,10 +37,10 @@ class EngineSection(_Strict):
     max_model_len: int | None = Field(None, ge=1)
     prefix_caching: bool = True
     num_snapshots: int = Field(32, ge=0)
-    kernels: Literal["auto", "reference", "pallas", "interpret"] = Field(
-        "auto", description="Pallas kernels (GPU) or jnp references; auto: on a GPU each kernel the model uses is "
-        "checked against its reference at start-up and one that fails runs as the reference; pallas: such a "
-        "kernel stops the start")
+    kernels: Literal["auto", "reference", "pallas", "interpret", "native"] = Field(
+        "auto", description="Pallas kernels (GPU), native C++ kernels (CPU) or jnp references; auto: pallas on a "
+        "GPU, native elsewhere, each kernel the model uses checked against its reference at start-up and one that "
+        "fails run as the reference; pallas, native: such a kernel stops the start")
     warmup: bool = Field(True, description="compile the decode programs before serving")
     compilation_cache: str | None = Field(
         "~/.cache/jaxserve/xla", description="XLA's persistent compilation cache directory: a restart compiles "

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import native
 from .select import KERNELS, KernelPlan, resolve
 
 TOLERANCE = {"float32": 5e-3, "bfloat16": 3e-2, "float16": 1e-2}  # max |kernel - ref| / (1 + max |ref|)
@@ -115,13 +116,15 @@ def inputs(kernel: str, r: np.random.RandomState, **dims) -> tuple[tuple, dict]:
 
 
 def run_case(case: Case, mode: str) -> str | None:
-    """None when the kernel compiles in `mode` ("pallas" or "interpret") and agrees with its reference on
-    `case`; otherwise the reason."""
+    """None when the kernel compiles in `mode` ("pallas", "interpret" or "native") and agrees with its
+    reference on `case`; otherwise the reason."""
     ref, kernel = KERNELS[case.kernel]
+    kernel = native.KERNELS[case.kernel] if mode == "native" else functools.partial(kernel,
+                                                                                      interpret=mode == "interpret")
     dims = dict(case.dims)
     args, kw = inputs(case.kernel, np.random.RandomState(0), **dims)
     try:
-        got = jax.block_until_ready(jax.jit(functools.partial(kernel, interpret=mode == "interpret", **kw))(*args))
+        got = jax.block_until_ready(jax.jit(functools.partial(kernel, **kw))(*args))
     except Exception as e:  # lowering / compile / runtime failure of the kernel on this device
         return f"does not compile: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
     want = jax.jit(functools.partial(ref, **kw))(*args)
@@ -158,13 +161,25 @@ def plan(requested: str, cases, progress: bool = False) -> tuple[str | KernelPla
     {kernel: why it runs as its reference}).
 
     reference, interpret: taken as they are (interpret is the test mode: the kernel bodies on the CPU).
-    pallas: every kernel is checked; one that fails raises KernelCheckError.
-    auto: kernels where they pass (select.auto_mode), the reference for each one that fails."""
+    pallas, native: every kernel is checked; one that fails raises KernelCheckError.
+    auto: kernels where they pass (select.auto_mode), the reference for each one that fails.
+    Under native only the kernels with a native implementation are checked (the others run as references); a
+    library that does not build, or a dtype other than float32, fails them with the reason."""
     mode = resolve(requested)
     if mode == "reference" or requested == "interpret":
         return mode, {}
-    failed = self_test(cases, mode, progress)
+    failed: dict[str, str] = {}
+    if mode == "native":
+        cases = [c for c in cases if c.kernel in native.KERNELS]
+        ok, why = native.available()
+        for c in cases:
+            if not ok:
+                failed[c.kernel] = f"{c}: the native library does not build: {why.splitlines()[0][:300]}"
+            elif dict(c.dims).get("dtype") != "float32":
+                failed[c.kernel] = f"{c}: the native kernels take float32"
+        cases = [c for c in cases if c.kernel not in failed]
+    failed.update(self_test(cases, mode, progress))
     if failed and requested != "auto":
-        raise KernelCheckError("engine.kernels: pallas, but on this device " + "; ".join(failed.values())
+        raise KernelCheckError(f"engine.kernels: {requested}, but on this device " + "; ".join(failed.values())
                                + " (engine.kernels: auto runs such kernels as their references)")
     return KernelPlan(mode, frozenset(failed)), failed

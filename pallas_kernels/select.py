@@ -5,7 +5,9 @@ callable for a mode:
   reference   the jnp references (what XLA compiles on any backend)
   pallas      the Pallas kernels, compiled (GPU)
   interpret   the Pallas kernels in interpret mode: the kernel bodies evaluated on the CPU (tests)
-  auto        pallas on GPU, reference elsewhere
+  native      the CPU kernels compiled from C++ (native.py) where one exists and the library builds, the
+              references for the others
+  auto        pallas on GPU, native elsewhere
 A `KernelPlan` is a resolved mode with exceptions: the kernels named in its `reference` run as their
 references (check.py puts there those that fail their self-test on this device). Models take a mode or a plan
 at construction (`CausalLM(..., kernels=...)`), the engine from its config (`engine.kernels`, through
@@ -20,14 +22,15 @@ from typing import Literal
 
 import jax
 
+from . import native
 from .flash_attention import batched_attention, flash_attention, ref_batched_attention, ref_flash_attention
 from .gated_delta_rule import (chunk_gated_delta_rule, recurrent_gated_delta_rule, ref_chunk_gated_delta_rule,
                                ref_recurrent_gated_delta_rule)
 from .paged_attention import (paged_attention, paged_mla_attention, ref_paged_attention,
                               ref_paged_mla_attention)
 
-Mode = Literal["auto", "reference", "pallas", "interpret"]
-MODES: tuple[str, ...] = ("auto", "reference", "pallas", "interpret")
+Mode = Literal["auto", "reference", "pallas", "interpret", "native"]
+MODES: tuple[str, ...] = ("auto", "reference", "pallas", "interpret", "native")
 
 KERNELS = {  # name -> (reference, kernel)
     "flash_attention": (ref_flash_attention, flash_attention),
@@ -41,14 +44,14 @@ KERNELS = {  # name -> (reference, kernel)
 
 @dataclasses.dataclass(frozen=True)
 class KernelPlan:
-    """mode ("pallas" or "interpret") for every kernel but those named in `reference`."""
+    """mode ("pallas", "interpret" or "native") for every kernel but those named in `reference`."""
     mode: str
     reference: frozenset = frozenset()
 
 
 def auto_mode() -> str:
-    """What 'auto' means on this machine: the compiled kernels on GPU, the references elsewhere."""
-    return "pallas" if jax.default_backend() == "gpu" else "reference"
+    """What 'auto' means on this machine: the Pallas kernels on GPU, the native CPU kernels elsewhere."""
+    return "pallas" if jax.default_backend() == "gpu" else "native"
 
 
 def resolve(mode):
@@ -61,12 +64,16 @@ def resolve(mode):
 
 
 def mode_of(name: str, mode) -> str:
-    """"reference", "pallas" or "interpret": how kernel `name` runs under `mode` (a mode name or a KernelPlan)."""
+    """"reference", "pallas", "interpret" or "native": how kernel `name` runs under `mode` (a mode name or a
+    KernelPlan). Under native, a kernel with no native implementation, or a library that does not build, runs
+    as its reference."""
     if name not in KERNELS:
         raise KeyError(f"no kernel {name!r}; known: {', '.join(KERNELS)}")
     mode = resolve(mode)
     if isinstance(mode, KernelPlan):
-        return "reference" if name in mode.reference else mode.mode
+        mode = "reference" if name in mode.reference else mode.mode
+    if mode == "native" and (name not in native.KERNELS or not native.available()[0]):
+        return "reference"
     return mode
 
 
@@ -76,4 +83,6 @@ def select(name: str, mode):
     ref, kernel = KERNELS[name]
     if mode == "reference":
         return ref
+    if mode == "native":
+        return native.KERNELS[name]
     return functools.partial(kernel, interpret=mode == "interpret")

@@ -77,7 +77,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's context, capped by the pool
     prefix_caching: bool = True
     num_snapshots: int = 32  # request-level state snapshots kept for prefix reuse
-    kernels: str = "auto"  # Pallas kernels or jnp references: auto / reference / pallas / interpret
+    kernels: str = "auto"  # kernels or jnp references: auto / reference / pallas / interpret / native
     compilation_cache: str | None = XLA_CACHE  # XLA's persistent compilation cache (None: off)
 
     def __post_init__(self):
@@ -124,15 +124,18 @@ class LLMEngine:
             cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.chunk_size, cfg.max_prefill_seqs, cfg.max_waiting, bs,
             self.layout.has_request_state), self.blocks)
         self.timer = StepTimer()  # where each step's time goes (bench/offline.py)
-        # the reference paged attention takes a traced layer index: then runs of identical layers run as one
-        # lax.scan (models/stack.py; a Pallas paged kernel takes its layer as a static index)
-        ragged = all(mode_of(k, self.kernels) == "reference" for k in ("paged_attention", "paged_mla_attention"))
+        # the reference and the native paged attention take a traced layer index: then runs of identical layers
+        # run as one lax.scan (models/stack.py; a Pallas paged kernel takes its layer as a static index); the
+        # reference gathers a ragged list of the batch's blocks (its count bucketed: `ragged`)
+        paged = {mode_of(k, self.kernels) for k in ("paged_attention", "paged_mla_attention")}
+        ragged = paged == {"reference"}
         self.runner = ModelRunner(self.graphdef, state, self.layout, self.model_config.vocab_size, self.dtype,
                                   num_slots=cfg.max_num_seqs, max_prefill_seqs=cfg.max_prefill_seqs,
                                   chunk_size=cfg.chunk_size, max_blocks_per_seq=-(-self.max_model_len // bs),
                                   mesh=mesh, timer=self.timer, ragged=ragged,
                                   max_batched_tokens=cfg.max_num_batched_tokens,
-                                  stack=LayerStack(layer_runs(self.model_config) if ragged else ()))
+                                  stack=LayerStack(layer_runs(self.model_config)
+                                                   if paged <= {"reference", "native"} else ()))
         del state  # the runner's params hold the weights (stacked runs: their only copy)
         self.eos = set(self.model_config.eos_token_ids)
         self.requests: dict[str, Sequence] = {}

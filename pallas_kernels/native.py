@@ -1,0 +1,146 @@
+"""Native CPU kernels: C++ compiled on first use and called from XLA as FFI custom calls.
+
+On a CPU the Pallas kernels run only in interpret mode, and the jnp reference of paged decode attention gathers
+every block the batch holds into a dense copy before its products. `native/paged_attention.cc` reads the blocks
+in place instead (its header says how). It is compiled once per machine with the system's C++ compiler
+(g++, else c++) against the FFI headers jaxlib ships, into `~/.cache/jaxserve/native/` (named by a hash of
+the source, the flags and the CPU), and registered with XLA on first use.
+
+`available()` says whether it built (and why not); `paged_attention` / `paged_mla_attention` have the
+signatures of their references in paged_attention.py. A float32 pool runs the kernel; another dtype runs the
+reference, as does every call where the library is not available. select.py routes "native" mode here;
+check.py compares each kernel with its reference on the model's own dims before an engine uses it.
+
+Thread-safety: the build runs under a lock, once per process; the kernels are pure functions.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .paged_attention import _check_mla, _gqa_layout, _views, ref_paged_attention, ref_paged_mla_attention
+
+SOURCE = os.path.join(os.path.dirname(__file__), "native", "paged_attention.cc")
+TARGET = "jaxserve_paged_decode"
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-fopenmp-simd")
+CACHE_DIR = os.path.expanduser("~/.cache/jaxserve/native")
+
+_lock = threading.Lock()
+_state: dict = {}  # "ok": bool, "why": str, "path": library
+
+
+def _cpu_key() -> str:
+    """What a -march=native build depends on: the CPU's model and flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
+    except OSError:
+        lines = []
+    return platform.machine() + "".join(lines)
+
+
+def library_path(cache_dir: str = CACHE_DIR) -> str:
+    with open(SOURCE, "rb") as f:
+        src = f.read()
+    key = hashlib.sha256(src + " ".join(FLAGS).encode() + _cpu_key().encode() + jax.__version__.encode())
+    return os.path.join(cache_dir, f"paged_attention-{key.hexdigest()[:16]}.so")
+
+
+def build(cache_dir: str = CACHE_DIR, compiler: str | None = None) -> str:
+    """Compile the library unless the cache has it; -> its path. Raises RuntimeError with the compiler's
+    output when it does not build."""
+    path = library_path(cache_dir)
+    if os.path.isfile(path):
+        return path
+    cxx = compiler or shutil.which("g++") or shutil.which("c++")
+    if cxx is None or shutil.which(cxx) is None:
+        raise RuntimeError(f"no C++ compiler ({compiler or 'g++ or c++'}) on PATH")
+    os.makedirs(cache_dir, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
+    os.close(fd)
+    try:
+        r = subprocess.run([cxx, *FLAGS, "-I", jax.ffi.include_dir(), SOURCE, "-o", tmp], capture_output=True,
+                           text=True, timeout=300)
+        if r.returncode != 0:
+            raise RuntimeError(f"{cxx} failed to build {SOURCE}:\n{(r.stderr or r.stdout)[-2000:]}")
+        os.replace(tmp, path)  # atomic: a concurrent builder's file is as good as this one
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def available(cache_dir: str = CACHE_DIR, compiler: str | None = None) -> tuple[bool, str]:
+    """(True, "") once the library is built and registered with XLA's CPU backend, else (False, why).
+    The first call builds; later calls return the first answer."""
+    with _lock:
+        if "ok" not in _state:
+            try:
+                path = build(cache_dir, compiler)
+                lib = ctypes.cdll.LoadLibrary(path)
+                jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxservePagedDecode), platform="cpu")
+                _state.update(ok=True, why="", path=path)
+            except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+                _state.update(ok=False, why=str(e), path=None)
+        return _state["ok"], _state["why"]
+
+
+def _call(q, pool, block_tables, lengths, sinks, layer, *, k_dim, v_entry, v_lo, v_hi, window, scale):
+    B, Hq = q.shape[:2]
+    has_sinks = sinks is not None
+    sinks = sinks.astype(jnp.float32) if has_sinks else jnp.zeros((Hq,), jnp.float32)
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((B, Hq, v_hi - v_lo), jnp.float32),
+                            vmap_method="sequential")
+    return call(q, pool, block_tables.astype(jnp.int32), lengths.astype(jnp.int32),
+                jnp.asarray(layer, jnp.int32), sinks, k_dim=np.int64(k_dim), v_entry=np.int64(v_entry),
+                v_lo=np.int64(v_lo), v_hi=np.int64(v_hi), window=np.int64(window or 0), scale=np.float32(scale),
+                has_sinks=has_sinks)
+
+
+def _runs(pool) -> bool:
+    return pool.dtype == jnp.float32 and available()[0]
+
+
+def paged_attention(q, pool, block_tables, lengths, *, layer, sliding_window=None, sinks=None, scale=None,
+                    interpret=False, pages_per_tile=None, pages_per_partition=None, num_warps=None, num_stages=None,
+                    total_blocks=None):
+    """`ref_paged_attention`'s arguments and result (GQA decode over the pool, one query token per request),
+    computed by the native kernel; the tiling arguments are the GPU kernel's and are ignored."""
+    if not _runs(pool):
+        return ref_paged_attention(q, pool, block_tables, lengths, layer=layer, sliding_window=sliding_window,
+                                   sinks=sinks, scale=scale, total_blocks=total_blocks)
+    E, Dk, D = _views(q, pool, block_tables, lengths, layer)
+    v_entry, v_lo, v_hi = _gqa_layout(E, Dk, D)
+    if sinks is not None and sinks.shape != (q.shape[1],):
+        raise ValueError(f"sinks must be [{q.shape[1]}], got {sinks.shape}")
+    if sliding_window is not None and int(sliding_window) < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    return _call(q, pool, block_tables, lengths, sinks, layer, k_dim=Dk, v_entry=v_entry, v_lo=v_lo, v_hi=v_hi,
+                 window=sliding_window, scale=Dk ** -0.5 if scale is None else float(scale))
+
+
+def paged_mla_attention(q, pool, block_tables, lengths, *, layer, kv_lora_rank, scale, interpret=False,
+                        pages_per_tile=None, pages_per_partition=None, total_blocks=None):
+    """`ref_paged_mla_attention`'s arguments and result (absorbed MLA decode over the latent cache), computed by
+    the native kernel."""
+    if not _runs(pool):
+        return ref_paged_mla_attention(q, pool, block_tables, lengths, layer=layer, kv_lora_rank=kv_lora_rank,
+                                       scale=scale, total_blocks=total_blocks)
+    _views(q, pool, block_tables, lengths, layer)
+    _check_mla(q, pool, kv_lora_rank)
+    return _call(q, pool, block_tables, lengths, None, layer, k_dim=q.shape[2], v_entry=0, v_lo=0,
+                 v_hi=int(kv_lora_rank), window=None, scale=float(scale))
+
+
+KERNELS = {"paged_attention": paged_attention, "paged_mla_attention": paged_mla_attention}  # for select.py

@@ -1,0 +1,128 @@
+"""The native CPU kernels (pallas_kernels/native.py, C++ through XLA's FFI) against their jnp references, the
+layer index traced inside a scan as the engine runs them, and what happens where the library does not build."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.engine.llm_engine import EngineConfig
+from pallas_kernels import check, native, select
+from pallas_kernels.paged_attention import ref_paged_attention, ref_paged_mla_attention
+from pallas_kernels.select import KernelPlan
+from tests.pallas_kernels.conftest import close, randn
+from tests.pallas_kernels.test_paged_attention import CASES, _tables
+
+pytestmark = pytest.mark.skipif(not native.available()[0], reason=f"no native library: {native.available()[1]}")
+
+F32_CASES = [c for c in CASES if c[0] == jnp.float32]
+
+
+@pytest.mark.parametrize("case", F32_CASES)
+def test_native_paged_attention_matches_reference(case):
+    _, E, Hq, Hkv, Dk, D, bs, lengths, window, use_sinks, _, _ = case
+    r = np.random.RandomState(bs + Hq)
+    B, L, NB = len(lengths), 3, 40
+    W = -(-max(lengths) // bs) + 1  # a table wider than the longest row: the blocks after it are not read
+    pool, q = randn(r, (NB, L, E, bs, Hkv, D)), randn(r, (B, Hq, Dk))
+    table, lens = _tables(r, B, W, NB), jnp.asarray(lengths, jnp.int32)
+    kw = dict(layer=1, sliding_window=window, sinks=randn(r, (Hq,)) if use_sinks else None)
+    got = jax.jit(functools.partial(native.paged_attention, **kw))(q, pool, table, lens)
+    assert got.shape == (B, Hq, D if E == 2 else D - Dk) and got.dtype == jnp.float32
+    close(got, ref_paged_attention(q, pool, table, lens, **kw), jnp.float32)
+    if lengths[0] == 0:
+        assert not np.asarray(got[0]).any()
+
+
+def test_native_mla_matches_reference():
+    r = np.random.RandomState(3)
+    B, H, Lr, R, NB, bs = 4, 4, 16, 8, 30, 4
+    lengths = [1, bs, 3 * bs + 1, 0]
+    pool, q = randn(r, (NB, 2, 1, bs, 1, Lr + R)), randn(r, (B, H, Lr + R))
+    table, lens = _tables(r, B, -(-max(lengths) // bs), NB), jnp.asarray(lengths, jnp.int32)
+    kw = dict(layer=1, kv_lora_rank=Lr, scale=0.2)
+    got = jax.jit(functools.partial(native.paged_mla_attention, **kw))(q, pool, table, lens)
+    assert got.shape == (B, H, Lr)
+    close(got, ref_paged_mla_attention(q, pool, table, lens, **kw), jnp.float32)
+
+
+def test_native_reads_the_layer_a_scan_gives_it():
+    """Inside lax.scan the layer is a traced int32 (models/stack.py): every layer's output is its own layer's."""
+    r = np.random.RandomState(1)
+    B, L, NB, bs = 3, 4, 24, 4
+    pool, q = randn(r, (NB, L, 2, bs, 2, 8)), randn(r, (B, 4, 8))
+    table, lens = _tables(r, B, 4, NB), jnp.asarray([5, 16, 9], jnp.int32)
+
+    @jax.jit
+    def per_layer(q, pool):
+        return jax.lax.scan(lambda c, i: (c, native.paged_attention(q, pool, table, lens, layer=i)), 0,
+                            jnp.arange(L, dtype=jnp.int32))[1]
+    got = per_layer(q, pool)
+    for i in range(L):
+        close(got[i], ref_paged_attention(q, pool, table, lens, layer=i), jnp.float32)
+    assert not np.allclose(np.asarray(got[0]), np.asarray(got[1]))
+
+
+def test_other_dtypes_and_rejected_inputs():
+    """A bfloat16 pool runs the reference (the library takes float32); bad shapes fail as the reference's do."""
+    r = np.random.RandomState(2)
+    pool, q = randn(r, (8, 1, 2, 4, 2, 8), jnp.bfloat16), randn(r, (2, 4, 8), jnp.bfloat16)
+    table, lens = _tables(r, 2, 2, 8), jnp.asarray([3, 8], jnp.int32)
+    close(native.paged_attention(q, pool, table, lens, layer=0), ref_paged_attention(q, pool, table, lens, layer=0),
+          jnp.bfloat16)
+    with pytest.raises(ValueError, match="layer 2 outside"):
+        native.paged_attention(q.astype(jnp.float32), pool.astype(jnp.float32), table, lens, layer=2)
+    with pytest.raises(ValueError, match="not a multiple of KV heads"):
+        native.paged_attention(jnp.zeros((2, 3, 8)), pool.astype(jnp.float32), table, lens, layer=0)
+
+
+def test_modes_route_to_the_native_kernels(monkeypatch):
+    monkeypatch.setattr(select, "auto_mode", lambda: "native")
+    assert select.select("paged_attention", "auto") is native.paged_attention
+    assert select.select("paged_mla_attention", "native") is native.paged_mla_attention
+    assert select.mode_of("batched_attention", "native") == "reference"  # no native implementation
+    assert select.select("paged_attention", KernelPlan("native", frozenset({"paged_attention"}))) is \
+        ref_paged_attention
+    case = check.Case.of("paged_attention", Hq=4, Hkv=2, Dk=8, Dv=8, dtype=jnp.float32, block_size=4)
+    assert check.run_case(case, "native") is None
+    monkeypatch.setitem(native.KERNELS, "paged_attention", lambda *a, **kw: native.paged_attention(*a, **kw) * 1.1)
+    assert "differs from its reference" in check.run_case(case, "native")
+
+
+ENGINE = EngineConfig(block_size=4, num_blocks=64, chunk_size=8, max_num_batched_tokens=16, max_prefill_seqs=2,
+                      max_num_seqs=4, num_snapshots=8)
+PROMPTS = [[5, 7, 9], [5, 7, 9, 11, 13, 2, 3, 4, 8, 10, 12, 14, 15], [30, 31, 5, 7, 9, 11]]
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+def _run(path, kernels):
+    llm = LLM(path, progress=False, engine=dataclasses.replace(ENGINE, kernels=kernels))
+    return llm, [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+def test_engine_native_matches_reference_and_falls_back_when_the_library_does_not_build(checkpoint_dir, family,
+                                                                                        monkeypatch):
+    """The engine with native kernels (GQA; MLA) gives the references' tokens. Where the library does not build,
+    auto runs the references (the reason recorded as a kernel fallback) with the same tokens, and an explicit
+    'native' refuses to start, naming the compiler's complaint."""
+    path = checkpoint_dir(family)
+    _, want = _run(path, "reference")
+    llm, got = _run(path, "native")
+    assert got == want and llm.engine.kernel_fallbacks == {}
+    assert llm.engine.kernels == KernelPlan("native") and not llm.engine.runner.ragged
+
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setattr(native, "build", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("g++: not found")))
+    monkeypatch.setattr(select, "auto_mode", lambda: "native")
+    llm, got = _run(path, "auto")
+    assert got == want
+    assert llm.engine.runner.ragged  # the references' ragged gather, as on any machine without the library
+    assert llm.engine.kernel_fallbacks and all("does not build: g++: not found" in why
+                                               for why in llm.engine.kernel_fallbacks.values())
+    with pytest.raises(check.KernelCheckError, match="engine.kernels: native, but on this device"):
+        _run(path, "native")
