@@ -61,7 +61,7 @@ def test_kernel_mode_is_validated():
     from pallas_kernels.select import resolve, select
     with pytest.raises(ValueError, match="kernels must be one of"):
         resolve("cuda")
-    assert resolve("auto") == ("reference" if MODE == "interpret" else "pallas")  # kernels on GPU only
+    assert resolve("auto") == ("native" if MODE == "interpret" else "pallas")  # Pallas on GPU, C++ on CPU
     from pallas_kernels.flash_attention import ref_flash_attention
     assert select("flash_attention", "reference") is ref_flash_attention
     assert select("flash_attention", "interpret").keywords == {"interpret": True}
