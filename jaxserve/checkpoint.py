@@ -1,8 +1,9 @@
 """Checkpoint formats: Hugging Face safetensors directories and jaxserve's Orbax conversion of them.
 
-An Orbax checkpoint directory holds `jaxserve_checkpoint.json` (format marker + dtype), the original
-`config.json` and tokenizer files, and `params/` (an Orbax StandardCheckpointer tree of the model state).
-Restoring reads every array straight into its target sharding on the mesh.
+An Orbax checkpoint directory holds `jaxserve_checkpoint.json` (format marker, dtype, state layout), the
+original `config.json` and tokenizer files, and `params/` (an Orbax StandardCheckpointer tree of the model
+state). Restoring reads every array straight into its target sharding on the mesh. `LAYOUT` numbers the
+state's layout (2: linear weights [in, out]); a checkpoint of another layout is refused with what to do.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from jax.sharding import Mesh
 
 from .models.config import ModelConfig
 from .models.loader import load_state, state_shardings
+from .models.safetensors_io import CheckpointError
 
 MARKER = "jaxserve_checkpoint.json"
+LAYOUT = 2  # 1 (unmarked): linear weights [out, in] as in Hugging Face checkpoints; 2: [in, out]
 _COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
            "special_tokens_map.json", "chat_template.jinja", "chat_template.json")
 
@@ -43,12 +46,19 @@ def convert(hf_dir: str, out_dir: str, cfg: ModelConfig, dtype: str = "bfloat16"
         if os.path.isfile(src):
             shutil.copy2(src, os.path.join(out_dir, name))
     with open(os.path.join(out_dir, MARKER), "w") as f:
-        json.dump({"format": "orbax", "dtype": dtype, "source": os.path.abspath(hf_dir)}, f, indent=1)
+        json.dump({"format": "orbax", "dtype": dtype, "layout": LAYOUT, "source": os.path.abspath(hf_dir)}, f,
+                  indent=1)
     return out_dir
 
 
 def restore(model_dir: str, cfg: ModelConfig, dtype, mesh: Mesh | None = None):
     """Restore an Orbax checkpoint into (graphdef, state), each array placed on its target sharding."""
+    with open(os.path.join(model_dir, MARKER)) as f:
+        layout = json.load(f).get("layout", 1)
+    if layout != LAYOUT:
+        raise CheckpointError(f"{model_dir}: an Orbax checkpoint of state layout {layout}, written by an earlier "
+                              f"jaxserve; this one reads layout {LAYOUT}: convert the source checkpoint again "
+                              "(`jaxserve convert SRC OUT`)")
     if mesh is None:
         mesh = jax.make_mesh((1,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
     graphdef, abs_state, target = state_shardings(cfg, jnp.dtype(dtype), mesh)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
@@ -81,3 +82,13 @@ def test_convert_to_bfloat16_and_refuse_nonempty(kimi_with_tokenizer, tmp_path):
     np.testing.assert_allclose(llm.score(ids), ref, atol=1e-6)
     with pytest.raises(FileExistsError):
         convert(kimi_with_tokenizer, out, load_config(kimi_with_tokenizer), "bfloat16", progress=False)
+
+
+def test_a_checkpoint_of_another_state_layout_is_refused(tmp_path):
+    """An Orbax checkpoint written before linear weights were kept [in, out] (no `layout` in its marker) is
+    refused with what to do, not restored into transposed weights."""
+    from jaxserve.checkpoint import LAYOUT, MARKER, restore
+    from jaxserve.models.safetensors_io import CheckpointError
+    (tmp_path / MARKER).write_text(json.dumps({"format": "orbax", "dtype": "float32"}))
+    with pytest.raises(CheckpointError, match=f"state layout 1.*reads layout {LAYOUT}: convert the source"):
+        restore(str(tmp_path), None, jnp.float32)

@@ -185,8 +185,8 @@ class MLAAttention(nnx.Module):
         if s.rope is not None:
             q_rot, k_rot = apply_rope(q_rot, batch.positions, s.rope), apply_rope(k_rot, batch.positions, s.rope)
         kv_new = jnp.concatenate([c[:, :, None, :], k_rot], axis=-1)  # [B, T, 1, L + R]
-        w = self.kv_b_proj.weight[...].reshape(H, nope + s.v_head_dim, L)
-        q_lat = jnp.einsum("bthn,hnl->bthl", q_nope, w[:, :nope])
+        w = self.kv_b_proj.weight[...].reshape(L, H, nope + s.v_head_dim)
+        q_lat = jnp.einsum("bthn,lhn->bthl", q_nope, w[..., :nope])
         qf = jnp.concatenate([q_lat, q_rot], axis=-1)  # absorbed query [B, T, H, L + R]
         if isinstance(cache, PagedKV) and not cache.dense:
             cache = cache.write(kv_new[:, :, None], batch)
@@ -203,5 +203,5 @@ class MLAAttention(nnx.Module):
             k_pos, k_valid = full_positions(kv.shape[1], batch)
             out_lat = select("batched_attention", self.kernels)(qf, kv, kv[..., :L], batch.positions, k_pos, k_valid,
                                                                 scale=s.scale)
-        out = jnp.einsum("bthl,hvl->bthv", out_lat, w[:, nope:]).reshape(B, T, H * s.v_head_dim)
+        out = jnp.einsum("bthl,lhv->bthv", out_lat, w[..., nope:]).reshape(B, T, H * s.v_head_dim)
         return self.o_proj(out), cache

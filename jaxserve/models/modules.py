@@ -1,7 +1,8 @@
 """Shared building blocks: linear layers, RMSNorm variants, SwiGLU MLP, mixture of experts.
 
-All modules are Flax NNX modules whose weights keep the Hugging Face layout ([out, in] for linear
-layers) so loading is a name lookup; experts are stored [E, in, out] for `lax.ragged_dot`. Shapes in
+All modules are Flax NNX modules whose weights are loaded by checkpoint name (params.py); linear layers keep
+their weights [in, out], transposed from the Hugging Face [out, in] at load (XLA's CPU products read [in, out]
+weights faster at a decode step's few rows), experts [E, in, out] for `lax.ragged_dot`. Shapes in
 comments: B batch, T tokens, H hidden, I intermediate, E experts, K top-k.
 """
 
@@ -16,20 +17,21 @@ from .params import ParamInfo, declare
 
 
 class Linear(nnx.Module):
-    """y = x @ W.T (+ b) with W [out, in] as stored in checkpoints.
+    """y = x @ W (+ b) with W [in, out] (checkpoints store W.T: ParamInfo.perm transposes it at load).
 
     tp: "col" shards the output features, "row" the input features, None replicates.
     """
 
     def __init__(self, prefix: str, d_in: int, d_out: int, dtype, bias: bool = False, tp: str | None = None):
-        tp_axis = {"col": 0, "row": 1, None: None}[tp]
-        declare(self, "weight", (d_out, d_in), dtype, ParamInfo(((f"{prefix}.weight",),), tp_axis=tp_axis))
+        tp_axis = {"col": 1, "row": 0, None: None}[tp]
+        declare(self, "weight", (d_in, d_out), dtype,
+                ParamInfo(((f"{prefix}.weight",),), perm=(1, 0), tp_axis=tp_axis))
         self.has_bias = bias
         if bias:
             declare(self, "bias", (d_out,), dtype, ParamInfo(((f"{prefix}.bias",),), tp_axis=0 if tp == "col" else None))
 
     def __call__(self, x):  # x [..., in] -> [..., out]
-        y = jnp.einsum("...i,oi->...o", x, self.weight[...])
+        y = jnp.einsum("...i,io->...o", x, self.weight[...])
         return y + self.bias[...] if self.has_bias else y
 
 

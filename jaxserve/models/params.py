@@ -3,7 +3,7 @@
 A module creates its weights with `declare(...)`, which records a `ParamInfo` next to the `nnx.Param`:
 the checkpoint tensor name(s) (with alternatives, since hub checkpoints and `save_pretrained` sometimes
 spell the same tensor differently), how several tensors combine (stacked experts, concatenated conv
-channels), an optional axis permutation (HF linear weights are [out, in]; experts are kept [E, in, out]
+channels), an optional axis permutation (HF linear weights are [out, in], kept [in, out]; experts [E, in, out]
 for grouped matmuls), and the axis sharded over the tensor-parallel mesh axis.
 """
 
