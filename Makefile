@@ -70,6 +70,7 @@ bench: $(STAMP)
 	$(BENCH) bench.offline --model smollm2 --json $(R)/offline_smollm2.json --max-num-seqs 48 --reps 3 $(VLLM)
 	$(if $(filter none,$(VLLM_PYTHON)),,$(BENCH) bench.online --json $(R)/online_smollm2.json --requests 32 \
 		--rate 0.5 --reps 3 $(VLLM))
+	$(BENCH) bench.steps --baseline 0ab36c4 --json $(R)/steps.json
 	$(BENCH) bench.serving --json $(R)/serving.json
 	$(BENCH) bench.startup --json $(R)/startup.json
 	$(BENCH) bench.kernels --json $(R)/kernels.json

@@ -28,7 +28,8 @@ class Linear(nnx.Module):
                 ParamInfo(((f"{prefix}.weight",),), perm=(1, 0), tp_axis=tp_axis))
         self.has_bias = bias
         if bias:
-            declare(self, "bias", (d_out,), dtype, ParamInfo(((f"{prefix}.bias",),), tp_axis=0 if tp == "col" else None))
+            declare(self, "bias", (d_out,), dtype,
+                    ParamInfo(((f"{prefix}.bias",),), tp_axis=0 if tp == "col" else None))
 
     def __call__(self, x):  # x [..., in] -> [..., out]
         y = jnp.einsum("...i,io->...o", x, self.weight[...])
