@@ -7,7 +7,7 @@ callable for a mode:
   interpret   the Pallas kernels in interpret mode: the kernel bodies evaluated on the CPU (tests)
   native      the CPU kernels compiled from C++ (native.py) where one exists and the library builds, the
               references for the others
-  auto        pallas on GPU, native elsewhere
+  auto        pallas on GPU, native on CPU, reference elsewhere
 A `KernelPlan` is a resolved mode with exceptions: the kernels named in its `reference` run as their
 references (check.py puts there those that fail their self-test on this device). Models take a mode or a plan
 at construction (`CausalLM(..., kernels=...)`), the engine from its config (`engine.kernels`, through
@@ -50,8 +50,9 @@ class KernelPlan:
 
 
 def auto_mode() -> str:
-    """What 'auto' means on this machine: the Pallas kernels on GPU, the native CPU kernels elsewhere."""
-    return "pallas" if jax.default_backend() == "gpu" else "native"
+    """What 'auto' means on this machine: the Pallas kernels on a GPU, the native kernels on a CPU, the
+    references elsewhere."""
+    return {"gpu": "pallas", "cpu": "native"}.get(jax.default_backend(), "reference")
 
 
 def resolve(mode):

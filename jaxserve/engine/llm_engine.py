@@ -19,6 +19,7 @@ import numpy as np
 
 from pallas_kernels import check
 from pallas_kernels.select import MODES, mode_of
+from pallas_kernels.select import resolve as resolve_kernels
 
 from ..cache.block_manager import BlockManager, block_hashes
 from ..cache.events import CacheEvents
@@ -106,9 +107,17 @@ class LLMEngine:
         self.model_config = load_config(model)
         self.cache_spec = cache_spec(self.model_config)
         _, state = load_any(model, self.model_config, dtype, mesh, progress)
-        # kernels: auto on a GPU compiles each kernel the model uses and runs any that fails as its reference
+        # kernels: auto compiles each kernel the model uses and runs any that fails as its reference. The native
+        # CPU kernels are opaque to XLA's partitioner, which would gather the sharded pool for them: a mesh of
+        # several devices runs the references (auto) or is refused (native)
+        kernels = cfg.kernels
+        if mesh is not None and mesh.size > 1 and resolve_kernels(kernels) == "native":
+            if kernels == "native":
+                raise ValueError("engine.kernels: native runs on one device; a tensor-parallel instance (tp "
+                                 f"{mesh.size}) takes auto or reference")
+            kernels = "reference"
         self.kernels, self.kernel_fallbacks = check.plan(
-            cfg.kernels, kernel_cases(self.model_config, self.dtype, cfg.block_size), progress)
+            kernels, kernel_cases(self.model_config, self.dtype, cfg.block_size), progress)
         for why in self.kernel_fallbacks.values():
             log.warning("kernel replaced by its jnp reference: %s", why)
         self.graphdef = model_graphdef(self.model_config, self.dtype, self.kernels)

@@ -126,3 +126,15 @@ def test_engine_native_matches_reference_and_falls_back_when_the_library_does_no
                                                for why in llm.engine.kernel_fallbacks.values())
     with pytest.raises(check.KernelCheckError, match="engine.kernels: native, but on this device"):
         _run(path, "native")
+
+
+def test_a_tensor_parallel_engine_runs_the_references(checkpoint_dir):
+    """The native kernels are opaque to XLA's partitioner (it would gather the sharded pool for each call): a tp 2
+    instance under auto runs the references, with the same tokens, and an explicit 'native' is refused."""
+    path = checkpoint_dir("llama")
+    _, want = _run(path, "reference")
+    llm = LLM(path, progress=False, tp=2, engine=ENGINE)
+    assert llm.engine.kernels == "reference" and llm.engine.runner.ragged
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+    with pytest.raises(ValueError, match="engine.kernels: native runs on one device"):
+        LLM(path, progress=False, tp=2, engine=dataclasses.replace(ENGINE, kernels="native"))
