@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .paged_attention import _check_mla, _gqa_layout, _views, ref_paged_attention, ref_paged_mla_attention
+from .paged_attention import _check_mla, _views, gqa_args, ref_paged_attention, ref_paged_mla_attention
 
 SOURCE = os.path.join(os.path.dirname(__file__), "native", "paged_attention.cc")
 TARGET = "jaxserve_paged_decode"
@@ -120,12 +120,7 @@ def paged_attention(q, pool, block_tables, lengths, *, layer, sliding_window=Non
     if not _runs(pool):
         return ref_paged_attention(q, pool, block_tables, lengths, layer=layer, sliding_window=sliding_window,
                                    sinks=sinks, scale=scale, total_blocks=total_blocks)
-    E, Dk, D = _views(q, pool, block_tables, lengths, layer)
-    v_entry, v_lo, v_hi = _gqa_layout(E, Dk, D)
-    if sinks is not None and sinks.shape != (q.shape[1],):
-        raise ValueError(f"sinks must be [{q.shape[1]}], got {sinks.shape}")
-    if sliding_window is not None and int(sliding_window) < 1:
-        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    Dk, v_entry, v_lo, v_hi = gqa_args(q, pool, block_tables, lengths, layer, sliding_window, sinks)
     return _call(q, pool, block_tables, lengths, sinks, layer, k_dim=Dk, v_entry=v_entry, v_lo=v_lo, v_hi=v_hi,
                  window=sliding_window, scale=Dk ** -0.5 if scale is None else float(scale))
 

@@ -153,6 +153,16 @@ def _gqa_layout(E: int, Dk: int, D: int):
     raise ValueError(f"a GQA pool has E=2, or E=1 with K|V concatenated on D; got E={E}, D={D}, Dk={Dk}")
 
 
+def gqa_args(q, pool, block_tables, lengths, layer, sliding_window, sinks):
+    """Validate a GQA paged-attention call (every kernel's) -> (Dk, v_entry, v_lo, v_hi)."""
+    E, Dk, D = _views(q, pool, block_tables, lengths, layer)
+    if sinks is not None and sinks.shape != (q.shape[1],):
+        raise ValueError(f"sinks must be [{q.shape[1]}], got {sinks.shape}")
+    if sliding_window is not None and int(sliding_window) < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    return (Dk,) + _gqa_layout(E, Dk, D)
+
+
 def paged_attention(q, pool, block_tables, lengths, *, layer, sliding_window=None, sinks=None, scale=None,
                     interpret=False, pages_per_tile=None, pages_per_partition=None, num_warps=None, num_stages=None,
                     total_blocks=None):
@@ -167,12 +177,7 @@ def paged_attention(q, pool, block_tables, lengths, *, layer, sliding_window=Non
     -> [B, Hq, Dv] in q's dtype
     """
     del total_blocks
-    E, Dk, D = _views(q, pool, block_tables, lengths, layer)
-    v_entry, v_lo, v_hi = _gqa_layout(E, Dk, D)
-    if sinks is not None and sinks.shape != (q.shape[1],):
-        raise ValueError(f"sinks must be [{q.shape[1]}], got {sinks.shape}")
-    if sliding_window is not None and int(sliding_window) < 1:
-        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    Dk, v_entry, v_lo, v_hi = gqa_args(q, pool, block_tables, lengths, layer, sliding_window, sinks)
     ppt, ppp = _pages(pool.shape[3], block_tables.shape[1], pages_per_tile, pages_per_partition)
     return _paged(q, pool, block_tables, lengths, sinks, layer=int(layer), k_dim=Dk, v_entry=v_entry, v_lo=v_lo,
                   v_hi=v_hi, scale=Dk ** -0.5 if scale is None else float(scale),

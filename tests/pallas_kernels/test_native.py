@@ -9,12 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve import LLM, SamplingParams
-from jaxserve.engine.llm_engine import EngineConfig
+from jaxserve import LLM
 from pallas_kernels import check, native, select
 from pallas_kernels.paged_attention import ref_paged_attention, ref_paged_mla_attention
 from pallas_kernels.select import KernelPlan
 from tests.pallas_kernels.conftest import close, randn
+from tests.pallas_kernels.test_check import ENGINE, GREEDY, PROMPTS, _tokens
 from tests.pallas_kernels.test_paged_attention import CASES, _tables
 
 pytestmark = pytest.mark.skipif(not native.available()[0], reason=f"no native library: {native.available()[1]}")
@@ -93,17 +93,6 @@ def test_modes_route_to_the_native_kernels(monkeypatch):
     assert "differs from its reference" in check.run_case(case, "native")
 
 
-ENGINE = EngineConfig(block_size=4, num_blocks=64, chunk_size=8, max_num_batched_tokens=16, max_prefill_seqs=2,
-                      max_num_seqs=4, num_snapshots=8)
-PROMPTS = [[5, 7, 9], [5, 7, 9, 11, 13, 2, 3, 4, 8, 10, 12, 14, 15], [30, 31, 5, 7, 9, 11]]
-GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-
-
-def _run(path, kernels):
-    llm = LLM(path, progress=False, engine=dataclasses.replace(ENGINE, kernels=kernels))
-    return llm, [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
-
-
 @pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
 def test_engine_native_matches_reference_and_falls_back_when_the_library_does_not_build(checkpoint_dir, family,
                                                                                         monkeypatch):
@@ -111,28 +100,28 @@ def test_engine_native_matches_reference_and_falls_back_when_the_library_does_no
     auto runs the references (the reason recorded as a kernel fallback) with the same tokens, and an explicit
     'native' refuses to start, naming the compiler's complaint."""
     path = checkpoint_dir(family)
-    _, want = _run(path, "reference")
-    llm, got = _run(path, "native")
+    _, want = _tokens(path, "reference")
+    llm, got = _tokens(path, "native")
     assert got == want and llm.engine.kernel_fallbacks == {}
     assert llm.engine.kernels == KernelPlan("native") and not llm.engine.runner.ragged
 
     monkeypatch.setattr(native, "_state", {})
     monkeypatch.setattr(native, "build", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("g++: not found")))
     monkeypatch.setattr(select, "auto_mode", lambda: "native")
-    llm, got = _run(path, "auto")
+    llm, got = _tokens(path, "auto")
     assert got == want
     assert llm.engine.runner.ragged  # the references' ragged gather, as on any machine without the library
     assert llm.engine.kernel_fallbacks and all("does not build: g++: not found" in why
                                                for why in llm.engine.kernel_fallbacks.values())
     with pytest.raises(check.KernelCheckError, match="engine.kernels: native, but on this device"):
-        _run(path, "native")
+        _tokens(path, "native")
 
 
 def test_a_tensor_parallel_engine_runs_the_references(checkpoint_dir):
     """The native kernels are opaque to XLA's partitioner (it would gather the sharded pool for each call): a tp 2
     instance under auto runs the references, with the same tokens, and an explicit 'native' is refused."""
     path = checkpoint_dir("llama")
-    _, want = _run(path, "reference")
+    _, want = _tokens(path, "reference")
     llm = LLM(path, progress=False, tp=2, engine=ENGINE)
     assert llm.engine.kernels == "reference" and llm.engine.runner.ragged
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
