@@ -54,7 +54,8 @@ def _worker(model: str, cases: list[str]) -> None:
             run[case] = lambda rows=rows: r.prefill(rows)
         run[case]()  # compile
         run[case]()
-    print("ready", flush=True)
+    import jaxserve
+    print("ready", os.path.dirname(os.path.dirname(os.path.abspath(jaxserve.__file__))), flush=True)
     for line in sys.stdin:
         t = time.perf_counter()
         run[line.strip()]()
@@ -62,13 +63,16 @@ def _worker(model: str, cases: list[str]) -> None:
 
 
 def _start(tree: str, model: str, cases: str) -> subprocess.Popen:
+    """A worker on `tree`'s code; raises unless it is ready and its jaxserve is the tree's own."""
     env = dict(os.environ, PYTHONPATH=tree, HF_HUB_OFFLINE="1")
     p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", "--model", model, "--cases", cases],
                          cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    while (line := p.stdout.readline()) and line.strip() != "ready":
+    while (line := p.stdout.readline()) and not line.startswith("ready"):
         pass
-    if p.poll() is not None:
+    if p.poll() is not None or not line:
         raise RuntimeError(f"the worker for {tree} exited ({p.returncode}) before it was ready")
+    if os.path.realpath(line.split(maxsplit=1)[1].strip()) != os.path.realpath(tree):
+        raise RuntimeError(f"the worker for {tree} imported jaxserve from {line.split(maxsplit=1)[1].strip()}")
     return p
 
 

@@ -119,8 +119,10 @@ def run_case(case: Case, mode: str) -> str | None:
     """None when the kernel compiles in `mode` ("pallas", "interpret" or "native") and agrees with its
     reference on `case`; otherwise the reason."""
     ref, kernel = KERNELS[case.kernel]
-    kernel = native.KERNELS[case.kernel] if mode == "native" else functools.partial(kernel,
-                                                                                      interpret=mode == "interpret")
+    if mode == "native":
+        kernel = native.KERNELS[case.kernel]
+    else:
+        kernel = functools.partial(kernel, interpret=mode == "interpret")
     dims = dict(case.dims)
     args, kw = inputs(case.kernel, np.random.RandomState(0), **dims)
     try:

@@ -18,8 +18,7 @@ import jax
 import numpy as np
 
 from pallas_kernels import check
-from pallas_kernels.select import MODES, mode_of
-from pallas_kernels.select import resolve as resolve_kernels
+from pallas_kernels.select import MODES, mode_of, resolve as resolve_kernels
 
 from ..cache.block_manager import BlockManager, block_hashes
 from ..cache.events import CacheEvents
