@@ -2,13 +2,15 @@
 
 Each tree (this one, and `--baseline` checked out into a temporary git worktree) gets a worker process that loads
 the same checkpoint with the same engine config and prepares every case: `decode:RxC` (one decode step of R
-requests with C tokens cached each), `prefill:RxT` (one step of R first chunks of T tokens). The driver then
+requests with C tokens cached each), `prefill:RxT` (one step of R first chunks of T tokens), `prefill:RxT@C` (one
+step of R chunks of T tokens after C cached tokens each: a long prompt's later chunk). The driver then
 times the cases one step at a time, alternating the trees (the order reversed every round), so a noisy
 machine's slow moments fall on both: per case each tree's median and the median of the paired ratios
 (this tree / baseline) with their range. The baseline's code runs from its worktree (the worker imports it
 first on its path); the worker itself is this file.
 
     python -m bench.steps --baseline 0ab36c4 --json bench/results/steps.json   (before the native CPU kernel)
+    python -m bench.steps --baseline b49a0f5 --json bench/results/steps_prefill.json   (before paged prefill)
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CASES = "decode:4x16,decode:4x300,decode:16x300,decode:48x150,prefill:4x128,prefill:1x256"
+CASES = ("decode:4x16,decode:4x300,decode:16x300,decode:48x150,prefill:4x128,prefill:3x100,prefill:1x256,"
+         "prefill:1x256@768,prefill:2x132@508")
 
 
 def _worker(model: str, cases: list[str]) -> None:
@@ -41,14 +44,16 @@ def _worker(model: str, cases: list[str]) -> None:
     run = {}
     for case in cases:
         kind, shape = case.split(":")
+        shape, _, cached = shape.partition("@")
         n, m = map(int, shape.split("x"))
+        c = int(cached or 0)
         if kind == "decode":
             nb = -(-(m + 1) // bs)
             rows = [R.DecodeRow(i, 1, m, list(range(1 + nb * i, 1 + nb * (i + 1))), R._IDLE, 0) for i in range(n)]
             run[case] = lambda rows=rows: r.generate(rows)
         else:
-            nb, scratch = -(-m // bs), r.layout.scratch_row
-            rows = [R.PrefillRow(f"r{i}", rng.integers(3, 1000, m).tolist(), 0,
+            nb, scratch = -(-(c + m) // bs), r.layout.scratch_row
+            rows = [R.PrefillRow(f"r{i}", rng.integers(3, 1000, m).tolist(), c,
                                  list(range(1 + nb * i, 1 + nb * i + nb)), scratch, scratch, None, True, R._IDLE, 0,
                                  [1, 2, 3]) for i in range(n)]
             run[case] = lambda rows=rows: r.prefill(rows)
@@ -81,7 +86,7 @@ def main(argv=None):
     ap.add_argument("--baseline", help="the git revision to compare with (required unless --worker)")
     ap.add_argument("--json", help="where to write the result (required unless --worker)")
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--cases", default=CASES, help="comma-separated decode:RxC / prefill:RxT")
+    ap.add_argument("--cases", default=CASES, help="comma-separated decode:RxC / prefill:RxT / prefill:RxT@C")
     ap.add_argument("--reps", type=int, default=20, help="timed steps of each case per tree")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)

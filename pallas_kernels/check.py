@@ -84,6 +84,21 @@ def _paged(r, *, Hq, Hkv, Dk, Dv, dtype, block_size, window=None, sinks=False, s
             _lengths(B, ctx, block_size, full)), kw
 
 
+def _paged_prefill(r, *, Hq, Hkv, Dk, Dv, dtype, block_size, window=None, sinks=False, scale=None, B=2, ctx=None,
+                   full=False):
+    """A packed prefill step: a first chunk, a chunk after cached tokens (ending ctx tokens in) and padding."""
+    del full
+    ctx = ctx or 3 * block_size + 5
+    NB, table = _table(r, B, ctx, block_size)
+    E, D = (2, Dk) if Dk == Dv else (1, Dk + Dv)
+    chunks = [(b, s, n) for b, (s, n) in enumerate([(0, min(ctx, 2 * block_size + 3)), (ctx - 7, 7)][:B])]
+    rows = np.concatenate([np.full(n, b) for b, _, n in chunks] + [np.full(3, B)]).astype(np.int32)
+    pos = np.concatenate([np.arange(s, s + n) for _, s, n in chunks] + [np.zeros(3)]).astype(np.int32)
+    kw = dict(layer=0, sliding_window=window, sinks=_rand(r, (Hq,), jnp.float32) if sinks else None, scale=scale)
+    return (_rand(r, (len(rows), Hq, Dk), dtype), _rand(r, (NB, 1, E, block_size, Hkv, D), dtype), table,
+            jnp.asarray(rows), jnp.asarray(pos)), kw
+
+
 def _paged_mla(r, *, H, L, R, dtype, block_size, scale, B=2, ctx=None, full=False):
     ctx = ctx or 3 * block_size + 5
     NB, table = _table(r, B, ctx, block_size)
@@ -103,6 +118,7 @@ _BUILD = {
     "batched_attention": _attention,
     "paged_attention": _paged,
     "paged_mla_attention": _paged_mla,
+    "paged_prefill_attention": _paged_prefill,
     "chunk_gated_delta_rule": functools.partial(_delta, T=37),
     "recurrent_gated_delta_rule": functools.partial(_delta, T=1),
 }
@@ -171,6 +187,8 @@ def plan(requested: str, cases, progress: bool = False) -> tuple[str | KernelPla
     if mode == "reference" or requested == "interpret":
         return mode, {}
     failed: dict[str, str] = {}
+    if mode in ("pallas", "interpret"):  # kernels with no Pallas implementation run as references (select.mode_of)
+        cases = [c for c in cases if KERNELS[c.kernel][1] is not None]
     if mode == "native":
         cases = [c for c in cases if c.kernel in native.KERNELS]
         ok, why = native.available()

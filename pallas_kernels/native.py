@@ -29,10 +29,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .paged_attention import _check_mla, _views, gqa_args, ref_paged_attention, ref_paged_mla_attention
+from .paged_attention import (_check_mla, _views, gqa_args, prefill_args, ref_paged_attention, ref_paged_mla_attention,
+                              ref_paged_prefill_attention)
 
 SOURCE = os.path.join(os.path.dirname(__file__), "native", "paged_attention.cc")
-TARGET = "jaxserve_paged_decode"
+TARGETS = {"jaxserve_paged_decode": "JaxservePagedDecode", "jaxserve_paged_prefill": "JaxservePagedPrefill"}
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-fopenmp-simd")
 CACHE_DIR = os.path.expanduser("~/.cache/jaxserve/native")
 
@@ -89,20 +90,23 @@ def available(cache_dir: str = CACHE_DIR, compiler: str | None = None) -> tuple[
             try:
                 path = build(cache_dir, compiler)
                 lib = ctypes.cdll.LoadLibrary(path)
-                jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxservePagedDecode), platform="cpu")
+                for target, symbol in TARGETS.items():
+                    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
                 _state.update(ok=True, why="", path=path)
             except (RuntimeError, OSError, subprocess.SubprocessError) as e:
                 _state.update(ok=False, why=str(e), path=None)
         return _state["ok"], _state["why"]
 
 
-def _call(q, pool, block_tables, lengths, sinks, layer, *, k_dim, v_entry, v_lo, v_hi, window, scale):
+def _call(q, pool, block_tables, per_query, sinks, layer, *, k_dim, v_entry, v_lo, v_hi, window, scale):
+    """Decode (per_query: (lengths,)) or prefill (per_query: (rows, positions)) -> [B or N, Hq, v_hi - v_lo]."""
     B, Hq = q.shape[:2]
     has_sinks = sinks is not None
     sinks = sinks.astype(jnp.float32) if has_sinks else jnp.zeros((Hq,), jnp.float32)
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((B, Hq, v_hi - v_lo), jnp.float32),
+    target = "jaxserve_paged_decode" if len(per_query) == 1 else "jaxserve_paged_prefill"
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((B, Hq, v_hi - v_lo), jnp.float32),
                             vmap_method="sequential")
-    return call(q, pool, block_tables.astype(jnp.int32), lengths.astype(jnp.int32),
+    return call(q, pool, block_tables.astype(jnp.int32), *(x.astype(jnp.int32) for x in per_query),
                 jnp.asarray(layer, jnp.int32), sinks, k_dim=np.int64(k_dim), v_entry=np.int64(v_entry),
                 v_lo=np.int64(v_lo), v_hi=np.int64(v_hi), window=np.int64(window or 0), scale=np.float32(scale),
                 has_sinks=has_sinks)
@@ -121,7 +125,7 @@ def paged_attention(q, pool, block_tables, lengths, *, layer, sliding_window=Non
         return ref_paged_attention(q, pool, block_tables, lengths, layer=layer, sliding_window=sliding_window,
                                    sinks=sinks, scale=scale, total_blocks=total_blocks)
     Dk, v_entry, v_lo, v_hi = gqa_args(q, pool, block_tables, lengths, layer, sliding_window, sinks)
-    return _call(q, pool, block_tables, lengths, sinks, layer, k_dim=Dk, v_entry=v_entry, v_lo=v_lo, v_hi=v_hi,
+    return _call(q, pool, block_tables, (lengths,), sinks, layer, k_dim=Dk, v_entry=v_entry, v_lo=v_lo, v_hi=v_hi,
                  window=sliding_window, scale=Dk ** -0.5 if scale is None else float(scale))
 
 
@@ -134,8 +138,21 @@ def paged_mla_attention(q, pool, block_tables, lengths, *, layer, kv_lora_rank, 
                                        scale=scale, total_blocks=total_blocks)
     _views(q, pool, block_tables, lengths, layer)
     _check_mla(q, pool, kv_lora_rank)
-    return _call(q, pool, block_tables, lengths, None, layer, k_dim=q.shape[2], v_entry=0, v_lo=0,
+    return _call(q, pool, block_tables, (lengths,), None, layer, k_dim=q.shape[2], v_entry=0, v_lo=0,
                  v_hi=int(kv_lora_rank), window=None, scale=float(scale))
 
 
-KERNELS = {"paged_attention": paged_attention, "paged_mla_attention": paged_mla_attention}  # for select.py
+def paged_prefill_attention(q, pool, block_tables, rows, positions, *, layer, sliding_window=None, sinks=None,
+                            scale=None):
+    """`ref_paged_prefill_attention`'s arguments and result (a packed prefill step's GQA attention over the pool,
+    each token over its row's tokens up to itself), computed by the native kernel."""
+    if not _runs(pool):
+        return ref_paged_prefill_attention(q, pool, block_tables, rows, positions, layer=layer,
+                                           sliding_window=sliding_window, sinks=sinks, scale=scale)
+    Dk, v_entry, v_lo, v_hi = prefill_args(q, pool, block_tables, rows, positions, layer, sliding_window, sinks)
+    return _call(q, pool, block_tables, (rows, positions), sinks, layer, k_dim=Dk, v_entry=v_entry, v_lo=v_lo,
+                 v_hi=v_hi, window=sliding_window, scale=Dk ** -0.5 if scale is None else float(scale))
+
+
+KERNELS = {"paged_attention": paged_attention, "paged_mla_attention": paged_mla_attention,  # for select.py
+           "paged_prefill_attention": paged_prefill_attention}

@@ -262,6 +262,35 @@ def ref_paged_attention(q, pool, block_tables, lengths, *, layer, sliding_window
     return out[:, 0]
 
 
+def prefill_args(q, pool, block_tables, rows, positions, layer, sliding_window, sinks):
+    """Validate a paged prefill call -> (Dk, v_entry, v_lo, v_hi)."""
+    N = q.shape[0] if q.ndim == 3 else -1
+    if rows.shape != (N,) or positions.shape != (N,):
+        raise ValueError(f"rows and positions must be [{N}] (one per query token), got {rows.shape}, {positions.shape}")
+    lengths = jnp.zeros((block_tables.shape[0],), jnp.int32)  # _views checks the table against q's rows
+    return gqa_args(jnp.zeros((block_tables.shape[0],) + q.shape[1:], q.dtype), pool, block_tables, lengths, layer,
+                    sliding_window, sinks)
+
+
+def ref_paged_prefill_attention(q, pool, block_tables, rows, positions, *, layer, sliding_window=None, sinks=None,
+                                scale=None):
+    """Prefill attention over the pool for a packed step: q [N, Hq, Dk] the step's tokens (their own K/V already
+    written into the pool), rows [N] int32 each token's block-table row (outside [0, B): padding, zeros out),
+    positions [N] int32 each token's position (it sees its row's tokens up to and including it, the last
+    `sliding_window` of them with a window); pool, block_tables [B, W], layer, sinks, scale as in
+    `paged_attention` -> [N, Hq, Dv] in q's dtype. Gathers each token's row of the dense view: a reference for
+    tests, [N, W * block_size] keys."""
+    Dk, v_entry, v_lo, v_hi = prefill_args(q, pool, block_tables, rows, positions, layer, sliding_window, sinks)
+    B = block_tables.shape[0]
+    x, k_pos = _dense_view(pool, block_tables, None, layer)  # [B, S, E, Hkv, D]
+    real = (rows >= 0) & (rows < B)
+    r = jnp.clip(rows, 0, B - 1)
+    k, v = x[r, :, 0, :, :Dk], x[r, :, v_entry, :, v_lo:v_hi]  # [N, S, Hkv, *]
+    out = ref_batched_attention(q[:, None], k, v, positions[:, None], k_pos[r], k_pos[r] <= positions[:, None],
+                                scale=Dk ** -0.5 if scale is None else scale, window=sliding_window, sinks=sinks)
+    return jnp.where(real[:, None, None], out[:, 0], 0).astype(q.dtype)
+
+
 def _check_mla(q, pool, kv_lora_rank):
     if pool.shape[2] != 1 or pool.shape[4] != 1:
         raise ValueError(f"an MLA pool has E=1 and one head, got {pool.shape}")

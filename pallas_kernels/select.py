@@ -26,17 +26,18 @@ from . import native
 from .flash_attention import batched_attention, flash_attention, ref_batched_attention, ref_flash_attention
 from .gated_delta_rule import (chunk_gated_delta_rule, recurrent_gated_delta_rule, ref_chunk_gated_delta_rule,
                                ref_recurrent_gated_delta_rule)
-from .paged_attention import (paged_attention, paged_mla_attention, ref_paged_attention,
-                              ref_paged_mla_attention)
+from .paged_attention import (paged_attention, paged_mla_attention, ref_paged_attention, ref_paged_mla_attention,
+                              ref_paged_prefill_attention)
 
 Mode = Literal["auto", "reference", "pallas", "interpret", "native"]
 MODES: tuple[str, ...] = ("auto", "reference", "pallas", "interpret", "native")
 
-KERNELS = {  # name -> (reference, kernel)
+KERNELS = {  # name -> (reference, Pallas kernel or None: native only)
     "flash_attention": (ref_flash_attention, flash_attention),
     "batched_attention": (ref_batched_attention, batched_attention),
     "paged_attention": (ref_paged_attention, paged_attention),
     "paged_mla_attention": (ref_paged_mla_attention, paged_mla_attention),
+    "paged_prefill_attention": (ref_paged_prefill_attention, None),
     "chunk_gated_delta_rule": (ref_chunk_gated_delta_rule, chunk_gated_delta_rule),
     "recurrent_gated_delta_rule": (ref_recurrent_gated_delta_rule, recurrent_gated_delta_rule),
 }
@@ -67,13 +68,15 @@ def resolve(mode):
 def mode_of(name: str, mode) -> str:
     """"reference", "pallas", "interpret" or "native": how kernel `name` runs under `mode` (a mode name or a
     KernelPlan). Under native, a kernel with no native implementation, or a library that does not build, runs
-    as its reference."""
+    as its reference; under pallas and interpret, one with no Pallas kernel."""
     if name not in KERNELS:
         raise KeyError(f"no kernel {name!r}; known: {', '.join(KERNELS)}")
     mode = resolve(mode)
     if isinstance(mode, KernelPlan):
         mode = "reference" if name in mode.reference else mode.mode
     if mode == "native" and (name not in native.KERNELS or not native.available()[0]):
+        return "reference"
+    if mode in ("pallas", "interpret") and KERNELS[name][1] is None:
         return "reference"
     return mode
 

@@ -137,10 +137,15 @@ class LLMEngine:
         # reference gathers a ragged list of the batch's blocks (its count bucketed: `ragged`)
         paged = {mode_of(k, self.kernels) for k in ("paged_attention", "paged_mla_attention")}
         ragged = paged == {"reference"}
+        # the native kernels read only the blocks in use (tables of one width); a model whose every layer is
+        # full GQA attention prefills over the pool in one packed program per step (runner.paged_prefill)
+        paged_prefill = (mode_of("paged_prefill_attention", self.kernels) == "native"
+                         and not self.layout.has_request_state and not any(g.mla for g in self.layout.groups))
         self.runner = ModelRunner(self.graphdef, state, self.layout, self.model_config.vocab_size, self.dtype,
                                   num_slots=cfg.max_num_seqs, max_prefill_seqs=cfg.max_prefill_seqs,
                                   chunk_size=cfg.chunk_size, max_blocks_per_seq=-(-self.max_model_len // bs),
-                                  mesh=mesh, timer=self.timer, ragged=ragged,
+                                  mesh=mesh, timer=self.timer, ragged=ragged, full_tables=paged == {"native"},
+                                  paged_prefill=paged_prefill,
                                   max_batched_tokens=cfg.max_num_batched_tokens,
                                   stack=LayerStack(layer_runs(self.model_config)
                                                    if paged <= {"reference", "native"} else ()))

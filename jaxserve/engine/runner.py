@@ -16,7 +16,10 @@ Shapes are bucketed so that a workload compiles a bounded set of programs, all o
 ahead (`warmup`): prefill in the three families of `prefill_groups` (chunk lengths and block-table widths in
 powers of two, a batch's real tokens packed into a power-of-two bucket), decode in `decode_batch` rows (4 for up
 to 4 requests, else doublings from max(16, slots / 4) up to the slots) times the block-table widths (ragged
-attention: the buckets of the blocks in use). `programs` records the shapes run.
+attention: the buckets of the blocks in use). With the native kernels the tables are always max_blocks_per_seq
+wide (the kernels read only the blocks in use): decode programs are keyed by their rows alone, and a model of
+full-attention GQA layers only prefills in one packed program per step over the pool (`paged_prefill`), keyed
+by its `token_bucket`. `programs` records the shapes run.
 
 Colocated mode uses one ModelRunner for both roles: prefill writes straight into the blocks and state row that
 decode then reads, so `insert` only records the slot's sampling state. Disaggregated, the prefill instance's
@@ -46,6 +49,21 @@ from .steptimer import StepTimer
 
 _IDLE = SamplingParams(temperature=0.0, seed=0)  # sampling parameters of the warm-up's requests
 SMALL_DECODE_ROWS = 4  # the smallest decode batch bucket: up to this many running requests
+
+
+def token_buckets(lo: int, hi: int) -> list[int]:
+    """The packed-token buckets up to hi: lo doubling to 64, then the powers of two and the midpoints between them
+    (96, 128, 192, 256, 384, ...: at most a third of a bucket is padding past 64), hi itself last."""
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b = b * 2 if b < 64 else (b * 3 // 2 if b & (b - 1) == 0 else b * 4 // 3)
+    return out + [hi]
+
+
+def token_bucket(n: int, lo: int, hi: int) -> int:
+    """The smallest of token_buckets(lo, hi) >= n (n itself above hi)."""
+    return next((b for b in token_buckets(lo, hi) if b >= n), n)
 
 
 def pow2_bucket(n: int, lo: int, hi: int) -> int:
@@ -99,14 +117,18 @@ class ModelRunner:
     def __init__(self, graphdef, state, layout: PoolLayout, vocab_size: int, dtype, *, num_slots: int,
                  max_prefill_seqs: int, chunk_size: int, max_blocks_per_seq: int, mesh=None,
                  timer: StepTimer | None = None, ragged: bool = False, stack: LayerStack | None = None,
-                 max_batched_tokens: int | None = None):
+                 max_batched_tokens: int | None = None, full_tables: bool = False, paged_prefill: bool = False):
         """ragged: decode attention runs as the jnp reference, which then gathers only the blocks in use
-        (the decode programs are keyed by the batch's total blocks instead of the table width).
+        (the decode programs are keyed by the batch's total blocks instead of the table width). full_tables: the
+        decode attention (the native kernel) reads only the blocks in use, so every decode table is
+        max_blocks_per_seq wide (the programs are keyed by the rows alone). paged_prefill: every layer is full
+        attention over the pool with the native kernels: a prefill step is one packed program whatever its
+        rows (first chunks and chunks after cached tokens together), keyed by its token bucket alone.
         stack: runs of identical layers to stack and scan (models/stack.py); the runner then holds the only copy
         of their weights (`params`): drop `state` after this. max_batched_tokens: the most prompt tokens of one
         prefill step (the scheduler's budget; warm-up compiles the packed buckets up to it)."""
         self.layout, self.V, self.dtype = layout, vocab_size, dtype
-        self.ragged = ragged
+        self.ragged, self.full_tables, self.paged_prefill = ragged, full_tables, paged_prefill
         self.timer = timer or StepTimer()  # phases: input preparation, the device program (to results on host)
         self.num_slots, self.max_prefill_seqs, self.chunk_size = num_slots, max_prefill_seqs, chunk_size
         self.max_blocks_per_seq = max_blocks_per_seq
@@ -131,7 +153,7 @@ class ModelRunner:
             # prefill (its layers shifted by `shift`: one program for the groups of a run, `_stage`)
             m, stacks = merge(params)
             shift = 0 if shift is None else shift
-            cache = gather(layout, pool, table, src, batch.start, span=(lo, hi), dense=True, shift=shift)
+            cache = gather(layout, pool, table, src, batch.start, span=(lo, hi), dense=not paged_prefill, shift=shift)
             if lo == 0:
                 x = m.embed(batch)
             x, cache = m.run_layers(x, batch, cache, lo, hi, stacks, shift)
@@ -187,12 +209,16 @@ class ModelRunner:
 
     # ---- protocol
     def prefill_groups(self, rows: list[PrefillRow]) -> list[list[PrefillRow]]:
-        """The programs a prefill step over `rows` runs: the first chunks (nothing cached) together, each chunk
-        that reads cached tokens alone, so that every prefill program has one of the shapes warm-up compiles:
+        """The programs a prefill step over `rows` runs. Paged prefill: one, B max_prefill_seqs, T chunk_size, W
+        max_blocks_per_seq, N = token_bucket of the rows' tokens. Otherwise the first chunks (nothing cached)
+        together, each chunk that reads cached tokens alone, so that every prefill program has one of the shapes
+        warm-up compiles:
           first chunks, one     B 1, T = pow2 bucket of its length, W from T, unpacked
           first chunks, several B max_prefill_seqs, T chunk_size, W from T, N = pow2 bucket of their tokens
                                 (packed: the [B, T] padding costs attention only)
           a chunk after cached  B 1, T = pow2 bucket of its length, W = pow2 bucket of the blocks to its end"""
+        if self.paged_prefill:
+            return [rows]
         fresh = [r for r in rows if r.start == 0]
         return ([fresh] if fresh else []) + [[r] for r in rows if r.start > 0]
 
@@ -256,9 +282,11 @@ class ModelRunner:
     def _prefill_inputs(self, rows: list[PrefillRow]):
         """One prefill program's ((B, T, W, N, fresh) shape, arguments, `first_fn`'s arguments, [B, V] prompt
         masks) for a `prefill_groups` group."""
-        fresh = all(r.start == 0 for r in rows)
-        B = 1 if len(rows) == 1 else self.max_prefill_seqs
-        T = self.chunk_size if B > 1 else pow2_bucket(max(len(r.tokens) for r in rows), 16, self.chunk_size)
+        paged = self.paged_prefill
+        fresh = not paged and all(r.start == 0 for r in rows)
+        B = 1 if len(rows) == 1 and not paged else self.max_prefill_seqs
+        T = self.chunk_size if B > 1 or paged else pow2_bucket(max(len(r.tokens) for r in rows), 16,
+                                                                 self.chunk_size)
         bs = self.layout.block_size
         tokens = np.zeros((B, T), np.int32)
         start, lengths = np.zeros(B, np.int32), np.zeros(B, np.int32)
@@ -275,12 +303,16 @@ class ModelRunner:
         # each row's table up to the block holding its chunk's end (the blocks after it are not read); first
         # chunks as wide as T (their keys are the chunk's own): the width follows the chunk, not the prompt
         ends = [-(-(r.start + len(r.tokens)) // bs) for r in rows]
-        table = self._table([r.block_ids[:n] for r, n in zip(rows, ends)], B, -(-T // bs) if fresh else max(ends))
+        table = self._table([r.block_ids[:n] for r, n in zip(rows, ends)], B, -(-T // bs) if fresh else max(ends),
+                            self.max_blocks_per_seq if paged else None)
         st = SamplingTensors.from_params([r.params for r in rows], [r.step for r in rows], B)
         # several rows: pack the real tokens so only attention itself sees the [B, T] padding (models/batch.py)
-        N = pow2_bucket(int(lengths.sum()), 16, B * T) if B > 1 else B * T
+        if paged:
+            N = token_bucket(int(lengths.sum()), 16, B * T)
+        else:
+            N = pow2_bucket(int(lengths.sum()), 16, B * T) if B > 1 else B * T
         packed = None
-        if N < B * T:
+        if N < B * T or paged:
             packed = np.full(N, B * T, np.int32)
             packed[:int(lengths.sum())] = np.concatenate([i * T + np.arange(n, dtype=np.int32)
                                                           for i, n in enumerate(lengths) if n])
@@ -324,6 +356,8 @@ class ModelRunner:
         if self.ragged:  # the blocks in use, bucketed; a table as wide as the longest row can be
             M = pow2_bucket(sum(used), B, B * self.max_blocks_per_seq)
             W = min(M, self.max_blocks_per_seq)
+        if self.full_tables:
+            W = self.max_blocks_per_seq
         table = self._table([r.block_ids for r in rows], B, max(used), W)
         st = SamplingTensors.from_params([r.params for r in rows], [r.step for r in rows], B)
         self.programs.update({("decode", B, 1, table.shape[1], M), ("sample", B)})
@@ -355,10 +389,10 @@ class ModelRunner:
         """Compile what an instance runs (every shape of `prefill_groups` and `decode_batch`), so that traffic
         compiles nothing afterwards:
           decode  the decode program for every batch bucket and block-table width (ragged: every total-blocks
-                  bucket)
+                  bucket; full tables: the one width)
           whole   the whole-model prefill programs: first chunks alone (every chunk bucket) and together (every
                   packed token bucket), and chunks after cached tokens (every chunk bucket and table width that
-                  can follow)
+                  can follow); paged prefill: every token bucket up to the step's token budget
           stages  the layer-group programs of layer-wise prefill for the same shapes, those of prompts of at
                   least stage_min_tokens (transfer.stream_min_tokens: shorter ones are sent whole)
           tails   (without whole) the one-token chunk at the end of a sequence of every table width: what a
@@ -387,27 +421,39 @@ class ModelRunner:
                     if m >= hi:
                         break
                     m = min(2 * m, hi)
+        else:  # full tables: one width
+            decodes = [("decode", w, b) for w in ([1] if self.full_tables else widths) for b in batches]
+        BT = self.max_prefill_seqs * self.chunk_size
+        split = lambda n, k: [n // k + (i < n % k) for i in range(k)]  # noqa: E731  n tokens as k rows
+        if self.paged_prefill:  # one program per token bucket, as rows of at most chunk_size tokens
+            top = token_bucket(min(self.max_batched_tokens, BT), 16, BT)
+            prefills = [("first", split(n, -(-n // self.chunk_size))) for n in token_buckets(16, BT) if n <= top]
+            cached, short = [], [("first", [1])]  # a one-token chunk after cached tokens: the smallest bucket
         else:
-            decodes = [("decode", w, b) for w in widths for b in batches]
-        # a chunk after cached tokens: per chunk bucket T and width W, one of length in (previous T, T] ending at
-        # the last token of W blocks (none when no such chunk has a token before it)
-        cached = [(min(t, w * bs - 1), w) for i, t in enumerate(lengths) for w in widths
-                  if min(t, w * bs - 1) > (lengths[i - 1] if i else 0)]
-        batched = []  # every packed token bucket N of several first chunks, as rows N tokens in all
-        n, top = 16, pow2_bucket(min(self.max_batched_tokens, self.max_prefill_seqs * self.chunk_size), 16,
-                                 self.max_prefill_seqs * self.chunk_size)
-        while self.max_prefill_seqs > 1 and n <= top:
-            k = max(2, -(-n // self.chunk_size))
-            batched.append([n // k + (i < n % k) for i in range(k)])
-            n *= 2
-        prefills = [("first", [t]) for t in lengths] + [("first", b) for b in batched] + [("cached", c) for c in cached]
+            # a chunk after cached tokens: per chunk bucket T and width W, one of length in (previous T, T] ending
+            # at the last token of W blocks (none when no such chunk has a token before it)
+            cached = [(min(t, w * bs - 1), w) for i, t in enumerate(lengths) for w in widths
+                      if min(t, w * bs - 1) > (lengths[i - 1] if i else 0)]
+            batched = []  # every packed token bucket N of several first chunks (up to the budget's), as rows
+            n, top = 16, pow2_bucket(min(self.max_batched_tokens, BT), 16, BT)
+            while self.max_prefill_seqs > 1:
+                m = min(n, top)
+                batched.append(split(m, max(2, -(-m // self.chunk_size))))
+                if n >= top:
+                    break
+                n *= 2
+            prefills = ([("first", [t]) for t in lengths] + [("first", b) for b in batched]
+                        + [("cached", c) for c in cached])
+            short = [("cached", c) for c in cached if c[0] <= lengths[0]]
         jobs = decodes if decode else []
         if whole:
             jobs += [(kind, n, None) for kind, n in prefills]
         elif tails:
-            jobs += [("cached", c, None) for c in cached if c[0] <= lengths[0]]
-        if stages is not None:  # a staged request's chunk: its whole prompt of at least stage_min_tokens
-            long = lambda kind, n: (sum(n) if kind == "first" else n[1] * bs) >= stage_min_tokens  # noqa: E731
+            jobs += [(kind, n, None) for kind, n in short]
+        if stages is not None:  # a staged request's chunk: its whole prompt of at least stage_min_tokens (paged:
+            # any chunk of such a prompt shares its bucket's program with short ones)
+            long = lambda kind, n: (self.paged_prefill or  # noqa: E731
+                                    (sum(n) if kind == "first" else n[1] * bs) >= stage_min_tokens)
             jobs += [(kind, n, stages) for kind, n in prefills if long(kind, n)]
         scratch = self.layout.scratch_row
         for kind, n, st in tqdm(jobs, desc="compiling", unit="program", disable=not progress):

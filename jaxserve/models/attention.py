@@ -95,6 +95,16 @@ def kv_attention(q, k_new, v_new, cache: dict, batch: Batch, *, scale, window, s
     return out, {"k": ring_update(cache["k"], k_new, batch), "v": ring_update(cache["v"], v_new, batch)}
 
 
+def paged_prefill(q, k_new, v_new, cache: PagedKV, batch: Batch, *, scale, window, sinks, kernels):
+    """A packed prefill step's full attention over the pool: q [N, Hq, Dk], k_new [N, Hkv, Dk], v_new [N, Hkv, Dv]
+    the packed tokens' -> (out [N, Hq, Dv], cache with the step's K/V written)."""
+    rows, pos = batch.packed_rows, batch.packed_positions
+    cache = cache.write_packed(PagedKV.pack(k_new[None], v_new[None], cache.pool.shape[2])[0], rows, pos)
+    out = select("paged_prefill_attention", kernels)(q, cache.pool, cache.table, rows, pos, layer=cache.layer,
+                                                     sliding_window=window, sinks=sinks, scale=scale)
+    return out, cache
+
+
 def _attend_full(q, k, v, batch: Batch, scale, sinks, kernels):
     """Attention of q [B, T, Hq, Dk] over a full cache k [B, S, Hkv, Dk], v [B, S, Hkv, Dv] holding position p at
     index p (a first chunk's keys are its own tokens: aligned with the queries)."""
@@ -143,9 +153,14 @@ class GQAAttention(nnx.Module):
             pos = batch.pack(batch.positions)
             q, k = apply_rope(q, pos, s.rope), apply_rope(k, pos, s.rope)
         sinks = self.sinks[...] if s.sinks else None
-        out, cache = kv_attention(batch.unpack(q), batch.unpack(k), batch.unpack(v), cache, batch, scale=s.scale,
-                                  window=s.window, sinks=sinks, kernels=self.kernels)
-        out = batch.pack(out).reshape(B, T, -1)
+        if isinstance(cache, PagedKV) and not cache.dense and batch.packed is not None:  # paged prefill
+            out, cache = paged_prefill(q[0], k[0], v[0], cache, batch, scale=s.scale, window=s.window, sinks=sinks,
+                                       kernels=self.kernels)
+        else:
+            out, cache = kv_attention(batch.unpack(q), batch.unpack(k), batch.unpack(v), cache, batch,
+                                      scale=s.scale, window=s.window, sinks=sinks, kernels=self.kernels)
+            out = batch.pack(out)
+        out = out.reshape(B, T, -1)
         if gate is not None:
             out = out * jax.nn.sigmoid(gate)
         return self.o_proj(out), cache

@@ -6,6 +6,9 @@ prefill is anything in between.
 
 Fresh (engine prefill of first chunks only): `fresh` says statically that no row has cached tokens.
 
+Paged prefill (engine prefill with the native kernels, models/paged.py): full-attention layers take the packed
+tokens as they are, each with its row and position (`packed_rows`, `packed_positions`).
+
 Packed (engine prefill): with `packed` set, the residual stream holds only the real tokens, N of them in a
 row [1, N, ...] (N bucketed, the rest padding), so embeddings, norms, MLPs and MoEs do no work on the [B, T]
 padding; GQA attention projects the packed tokens and unpacks only for attention itself; the other mixers
@@ -53,6 +56,16 @@ class Batch:
     @property
     def positions(self):  # [B, T] int32
         return self.start[:, None] + jnp.arange(self.tokens.shape[1], dtype=jnp.int32)[None, :]
+
+    @property
+    def packed_rows(self):  # [N] int32: the row of each packed token, B for padding
+        return self.packed // self.tokens.shape[1]
+
+    @property
+    def packed_positions(self):  # [N] int32: the position of each packed token (0 for padding)
+        T = self.tokens.shape[1]
+        row = jnp.minimum(self.packed // T, self.start.shape[0] - 1)
+        return jnp.where(self.packed < self.tokens.size, self.start[row] + self.packed % T, 0)
 
     @property
     def valid(self):  # [B, T] bool

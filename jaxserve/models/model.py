@@ -197,7 +197,8 @@ def kernel_cases(cfg: ModelConfig, dtype, block_size: int) -> list[Case]:
         if isinstance(spec, GQASpec):
             dims = dict(Hq=spec.num_heads, Hkv=spec.num_kv_heads, Dk=spec.head_dim, Dv=spec.v_head_dim, dtype=dtype,
                         window=spec.window, sinks=spec.sinks, scale=spec.scale)
-            cases |= {Case.of("batched_attention", **dims), Case.of("paged_attention", block_size=block_size, **dims)}
+            cases |= {Case.of("batched_attention", **dims), Case.of("paged_attention", block_size=block_size, **dims),
+                      Case.of("paged_prefill_attention", block_size=block_size, **dims)}
         elif isinstance(spec, MLASpec):
             L, R = spec.kv_lora_rank, spec.qk_rope_head_dim
             cases |= {Case.of("batched_attention", Hq=spec.num_heads, Hkv=1, Dk=L + R, Dv=L, dtype=dtype,

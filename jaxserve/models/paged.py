@@ -5,7 +5,9 @@ The engine hands each layer of a full cache group a `PagedKV`: the group's pool 
 the layer's index in the group. The layer writes its new tokens' K/V (or MLA latent) into the blocks, then
   decode   attends with paged attention (pallas_kernels/paged_attention.py), which reads the blocks in place;
   prefill  (`dense`) attends over a dense copy of its own layer's blocks (`view`): the chunk's own keys for a
-           first chunk, which reads nothing.
+           first chunk, which reads nothing; or, paged (not `dense`, a packed batch: the native kernels), writes
+           the packed tokens (`write_packed`) and attends with paged prefill attention, each token over its
+           row's blocks in place.
 Layers of one group share the array: the model passes each layer the array the previous one returned, and a
 scan over a run of layers carries it (the layer index traced), so a program has one write and one read per
 run, not per layer.
@@ -59,6 +61,16 @@ class PagedKV:
         blk = jnp.take_along_axis(self.table, jnp.clip(pos // bs, 0, self.table.shape[1] - 1), axis=1)
         blk = jnp.where(batch.valid, blk, NB)
         pool = self.pool.at[blk, self.layer, :, pos % bs].set(vals.astype(self.pool.dtype), mode="drop")
+        return replace(self, pool=pool)
+
+    def write_packed(self, vals, rows, positions) -> "PagedKV":
+        """Store vals [N, E, Hkv, D] of packed tokens at their rows [N] and positions [N] (rows outside the table,
+        padding, are dropped)."""
+        NB, _, _, bs = self.pool.shape[:4]
+        B, W = self.table.shape
+        blk = self.table[jnp.minimum(rows, B - 1), jnp.clip(positions // bs, 0, W - 1)]
+        blk = jnp.where(rows < B, blk, NB)
+        pool = self.pool.at[blk, self.layer, :, positions % bs].set(vals.astype(self.pool.dtype), mode="drop")
         return replace(self, pool=pool)
 
     @staticmethod

@@ -1,4 +1,4 @@
-// Paged decode attention for the CPU, called from XLA as an FFI custom call (pallas_kernels/native.py).
+// Paged attention for the CPU, decode and prefill, called from XLA as FFI custom calls (pallas_kernels/native.py).
 //
 // The Pallas kernel (paged_attention.py) serves GPUs; on a CPU the jnp reference gathers every block the batch
 // holds into a dense copy and multiplies thousands of [heads x head_dim] matrices by [head_dim x block] ones, a
@@ -17,13 +17,25 @@
 // the same loop. The query sees tokens [max(0, n - window), n) with n = lengths[b] (window 0: all of them).
 // Softmax in float32, online over blocks (a block's scores first, then one rescale of the accumulator).
 //
-// Work items are (request, KV head) pairs, taken from a shared counter by the calling thread and by helpers
-// scheduled on XLA's intra-op thread pool; the call returns once every item is done.
+// Prefill (`JaxservePagedPrefill`) takes a packed step's tokens, each with its table row and position, after the
+// step's own K/V are written into the pool:
+//   q         [N, Hq, Dk]                   float32, the step's tokens packed (any rows, any order)
+//   rows      [N]                           int32 table row of each token; outside [0, B): padding (zeros out)
+//   positions [N]                           int32 position of each token: it sees tokens [lo, position]
+//   out       [N, Hq, v_hi - v_lo]          float32
+// Runs of up to kTile consecutive tokens of one row form a query tile: a tile's G * tokens query rows meet each
+// key block once (the block transposed, then one fused multiply-add per key column), softmax online per row.
+//
+// Work items are (request, KV head) pairs (decode) or (query tile, KV head) pairs (prefill), taken from a
+// shared counter by the calling thread and by helpers scheduled on XLA's intra-op thread pool; the call
+// returns once every item is done.
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <functional>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -112,8 +124,9 @@ void Attend(const Job& j, int64_t b, int64_t h) {
   }
 }
 
+// Items 0..items-1 of a call, run by the calling thread and by helpers on XLA's intra-op pool.
 struct Shared {
-  Job job;
+  std::function<void(int64_t)> run;
   int64_t items;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
@@ -121,9 +134,21 @@ struct Shared {
 
 void Drain(Shared& sh) {
   for (int64_t i; (i = sh.next.fetch_add(1)) < sh.items;) {
-    Attend(sh.job, i / sh.job.Hkv, i % sh.job.Hkv);
+    sh.run(i);
     sh.done.fetch_add(1, std::memory_order_release);
   }
+}
+
+void RunItems(ffi::ThreadPool& threads, int64_t items, std::function<void(int64_t)> run) {
+  auto shared = std::make_shared<Shared>();
+  shared->run = std::move(run);
+  shared->items = items;
+  const int64_t helpers = std::min<int64_t>(threads.num_threads(), items - 1);
+  for (int64_t i = 0; i < helpers; ++i) {
+    threads.Schedule([shared] { Drain(*shared); });
+  }
+  Drain(*shared);
+  while (shared->done.load(std::memory_order_acquire) < items) std::this_thread::yield();
 }
 
 ffi::Error PagedDecodeImpl(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> pool,
@@ -135,21 +160,225 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> q
   if (qd.size() != 3 || pd.size() != 6 || td.size() != 2) {
     return ffi::Error::InvalidArgument("paged decode: q [B, Hq, Dk], pool [NB, L, E, bs, Hkv, D], table [B, W]");
   }
-  auto shared = std::make_shared<Shared>();
-  Job& j = shared->job;
-  j = Job{q.typed_data(), pool.typed_data(), table.typed_data(), lengths.typed_data(), sinks.typed_data(),
-          out->typed_data(), pd[0], pd[1], pd[2], pd[3], pd[4], pd[5], td[1], qd[1], qd[2], v_hi - v_lo,
-          layer.typed_data()[0], k_dim, v_entry, v_lo, window, scale, has_sinks};
+  Job j{q.typed_data(), pool.typed_data(), table.typed_data(), lengths.typed_data(), sinks.typed_data(),
+        out->typed_data(), pd[0], pd[1], pd[2], pd[3], pd[4], pd[5], td[1], qd[1], qd[2], v_hi - v_lo,
+        layer.typed_data()[0], k_dim, v_entry, v_lo, window, scale, has_sinks};
   if (j.Hq % j.Hkv || k_dim > j.D || v_hi > j.D || v_entry >= j.E || j.layer < 0 || j.layer >= j.L) {
     return ffi::Error::InvalidArgument("paged decode: heads, head dims, entry or layer outside the pool");
   }
-  shared->items = qd[0] * j.Hkv;
-  const int64_t helpers = std::min<int64_t>(pool_threads.num_threads(), shared->items - 1);
-  for (int64_t i = 0; i < helpers; ++i) {
-    pool_threads.Schedule([shared] { Drain(*shared); });
+  RunItems(pool_threads, qd[0] * j.Hkv, [j](int64_t i) { Attend(j, i / j.Hkv, i % j.Hkv); });
+  return ffi::Error::Success();
+}
+
+// ---- prefill
+
+constexpr int64_t kTile = 16;   // query tokens per tile
+constexpr int64_t kMaxBs = 256;  // largest block size
+constexpr int64_t kVec = 16;     // query rows per vector
+constexpr int64_t kKeys = 4;     // keys scored together
+constexpr int64_t kDims = 8;     // value dims accumulated together
+
+// exp(x) for the softmax's x <= 0: 2^k (exponent bits) times e^f by its degree-6 Taylor polynomial, |f| <= ln2 / 2
+// (relative error about 1e-7); branch-free, so that loops over it vectorize. Below -87 it gives about 1e-38.
+inline float ExpNonPositive(float x) {
+  x = std::max(x, -87.0f);
+  const float k = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float f = x - k * 0.69314718055994531f;
+  float p = 1.0f / 720;
+  p = p * f + 1.0f / 120;
+  p = p * f + 1.0f / 24;
+  p = p * f + 1.0f / 6;
+  p = p * f + 0.5f;
+  p = p * f + 1.0f;
+  p = p * f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  float two_k;
+  std::memcpy(&two_k, &bits, sizeof two_k);
+  return p * two_k;
+}
+
+struct Tile {
+  int64_t first, count, row, pos0;  // tokens first..first+count-1 of row `row`, at positions pos0, pos0+1, ...
+};
+
+struct PrefillJob {
+  Job base;  // lengths unused
+  const int32_t* rows;
+  const int32_t* positions;
+};
+
+// One (query tile, KV head h) pair. BS: the block size when it is a compile-time constant (0: j.bs).
+// The tile's query rows (token r / G, head h * G + r % G) run along vectors: the queries, the scores and the
+// accumulator are held transposed ([dim][row]), so that a key's or value's element is broadcast against kVec
+// rows at once and kKeys keys (kDims value dims) accumulate in registers together; nothing is transposed per block.
+template <int64_t BS>
+void AttendTile(const PrefillJob& pj, const Tile& tile, int64_t h) {
+  const Job& j = pj.base;
+  const int64_t bs = BS > 0 ? BS : j.bs;
+  const int64_t G = j.Hq / j.Hkv, nq = tile.count * G, nr = (nq + kVec - 1) / kVec * kVec;
+  const int64_t kd = j.k_dim, Dv = j.Dv;
+  std::vector<float> qt(kd * nr, 0.0f), at(Dv * nr, 0.0f), st(bs * nr), m(nr, -INFINITY), l(nr, 0.0f);
+  std::vector<float> m_new(nr), rescale(nr), p_sum(nr);
+  std::vector<int32_t> pos(nr, -1), first(nr, 0);  // row r sees positions [first[r], pos[r]]; padding rows none
+  for (int64_t r = 0; r < nq; ++r) {
+    pos[r] = static_cast<int32_t>(tile.pos0 + r / G);
+    first[r] = j.window > 0 ? std::max<int32_t>(0, pos[r] + 1 - static_cast<int32_t>(j.window)) : 0;
+    const float* src = j.q + ((tile.first + r / G) * j.Hq + h * G + r % G) * j.Dk;
+    for (int64_t d = 0; d < kd; ++d) qt[d * nr + r] = src[d] * j.scale;
   }
-  Drain(*shared);
-  while (shared->done.load(std::memory_order_acquire) < shared->items) std::this_thread::yield();
+  const int64_t token_stride = j.Hkv * j.D, entry_stride = j.bs * token_stride;
+  const int64_t block_stride = j.L * j.E * entry_stride;
+  const int64_t last = tile.pos0 + tile.count - 1;
+  const int64_t lo = j.window > 0 ? std::max<int64_t>(0, tile.pos0 + 1 - j.window) : 0;
+  for (int64_t blk = lo / bs; blk * bs <= last && blk < j.W; ++blk) {
+    const int64_t id = j.table[tile.row * j.W + blk];
+    if (id < 0 || id >= j.NB) continue;
+    const int64_t base = blk * bs;
+    const int64_t c_lo = std::max<int64_t>(lo - base, 0), c_hi = std::min<int64_t>(last + 1 - base, bs);
+    const float* kb = j.pool + id * block_stride + j.layer * j.E * entry_stride + h * j.D;
+    const float* vb = kb + j.v_entry * entry_stride + j.v_lo;
+    // scores st[c][r] = q_r . k_c for the block's columns [c_lo, c_hi)
+    for (int64_t c = c_lo; c < c_hi; c += kKeys) {
+      const float* kr[kKeys];
+      for (int64_t i = 0; i < kKeys; ++i) kr[i] = kb + std::min(c + i, c_hi - 1) * token_stride;
+      for (int64_t rv = 0; rv < nr; rv += kVec) {
+        float sacc[kKeys][kVec] = {};
+        for (int64_t d = 0; d < kd; ++d) {
+          const float* qv = qt.data() + d * nr + rv;
+          for (int64_t i = 0; i < kKeys; ++i) {
+            const float kv = kr[i][d];
+#pragma omp simd
+            for (int64_t x = 0; x < kVec; ++x) sacc[i][x] += qv[x] * kv;
+          }
+        }
+        for (int64_t i = 0; i < kKeys && c + i < c_hi; ++i) {
+          std::copy(sacc[i], sacc[i] + kVec, st.data() + (c + i) * nr + rv);
+        }
+      }
+    }
+    // online softmax over the block, per row: masked columns give 0
+    std::copy(m.begin(), m.end(), m_new.begin());
+    for (int64_t c = c_lo; c < c_hi; ++c) {
+      const int32_t t = static_cast<int32_t>(base + c);
+      const float* sc = st.data() + c * nr;
+#pragma omp simd
+      for (int64_t r = 0; r < nr; ++r) {
+        if (t <= pos[r] && t >= first[r]) m_new[r] = std::max(m_new[r], sc[r]);
+      }
+    }
+#pragma omp simd
+    for (int64_t r = 0; r < nr; ++r) {
+      rescale[r] = m[r] == -INFINITY ? 0.0f : ExpNonPositive(m[r] - m_new[r]);
+      p_sum[r] = 0.0f;
+    }
+    for (int64_t c = c_lo; c < c_hi; ++c) {
+      const int32_t t = static_cast<int32_t>(base + c);
+      float* sc = st.data() + c * nr;
+#pragma omp simd
+      for (int64_t r = 0; r < nr; ++r) {
+        const float p = (t <= pos[r] && t >= first[r]) ? ExpNonPositive(sc[r] - m_new[r]) : 0.0f;
+        sc[r] = p;
+        p_sum[r] += p;
+      }
+    }
+#pragma omp simd
+    for (int64_t r = 0; r < nr; ++r) {
+      l[r] = l[r] * rescale[r] + p_sum[r];
+      m[r] = m_new[r];
+    }
+    // accumulator at[d][r] = at[d][r] * rescale[r] + sum_c p[c][r] v_c[d]
+    for (int64_t d0 = 0; d0 < Dv; d0 += kDims) {
+      for (int64_t rv = 0; rv < nr; rv += kVec) {
+        float pacc[kDims][kVec];
+        for (int64_t i = 0; i < kDims; ++i) {
+          const float* a = at.data() + std::min(d0 + i, Dv - 1) * nr + rv;
+#pragma omp simd
+          for (int64_t x = 0; x < kVec; ++x) pacc[i][x] = a[x] * rescale[rv + x];
+        }
+        for (int64_t c = c_lo; c < c_hi; ++c) {
+          const float* pv = st.data() + c * nr + rv;
+          const float* v = vb + c * token_stride;
+          for (int64_t i = 0; i < kDims; ++i) {
+            const float vd = v[std::min(d0 + i, Dv - 1)];
+#pragma omp simd
+            for (int64_t x = 0; x < kVec; ++x) pacc[i][x] += pv[x] * vd;
+          }
+        }
+        for (int64_t i = 0; i < kDims && d0 + i < Dv; ++i) {
+          std::copy(pacc[i], pacc[i] + kVec, at.data() + (d0 + i) * nr + rv);
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < nq; ++r) {
+    const int64_t head = h * G + r % G;
+    float den = l[r], keep = 1.0f;
+    if (j.has_sinks) {  // a sink joins the softmax as a logit with no value
+      const float sink = j.sinks[head];
+      const float mx = std::max(m[r], sink);
+      keep = std::exp(m[r] - mx);
+      den = l[r] * keep + std::exp(sink - mx);
+    }
+    const float inv = den > 0.0f ? keep / den : 0.0f;
+    float* o = j.out + ((tile.first + r / G) * j.Hq + head) * Dv;
+    for (int64_t d = 0; d < Dv; ++d) o[d] = at[d * nr + r] * inv;
+  }
+}
+
+// Query tiles of a packed step: runs of consecutive positions of one row, at most kTile tokens each; padding
+// tokens' outputs are zeroed here.
+std::vector<Tile> Tiles(const PrefillJob& pj, int64_t N, int64_t B) {
+  const Job& j = pj.base;
+  std::vector<Tile> tiles;
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t row = pj.rows[i], pos = pj.positions[i];
+    if (row < 0 || row >= B || pos < 0) {
+      std::fill(j.out + i * j.Hq * j.Dv, j.out + (i + 1) * j.Hq * j.Dv, 0.0f);
+      continue;
+    }
+    if (!tiles.empty()) {
+      Tile& t = tiles.back();
+      if (t.row == row && t.first + t.count == i && t.pos0 + t.count == pos && t.count < kTile) {
+        ++t.count;
+        continue;
+      }
+    }
+    tiles.push_back(Tile{i, 1, row, pos});
+  }
+  return tiles;
+}
+
+ffi::Error PagedPrefillImpl(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> pool,
+                            ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> positions,
+                            ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> sinks, ffi::ResultBuffer<ffi::F32> out,
+                            int64_t k_dim, int64_t v_entry, int64_t v_lo, int64_t v_hi, int64_t window, float scale,
+                            bool has_sinks) {
+  auto qd = q.dimensions(), pd = pool.dimensions(), td = table.dimensions();
+  if (qd.size() != 3 || pd.size() != 6 || td.size() != 2 || rows.element_count() != qd[0] ||
+      positions.element_count() != qd[0]) {
+    return ffi::Error::InvalidArgument(
+        "paged prefill: q [N, Hq, Dk], pool [NB, L, E, bs, Hkv, D], table [B, W], rows [N], positions [N]");
+  }
+  PrefillJob pj{Job{q.typed_data(), pool.typed_data(), table.typed_data(), nullptr, sinks.typed_data(),
+                    out->typed_data(), pd[0], pd[1], pd[2], pd[3], pd[4], pd[5], td[1], qd[1], qd[2],
+                    v_hi - v_lo, layer.typed_data()[0], k_dim, v_entry, v_lo, window, scale, has_sinks},
+                rows.typed_data(), positions.typed_data()};
+  const Job& j = pj.base;
+  if (j.Hq % j.Hkv || k_dim > j.D || v_hi > j.D || v_entry >= j.E || j.layer < 0 || j.layer >= j.L ||
+      j.bs > kMaxBs) {
+    return ffi::Error::InvalidArgument("paged prefill: heads, head dims, entry, layer or block size outside the pool");
+  }
+  auto tiles = std::make_shared<std::vector<Tile>>(Tiles(pj, qd[0], td[0]));
+  if (tiles->empty()) return ffi::Error::Success();
+  const bool bs16 = j.bs == 16;
+  RunItems(pool_threads, static_cast<int64_t>(tiles->size()) * j.Hkv, [pj, tiles, bs16](int64_t i) {
+    const Tile& t = (*tiles)[i / pj.base.Hkv];
+    if (bs16) {
+      AttendTile<16>(pj, t, i % pj.base.Hkv);
+    } else {
+      AttendTile<0>(pj, t, i % pj.base.Hkv);
+    }
+  });
   return ffi::Error::Success();
 }
 
@@ -162,6 +391,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedDecode, PagedDecodeImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // pool
                                   .Arg<ffi::Buffer<ffi::S32>>()   // table
                                   .Arg<ffi::Buffer<ffi::S32>>()   // lengths
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // sinks
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // out
+                                  .Attr<int64_t>("k_dim")
+                                  .Attr<int64_t>("v_entry")
+                                  .Attr<int64_t>("v_lo")
+                                  .Attr<int64_t>("v_hi")
+                                  .Attr<int64_t>("window")
+                                  .Attr<float>("scale")
+                                  .Attr<bool>("has_sinks"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedPrefill, PagedPrefillImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // pool
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // table
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // rows
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // positions
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer
                                   .Arg<ffi::Buffer<ffi::F32>>()   // sinks
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out

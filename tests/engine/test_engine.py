@@ -13,6 +13,7 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.client import RequestError
 from jaxserve.engine.llm_engine import EngineConfig
+from pallas_kernels import native
 
 BASE = [5, 7, 9, 11, 13, 2, 3, 4, 8, 10, 12, 14, 15, 6, 16, 17, 18, 19, 20, 21, 22]
 PROMPTS = [BASE[:3], BASE[:13], BASE[:9], BASE[:21], [30, 31] + BASE[:11]]
@@ -219,13 +220,16 @@ def test_engine_with_pallas_kernels_matches_references(engines, family):
     llm.engine.blocks.check()
 
 
-def test_a_varied_workload_compiles_nothing_after_warmup(engines):
+@pytest.mark.parametrize("kernels", ["reference", pytest.param("native", marks=pytest.mark.skipif(
+    not native.available()[0], reason="no native library"))])
+def test_a_varied_workload_compiles_nothing_after_warmup(engines, kernels):
     """After warm-up (runner.warmup: every prefill_groups and decode_batch shape), traffic of varied lengths runs
     only programs warm-up compiled: prompts from 1 token to several chunks and block-table widths, together
     (first chunks batched, later chunks after cached tokens, decode in every batch bucket) and alone, and
-    prompts that extend cached ones (a first chunk after prefix-cache hits). Answers equal the dense path's."""
+    prompts that extend cached ones (a first chunk after prefix-cache hits). Answers equal the dense path's.
+    With the native kernels every prefill step is one packed program over the pool and every table one width."""
     llm = engines("llama", dataclasses.replace(ENGINE, max_model_len=80, max_num_seqs=8, max_prefill_seqs=3,
-                                              num_blocks=256))
+                                              max_num_batched_tokens=24, num_blocks=256, kernels=kernels))
     runner = llm.engine.runner
     runner.warmup(progress=False)
     warmed, runner.programs = set(runner.programs), set()
@@ -242,9 +246,17 @@ def test_a_varied_workload_compiles_nothing_after_warmup(engines):
     assert max(o.cached_tokens for o in outs) > 0
     assert runner.programs <= warmed, sorted(runner.programs - warmed)
     ran = runner.programs
-    assert {k[1] for k in ran if k[0] == "prefill"} == {1, 3}  # alone and batched
-    assert {k[-1] for k in ran if k[0] == "prefill" and k[1] == 1} == {True, False}  # first and later chunks
-    assert len({k[1] for k in ran if k[0] == "decode"}) == 2  # decode batch buckets 4 and 8
+    prefills = [k for k in ran if k[0] == "prefill"]
+    assert {k[1] for k in ran if k[0] == "decode"} == {4, 8}  # decode batch buckets
+    if kernels == "reference":
+        assert not runner.paged_prefill and not runner.full_tables
+        assert {k[1] for k in prefills} == {1, 3}  # alone and batched
+        assert {k[-1] for k in prefills if k[1] == 1} == {True, False}  # first and later chunks
+    else:  # rows (3), chunk (8) and table width (80 / 4 blocks) fixed; the token buckets up to the budget
+        assert runner.paged_prefill and runner.full_tables
+        assert {k[1:4] for k in prefills} == {(3, 8, 20)} and {k[6] for k in prefills} == {16, 24}
+        assert {k[3] for k in ran if k[0] == "decode"} == {20}
+        assert len(warmed) < 20  # 2 decode + 4 token-bucket prefill programs, their samplers, not widths x buckets
 
 
 def test_layerwise_warmup_covers_a_streamed_prompts_chunks(engines):

@@ -11,7 +11,7 @@ import pytest
 
 from jaxserve import LLM
 from pallas_kernels import check, native, select
-from pallas_kernels.paged_attention import ref_paged_attention, ref_paged_mla_attention
+from pallas_kernels.paged_attention import ref_paged_attention, ref_paged_mla_attention, ref_paged_prefill_attention
 from pallas_kernels.select import KernelPlan
 from tests.pallas_kernels.conftest import close, randn
 from tests.pallas_kernels.test_check import ENGINE, GREEDY, PROMPTS, _tokens
@@ -48,6 +48,32 @@ def test_native_mla_matches_reference():
     got = jax.jit(functools.partial(native.paged_mla_attention, **kw))(q, pool, table, lens)
     assert got.shape == (B, H, Lr)
     close(got, ref_paged_mla_attention(q, pool, table, lens, **kw), jnp.float32)
+
+
+# (E, Hq, Hkv, Dk, D, block size, window, sinks): K and V as two entries or concatenated, GQA groups of 1-3,
+# the block size the kernel specialises (16) and others
+PREFILL_CASES = [(2, 9, 3, 16, 16, 16, None, False), (2, 4, 2, 8, 8, 4, None, True), (1, 4, 4, 8, 20, 8, 5, False),
+                 (2, 6, 2, 12, 12, 16, 20, True)]
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES)
+def test_native_paged_prefill_matches_reference(case):
+    """A packed step: a first chunk longer than a query tile, a chunk after cached tokens, a one-token chunk, a
+    row's tokens split in two runs, padding (zeros out)."""
+    E, Hq, Hkv, Dk, D, bs, window, use_sinks = case
+    r = np.random.RandomState(Hq + bs)
+    B, L, NB, W = 4, 2, 80, 12
+    chunks = [(0, 0, 37), (1, 70, 9), (2, 41, 1), (3, 3, 5), (3, 20, 6)]  # (row, first position, tokens)
+    rows = np.concatenate([np.full(n, b) for b, _, n in chunks] + [np.full(4, B)]).astype(np.int32)
+    pos = np.concatenate([np.arange(p, p + n) for _, p, n in chunks] + [np.zeros(4)]).astype(np.int32)
+    pool, q = randn(r, (NB, L, E, bs, Hkv, D)), randn(r, (len(rows), Hq, Dk))
+    table = _tables(r, B, max(W, -(-80 // bs)), NB)
+    kw = dict(layer=1, sliding_window=window, sinks=randn(r, (Hq,)) if use_sinks else None)
+    args = (q, pool, table, jnp.asarray(rows), jnp.asarray(pos))
+    got = jax.jit(functools.partial(native.paged_prefill_attention, **kw))(*args)
+    assert got.shape == (len(rows), Hq, D if E == 2 else D - Dk) and got.dtype == jnp.float32
+    close(got, ref_paged_prefill_attention(*args, **kw), jnp.float32)
+    assert not np.asarray(got[-4:]).any()
 
 
 def test_native_reads_the_layer_a_scan_gives_it():
