@@ -308,6 +308,7 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         self.timer.mark("schedule")
         changed: list[Sequence] = []
+        decoded = None  # the decode rows' tokens, when a mixed step computed them with the prefill chunks
         if plan.prefills:
             rows = []
             for c in plan.prefills:
@@ -329,12 +330,16 @@ class LLMEngine:
                     streamed.append(h)
                     staged.add(seq.request_id)
             on_stage = (lambda k: [h.export(k) for h in streamed]) if streamed else None
-            try:
-                prefixes = self.runner.prefill(rows, stages, on_stage, staged)
-            except BaseException as e:
-                for h, _ in due:
-                    h.abort(f"prefill step failed: {type(e).__name__}: {e}")
-                raise
+            if self.runner.paged_prefill and plan.decodes and not due:
+                # one packed program for the prefill chunks and the decode tokens: the weights read once
+                prefixes, decoded = self.runner.mixed(rows, self._decode_rows(plan.decodes))
+            else:
+                try:
+                    prefixes = self.runner.prefill(rows, stages, on_stage, staged)
+                except BaseException as e:
+                    for h, _ in due:
+                        h.abort(f"prefill step failed: {type(e).__name__}: {e}")
+                    raise
             for c, prefix in zip(plan.prefills, prefixes):
                 self.scheduler.complete_prefill(c)
                 if prefix is not None and c.seq.handoff is not None:
@@ -352,17 +357,21 @@ class LLMEngine:
                     changed.append(c.seq)
             self.timer.mark("prefill.output")
         if plan.decodes:
-            rows = [DecodeRow(s.slot, s.output[-1] if s.output else s.prompt[-1], s.num_tokens - 1, s.block_ids,
-                              s.params, len(s.output),
-                              None if s.decode_snapshot is None else s.decode_snapshot + self.snapshot_base)
-                    for s in plan.decodes]
-            for seq, (tok, lp, top) in zip(plan.decodes, self.runner.generate(rows)):
+            if decoded is None:
+                decoded = self.runner.generate(self._decode_rows(plan.decodes))
+            for seq, (tok, lp, top) in zip(plan.decodes, decoded):
                 self._append(seq, tok, lp, top)
                 changed.append(seq)
             self.timer.mark("decode.output")
         self.timer.end("mixed" if plan.prefills and plan.decodes else "prefill" if plan.prefills
                        else "decode" if plan.decodes else "")
         return changed
+
+    def _decode_rows(self, seqs: list[Sequence]) -> list[DecodeRow]:
+        return [DecodeRow(s.slot, s.output[-1] if s.output else s.prompt[-1], s.num_tokens - 1, s.block_ids,
+                          s.params, len(s.output),
+                          None if s.decode_snapshot is None else s.decode_snapshot + self.snapshot_base)
+                for s in seqs]
 
     def _record(self, seq: Sequence, tok: int, lp: float, top) -> str | None:
         """Append a sampled token (output, logprobs, text); returns the reason it ends the request, or None."""

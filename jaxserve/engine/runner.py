@@ -19,7 +19,8 @@ to 4 requests, else doublings from max(16, slots / 4) up to the slots) times the
 attention: the buckets of the blocks in use). With the native kernels the tables are always max_blocks_per_seq
 wide (the kernels read only the blocks in use): decode programs are keyed by their rows alone, and a model of
 full-attention GQA layers only prefills in one packed program per step over the pool (`paged_prefill`), keyed
-by its `token_bucket`. `programs` records the shapes run.
+by its token bucket (`buckets`), and a step that also decodes runs its decode tokens in the same program
+(`mixed`). `programs` records the shapes run.
 
 Colocated mode uses one ModelRunner for both roles: prefill writes straight into the blocks and state row that
 decode then reads, so `insert` only records the slot's sampling state. Disaggregated, the prefill instance's
@@ -59,11 +60,6 @@ def token_buckets(lo: int, hi: int) -> list[int]:
         out.append(b)
         b = b * 2 if b < 64 else (b * 3 // 2 if b & (b - 1) == 0 else b * 4 // 3)
     return out + [hi]
-
-
-def token_bucket(n: int, lo: int, hi: int) -> int:
-    """The smallest of token_buckets(lo, hi) >= n (n itself above hi)."""
-    return next((b for b in token_buckets(lo, hi) if b >= n), n)
 
 
 def pow2_bucket(n: int, lo: int, hi: int) -> int:
@@ -133,6 +129,10 @@ class ModelRunner:
         self.num_slots, self.max_prefill_seqs, self.chunk_size = num_slots, max_prefill_seqs, chunk_size
         self.max_blocks_per_seq = max_blocks_per_seq
         self.max_batched_tokens = max_batched_tokens or max_prefill_seqs * chunk_size
+        # paged prefill's token buckets: up to a step's most prefill tokens, and a mixed step's decode tokens on top
+        self.most_prefill = min(self.max_batched_tokens, max_prefill_seqs * chunk_size)
+        most = self.most_prefill + num_slots
+        self.buckets = sorted(set(token_buckets(16, most)) | {self.most_prefill})
         self.stack = stack or LayerStack(())
         self.params = self.stack.stack(state)  # (rest, stacks): the model's weights as the programs take them
         # committed from the start (as every program's outputs are), so a warmed program is not compiled again
@@ -159,7 +159,7 @@ class ModelRunner:
             x, cache = m.run_layers(x, batch, cache, lo, hi, stacks, shift)
             pool = scatter(layout, pool, cache, dst, snap, span=(lo, hi), shift=shift)
             if last:
-                x = jnp.take_along_axis(batch.unpack(x), jnp.maximum(batch.lengths - 1, 0)[:, None, None], axis=1)
+                x = batch.last_tokens(x)
             return pool, x
 
         def decode_fn(params, pool, batch, table, rows, snap, *, total_blocks):
@@ -175,11 +175,12 @@ class ModelRunner:
             return merge(params)[0].head(h, jnp.zeros((h.shape[0], 1), jnp.int32))[:, 0]
 
         def first_fn(params, h, st, pmask):
-            # a prefill's first tokens: pmask [B, V] the prompts' tokens, no outputs yet
-            return sample(logits_of(params, h), st, pmask, jnp.zeros(pmask.shape, jnp.int32))
+            # a prefill's first tokens: pmask [B, V] the prompts' tokens, no outputs yet (h: its first B rows)
+            return sample(logits_of(params, h[:pmask.shape[0]]), st, pmask, jnp.zeros(pmask.shape, jnp.int32))
 
-        def sample_fn(params, h, prompt_mask, out_counts, slots, lengths, st):
-            # a decode step's tokens, with each slot's penalty state; counts the tokens drawn
+        def sample_fn(params, h, prompt_mask, out_counts, slots, lengths, st, *, at=0):
+            # a decode step's tokens, with each slot's penalty state; counts the tokens drawn (h: rows at.. of it)
+            h = h[at:at + slots.shape[0]]
             tok, lp, ids, tlp = sample(logits_of(params, h), st, prompt_mask[slots], out_counts[slots])
             return out_counts.at[slots, tok].add(lengths), tok, lp, ids, tlp
 
@@ -189,7 +190,7 @@ class ModelRunner:
         self._prefill = jax.jit(prefill_fn, donate_argnums=(1,), static_argnames=("lo", "hi", "last"))
         self._decode = jax.jit(decode_fn, donate_argnums=(1,), static_argnames=("total_blocks",))
         self._first = jax.jit(first_fn)
-        self._sample = jax.jit(sample_fn, donate_argnums=(3,))
+        self._sample = jax.jit(sample_fn, donate_argnums=(3,), static_argnames=("at",))
         self._insert = jax.jit(insert_fn, donate_argnums=(0, 1))
         self._io = DeviceIO()
 
@@ -209,10 +210,10 @@ class ModelRunner:
 
     # ---- protocol
     def prefill_groups(self, rows: list[PrefillRow]) -> list[list[PrefillRow]]:
-        """The programs a prefill step over `rows` runs. Paged prefill: one, B max_prefill_seqs, T chunk_size, W
-        max_blocks_per_seq, N = token_bucket of the rows' tokens. Otherwise the first chunks (nothing cached)
-        together, each chunk that reads cached tokens alone, so that every prefill program has one of the shapes
-        warm-up compiles:
+        """The programs a prefill step over `rows` runs. Paged prefill: one, B max_prefill_seqs + num_slots, T
+        chunk_size, W max_blocks_per_seq, N = the rows' tokens' bucket in `buckets`. Otherwise the first chunks
+        (nothing cached) together, each chunk that reads cached tokens alone, so that every prefill program has one
+        of the shapes warm-up compiles:
           first chunks, one     B 1, T = pow2 bucket of its length, W from T, unpacked
           first chunks, several B max_prefill_seqs, T chunk_size, W from T, N = pow2 bucket of their tokens
                                 (packed: the [B, T] padding costs attention only)
@@ -248,25 +249,27 @@ class ModelRunner:
                 self.pool, xs[gi] = self._prefill(self.params, self.pool, xs[gi], shift, *args, lo=lo, hi=hi,
                                                   last=last)
                 if last:  # the first tokens: [B, 1, H] -> (tokens, logprobs, top ids, top logprobs)
-                    self.programs.add(("first", B))
+                    self.programs.add(("first", sargs[1].shape[0]))
                     xs[gi] = self._first(self.params, xs[gi], *sargs)
             if on_stage is not None:
                 on_stage(k)
         got = {}
         for g, (*_, pmask), rest in zip(groups, preps, xs):
-            tok, lp, ids, tlp = (np.asarray(x) for x in rest)
-            for i, r in enumerate(g):
-                got[id(r)] = (int(tok[i]), float(lp[i]), ids[i], tlp[i], pmask[i])
+            got.update(self._firsts(g, rest, pmask))
         self.timer.mark("prefill.device")
-        out: list[Prefix | None] = []
-        for r in rows:
-            if not r.sample:
-                out.append(None)
-                continue
-            tok, lp, ids, tlp, mask = got[id(r)]
-            out.append(Prefix(r.request_id, r.dst_row, list(r.block_ids), r.start + len(r.tokens), tok, lp,
-                              self._top(r.params, ids, tlp), mask))
-        return out
+        return [self._prefix(r, got[id(r)]) if r.sample else None for r in rows]
+
+    @staticmethod
+    def _firsts(rows: list[PrefillRow | None], sampled, pmask) -> dict:
+        """{id(row): (token, logprob, top ids, top logprobs, prompt mask)} from `first_fn`'s device results."""
+        tok, lp, ids, tlp = (np.asarray(x) for x in sampled)
+        return {id(r): (int(tok[i]), float(lp[i]), ids[i], tlp[i], pmask[i]) for i, r in enumerate(rows)
+                if r is not None}
+
+    def _prefix(self, r: PrefillRow, got) -> Prefix:
+        tok, lp, ids, tlp, mask = got
+        return Prefix(r.request_id, r.dst_row, list(r.block_ids), r.start + len(r.tokens), tok, lp,
+                      self._top(r.params, ids, tlp), mask)
 
     def _stage(self, lo: int, hi: int, last: bool) -> tuple[int, int, jax.Array | None]:
         """The program that runs layers lo..hi-1 of a prefill: (lo, hi) it is compiled for, and the shift to the
@@ -279,36 +282,48 @@ class ModelRunner:
         base = max(run[0], 1)
         return base, base + hi - lo, jnp.int32(lo - base)
 
-    def _prefill_inputs(self, rows: list[PrefillRow]):
-        """One prefill program's ((B, T, W, N, fresh) shape, arguments, `first_fn`'s arguments, [B, V] prompt
-        masks) for a `prefill_groups` group."""
+    def _bucket(self, n: int) -> int:
+        """Paged prefill's bucket of n tokens: the smallest of `buckets` >= n (n itself past them)."""
+        return next((b for b in self.buckets if b >= n), n)
+
+    def _prefill_inputs(self, rows: list[PrefillRow | None]):
+        """One prefill program's ((B, T, W, N, fresh) shape, arguments, `first_fn`'s arguments, [S, V] prompt
+        masks) for a `prefill_groups` group: row i of the batch is rows[i] (None: an empty row). Paged prefill:
+        B = max_prefill_seqs + num_slots (a `mixed` step's decode tokens in the rows after the first
+        max_prefill_seqs), of which `first_fn` samples the first S = max_prefill_seqs; otherwise S = B."""
         paged = self.paged_prefill
-        fresh = not paged and all(r.start == 0 for r in rows)
-        B = 1 if len(rows) == 1 and not paged else self.max_prefill_seqs
-        T = self.chunk_size if B > 1 or paged else pow2_bucket(max(len(r.tokens) for r in rows), 16,
-                                                                 self.chunk_size)
+        real = [(i, r) for i, r in enumerate(rows) if r is not None]
+        fresh = not paged and all(r.start == 0 for _, r in real)
+        if paged:
+            B, S = self.max_prefill_seqs + self.num_slots, self.max_prefill_seqs
+        else:
+            B = S = 1 if len(rows) == 1 else self.max_prefill_seqs
+        T = self.chunk_size if B > 1 or paged else pow2_bucket(len(rows[0].tokens), 16, self.chunk_size)
         bs = self.layout.block_size
         tokens = np.zeros((B, T), np.int32)
         start, lengths = np.zeros(B, np.int32), np.zeros(B, np.int32)
         scratch = self.layout.scratch_row
         src, dst, snap = (np.full(B, scratch, np.int32) for _ in range(3))
-        pmask = np.zeros((B, self.V), bool)
-        for i, r in enumerate(rows):
+        pmask = np.zeros((S, self.V), bool)
+        blocks = [[] for _ in range(B)]
+        for i, r in real:
             tokens[i, :len(r.tokens)] = r.tokens
             start[i], lengths[i] = r.start, len(r.tokens)
             src[i], dst[i] = r.src_row, r.dst_row
             snap[i] = scratch if r.snap_row is None else r.snap_row
             if r.sample:
                 pmask[i] = self._prompt_mask(r.prompt)
-        # each row's table up to the block holding its chunk's end (the blocks after it are not read); first
-        # chunks as wide as T (their keys are the chunk's own): the width follows the chunk, not the prompt
-        ends = [-(-(r.start + len(r.tokens)) // bs) for r in rows]
-        table = self._table([r.block_ids[:n] for r, n in zip(rows, ends)], B, -(-T // bs) if fresh else max(ends),
+            # the row's table up to the block holding its chunk's end (the blocks after it are not read)
+            blocks[i] = r.block_ids[:-(-(r.start + len(r.tokens)) // bs)]
+        # first chunks' tables as wide as T (their keys are the chunk's own): the width follows the chunk, not the
+        # prompt; paged prefill's as wide as the longest sequence
+        table = self._table(blocks, B, -(-T // bs) if fresh else max(map(len, blocks)),
                             self.max_blocks_per_seq if paged else None)
-        st = SamplingTensors.from_params([r.params for r in rows], [r.step for r in rows], B)
-        # several rows: pack the real tokens so only attention itself sees the [B, T] padding (models/batch.py)
+        st = SamplingTensors.from_params([r.params if r else _IDLE for r in rows[:S]],
+                                         [r.step if r else 0 for r in rows[:S]], S)
+        # pack the real tokens so only attention itself sees the [B, T] padding (models/batch.py)
         if paged:
-            N = token_bucket(int(lengths.sum()), 16, B * T)
+            N = self._bucket(int(lengths.sum()))
         else:
             N = pow2_bucket(int(lengths.sum()), 16, B * T) if B > 1 else B * T
         packed = None
@@ -345,9 +360,8 @@ class ModelRunner:
         tokens, start, lengths = np.zeros((B, 1), np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32)
         state_rows = np.full(B, self.layout.scratch_row, np.int32)
         snap_rows = np.full(B, self.layout.scratch_row, np.int32)
-        slots = np.full(B, self.num_slots, np.int32)  # padding: the penalty state's spare row
         for i, r in enumerate(rows):
-            tokens[i, 0], start[i], lengths[i], state_rows[i], slots[i] = r.token, r.position, 1, r.slot, r.slot
+            tokens[i, 0], start[i], lengths[i], state_rows[i] = r.token, r.position, 1, r.slot
             if r.snap_row is not None:
                 snap_rows[i] = r.snap_row
         bs = self.layout.block_size
@@ -359,17 +373,52 @@ class ModelRunner:
         if self.full_tables:
             W = self.max_blocks_per_seq
         table = self._table([r.block_ids for r in rows], B, max(used), W)
-        st = SamplingTensors.from_params([r.params for r in rows], [r.step for r in rows], B)
-        self.programs.update({("decode", B, 1, table.shape[1], M), ("sample", B)})
+        self.programs.add(("decode", B, 1, table.shape[1], M))
         batch = Batch(jnp.asarray(tokens), jnp.asarray(start), jnp.asarray(lengths))
         self.timer.mark("decode.prepare")
         self.pool, h = self._decode(self.params, self.pool, batch, jnp.asarray(table), jnp.asarray(state_rows),
                                     jnp.asarray(snap_rows), total_blocks=M)
-        self.out_counts, tok, lp, ids, tlp = self._sample(self.params, h, self.prompt_mask, self.out_counts,
-                                                          jnp.asarray(slots), batch.lengths, st)
-        tok, lp, ids, tlp = (np.asarray(x) for x in (tok, lp, ids, tlp))
+        out = self._sample_decode(rows, h, 0)
         self.timer.mark("decode.device")
+        return out
+
+    def _sample_decode(self, rows: list[DecodeRow], h, at: int) -> list[tuple[int, float, list[tuple[int, float]]]]:
+        """The decode rows' tokens from hidden states h (rows at.. of it), `decode_batch` rows sampled, with
+        each slot's penalty state."""
+        B = self.decode_batch(len(rows))
+        slots = np.full(B, self.num_slots, np.int32)  # padding: the penalty state's spare row
+        slots[:len(rows)] = [r.slot for r in rows]
+        st = SamplingTensors.from_params([r.params for r in rows], [r.step for r in rows], B)
+        self.programs.add(("sample", B, at))
+        self.out_counts, tok, lp, ids, tlp = self._sample(self.params, h, self.prompt_mask, self.out_counts,
+                                                          jnp.asarray(slots), jnp.asarray(slots < self.num_slots,
+                                                                                          jnp.int32), st, at=at)
+        tok, lp, ids, tlp = (np.asarray(x) for x in (tok, lp, ids, tlp))
         return [(int(tok[i]), float(lp[i]), self._top(r.params, ids[i], tlp[i])) for i, r in enumerate(rows)]
+
+    def mixed(self, prefills: list[PrefillRow], decodes: list[DecodeRow]):
+        """A step's prefill chunks and decode tokens as one packed program (paged prefill only): each decode token
+        is a one-token chunk after its request's cached tokens, in the rows after the prefill rows, so the
+        weights are read once for both. -> (what `prefill` returns for `prefills`, what `generate` returns
+        for `decodes`)."""
+        P = self.max_prefill_seqs
+        if not self.paged_prefill or not 0 < len(prefills) <= P or not 0 < len(decodes) <= self.num_slots:
+            raise ValueError(f"a mixed step (paged prefill) takes 1..{P} prefill and 1..{self.num_slots} decode "
+                             f"rows, got {len(prefills)} and {len(decodes)}")
+        if any(r.snap_row is not None for r in decodes):
+            raise ValueError("a mixed step has no request-level state to snapshot")
+        chunks = [PrefillRow("", [r.token], r.position, r.block_ids, r.slot, r.slot, None, False, r.params, r.step)
+                  for r in decodes]
+        rows = prefills + [None] * (P - len(prefills)) + chunks
+        (B, T, W, N, fresh), args, sargs, pmask = self._prefill_inputs(rows)
+        L = self.layout.num_layers
+        self.programs.update({("prefill", B, T, W, 0, L, N, fresh), ("first", P)})
+        self.timer.mark("mixed.prepare")
+        self.pool, h = self._prefill(self.params, self.pool, None, None, *args, lo=0, hi=L, last=True)
+        got = self._firsts(rows[:P], self._first(self.params, h, *sargs), pmask)
+        out = self._sample_decode(decodes, h, P)
+        self.timer.mark("mixed.device")
+        return [self._prefix(r, got[id(r)]) if r.sample else None for r in prefills], out
 
     def export_kv(self, staging, layer_group: int, blocks: list[int], row: int) -> list[tuple[int, jax.Array]]:
         """A request's staged KV for one layer group (dispatched; read before any later step writes the pool)."""
@@ -425,10 +474,20 @@ class ModelRunner:
             decodes = [("decode", w, b) for w in ([1] if self.full_tables else widths) for b in batches]
         BT = self.max_prefill_seqs * self.chunk_size
         split = lambda n, k: [n // k + (i < n % k) for i in range(k)]  # noqa: E731  n tokens as k rows
-        if self.paged_prefill:  # one program per token bucket, as rows of at most chunk_size tokens
-            top = token_bucket(min(self.max_batched_tokens, BT), 16, BT)
-            prefills = [("first", split(n, -(-n // self.chunk_size))) for n in token_buckets(16, BT) if n <= top]
-            cached, short = [], [("first", [1])]  # a one-token chunk after cached tokens: the smallest bucket
+        mixes = []
+        if self.paged_prefill:
+            # one program per token bucket up to the step's most prefill tokens (whole prompts: the budget;
+            # tails: one token a row), plus, where the instance decodes, a mixed step's decode tokens on top; a
+            # bucket past the prefill tokens runs as a mixed step. Then a mixed step per decode batch bucket: its
+            # sampler's rows after the prefill rows
+            most = self.most_prefill if whole else (self.max_prefill_seqs if tails else 0)
+            rows = (lambda p: split(p, -(-p // self.chunk_size))) if whole else (lambda p: [1] * p)  # noqa: E731
+            last = self._bucket(most + (self.num_slots if decode else 0)) if most else 0
+            prefills = [("first", rows(n)) if n <= most else ("mixed", (rows(most), min(n - most, self.num_slots)))
+                        for n in self.buckets if n <= last]
+            cached, short = [], prefills
+            if decode and most:
+                mixes = [("mixed", ([1], b), None) for b in batches]
         else:
             # a chunk after cached tokens: per chunk bucket T and width W, one of length in (previous T, T] ending
             # at the last token of W blocks (none when no such chunk has a token before it)
@@ -447,18 +506,21 @@ class ModelRunner:
             short = [("cached", c) for c in cached if c[0] <= lengths[0]]
         jobs = decodes if decode else []
         if whole:
-            jobs += [(kind, n, None) for kind, n in prefills]
+            jobs += [(kind, n, None) for kind, n in prefills] + mixes
         elif tails:
-            jobs += [(kind, n, None) for kind, n in short]
+            jobs += [(kind, n, None) for kind, n in short] + mixes
         if stages is not None:  # a staged request's chunk: its whole prompt of at least stage_min_tokens (paged:
             # any chunk of such a prompt shares its bucket's program with short ones)
             long = lambda kind, n: (self.paged_prefill or  # noqa: E731
                                     (sum(n) if kind == "first" else n[1] * bs) >= stage_min_tokens)
-            jobs += [(kind, n, stages) for kind, n in prefills if long(kind, n)]
+            jobs += [(kind, n, stages) for kind, n in prefills if kind != "mixed" and long(kind, n)]
         scratch = self.layout.scratch_row
         for kind, n, st in tqdm(jobs, desc="compiling", unit="program", disable=not progress):
             if kind == "decode":
                 self.generate([DecodeRow(0, 0, n * bs - 1, [0] * n, _IDLE, 0)] * st)  # n: blocks, st: rows
+            elif kind == "mixed":  # n: (the prefill rows' lengths, decode rows)
+                self.mixed([PrefillRow("warmup", [0] * t, 0, [0] * -(-t // bs), scratch, scratch, None, True, _IDLE,
+                                       0, [0]) for t in n[0]], [DecodeRow(0, 0, bs - 1, [0], _IDLE, 0)] * n[1])
             elif kind == "cached":  # n: (tokens, blocks to the chunk's end)
                 t, w = n
                 self.prefill([PrefillRow("warmup", [0] * t, w * bs - t, [0] * w, scratch, scratch, None, True,

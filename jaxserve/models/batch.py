@@ -29,8 +29,8 @@ class Batch:
     tokens: jax.Array  # [B, T] int32, right-padded
     start: jax.Array  # [B] int32: tokens of this sequence already in the cache
     lengths: jax.Array  # [B] int32: valid new tokens (<= T)
-    packed: jax.Array | None = None  # [N] int32: packed token i is [B, T] token packed[i] // T, packed[i] % T;
-    #                                   B * T marks padding
+    packed: jax.Array | None = None  # [N] int32: packed token i is [B, T] token packed[i] // T, packed[i] % T,
+    #                                   row by row, the real tokens first; B * T marks padding
     # static: every row starts at 0 (nothing cached), so token t of a row sits at position t: full attention
     # then needs no cached keys and its reference skips the key tiles above the diagonal
     fresh: bool = field(default=False, metadata=dict(static=True))
@@ -52,6 +52,13 @@ class Batch:
         where = jnp.full(B * T + 1, N, jnp.int32).at[self.packed].set(jnp.arange(N, dtype=jnp.int32))[:B * T]
         flat = jnp.concatenate([x[0], jnp.zeros((1,) + x.shape[2:], x.dtype)])
         return flat[where].reshape((B, T) + x.shape[2:])
+
+    def last_tokens(self, x):
+        """[B, T, H] or packed [1, N, H] -> [B, 1, H] each row's last token (rows with none: an arbitrary one). Packed
+        tokens are in row order (the engine packs row by row), so row b's last is at cumsum(lengths)[b] - 1."""
+        if self.packed is None:
+            return jnp.take_along_axis(x, jnp.maximum(self.lengths - 1, 0)[:, None, None], axis=1)
+        return x[0, jnp.maximum(jnp.cumsum(self.lengths) - 1, 0)][:, None]
 
     @property
     def positions(self):  # [B, T] int32

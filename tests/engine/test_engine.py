@@ -252,10 +252,13 @@ def test_a_varied_workload_compiles_nothing_after_warmup(engines, kernels):
         assert not runner.paged_prefill and not runner.full_tables
         assert {k[1] for k in prefills} == {1, 3}  # alone and batched
         assert {k[-1] for k in prefills if k[1] == 1} == {True, False}  # first and later chunks
-    else:  # rows (3), chunk (8) and table width (80 / 4 blocks) fixed; the token buckets up to the budget
+    else:  # rows (3 prefill + 8 decode), chunk (8) and table width (80 / 4 blocks) fixed; token buckets up to the
+        # budget and a mixed step's decode tokens on top; steps that prefill while others decode ran as one program
         assert runner.paged_prefill and runner.full_tables
-        assert {k[1:4] for k in prefills} == {(3, 8, 20)} and {k[6] for k in prefills} == {16, 24}
+        assert {k[1:4] for k in prefills} == {(11, 8, 20)} and {k[6] for k in prefills} == {16, 24, 32}
         assert {k[3] for k in ran if k[0] == "decode"} == {20}
+        assert {k for k in ran if k[0] == "sample" and k[2] == 3}  # a mixed step's decode rows, after the 3
+        assert "decode.device" not in llm.engine.timer.summary()["mixed"]["phases_ms"]
         assert len(warmed) < 20  # 2 decode + 4 token-bucket prefill programs, their samplers, not widths x buckets
 
 
