@@ -384,39 +384,28 @@ ffi::Error PagedPrefillImpl(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> 
 
 }  // namespace
 
+// Both handlers: the intra-op pool, q, pool and table, the per-query buffers (`PER_QUERY`), layer and sinks, out,
+// then the same attributes.
+#define JAXSERVE_PAGED_BINDING(PER_QUERY)                                                        \
+  ffi::Ffi::Bind()                                                                               \
+      .Ctx<ffi::ThreadPool>()                                                                    \
+      .Arg<ffi::Buffer<ffi::F32>>() /* q */                                                      \
+      .Arg<ffi::Buffer<ffi::F32>>() /* pool */                                                   \
+      .Arg<ffi::Buffer<ffi::S32>>() /* table */ PER_QUERY                                        \
+      .Arg<ffi::Buffer<ffi::S32>>() /* layer */                                                  \
+      .Arg<ffi::Buffer<ffi::F32>>() /* sinks */                                                  \
+      .Ret<ffi::Buffer<ffi::F32>>() /* out */                                                    \
+      .Attr<int64_t>("k_dim")                                                                    \
+      .Attr<int64_t>("v_entry")                                                                  \
+      .Attr<int64_t>("v_lo")                                                                     \
+      .Attr<int64_t>("v_hi")                                                                     \
+      .Attr<int64_t>("window")                                                                   \
+      .Attr<float>("scale")                                                                      \
+      .Attr<bool>("has_sinks")
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedDecode, PagedDecodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // pool
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // table
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // lengths
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // sinks
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // out
-                                  .Attr<int64_t>("k_dim")
-                                  .Attr<int64_t>("v_entry")
-                                  .Attr<int64_t>("v_lo")
-                                  .Attr<int64_t>("v_hi")
-                                  .Attr<int64_t>("window")
-                                  .Attr<float>("scale")
-                                  .Attr<bool>("has_sinks"));
+                              JAXSERVE_PAGED_BINDING(.Arg<ffi::Buffer<ffi::S32>>() /* lengths */));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedPrefill, PagedPrefillImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // pool
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // table
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // rows
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // positions
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // sinks
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // out
-                                  .Attr<int64_t>("k_dim")
-                                  .Attr<int64_t>("v_entry")
-                                  .Attr<int64_t>("v_lo")
-                                  .Attr<int64_t>("v_hi")
-                                  .Attr<int64_t>("window")
-                                  .Attr<float>("scale")
-                                  .Attr<bool>("has_sinks"));
+                              JAXSERVE_PAGED_BINDING(.Arg<ffi::Buffer<ffi::S32>>() /* rows */
+                                                     .Arg<ffi::Buffer<ffi::S32>>() /* positions */));
