@@ -298,7 +298,7 @@ class ModelRunner:
             B, S = self.max_prefill_seqs + self.num_slots, self.max_prefill_seqs
         else:
             B = S = 1 if len(rows) == 1 else self.max_prefill_seqs
-        T = self.chunk_size if B > 1 or paged else pow2_bucket(len(rows[0].tokens), 16, self.chunk_size)
+        T = self.chunk_size if B > 1 else pow2_bucket(len(rows[0].tokens), 16, self.chunk_size)
         bs = self.layout.block_size
         tokens = np.zeros((B, T), np.int32)
         start, lengths = np.zeros(B, np.int32), np.zeros(B, np.int32)

@@ -70,9 +70,7 @@ class Batch:
 
     @property
     def packed_positions(self):  # [N] int32: the position of each packed token (0 for padding)
-        T = self.tokens.shape[1]
-        row = jnp.minimum(self.packed // T, self.start.shape[0] - 1)
-        return jnp.where(self.packed < self.tokens.size, self.start[row] + self.packed % T, 0)
+        return self.pack(self.positions)[0]
 
     @property
     def valid(self):  # [B, T] bool

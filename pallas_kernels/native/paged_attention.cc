@@ -59,6 +59,19 @@ struct Job {
   bool has_sinks;
 };
 
+// The factor that turns a query head's accumulator into its output: 1 / the softmax's denominator, with the
+// head's sink (when the job has sinks) joining it as a logit with no value; 0 for a head that saw no key.
+inline float OutputScale(const Job& j, int64_t head, float m, float l) {
+  float den = l, keep = 1.0f;
+  if (j.has_sinks) {
+    const float sink = j.sinks[head];
+    const float mx = std::max(m, sink);
+    keep = std::exp(m - mx);
+    den = l * keep + std::exp(sink - mx);
+  }
+  return den > 0.0f ? keep / den : 0.0f;
+}
+
 // One (request b, KV head h) pair: its G = Hq / Hkv query heads over the request's tokens.
 void Attend(const Job& j, int64_t b, int64_t h) {
   const int64_t G = j.Hq / j.Hkv;
@@ -111,15 +124,7 @@ void Attend(const Job& j, int64_t b, int64_t h) {
     }
   }
   for (int64_t g = 0; g < G; ++g) {
-    float den = l[g];
-    float keep = 1.0f;
-    if (j.has_sinks) {  // a sink joins the softmax as a logit with no value
-      const float sink = j.sinks[h * G + g];
-      const float mx = std::max(m[g], sink);
-      keep = std::exp(m[g] - mx);
-      den = l[g] * keep + std::exp(sink - mx);
-    }
-    const float inv = den > 0.0f ? keep / den : 0.0f;
+    const float inv = OutputScale(j, h * G + g, m[g], l[g]);
     for (int64_t d = 0; d < j.Dv; ++d) out[g * j.Dv + d] = acc[g * j.Dv + d] * inv;
   }
 }
@@ -151,22 +156,35 @@ void RunItems(ffi::ThreadPool& threads, int64_t items, std::function<void(int64_
   while (shared->done.load(std::memory_order_acquire) < items) std::this_thread::yield();
 }
 
+// A call's job from its buffers and attributes (per_query: decode's lengths; null for prefill), or why the shapes
+// or attributes do not fit the pool.
+ffi::Error MakeJob(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& pool, ffi::Buffer<ffi::S32>& table,
+                   const int32_t* per_query, ffi::Buffer<ffi::S32>& layer, ffi::Buffer<ffi::F32>& sinks,
+                   ffi::ResultBuffer<ffi::F32>& out, int64_t k_dim, int64_t v_entry, int64_t v_lo, int64_t v_hi,
+                   int64_t window, float scale, bool has_sinks, Job* j) {
+  auto qd = q.dimensions(), pd = pool.dimensions(), td = table.dimensions();
+  if (qd.size() != 3 || pd.size() != 6 || td.size() != 2) {
+    return ffi::Error::InvalidArgument("paged attention: q [rows, Hq, Dk], pool [NB, L, E, bs, Hkv, D], table [B, W]");
+  }
+  *j = Job{q.typed_data(), pool.typed_data(), table.typed_data(), per_query, sinks.typed_data(),
+           out->typed_data(), pd[0], pd[1], pd[2], pd[3], pd[4], pd[5], td[1], qd[1], qd[2], v_hi - v_lo,
+           layer.typed_data()[0], k_dim, v_entry, v_lo, window, scale, has_sinks};
+  if (j->Hq % j->Hkv || k_dim > j->D || v_hi > j->D || v_entry >= j->E || j->layer < 0 || j->layer >= j->L) {
+    return ffi::Error::InvalidArgument("paged attention: heads, head dims, entry or layer outside the pool");
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error PagedDecodeImpl(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> pool,
                            ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::S32> layer,
                            ffi::Buffer<ffi::F32> sinks, ffi::ResultBuffer<ffi::F32> out, int64_t k_dim,
                            int64_t v_entry, int64_t v_lo, int64_t v_hi, int64_t window, float scale,
                            bool has_sinks) {
-  auto qd = q.dimensions(), pd = pool.dimensions(), td = table.dimensions();
-  if (qd.size() != 3 || pd.size() != 6 || td.size() != 2) {
-    return ffi::Error::InvalidArgument("paged decode: q [B, Hq, Dk], pool [NB, L, E, bs, Hkv, D], table [B, W]");
-  }
-  Job j{q.typed_data(), pool.typed_data(), table.typed_data(), lengths.typed_data(), sinks.typed_data(),
-        out->typed_data(), pd[0], pd[1], pd[2], pd[3], pd[4], pd[5], td[1], qd[1], qd[2], v_hi - v_lo,
-        layer.typed_data()[0], k_dim, v_entry, v_lo, window, scale, has_sinks};
-  if (j.Hq % j.Hkv || k_dim > j.D || v_hi > j.D || v_entry >= j.E || j.layer < 0 || j.layer >= j.L) {
-    return ffi::Error::InvalidArgument("paged decode: heads, head dims, entry or layer outside the pool");
-  }
-  RunItems(pool_threads, qd[0] * j.Hkv, [j](int64_t i) { Attend(j, i / j.Hkv, i % j.Hkv); });
+  Job j;
+  ffi::Error err = MakeJob(q, pool, table, lengths.typed_data(), layer, sinks, out, k_dim, v_entry, v_lo, v_hi,
+                           window, scale, has_sinks, &j);
+  if (err.failure()) return err;
+  RunItems(pool_threads, q.dimensions()[0] * j.Hkv, [j](int64_t i) { Attend(j, i / j.Hkv, i % j.Hkv); });
   return ffi::Error::Success();
 }
 
@@ -312,14 +330,7 @@ void AttendTile(const PrefillJob& pj, const Tile& tile, int64_t h) {
   }
   for (int64_t r = 0; r < nq; ++r) {
     const int64_t head = h * G + r % G;
-    float den = l[r], keep = 1.0f;
-    if (j.has_sinks) {  // a sink joins the softmax as a logit with no value
-      const float sink = j.sinks[head];
-      const float mx = std::max(m[r], sink);
-      keep = std::exp(m[r] - mx);
-      den = l[r] * keep + std::exp(sink - mx);
-    }
-    const float inv = den > 0.0f ? keep / den : 0.0f;
+    const float inv = OutputScale(j, head, m[r], l[r]);
     float* o = j.out + ((tile.first + r / G) * j.Hq + head) * Dv;
     for (int64_t d = 0; d < Dv; ++d) o[d] = at[d * nr + r] * inv;
   }
@@ -353,25 +364,18 @@ ffi::Error PagedPrefillImpl(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> 
                             ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> sinks, ffi::ResultBuffer<ffi::F32> out,
                             int64_t k_dim, int64_t v_entry, int64_t v_lo, int64_t v_hi, int64_t window, float scale,
                             bool has_sinks) {
-  auto qd = q.dimensions(), pd = pool.dimensions(), td = table.dimensions();
-  if (qd.size() != 3 || pd.size() != 6 || td.size() != 2 || rows.element_count() != qd[0] ||
-      positions.element_count() != qd[0]) {
-    return ffi::Error::InvalidArgument(
-        "paged prefill: q [N, Hq, Dk], pool [NB, L, E, bs, Hkv, D], table [B, W], rows [N], positions [N]");
+  PrefillJob pj{Job{}, rows.typed_data(), positions.typed_data()};
+  ffi::Error err = MakeJob(q, pool, table, nullptr, layer, sinks, out, k_dim, v_entry, v_lo, v_hi, window, scale,
+                           has_sinks, &pj.base);
+  if (err.failure()) return err;
+  const int64_t N = q.dimensions()[0];
+  if (rows.element_count() != N || positions.element_count() != N || pj.base.bs > kMaxBs) {
+    return ffi::Error::InvalidArgument("paged prefill: rows [N] and positions [N] for q [N, ...], block size <= 256");
   }
-  PrefillJob pj{Job{q.typed_data(), pool.typed_data(), table.typed_data(), nullptr, sinks.typed_data(),
-                    out->typed_data(), pd[0], pd[1], pd[2], pd[3], pd[4], pd[5], td[1], qd[1], qd[2],
-                    v_hi - v_lo, layer.typed_data()[0], k_dim, v_entry, v_lo, window, scale, has_sinks},
-                rows.typed_data(), positions.typed_data()};
-  const Job& j = pj.base;
-  if (j.Hq % j.Hkv || k_dim > j.D || v_hi > j.D || v_entry >= j.E || j.layer < 0 || j.layer >= j.L ||
-      j.bs > kMaxBs) {
-    return ffi::Error::InvalidArgument("paged prefill: heads, head dims, entry, layer or block size outside the pool");
-  }
-  auto tiles = std::make_shared<std::vector<Tile>>(Tiles(pj, qd[0], td[0]));
+  auto tiles = std::make_shared<std::vector<Tile>>(Tiles(pj, N, table.dimensions()[0]));
   if (tiles->empty()) return ffi::Error::Success();
-  const bool bs16 = j.bs == 16;
-  RunItems(pool_threads, static_cast<int64_t>(tiles->size()) * j.Hkv, [pj, tiles, bs16](int64_t i) {
+  const bool bs16 = pj.base.bs == 16;
+  RunItems(pool_threads, static_cast<int64_t>(tiles->size()) * pj.base.Hkv, [pj, tiles, bs16](int64_t i) {
     const Tile& t = (*tiles)[i / pj.base.Hkv];
     if (bs16) {
       AttendTile<16>(pj, t, i % pj.base.Hkv);
