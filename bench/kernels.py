@@ -1,9 +1,11 @@
 """Kernel benchmark: each Pallas kernel against its jnp reference, same inputs, same run.
 
-Per kernel and shape: median wall time over `--iters` calls (after a compile-and-warm-up call), the bytes a
-kernel must at least move (inputs read once, outputs written once; for paged attention the K/V of every
-token in context), the FLOPs of the useful work (visible query-key pairs only), the achieved GB/s and
-TFLOP/s, the reference / kernel time ratio, and the largest difference between the two outputs.
+Per kernel and shape: the time per call at steady state (`_time`: groups of `--iters` calls dispatched back to
+back, the median group; compile and warm-up excluded), the bytes a kernel must at least move (inputs read
+once, outputs written once; for paged attention the K/V of every token in context), the FLOPs of the useful
+work (visible query-key pairs only), the achieved GB/s and TFLOP/s, the reference / kernel time ratio, and the
+largest difference between the two outputs. On a GPU flash attention is measured twice: as `flash_attention`
+runs it (the Mosaic GPU kernel on a Hopper GPU) and through its Triton kernel (`flash_attention_triton`).
 
 Modes: `pallas` compiles the kernels for the device (GPU), `interpret` runs the kernel bodies in Pallas
 interpret mode (CPU; that times the interpreter, not the kernel: only the correctness columns and the
@@ -42,19 +44,26 @@ SHAPES = {
 }
 
 
-def _time(fn, args, iters: int) -> float:
+def _time(fn, args, iters: int, groups: int = 5) -> float:
+    """Seconds per call at steady state: `groups` times, `iters` calls dispatched back to back and waited for
+    once (the device runs them one after another, as a serving step's programs run), the median per call.
+    Waiting for each call instead would add the host's dispatch-and-sync round trip (tens of microseconds on a
+    GPU) to every kernel of a few hundred."""
     import jax
     jax.block_until_ready(fn(*args))  # compile + warm up
     ts = []
-    for _ in range(iters):
+    for _ in range(groups):
         t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t)
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        ts.append((time.perf_counter() - t) / iters)
     return float(np.median(ts))
 
 
-def _cases(shapes: dict, dtype):
-    """(name, shape description, kernel name, args, kwargs, bytes, flops, kind) per benchmark."""
+def _cases(shapes: dict, dtype, triton: bool = False):
+    """(name, shape description, kernel name, args, kwargs, bytes, flops, kind) per benchmark; triton: flash
+    attention also through its Triton kernel (on a Hopper GPU the default is the Mosaic GPU kernel)."""
     import jax.numpy as jnp
 
     from pallas_kernels.check import inputs
@@ -66,9 +75,10 @@ def _cases(shapes: dict, dtype):
     T, Hq, Hkv, D = sum(f["lens"]), f["Hq"], f["Hkv"], f["D"]
     pairs = sum(n * (n + 1) // 2 for n in f["lens"])
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(f["lens"])]), jnp.int32)
-    out.append(("flash_attention", f"T={T} seqs={f['lens']} Hq={Hq} Hkv={Hkv} D={D} causal", "flash_attention",
-                (rnd(T, Hq, D), rnd(T, Hkv, D), rnd(T, Hkv, D)), dict(cu_seqlens=cu),
-                it * T * D * (2 * Hq + 2 * Hkv), 4 * pairs * Hq * D, "compute"))
+    qkv = (rnd(T, Hq, D), rnd(T, Hkv, D), rnd(T, Hkv, D))
+    for name, kw in [("flash_attention", {})] + ([("flash_attention_triton", dict(hopper=False))] if triton else []):
+        out.append((name, f"T={T} seqs={f['lens']} Hq={Hq} Hkv={Hkv} D={D} causal", "flash_attention", qkv,
+                    dict(cu_seqlens=cu, **kw), it * T * D * (2 * Hq + 2 * Hkv), 4 * pairs * Hq * D, "compute"))
     p = shapes["paged"]
     B, ctx, bs = p["B"], p["ctx"], p["bs"]
     args, kw = inputs("paged_attention", r, Hq=p["Hq"], Hkv=p["Hkv"], Dk=p["D"], Dv=p["D"], dtype=dtype,
@@ -118,7 +128,7 @@ def run(mode: str | None, iters: int, dtype_name: str) -> dict:
     kind = jax.devices()[0].device_kind
     peak = next((v for k, v in PEAKS.items() if k in kind), None) if on_gpu else None
     results = []
-    cases = _cases(SHAPES["gpu" if on_gpu else "cpu"], dtype)
+    cases = _cases(SHAPES["gpu" if on_gpu else "cpu"], dtype, triton=on_gpu)
     for name, shape, kname, args, kw, nbytes, flops, bound in tqdm(cases, desc="kernels", unit="case"):
         ref, kernel = KERNELS[kname]
         kfn = jax.jit(functools.partial(kernel, interpret=mode == "interpret", **kw))

@@ -6,6 +6,10 @@ Two entry points share one kernel:
                                                      B rows of queries against a key cache with explicit
                                                      positions: the models' dense-cache path (full caches,
                                                      sliding-window rings, the MLA latent cache)
+Compiled on a Hopper GPU, the packed entry point hands the calls flash_attention_hopper.py covers (causal, no
+window or sinks, 16-bit, head dim a multiple of 64 up to 256) to that Mosaic GPU kernel (TMA, wgmma, warp
+specialisation); this Triton kernel takes the rest, and the batched entry point.
+
 The kernel sees every query and key as (segment, position). A key is visible to a query when the segments
 match, k_pos <= q_pos (causal) and k_pos > q_pos - window (the window counts the query itself).
 
@@ -225,7 +229,7 @@ def _packed_meta(T: int, cu_seqlens):
 
 def flash_attention(q, k, v, *, cu_seqlens, causal=True, sliding_window=None, sinks=None, scale=None,
                     interpret=False, block_q: int = BLOCK_Q_ROWS, block_k: int = BLOCK_K, num_warps=None,
-                    num_stages=None):
+                    num_stages=None, hopper: bool | None = None):
     """Prefill attention over sequences packed along T.
 
     q [T, Hq, Dk]; k [T, Hkv, Dk]; v [T, Hkv, Dv]; cu_seqlens [B+1] int32 (sequence b is tokens
@@ -233,6 +237,8 @@ def flash_attention(q, k, v, *, cu_seqlens, causal=True, sliding_window=None, si
     itself; sinks [Hq] float32 per-head logits joining the softmax denominator; scale defaults to Dk**-0.5
     -> out [T, Hq, Dv] (zeros for tokens past cu_seqlens[-1]). block_q counts query rows (tokens x G);
     num_warps, num_stages: the Triton launch parameters on a GPU (None: GPU_LAUNCH, tuned on an H100).
+    hopper: compiled on a Hopper GPU, the calls flash_attention_hopper.py covers run its Mosaic GPU kernel
+    (None or True; True refuses a call it does not cover), False keeps the Triton kernel.
     """
     _check_qkv(q, k, v, sinks, 0)
     _check_window(sliding_window, causal)
@@ -241,6 +247,14 @@ def flash_attention(q, k, v, *, cu_seqlens, causal=True, sliding_window=None, si
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"q has {q.shape[0]} tokens and k {k.shape[0]}; packed attention needs the same T")
     T, Hq, Dk = q.shape
+    if not interpret and hopper is not False:
+        from . import flash_attention_hopper as fh
+        why = fh.unsupported(q, k, v, causal=causal, sliding_window=sliding_window, sinks=sinks)
+        if why is None and fh.is_hopper():
+            return fh.hopper_flash_attention(q, k, v, cu_seqlens, scale=Dk ** -0.5 if scale is None else float(scale))
+        if hopper:
+            raise ValueError(f"the Hopper flash attention compiled for the GPU cannot take this call: "
+                             f"{why or 'not a Hopper GPU'}")
     G = Hq // k.shape[1]
     seg, pos = _packed_meta(T, cu_seqlens.astype(jnp.int32))
     q_seg = jnp.where(seg >= 0, seg, -2)  # padding queries match no key
@@ -254,9 +268,9 @@ def flash_attention(q, k, v, *, cu_seqlens, causal=True, sliding_window=None, si
 
 def ref_flash_attention(q, k, v, *, cu_seqlens, causal=True, sliding_window=None, sinks=None, scale=None,
                         interpret=False, block_q: int = BLOCK_Q_ROWS, block_k: int = BLOCK_K, num_warps=None,
-                        num_stages=None):
+                        num_stages=None, hopper: bool | None = None):
     """Dense-mask reference of `flash_attention`, same arguments and result."""
-    del interpret, block_q, block_k, num_warps, num_stages
+    del interpret, block_q, block_k, num_warps, num_stages, hopper
     _check_qkv(q, k, v, sinks, 0)
     _check_window(sliding_window, causal)
     T, Hq, Dk = q.shape

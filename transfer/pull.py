@@ -13,9 +13,11 @@ acknowledges; the arrays go to the import program as they are (no DLPack, no rec
 Block arrays cross with their padded row count (the export programs are bucketed to powers of two); the
 transfer's byte count is the staged payload, as for the other backends.
 
-A pull whose peer dies fails at once (PJRT reports the closed socket); a pull of arrays that are never offered
-would wait forever inside PJRT, so `pull` waits on a helper thread with a deadline and reports the failure
-(the helper is left behind, blocked; it holds no cache block). Concurrency: PJRT's transfer server runs its
+A pull waits for its arrays by polling their readiness. PJRT fails a pull whose peer dies on the CPU, but on
+a GPU (seen on an H100) such a pull never completes; so while it waits, the peer's transfer server is checked
+every PROBE_S with a TCP connect, and a refused connection (the process is gone) fails the pull at once. A pull
+of arrays that are never offered fails at its deadline. The device buffers of a pull that never completes stay
+allocated in PJRT (it has no cancel); no cache block is held for them. Concurrency: PJRT's transfer server runs its
 own threads; `offer` is called from the prefill worker's feeder thread, `pull` from the KV server's
 connection threads (a lock guards the connection cache).
 """
@@ -24,9 +26,13 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import socket
 import threading
+import time
 
 from .tcp import TcpLink
+
+PROBE_S = 0.2  # while a pull waits: how often the peer's transfer server is checked for life
 
 
 class PullError(RuntimeError):
@@ -65,20 +71,23 @@ class PullServer:
         except Exception as e:  # noqa: BLE001 - PJRT raises its own runtime errors
             self._drop(address)
             raise PullError(f"pull from {address} failed: {e}") from e
-        done, failed = threading.Event(), []
-
-        def wait():
-            try:
-                jax.block_until_ready(xs)
-            except Exception as e:  # noqa: BLE001
-                failed.append(e)
-            done.set()
-        threading.Thread(target=wait, name="kv-pull-wait", daemon=True).start()
-        if not done.wait(timeout_s):
-            raise PullError(f"arrays {uuid} from {address} not pulled within {timeout_s:.1f}s")
-        if failed:
+        deadline, step, next_probe = time.monotonic() + timeout_s, 5e-5, 0.0
+        while not all(x.is_ready() for x in xs):
+            now = time.monotonic()
+            if now >= deadline:
+                raise PullError(f"arrays {uuid} from {address} not pulled within {timeout_s:.1f}s")
+            if now >= next_probe:
+                if not _listening(address):
+                    self._drop(address)
+                    raise PullError(f"pull from {address} failed: its transfer server is gone")
+                next_probe = now + PROBE_S
+            time.sleep(min(step, deadline - now))
+            step = min(2 * step, 2e-3)
+        try:
+            jax.block_until_ready(xs)  # ready: returns at once, or raises the transfer's error
+        except Exception as e:  # noqa: BLE001 - PJRT raises its own runtime errors
             self._drop(address)
-            raise PullError(f"pull from {address} failed: {failed[0]}")
+            raise PullError(f"pull from {address} failed: {e}") from e
         return list(xs)
 
     def _connect(self, address: str):
@@ -91,6 +100,19 @@ class PullServer:
     def _drop(self, address: str) -> None:
         with self._lock:
             self._conns.pop(address, None)
+
+
+def _listening(address: str) -> bool:
+    """Whether something still accepts connections at a transfer server's "host:port" (False only on a refusal:
+    the process that served it is gone)."""
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_S).close()
+    except ConnectionRefusedError:
+        return False
+    except OSError:  # unreachable or slow: undecided, the deadline still holds
+        return True
+    return True
 
 
 def _deadline(timeout_s: float) -> datetime.datetime:
