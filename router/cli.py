@@ -1,5 +1,6 @@
-"""The `jaxserve` command: jaxserve/cli.py's commands (convert, generate, worker, certs, bench) and `serve`,
-which builds a router over a cluster's workers, so it lives here, above the engine packages."""
+"""The `jaxserve` command: jaxserve/cli.py's commands (convert, generate, worker, certs, bench), `serve`, which
+builds a router over a cluster's workers, and `plan` (the PrfaaS-PD planner, router/planner.py), so they live
+here, above the engine packages."""
 
 from __future__ import annotations
 
@@ -22,6 +23,37 @@ def serve(config: str = typer.Option(None, "--config", "-c", help="cluster YAML 
     except ConfigFileError as e:
         typer.echo(f"config error: {e}", err=True)
         raise typer.Exit(2)
+
+
+@app.command()
+def plan(prfaas: str = typer.Option(..., "--prfaas", help="profile JSON of a PrfaaS prefill instance"),
+         pd: str = typer.Option(..., "--pd", help="profile JSON of a PD-cluster instance"),
+         workload: str = typer.Option(..., "--workload", help="workload JSON (truncated log-normal lengths)"),
+         n_prfaas: int = typer.Option(..., "--n-prfaas", help="PrfaaS prefill instances"),
+         n_pd: int = typer.Option(..., "--n-pd", help="PD-cluster instances (prefill + decode)"),
+         egress_gbps: float = typer.Option(..., "--egress-gbps", help="PrfaaS egress bandwidth, Gbit/s"),
+         n_homogeneous: int = typer.Option(None, "--n-homogeneous",
+                                           help="instances of the homogeneous baseline (default n_prfaas + n_pd)"),
+         t_step: int = typer.Option(256, "--t-step", help="threshold search step, tokens"),
+         json_out: str = typer.Option(None, "--json", help="write the result here")):
+    """The throughput-optimal PrfaaS-PD configuration (threshold, prefill/decode split) and its baselines."""
+    import json
+
+    from .planner import PlanError, Profile, Workload, format_plan, load_json
+    from .planner import plan as _plan
+    try:
+        result = _plan(Profile.from_json(load_json(prfaas, "--prfaas"), "prfaas"),
+                       Profile.from_json(load_json(pd, "--pd"), "pd"),
+                       Workload.from_json(load_json(workload, "--workload")), n_prfaas, n_pd, egress_gbps,
+                       n_homogeneous, t_step)
+    except PlanError as e:
+        typer.echo(f"plan error: {e}", err=True)
+        raise typer.Exit(2)
+    typer.echo(format_plan(result))
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(result, f, indent=1)
+        typer.echo(f"wrote {json_out}")
 
 
 if __name__ == "__main__":
