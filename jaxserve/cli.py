@@ -62,6 +62,33 @@ def worker(config: str = typer.Option(None, "--config", "-c", help="cluster YAML
 
 
 @app.command()
+def profile(config: str = typer.Option(None, "--config", "-c", help="cluster YAML (default: the embedded local.yaml)"),
+            instance: str = typer.Option(..., "--instance", help="the instance of the config to measure"),
+            json_out: str = typer.Option(..., "--json", help="write the profile here"),
+            lengths: str = typer.Option(None, help="prompt lengths, comma-separated (default 16, 32, ... below "
+                                                   "max_model_len)"),
+            batches: str = typer.Option(None, help="decode batch sizes (default 1, 2, 4, ... max_num_seqs)"),
+            tpot_slo_ms: float = typer.Option(100.0, "--tpot-slo-ms", help="the decode step SLO for max_batch"),
+            reps: int = typer.Option(3, help="timed prefills per length (median)"),
+            decode_steps: int = typer.Option(16, "--decode-steps", help="timed decode steps per batch size")):
+    """Measure one instance on its real programs in the planner's profile format (jaxserve plan --prfaas/--pd)."""
+    from .config import ConfigFileError, load
+    from .profiler import profile as _profile
+    ints = lambda s: [int(x) for x in s.split(",")] if s else None  # noqa: E731
+    try:
+        out = _profile(load(config), instance, ints(lengths), ints(batches), tpot_slo_ms / 1e3, reps, decode_steps)
+    except (ConfigFileError, ValueError) as e:
+        typer.echo(f"profile error: {e}", err=True)
+        raise typer.Exit(2)
+    with open(json_out, "w") as f:
+        json.dump(out, f, indent=1)
+    d = out["decode"]
+    typer.echo(f"prefill {dict(zip(out['prefill']['tokens'], (round(s, 4) for s in out['prefill']['seconds'])))} s; "
+               f"decode max_batch {d['max_batch']} at {d['step_seconds'] * 1e3:.1f} ms a step "
+               f"(SLO {tpot_slo_ms:g} ms); wrote {json_out}")
+
+
+@app.command()
 def certs(out_dir: str = typer.Argument(..., help="directory to write the PEM files to"),
           hosts: str = typer.Option("127.0.0.1,localhost", help="comma-separated addresses the certificates are "
                                     "valid for (every host a router or worker listens on)"),

@@ -1,0 +1,136 @@
+"""`jaxserve profile`: one instance of a cluster config measured on its real programs, written in the planner's
+profile format (router/planner.py), so a profile measured here and one typed from a paper's table are
+interchangeable.
+
+- prefill: for each prompt length l, the wall time from queueing a fresh prompt of l random tokens (prefix
+  caching cannot hit) to its first token, median of `reps` after one untimed pass (its compilations); and
+  S_kv(l), the bytes a transfer of that prompt moves, from the model's cache groups (full-attention blocks,
+  sliding rings, linear state) in the serving dtype;
+- decode: for each batch size B, the wall time of a decode step with B requests decoding (the mean over
+  `decode_steps` steps, after each request's first tokens and an untimed pass); `max_batch` is the largest B
+  whose step meets the TPOT SLO and `step_seconds` that B's step time.
+
+Runs in this process on the instance's cores (pinned before JAX loads, as a worker is) with the config's
+engine section, warm-up off: compile time is what the untimed passes absorb and is reported apart.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+
+def _lengths_for(limit: int, lengths: list[int] | None) -> list[int]:
+    if lengths:
+        bad = [n for n in lengths if not 1 <= n < limit]
+        if bad:
+            raise ValueError(f"--lengths {bad}: prompt lengths must be 1 .. {limit - 1} (engine.max_model_len {limit})")
+        return sorted(set(lengths))
+    out, n = [], 16
+    while n < limit:
+        out.append(n)
+        n *= 2
+    return out
+
+
+def _batches_for(limit: int, batches: list[int] | None) -> list[int]:
+    if batches:
+        bad = [b for b in batches if not 1 <= b <= limit]
+        if bad:
+            raise ValueError(f"--batches {bad}: batch sizes must be 1 .. {limit} (engine.max_num_seqs)")
+        return sorted(set(batches))
+    out, b = [], 1
+    while b < limit:
+        out.append(b)
+        b *= 2
+    return out + [limit]
+
+
+def _run(llm, prompts: list[list[int]], params, tag: str) -> float:
+    """Queue `prompts`, step until all finish, forget them -> wall seconds."""
+    t0 = time.perf_counter()
+    seqs = [s for i, p in enumerate(prompts) for s in llm.add_request(f"{tag}-{i}", p, params)]
+    while llm.has_work:
+        llm.step()
+    dt = time.perf_counter() - t0
+    for s in seqs:
+        llm.release(s)
+    return dt
+
+
+def _decode_step(llm, B: int, prompt_len: int, steps: int, rng, tag: str) -> float:
+    """Mean decode step (seconds) with B requests decoding: queued together, their prompts prefilled and first
+    tokens drawn (not timed), then `steps` steps of B rows timed (wall clock; the engine's step timer confirms
+    each was a decode step of its own); then aborted."""
+    from .sampling import SamplingParams
+    params = SamplingParams(max_tokens=steps + B + 4, temperature=0.0, ignore_eos=True)  # none ends in the window
+    vocab = llm.model_config.vocab_size
+    seqs = [s for i in range(B) for s in llm.add_request(f"{tag}-{i}", rng.integers(3, vocab, prompt_len).tolist(),
+                                                         params)]
+    while any(len(s.output) < 2 for s in seqs):
+        llm.step()
+    llm.timer.reset()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        llm.step()
+    wall = (time.perf_counter() - t0) / steps
+    st = llm.timer.summary().get("decode")
+    for s in seqs:
+        llm.abort(s.request_id)
+    while llm.has_work:
+        llm.step()
+    if not st or st["count"] != steps:
+        raise RuntimeError(f"batch {B}: {steps} decode-only steps expected, the step timer saw {st}")
+    return wall
+
+
+def profile(cfg, instance: str, lengths: list[int] | None = None, batches: list[int] | None = None,
+            tpot_slo_s: float = 0.1, reps: int = 3, decode_steps: int = 16, progress: bool = True) -> dict:
+    """Profile instance `instance` of config `cfg` (see the module docstring) -> the profile dict."""
+    from .worker.main import pin
+    inst = cfg.instance(instance)
+    pin(inst)
+    import jax.numpy as jnp
+    import numpy as np
+    from tqdm import tqdm
+
+    from .bundled import resolve
+    from .engine.llm_engine import LLMEngine
+    from .sampling import SamplingParams
+    from .server.serve import make_mesh
+    if not tpot_slo_s > 0:
+        raise ValueError(f"--tpot-slo-ms must be > 0, got {tpot_slo_s * 1e3:g}")
+    if reps < 1 or decode_steps < 1:
+        raise ValueError("--reps and --decode-steps must be >= 1")
+    ec = cfg.engine.engine_config(cfg.server.max_waiting)
+    llm = LLMEngine(resolve(cfg.model.path, progress), cfg.model.dtype, ec, make_mesh(inst, local=True), progress)
+    Ls = _lengths_for(llm.max_model_len, lengths)
+    Bs = _batches_for(llm.cfg.max_num_seqs, batches)
+    rng = np.random.default_rng(0)
+    vocab = llm.model_config.vocab_size
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    t_start, programs = time.perf_counter(), len(llm.runner.programs)
+    seconds, kv = [], []
+    itemsize = jnp.dtype(llm.dtype).itemsize
+    for n in tqdm(Ls, desc="prefill lengths", unit="length", disable=not progress):
+        times = [_run(llm, [rng.integers(3, vocab, n).tolist()], one, f"p{n}-{r}") for r in range(reps + 1)][1:]
+        seconds.append(statistics.median(times))
+        kv.append(llm.cache_spec.transfer_bytes(n, llm.cfg.block_size, itemsize))
+    steps = []
+    for B in tqdm(Bs, desc="decode batches", unit="batch", disable=not progress):
+        _decode_step(llm, B, 16, 2, rng, f"w{B}")  # compiles this batch's programs
+        steps.append(_decode_step(llm, B, 16, decode_steps, rng, f"d{B}"))
+    meets = [i for i, s in enumerate(steps) if s <= tpot_slo_s]
+    if not meets:
+        raise RuntimeError(f"no batch size meets the TPOT SLO of {tpot_slo_s * 1e3:g} ms: one request's decode step "
+                           f"takes {steps[0] * 1e3:.1f} ms")
+    best = meets[-1]
+    return {
+        "prefill": {"tokens": Ls, "seconds": seconds, "kv_bytes": kv},
+        "decode": {"step_seconds": steps[best], "max_batch": Bs[best], "tpot_slo_s": tpot_slo_s,
+                   "batch": Bs, "batch_step_seconds": steps},
+        "instance": instance, "role": inst.role, "model": cfg.model.path, "dtype": cfg.model.dtype,
+        "cores": sorted(os.sched_getaffinity(0)), "reps": reps, "decode_steps": decode_steps,
+        "programs_compiled": len(llm.runner.programs) - programs, "seconds_total": time.perf_counter() - t_start,
+    }
