@@ -177,6 +177,8 @@ class RouterSection(_Strict):
     busy_wait_s: float = Field(30.0, ge=0, description="how long a request waits for a decode instance with room")
     local_fallback: bool = Field(True, description="with no prefill instance left, run the request whole on "
                                                    "one instance rather than failing it")
+    role_change_timeout_s: float = Field(600.0, gt=0, description="how long a role change may take (the instance "
+                                         "drains what it has in flight, then compiles its new role's programs)")
 
     @model_validator(mode="after")
     def _beat(self):
@@ -208,6 +210,27 @@ class PolicySection(_Strict):
                                 "it has more than this many requests in flight beyond the least loaded one")
     local_prefill_tokens: int = Field(256, ge=0, description="prfaas: a decode instance that holds all but this "
                                       "many prompt tokens (a conversation's next turn) prefills them itself")
+    replan_s: float | None = Field(None, gt=0, description="prfaas: re-plan this often from the observed traffic "
+                                   "(router/replan.py): the optimal threshold, and PD instances flipped between "
+                                   "prefill and decode in place; off when unset")
+    prfaas_profile: str | None = Field(None, description="replan: profile JSON of a PrfaaS prefill instance "
+                                       "(`jaxserve profile`)")
+    pd_profile: str | None = Field(None, description="replan: profile JSON of a PD-cluster instance")
+    replan_window_s: float = Field(600.0, gt=0, description="replan: the traffic it plans from")
+    replan_min_samples: int = Field(20, ge=1, description="replan: requests observed before any decision")
+    replan_min_gain: float = Field(0.1, ge=0, description="replan: a flip needs the planned throughput to grow by "
+                                   "this fraction (hysteresis)")
+    replan_min_interval_s: float = Field(120.0, ge=0, description="replan: the least time between two flips")
+
+    @model_validator(mode="after")
+    def _replan(self):
+        if self.replan_s is not None:
+            if self.name != "prfaas":
+                raise ValueError("replan_s needs name: prfaas")
+            missing = [f for f in ("prfaas_profile", "pd_profile") if getattr(self, f) is None]
+            if missing:
+                raise ValueError(f"replan_s needs {' and '.join(missing)} (profiles from `jaxserve profile`)")
+        return self
 
     @model_validator(mode="after")
     def _band(self):

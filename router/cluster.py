@@ -34,13 +34,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass, field
 
 import grpc
 
-from jaxserve.config import Config
+from jaxserve.config import Config, ConfigFileError
 from jaxserve.engine.client import EngineUnavailable as Unavailable
 from jaxserve.engine.client import QueueFull, RequestError, Update, encode
 from jaxserve.sampling import SamplingParams
@@ -151,6 +152,9 @@ class Router:
         self.address: str | None = None
         self.launcher = None  # router/launcher.py, when serve started the workers
         self._tls = self.cfg.transfer.tls.build() if self.cfg.transfer.tls else None
+        self.replanner = _replanner(cfg.policy)  # the long-term loop (router/replan.py), None when off
+        self.replan_state: dict = {}  # the last decision, for /metrics
+        self._replan_task: asyncio.Task | None = None
 
     # ---- control port (worker registration, on a thread of its own: control.py)
     async def start(self) -> str:
@@ -162,6 +166,8 @@ class Router:
                                       on_join=lambda: loop.call_soon_threadsafe(self._joined.set), tls=self._tls,
                                       index=self.index)
         self.address = await asyncio.to_thread(self._control.start, r.host, r.port)
+        if self.replanner is not None:
+            self._replan_task = asyncio.create_task(self._replan_loop())
         return self.address
 
     async def joined(self) -> None:
@@ -170,6 +176,9 @@ class Router:
         self._joined.clear()
 
     async def close(self) -> None:
+        if self._replan_task is not None:
+            self._replan_task.cancel()
+            self._replan_task = None
         for tasks in list(self.tasks.values()):
             for t in tasks:
                 t.cancel()
@@ -187,7 +196,8 @@ class Router:
                  for addr, snap in w.links.items()}
         return {"instances": self.registry.state(), "links": links,
                 "kv_bytes_transferred": self.kv_bytes_transferred, "retries": self.retries,
-                "routes": dict(self.routes), "policy": self.policy.state(), "index": self.index.stats(),
+                "routes": dict(self.routes), "policy": {**self.policy.state(), **self.replan_state},
+                "index": self.index.stats(),
                 "prefix_moves": dict(self.prefix_moves)}
 
     def health(self) -> dict:
@@ -215,6 +225,83 @@ class Router:
                     out[w.name] = {"error": f"{e.code().name}: {e.details()}"}
         log.info("link %s -> %s: %.3f Gbit/s (%s)", src, dst, gbps, out)
         return {"src": src, "dst": dst, "bandwidth_gbps": gbps, "instances": out}
+
+    async def set_role(self, name: str, role: str) -> dict:
+        """Change instance `name`'s role in place (prefill, decode, both): no new work is placed there, the
+        worker drains what it has in flight, compiles what the new role runs and switches (SetRole); then work
+        of the new role is placed there. Refused (RequestError) for an unknown or down instance, one of a PrfaaS
+        cluster, one already changing, and a change that would leave no other instance up for its old role.
+        Raises Unavailable when the worker fails or times out (the instance takes work again as it reports)."""
+        w = self.registry.get(name)
+        if w is None or name not in self.topology.where:
+            raise RequestError(f"no instance {name!r} (instances: {sorted(self.topology.where)})", "instance")
+        if not self.registry.is_up(w):
+            raise RequestError(f"{name} is down", "instance")
+        if self.topology.kind(name) == "prfaas":
+            raise RequestError(f"{name} is in PrfaaS cluster {self.topology.cluster(name)!r}: only PD-cluster "
+                               "instances change roles", "instance")
+        if w.draining:
+            raise RequestError(f"{name} is already changing its role", "instance")
+        old = w.role
+        if role == old:
+            return {"instance": name, "role": role, "previous": old, "drained_s": 0.0, "programs_compiled": 0}
+        others = [x for x in self.registry.up() if x.name != name and not x.draining]
+        for lost in {"prefill", "decode"} - ({"prefill", "decode"} if role == "both" else {role}):
+            if w.serves(lost) and not any(x.serves(lost) for x in others):
+                raise RequestError(f"{name} is the only instance up that can {lost}", "role")
+        self.registry.begin_flip(name, role)
+        ok = False
+        try:
+            ans = await self._client(w).call("SetRole", {"role": role}, timeout=self.cfg.router.role_change_timeout_s)
+            ok = True
+        except grpc.aio.AioRpcError as e:
+            raise Unavailable(f"{name} did not change its role: {e.code().name}: {e.details()}") from None
+        finally:
+            self.registry.end_flip(name, role, ok)
+        log.info("%s: %s -> %s (drained in %.2fs, %d programs compiled)", name, old, role, ans["drained_s"],
+                 ans["programs_compiled"])
+        return {"instance": name, **ans}
+
+    # ---- the long-term loop (PrfaaS 3.4.3): re-plan from the observed traffic, apply threshold and flips
+    async def _replan_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.policy.replan_s)  # the planning period
+            try:
+                await self.replan()
+            except Exception:  # noqa: BLE001 - a failed round leaves the deployment as it is; the next one retries
+                log.exception("re-planning failed")
+
+    def _egress_gbps(self) -> float:
+        """The PrfaaS -> PD bandwidth now (the narrowest shaped link; unshaped: unbounded)."""
+        kinds = {c.name: c.kind for c in self.cfg.clusters}
+        out = []
+        for lk in self.cfg.links:
+            if kinds.get(lk.src) == "prfaas" and kinds.get(lk.dst) != "prfaas":
+                out.append(self.topology.bandwidth.get((lk.src, lk.dst), lk.bandwidth_gbps))
+        return min((b for b in out if b), default=math.inf)
+
+    async def replan(self):
+        """One round of the long-term loop -> the replanner's Decision (applied: the policy's base threshold,
+        and the role flip it asks for)."""
+        now = time.monotonic()
+        up = self.registry.up()
+        n_prfaas = sum(1 for w in up if self.topology.kind(w.name) == "prfaas" and w.serves("prefill"))
+        pd = {w.name: (w.role, w.inflight) for w in up if self.topology.kind(w.name) != "prfaas"}
+        flipping = any(w.draining for w in self.registry.all())
+        d = self.replanner.decide(now, n_prfaas, pd, self._egress_gbps(), flipping)
+        if d.threshold_tokens is not None and hasattr(self.policy, "threshold"):
+            self.policy.threshold.rebase(d.threshold_tokens)
+        self.replan_state = {"replan_decisions": self.replanner.decisions, "replan_flips": self.replanner.flips}
+        if d.current is not None:
+            self.replan_state.update(planned_lambda_max=d.current["lambda_max"],
+                                     optimal_lambda_max=d.best["lambda_max"], planned_threshold_tokens=d.threshold_tokens)
+        log.info("re-plan: %s%s", d.why, f"; flipping {d.flip[0]} to {d.flip[1]}" if d.flip else "")
+        if d.flip is not None:
+            try:
+                await self.set_role(*d.flip)
+            except (RequestError, Unavailable) as e:
+                log.warning("re-plan: %s did not change to %s: %s", d.flip[0], d.flip[1], e)
+        return d
 
     # ---- the EngineClient protocol
     def encode(self, prompt) -> list[int]:
@@ -292,7 +379,7 @@ class Router:
     def _snapshot(self, s: _Sub, exclude: set):
         """The policy's view for this sequence: instances up and not excluded, each with the prefix of the
         prompt (and any output so far) that the global KV index says it holds."""
-        workers = self.registry.up(exclude=exclude)
+        workers = [w for w in self.registry.up(exclude=exclude) if not w.draining]
         tokens = s.prompt + s.output
         cached = self.index.match(tokens, {w.name for w in workers})
         return self.topology.snapshot(workers, self.registry.all(), len(tokens), s.kv(), cached, time.monotonic(),
@@ -327,6 +414,8 @@ class Router:
                 raise Unavailable("no instance is up to serve the request"
                                   + (f" ({'; '.join(s.errors[-3:])})" if s.errors else ""))
             s.placement, s.moved = pl, None
+            if self.replanner is not None and not s.errors and pl.uncached_tokens is not None:
+                self.replanner.observe(pl.uncached_tokens, time.monotonic())
             log.debug("%s: %s", s.rid, pl)
             try:
                 await self._open(s, w, method)
@@ -509,6 +598,8 @@ class Router:
     # ---- one sequence, start to end
     async def _drive(self, s: _Sub, q: asyncio.Queue, arrival: float) -> None:
         def final(u: Update):
+            if self.replanner is not None and u.finish_reason in ("length", "stop"):
+                self.replanner.finished(len(u.token_ids), time.monotonic())
             u.route = s.route(self.topology)
             self.routes[u.route["route"]] = self.routes.get(u.route["route"], 0) + 1
             q.put_nowait(u)
@@ -596,3 +687,20 @@ class Router:
                 pre.cancelled() or pre.exception()
             else:
                 pre.cancel()
+
+
+def _replanner(p):
+    """The long-term loop's planner for a config's policy section (None when replan_s is unset); a profile that
+    does not load is a config error naming its field."""
+    if p.replan_s is None:
+        return None
+    from .planner import PlanError, Profile, load_json
+    from .replan import ReplanParams, Replanner
+    profiles = []
+    for key in ("prfaas_profile", "pd_profile"):
+        try:
+            profiles.append(Profile.from_json(load_json(getattr(p, key), f"policy.{key}"), f"policy.{key}"))
+        except PlanError as e:
+            raise ConfigFileError(str(e)) from None
+    return Replanner(ReplanParams(p.replan_s, p.replan_window_s, p.replan_min_samples, p.replan_min_gain,
+                                  p.replan_min_interval_s), *profiles)

@@ -146,9 +146,37 @@ class LogNormal:
         return self.mean_between(self.lo, self.hi)
 
 
+class Empirical:
+    """Uncached input lengths as observed (the router's recent requests): the same interface as LogNormal."""
+
+    def __init__(self, lengths):
+        xs = sorted(float(x) for x in lengths)
+        if not xs or xs[0] <= 0:
+            raise PlanError("observed lengths must be a non-empty list of positive numbers")
+        self.xs = xs
+        self.lo, self.hi = xs[0], xs[-1]
+        self._cum = [0.0]
+        for x in xs:
+            self._cum.append(self._cum[-1] + x)
+
+    def _index(self, t: float) -> int:  # how many observed lengths are <= t
+        import bisect
+        return bisect.bisect_right(self.xs, t)
+
+    def above(self, t: float) -> float:
+        return 1.0 - self._index(t) / len(self.xs)
+
+    def mean_between(self, a: float, b: float) -> float | None:
+        i, j = self._index(a), self._index(b)
+        return (self._cum[j] - self._cum[i]) / (j - i) if j > i else None
+
+    def mean(self) -> float:
+        return self._cum[-1] / len(self.xs)
+
+
 @dataclasses.dataclass(frozen=True)
 class Workload:
-    lengths: LogNormal
+    lengths: LogNormal | Empirical
     output_tokens: float
 
     @classmethod
@@ -165,6 +193,9 @@ class Workload:
 
     def to_json(self) -> dict:
         ln = self.lengths
+        if isinstance(ln, Empirical):
+            return {"length": {"observed": {"count": len(ln.xs), "mean": ln.mean(), "min": ln.lo, "max": ln.hi}},
+                    "output_tokens": self.output_tokens}
         return {"length": {"lognormal": {"mu": ln.mu, "sigma": ln.sigma, "min": ln.lo, "max": ln.hi}},
                 "output_tokens": self.output_tokens}
 
@@ -195,15 +226,21 @@ def stages(prfaas: Profile, pd: Profile, wl: Workload, t: float, n_prfaas: int, 
 
 
 def thresholds(wl: Workload, step: int) -> list[float]:
-    """Candidate thresholds: the length range in steps of at most `step` tokens, both ends included (t = min
-    sends everything to PrfaaS, t = max nothing)."""
+    """Candidate thresholds: the length range in steps of at most `step` tokens, both ends included (t just
+    under min sends everything to PrfaaS, t = max nothing)."""
     lo, hi = wl.lengths.lo, wl.lengths.hi
-    return [float(t) for t in range(int(lo), int(hi), step)] + [hi]
+    return [float(t) for t in range(int(lo) - 1, int(hi), step)] + [hi]
 
 
-def _best(rows: list[dict]) -> dict:
+def best_of(rows: list[dict]) -> dict:
     # the most throughput; then the most prefill headroom; then the least egress
     return max(rows, key=lambda r: (round(r["lambda_max"], 12), round(r["prefill_capacity"], 12), -r["egress_gbps"]))
+
+
+def best_threshold(prfaas: Profile, pd: Profile, wl: Workload, n_prfaas: int, n_p: int, n_d: int,
+                   egress_gbps: float, t_step: int = 256) -> dict:
+    """The optimum threshold for a split that is given (the instances as they are now): `stages` there."""
+    return best_of([stages(prfaas, pd, wl, t, n_prfaas, n_p, n_d, egress_gbps) for t in thresholds(wl, t_step)])
 
 
 def plan(prfaas: Profile, pd: Profile, wl: Workload, n_prfaas: int, n_pd: int, egress_gbps: float,
@@ -218,11 +255,10 @@ def plan(prfaas: Profile, pd: Profile, wl: Workload, n_prfaas: int, n_pd: int, e
     n_h = n_prfaas + n_pd if n_homogeneous is None else n_homogeneous
     if not isinstance(n_h, int) or n_h < 2:
         raise PlanError(f"n_homogeneous must be an integer >= 2, got {n_h!r}")
-    ts = thresholds(wl, t_step)
-    best = _best([stages(prfaas, pd, wl, t, n_prfaas, n_p, n_pd - n_p, egress_gbps)
-                  for t in ts for n_p in range(n_pd + 1)])
+    best = best_of([best_threshold(prfaas, pd, wl, n_prfaas, n_p, n_pd - n_p, egress_gbps, t_step)
+                  for n_p in range(n_pd + 1)])
     hi = wl.lengths.hi
-    homo = _best([stages(prfaas, pd, wl, hi, 0, n_p, n_h - n_p, egress_gbps) for n_p in range(1, n_h)])
+    homo = best_of([stages(prfaas, pd, wl, hi, 0, n_p, n_h - n_p, egress_gbps) for n_p in range(1, n_h)])
     naive = stages(prfaas, pd, wl, wl.lengths.lo, n_prfaas, 0, n_pd, egress_gbps)
     for r, drop in ((homo, ("n_prfaas", "theta_prfaas", "threshold_tokens", "l_long", "p", "egress_gbps")),
                     (naive, ("n_p", "theta_pd_p", "threshold_tokens", "l_short"))):

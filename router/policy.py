@@ -233,6 +233,15 @@ class ThresholdController:
     def value(self) -> float:
         return max(self.stair, self.floor)
 
+    def rebase(self, tokens: float) -> None:
+        """A new base threshold (the long-term re-plan, router/replan.py): the staircase restarts from it (a
+        raised level above it stays until the link allows it down), the floor never goes under it."""
+        raised = self.stair > self.base
+        self.base = max(0, int(tokens))
+        self.top = max(self.top, self.base)
+        self.stair = max(self.stair, float(self.base)) if raised else float(self.base)
+        self.floor = float(self.base)  # the next observation predicts it again from the recent lengths
+
     def record(self, uncached: int, now: float) -> None:
         """A request's uncached length, as the policy judged it (offloaded or not: the distribution)."""
         self._recent.append((now, uncached))

@@ -73,6 +73,7 @@ class WorkerInfo:
     pull_address: str | None = None  # prefill: its JAX transfer server
     last_seen: float = 0.0
     down_reason: str | None = None  # set while marked down by a failed call
+    draining: bool = False  # a role change is under way: no new work is placed here
     inflight: int = 0  # requests the router has on this instance now
     prefill: PrefillMeter = field(default_factory=PrefillMeter)  # its prefill queue and rate
     served: int = 0
@@ -89,8 +90,10 @@ class WorkerInfo:
 
 class Registry:
     def __init__(self, expected: dict[str, str] | None = None, down_after_s: float = 5.0, now=time.monotonic):
-        """expected: instance name -> role of every instance the config lists (None: accept any)."""
+        """expected: instance name -> role of every instance the config lists (None: accept any). A role change
+        (begin_flip / end_flip) lets the instance report its new role."""
         self.expected = expected
+        self.allowed = {n: {r} for n, r in (expected or {}).items()}  # roles a registration may carry
         self.down_after_s = down_after_s
         self.now = now
         self.workers: dict[str, WorkerInfo] = {}
@@ -110,8 +113,10 @@ class Registry:
         if self.expected is not None:
             if name not in self.expected:
                 raise RegistrationError(f"{name!r} is not an instance of this cluster ({sorted(self.expected)})")
-            if self.expected[name] != role:
-                raise RegistrationError(f"{name}: the config says role {self.expected[name]!r}, the worker {role!r}")
+            if role not in self.allowed[name]:
+                now = sorted(self.allowed[name] - {self.expected[name]})
+                raise RegistrationError(f"{name}: the config says role {self.expected[name]!r}"
+                                        + (f" (changed to {now[0]!r})" if now else "") + f", the worker {role!r}")
         kv = msg.get("kv_address")
         kv = (str(kv[0]), int(kv[1])) if kv else None
         with self._lock:
@@ -124,7 +129,7 @@ class Registry:
                 self.workers[name] = w
             elif w.down_reason is not None:
                 self.events.append((self.now(), name, "up again"))
-            w.kv_address, w.max_model_len = kv, max_len
+            w.kv_address, w.max_model_len, w.role = kv, max_len, role
             w.stats = dict(msg.get("stats") or {})
             w.links = dict(msg.get("links") or {})
             w.shm = dict(msg["shm"]) if msg.get("shm") else None
@@ -140,6 +145,28 @@ class Registry:
                 w.down_reason = reason
                 w.failures += 1
                 self.events.append((self.now(), name, f"down: {reason}"))
+
+    def begin_flip(self, name: str, role: str) -> WorkerInfo:
+        """A role change of `name` starts: no new work is placed there; its heartbeats may carry `role`."""
+        with self._lock:
+            w = self.workers[name]
+            w.draining = True
+            self.allowed.setdefault(name, {w.role}).add(role)
+            self.events.append((self.now(), name, f"draining: {w.role} -> {role}"))
+            return w
+
+    def end_flip(self, name: str, role: str, ok: bool) -> None:
+        """The change ended: done (`role` is the only one it may report now) or failed (the worker may have
+        switched anyway: both stay allowed); work is placed there again."""
+        with self._lock:
+            w = self.workers.get(name)
+            if ok:
+                self.allowed[name] = {role}
+                if w is not None:
+                    w.role = role
+            if w is not None:
+                w.draining = False
+            self.events.append((self.now(), name, f"now {role}" if ok else f"role change to {role} failed"))
 
     def is_up(self, w: WorkerInfo) -> bool:
         return w.down_reason is None and self.now() - w.last_seen <= self.down_after_s
@@ -164,9 +191,11 @@ class Registry:
         return {w.name: w.peer() for w in self.all()}
 
     def state(self) -> dict:
-        """name -> {"role", "up", "inflight", "served", "failures", "down_reason", "age_s"} (for /health)."""
+        """name -> {"role", "up", "draining", "inflight", "served", "failures", "down_reason", "age_s"} (for
+        /health)."""
         t = self.now()
-        return {w.name: {"role": w.role, "up": self.is_up(w), "inflight": w.inflight, "served": w.served,
+        return {w.name: {"role": w.role, "up": self.is_up(w), "draining": w.draining, "inflight": w.inflight,
+                         "served": w.served,
                          "failures": w.failures,
                          "down_reason": w.down_reason or (None if self.is_up(w) else "no heartbeat"),
                          "age_s": round(t - w.last_seen, 3)} for w in self.all()}

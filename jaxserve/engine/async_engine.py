@@ -65,6 +65,9 @@ class AsyncEngine:
     async def set_link(self, src: str, dst: str, gbps: float) -> dict:
         raise RequestError("a colocated deployment has no links between clusters", "src")
 
+    async def set_role(self, instance: str, role: str) -> dict:
+        raise RequestError("a colocated deployment has no instance roles to change", "instance")
+
     async def call(self, fn, *args):
         """Run fn(engine, *args) on the engine thread and await its result. Cancelled before the engine thread
         takes it, fn never runs; once it runs, it runs to the end (its result is dropped)."""

@@ -102,3 +102,7 @@ class EngineClient(Protocol):
     async def set_link(self, src: str, dst: str, gbps: float) -> dict:
         """Change the emulated bandwidth of the link between two clusters (the admin endpoint); RequestError
         when there is no such link."""
+
+    async def set_role(self, instance: str, role: str) -> dict:
+        """Change an instance's role in place (the admin endpoint); RequestError when it cannot change,
+        EngineUnavailable when it failed to."""

@@ -30,7 +30,7 @@ from ..config import Config
 from ..engine.client import EngineClient, EngineUnavailable, QueueFull, RequestError, Update
 from .gate import Gate
 from .metrics import Metrics
-from .protocol import APIError, ChatRequest, CompletionRequest, LinkUpdate
+from .protocol import APIError, ChatRequest, CompletionRequest, LinkUpdate, RoleUpdate
 
 _work = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="http-work")
 
@@ -103,7 +103,7 @@ def create_app(config: Config, engine: EngineClient, model_name: str, metrics: M
             from fastapi.openapi.utils import get_openapi
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
             comps = schema.setdefault("components", {}).setdefault("schemas", {})
-            for model in (CompletionRequest, ChatRequest, LinkUpdate):
+            for model in (CompletionRequest, ChatRequest, LinkUpdate, RoleUpdate):
                 js = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 comps.update(js.pop("$defs", {}))
                 comps[model.__name__] = js
@@ -340,6 +340,17 @@ def create_app(config: Config, engine: EngineClient, model_name: str, metrics: M
             return await engine.set_link(body.src, body.dst, body.bandwidth_gbps)
         except RequestError as e:
             raise APIError(400, str(e), param=e.param) from None
+
+    @app.post("/admin/roles", openapi_extra=_body_schema(RoleUpdate))
+    async def admin_roles(request: Request):
+        """Change an instance's role in place: it drains, compiles what the new role runs, and switches."""
+        body = await parse(request, RoleUpdate)
+        try:
+            return await engine.set_role(body.instance, body.role)
+        except RequestError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        except EngineUnavailable as e:
+            raise APIError(503, str(e), "server_error", code="unavailable") from None
 
     @app.post("/debug/profile")
     async def profile(request: Request):

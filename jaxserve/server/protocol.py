@@ -91,6 +91,12 @@ class ChatRequest(_Sampling):
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
 
 
+class RoleUpdate(_Body):
+    """POST /admin/roles: change an instance's role in place (it drains first)."""
+    instance: StrictStr = Field(min_length=1, max_length=256)
+    role: Literal["prefill", "decode", "both"]
+
+
 class LinkUpdate(_Body):
     """POST /admin/links: the emulated bandwidth of the link from cluster src to cluster dst."""
     src: StrictStr = Field(min_length=1, max_length=256)

@@ -30,6 +30,12 @@ schema in messages.py before a handler sees it):
   Export    (prefill) {"request_id", "prompt" (the prefix), "dst": reservation} -> {"kv_bytes", "frames", "sends",
             "resends", "backend"}: sends the prefix's KV from this instance's prefix cache, no compute;
             FAILED_PRECONDITION when it is no longer cached.
+  SetRole   {"role"} -> {"role", "previous", "drained_s", "programs_compiled"}: the role changes in place (the
+            router's admin endpoint and its long-term re-planning; the router has stopped sending this instance
+            new work first). The worker waits until every request and transfer it has in flight is done (every
+            Decode, Prefill, Generate, Import and Export call has ended), compiles the programs the new role
+            runs that it lacks (engine.warmup), then reports the new role in its heartbeats. Weights, compiled
+            programs, the prefix cache and the KV receive pool are kept.
 "output" / "logprobs" resume a request whose first tokens were generated (and streamed to the client) before its
 instance failed: it continues from there (LLMEngine.add_request); its Updates count those tokens as output.
 With `--router HOST:PORT` the worker registers with the router and repeats the registration every
@@ -88,6 +94,7 @@ class Worker:
         from ..engine.llm_engine import LLMEngine
         from ..server.serve import make_mesh
         self.cfg, self.inst = cfg, inst
+        self.role = inst.role  # SetRole changes it in place
         self.cluster = cfg.cluster_of(inst.name)
         self.address = None  # host:port once serving
         t0 = time.monotonic()
@@ -97,19 +104,7 @@ class Worker:
                              make_mesh(inst, local=True), progress)
         if cfg.engine.warmup:
             print(f"{inst.name}: compiling the step programs (engine.warmup)", flush=True)
-            from transfer.plan import layer_groups
-            groups = layer_groups(self.llm.layout.num_layers, cfg.transfer.layers_per_group)
-            sends, layerwise = inst.role in ("prefill", "both"), len(groups) > 1
-            receives = inst.role in ("decode", "both")
-            # what the role runs: every whole-model prefill shape where requests are prefilled, and on a
-            # layer-wise prefill instance the layer-group programs of the shapes a streamed prompt's last chunk
-            # can take; a role's fallbacks (a prefill instance decoding when no decode instance is up, a decode
-            # instance prefilling when no prefill instance is) compile when first needed
-            n = self.llm.runner.warmup(progress, groups if sends and layerwise else None, tails=receives,
-                                       decode=receives, whole=sends, stage_min_tokens=cfg.transfer.stream_min_tokens)
-            n += self.llm.runner.warmup_transfer(self.llm.dtype_name, groups, export=sends,
-                                                 receive=receives, progress=progress)
-            print(f"{inst.name}: {n} programs compiled", flush=True)
+            print(f"{inst.name}: {self._warm(inst.role, progress)} programs compiled", flush=True)
         print(f"{inst.name}: engine ready after {time.monotonic() - t0:.1f}s", flush=True)
         self.engine = AsyncEngine(self.llm)
         t = cfg.transfer
@@ -143,6 +138,25 @@ class Worker:
         if inst.role in ("prefill", "both"):
             from ..disagg.prefill_side import Feeder
             self.feeder = Feeder()
+        self._active = 0  # Decode, Prefill, Generate, Import and Export calls in progress (asyncio loop only)
+        self._idle: asyncio.Event | None = None  # set while _active is 0 (made on the loop, in start())
+        self._flipping = False
+
+    def _warm(self, role: str, progress: bool = False) -> int:
+        """Compile what `role` runs (engine thread, or before the engine thread starts) -> programs compiled.
+        Every whole-model prefill shape where requests are prefilled, and on a layer-wise prefill instance the
+        layer-group programs of the shapes a streamed prompt's last chunk can take; a role's fallbacks (a
+        prefill instance decoding when no decode instance is up, a decode instance prefilling when no prefill
+        instance is) compile when first needed."""
+        from transfer.plan import layer_groups
+        cfg = self.cfg
+        groups = layer_groups(self.llm.layout.num_layers, cfg.transfer.layers_per_group)
+        sends, layerwise = role in ("prefill", "both"), len(groups) > 1
+        receives = role in ("decode", "both")
+        n = self.llm.runner.warmup(progress, groups if sends and layerwise else None, tails=receives,
+                                   decode=receives, whole=sends, stage_min_tokens=cfg.transfer.stream_min_tokens)
+        return n + self.llm.runner.warmup_transfer(self.llm.dtype_name, groups, export=sends, receive=receives,
+                                                   progress=progress)
 
     def _pull_source(self, address: str) -> bool:
         """Whether a PULL frame's transfer-server address belongs to a registered prefill instance."""
@@ -190,10 +204,13 @@ class Worker:
         self.links[key] = (link, now)
         return link, (shm_base if shm else None)
 
-    async def _peer(self, name: str) -> dict | None:
-        """The decode instance `name` from the router's peer table; asks the router once more on a miss (an
-        instance that registered since this worker's last heartbeat)."""
-        if name not in self.peers and self._beats is not None:
+    async def _peer(self, name: str, decode: bool = False) -> dict | None:
+        """Instance `name` from the router's peer table; asks the router once more on a miss (an instance that
+        registered since this worker's last heartbeat) and, with `decode`, when the table says it does not
+        decode (it changed its role since)."""
+        peer = self.peers.get(name)
+        stale = peer is None or (decode and peer.get("role") not in ("decode", "both"))
+        if stale and self._beats is not None:
             try:
                 await asyncio.wrap_future(self._beats.submit(self._register()))
             except Exception as e:  # noqa: BLE001 - the router unreachable: the table stays as it was
@@ -217,6 +234,63 @@ class Worker:
         log.info("links to %s: %.3f Gbit/s (%d open)", req.dst, req.bandwidth_gbps, changed)
         return {"links": changed}
 
+    async def set_role(self, req, ctx=None):
+        """SetRole (see the module docstring): drain, compile what the new role lacks, switch."""
+        import grpc
+        role, old = req.role, self.role
+        if role == old:
+            return {"role": role, "previous": old, "drained_s": 0.0, "programs_compiled": 0}
+        if self._flipping:
+            await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.inst.name}: a role change is under way")
+        self._flipping = True
+        t0 = time.monotonic()
+        try:
+            await self._idle.wait()  # every call in flight has ended: its requests and transfers are done
+            drained = time.monotonic() - t0
+            log.info("%s: drained in %.2fs; %s -> %s", self.inst.name, drained, old, role)
+            n = await self.engine.call(lambda eng: self._become(role))
+        finally:
+            self._flipping = False
+        log.info("%s: now %s (%d programs compiled)", self.inst.name, role, n)
+        return {"role": role, "previous": old, "drained_s": drained, "programs_compiled": n}
+
+    def _become(self, role: str) -> int:
+        """Engine thread: compile what `role` runs (engine.warmup), then take it -> programs compiled."""
+        n = self._warm(role) if self.cfg.engine.warmup else 0
+        if role in ("prefill", "both") and self.feeder is None:
+            from ..disagg.prefill_side import Feeder
+            self.feeder = Feeder()
+        self.role = role
+        return n
+
+    def _counted(self, fn, stream: bool):
+        """A call handler that counts itself in flight (SetRole's drain waits for the count to reach 0)."""
+        def enter():
+            self._active += 1
+            self._idle.clear()
+
+        def leave():
+            self._active -= 1
+            if not self._active:
+                self._idle.set()
+        if stream:
+            async def streamed(req, ctx):
+                enter()
+                try:
+                    async for msg in fn(req, ctx):
+                        yield msg
+                finally:
+                    leave()
+            return streamed
+
+        async def unary(req, ctx):
+            enter()
+            try:
+                return await fn(req, ctx)
+            finally:
+                leave()
+        return unary
+
     def _stats(self, eng) -> dict:
         """Engine thread: the engine's stats and its KV intake's (reservations, receive pool)."""
         return {**eng.stats(), **self.intake.stats()}
@@ -233,11 +307,11 @@ class Worker:
         links = {v.metrics.name: v.metrics.snapshot() for v, _ in list(self.links.values())}
         pool = self.intake.pool
         shm = {"name": pool.shm_name, "boot": boot_id(), "bytes": pool.capacity} if pool.shm_name else None
-        return {"name": self.inst.name, "role": self.inst.role, "address": self.address, "pid": os.getpid(),
+        return {"name": self.inst.name, "role": self.role, "address": self.address, "pid": os.getpid(),
                 "kv_address": self._kv_address(),
                 "max_model_len": self.llm.max_model_len, "stats": stats, "links": links, "shm": shm,
                 "pull": self.intake.server.puller is not None,
-                "pull_address": self.pull_server.address if self.pull_server and self.feeder else None,
+                "pull_address": self.pull_server.address if self.pull_server and self.role != "decode" else None,
                 "request_state": self.llm.scheduler.cfg.has_request_state}
 
     async def _updates(self, q, rid):
@@ -256,8 +330,8 @@ class Worker:
         from transfer.bufpool import PoolFull
         from transfer.segments import OutOfBlocks
         from ..engine.client import RequestError
-        if self.inst.role == "prefill":
-            await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.inst.name} is a {self.inst.role} instance")
+        if self.role == "prefill":
+            await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.inst.name} is a {self.role} instance")
         rid = req.request_id
         try:
             params = req.params.sampling()
@@ -324,11 +398,11 @@ class Worker:
         import grpc
         from ..disagg.prefill_side import Handoff
         from ..engine.client import RequestError
-        if self.feeder is None:
-            await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.inst.name} is a {self.inst.role} instance")
+        if self.role == "decode":
+            await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.inst.name} is a {self.role} instance")
         rid, kv, dst = req.request_id, req.kv_tokens, req.dst
         t = self.cfg.transfer
-        peer = await self._peer(dst.instance)
+        peer = await self._peer(dst.instance, decode=True)
         why = self._check_dst(peer, dst, kv)
         if why is not None:
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
@@ -422,8 +496,8 @@ class Worker:
         import grpc
         from ..disagg.prefill_side import Handoff
         from ..engine.client import RequestError
-        if self.feeder is None:
-            await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.inst.name} is a {self.inst.role} instance")
+        if self.role == "decode":
+            await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.inst.name} is a {self.role} instance")
         dst, tokens = req.dst, list(req.prompt)
         peer = await self._peer(dst.instance)
         why = self._check_dst(peer, dst, len(tokens), decode=False)
@@ -512,9 +586,13 @@ class Worker:
         -> the started grpc.aio server. self.address is where it listens."""
         from . import messages, rpc
         server = rpc.server(self.cfg.transfer.token)
-        unary = {"Health": self.health, "SetLink": self.set_link, "Export": self.export_prefix}
-        streams = {"Decode": self.decode, "Generate": self.generate, "Prefill": self.prefill,
-                   "Import": self.import_prefix}
+        self._idle = asyncio.Event()
+        self._idle.set()
+        unary = {"Health": self.health, "SetLink": self.set_link, "SetRole": self.set_role,
+                 "Export": self._counted(self.export_prefix, False)}
+        streams = {name: self._counted(fn, True) for name, fn in (
+            ("Decode", self.decode), ("Generate", self.generate), ("Prefill", self.prefill),
+            ("Import", self.import_prefix))}
         server.add_generic_rpc_handlers((rpc.handler(unary, streams, messages.WORKER),))
         port = rpc.listen(server, f"{self.inst.host}:{self.inst.port}", self.tls)
         await server.start()
@@ -524,7 +602,7 @@ class Worker:
     async def serve(self, router: str | None = None) -> None:
         from . import rpc
         server = await self.start()
-        info = {"name": self.inst.name, "role": self.inst.role, "address": self.address,
+        info = {"name": self.inst.name, "role": self.role, "address": self.address,
                 "kv_address": self._kv_address(), "pid": os.getpid(),
                 "cpus": sorted(os.sched_getaffinity(0))}
         print(f"{READY} {json.dumps(info)}", flush=True)

@@ -9,7 +9,7 @@ router's registry of instances (the peer table that Register answers with).
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, StrictBool, StrictInt, StrictStr
 
@@ -73,6 +73,11 @@ class Health(_Msg):
 
 class Generate(_Resumable):
     pass
+
+
+class SetRole(_Msg):
+    """This worker's new role, taken in place once what it has in flight is done (the router's role flips)."""
+    role: Literal["prefill", "decode", "both"]
 
 
 class SetLink(_Msg):
@@ -166,5 +171,5 @@ class Register(_Msg):
 
 
 WORKER = {"Health": Health, "Decode": Decode, "Prefill": Prefill, "Generate": Generate, "SetLink": SetLink,
-          "Import": Import, "Export": Export}
+          "SetRole": SetRole, "Import": Import, "Export": Export}
 ROUTER = {"Register": Register}
