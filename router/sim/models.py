@@ -1,0 +1,181 @@
+"""The simulator's clock and instance models, built from profiles (router/planner.py `Profile`).
+
+- `Clock`: a heap of timed callbacks (the simulator's only scheduler; a plain heap rather than SimPy: an
+  event here is one tuple and one call, where a SimPy process pays for a generator and its events, and the
+  10,000-accelerator run is millions of events).
+- `Prefill`: a FIFO queue served in steps; a step takes the request at the head and, while they fit in
+  `chunk_tokens` together, the ones behind it (chunked batching of short prompts); a step of n tokens takes
+  the profile's prefill time for n. Only uncached tokens are computed.
+- `Decode`: `max_batch` slots; a request holds one for output_tokens x the profile's step time (the SLO-governed
+  constants of the throughput model); when every slot is taken requests wait in order.
+- `Link`: a FIFO pipe of a given bandwidth (changed on a schedule, scaled per transfer by a random
+  fluctuation) and latency; it reports recent throughput, bytes in flight and queued, as the live links do.
+- `PrefixCache`: per instance, the tokens of each conversation whose KV it holds, LRU-evicted to a capacity.
+Single-threaded: everything runs inside Clock callbacks.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import OrderedDict, deque
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+        self._heap: list = []
+        self._seq = itertools.count()
+        self.events = 0
+
+    def at(self, t: float, fn, *args) -> None:
+        heapq.heappush(self._heap, (max(t, self.now), next(self._seq), fn, args))
+
+    def after(self, dt: float, fn, *args) -> None:
+        self.at(self.now + dt, fn, *args)
+
+    def run(self, until: float) -> None:
+        heap = self._heap
+        while heap and heap[0][0] <= until:
+            t, _, fn, args = heapq.heappop(heap)
+            self.now = t
+            self.events += 1
+            fn(*args)
+        self.now = until
+
+
+class PrefixCache:
+    def __init__(self, capacity_tokens: int):
+        self.capacity = capacity_tokens
+        self.used = 0
+        self._held: OrderedDict[object, int] = OrderedDict()  # conversation -> tokens, least recent first
+
+    def get(self, conv) -> int:
+        n = self._held.get(conv, 0)
+        if n:
+            self._held.move_to_end(conv)
+        return n
+
+    def put(self, conv, tokens: int) -> None:
+        self.used += tokens - self._held.pop(conv, 0)
+        self._held[conv] = tokens
+        while self.used > self.capacity and self._held:
+            _, n = self._held.popitem(last=False)
+            self.used -= n
+
+
+class Prefill:
+    def __init__(self, clock: Clock, name: str, cluster: str, kind: str, profile, chunk_tokens: int,
+                 cache_tokens: int):
+        self.clock, self.name, self.cluster, self.kind, self.profile = clock, name, cluster, kind, profile
+        self.chunk_tokens = chunk_tokens
+        self.cache = PrefixCache(cache_tokens)
+        self.queue: deque = deque()  # (tokens, on_start, on_done)
+        self.queued_tokens = 0
+        self.busy = False
+        self.inflight = 0  # placed here and not finished (the router's count)
+        self.busy_s = 0.0
+        self.tokens_done = 0
+
+    @property
+    def rate(self) -> float | None:
+        return self.tokens_done / self.busy_s if self.busy_s > 0 else None
+
+    def submit(self, tokens: int, on_start, on_done) -> None:
+        self.queue.append((max(1, tokens), on_start, on_done))
+        self.queued_tokens += max(1, tokens)
+        if not self.busy:
+            self._step()
+
+    def _step(self) -> None:
+        if not self.queue:
+            self.busy = False
+            return
+        self.busy = True
+        batch = [self.queue.popleft()]
+        total = batch[0][0]
+        while self.queue and total + self.queue[0][0] <= self.chunk_tokens:
+            batch.append(self.queue.popleft())
+            total += batch[-1][0]
+        dt = self.profile.prefill_seconds(total)
+        for n, on_start, _ in batch:
+            self.queued_tokens -= n
+            on_start(dt)
+        self.busy_s += dt
+        self.tokens_done += total
+        self.clock.after(dt, self._done, batch)
+
+    def _done(self, batch) -> None:
+        for _, _, on_done in batch:
+            on_done()
+        self._step()
+
+
+class Decode:
+    def __init__(self, clock: Clock, name: str, cluster: str, kind: str, profile, cache_tokens: int):
+        self.clock, self.name, self.cluster, self.kind, self.profile = clock, name, cluster, kind, profile
+        self.slots, self.step_s = int(profile.max_batch), profile.step_seconds
+        self.cache = PrefixCache(cache_tokens)
+        self.active = 0
+        self.queue: deque = deque()  # (output_tokens, on_done)
+        self.inflight = 0
+
+    def admit(self, output_tokens: int, on_done) -> None:
+        if self.active < self.slots:
+            self.active += 1
+            self.clock.after(output_tokens * self.step_s, self._finish, on_done)
+        else:
+            self.queue.append((output_tokens, on_done))
+
+    def _finish(self, on_done) -> None:
+        self.active -= 1
+        on_done()
+        if self.queue:
+            self.admit(*self.queue.popleft())
+
+
+class Link:
+    WINDOW_S = 2.0  # recent throughput is taken over this long, as the live links report it
+
+    def __init__(self, clock: Clock, src: str, dst: str, gbps: float, latency_s: float, fluctuation: float, rng):
+        self.clock, self.src, self.dst = clock, src, dst
+        self.gbps, self.latency_s, self.fluctuation, self.rng = gbps, latency_s, fluctuation, rng
+        self.free_at = 0.0
+        self.pending_bytes = 0
+        self.queued_bytes = 0
+        self.bytes_sent = 0
+        self._recent: deque = deque()  # (end time, bytes)
+
+    def set_gbps(self, gbps: float) -> None:
+        self.gbps = gbps
+
+    @property
+    def capacity_bytes_s(self) -> float:
+        return self.gbps * 1e9 / 8
+
+    def egress_bytes_s(self) -> float:
+        now = self.clock.now
+        while self._recent and self._recent[0][0] < now - self.WINDOW_S:
+            self._recent.popleft()
+        return sum(b for t, b in self._recent if t <= now) / self.WINDOW_S
+
+    def send(self, nbytes: int, on_done) -> None:
+        """Queue `nbytes` now; on_done() once they have crossed (FIFO behind what is queued)."""
+        now = self.clock.now
+        rate = self.capacity_bytes_s * max(0.05, 1.0 + self.fluctuation * self.rng.standard_normal())
+        start = max(now, self.free_at)
+        self.free_at = start + nbytes / rate
+        self.pending_bytes += nbytes
+        if start > now:
+            self.queued_bytes += nbytes
+            self.clock.at(start, self._started, nbytes)
+        self._recent.append((self.free_at, nbytes))
+        self.clock.at(self.free_at + self.latency_s, self._arrived, nbytes, on_done)
+
+    def _started(self, nbytes: int) -> None:
+        self.queued_bytes -= nbytes
+
+    def _arrived(self, nbytes: int, on_done) -> None:
+        self.pending_bytes -= nbytes
+        self.bytes_sent += nbytes
+        on_done()

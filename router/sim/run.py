@@ -1,0 +1,269 @@
+"""Simulate a PrfaaS-PD deployment with the live router's policy objects (router/policy.py).
+
+A `Deployment` names its clusters' instances (role, profile), the PrfaaS -> PD link and the policy; `Traffic`
+gives arrivals (Poisson, or bursty: the rate multiplied by `burst_factor` for `burst_s` out of every
+`burst_every_s`), first-turn uncached lengths (a truncated log-normal), output lengths, and conversations
+(another turn with probability `turn_p` after `think_s`, its prompt the whole conversation so far plus
+`followup_tokens` new ones, so its prefix sits in the caches of the instances that served it). Per request:
+
+  arrival -> policy.place(Snapshot) -> prefill queue (only the uncached tokens) -> first token (TTFT) ->
+  KV: inside a cluster at once; across clusters over the link, streamed layer by layer from the prefill's
+  start (it arrives when both the link has carried it and the prefill has ended) -> a decode slot ->
+  output_tokens decode steps -> done (the conversation's KV is then cached on its decode instance).
+
+The snapshot the policy sees is built as the live one is (snapshot.py): per instance its role, cluster, the
+requests placed on it and not finished, its queue and running counts, free decode slots as free blocks, the
+prefix it holds for this conversation, its queued prefill tokens and measured prefill rate; per link its
+capacity, recent throughput, bytes in flight and queued. `cells` > 1 runs that many independent copies of
+the deployment (each its own policy object, link and caches), arrivals spread over them at random: the way a
+large deployment is cut into router-sized cells, and what keeps a 10,000-accelerator hour to minutes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from ..planner import LogNormal, Profile
+from ..policy import InstanceState, LinkState, RequestInfo, Snapshot
+from .models import Clock, Decode, Link, Prefill
+
+
+@dataclasses.dataclass(frozen=True)
+class InstanceSpec:
+    name: str
+    cluster: str
+    kind: str  # pd / prfaas
+    role: str  # prefill / decode
+    profile: Profile
+
+
+@dataclasses.dataclass
+class Deployment:
+    instances: list[InstanceSpec]
+    make_policy: object  # () -> a policy object (router/policy.py)
+    link_gbps: float = 100.0  # PrfaaS -> PD
+    link_latency_s: float = 0.005
+    link_fluctuation: float = 0.0  # relative standard deviation of each transfer's rate
+    link_schedule: tuple = ()  # ((time_s, gbps), ...): the link's bandwidth changes at these times
+    chunk_tokens: int = 8192
+    cache_tokens: int = 1 << 22  # prefix cache per instance
+    kv_bytes: object = None  # Profile whose S_kv gives the KV bytes (default: the first instance's)
+
+
+@dataclasses.dataclass(frozen=True)
+class Traffic:
+    rate: float  # new conversations per second
+    lengths: LogNormal
+    output_tokens: int = 1024
+    duration_s: float = 3600.0
+    turn_p: float = 0.0
+    think_s: float = 30.0
+    followup_tokens: int = 512
+    burst_factor: float = 1.0
+    burst_s: float = 0.0
+    burst_every_s: float = 0.0
+    rate_schedule: tuple = ()  # ((time_s, rate), ...): the base rate changes at these times
+
+
+class _Request:
+    __slots__ = ("conv", "turn", "prompt", "arrival", "first", "done", "route", "prefill", "decode", "uncached",
+                 "cell", "kv_ready", "prefill_end")
+
+    def __init__(self, conv, turn, prompt, arrival, cell):
+        self.conv, self.turn, self.prompt, self.arrival, self.cell = conv, turn, prompt, arrival, cell
+        self.first = self.done = self.prefill_end = None
+        self.route = self.prefill = self.decode = None
+        self.uncached = prompt
+        self.kv_ready = 0
+
+
+class _Cell:
+    def __init__(self, clock: Clock, dep: Deployment, rng):
+        self.clock = clock
+        self.policy = dep.make_policy()
+        self.prefills = {s.name: Prefill(clock, s.name, s.cluster, s.kind, s.profile, dep.chunk_tokens,
+                                         dep.cache_tokens) for s in dep.instances if s.role == "prefill"}
+        self.decodes = {s.name: Decode(clock, s.name, s.cluster, s.kind, s.profile, dep.cache_tokens)
+                        for s in dep.instances if s.role == "decode"}
+        clusters = {s.cluster: s.kind for s in dep.instances}
+        self.links = {}
+        for src, k in clusters.items():
+            for dst, k2 in clusters.items():
+                if k == "prfaas" and k2 != "prfaas":
+                    self.links[(src, dst)] = Link(clock, src, dst, dep.link_gbps, dep.link_latency_s,
+                                                  dep.link_fluctuation, rng)
+        self.kv_profile = dep.kv_bytes or dep.instances[0].profile
+
+    def snapshot(self, r: _Request) -> Snapshot:
+        out = []
+        for p in self.prefills.values():
+            out.append(InstanceState(p.name, "prefill", p.cluster, p.kind, p.inflight, len(p.queue), int(p.busy),
+                                     0, 0, min(p.cache.get(r.conv), r.prompt - 1), p.queued_tokens, p.rate))
+        for d in self.decodes.values():
+            out.append(InstanceState(d.name, "decode", d.cluster, d.kind, d.inflight, len(d.queue), d.active,
+                                     d.slots - d.active, d.slots, min(d.cache.get(r.conv), r.prompt - 1)))
+        links = tuple(LinkState(lk.src, lk.dst, lk.capacity_bytes_s, lk.egress_bytes_s(), lk.pending_bytes, 0,
+                                lk.queued_bytes) for lk in self.links.values())
+        per_token = self.kv_profile.kv_bytes_at(8192) / 8192
+        return Snapshot(RequestInfo(r.prompt, r.prompt), tuple(out), links, self.clock.now, per_token)
+
+
+class Simulation:
+    def __init__(self, dep: Deployment, traffic: Traffic, cells: int = 1, seed: int = 0):
+        self.dep, self.traffic, self.seed = dep, traffic, seed
+        self.rng = np.random.default_rng(seed)
+        self.clock = Clock()
+        self.cells = [_Cell(self.clock, dep, self.rng) for _ in range(cells)]
+        self.finished: list[_Request] = []
+        self.failed = 0
+        self._convs = 0
+
+    # ---- traffic
+    def _rate(self, t: float) -> float:
+        tr = self.traffic
+        base = tr.rate
+        for when, rate in tr.rate_schedule:
+            if t >= when:
+                base = rate
+        if tr.burst_every_s and (t % tr.burst_every_s) < tr.burst_s:
+            base *= tr.burst_factor
+        return base * len(self.cells)
+
+    def _peak(self) -> float:
+        tr = self.traffic
+        rates = [tr.rate] + [r for _, r in tr.rate_schedule]
+        return max(rates) * max(1.0, tr.burst_factor) * len(self.cells)
+
+    def _next_arrival(self) -> None:
+        # a non-homogeneous Poisson process by thinning against the peak rate
+        peak = self._peak()
+        t = self.clock.now
+        while True:
+            t += self.rng.exponential(1.0 / peak)
+            if t > self.traffic.duration_s:
+                return
+            if self.rng.random() * peak <= self._rate(t):
+                break
+        self.clock.at(t, self._arrive_new)
+
+    def _length(self) -> int:
+        L = self.traffic.lengths
+        while True:
+            x = float(np.exp(self.rng.normal(L.mu, L.sigma)))
+            if L.lo <= x <= L.hi:
+                return int(x)
+
+    def _arrive_new(self) -> None:
+        self._convs += 1
+        cell = self.cells[int(self.rng.integers(len(self.cells)))]
+        self._start(_Request(self._convs, 0, self._length(), self.clock.now, cell))
+        self._next_arrival()
+
+    # ---- one request
+    def _start(self, r: _Request) -> None:
+        cell = r.cell
+        pl = cell.policy.place(cell.snapshot(r))
+        if pl.decode is None:
+            self.failed += 1
+            return
+        d = cell.decodes.get(pl.decode)
+        p = cell.prefills.get(pl.prefill) if pl.prefill else None
+        r.route, r.decode, r.prefill = pl.route, d, p
+        d.inflight += 1
+        if p is None:  # the decode instance prefills itself (colocated): its own queue is its decode slots
+            cached = min(d.cache.get(r.conv), r.prompt - 1)
+            r.uncached = r.prompt - cached
+            dt = d.profile.prefill_seconds(r.uncached)  # a short local prefill, then decode
+            r.first = r.prefill_end = self.clock.now + dt
+            self.clock.after(dt, self._to_decode, r)
+            return
+        p.inflight += 1
+        held = p.cache.get(r.conv) if pl.move_prefix is None else max(p.cache.get(r.conv), pl.move_prefix.tokens)
+        r.uncached = max(1, r.prompt - min(held, r.prompt - 1))
+        link = cell.links.get((p.cluster, d.cluster))
+        if link is None:
+            r.kv_ready = 1  # inside a cluster: no wait beyond the prefill
+
+        def started(dt):
+            if link is not None:  # streamed layer by layer from the prefill's start
+                link.send(int(cell.kv_profile.kv_bytes_at(r.prompt)), lambda: self._kv(r))
+
+        def done():
+            r.first = r.prefill_end = self.clock.now
+            p.inflight -= 1
+            p.cache.put(r.conv, r.prompt)
+            self._kv(r)
+        p.submit(r.uncached, started, done)
+
+    def _kv(self, r: _Request) -> None:
+        r.kv_ready += 1
+        if r.kv_ready == 2:  # the prefill has ended and the KV has arrived
+            self._to_decode(r)
+
+    def _to_decode(self, r: _Request) -> None:
+        out = self.traffic.output_tokens
+        r.decode.admit(out, lambda: self._done(r, out))
+
+    def _done(self, r: _Request, out: int) -> None:
+        r.done = self.clock.now
+        r.decode.inflight -= 1
+        r.decode.cache.put(r.conv, r.prompt + out)
+        self.finished.append(r)
+        tr = self.traffic
+        if tr.turn_p and self.rng.random() < tr.turn_p:
+            nxt = _Request(r.conv, r.turn + 1, r.prompt + out + tr.followup_tokens, 0.0, r.cell)
+            t = self.clock.now + self.rng.exponential(tr.think_s)
+            if t <= tr.duration_s:
+                def arrive():
+                    nxt.arrival = self.clock.now
+                    self._start(nxt)
+                self.clock.at(t, arrive)
+
+    # ---- run
+    def run(self, drain_s: float | None = None, timeline_s: float = 60.0) -> dict:
+        """Traffic for duration_s, then up to drain_s more for what is in flight -> results."""
+        t0 = time.perf_counter()
+        for cell in self.cells:
+            for lk in cell.links.values():
+                for when, gbps in self.dep.link_schedule:
+                    self.clock.at(when, lk.set_gbps, gbps)
+        self._next_arrival()
+        dur = self.traffic.duration_s
+        self.clock.run(dur + (dur if drain_s is None else drain_s))
+        return self.results(dur, time.perf_counter() - t0, timeline_s)
+
+    def results(self, duration_s: float, wall_s: float, timeline_s: float) -> dict:
+        done = [r for r in self.finished if r.arrival <= duration_s]
+        in_window = [r for r in done if r.done <= duration_s]
+        ttft = np.array([r.first - r.arrival for r in done]) if done else np.zeros(1)
+        routes = {}
+        for r in done:
+            routes[r.route] = routes.get(r.route, 0) + 1
+        buckets = {}
+        for r in done:
+            buckets.setdefault(int(r.arrival // timeline_s), []).append(r.first - r.arrival)
+        link_bytes = sum(lk.bytes_sent for c in self.cells for lk in c.links.values())
+        return {"requests": len(done), "throughput_rps": len(in_window) / duration_s,
+                "ttft_s": {"mean": float(ttft.mean()), "p50": float(np.percentile(ttft, 50)),
+                           "p90": float(np.percentile(ttft, 90)), "p99": float(np.percentile(ttft, 99))},
+                "routes": routes, "egress_gbps": link_bytes * 8 / 1e9 / duration_s,
+                "timeline": [{"t_s": k * timeline_s, "requests": len(v), "ttft_p90_s": float(np.percentile(v, 90))}
+                             for k, v in sorted(buckets.items())],
+                "failed": self.failed, "events": self.clock.events, "wall_s": wall_s,
+                "cells": len(self.cells), "instances": sum(len(c.prefills) + len(c.decodes) for c in self.cells)}
+
+
+def case_study(prfaas: Profile, pd: Profile, which: str, make_policy, n_prfaas: int = 4, n_p: int = 3, n_d: int = 5,
+               **kw) -> Deployment:
+    """The PrfaaS document's deployments: "prfaas_pd" (n_prfaas PrfaaS + n_p / n_d PD), "homogeneous"
+    (n_p / n_d PD only), "naive" (n_prfaas PrfaaS prefill, n_d PD decode)."""
+    inst = []
+    if which in ("prfaas_pd", "naive"):
+        inst += [InstanceSpec(f"x{i}", "prfaas", "prfaas", "prefill", prfaas) for i in range(n_prfaas)]
+    if which in ("prfaas_pd", "homogeneous"):
+        inst += [InstanceSpec(f"p{i}", "pd", "pd", "prefill", pd) for i in range(n_p)]
+    inst += [InstanceSpec(f"d{i}", "pd", "pd", "decode", pd) for i in range(n_d)]
+    return Deployment(inst, make_policy, kv_bytes=pd, **kw)

@@ -1,0 +1,127 @@
+"""The simulator (router/sim): its queues against queueing theory, the live policy objects routing inside it,
+the document's case study against the planner, links, caches and scale."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from router.planner import LogNormal, Profile, Workload, plan
+from router.policy import LeastLoaded, PrfaaS, ThresholdParams
+from router.sim.models import Clock, Link, PrefixCache
+from router.sim.run import Deployment, InstanceSpec, Simulation, Traffic, case_study
+
+PROFILES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench",
+                        "profiles")
+
+
+def _load(name):
+    with open(os.path.join(PROFILES, name)) as f:
+        return json.load(f)
+
+
+def flat(seconds: float, step_s: float = 0.001, batch: int = 1000) -> Profile:
+    """Every prompt takes `seconds`; decode barely holds anything."""
+    return Profile.from_json({"prefill": {"tokens": [1, 2], "seconds": [seconds, seconds], "kv_bytes": [1, 2]},
+                              "decode": {"step_seconds": step_s, "max_batch": batch}})
+
+
+def test_a_prefill_queue_waits_as_pollaczek_khinchine_says():
+    """Poisson arrivals at rate 0.5/s, every prefill 1 s (M/D/1, rho 0.5): mean wait 0.5 s, so mean TTFT 1.5 s."""
+    prof = flat(1.0)
+    dep = Deployment([InstanceSpec("p0", "pd", "pd", "prefill", prof), InstanceSpec("d0", "pd", "pd", "decode", prof)],
+                     LeastLoaded, chunk_tokens=1)
+    res = Simulation(dep, Traffic(0.5, LogNormal(4.0, 1e-6, 1, 1000), output_tokens=1, duration_s=40000),
+                     seed=3).run(drain_s=100)
+    assert res["ttft_s"]["mean"] == pytest.approx(1.5, rel=0.05)
+    assert res["throughput_rps"] == pytest.approx(0.5, rel=0.03)
+
+
+def test_decode_slots_bound_throughput():
+    """4 slots, 100 output tokens of 10 ms: 4 requests per second at most, whatever is offered."""
+    prof = flat(0.001, step_s=0.01, batch=4)
+    dep = Deployment([InstanceSpec("p0", "pd", "pd", "prefill", prof), InstanceSpec("d0", "pd", "pd", "decode", prof)],
+                     LeastLoaded)
+    res = Simulation(dep, Traffic(8.0, LogNormal(4.0, 0.5, 1, 1000), output_tokens=100, duration_s=2000)).run(drain_s=0)
+    assert res["throughput_rps"] == pytest.approx(4.0, rel=0.03)
+
+
+def test_the_live_policy_routes_by_the_threshold():
+    """A fixed threshold: the share sent to PrfaaS is P(L > t) of the length distribution."""
+    P, D = Profile.from_json(_load("prfaas_h200.json")), Profile.from_json(_load("pd_h20.json"))
+    wl = Workload.from_json(_load("workload_case_study.json"))
+    dep = case_study(P, D, "prfaas_pd", lambda: PrfaaS(ThresholdParams(19400, adaptive=False)))
+    res = Simulation(dep, Traffic(1.0, wl.lengths, 1024, duration_s=3600), seed=2).run()
+    share = res["routes"]["prfaas"] / res["requests"]
+    assert share == pytest.approx(wl.lengths.above(19400), abs=0.03)
+
+
+def test_the_case_study_saturates_where_the_planner_says_and_prfaas_cuts_ttft():
+    """Offered 4 req/s (above every deployment's capacity) for an hour: completions per second within 5% of the
+    planner's lambda_max for each deployment; at 1.5 req/s PrfaaS-PD's P90 TTFT is under half the homogeneous
+    cluster's (the document: 64% lower)."""
+    P, D = Profile.from_json(_load("prfaas_h200.json")), Profile.from_json(_load("pd_h20.json"))
+    wl = Workload.from_json(_load("workload_case_study.json"))
+    planned = plan(P, D, wl, 4, 8, 100.0)
+    setups = {"prfaas_pd": (lambda: PrfaaS(ThresholdParams(19400, adaptive=False)), {}),
+              "homogeneous": (LeastLoaded, dict(n_p=9, n_d=3)),
+              "naive": (lambda: PrfaaS(ThresholdParams(0, adaptive=False)), dict(n_p=0, n_d=8))}
+    p90 = {}
+    for which, (mk, kw) in setups.items():
+        dep = case_study(P, D, which, mk, **kw)
+        sat = Simulation(dep, Traffic(4.0, wl.lengths, 1024, duration_s=3600), seed=1).run(drain_s=0)
+        assert sat["throughput_rps"] == pytest.approx(planned[which]["lambda_max"], rel=0.05), which
+        p90[which] = Simulation(dep, Traffic(1.5, wl.lengths, 1024, duration_s=3600), seed=1).run()["ttft_s"]["p90"]
+    assert p90["prfaas_pd"] < 0.5 * p90["homogeneous"], p90
+
+
+def test_a_link_carries_no_more_than_its_bandwidth():
+    clock, rng = Clock(), np.random.default_rng(0)
+    link = Link(clock, "a", "b", 8.0, 0.0, 0.0, rng)  # 1 GB/s
+    done = []
+    for _ in range(10):
+        link.send(500_000_000, lambda: done.append(clock.now))
+    clock.at(2.0, link.set_gbps, 4.0)  # a transfer queued after this point takes the new rate
+    clock.run(100)
+    assert done[0] == pytest.approx(0.5) and done[-1] == pytest.approx(5.0)
+    assert link.bytes_sent == 5_000_000_000 and link.pending_bytes == 0
+
+
+def test_prefix_caches_evict_the_least_recent_conversation():
+    c = PrefixCache(100)
+    c.put("a", 40)
+    c.put("b", 40)
+    c.get("a")
+    c.put("c", 40)  # over capacity: b is the least recent
+    assert (c.get("a"), c.get("b"), c.get("c")) == (40, 0, 40) and c.used == 80
+
+
+def test_later_turns_reuse_the_conversations_cached_prefix():
+    P, D = Profile.from_json(_load("prfaas_h200.json")), Profile.from_json(_load("pd_h20.json"))
+    dep = case_study(P, D, "prfaas_pd", lambda: PrfaaS(ThresholdParams(4096, adaptive=False)))
+    sim = Simulation(dep, Traffic(0.5, LogNormal(8.0, 0.5, 128, 16384), 256, duration_s=1800, turn_p=0.8,
+                                  think_s=5.0, followup_tokens=300), seed=4)
+    sim.run()
+    later = [r for r in sim.finished if r.turn > 0]
+    assert len(later) > 100
+    # a later turn placed on the prefill instance that holds its conversation (the policy's cache affinity,
+    # unless that instance is overloaded) computes only the new tokens and the previous answer
+    assert np.mean([r.uncached <= 300 + 256 for r in later]) > 0.9
+    assert np.mean([r.uncached for r in later]) < 0.5 * np.mean([r.prompt for r in later])
+
+
+@pytest.mark.slow
+def test_ten_thousand_accelerators():
+    """104 cells of the case study (1,248 instances of 8 GPUs: 9,984 accelerators) at 90% of their planned
+    capacity for ten minutes of traffic (bench/prfaas_sim.py runs the hour): every request served at the
+    offered rate, in well under the traffic's own duration."""
+    P, D = Profile.from_json(_load("prfaas_h200.json")), Profile.from_json(_load("pd_h20.json"))
+    wl = Workload.from_json(_load("workload_case_study.json"))
+    dep = case_study(P, D, "prfaas_pd", lambda: PrfaaS(ThresholdParams(19400, adaptive=False)))
+    res = Simulation(dep, Traffic(0.9 * 3.19, wl.lengths, 1024, duration_s=600), cells=104, seed=5).run(drain_s=600)
+    assert res["instances"] * 8 == 9984 and res["failed"] == 0
+    assert res["requests"] / 600 == pytest.approx(104 * 0.9 * 3.19, rel=0.05)
+    assert res["wall_s"] < 300, res["wall_s"]
