@@ -14,7 +14,11 @@ gives arrivals (Poisson, or bursty: the rate multiplied by `burst_factor` for `b
 The snapshot the policy sees is built as the live one is (snapshot.py): per instance its role, cluster, the
 requests placed on it and not finished, its queue and running counts, free decode slots as free blocks, the
 prefix it holds for this conversation, its queued prefill tokens and measured prefill rate; per link its
-capacity, recent throughput, bytes in flight and queued. `cells` > 1 runs that many independent copies of
+capacity, recent throughput, bytes in flight and queued. `Traffic.phases` change the
+length distribution and output length at given times; `replan` runs the long-term loop (router/replan.py)
+in every cell as the live router does: its threshold becomes the policy's base, and a flip drains the
+instance (no new work placed there), waits `warmup_s` (its compilation), then switches its role.
+`cells` > 1 runs that many independent copies of
 the deployment (each its own policy object, link and caches), arrivals spread over them at random: the way a
 large deployment is cut into router-sized cells, and what keeps a 10,000-accelerator hour to minutes.
 """
@@ -28,6 +32,7 @@ import numpy as np
 
 from ..planner import LogNormal, Profile
 from ..policy import InstanceState, LinkState, RequestInfo, Snapshot
+from ..replan import Replanner
 from .models import Clock, Decode, Link, Prefill
 
 
@@ -66,24 +71,30 @@ class Traffic:
     burst_s: float = 0.0
     burst_every_s: float = 0.0
     rate_schedule: tuple = ()  # ((time_s, rate), ...): the base rate changes at these times
+    phases: tuple = ()  # ((time_s, LogNormal lengths, output_tokens), ...): the traffic mix changes then
 
 
 class _Request:
     __slots__ = ("conv", "turn", "prompt", "arrival", "first", "done", "route", "prefill", "decode", "uncached",
-                 "cell", "kv_ready", "prefill_end")
+                 "cell", "kv_ready", "prefill_end", "output", "kv_at")
 
     def __init__(self, conv, turn, prompt, arrival, cell):
         self.conv, self.turn, self.prompt, self.arrival, self.cell = conv, turn, prompt, arrival, cell
         self.first = self.done = self.prefill_end = None
         self.route = self.prefill = self.decode = None
         self.uncached = prompt
+        self.output = 0
+        self.kv_at = None  # when its KV was at the decode instance (the second token follows one step later)
         self.kv_ready = 0
 
 
 class _Cell:
-    def __init__(self, clock: Clock, dep: Deployment, rng):
-        self.clock = clock
+    def __init__(self, clock: Clock, dep: Deployment, rng, replan=None):
+        self.clock, self.dep = clock, dep
         self.policy = dep.make_policy()
+        self.replanner = replan() if replan is not None else None
+        self.draining: set[str] = set()
+        self.flips: list[dict] = []
         self.prefills = {s.name: Prefill(clock, s.name, s.cluster, s.kind, s.profile, dep.chunk_tokens,
                                          dep.cache_tokens) for s in dep.instances if s.role == "prefill"}
         self.decodes = {s.name: Decode(clock, s.name, s.cluster, s.kind, s.profile, dep.cache_tokens)
@@ -100,9 +111,13 @@ class _Cell:
     def snapshot(self, r: _Request) -> Snapshot:
         out = []
         for p in self.prefills.values():
+            if p.name in self.draining:
+                continue
             out.append(InstanceState(p.name, "prefill", p.cluster, p.kind, p.inflight, len(p.queue), int(p.busy),
                                      0, 0, min(p.cache.get(r.conv), r.prompt - 1), p.queued_tokens, p.rate))
         for d in self.decodes.values():
+            if d.name in self.draining:
+                continue
             out.append(InstanceState(d.name, "decode", d.cluster, d.kind, d.inflight, len(d.queue), d.active,
                                      d.slots - d.active, d.slots, min(d.cache.get(r.conv), r.prompt - 1)))
         links = tuple(LinkState(lk.src, lk.dst, lk.capacity_bytes_s, lk.egress_bytes_s(), lk.pending_bytes, 0,
@@ -110,13 +125,54 @@ class _Cell:
         per_token = self.kv_profile.kv_bytes_at(8192) / 8192
         return Snapshot(RequestInfo(r.prompt, r.prompt), tuple(out), links, self.clock.now, per_token)
 
+    # ---- the long-term loop (router/replan.py), as the live router runs it
+    def replan(self, warmup_s: float) -> None:
+        c = self.replanner
+        pd = {n: ("prefill", i.inflight) for n, i in self.prefills.items() if i.kind != "prfaas"}
+        pd.update({n: ("decode", i.inflight) for n, i in self.decodes.items()})
+        pd = {n: v for n, v in pd.items() if n not in self.draining}
+        n_prfaas = sum(1 for i in self.prefills.values() if i.kind == "prfaas")
+        gbps = min((lk.gbps for lk in self.links.values()), default=float("inf"))
+        d = c.decide(self.clock.now, n_prfaas, pd, gbps, bool(self.draining))
+        if d.threshold_tokens is not None and hasattr(self.policy, "threshold"):
+            self.policy.threshold.rebase(d.threshold_tokens)
+        if d.flip is not None:
+            name, role = d.flip
+            self.draining.add(name)
+            self.flips.append({"t_s": self.clock.now, "instance": name, "role": role, "why": d.why})
+            self._drained(name, role, warmup_s)
+
+    def _drained(self, name: str, role: str, warmup_s: float) -> None:
+        """Poll (in simulated time) until `name` holds nothing, then switch it after the warm-up."""
+        inst = self.prefills.get(name) or self.decodes.get(name)
+        idle = inst.inflight == 0 and not inst.queue and not getattr(inst, "busy", False) \
+            and not getattr(inst, "active", 0)
+        if not idle:
+            self.clock.after(0.5, self._drained, name, role, warmup_s)
+            return
+        self.clock.after(warmup_s, self._switch, name, role)
+
+    def _switch(self, name: str, role: str) -> None:
+        old = self.prefills.pop(name, None) or self.decodes.pop(name)
+        if role == "decode":
+            self.decodes[name] = Decode(self.clock, name, old.cluster, old.kind, old.profile, self.dep.cache_tokens)
+        else:
+            self.prefills[name] = Prefill(self.clock, name, old.cluster, old.kind, old.profile,
+                                          self.dep.chunk_tokens, self.dep.cache_tokens)
+        self.draining.discard(name)
+
 
 class Simulation:
-    def __init__(self, dep: Deployment, traffic: Traffic, cells: int = 1, seed: int = 0):
+    def __init__(self, dep: Deployment, traffic: Traffic, cells: int = 1, seed: int = 0, replan=None,
+                 warmup_s: float = 30.0):
+        """replan: (ReplanParams, PrfaaS profile, PD profile) to run the long-term loop in every cell (a flip
+        drains the instance, then takes warmup_s to compile before it serves its new role)."""
         self.dep, self.traffic, self.seed = dep, traffic, seed
         self.rng = np.random.default_rng(seed)
         self.clock = Clock()
-        self.cells = [_Cell(self.clock, dep, self.rng) for _ in range(cells)]
+        self.replan_params, self.warmup_s = (replan[0] if replan else None), warmup_s
+        make = (lambda: Replanner(*replan)) if replan else None
+        self.cells = [_Cell(self.clock, dep, self.rng, make) for _ in range(cells)]
         self.finished: list[_Request] = []
         self.failed = 0
         self._convs = 0
@@ -149,8 +205,17 @@ class Simulation:
                 break
         self.clock.at(t, self._arrive_new)
 
+    def _mix(self) -> tuple:
+        """(lengths, output tokens) of the traffic now."""
+        tr = self.traffic
+        lengths, out = tr.lengths, tr.output_tokens
+        for when, ln, o in tr.phases:
+            if self.clock.now >= when:
+                lengths, out = ln, o
+        return lengths, out
+
     def _length(self) -> int:
-        L = self.traffic.lengths
+        L = self._mix()[0]
         while True:
             x = float(np.exp(self.rng.normal(L.mu, L.sigma)))
             if L.lo <= x <= L.hi:
@@ -159,7 +224,9 @@ class Simulation:
     def _arrive_new(self) -> None:
         self._convs += 1
         cell = self.cells[int(self.rng.integers(len(self.cells)))]
-        self._start(_Request(self._convs, 0, self._length(), self.clock.now, cell))
+        r = _Request(self._convs, 0, self._length(), self.clock.now, cell)
+        r.output = self._mix()[1]
+        self._start(r)
         self._next_arrival()
 
     # ---- one request
@@ -173,6 +240,8 @@ class Simulation:
         p = cell.prefills.get(pl.prefill) if pl.prefill else None
         r.route, r.decode, r.prefill = pl.route, d, p
         d.inflight += 1
+        if cell.replanner is not None and r.turn == 0 and pl.uncached_tokens is not None:
+            cell.replanner.observe(pl.uncached_tokens, self.clock.now)
         if p is None:  # the decode instance prefills itself (colocated): its own queue is its decode slots
             cached = min(d.cache.get(r.conv), r.prompt - 1)
             r.uncached = r.prompt - cached
@@ -204,7 +273,8 @@ class Simulation:
             self._to_decode(r)
 
     def _to_decode(self, r: _Request) -> None:
-        out = self.traffic.output_tokens
+        r.kv_at = self.clock.now
+        out = r.output
         r.decode.admit(out, lambda: self._done(r, out))
 
     def _done(self, r: _Request, out: int) -> None:
@@ -212,9 +282,12 @@ class Simulation:
         r.decode.inflight -= 1
         r.decode.cache.put(r.conv, r.prompt + out)
         self.finished.append(r)
+        if r.cell.replanner is not None:
+            r.cell.replanner.finished(out, self.clock.now)
         tr = self.traffic
         if tr.turn_p and self.rng.random() < tr.turn_p:
             nxt = _Request(r.conv, r.turn + 1, r.prompt + out + tr.followup_tokens, 0.0, r.cell)
+            nxt.output = r.output
             t = self.clock.now + self.rng.exponential(tr.think_s)
             if t <= tr.duration_s:
                 def arrive():
@@ -232,26 +305,42 @@ class Simulation:
                     self.clock.at(when, lk.set_gbps, gbps)
         self._next_arrival()
         dur = self.traffic.duration_s
+        if self.replan_params is not None:
+            self.clock.after(self.replan_params.replan_s, self._replan)
         self.clock.run(dur + (dur if drain_s is None else drain_s))
         return self.results(dur, time.perf_counter() - t0, timeline_s)
+
+    def _replan(self) -> None:
+        for cell in self.cells:
+            cell.replan(self.warmup_s)
+        if self.clock.now + self.replan_params.replan_s <= self.traffic.duration_s:
+            self.clock.after(self.replan_params.replan_s, self._replan)
 
     def results(self, duration_s: float, wall_s: float, timeline_s: float) -> dict:
         done = [r for r in self.finished if r.arrival <= duration_s]
         in_window = [r for r in done if r.done <= duration_s]
         ttft = np.array([r.first - r.arrival for r in done]) if done else np.zeros(1)
+        second = np.array([r.kv_at - r.arrival for r in done]) if done else np.zeros(1)
         routes = {}
         for r in done:
             routes[r.route] = routes.get(r.route, 0) + 1
-        buckets = {}
+        buckets, served, seconds = {}, {}, {}
         for r in done:
             buckets.setdefault(int(r.arrival // timeline_s), []).append(r.first - r.arrival)
+            seconds.setdefault(int(r.arrival // timeline_s), []).append(r.kv_at - r.arrival)
+        for r in in_window:
+            served[int(r.done // timeline_s)] = served.get(int(r.done // timeline_s), 0) + 1
         link_bytes = sum(lk.bytes_sent for c in self.cells for lk in c.links.values())
         return {"requests": len(done), "throughput_rps": len(in_window) / duration_s,
                 "ttft_s": {"mean": float(ttft.mean()), "p50": float(np.percentile(ttft, 50)),
                            "p90": float(np.percentile(ttft, 90)), "p99": float(np.percentile(ttft, 99))},
+                # until the KV is at the decode instance (the second token is one decode step later)
+                "kv_ready_s": {"p50": float(np.percentile(second, 50)), "p90": float(np.percentile(second, 90))},
                 "routes": routes, "egress_gbps": link_bytes * 8 / 1e9 / duration_s,
-                "timeline": [{"t_s": k * timeline_s, "requests": len(v), "ttft_p90_s": float(np.percentile(v, 90))}
-                             for k, v in sorted(buckets.items())],
+                "timeline": [{"t_s": k * timeline_s, "requests": len(v), "ttft_p90_s": float(np.percentile(v, 90)),
+                              "kv_ready_p90_s": float(np.percentile(seconds[k], 90)),
+                              "finished_rps": served.get(k, 0) / timeline_s} for k, v in sorted(buckets.items())],
+                "flips": [f for c in self.cells for f in c.flips],
                 "failed": self.failed, "events": self.clock.events, "wall_s": wall_s,
                 "cells": len(self.cells), "instances": sum(len(c.prefills) + len(c.decodes) for c in self.cells)}
 
