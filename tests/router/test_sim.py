@@ -125,3 +125,26 @@ def test_ten_thousand_accelerators():
     assert res["instances"] * 8 == 9984 and res["failed"] == 0
     assert res["requests"] / 600 == pytest.approx(104 * 0.9 * 3.19, rel=0.05)
     assert res["wall_s"] < 300, res["wall_s"]
+
+
+def test_the_long_term_loop_follows_a_traffic_shift():
+    """A PD cluster of 8 split 4 / 4 whose traffic turns from long prompts with short answers (prefill-bound) to
+    short prompts with long answers (decode-bound) half way: the replanner flips instances toward prefill, then
+    back toward decode, and serves what is offered where the static split falls behind."""
+    from router.planner import LogNormal as LN
+    from router.replan import ReplanParams
+    P, D = Profile.from_json(_load("prfaas_h200.json")), Profile.from_json(_load("pd_h20.json"))
+    tr = Traffic(1.3, LN(9.9, 1.0, 128, 131072), 256, duration_s=3600,
+                 phases=((1800, LN(7.5, 0.5, 128, 32768), 2048),))
+    res = {}
+    for name, replan in (("static", None), ("replan", (ReplanParams(replan_s=60, window_s=300, min_interval_s=60,
+                                                                    t_step=256), P, D))):
+        dep = case_study(P, D, "homogeneous", LeastLoaded, n_p=4, n_d=4)
+        res[name] = Simulation(dep, tr, seed=4, replan=replan, warmup_s=30.0).run()
+    flips = res["replan"]["flips"]
+    assert [f["role"] for f in flips if f["t_s"] < 1800] and all(f["role"] == "prefill" for f in flips
+                                                                 if f["t_s"] < 1800)
+    assert [f for f in flips if f["t_s"] >= 1800 and f["role"] == "decode"]
+    assert res["replan"]["throughput_rps"] == pytest.approx(1.3, rel=0.05)
+    assert res["static"]["throughput_rps"] < 0.9 * 1.3
+    assert res["replan"]["ttft_s"]["p90"] < 0.1 * res["static"]["ttft_s"]["p90"]
