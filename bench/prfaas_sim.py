@@ -166,22 +166,14 @@ def plot(out: dict, path: str) -> None:
         for k in range(0, 60, 15):
             a.axvspan(k, k + 2, color="orange", alpha=0.2)
         a.set(xlabel="minute", ylabel="TTFT p90 (s)", title="bursts (x2.5, shaded)")
-    d = out.get("drop")
-    if d:
-        a = ax[1, 1]
-        for name, r in d.items():
-            a.plot([x["t_s"] / 60 for x in r["timeline"]], [x["kv_ready_p90_s"] for x in r["timeline"]], label=name)
+    for a, key, y, label, title, log in ((ax[1, 1], "drop", "kv_ready_p90_s", "until KV at decode, p90 (s)",
+                                          "link 20 -> 6 Gbit/s at minute 30", True),
+                                         (ax[1, 2], "shift", "finished_rps", "finished req/s",
+                                          "traffic mix shift at minute 30 (offered 1.3)", False)):
+        for name, r in (out.get(key) or {}).items():
+            a.plot([x["t_s"] / 60 for x in r["timeline"]], [x[y] for x in r["timeline"]], label=name)
         a.axvline(30, color="grey", ls=":")
-        a.set(xlabel="minute", ylabel="until KV at decode, p90 (s)", yscale="log",
-              title="link 20 -> 6 Gbit/s at minute 30")
-        a.legend()
-    s = out.get("shift")
-    if s:
-        a = ax[1, 2]
-        for name, r in s.items():
-            a.plot([x["t_s"] / 60 for x in r["timeline"]], [x["finished_rps"] for x in r["timeline"]], label=name)
-        a.axvline(30, color="grey", ls=":")
-        a.set(xlabel="minute", ylabel="finished req/s", title="traffic mix shift at minute 30 (offered 1.3)")
+        a.set(xlabel="minute", ylabel=label, title=title, yscale="log" if log else "linear")
         a.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=90)

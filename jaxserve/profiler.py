@@ -21,30 +21,19 @@ import statistics
 import time
 
 
-def _lengths_for(limit: int, lengths: list[int] | None) -> list[int]:
-    if lengths:
-        bad = [n for n in lengths if not 1 <= n < limit]
+def _sizes(given: list[int] | None, hi: int, start: int, what: str, limit: str) -> list[int]:
+    """The sizes asked for (each 1 .. hi, else a ValueError naming the option), or start, 2 start, 4 start, ...
+    below hi, then hi."""
+    if given:
+        bad = [n for n in given if not 1 <= n <= hi]
         if bad:
-            raise ValueError(f"--lengths {bad}: prompt lengths must be 1 .. {limit - 1} (engine.max_model_len {limit})")
-        return sorted(set(lengths))
-    out, n = [], 16
-    while n < limit:
+            raise ValueError(f"{what} {bad}: must be 1 .. {hi} ({limit})")
+        return sorted(set(given))
+    out, n = [], start
+    while n < hi:
         out.append(n)
         n *= 2
-    return out
-
-
-def _batches_for(limit: int, batches: list[int] | None) -> list[int]:
-    if batches:
-        bad = [b for b in batches if not 1 <= b <= limit]
-        if bad:
-            raise ValueError(f"--batches {bad}: batch sizes must be 1 .. {limit} (engine.max_num_seqs)")
-        return sorted(set(batches))
-    out, b = [], 1
-    while b < limit:
-        out.append(b)
-        b *= 2
-    return out + [limit]
+    return out + [hi]
 
 
 def _run(llm, prompts: list[list[int]], params, tag: str) -> float:
@@ -105,8 +94,8 @@ def profile(cfg, instance: str, lengths: list[int] | None = None, batches: list[
         raise ValueError("--reps and --decode-steps must be >= 1")
     ec = cfg.engine.engine_config(cfg.server.max_waiting)
     llm = LLMEngine(resolve(cfg.model.path, progress), cfg.model.dtype, ec, make_mesh(inst, local=True), progress)
-    Ls = _lengths_for(llm.max_model_len, lengths)
-    Bs = _batches_for(llm.cfg.max_num_seqs, batches)
+    Ls = _sizes(lengths, llm.max_model_len - 1, 16, "--lengths", f"engine.max_model_len {llm.max_model_len}")
+    Bs = _sizes(batches, llm.cfg.max_num_seqs, 1, "--batches", "engine.max_num_seqs")
     rng = np.random.default_rng(0)
     vocab = llm.model_config.vocab_size
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)

@@ -61,4 +61,4 @@ def test_profile_refuses_lengths_past_the_model(checkpoint_dir, tmp_path):
     cfg_path = tmp_path / "c.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
     r = _profile(str(cfg_path), tmp_path / "p.json", "--lengths", "6,500")
-    assert r.returncode == 2 and "--lengths [500]: prompt lengths must be 1 .. 127" in r.stderr
+    assert r.returncode == 2 and "--lengths [500]: must be 1 .. 127 (engine.max_model_len 128)" in r.stderr
