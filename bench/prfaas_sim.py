@@ -7,7 +7,7 @@ Parts (the PrfaaS document's case study: bench/profiles; each simulated hour at 
             deployment's capacity) against the planner's lambda_max and the document's Table 6; TTFT at 1.5 req/s
   bursts    PrfaaS-PD at 2 req/s with the rate x2.5 for 2 minutes of every 15: TTFT over time (what the
             analytic model cannot show)
-  drop      the PrfaaS -> PD link at 20 Gbit/s dropping to 6 at 30 minutes, 1.8 req/s: the time until the KV is at
+  drop      the PrfaaS -> PD link at 12 Gbit/s halving to 6 at 30 minutes, 1.8 req/s: the time until the KV is at
             the decode instance, fixed threshold (19.4K) against the adaptive one
   shift     a PD cluster of 8 (4 prefill / 4 decode to start) whose traffic turns from long prompts with short
             answers to short prompts with long answers at 30 minutes, 1.3 req/s: static split against the
@@ -90,7 +90,7 @@ def drop(P, D, W) -> dict:
     from router.sim.run import Simulation, Traffic, case_study
     out = {}
     for name, adaptive in (("fixed", False), ("adaptive", True)):
-        dep = case_study(P, D, "prfaas_pd", _policy(19400, adaptive), link_gbps=20.0, link_schedule=((1800, 6.0),))
+        dep = case_study(P, D, "prfaas_pd", _policy(19400, adaptive), link_gbps=12.0, link_schedule=((1800, 6.0),))
         r = Simulation(dep, Traffic(1.8, W.lengths, 1024, duration_s=3600), seed=3).run(timeline_s=60)
         after = [b for b in r["timeline"] if 1800 <= b["t_s"] < 3600]
         out[name] = {"kv_ready_s": r["kv_ready_s"], "ttft_s": r["ttft_s"], "routes": r["routes"],
@@ -167,7 +167,7 @@ def plot(out: dict, path: str) -> None:
             a.axvspan(k, k + 2, color="orange", alpha=0.2)
         a.set(xlabel="minute", ylabel="TTFT p90 (s)", title="bursts (x2.5, shaded)")
     for a, key, y, label, title, log in ((ax[1, 1], "drop", "kv_ready_p90_s", "until KV at decode, p90 (s)",
-                                          "link 20 -> 6 Gbit/s at minute 30", True),
+                                          "link 12 -> 6 Gbit/s at minute 30", True),
                                          (ax[1, 2], "shift", "finished_rps", "finished req/s",
                                           "traffic mix shift at minute 30 (offered 1.3)", False)):
         for name, r in (out.get(key) or {}).items():

@@ -54,7 +54,7 @@ def test_the_check_sees_lazy_and_relative_imports(tmp_path):
 
 
 def test_the_console_script_has_every_command():
-    """`jaxserve` (pyproject's console script) is router/cli.py: the engine-level commands and `serve`."""
+    """`jaxserve` (pyproject's console script) is router/cli.py: the engine-level commands, `serve` and `plan`."""
     import tomllib
 
     from typer.main import get_command
@@ -62,4 +62,5 @@ def test_the_console_script_has_every_command():
         target = tomllib.load(f)["project"]["scripts"]["jaxserve"]
     module, _, attr = target.partition(":")
     app = getattr(__import__(module, fromlist=[attr]), attr)
-    assert set(get_command(app).commands) == {"convert", "generate", "worker", "certs", "bench", "serve"}
+    assert set(get_command(app).commands) == {"convert", "generate", "worker", "certs", "bench", "profile",
+                                                   "serve", "plan"}

@@ -203,6 +203,20 @@ class BlockManager:
             self.ref[b] = 1
         return out
 
+    def uncache(self, block: int) -> bool:
+        """Drop `block` from the prefix cache if it is cached and no request holds it (its KV is about to be
+        overwritten: a warm-up after start-up writes block 0) -> whether no request holds it."""
+        if self.ref[block] > 0:
+            return False
+        h = self.block_hash.pop(block, None)
+        if h is not None:
+            del self.hash_block[h]
+            self.evictable.pop(block, None)
+            if self.events is not None:
+                self.events.emit("removed", [h])
+            self.allocator.free([block])
+        return True
+
     def free(self, block_ids: list[int]) -> None:
         """Drop one reference to each block; tail blocks are freed first so they are evicted first."""
         released = []

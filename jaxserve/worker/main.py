@@ -255,8 +255,10 @@ class Worker:
         return {"role": role, "previous": old, "drained_s": drained, "programs_compiled": n}
 
     def _become(self, role: str) -> int:
-        """Engine thread: compile what `role` runs (engine.warmup), then take it -> programs compiled."""
-        n = self._warm(role) if self.cfg.engine.warmup else 0
+        """Engine thread: compile what `role` runs (engine.warmup), then take it -> programs compiled. The
+        warm-up's programs write block 0, which the prefix cache may hold by now: it leaves the cache first (with
+        a request holding it, which the drain rules out, the new role's programs compile when first needed)."""
+        n = self._warm(role) if self.cfg.engine.warmup and self.llm.blocks.uncache(0) else 0
         if role in ("prefill", "both") and self.feeder is None:
             from ..disagg.prefill_side import Feeder
             self.feeder = Feeder()
@@ -264,8 +266,14 @@ class Worker:
         return n
 
     def _counted(self, fn, stream: bool):
-        """A call handler that counts itself in flight (SetRole's drain waits for the count to reach 0)."""
-        def enter():
+        """A call handler that counts itself in flight (SetRole's drain waits for the count to reach 0). While a
+        role change is under way it refuses new calls as busy (RESOURCE_EXHAUSTED: the router tries another
+        instance); the router stops placing work here before it asks for the change, so only a call it had
+        already placed meets this."""
+        async def enter(ctx):
+            if self._flipping:
+                import grpc
+                await ctx.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.inst.name} is changing its role")
             self._active += 1
             self._idle.clear()
 
@@ -275,7 +283,7 @@ class Worker:
                 self._idle.set()
         if stream:
             async def streamed(req, ctx):
-                enter()
+                await enter(ctx)
                 try:
                     async for msg in fn(req, ctx):
                         yield msg
@@ -284,7 +292,7 @@ class Worker:
             return streamed
 
         async def unary(req, ctx):
-            enter()
+            await enter(ctx)
             try:
                 return await fn(req, ctx)
             finally:

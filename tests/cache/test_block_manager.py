@@ -78,3 +78,25 @@ def test_refcount_errors():
     m.free(b)
     with pytest.raises(ValueError, match="freed more often"):
         m.free(b)
+
+
+def test_uncache_drops_a_cached_block_that_no_request_holds():
+    """A warm-up after start-up writes block 0: if the prefix cache holds it, it must leave the cache first."""
+    from jaxserve.cache.events import CacheEvents
+    ev = CacheEvents()
+    m = BlockManager(8, 4, events=ev)
+    p = list(range(9))
+    blocks = m.allocate([], len(p))
+    first = m.register(blocks, p, len(p))[0]
+    seq = ev.next_seq
+    assert m.uncache(blocks[0]) is False  # a request holds it: left alone
+    assert m.match(p, False)[1] == 8
+    m.free(blocks)
+    assert m.uncache(blocks[0]) is True
+    assert m.match(p, False)[1] == 0  # the chain is broken at its first block
+    assert m.match(p[4:], False)[1] == 0
+    m.check()
+    assert m.num_free == 8 and blocks[0] not in m.evictable
+    assert ev.since(seq)["events"] == [["removed", [first.hex()]]]  # the router's KV index hears of it
+    assert m.uncache(7) is True  # neither cached nor held: nothing to do
+    m.check()

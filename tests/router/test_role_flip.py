@@ -58,7 +58,7 @@ def test_a_prefill_instance_turns_decode_and_back_under_load(checkpoint_dir):
             ans = flip(client, "p1", "prefill")
             assert load.result() == want
         assert ans["role"] == "prefill" and cluster.registry.get("p1").role == "prefill"
-        assert answers(client, PROMPTS[:8]) == want[:8]
+        assert answers(client, PROMPTS) == want  # its prefix cache from the decode role: hits, and still right
         # the last decode instance cannot leave; unknown instances and bad roles are 4xx
         r = client.post("/admin/roles", json={"instance": "d0", "role": "prefill"})
         assert r.status_code == 400 and "d0 is the only instance up that can decode" in r.json()["error"]["message"]

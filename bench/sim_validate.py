@@ -1,0 +1,118 @@
+"""The simulator against the live system: one workload on bench/prfaas_live.py's cluster (configs/prfaas.yaml's
+shape: a PrfaaS prefill worker on core 0, a PD prefill and a PD decode worker sharing core 1, the bench-size
+llama, a shaped PrfaaS -> PD link), run live and simulated from profiles measured here.
+
+1. `jaxserve profile` of prfaas-p0 and of pd-p0 (each on its own core, in parallel): prefill time and S_kv over
+   lengths, decode step over batch sizes, max_batch at `--tpot-slo-ms`.
+2. Live: the router in this process, the workers as processes (bench/clusters.py), warm-up untimed, then
+   `--duration` seconds of prfaas_live's workload (Poisson conversations, truncated log-normal lengths / 64,
+   16 output tokens, second turns) under the `prfaas` policy at a fixed threshold.
+3. Simulated: router/sim with the same policy class and settings, the profiles, the link, and the same arrival
+   rate, length distribution, output length and turns (`--sim-s` of traffic, so percentiles settle).
+Throughput and TTFT p50 / p90, and their ratios simulated / live (the issue's bar: within 15%).
+`python -m bench.sim_validate --json bench/results/sim_validate.json`
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+
+import yaml
+
+
+def _profile(cfg_path: str, instance: str, out: str, args) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "profile", "--config", cfg_path, "--instance",
+                             instance, "--json", out, "--lengths", args.lengths, "--batches", args.batches,
+                             "--tpot-slo-ms", str(args.tpot_slo_ms), "--reps", "3"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--models", default="bench/.models")
+    ap.add_argument("--scale", type=int, default=64)
+    ap.add_argument("--rate", type=float, default=0.4)
+    ap.add_argument("--turns", type=float, default=0.3)
+    ap.add_argument("--think-s", type=float, default=0.5)
+    ap.add_argument("--duration", type=float, default=180)
+    ap.add_argument("--threshold", type=int, default=256)
+    ap.add_argument("--bandwidth-gbps", type=float, default=0.048)
+    ap.add_argument("--latency-ms", type=float, default=5.0)
+    ap.add_argument("--slo-ttft", type=float, default=3.0)
+    ap.add_argument("--warm-s", type=float, default=20)
+    ap.add_argument("--lengths", default="16,32,64,128,256,512,1024,2048")
+    ap.add_argument("--batches", default="1,2,4,8,16")
+    ap.add_argument("--tpot-slo-ms", type=float, default=1000.0)
+    ap.add_argument("--sim-s", type=float, default=3600.0)
+    args = ap.parse_args(argv)
+    from tqdm import tqdm
+
+    from bench.clusters import run
+    from bench.families import checkpoint
+    from bench.prfaas_live import HI, LO, MESSAGE, MU, SIGMA, config, policy, summary, warm, workload
+    from router.planner import LogNormal, Profile
+    from router.sim.run import Deployment, InstanceSpec, Simulation, Traffic
+    bar = tqdm(total=3, desc="sim_validate", unit="stage")
+    path = checkpoint("llama", args.models)
+    cfg = config(args, path)
+    tmp = tempfile.mkdtemp(prefix="jaxserve-simval-")
+    cfg_path = os.path.join(tmp, "prfaas.yaml")
+    with open(cfg_path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    # 1. profiles, each instance on its own core
+    outs = {name: os.path.join(tmp, f"{name}.json") for name in ("prfaas-p0", "pd-p0")}
+    procs = {name: _profile(cfg_path, name, out, args) for name, out in outs.items()}
+    for name, p in procs.items():
+        log, _ = p.communicate()
+        if p.returncode:
+            raise SystemExit(f"jaxserve profile {name} failed:\n{log}")
+    profiles = {name: json.load(open(out)) for name, out in outs.items()}
+    bar.update()
+
+    # 2. live
+    async def go(cluster):
+        await warm(cluster, args)
+        cluster.policy = policy(args, "fixed")
+        return await workload(cluster, args, 300, args.duration)
+    recs = run(cfg, go)
+    live = summary(recs, args.duration, args.slo_ttft)
+    bar.update()
+
+    # 3. simulated, the same policy and traffic
+    P, D = Profile.from_json(profiles["prfaas-p0"]), Profile.from_json(profiles["pd-p0"])
+    dep = Deployment([InstanceSpec("prfaas-p0", "prfaas", "prfaas", "prefill", P),
+                      InstanceSpec("pd-p0", "pd", "pd", "prefill", D), InstanceSpec("pd-d0", "pd", "pd", "decode", D)],
+                     lambda: policy(args, "fixed"), link_gbps=args.bandwidth_gbps,
+                     link_latency_s=args.latency_ms / 1e3, chunk_tokens=cfg["engine"]["max_num_batched_tokens"],
+                     kv_bytes=D)
+    lengths = LogNormal(MU - math.log(args.scale), SIGMA, max(2, LO // args.scale), HI // args.scale)
+    tr = Traffic(args.rate, lengths, 1024 // args.scale, duration_s=args.sim_s, turn_p=args.turns,
+                 think_s=args.think_s, followup_tokens=MESSAGE)
+    sim = Simulation(dep, tr, seed=7).run()
+    bar.update()
+    bar.close()
+    ratio = {"throughput": sim["throughput_rps"] / live["throughput_rps"],
+             "ttft_p50": sim["ttft_s"]["p50"] / live["ttft_p50_s"], "ttft_p90": sim["ttft_s"]["p90"] / live["ttft_p90_s"]}
+    out = {"benchmark": "sim_validate", "host": platform.node(), "cpus": os.cpu_count(), "args": vars(args),
+           "what": "one workload live (real workers) and simulated from profiles measured by jaxserve profile: "
+                   "throughput and TTFT p50 / p90; ratios simulated / live",
+           "profiles": profiles, "live": live,
+           "simulated": {k: sim[k] for k in ("throughput_rps", "ttft_s", "routes", "requests", "egress_gbps")},
+           "ratio_sim_over_live": ratio, "within_15_percent": {k: abs(v - 1) <= 0.15 for k, v in ratio.items()}}
+    from bench.stamp import write
+    write(args.json, out, indent=1)
+    print(json.dumps({"live": {k: live[k] for k in ("throughput_rps", "ttft_p50_s", "ttft_p90_s", "routes")},
+                      "simulated": {"throughput_rps": sim["throughput_rps"], "ttft_s": sim["ttft_s"],
+                                    "routes": sim["routes"]}, "ratio": ratio}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
