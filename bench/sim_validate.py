@@ -4,11 +4,15 @@ llama, a shaped PrfaaS -> PD link), run live and simulated from profiles measure
 
 1. `jaxserve profile` of prfaas-p0 and of pd-p0 (each on its own core, in parallel): prefill time and S_kv over
    lengths, decode step over batch sizes, max_batch at `--tpot-slo-ms`.
-2. Live: the router in this process, the workers as processes (bench/clusters.py), warm-up untimed, then
+2. Live: the router in this process, the workers as processes (bench/clusters.py), warm-up untimed; then a
+   calibration, apart from the workload: `--calibrate` requests of 2 tokens one at a time on the idle cluster,
+   whose median TTFT less the profile's prefill time of 2 tokens is the serving path's fixed cost per request
+   (the router's RPCs and the engine's scheduling around a step: the profiles measure the engine alone); then
    `--duration` seconds of prfaas_live's workload (Poisson conversations, truncated log-normal lengths / 64,
    16 output tokens, second turns) under the `prfaas` policy at a fixed threshold.
-3. Simulated: router/sim with the same policy class and settings, the profiles, the link, and the same arrival
-   rate, length distribution, output length and turns (`--sim-s` of traffic, so percentiles settle).
+3. Simulated: router/sim with the same policy class and settings, the profiles, that fixed cost, the link, and
+   the same arrival rate, length distribution, output length and turns (`--sim-s` of traffic, so percentiles
+   settle).
 Throughput and TTFT p50 / p90, and their ratios simulated / live (the issue's bar: within 15%).
 `python -m bench.sim_validate --json bench/results/sim_validate.json`
 """
@@ -24,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 
+import numpy as np
 import yaml
 
 
@@ -52,6 +57,7 @@ def main(argv=None):
     ap.add_argument("--batches", default="1,2,4,8,16")
     ap.add_argument("--tpot-slo-ms", type=float, default=1000.0)
     ap.add_argument("--sim-s", type=float, default=3600.0)
+    ap.add_argument("--calibrate", type=int, default=20, help="2-token requests that measure the fixed cost")
     args = ap.parse_args(argv)
     from tqdm import tqdm
 
@@ -79,20 +85,28 @@ def main(argv=None):
 
     # 2. live
     async def go(cluster):
+        from bench.clusters import finish
+        from jaxserve.sampling import SamplingParams
         await warm(cluster, args)
         cluster.policy = policy(args, "fixed")
-        return await workload(cluster, args, 300, args.duration)
-    recs = run(cfg, go)
+        fixed = []
+        for i in range(args.calibrate):
+            u = await finish(await cluster.add(f"cal-{i}", [900 + i, 901 + i],
+                                               SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)))
+            fixed.append(u.ttft_s)
+        return fixed, await workload(cluster, args, 300, args.duration)
+    calibration, recs = run(cfg, go)
     live = summary(recs, args.duration, args.slo_ttft)
     bar.update()
 
     # 3. simulated, the same policy and traffic
     P, D = Profile.from_json(profiles["prfaas-p0"]), Profile.from_json(profiles["pd-p0"])
+    dispatch_s = max(0.0, float(np.median(calibration)) - D.prefill_seconds(2))
     dep = Deployment([InstanceSpec("prfaas-p0", "prfaas", "prfaas", "prefill", P),
                       InstanceSpec("pd-p0", "pd", "pd", "prefill", D), InstanceSpec("pd-d0", "pd", "pd", "decode", D)],
                      lambda: policy(args, "fixed"), link_gbps=args.bandwidth_gbps,
                      link_latency_s=args.latency_ms / 1e3, chunk_tokens=cfg["engine"]["max_num_batched_tokens"],
-                     kv_bytes=D)
+                     kv_bytes=D, dispatch_s=dispatch_s)
     lengths = LogNormal(MU - math.log(args.scale), SIGMA, max(2, LO // args.scale), HI // args.scale)
     tr = Traffic(args.rate, lengths, 1024 // args.scale, duration_s=args.sim_s, turn_p=args.turns,
                  think_s=args.think_s, followup_tokens=MESSAGE)
@@ -104,7 +118,7 @@ def main(argv=None):
     out = {"benchmark": "sim_validate", "host": platform.node(), "cpus": os.cpu_count(), "args": vars(args),
            "what": "one workload live (real workers) and simulated from profiles measured by jaxserve profile: "
                    "throughput and TTFT p50 / p90; ratios simulated / live",
-           "profiles": profiles, "live": live,
+           "profiles": profiles, "calibration_ttft_s": calibration, "dispatch_s": dispatch_s, "live": live,
            "simulated": {k: sim[k] for k in ("throughput_rps", "ttft_s", "routes", "requests", "egress_gbps")},
            "ratio_sim_over_live": ratio, "within_15_percent": {k: abs(v - 1) <= 0.15 for k, v in ratio.items()}}
     from bench.stamp import write

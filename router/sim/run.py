@@ -56,6 +56,7 @@ class Deployment:
     chunk_tokens: int = 8192
     cache_tokens: int = 1 << 22  # prefix cache per instance
     kv_bytes: object = None  # Profile whose S_kv gives the KV bytes (default: the first instance's)
+    dispatch_s: float = 0.0  # the serving path's fixed cost per request (router, RPCs), added to every TTFT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,7 +247,8 @@ class Simulation:
             cached = min(d.cache.get(r.conv), r.prompt - 1)
             r.uncached = r.prompt - cached
             dt = d.profile.prefill_seconds(r.uncached)  # a short local prefill, then decode
-            r.first = r.prefill_end = self.clock.now + dt
+            r.prefill_end = self.clock.now + dt
+            r.first = r.prefill_end + self.dep.dispatch_s
             self.clock.after(dt, self._to_decode, r)
             return
         p.inflight += 1
@@ -261,7 +263,8 @@ class Simulation:
                 link.send(int(cell.kv_profile.kv_bytes_at(r.prompt)), lambda: self._kv(r))
 
         def done():
-            r.first = r.prefill_end = self.clock.now
+            r.prefill_end = self.clock.now
+            r.first = r.prefill_end + self.dep.dispatch_s
             p.inflight -= 1
             p.cache.put(r.conv, r.prompt)
             self._kv(r)

@@ -43,8 +43,9 @@ def test_a_prefill_instance_turns_decode_and_back_under_load(checkpoint_dir):
         assert p1.role == "decode" and not p1.draining
         compiled = worker_stats([p1])["p1"]["compiled_programs"]
         seen = set()
-        for _ in range(4):  # both decode instances take requests now
-            rs = [complete(client, p, max_tokens=8) for p in PROMPTS[:8]]
+        for _ in range(4):  # both decode instances take requests now (4 at a time: the least loaded of the two)
+            with concurrent.futures.ThreadPoolExecutor(4) as ex:
+                rs = list(ex.map(lambda p: complete(client, p, max_tokens=8), PROMPTS[:8]))
             assert [tokens(r["choices"][0]) for r in rs] == want[:8]
             seen |= {r["jaxserve"]["decode_instance"] for r in rs}
             if "p1" in seen:
