@@ -196,23 +196,28 @@ async def warm(cluster, args):
         await workload(cluster, args, 10 + k, args.warm_s)
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def workload_args(ap: argparse.ArgumentParser, rate: float, duration: float, warm_s: float) -> None:
+    """The cluster and workload options (also bench/sim_validate.py's)."""
     ap.add_argument("--json", required=True)
-    ap.add_argument("--png", default=None)
     ap.add_argument("--models", default="bench/.models", help="where bench-size checkpoints are built")
     ap.add_argument("--scale", type=int, default=64, help="input lengths divided by this")
-    ap.add_argument("--rate", type=float, default=0.6, help="new conversations per second")
+    ap.add_argument("--rate", type=float, default=rate, help="new conversations per second")
     ap.add_argument("--turns", type=float, default=0.3, help="probability of a conversation's second turn")
     ap.add_argument("--think-s", type=float, default=0.5)
-    ap.add_argument("--duration", type=float, default=90, help="seconds of arrivals per run")
+    ap.add_argument("--duration", type=float, default=duration, help="seconds of arrivals per run")
     ap.add_argument("--threshold", type=int, default=256, help="the selective policy's threshold (tokens)")
     ap.add_argument("--bandwidth-gbps", type=float, default=0.048,
                     help="the PrfaaS -> PD link (scaled with the compute: about the KV rate of offloading all)")
     ap.add_argument("--latency-ms", type=float, default=5.0)
     ap.add_argument("--slo-ttft", type=float, default=3.0, help="TTFT SLO (s) for goodput")
+    ap.add_argument("--warm-s", type=float, default=warm_s, help="untimed workload per route before the runs")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    workload_args(ap, rate=0.6, duration=90, warm_s=30)
+    ap.add_argument("--png", default=None)
     ap.add_argument("--window", type=float, default=10.0, help="seconds per p90 window in (b)")
-    ap.add_argument("--warm-s", type=float, default=30, help="untimed workload per route before the runs")
     ap.add_argument("--repeats", type=int, default=2, help="runs of each threshold in (b), in ABBA order")
     ap.add_argument("--parts", default="a,b")
     args = ap.parse_args(argv)

@@ -40,19 +40,9 @@ def _profile(cfg_path: str, instance: str, out: str, args) -> subprocess.Popen:
 
 
 def main(argv=None):
+    from bench.prfaas_live import workload_args
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", required=True)
-    ap.add_argument("--models", default="bench/.models")
-    ap.add_argument("--scale", type=int, default=64)
-    ap.add_argument("--rate", type=float, default=0.4)
-    ap.add_argument("--turns", type=float, default=0.3)
-    ap.add_argument("--think-s", type=float, default=0.5)
-    ap.add_argument("--duration", type=float, default=180)
-    ap.add_argument("--threshold", type=int, default=256)
-    ap.add_argument("--bandwidth-gbps", type=float, default=0.048)
-    ap.add_argument("--latency-ms", type=float, default=5.0)
-    ap.add_argument("--slo-ttft", type=float, default=3.0)
-    ap.add_argument("--warm-s", type=float, default=20)
+    workload_args(ap, rate=0.4, duration=180, warm_s=20)
     ap.add_argument("--lengths", default="16,32,64,128,256,512,1024,2048")
     ap.add_argument("--batches", default="1,2,4,8,16")
     ap.add_argument("--tpot-slo-ms", type=float, default=1000.0)
