@@ -81,8 +81,8 @@ class Replanner:
             return Decision(None, None, "the PD cluster has instances of role both, or none decodes: not planned")
         cur = best_threshold(self.prfaas, self.pd, wl, n_prfaas, n_p, n_d, egress_gbps, self.p.t_step)
         n = n_p + n_d
-        best = best_of([cur if k == n_p else best_threshold(self.prfaas, self.pd, wl, n_prfaas, k, n - k, egress_gbps,
-                                                          self.p.t_step) for k in range(1, n)])
+        best = best_of([cur] + [best_threshold(self.prfaas, self.pd, wl, n_prfaas, k, n - k, egress_gbps, self.p.t_step)
+                                for k in range(1, n) if k != n_p])  # a split keeps a prefill and a decode instance
         t = cur["threshold_tokens"]
         want = best["n_p"]
         if want == n_p:
@@ -95,7 +95,7 @@ class Replanner:
         if self.last_flip is not None and now - self.last_flip < self.p.min_interval_s:
             return Decision(t, None, f"the last flip was {now - self.last_flip:.0f}s ago", cur, best)
         src, dst = ("decode", "prefill") if want > n_p else ("prefill", "decode")
-        name = min((n for n, r in roles.items() if r == src), key=lambda n: (pd[n][1], n))
+        name = min((x for x, r in roles.items() if r == src), key=lambda x: (pd[x][1], x))
         self.last_flip, self.flips = now, self.flips + 1
         return Decision(t, (name, dst), f"split {n_p}/{n_d} -> {want}/{n - want}: lambda_max "
                         f"{cur['lambda_max']:.3g} -> {best['lambda_max']:.3g} req/s", cur, best)

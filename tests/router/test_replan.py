@@ -78,6 +78,12 @@ def test_hysteresis_spacing_and_a_flip_under_way_hold_flips_back():
     assert d.flip is None and d.why == "the split in effect is optimal"
 
 
+def test_a_single_pd_instance_is_planned_without_a_flip():
+    r = fed(FAST_PREFILL_SLOW_DECODE)
+    d = r.decide(5.0, 1, {"d0": ("decode", 0)}, 10.0)
+    assert d.flip is None and d.threshold_tokens is not None and d.why == "the split in effect is optimal"
+
+
 def test_old_traffic_leaves_the_window():
     r = fed(FAST_PREFILL_SLOW_DECODE, window_s=10.0)
     d = r.decide(100.0, 0, {"p0": ("prefill", 0), "d0": ("decode", 0)}, 10.0)
