@@ -243,10 +243,10 @@ class Simulation:
         d.inflight += 1
         if cell.replanner is not None and r.turn == 0 and pl.uncached_tokens is not None:
             cell.replanner.observe(pl.uncached_tokens, self.clock.now)
-        if p is None:  # the decode instance prefills itself (colocated): its own queue is its decode slots
+        if p is None:  # the decode instance prefills the uncached rest itself (colocated), at once, then decodes
             cached = min(d.cache.get(r.conv), r.prompt - 1)
             r.uncached = r.prompt - cached
-            dt = d.profile.prefill_seconds(r.uncached)  # a short local prefill, then decode
+            dt = d.profile.prefill_seconds(r.uncached)
             r.prefill_end = self.clock.now + dt
             r.first = r.prefill_end + self.dep.dispatch_s
             self.clock.after(dt, self._to_decode, r)
