@@ -2,7 +2,7 @@
 shape: a PrfaaS prefill worker on core 0, a PD prefill and a PD decode worker sharing core 1, the bench-size
 llama, a shaped PrfaaS -> PD link), run live and simulated from profiles measured here.
 
-1. `jaxserve profile` of prfaas-p0 and of pd-p0 (each on its own core, in parallel): prefill time and S_kv over
+1. `jaxserve profile` of prfaas-p0 and of pd-p0 (one after the other, each on its core): prefill time and S_kv over
    lengths, decode step over batch sizes, max_batch at `--tpot-slo-ms`.
 2. Live: the router in this process, the workers as processes (bench/clusters.py), warm-up untimed; then a
    calibration, apart from the workload: `--calibrate` requests of 2 tokens one at a time on the idle cluster,
@@ -35,7 +35,7 @@ import yaml
 def _profile(cfg_path: str, instance: str, out: str, args) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "profile", "--config", cfg_path, "--instance",
                              instance, "--json", out, "--lengths", args.lengths, "--batches", args.batches,
-                             "--tpot-slo-ms", str(args.tpot_slo_ms), "--reps", "3"],
+                             "--tpot-slo-ms", str(args.tpot_slo_ms), "--reps", "5"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -63,11 +63,10 @@ def main(argv=None):
     cfg_path = os.path.join(tmp, "prfaas.yaml")
     with open(cfg_path, "w") as f:
         yaml.safe_dump(cfg, f)
-    # 1. profiles, each instance on its own core
+    # 1. profiles, one instance at a time (two at once, each on its own core, disturbed each other's times)
     outs = {name: os.path.join(tmp, f"{name}.json") for name in ("prfaas-p0", "pd-p0")}
-    procs = {name: _profile(cfg_path, name, out, args) for name, out in outs.items()}
-    for name, p in procs.items():
-        log, _ = p.communicate()
+    for name, out in outs.items():
+        log, _ = (p := _profile(cfg_path, name, out, args)).communicate()
         if p.returncode:
             raise SystemExit(f"jaxserve profile {name} failed:\n{log}")
     profiles = {name: json.load(open(out)) for name, out in outs.items()}
