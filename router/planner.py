@@ -25,6 +25,7 @@ Plain Python, no JAX: the router's long-term loop and the simulator call it too.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import math
@@ -160,7 +161,6 @@ class Empirical:
             self._cum.append(self._cum[-1] + x)
 
     def _index(self, t: float) -> int:  # how many observed lengths are <= t
-        import bisect
         return bisect.bisect_right(self.xs, t)
 
     def above(self, t: float) -> float:

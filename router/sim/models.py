@@ -56,6 +56,10 @@ class PrefixCache:
             self._held.move_to_end(conv)
         return n
 
+    def held(self, conv) -> int:
+        """What get() answers, without counting as a use (the policy looking is not a hit)."""
+        return self._held.get(conv, 0)
+
     def put(self, conv, tokens: int) -> None:
         self.used += tokens - self._held.pop(conv, 0)
         self._held[conv] = tokens

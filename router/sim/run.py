@@ -108,6 +108,7 @@ class _Cell:
                     self.links[(src, dst)] = Link(clock, src, dst, dep.link_gbps, dep.link_latency_s,
                                                   dep.link_fluctuation, rng)
         self.kv_profile = dep.kv_bytes or dep.instances[0].profile
+        self.kv_per_token = self.kv_profile.kv_bytes_at(8192) / 8192  # what the live router measures per token
 
     def snapshot(self, r: _Request) -> Snapshot:
         out = []
@@ -115,16 +116,15 @@ class _Cell:
             if p.name in self.draining:
                 continue
             out.append(InstanceState(p.name, "prefill", p.cluster, p.kind, p.inflight, len(p.queue), int(p.busy),
-                                     0, 0, min(p.cache.get(r.conv), r.prompt - 1), p.queued_tokens, p.rate))
+                                     0, 0, min(p.cache.held(r.conv), r.prompt - 1), p.queued_tokens, p.rate))
         for d in self.decodes.values():
             if d.name in self.draining:
                 continue
             out.append(InstanceState(d.name, "decode", d.cluster, d.kind, d.inflight, len(d.queue), d.active,
-                                     d.slots - d.active, d.slots, min(d.cache.get(r.conv), r.prompt - 1)))
+                                     d.slots - d.active, d.slots, min(d.cache.held(r.conv), r.prompt - 1)))
         links = tuple(LinkState(lk.src, lk.dst, lk.capacity_bytes_s, lk.egress_bytes_s(), lk.pending_bytes, 0,
                                 lk.queued_bytes) for lk in self.links.values())
-        per_token = self.kv_profile.kv_bytes_at(8192) / 8192
-        return Snapshot(RequestInfo(r.prompt, r.prompt), tuple(out), links, self.clock.now, per_token)
+        return Snapshot(RequestInfo(r.prompt, r.prompt), tuple(out), links, self.clock.now, self.kv_per_token)
 
     # ---- the long-term loop (router/replan.py), as the live router runs it
     def replan(self, warmup_s: float) -> None:
@@ -252,7 +252,9 @@ class Simulation:
             self.clock.after(dt, self._to_decode, r)
             return
         p.inflight += 1
-        held = p.cache.get(r.conv) if pl.move_prefix is None else max(p.cache.get(r.conv), pl.move_prefix.tokens)
+        held = p.cache.get(r.conv)
+        if pl.move_prefix is not None:
+            held = max(held, pl.move_prefix.tokens)
         r.uncached = max(1, r.prompt - min(held, r.prompt - 1))
         link = cell.links.get((p.cluster, d.cluster))
         if link is None:

@@ -84,10 +84,12 @@ def test_a_link_carries_no_more_than_its_bandwidth():
     done = []
     for _ in range(10):
         link.send(500_000_000, lambda: done.append(clock.now))
-    clock.at(2.0, link.set_gbps, 4.0)  # a transfer queued after this point takes the new rate
+    clock.at(2.0, link.set_gbps, 4.0)  # a transfer sent after this point takes the new rate
+    clock.at(6.0, link.send, 500_000_000, lambda: done.append(clock.now))  # the queue is empty by then
     clock.run(100)
-    assert done[0] == pytest.approx(0.5) and done[-1] == pytest.approx(5.0)
-    assert link.bytes_sent == 5_000_000_000 and link.pending_bytes == 0
+    assert done[0] == pytest.approx(0.5) and done[9] == pytest.approx(5.0)  # queued at 1 GB/s, back to back
+    assert done[10] == pytest.approx(7.0)  # 0.5 GB at 0.5 GB/s
+    assert link.bytes_sent == 5_500_000_000 and link.pending_bytes == 0
 
 
 def test_prefix_caches_evict_the_least_recent_conversation():
@@ -97,6 +99,9 @@ def test_prefix_caches_evict_the_least_recent_conversation():
     c.get("a")
     c.put("c", 40)  # over capacity: b is the least recent
     assert (c.get("a"), c.get("b"), c.get("c")) == (40, 0, 40) and c.used == 80
+    assert c.held("a") == 40  # looking (a snapshot for the policy) is not a use: a stays the least recent
+    c.put("d", 40)
+    assert (c.held("a"), c.held("c"), c.held("d")) == (0, 40, 40)
 
 
 def test_later_turns_reuse_the_conversations_cached_prefix():
