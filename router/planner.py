@@ -210,7 +210,7 @@ def stages(prfaas: Profile, pd: Profile, wl: Workload, t: float, n_prfaas: int, 
     lambda_max (p * lambda_max * S_kv(l_long))."""
     L = wl.lengths
     p = L.above(t)
-    l_long, l_short = L.mean_between(t, L.hi), L.mean_between(L.lo, t)
+    l_long, l_short = L.mean_between(t, L.hi), L.mean_between(0.0, t)  # (0, t]: the shortest length included
     b_out = egress_gbps * 1e9 / 8
     th_prfaas = 0.0 if l_long is None else min(n_prfaas / prfaas.prefill_seconds(l_long),
                                                math.inf if prfaas.kv_bytes_at(l_long) <= 0

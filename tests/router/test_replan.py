@@ -90,6 +90,14 @@ def test_old_traffic_leaves_the_window():
     assert d.threshold_tokens is None and "0 requests observed" in d.why
 
 
+def test_equal_observed_lengths_plan_a_positive_rate():
+    """All requests of one length (lo == hi): the threshold at that length keeps them all in PD, whose rate is
+    positive (the shortest length belongs to the short side)."""
+    wl = Workload(Empirical([7] * 10), 32)
+    row = best_threshold(FAST_PREFILL_SLOW_DECODE, FAST_PREFILL_SLOW_DECODE, wl, 0, 2, 1, 10.0, 16)
+    assert row["lambda_max"] > 0 and row["threshold_tokens"] == 7 and row["l_short"] == 7
+
+
 def test_empirical_lengths_match_numpy():
     xs = np.random.default_rng(1).integers(1, 5000, 300)
     e = Empirical(xs)
