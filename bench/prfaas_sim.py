@@ -18,7 +18,6 @@ Parts (the PrfaaS document's case study: bench/profiles; each simulated hour at 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -175,14 +174,13 @@ def plot(out: dict, path: str) -> None:
         a.axvline(30, color="grey", ls=":")
         a.set(xlabel="minute", ylabel=label, title=title, yscale="log" if log else "linear")
         a.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    from bench.stamp import save_figure
+    save_figure(fig, path)
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", required=True)
-    ap.add_argument("--png", default=None)
+    from bench.stamp import arguments
+    ap = arguments(__doc__)
     ap.add_argument("--parts", default="grid,case,bursts,drop,shift,scale")
     ap.add_argument("--scale-cells", type=int, default=104)
     ap.add_argument("--scale-s", type=float, default=3600.0)

@@ -58,6 +58,21 @@ def stamp() -> dict:
             "command": " ".join(["python"] + sys.orig_argv[1:])}
 
 
+def arguments(doc: str):
+    """The argument parser a benchmark starts from: --json (required) and --png, described by its docstring's
+    first line."""
+    import argparse
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--png", default=None)
+    return ap
+
+
+def save_figure(fig, path: str) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
 def write(path: str, result: dict, indent: int = 1) -> None:
     """Write `result` with its stamp to `path` (folders created)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)

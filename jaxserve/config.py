@@ -188,9 +188,36 @@ class RouterSection(_Strict):
 
 
 class PolicySection(_Strict):
-    """Where requests run (router/policy.py). `least_loaded`: the least loaded prefill and decode instances.
-    `prfaas`: selective offload of long uncached prefills to a PrfaaS cluster, bandwidth- and cache-aware."""
-    name: Literal["least_loaded", "prfaas"] = "least_loaded"
+    """Where requests run (router/policy.py, router/balance.py). `least_loaded`: the least loaded prefill and
+    decode instances. `prfaas`: selective offload of long uncached prefills to a PrfaaS cluster, bandwidth- and
+    cache-aware. `round_robin`: in turn. `cache_aware`: SGLang's or Dynamo's cache-affine rule (`rule`).
+    `banaserve`: load-aware dispatch over the global KV store (BanaServe Algorithm 2). `flowkv`: load scores,
+    normal / imbalanced / extreme scenarios (FlowKV Appendix B)."""
+    name: Literal["least_loaded", "prfaas", "round_robin", "cache_aware", "banaserve", "flowkv"] = "least_loaded"
+    rule: Literal["sglang", "dynamo"] = Field("sglang", description="cache_aware: whose rule")
+    cache_threshold: float = Field(0.5, ge=0, le=1, description="cache_aware (sglang): a prefix match ratio above "
+                                   "this routes to the instance holding it")
+    balance_abs: int = Field(32, ge=0, description="cache_aware (sglang): imbalanced when the most and least "
+                             "loaded instances differ by more than this many requests ...")
+    balance_rel: float = Field(1.5, ge=1, description="... and the most loaded carries more than this x the least")
+    overlap_weight: float = Field(1.0, ge=0, description="cache_aware (dynamo): weight of prefill blocks in the cost")
+    load_threshold: float = Field(1.5, gt=0, description="banaserve: delta_L, the load U (busy fraction + KV use + "
+                                  "queued tokens / token_budget) from which the shortest queue decides")
+    token_budget: int = Field(8192, ge=1, description="banaserve, flowkv: prefill tokens that count as one full "
+                              "step of queued work")
+    store: bool | None = Field(None, description="banaserve, flowkv: prefixes in the global KV store count as hits "
+                               "on every prefill instance (default: on for banaserve, off for flowkv)")
+    load_window_s: float = Field(5.0, gt=0, description="flowkv: the sliding window load indicators are smoothed "
+                                 "over")
+    load_low: float = Field(0.6, gt=0, description="flowkv: epsilon_low; C^p and C^d at or under it: normal load")
+    load_high: float = Field(1.2, gt=0, description="flowkv: epsilon_high; both at or under it: imbalanced; above: "
+                             "extreme")
+    idle_score: float = Field(0.3, ge=0, description="flowkv: an instance whose load score is under this is idle")
+    assist_s: float = Field(10.0, ge=0, description="flowkv: how long idle decode instances prefill for an "
+                            "overloaded prefill side")
+    extreme_s: float = Field(30.0, ge=0, description="flowkv: how long a scenario lasts before scaling")
+    control_s: float | None = Field(None, gt=0, description="flowkv: run the global controller this often (role "
+                                    "changes, scaling); off when unset")
     threshold_tokens: int = Field(1024, ge=0, description="prfaas: a request whose uncached prompt length exceeds "
                                   "this is prefilled in a PrfaaS cluster, the rest in the PD cluster")
     adaptive: bool = Field(True, description="prfaas: the effective threshold follows the PrfaaS -> PD link's "
@@ -230,6 +257,14 @@ class PolicySection(_Strict):
             missing = [f for f in ("prfaas_profile", "pd_profile") if getattr(self, f) is None]
             if missing:
                 raise ValueError(f"replan_s needs {' and '.join(missing)} (profiles from `jaxserve profile`)")
+        return self
+
+    @model_validator(mode="after")
+    def _load_band(self):
+        if self.load_low >= self.load_high:
+            raise ValueError(f"load_low ({self.load_low}) must be below load_high ({self.load_high})")
+        if self.control_s is not None and self.name != "flowkv":
+            raise ValueError("control_s needs name: flowkv")
         return self
 
     @model_validator(mode="after")

@@ -155,6 +155,8 @@ class Router:
         self.replanner = _replanner(cfg.policy)  # the long-term loop (router/replan.py), None when off
         self.replan_state: dict = {}  # the last decision, for /metrics
         self._replan_task: asyncio.Task | None = None
+        self.control_actions: list[dict] = []  # the policy's controller (flowkv): the last 64, newest last
+        self.control_count = 0
 
     # ---- control port (worker registration, on a thread of its own: control.py)
     async def start(self) -> str:
@@ -168,6 +170,8 @@ class Router:
         self.address = await asyncio.to_thread(self._control.start, r.host, r.port)
         if self.replanner is not None:
             self._replan_task = asyncio.create_task(self._replan_loop())
+        elif self.cfg.policy.control_s is not None:
+            self._replan_task = asyncio.create_task(self._control_loop())
         return self.address
 
     async def joined(self) -> None:
@@ -196,7 +200,9 @@ class Router:
                  for addr, snap in w.links.items()}
         return {"instances": self.registry.state(), "links": links,
                 "kv_bytes_transferred": self.kv_bytes_transferred, "retries": self.retries,
-                "routes": dict(self.routes), "policy": {**self.policy.state(), **self.replan_state},
+                "routes": dict(self.routes), "policy": {**self.policy.state(), **self.replan_state,
+                                                        **({"control_actions": self.control_count}
+                                                           if self.cfg.policy.control_s else {})},
                 "index": self.index.stats(),
                 "prefix_moves": dict(self.prefix_moves)}
 
@@ -270,6 +276,33 @@ class Router:
                 await self.replan()
             except Exception:  # noqa: BLE001 - a failed round leaves the deployment as it is; the next one retries
                 log.exception("re-planning failed")
+
+    async def _control_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.policy.control_s)
+            try:
+                await self.control()
+            except Exception:  # noqa: BLE001 - a failed cycle changes nothing; the next one retries
+                log.exception("policy control failed")
+
+    async def control(self) -> list:
+        """One cycle of the policy's global controller (flowkv `control`): role flips are carried out as the
+        re-plan's; scaling is logged and counted (the launcher does not start or stop workers on demand)."""
+        workers = [w for w in self.registry.up() if not w.draining and self.topology.kind(w.name) != "prfaas"]
+        snap = self.topology.snapshot(workers, self.registry.all(), 0, 0, None, time.monotonic(),
+                                      self.kv_bytes_per_token)
+        acts = self.policy.control(snap)
+        for a in acts:
+            self.control_count += 1
+            self.control_actions = (self.control_actions + [{"kind": a.kind, "role": a.role, "instance": a.instance,
+                                                             "why": a.why}])[-64:]
+            log.info("policy control: %s %s %s: %s", a.kind, a.instance or "", a.role, a.why)
+            if a.kind == "flip" and not any(w.draining for w in self.registry.all()):
+                try:
+                    await self.set_role(a.instance, a.role)
+                except (RequestError, Unavailable) as e:
+                    log.warning("policy control: %s did not change to %s: %s", a.instance, a.role, e)
+        return acts
 
     def _egress_gbps(self) -> float:
         """The PrfaaS -> PD bandwidth now (the narrowest shaped link; unshaped: unbounded)."""

@@ -42,6 +42,9 @@ class InstanceState:
     cached_tokens: int = 0  # the prefix index's answer: prompt tokens whose KV this instance holds
     queued_tokens: int = 0  # uncached tokens of the prefills the router has on it, not yet computed
     prefill_tokens_s: float | None = None  # its measured prefill rate (None: not measured yet)
+    busy: float = 0.0  # fraction of recent time its engine spent computing (heartbeat)
+    swapped: int = 0  # requests preempted and waiting to run again
+    sending: int = 0  # KV transfers queued on it, not yet on the wire
 
     def prefill_wait(self, tokens: int) -> float | None:
         """Seconds until a prefill of `tokens` more would be computed here: its queue and them at its measured
@@ -88,6 +91,7 @@ class Snapshot:
     links: tuple[LinkState, ...] = ()
     now: float = 0.0  # seconds (monotonic), for policies that follow the links over time
     kv_bytes_per_token: float | None = None  # KV bytes a transfer sends per token, as measured (None: not yet)
+    store_tokens: int = 0  # prompt tokens whose KV the global KV store holds (router/balance.py `banaserve`)
 
     def of(self, role: str, kind: str | None = None, cluster: str | None = None) -> list[InstanceState]:
         return [i for i in self.instances if i.serves(role) and (kind is None or i.kind == kind)
@@ -392,16 +396,29 @@ class PrfaaS:
                       f"({wait_far:.1f}s)")
 
 
-POLICIES = {"least_loaded": LeastLoaded, "prfaas": PrfaaS}
+POLICIES = ("least_loaded", "prfaas", "round_robin", "cache_aware", "banaserve", "flowkv")
 
 
 def make(section) -> Policy:
     """The policy a config's `policy` section names (jaxserve/config.py PolicySection)."""
-    if section.name == "least_loaded":
+    from . import balance as b
+    s = section
+    if s.name == "least_loaded":
         return LeastLoaded()
-    if section.name == "prfaas":
+    if s.name == "round_robin":
+        return b.RoundRobin()
+    if s.name == "cache_aware":
+        return b.CacheAware(b.CacheAwareParams(s.rule, s.cache_threshold, s.balance_abs, s.balance_rel,
+                                               s.overlap_weight))
+    if s.name == "banaserve":
+        return b.BanaServe(b.BanaServeParams(s.load_threshold, s.token_budget, True if s.store is None else s.store))
+    if s.name == "flowkv":
+        return b.FlowKV(b.FlowKVParams(token_budget=s.token_budget, window_s=s.load_window_s, low=s.load_low,
+                                       high=s.load_high, idle_score=s.idle_score, hold_s=s.assist_s,
+                                       extreme_s=s.extreme_s, store=bool(s.store)))
+    if s.name == "prfaas":
         return PrfaaS(ThresholdParams(
-            section.threshold_tokens, section.adaptive, section.raise_utilisation, section.lower_utilisation,
-            section.threshold_step, section.max_threshold_tokens, section.hold_s, section.window_s,
-            section.scarce_utilisation, section.affinity_slack, section.local_prefill_tokens))
-    raise ValueError(f"policy.name: unknown policy {section.name!r} (one of {sorted(POLICIES)})")
+            s.threshold_tokens, s.adaptive, s.raise_utilisation, s.lower_utilisation, s.threshold_step,
+            s.max_threshold_tokens, s.hold_s, s.window_s, s.scarce_utilisation, s.affinity_slack,
+            s.local_prefill_tokens))
+    raise ValueError(f"policy.name: unknown policy {s.name!r} (one of {sorted(POLICIES)})")

@@ -18,9 +18,11 @@ from .registry import WorkerInfo
 
 def instance_state(w: WorkerInfo, cluster: str, kind: str, cached: int = 0) -> InstanceState:
     s = w.stats
+    sending = sum(int(v.get("queue_depth") or 0) for v in w.links.values())
     return InstanceState(w.name, w.role, cluster, kind, w.inflight, int(s.get("waiting", 0)),
                          int(s.get("running", 0)), int(s.get("blocks_free", 0)), int(s.get("blocks_total", 0)),
-                         cached, w.prefill.queued_tokens, w.prefill.tokens_s)
+                         cached, w.prefill.queued_tokens, w.prefill.tokens_s, float(s.get("busy", 0.0)),
+                         int(s.get("swapped", 0)), sending)
 
 
 def link_states(cfg: Config, workers: list[WorkerInfo], bandwidth: dict | None = None) -> tuple[LinkState, ...]:

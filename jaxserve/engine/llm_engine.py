@@ -403,6 +403,7 @@ class LLMEngine:
         b = self.blocks
         return {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
                 "blocks_total": b.num_blocks, "blocks_free": b.num_free, "blocks_used": b.num_referenced(),
+                "busy": round(self.timer.busy(), 4), "swapped": self.scheduler.num_preempted_waiting(),
                 "prefix_hit_rate": b.hit_rate, "compiled_programs": len(self.runner.programs),
                 "preemptions": self.scheduler.num_preemptions, "kernel_fallbacks": len(self.kernel_fallbacks)}
 

@@ -86,6 +86,10 @@ class Scheduler:
         self.free_slots = list(range(cfg.max_num_seqs - 1, -1, -1))
         self.num_preemptions = 0
 
+    def num_preempted_waiting(self) -> int:
+        """Requests preempted and waiting to run again (FlowKV's swapped queue)."""
+        return sum(1 for s in self.waiting if s.num_preemptions)
+
     # ---- requests
     def add(self, seq: Sequence) -> None:
         queued = len(self.waiting) - len(self.free_slots)  # beyond the slots about to be taken

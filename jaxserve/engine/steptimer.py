@@ -1,6 +1,7 @@
 """Where an engine step's wall time goes, phase by phase (host scheduling, input preparation, the device program,
 output handling), summed per kind of step. Plain Python, a few `perf_counter` calls per step; the engine keeps
-one (`LLMEngine.timer`) and bench/offline.py prints its summary.
+one (`LLMEngine.timer`) and bench/offline.py prints its summary. `busy()` is the fraction of the last
+`BUSY_WINDOW_S` seconds spent inside steps (the load the router's balancing policies read from heartbeats).
 
 A step is `begin()`, then `mark(phase)` at the end of each phase (the time since the previous mark is charged to
 it), then `end(kind)`. Single-threaded, as the engine loop that drives it.
@@ -9,12 +10,23 @@ it), then `end(kind)`. Single-threaded, as the engine loop that drives it.
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 
 
 class StepTimer:
+    BUSY_WINDOW_S = 2.0
+
     def __init__(self):
+        self._recent: deque[tuple[float, float]] = deque()  # (start, end) of the steps that ended lately
         self.reset()
+
+    def busy(self, now: float | None = None) -> float:
+        """Fraction of the last BUSY_WINDOW_S seconds spent in steps (those still running not counted)."""
+        now = time.perf_counter() if now is None else now
+        lo = now - self.BUSY_WINDOW_S
+        while self._recent and self._recent[0][1] < lo:
+            self._recent.popleft()
+        return min(1.0, sum(e - max(s, lo) for s, e in self._recent) / self.BUSY_WINDOW_S)
 
     def reset(self) -> None:
         self._count: dict[str, int] = defaultdict(int)
@@ -38,8 +50,9 @@ class StepTimer:
         """Close the step as a `kind` step (e.g. "decode", "prefill", "mixed"); an empty kind drops it."""
         if self._t0 is None:
             return
+        now = time.perf_counter()
+        self._recent.append((self._t0, now))
         if kind:
-            now = time.perf_counter()
             self._count[kind] += 1
             self._total[kind] += now - self._t0
             for p, v in self._cur.items():

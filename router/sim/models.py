@@ -5,9 +5,12 @@
   10,000-accelerator run is millions of events).
 - `Prefill`: a FIFO queue served in steps; a step takes the request at the head and, while they fit in
   `chunk_tokens` together, the ones behind it (chunked batching of short prompts); a step of n tokens takes
-  the profile's prefill time for n. Only uncached tokens are computed.
+  the profile's prefill time for n. Only uncached tokens are computed. `queued_tokens` counts a request's
+  tokens until its prefill has ended, as the live router's meter does.
 - `Decode`: `max_batch` slots; a request holds one for output_tokens x the profile's step time (the SLO-governed
-  constants of the throughput model); when every slot is taken requests wait in order.
+  constants of the throughput model); when every slot is taken requests wait in order. A prefill the decode
+  instance runs itself (the colocated route) queues on its own `local` prefill queue and stalls its decoding
+  while it computes: a running request finishes when its decode time has passed outside the stalls.
 - `Link`: a FIFO pipe of a given bandwidth (changed on a schedule, scaled per transfer by a random
   fluctuation) and latency; it reports recent throughput, bytes in flight and queued, as the live links do.
 - `PrefixCache`: per instance, the tokens of each conversation whose KV it holds, LRU-evicted to a capacity.
@@ -69,6 +72,8 @@ class PrefixCache:
 
 
 class Prefill:
+    BUCKET_S = 10.0
+
     def __init__(self, clock: Clock, name: str, cluster: str, kind: str, profile, chunk_tokens: int,
                  cache_tokens: int):
         self.clock, self.name, self.cluster, self.kind, self.profile = clock, name, cluster, kind, profile
@@ -80,13 +85,19 @@ class Prefill:
         self.inflight = 0  # placed here and not finished (the router's count)
         self.busy_s = 0.0
         self.tokens_done = 0
+        self.busy_by: dict[int, float] | None = None  # busy seconds per BUCKET_S of time, when tracked
+        self.layers = 32  # the pipeline's stages (store fetches overlap compute layer by layer)
+        self.on_step = None  # called with each step's duration as it starts (a decode instance's stall)
 
     @property
     def rate(self) -> float | None:
         return self.tokens_done / self.busy_s if self.busy_s > 0 else None
 
-    def submit(self, tokens: int, on_start, on_done) -> None:
-        self.queue.append((max(1, tokens), on_start, on_done))
+    def submit(self, tokens: int, on_start, on_done, fetch_s: float = 0.0) -> None:
+        """fetch_s: time to load this request's cached prefix from the global KV store, overlapped with the
+        step's compute layer by layer (BanaServe's three-stage pipeline): a step takes max(compute, fetch) plus
+        one layer's share of the fetch."""
+        self.queue.append((max(1, tokens), on_start, on_done, fetch_s))
         self.queued_tokens += max(1, tokens)
         if not self.busy:
             self._step()
@@ -101,35 +112,67 @@ class Prefill:
         while self.queue and total + self.queue[0][0] <= self.chunk_tokens:
             batch.append(self.queue.popleft())
             total += batch[-1][0]
+        fetch = sum(b[3] for b in batch)
         dt = self.profile.prefill_seconds(total)
-        for n, on_start, _ in batch:
-            self.queued_tokens -= n
+        dt = max(dt, fetch) + fetch / max(1, self.layers)
+        if self.on_step is not None:
+            self.on_step(dt)
+        if self.busy_by is not None:
+            t, end = self.clock.now, self.clock.now + dt
+            while t < end:
+                k = int(t // self.BUCKET_S)
+                nxt = min(end, (k + 1) * self.BUCKET_S)
+                self.busy_by[k] = self.busy_by.get(k, 0.0) + nxt - t
+                t = nxt
+        for n, on_start, _, _ in batch:
             on_start(dt)
         self.busy_s += dt
         self.tokens_done += total
         self.clock.after(dt, self._done, batch)
 
     def _done(self, batch) -> None:
-        for _, _, on_done in batch:
+        for n, _, on_done, _ in batch:
+            self.queued_tokens -= n  # as the live router counts them: until the prefill has ended
             on_done()
         self._step()
 
 
 class Decode:
-    def __init__(self, clock: Clock, name: str, cluster: str, kind: str, profile, cache_tokens: int):
+    def __init__(self, clock: Clock, name: str, cluster: str, kind: str, profile, cache_tokens: int,
+                 chunk_tokens: int = 8192):
         self.clock, self.name, self.cluster, self.kind, self.profile = clock, name, cluster, kind, profile
         self.slots, self.step_s = int(profile.max_batch), profile.step_seconds
         self.cache = PrefixCache(cache_tokens)
         self.active = 0
         self.queue: deque = deque()  # (output_tokens, on_done)
         self.inflight = 0
+        self.local = Prefill(clock, name, cluster, kind, profile, chunk_tokens, 0)  # its own prefills
+        self.local.on_step = self._stall
+        self._stalled = 0.0  # seconds of stalls that have ended, or begun (counted up to stall_end)
+        self._stall_end = 0.0
+
+    def _virtual(self) -> float:
+        """Decode time so far: the clock less the stalls (the one under way counted up to now)."""
+        now = self.clock.now
+        return now - self._stalled + max(0.0, self._stall_end - now)
+
+    def _stall(self, dt: float) -> None:
+        self._stalled += dt
+        self._stall_end = max(self._stall_end, self.clock.now) + dt
 
     def admit(self, output_tokens: int, on_done) -> None:
         if self.active < self.slots:
             self.active += 1
-            self.clock.after(output_tokens * self.step_s, self._finish, on_done)
+            self._wait(self._virtual() + output_tokens * self.step_s, on_done)
         else:
             self.queue.append((output_tokens, on_done))
+
+    def _wait(self, target: float, on_done) -> None:
+        left = target - self._virtual()
+        if left > 1e-12:
+            self.clock.after(left, self._wait, target, on_done)  # a stall since: later
+        else:
+            self._finish(on_done)
 
     def _finish(self, on_done) -> None:
         self.active -= 1

@@ -18,6 +18,13 @@ capacity, recent throughput, bytes in flight and queued. `Traffic.phases` change
 length distribution and output length at given times; `replan` runs the long-term loop (router/replan.py)
 in every cell as the live router does: its threshold becomes the policy's base, and a flip drains the
 instance (no new work placed there), waits `warmup_s` (its compilation), then switches its role.
+Shared prefixes: with `prefix_groups` a new conversation's prompt starts with one of that many common
+prefixes of `prefix_tokens` (chosen Zipf-like, `prefix_skew`: a few hot ones), cached per instance like the
+conversations. With a global KV store (`Deployment.store_tokens` > 0) every prefill's prefix and prompt is
+also written to the store, the snapshot reports what it holds (`store_tokens`), and a prefill instance that
+lacks a prefix the store holds loads it at `store_bytes_s`, overlapped with its compute. A policy with a
+`control` method (flowkv) is called every `control_s`: its role flips are carried out as the re-plan's are,
+its scaling actions counted. A prefill a decode instance runs itself queues there and stalls its decoding.
 `cells` > 1 runs that many independent copies of
 the deployment (each its own policy object, link and caches), arrivals spread over them at random: the way a
 large deployment is cut into router-sized cells, and what keeps a 10,000-accelerator hour to minutes.
@@ -33,7 +40,7 @@ import numpy as np
 from ..planner import LogNormal, Profile
 from ..policy import InstanceState, LinkState, RequestInfo, Snapshot
 from ..replan import Replanner
-from .models import Clock, Decode, Link, Prefill
+from .models import Clock, Decode, Link, Prefill, PrefixCache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +64,8 @@ class Deployment:
     cache_tokens: int = 1 << 22  # prefix cache per instance
     kv_bytes: object = None  # Profile whose S_kv gives the KV bytes (default: the first instance's)
     dispatch_s: float = 0.0  # the serving path's fixed cost per request (router, RPCs), added to every TTFT
+    store_tokens: int = 0  # the global KV store's capacity (0: no store)
+    store_bytes_s: float = 20e9  # its read bandwidth into a prefill instance
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,14 +82,18 @@ class Traffic:
     burst_every_s: float = 0.0
     rate_schedule: tuple = ()  # ((time_s, rate), ...): the base rate changes at these times
     phases: tuple = ()  # ((time_s, LogNormal lengths, output_tokens), ...): the traffic mix changes then
+    prefix_groups: int = 0  # shared prefixes a new conversation's prompt starts with (0: none)
+    prefix_tokens: int = 0
+    prefix_skew: float = 1.2  # Zipf exponent of the prefixes' popularity
 
 
 class _Request:
     __slots__ = ("conv", "turn", "prompt", "arrival", "first", "done", "route", "prefill", "decode", "uncached",
-                 "cell", "kv_ready", "prefill_end", "output", "kv_at")
+                 "cell", "kv_ready", "prefill_end", "output", "kv_at", "group", "shared")
 
-    def __init__(self, conv, turn, prompt, arrival, cell):
+    def __init__(self, conv, turn, prompt, arrival, cell, group=None, shared=0):
         self.conv, self.turn, self.prompt, self.arrival, self.cell = conv, turn, prompt, arrival, cell
+        self.group, self.shared = group, shared  # its shared prefix (("g", i), tokens) or none
         self.first = self.done = self.prefill_end = None
         self.route = self.prefill = self.decode = None
         self.uncached = prompt
@@ -98,8 +111,10 @@ class _Cell:
         self.flips: list[dict] = []
         self.prefills = {s.name: Prefill(clock, s.name, s.cluster, s.kind, s.profile, dep.chunk_tokens,
                                          dep.cache_tokens) for s in dep.instances if s.role == "prefill"}
-        self.decodes = {s.name: Decode(clock, s.name, s.cluster, s.kind, s.profile, dep.cache_tokens)
-                        for s in dep.instances if s.role == "decode"}
+        self.decodes = {s.name: Decode(clock, s.name, s.cluster, s.kind, s.profile, dep.cache_tokens,
+                                       dep.chunk_tokens) for s in dep.instances if s.role == "decode"}
+        self.store = PrefixCache(dep.store_tokens) if dep.store_tokens else None
+        self.actions: list[dict] = []  # a policy's control actions (flowkv)
         clusters = {s.cluster: s.kind for s in dep.instances}
         self.links = {}
         for src, k in clusters.items():
@@ -110,21 +125,49 @@ class _Cell:
         self.kv_profile = dep.kv_bytes or dep.instances[0].profile
         self.kv_per_token = self.kv_profile.kv_bytes_at(8192) / 8192  # what the live router measures per token
 
-    def snapshot(self, r: _Request) -> Snapshot:
+    @staticmethod
+    def held(cache, r: _Request | None, get: bool = False) -> int:
+        """Prompt tokens of r that `cache` holds: its conversation, or its shared prefix (get: counts as a use)."""
+        if r is None or cache is None:
+            return 0
+        look = cache.get if get else cache.held
+        n = max(look(r.conv), look(r.group) if r.group is not None else 0)
+        return min(n, r.prompt - 1)
+
+    def remember(self, cache, r: _Request, tokens: int) -> None:
+        cache.put(r.conv, tokens)
+        if r.group is not None:
+            cache.put(r.group, r.shared)
+
+    def snapshot(self, r: _Request | None) -> Snapshot:
+        """The policy's view (r: the request placed; None: the controller's view, no request)."""
         out = []
         for p in self.prefills.values():
             if p.name in self.draining:
                 continue
             out.append(InstanceState(p.name, "prefill", p.cluster, p.kind, p.inflight, len(p.queue), int(p.busy),
-                                     0, 0, min(p.cache.held(r.conv), r.prompt - 1), p.queued_tokens, p.rate))
+                                     0, 0, self.held(p.cache, r), p.queued_tokens, p.rate, float(p.busy)))
         for d in self.decodes.values():
             if d.name in self.draining:
                 continue
             out.append(InstanceState(d.name, "decode", d.cluster, d.kind, d.inflight, len(d.queue), d.active,
-                                     d.slots - d.active, d.slots, min(d.cache.held(r.conv), r.prompt - 1)))
+                                     d.slots - d.active, d.slots, self.held(d.cache, r), d.local.queued_tokens,
+                                     None, 1.0 if d.active or d.local.busy else 0.0))
         links = tuple(LinkState(lk.src, lk.dst, lk.capacity_bytes_s, lk.egress_bytes_s(), lk.pending_bytes, 0,
                                 lk.queued_bytes) for lk in self.links.values())
-        return Snapshot(RequestInfo(r.prompt, r.prompt), tuple(out), links, self.clock.now, self.kv_per_token)
+        prompt = r.prompt if r is not None else 0
+        return Snapshot(RequestInfo(prompt, prompt), tuple(out), links, self.clock.now, self.kv_per_token,
+                        self.held(self.store, r))
+
+    # ---- a policy's global controller (flowkv), as the live router runs it
+    def control(self, warmup_s: float) -> None:
+        for a in self.policy.control(self.snapshot(None)):
+            self.actions.append({"t_s": self.clock.now, "kind": a.kind, "role": a.role, "instance": a.instance,
+                                 "why": a.why})
+            if a.kind == "flip" and not self.draining:
+                self.draining.add(a.instance)
+                self.flips.append({"t_s": self.clock.now, "instance": a.instance, "role": a.role, "why": a.why})
+                self._drained(a.instance, a.role, warmup_s)
 
     # ---- the long-term loop (router/replan.py), as the live router runs it
     def replan(self, warmup_s: float) -> None:
@@ -147,7 +190,7 @@ class _Cell:
         """Poll (in simulated time) until `name` holds nothing, then switch it after the warm-up."""
         inst = self.prefills.get(name) or self.decodes.get(name)
         idle = inst.inflight == 0 and not inst.queue and not getattr(inst, "busy", False) \
-            and not getattr(inst, "active", 0)
+            and not getattr(inst, "active", 0) and not (hasattr(inst, "local") and inst.local.busy)
         if not idle:
             self.clock.after(0.5, self._drained, name, role, warmup_s)
             return
@@ -156,7 +199,8 @@ class _Cell:
     def _switch(self, name: str, role: str) -> None:
         old = self.prefills.pop(name, None) or self.decodes.pop(name)
         if role == "decode":
-            self.decodes[name] = Decode(self.clock, name, old.cluster, old.kind, old.profile, self.dep.cache_tokens)
+            self.decodes[name] = Decode(self.clock, name, old.cluster, old.kind, old.profile, self.dep.cache_tokens,
+                                        self.dep.chunk_tokens)
         else:
             self.prefills[name] = Prefill(self.clock, name, old.cluster, old.kind, old.profile,
                                           self.dep.chunk_tokens, self.dep.cache_tokens)
@@ -165,18 +209,23 @@ class _Cell:
 
 class Simulation:
     def __init__(self, dep: Deployment, traffic: Traffic, cells: int = 1, seed: int = 0, replan=None,
-                 warmup_s: float = 30.0):
+                 warmup_s: float = 30.0, control_s: float | None = None):
         """replan: (ReplanParams, PrfaaS profile, PD profile) to run the long-term loop in every cell (a flip
-        drains the instance, then takes warmup_s to compile before it serves its new role)."""
+        drains the instance, then takes warmup_s to compile before it serves its new role); control_s: call the
+        policy's global controller (flowkv `control`) this often."""
+        self.control_s = control_s
         self.dep, self.traffic, self.seed = dep, traffic, seed
         self.rng = np.random.default_rng(seed)
         self.clock = Clock()
         self.replan_params, self.warmup_s = (replan[0] if replan else None), warmup_s
         make = (lambda: Replanner(*replan)) if replan else None
         self.cells = [_Cell(self.clock, dep, self.rng, make) for _ in range(cells)]
+        for p in self.cells[0].prefills.values():  # utilisation over time: the first cell's prefill instances
+            p.busy_by = {}
         self.finished: list[_Request] = []
         self.failed = 0
         self._convs = 0
+        self._zipf = None
 
     # ---- traffic
     def _rate(self, t: float) -> float:
@@ -222,10 +271,22 @@ class Simulation:
             if L.lo <= x <= L.hi:
                 return int(x)
 
+    def _group(self) -> int:
+        tr = self.traffic
+        if self._zipf is None:
+            w = 1.0 / np.arange(1, tr.prefix_groups + 1) ** tr.prefix_skew
+            self._zipf = np.cumsum(w / w.sum())
+        return int(np.searchsorted(self._zipf, self.rng.random()))
+
     def _arrive_new(self) -> None:
         self._convs += 1
         cell = self.cells[int(self.rng.integers(len(self.cells)))]
-        r = _Request(self._convs, 0, self._length(), self.clock.now, cell)
+        tr = self.traffic
+        if tr.prefix_groups:
+            r = _Request(self._convs, 0, tr.prefix_tokens + self._length(), self.clock.now, cell,
+                         ("g", self._group()), tr.prefix_tokens)
+        else:
+            r = _Request(self._convs, 0, self._length(), self.clock.now, cell)
         r.output = self._mix()[1]
         self._start(r)
         self._next_arrival()
@@ -243,18 +304,24 @@ class Simulation:
         d.inflight += 1
         if cell.replanner is not None and r.turn == 0 and pl.uncached_tokens is not None:
             cell.replanner.observe(pl.uncached_tokens, self.clock.now)
-        if p is None:  # the decode instance prefills the uncached rest itself (colocated), at once, then decodes
-            cached = min(d.cache.get(r.conv), r.prompt - 1)
-            r.uncached = r.prompt - cached
-            dt = d.profile.prefill_seconds(r.uncached)
-            r.prefill_end = self.clock.now + dt
-            r.first = r.prefill_end + self.dep.dispatch_s
-            self.clock.after(dt, self._to_decode, r)
+        if p is None:  # the decode instance prefills the uncached rest itself (colocated), then decodes
+            r.uncached = r.prompt - cell.held(d.cache, r, get=True)
+
+            def local_done():
+                r.prefill_end = self.clock.now
+                r.first = r.prefill_end + self.dep.dispatch_s
+                self._to_decode(r)
+            d.local.submit(r.uncached, lambda dt: None, local_done)
             return
         p.inflight += 1
-        held = p.cache.get(r.conv)
+        held = cell.held(p.cache, r, get=True)
         if pl.move_prefix is not None:
             held = max(held, pl.move_prefix.tokens)
+        fetch_s = 0.0
+        stored = cell.held(cell.store, r, get=True)
+        if stored > held:  # the rest of the prefix comes from the global store, pipelined with the compute
+            fetch_s = (cell.kv_profile.kv_bytes_at(stored) - cell.kv_profile.kv_bytes_at(held)) / self.dep.store_bytes_s
+            held = stored
         r.uncached = max(1, r.prompt - min(held, r.prompt - 1))
         link = cell.links.get((p.cluster, d.cluster))
         if link is None:
@@ -268,9 +335,11 @@ class Simulation:
             r.prefill_end = self.clock.now
             r.first = r.prefill_end + self.dep.dispatch_s
             p.inflight -= 1
-            p.cache.put(r.conv, r.prompt)
+            cell.remember(p.cache, r, r.prompt)
+            if cell.store is not None:
+                cell.remember(cell.store, r, r.prompt)
             self._kv(r)
-        p.submit(r.uncached, started, done)
+        p.submit(r.uncached, started, done, fetch_s)
 
     def _kv(self, r: _Request) -> None:
         r.kv_ready += 1
@@ -285,13 +354,13 @@ class Simulation:
     def _done(self, r: _Request, out: int) -> None:
         r.done = self.clock.now
         r.decode.inflight -= 1
-        r.decode.cache.put(r.conv, r.prompt + out)
+        r.cell.remember(r.decode.cache, r, r.prompt + out)
         self.finished.append(r)
         if r.cell.replanner is not None:
             r.cell.replanner.finished(out, self.clock.now)
         tr = self.traffic
         if tr.turn_p and self.rng.random() < tr.turn_p:
-            nxt = _Request(r.conv, r.turn + 1, r.prompt + out + tr.followup_tokens, 0.0, r.cell)
+            nxt = _Request(r.conv, r.turn + 1, r.prompt + out + tr.followup_tokens, 0.0, r.cell, r.group, r.shared)
             nxt.output = r.output
             t = self.clock.now + self.rng.exponential(tr.think_s)
             if t <= tr.duration_s:
@@ -312,6 +381,8 @@ class Simulation:
         dur = self.traffic.duration_s
         if self.replan_params is not None:
             self.clock.after(self.replan_params.replan_s, self._replan)
+        if self.control_s:
+            self.clock.after(self.control_s, self._control)
         self.clock.run(dur + (dur if drain_s is None else drain_s))
         return self.results(dur, time.perf_counter() - t0, timeline_s)
 
@@ -320,6 +391,12 @@ class Simulation:
             cell.replan(self.warmup_s)
         if self.clock.now + self.replan_params.replan_s <= self.traffic.duration_s:
             self.clock.after(self.replan_params.replan_s, self._replan)
+
+    def _control(self) -> None:
+        for cell in self.cells:
+            cell.control(self.warmup_s)
+        if self.clock.now + self.control_s <= self.traffic.duration_s:
+            self.clock.after(self.control_s, self._control)
 
     def results(self, duration_s: float, wall_s: float, timeline_s: float) -> dict:
         done = [r for r in self.finished if r.arrival <= duration_s]
@@ -336,6 +413,14 @@ class Simulation:
         for r in in_window:
             served[int(r.done // timeline_s)] = served.get(int(r.done // timeline_s), 0) + 1
         link_bytes = sum(lk.bytes_sent for c in self.cells for lk in c.links.values())
+        util = {}
+        for p in self.cells[0].prefills.values():
+            if p.busy_by is not None:
+                per = {}
+                for k, v in p.busy_by.items():
+                    per[int(k * p.BUCKET_S // timeline_s)] = per.get(int(k * p.BUCKET_S // timeline_s), 0.0) + v
+                util[p.name] = [round(per.get(k, 0.0) / timeline_s, 4)
+                                for k in range(int(max(duration_s, 1) // timeline_s) + 1)]
         return {"requests": len(done), "throughput_rps": len(in_window) / duration_s,
                 "ttft_s": {"mean": float(ttft.mean()), "p50": float(np.percentile(ttft, 50)),
                            "p90": float(np.percentile(ttft, 90)), "p99": float(np.percentile(ttft, 99))},
@@ -346,6 +431,9 @@ class Simulation:
                               "kv_ready_p90_s": float(np.percentile(seconds[k], 90)),
                               "finished_rps": served.get(k, 0) / timeline_s} for k, v in sorted(buckets.items())],
                 "flips": [f for c in self.cells for f in c.flips],
+                "actions": [a for c in self.cells for a in c.actions],
+                "prefill_utilisation": util,  # per prefill instance (first cell): busy fraction per timeline bucket
+                "prefill_busy_s": {p.name: p.busy_s for p in self.cells[0].prefills.values()},
                 "failed": self.failed, "events": self.clock.events, "wall_s": wall_s,
                 "cells": len(self.cells), "instances": sum(len(c.prefills) + len(c.decodes) for c in self.cells)}
 

@@ -153,3 +153,64 @@ def test_the_long_term_loop_follows_a_traffic_shift():
     assert res["replan"]["throughput_rps"] == pytest.approx(1.3, rel=0.05)
     assert res["static"]["throughput_rps"] < 0.9 * 1.3
     assert res["replan"]["ttft_s"]["p90"] < 0.1 * res["static"]["ttft_s"]["p90"]
+
+
+def test_a_decode_instances_own_prefill_stalls_its_running_requests():
+    """A request decoding for 10 s on d0, then a 3 s prefill d0 runs itself: the first finishes 3 s late."""
+    from router.sim.models import Decode
+    clock = Clock()
+    d = Decode(clock, "d0", "pd", "pd", flat(3.0, step_s=0.1, batch=4), 1000)
+    done = {}
+    d.admit(100, lambda: done.setdefault("a", clock.now))
+    clock.at(2.0, d.local.submit, 1, lambda dt: None, lambda: done.setdefault("prefill", clock.now))
+    clock.run(100.0)
+    assert done["prefill"] == pytest.approx(5.0) and done["a"] == pytest.approx(13.0)
+
+
+def test_a_store_fetch_overlaps_the_prefill_compute():
+    """A prefill whose prefix comes from the store takes max(compute, fetch) + one layer's share of the fetch."""
+    from router.sim.models import Prefill
+    clock = Clock()
+    p = Prefill(clock, "p0", "pd", "pd", flat(1.0), 8192, 0)
+    ends = []
+    p.submit(10, lambda dt: None, lambda: ends.append(clock.now), fetch_s=0.32)  # hidden under 1 s of compute
+    clock.run(10.0)
+    p.submit(10, lambda dt: None, lambda: ends.append(clock.now), fetch_s=3.2)  # longer than the compute
+    clock.run(30.0)
+    assert ends[0] == pytest.approx(1.0 + 0.32 / 32) and ends[1] - 10.0 == pytest.approx(3.2 + 3.2 / 32)
+
+
+def _hot_prefix_run(policy, store_tokens=0):
+    """4 prefill instances whose caches hold about 10 prefixes each; 8 shared 6,000-token prefixes, Zipf-popular."""
+    prof = Profile.from_json({"prefill": {"tokens": [100, 10000], "seconds": [0.01, 1.0],
+                                          "kv_bytes": [1e6, 1e8]},
+                              "decode": {"step_seconds": 0.001, "max_batch": 256}})
+    inst = [InstanceSpec(f"p{i}", "pd", "pd", "prefill", prof) for i in range(4)]
+    inst += [InstanceSpec(f"d{i}", "pd", "pd", "decode", prof) for i in range(2)]
+    dep = Deployment(inst, policy, store_tokens=store_tokens, cache_tokens=60000)
+    tr = Traffic(16.0, LogNormal(5.5, 0.5, 50, 1000), 16, duration_s=600, prefix_groups=8, prefix_tokens=6000,
+                 prefix_skew=1.1)
+    return Simulation(dep, tr, seed=4).run()
+
+
+def test_hot_prefixes_pile_onto_some_instances_under_the_sglang_rule_but_not_over_the_store():
+    from router.balance import BanaServe, CacheAware
+    ca = _hot_prefix_run(CacheAware)
+    bs = _hot_prefix_run(BanaServe, store_tokens=1 << 24)
+    util = lambda r: [float(np.mean(v[:10])) for v in r["prefill_utilisation"].values()]  # noqa: E731
+    assert max(util(ca)) > 1.5 * min(util(ca)) and max(util(bs)) < max(util(ca)), (util(ca), util(bs))
+    assert bs["ttft_s"]["p90"] < ca["ttft_s"]["p90"] / 3
+    assert bs["requests"] == ca["requests"]  # the same traffic
+
+
+def test_the_flowkv_controller_flips_an_idle_prefill_instance_when_decode_is_the_bottleneck():
+    from router.balance import FlowKV
+    prof = Profile.from_json({"prefill": {"tokens": [100, 10000], "seconds": [0.01, 1.0], "kv_bytes": [1e6, 1e8]},
+                              "decode": {"step_seconds": 0.02, "max_batch": 8}})
+    inst = [InstanceSpec(f"p{i}", "pd", "pd", "prefill", prof) for i in range(3)]
+    inst += [InstanceSpec("d0", "pd", "pd", "decode", prof)]
+    dep = Deployment(inst, FlowKV)
+    res = Simulation(dep, Traffic(1.5, LogNormal(5.0, 0.5, 50, 1000), 200, duration_s=300), seed=2,
+                     control_s=2.0, warmup_s=5.0).run()
+    assert [f["role"] for f in res["flips"]] and all(f["role"] == "decode" for f in res["flips"])
+    assert res["flips"][0]["instance"] in ("p0", "p1", "p2") and len(res["flips"]) <= 2

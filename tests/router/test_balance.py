@@ -1,0 +1,288 @@
+"""Decisions of the load-balancing policies (router/balance.py) and of BanaServe's migration planner
+(router/migration.py) on hand-built load states."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxserve.config import ConfigFileError, parse
+from router import policy
+from router.balance import (BanaServe, BanaServeParams, CacheAware, CacheAwareParams, FlowKV, FlowKVParams,
+                            RoundRobin)
+from router.migration import MigrationParams, MigrationPlanner, Unit
+from router.policy import InstanceState, LinkState, RequestInfo, Snapshot
+
+
+def inst(name, role="prefill", cluster="a", **kw):
+    kw.setdefault("blocks_total", 100)
+    kw.setdefault("blocks_free", 100)
+    return InstanceState(name, role, cluster, "pd", **kw)
+
+
+def snap(*insts, prompt=2100, store=0, now=0.0, links=(), per_token=None):
+    return Snapshot(RequestInfo(prompt, prompt), tuple(insts), links, now, per_token, store)
+
+
+D = inst("d0", "decode")
+
+
+# ---- the anchors' rules: they collapse onto the holder of a hot prefix
+def test_sglang_rule_stays_on_the_prefix_holder_until_the_absolute_imbalance_threshold():
+    ca = CacheAware(CacheAwareParams("sglang", balance_abs=32, balance_rel=1.5))
+    hot = lambda n: inst("p0", cached_tokens=2000, inflight=n)  # noqa: E731
+    assert ca.place(snap(hot(30), inst("p1"), D)).prefill == "p0"  # 30 requests queued there: still p0
+    pl = ca.place(snap(hot(33), inst("p1"), D))
+    assert pl.prefill == "p1" and "imbalanced" in pl.reason
+    # a weak match goes to the instance with the most free cache
+    pl = ca.place(snap(inst("p0", cached_tokens=500, blocks_free=10), inst("p1", blocks_free=90), D))
+    assert pl.prefill == "p1" and "most free cache" in pl.reason
+
+
+def test_dynamo_rule_credits_the_overlap_against_the_queue():
+    ca = CacheAware(CacheAwareParams("dynamo"))
+    # p0: 100 new tokens (7 blocks) + 1000 queued (63) = 70; p1: 2100 new (132): p0, in spite of its queue
+    pl = ca.place(snap(inst("p0", cached_tokens=2000, queued_tokens=1000), inst("p1"), D))
+    assert pl.prefill == "p0" and pl.uncached_tokens == 100
+    # once the queue outgrows the prefix, p1
+    assert ca.place(snap(inst("p0", cached_tokens=2000, queued_tokens=2200), inst("p1"), D)).prefill == "p1"
+    with pytest.raises(ValueError, match="rule"):
+        CacheAwareParams("nope")
+
+
+def test_round_robin_takes_instances_in_turn():
+    rr = RoundRobin()
+    s = snap(inst("p1"), inst("p0"), D, inst("d1", "decode"))
+    got = [(pl.prefill, pl.decode) for pl in (rr.place(s) for _ in range(4))]
+    assert got == [("p0", "d0"), ("p1", "d1"), ("p0", "d0"), ("p1", "d1")]
+
+
+# ---- BanaServe, Algorithm 2
+def test_banaserve_with_the_store_balances_load_where_the_prefix_lives_on_one_instance():
+    busy = inst("p0", cached_tokens=2000, busy=0.9, queued_tokens=4000, prefill_tokens_s=1000.0)
+    idle = inst("p1", busy=0.1, prefill_tokens_s=1000.0)
+    b = BanaServe()
+    pl = b.place(snap(busy, idle, D, store=2000))
+    # the store holds the prefix: p1 computes the same 100 tokens without p0's 4000-token queue
+    assert pl.prefill == "p1" and pl.uncached_tokens == 100 and pl.prefix_source == "store"
+    # without the store p1 would compute all 2100: still faster than waiting behind 4000 (2.1 s vs 4.1 s)
+    pl = BanaServe(BanaServeParams(store=False)).place(snap(busy, idle, D))
+    assert pl.prefill == "p1" and pl.uncached_tokens == 2100
+    # ... but a short queue on the holder wins there
+    short = inst("p0", cached_tokens=2000, busy=0.5, queued_tokens=500, prefill_tokens_s=1000.0)
+    assert BanaServe(BanaServeParams(store=False)).place(snap(short, idle, D)).prefill == "p0"
+
+
+def test_banaserve_load_is_busy_plus_kv_plus_queued_estimate_and_overload_takes_the_shortest_queue():
+    b = BanaServe(BanaServeParams(load_threshold=1.0, token_budget=1000))
+    a = inst("p0", busy=0.5, blocks_free=50, queued_tokens=100)  # 0.5 + 0.5 + 0.1
+    assert b.load(a) == pytest.approx(1.1)
+    c = inst("p1", busy=0.2, blocks_free=90, inflight=3)  # 0.2 + 0.1: under delta_L, no rates: least load
+    assert b.place(snap(a, c, D)).prefill == "p1"
+    # every instance at or above delta_L: the shortest queue, whatever the load
+    x = inst("p0", busy=1.0, blocks_free=0, inflight=5)
+    y = inst("p1", busy=1.0, blocks_free=10, inflight=2)
+    pl = b.place(snap(x, y, D))
+    assert pl.prefill == "p1" and "shortest queue" in pl.reason and b.overloaded == 1
+
+
+def test_banaserve_picks_the_decode_instance_with_the_least_transfer_time():
+    link = LinkState("a", "b", 1e6, queued_bytes=5e6)
+    p = inst("p0")
+    near = inst("d0", "decode", "a", inflight=3)
+    far = inst("d1", "decode", "b")
+    pl = BanaServe().place(snap(p, near, far, links=(link,), per_token=100.0))
+    assert pl.decode == "d0"  # same cluster: no transfer, though more loaded
+    far2 = inst("d1", "decode", "a")
+    assert BanaServe().place(snap(p, near, far2)).decode == "d1"  # both near: the less loaded
+
+
+# ---- FlowKV
+def flow(**kw):
+    return FlowKV(FlowKVParams(**kw))
+
+
+def test_flowkv_scores_are_weighted_and_smoothed_over_the_window():
+    f = flow(window_s=5.0)
+    w = f.p.prefill_weights
+    hot = inst("p0", running=8, waiting=8, busy=1.0, queued_tokens=8192, blocks_free=0)
+    full = f.score(hot, "prefill")
+    assert full == pytest.approx(w.running + w.waiting + w.tokens + w.kv + w.busy)
+    idle = inst("p0")
+    f.observe(snap(hot, now=0.0))
+    f.observe(snap(idle, now=1.0))
+    assert f.score(idle, "prefill") == pytest.approx(full / 2)  # the mean of the two readings
+    f.observe(snap(idle, now=7.0))  # the hot reading has left the window
+    assert f.score(idle, "prefill") == 0.0
+
+
+def test_flowkv_normal_load_minimises_ttft_then_transfer():
+    f = flow()
+    a = inst("p0", cached_tokens=2000, prefill_tokens_s=1000.0, queued_tokens=50)
+    b = inst("p1", prefill_tokens_s=1000.0)
+    pl = f.place(snap(a, b, D))
+    assert f.scenario == "normal" and pl.prefill == "p0" and pl.uncached_tokens == 100
+
+
+def test_flowkv_imbalanced_prefill_lets_idle_decode_instances_prefill_for_a_while():
+    f = flow(hold_s=10.0)
+    hot = [inst(f"p{i}", running=8, waiting=6, busy=1.0, queued_tokens=4000) for i in range(2)]
+    idle_d = inst("d0", "decode")
+    pl = f.place(snap(*hot, idle_d, now=0.0))
+    assert f.scenario == "imbalanced" and f.cp > f.p.low and pl.prefill is None and pl.decode == "d0"
+    # prefill has calmed down (fresh window) but the switch holds for hold_s ...
+    calm = [inst(f"p{i}") for i in range(2)]
+    f2 = f.place(snap(*calm, idle_d, now=6.0))
+    assert f2.prefill is None
+    # ... and ends after it: back to the prefill instances
+    assert f.place(snap(*calm, idle_d, now=20.0)).prefill in ("p0", "p1") and f.scenario == "normal"
+
+
+def test_flowkv_control_flips_an_idle_prefill_instance_when_decode_is_loaded_and_scales_in_extremes():
+    f = flow(extreme_s=30.0)
+    ps = [inst("p0"), inst("p1", running=1)]
+    hot_d = inst("d0", "decode", running=8, waiting=4, busy=1.0, blocks_free=0)  # C^d 1.15
+    acts = f.control(snap(*ps, hot_d, now=0.0))
+    assert f.scenario == "imbalanced" and [(a.kind, a.instance, a.role) for a in acts] == [("flip", "p0", "decode")]
+    # extreme (both sides far over): nothing until it has lasted extreme_s, then one scale-out of the hotter side
+    very = dict(running=16, waiting=16, busy=1.0, blocks_free=0, queued_tokens=16384)
+    g = flow(extreme_s=30.0)
+    xs = [inst("p0", **very), inst("d0", "decode", **very)]
+    assert g.control(snap(*xs, now=0.0)) == [] and g.scenario == "extreme"
+    acts = g.control(snap(*xs, now=31.0))
+    assert [(a.kind, a.role) for a in acts] == [("scale_out", "prefill")]
+    assert g.control(snap(*xs, now=32.0)) == []  # the next one needs the scenario to hold again
+    # decode far over, prefill cool: after extreme_s its coolest prefill instance moves to decode, and the
+    # next flip waits another extreme_s
+    k = flow(extreme_s=30.0)
+    hotter = inst("d0", "decode", **very)
+    mixed = [inst("p0", running=1, busy=0.5), inst("p1", busy=0.2), hotter]
+    assert k.control(snap(*mixed, now=0.0)) == [] and k.scenario == "extreme"
+    acts = k.control(snap(*mixed, now=31.0))
+    assert [(a.kind, a.instance, a.role) for a in acts] == [("flip", "p1", "decode")]
+    assert k.control(snap(*mixed, now=45.0)) == [] and k.control(snap(*mixed, now=76.0)) != []
+    # low load for extreme_s: scale in the least loaded instance of a role that has more than one
+    h = flow(extreme_s=30.0)
+    quiet = [inst("p0"), inst("p1"), inst("d0", "decode")]
+    assert h.control(snap(*quiet, now=0.0)) == []
+    acts = h.control(snap(*quiet, now=40.0))
+    assert [(a.kind, a.role, a.instance) for a in acts] == [("scale_in", "prefill", "p0")]
+
+
+def test_flowkv_steady_load_keeps_one_scenario():
+    f = flow()
+    state = [inst("p0", running=4, waiting=2, busy=0.8, queued_tokens=2000), inst("d0", "decode", running=2)]
+    seen = {f.place(snap(*state, now=t * 0.5)).details["scenario"] for t in range(40)}
+    assert len(seen) == 1 and f.switches <= 1
+
+
+# ---- BanaServe, Algorithm 1
+def units(lo_load, hi_load, **kw):
+    base = dict(layers=(0, 8), heads=8, running=4, weight_bytes_per_layer=1e6, kv_bytes_per_layer=1e5)
+    base.update(kw)
+    return [Unit("hot", hi_load, **base), Unit("cold", lo_load, **{**base, "running": 0})]
+
+
+def test_migration_moves_the_layers_that_balance_the_pair_best():
+    m = MigrationPlanner(MigrationParams(delta_up=0.4, delta_down=0.1, rho=0.1, budget_s=1.0, bandwidth_bytes_s=1e8))
+    moves = m.plan(units(0.2, 1.6))
+    assert len(moves) == 1
+    mv = moves[0]
+    # a layer carries 1.6/8 = 0.2 of load: 3 or 4 layers leave a gap of 0.2; the cheaper (3) wins
+    assert (mv.kind, mv.src, mv.dst, mv.layers) == ("layers", "hot", "cold", (5, 8))
+    assert mv.benefit == pytest.approx(1.2) and mv.cost_s == pytest.approx(3 * 1.1e6 / 1e8 + 0.05)
+
+
+def test_migration_falls_back_to_heads_within_the_budget_and_respects_the_ratio():
+    p = MigrationParams(delta_up=0.4, delta_down=0.1, rho=0.1, budget_s=0.5, bandwidth_bytes_s=1e8)
+    heavy = units(0.2, 1.6, weight_bytes_per_layer=1e9)  # one layer alone takes 10 s: over the budget
+    mv = MigrationPlanner(p).plan(heavy)[0]
+    assert mv.kind == "heads" and mv.heads == 7  # 1.6 x 0.5 x h/8 closest to half the 1.4 gap
+    none = MigrationPlanner(MigrationParams(rho=1000.0)).plan(units(0.2, 1.6))
+    assert none == []  # no move is worth its cost
+    # nothing running on the overloaded instance: nothing to move
+    assert MigrationPlanner(p).plan(units(0.2, 1.6, running=0)) == []
+    # no layer or head moves supported
+    assert MigrationPlanner(p).plan(units(0.2, 1.6, layers=None, heads=0)) == []
+
+
+def test_migration_hysteresis_starts_above_delta_up_and_stops_under_delta_down():
+    m = MigrationPlanner(MigrationParams(delta_up=0.5, delta_down=0.2, rho=0.0, bandwidth_bytes_s=1e9))
+    assert m.plan(units(0.5, 0.9)) == [] and not m.active  # gap 0.4: under delta_up, no round
+    assert m.plan(units(0.2, 1.6)) and m.active and m.rounds == 1
+    assert m.plan(units(0.5, 0.85)) and m.active  # gap 0.35 inside a round: still balanced
+    assert m.plan(units(0.5, 0.6)) == [] and not m.active  # gap 0.1: the round ends
+    # a steady load between the thresholds never starts one
+    assert all(m.plan(units(0.5, 0.9)) == [] for _ in range(20)) and m.rounds == 1
+
+
+def test_migration_pairs_the_most_over_with_the_most_under_and_moves_each_once():
+    p = MigrationParams(delta_up=0.4, delta_down=0.1, rho=0.0, bandwidth_bytes_s=1e9)
+    base = dict(layers=(0, 8), heads=8, running=2, weight_bytes_per_layer=1e5, kv_bytes_per_layer=1e4)
+    us = [Unit("a", 1.8, **base), Unit("b", 1.2, **base), Unit("c", 0.1, **base), Unit("d", 0.5, **base)]
+    moves = MigrationPlanner(p).plan(us)
+    assert [(m.src, m.dst) for m in moves] == [("a", "c"), ("b", "d")]
+
+
+# ---- config
+def test_policies_are_selected_by_name_and_checked():
+    base = {"model": {"path": "bundled"}, "clusters": [{"name": "c", "instances": [
+        {"name": "p0", "role": "prefill"}, {"name": "d0", "role": "decode"}]}]}
+    for name, cls in (("round_robin", RoundRobin), ("cache_aware", CacheAware), ("banaserve", BanaServe),
+                      ("flowkv", FlowKV)):
+        assert isinstance(policy.make(parse({**base, "policy": {"name": name}}).policy), cls)
+    pol = policy.make(parse({**base, "policy": {"name": "cache_aware", "rule": "dynamo"}}).policy)
+    assert pol.p.rule == "dynamo"
+    assert policy.make(parse({**base, "policy": {"name": "banaserve"}}).policy).p.store is True
+    assert policy.make(parse({**base, "policy": {"name": "flowkv"}}).policy).p.store is False
+    with pytest.raises(ConfigFileError, match="load_low"):
+        parse({**base, "policy": {"name": "flowkv", "load_low": 2.0, "load_high": 1.0}})
+    with pytest.raises(ConfigFileError, match="control_s needs name: flowkv"):
+        parse({**base, "policy": {"name": "banaserve", "control_s": 1.0}})
+    with pytest.raises(ConfigFileError, match="rule"):
+        parse({**base, "policy": {"name": "cache_aware", "rule": "vllm"}})
+
+
+# ---- live: the policies place on real workers, the controller's flip is carried out
+@pytest.mark.slow
+def test_every_policy_serves_the_same_greedy_answers_on_a_live_cluster_and_the_controller_flips(checkpoint_dir):
+    """p0, p1 prefill and d0 decode as real worker processes; the router's policy swapped between requests. Every
+    policy's placements give the same greedy tokens, on prefill instances it chose; then the flowkv controller
+    (every 0.3 s) carries out a flip its decision asks for, and requests keep succeeding."""
+    import time
+
+    from router.balance import Action
+    from tests.router.test_cluster_http import complete, disagg_config, serving, tokens
+    cfg = disagg_config(checkpoint_dir("llama"), [{"name": "p1", "role": "prefill", "cpus": [0]}],
+                        policy={"name": "flowkv", "control_s": 0.3})
+    prompts = [[5 + i, 7, 9, 11, 13, 2, 3, 4 + i] for i in range(4)]
+    with serving(cfg) as (client, cluster):
+        base = [tokens(complete(client, p)["choices"][0]) for p in prompts]
+        pol = parse({**cfg, "policy": {"name": "round_robin"}}).policy
+        for name, extra in (("round_robin", {}), ("cache_aware", {}), ("cache_aware", {"rule": "dynamo"}),
+                            ("banaserve", {}), ("least_loaded", {})):
+            pol = parse({**cfg, "policy": {"name": name, **extra}}).policy
+            cluster.policy = policy.make(pol)
+            got = [complete(client, p) for p in prompts]
+            assert [tokens(g["choices"][0]) for g in got] == base, name
+            used = {g["jaxserve"]["prefill_instance"] for g in got}
+            assert used <= {"p0", "p1"} and used, (name, used)
+            if name == "round_robin":
+                assert used == {"p0", "p1"}
+        flow = policy.make(parse(cfg).policy)
+        asked = []
+
+        def control(snap):
+            assert {i.name for i in snap.instances} == {"p0", "p1", "d0"}
+            if asked:
+                return []
+            asked.append(snap)
+            return [Action("flip", "decode", "p1", "test: decode loaded")]
+        flow.control = control
+        cluster.policy = flow
+        deadline = time.monotonic() + 120
+        while sorted(w.role for w in cluster.registry.all()) != ["decode", "decode", "prefill"] \
+                or any(w.draining for w in cluster.registry.all()):
+            assert time.monotonic() < deadline, cluster.control_actions
+            time.sleep(0.05)
+        assert cluster.control_actions[0]["instance"] == "p1"
+        assert [tokens(complete(client, p)["choices"][0]) for p in prompts] == base
