@@ -62,7 +62,10 @@ class EngineSection(_Strict):
 
 class InstanceSection(_Strict):
     name: str
-    role: Literal["prefill", "decode", "both"] = "both"
+    role: Literal["prefill", "decode", "both", "store"] = Field("both", description="store: the global KV cache "
+                                                                "store (prefix KV shared by every prefill instance)")
+    kv_blocks: int | None = Field(None, ge=1, description="cache blocks of this instance (default engine.num_blocks): "
+                                  "a store's capacity")
     devices: list[int] = Field(default_factory=lambda: [0])
     tp: int = Field(1, ge=1)
     cpus: list[int] = Field(default_factory=list, description="CPU cores the worker is pinned to (empty: all)")
@@ -312,6 +315,9 @@ class Config(_Strict):
             raise ValueError(f"instance names must be unique: {sorted(dup)}")
         if not any(i.role in ("decode", "both") for c in self.clusters for i in c.instances):
             raise ValueError("clusters: no instance can decode (every instance has role 'prefill')")
+        stores = [i.name for c in self.clusters for i in c.instances if i.role == "store"]
+        if len(stores) > 1:
+            raise ValueError(f"clusters: one instance of role 'store' at most, got {stores}")
         for c in self.clusters:
             wrong = [i.name for i in c.instances if i.role != "prefill"]
             if c.kind == "prfaas" and wrong:

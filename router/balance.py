@@ -49,7 +49,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from .policy import InstanceState, Placement, Snapshot, _route, least_loaded
+from .policy import InstanceState, Placement, PrefixMove, Snapshot, _route, least_loaded
 
 
 # ---- shared pieces
@@ -134,10 +134,12 @@ def _placement(snap: Snapshot, d: InstanceState, p: InstanceState | None, why: s
         return Placement(d.name, None, "colocated", why, uncached_tokens=total - d.cached_tokens,
                          prefix_source=d.name if d.cached_tokens else None, details=details or {})
     cached = prefix_tokens(p, snap, store)
-    src = None
+    src, move = None, None
     if cached:
-        src = p.name if p.cached_tokens >= cached else "store"
-    return Placement(d.name, p.name, _route(p, d), why, uncached_tokens=total - cached, prefix_source=src,
+        src = p.name if p.cached_tokens >= cached else (snap.store or "store")
+        if src != p.name and snap.store:  # the store's longer prefix is loaded into p first
+            move = PrefixMove(snap.store, cached)
+    return Placement(d.name, p.name, _route(p, d), why, move, uncached_tokens=total - cached, prefix_source=src,
                      details=details or {})
 
 

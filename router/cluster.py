@@ -61,6 +61,10 @@ Code = grpc.StatusCode
 DEAD = (Code.UNAVAILABLE,)
 
 
+
+def _why(e: BaseException) -> str:
+    return f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else f"{e!r}"
+
 class _Retry(Exception):
     """This placement failed in a way another placement may not (the reason is the message)."""
 
@@ -145,6 +149,8 @@ class Router:
         self.kv_bytes_transferred = 0
         self.retries = 0
         self.prefix_moves = {"done": 0, "failed": 0, "bytes": 0}  # cached prefixes moved between instances
+        self.store_puts = {"done": 0, "failed": 0, "bytes": 0}  # prefixes written to the global KV store
+        self._store_tasks: set[asyncio.Task] = set()
         self.kv_bytes_per_token: float | None = None  # measured on the transfers so far
         self._clients: dict[str, rpc.Client] = {}
         self._control: ControlServer | None = None
@@ -183,6 +189,8 @@ class Router:
         if self._replan_task is not None:
             self._replan_task.cancel()
             self._replan_task = None
+        for t in list(self._store_tasks):
+            t.cancel()
         for tasks in list(self.tasks.values()):
             for t in tasks:
                 t.cancel()
@@ -204,7 +212,7 @@ class Router:
                                                         **({"control_actions": self.control_count}
                                                            if self.cfg.policy.control_s else {})},
                 "index": self.index.stats(),
-                "prefix_moves": dict(self.prefix_moves)}
+                "prefix_moves": dict(self.prefix_moves), "store_puts": dict(self.store_puts)}
 
     def health(self) -> dict:
         up = self.registry.up("decode") or (self.cfg.router.local_fallback and self.registry.up())
@@ -243,6 +251,8 @@ class Router:
             raise RequestError(f"no instance {name!r} (instances: {sorted(self.topology.where)})", "instance")
         if not self.registry.is_up(w):
             raise RequestError(f"{name} is down", "instance")
+        if w.role == "store":
+            raise RequestError(f"{name} is the global KV store: it takes no other role", "instance")
         if self.topology.kind(name) == "prfaas":
             raise RequestError(f"{name} is in PrfaaS cluster {self.topology.cluster(name)!r}: only PD-cluster "
                                "instances change roles", "instance")
@@ -411,12 +421,15 @@ class Router:
 
     def _snapshot(self, s: _Sub, exclude: set):
         """The policy's view for this sequence: instances up and not excluded, each with the prefix of the
-        prompt (and any output so far) that the global KV index says it holds."""
-        workers = [w for w in self.registry.up(exclude=exclude) if not w.draining]
+        prompt (and any output so far) that the global KV index says it holds; the global KV store (an instance
+        of role store, when one is up) with the prefix it holds."""
+        up = [w for w in self.registry.up(exclude=exclude) if not w.draining]
+        workers = [w for w in up if w.role != "store"]
+        store = next((w.name for w in up if w.role == "store"), None)
         tokens = s.prompt + s.output
-        cached = self.index.match(tokens, {w.name for w in workers})
+        cached = self.index.match(tokens, {w.name for w in up})
         return self.topology.snapshot(workers, self.registry.all(), len(tokens), s.kv(), cached, time.monotonic(),
-                                      self.kv_bytes_per_token)
+                                      self.kv_bytes_per_token, store, cached.get(store, 0) if store else 0)
 
     async def _place(self, s: _Sub) -> None:
         """Ask the policy and open the sequence's stream: a reservation on its decode instance (the prefill
@@ -516,30 +529,60 @@ class Router:
             self.prefix_moves["failed"] += 1
             log.warning("%s: prefix holder %s is down; %s prefills without it", s.rid, mv.src, p.name)
             return
-        rid, t0 = f"{s.xid}.prefix", time.monotonic()
-        deadline = self.cfg.transfer.deadline_s
-        imp = self._client(p).stream("Import", {"request_id": rid, "prompt": tokens, "deadline_s": deadline})
+        t0 = time.monotonic()
         try:
-            it = imp.__aiter__()
-            first = await self._watch(p, it.__anext__())
-            sent = await self._watch(src, self._client(src).call(
-                "Export", {"request_id": rid, "prompt": tokens, "dst": {"instance": p.name, **first["reserved"]}},
-                timeout=deadline))
-            done = await self._watch(p, it.__anext__())
-            if "imported" not in done:
-                raise ValueError(f"Import answered {str(done)[:200]}")
+            sent = await self._copy_prefix(src, p, tokens, f"{s.xid}.prefix")
         except (grpc.aio.AioRpcError, _Silent, StopAsyncIteration, KeyError, TypeError, ValueError) as e:
             self.prefix_moves["failed"] += 1
-            why = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else f"{e!r}"
             log.warning("%s: moving the %d-token prefix %s -> %s failed (%s); %s prefills without it",
-                        s.rid, len(tokens), src.name, p.name, why, p.name)
+                        s.rid, len(tokens), src.name, p.name, _why(e), p.name)
             return
-        finally:
-            imp.cancel()
         s.moved = {"src": src.name, "dst": p.name, "tokens": len(tokens), "kv_bytes": int(sent["kv_bytes"]),
                    "seconds": round(time.monotonic() - t0, 6)}
         self.prefix_moves["done"] += 1
         self.prefix_moves["bytes"] += s.moved["kv_bytes"]
+
+    async def _copy_prefix(self, src: WorkerInfo, dst: WorkerInfo, tokens: list[int], rid: str) -> dict:
+        """Copy the KV of a cached prefix (whole blocks) from src's prefix cache into dst's: an Import stream on
+        dst reserves the blocks, an Export call on src sends the KV into them, and dst's answer says they are
+        cached -> Export's transfer numbers. Raises what the calls raise."""
+        deadline = self.cfg.transfer.deadline_s
+        imp = self._client(dst).stream("Import", {"request_id": rid, "prompt": tokens, "deadline_s": deadline})
+        try:
+            it = imp.__aiter__()
+            first = await self._watch(dst, it.__anext__())
+            sent = await self._watch(src, self._client(src).call(
+                "Export", {"request_id": rid, "prompt": tokens, "dst": {"instance": dst.name, **first["reserved"]}},
+                timeout=deadline))
+            done = await self._watch(dst, it.__anext__())
+            if "imported" not in done:
+                raise ValueError(f"Import answered {str(done)[:200]}")
+            return sent
+        finally:
+            imp.cancel()
+
+    def _store_put(self, s: _Sub, p: WorkerInfo, tokens: list[int]) -> None:
+        """After a prefill on p: its prompt's whole blocks go to the global KV store (BanaServe 4.2), in the
+        background, unless the store holds them already. A failed write is logged and counted; nothing waits
+        for it."""
+        store = next((w for w in self.registry.up() if w.role == "store"), None)
+        bs = self.cfg.engine.block_size
+        n = len(tokens) // bs * bs
+        if store is None or n == 0 or self.index.match(tokens[:n], {store.name}).get(store.name, 0) >= n:
+            return
+
+        async def put():
+            try:
+                sent = await self._copy_prefix(p, store, tokens[:n], f"{s.xid}.store")
+                self.store_puts["done"] += 1
+                self.store_puts["bytes"] += int(sent.get("kv_bytes", 0))
+            except (grpc.aio.AioRpcError, _Silent, StopAsyncIteration, KeyError, TypeError, ValueError) as e:
+                self.store_puts["failed"] += 1
+                log.info("%s: writing %d tokens to the store %s failed (%s)", s.rid, n, store.name, _why(e))
+            finally:
+                self._store_tasks.discard(task)
+        task = asyncio.ensure_future(put())
+        self._store_tasks.add(task)
 
     async def _prefill(self, s: _Sub, p: WorkerInfo, on_first) -> None:
         """Run the prompt on prefill instance p into the reservation (after moving a cached prefix to p when
@@ -589,6 +632,7 @@ class Router:
         if sent > 0 and s.kv_bytes > 0:  # the policies' bytes per token (a moving average over transfers)
             x, old = s.kv_bytes / sent, self.kv_bytes_per_token
             self.kv_bytes_per_token = x if old is None else 0.8 * old + 0.2 * x
+        self._store_put(s, p, tokens)
 
     async def _next(self, s: _Sub, pre: asyncio.Future | None, kv_pending: bool) -> dict:
         """The open stream's next message. While the request's prefill call (`pre`) runs and decode has not yet

@@ -92,6 +92,7 @@ class Snapshot:
     now: float = 0.0  # seconds (monotonic), for policies that follow the links over time
     kv_bytes_per_token: float | None = None  # KV bytes a transfer sends per token, as measured (None: not yet)
     store_tokens: int = 0  # prompt tokens whose KV the global KV store holds (router/balance.py `banaserve`)
+    store: str | None = None  # the store instance (a prefix it holds moves from there: PrefixMove)
 
     def of(self, role: str, kind: str | None = None, cluster: str | None = None) -> list[InstanceState]:
         return [i for i in self.instances if i.serves(role) and (kind is None or i.kind == kind)

@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-ROLES = ("prefill", "decode", "both")
+ROLES = ("prefill", "decode", "both", "store")
 MAX_EVENTS = 1024
 
 

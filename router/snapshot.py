@@ -59,10 +59,12 @@ class Topology:
 
     def snapshot(self, workers: list[WorkerInfo], every: list[WorkerInfo], prompt_tokens: int, kv_tokens: int,
                  cached: dict[str, int] | None = None, now: float = 0.0,
-                 kv_bytes_per_token: float | None = None) -> Snapshot:
+                 kv_bytes_per_token: float | None = None, store: str | None = None,
+                 store_tokens: int = 0) -> Snapshot:
         """workers: the instances the request may use; every: all registered (their link reports);
-        cached: instance -> prompt tokens whose KV it holds (the prefix index's answer)."""
+        cached: instance -> prompt tokens whose KV it holds (the prefix index's answer); store: the global KV
+        store instance up (None: none) and the prompt tokens it holds."""
         cached = cached or {}
         insts = tuple(instance_state(w, *self.where[w.name], cached.get(w.name, 0)) for w in workers)
         return Snapshot(RequestInfo(prompt_tokens, kv_tokens), insts, link_states(self.cfg, every, self.bandwidth),
-                        now, kv_bytes_per_token)
+                        now, kv_bytes_per_token, store_tokens, store)

@@ -100,8 +100,10 @@ class Worker:
         t0 = time.monotonic()
         path = resolve(cfg.model.path, progress)
         print(f"{inst.name}: loading {path} ({inst.role}, cores {sorted(os.sched_getaffinity(0))})", flush=True)
-        self.llm = LLMEngine(path, cfg.model.dtype, cfg.engine.engine_config(cfg.server.max_waiting),
-                             make_mesh(inst, local=True), progress)
+        ecfg = cfg.engine.engine_config(cfg.server.max_waiting)
+        if inst.kv_blocks is not None:
+            ecfg = dataclasses.replace(ecfg, num_blocks=inst.kv_blocks)
+        self.llm = LLMEngine(path, cfg.model.dtype, ecfg, make_mesh(inst, local=True), progress)
         if cfg.engine.warmup:
             print(f"{inst.name}: compiling the step programs (engine.warmup)", flush=True)
             print(f"{inst.name}: {self._warm(inst.role, progress)} programs compiled", flush=True)
@@ -135,7 +137,7 @@ class Worker:
                                t.recv_pool_mb << 20, t.deadline_s, shared=t.shared_memory,
                                puller=self.pull_server, timeouts=t.timeouts(), pull_from=self._pull_source,
                                tls=self.tls.server_context() if self.tls else None)
-        if inst.role in ("prefill", "both"):
+        if inst.role in ("prefill", "both", "store"):  # a store exports prefixes as a prefill instance does
             from ..disagg.prefill_side import Feeder
             self.feeder = Feeder()
         self._active = 0  # Decode, Prefill, Generate, Import and Export calls in progress (asyncio loop only)
@@ -151,6 +153,9 @@ class Worker:
         from transfer.plan import layer_groups
         cfg = self.cfg
         groups = layer_groups(self.llm.layout.num_layers, cfg.transfer.layers_per_group)
+        if role == "store":  # no model step runs here: only the programs that move KV in and out
+            return self.llm.runner.warmup_transfer(self.llm.dtype_name, groups, export=True, receive=True,
+                                                   progress=progress)
         sends, layerwise = role in ("prefill", "both"), len(groups) > 1
         receives = role in ("decode", "both")
         n = self.llm.runner.warmup(progress, groups if sends and layerwise else None, tails=receives,
@@ -338,7 +343,7 @@ class Worker:
         from transfer.bufpool import PoolFull
         from transfer.segments import OutOfBlocks
         from ..engine.client import RequestError
-        if self.role == "prefill":
+        if self.role in ("prefill", "store"):
             await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.inst.name} is a {self.role} instance")
         rid = req.request_id
         try:
@@ -360,6 +365,8 @@ class Worker:
     async def generate(self, req, ctx):
         import grpc
         from ..engine.client import QueueFull, RequestError
+        if self.role == "store":
+            await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.inst.name} is a store instance")
         try:
             params = req.params.sampling()
             if params.n != 1:
@@ -406,7 +413,7 @@ class Worker:
         import grpc
         from ..disagg.prefill_side import Handoff
         from ..engine.client import RequestError
-        if self.role == "decode":
+        if self.role in ("decode", "store"):
             await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.inst.name} is a {self.role} instance")
         rid, kv, dst = req.request_id, req.kv_tokens, req.dst
         t = self.cfg.transfer

@@ -286,3 +286,42 @@ def test_every_policy_serves_the_same_greedy_answers_on_a_live_cluster_and_the_c
             time.sleep(0.05)
         assert cluster.control_actions[0]["instance"] == "p1"
         assert [tokens(complete(client, p)["choices"][0]) for p in prompts] == base
+
+
+@pytest.mark.slow
+def test_the_global_kv_store_serves_a_prefix_to_another_prefill_instance_and_its_loss_loses_nothing(checkpoint_dir):
+    """p0, p1 prefill, d0 decode and s0, the global KV store, as real worker processes under `banaserve`. A
+    request's prompt goes to the store after its prefill; the next request with that prefix lands on the other
+    prefill instance (no local hit there) and loads the prefix from the store instead of computing it; greedy
+    answers equal the first run's. With the store killed, requests still succeed (the prefill computes)."""
+    import time
+
+    from tests.router.test_cluster_http import BS, complete, disagg_config, serving, tokens
+    cfg = disagg_config(checkpoint_dir("llama"), [{"name": "p1", "role": "prefill", "cpus": [0]},
+                                                  {"name": "s0", "role": "store", "cpus": [1], "kv_blocks": 128}],
+                        policy={"name": "banaserve"})
+    shared = [(7 * j) % 50 + 3 for j in range(4 * BS)]
+    prompts = [shared + [60 + i, 61, 62] for i in range(3)]
+    with serving(cfg) as (client, cluster):
+        first = complete(client, prompts[0])
+        deadline = time.monotonic() + 60
+        while cluster.index.match(prompts[1], {"s0"}).get("s0", 0) < len(shared):  # written back, and indexed
+            assert time.monotonic() < deadline, (cluster.store_puts, cluster.index.match(prompts[1], {"s0"}))
+            time.sleep(0.05)
+        assert cluster.store_puts["done"] >= 1 and cluster.store_puts["bytes"] > 0
+        second = complete(client, prompts[1])
+        meta = second["jaxserve"]
+        assert meta["prefill_instance"] != first["jaxserve"]["prefill_instance"], meta
+        assert meta["prefix_source"] == "s0" and meta["prefix_move"]["tokens"] == len(shared), meta
+        assert meta["cached_tokens"] >= len(shared)
+        # the same answers as with nothing cached anywhere (a fresh prompt with the same tokens as prompts[1])
+        cluster.launcher.kill("s0")
+        deadline = time.monotonic() + 30
+        while cluster.registry.is_up(cluster.registry.get("s0")):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        third = complete(client, prompts[2])
+        assert third["jaxserve"]["prefix_source"] != "s0"
+    with serving(disagg_config(checkpoint_dir("llama"))) as (client, _):
+        want = [tokens(complete(client, p)["choices"][0]) for p in prompts]
+    assert [tokens(r["choices"][0]) for r in (first, second, third)] == want
