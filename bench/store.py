@@ -1,0 +1,144 @@
+"""The global KV store live: TTFT of a prefill whose prefix comes from the store, against the same prefix already
+in the prefill instance's own cache, and against no cached prefix at all, over prompt lengths.
+
+Cluster (real worker processes, the bench-size llama of bench/families.py): prefill instances p0 and p1 on core
+0, decode d0 and the store s0 on core 1. Per prompt length L and repetition, a fresh prefix S of L - 32 tokens
+(whole blocks) and three requests of S plus 32 fresh tokens, one output token each:
+  cold   on p0, nothing cached (its prompt then goes to the store: the router writes it back after the prefill)
+  local  on p0 again, once the store holds S: the prefix is in p0's own cache
+  store  on p1, which has never seen S: the router loads S from the store into p1 (Import on p1, Export on s0),
+         then p1 computes the rest
+TTFT is the router's (arrival to first token). The bench's policy object pins each request to its instance; the
+load from the store happens before the prefill (not yet layer-wise overlapped with it).
+
+    python -m bench.store --json bench/results/store.json
+"""
+
+from __future__ import annotations
+
+import asyncio
+import platform
+import time
+
+import numpy as np
+
+from bench.clusters import finish, run
+
+SUFFIX = 32
+
+
+def config(path: str, max_len: int) -> dict:
+    return {"model": {"path": path, "name": "bench"},
+            "engine": dict(block_size=16, num_blocks=1024, max_num_seqs=8, max_num_batched_tokens=512,
+                           chunk_size=256, max_prefill_seqs=4, max_model_len=max_len + 64, num_snapshots=16,
+                           warmup=True),
+            "clusters": [{"name": "pd", "instances": [
+                {"name": "p0", "role": "prefill", "cpus": [0]}, {"name": "p1", "role": "prefill", "cpus": [0]},
+                {"name": "d0", "role": "decode", "cpus": [1]},
+                {"name": "s0", "role": "store", "cpus": [1], "kv_blocks": 4096}]}],
+            "transfer": {"token": "bench-store", "layers_per_group": 4, "deadline_s": 60},
+            "router": {"heartbeat_s": 0.25, "down_after_s": 10.0, "busy_wait_s": 60},
+            "policy": {"name": "banaserve"}, "server": {"request_timeout_s": 600}}
+
+
+class Pinned:
+    """The bench's placement: prefill on `self.on`, decode on d0; `self.from_store` loads the prefix the store
+    holds first."""
+    name = "pinned"
+
+    def __init__(self):
+        self.on, self.from_store = "p0", False
+
+    def state(self) -> dict:
+        return {}
+
+    def place(self, snap):
+        from router.policy import Placement, PrefixMove
+        p = next(i for i in snap.instances if i.name == self.on)
+        total = snap.request.prompt_tokens
+        if self.from_store:
+            if not snap.store_tokens:
+                raise RuntimeError("the store holds none of the prompt")
+            return Placement("d0", p.name, "pd", "bench: from the store", PrefixMove(snap.store, snap.store_tokens),
+                             total - snap.store_tokens, snap.store)
+        return Placement("d0", p.name, "pd", "bench: pinned", None, total - p.cached_tokens,
+                         p.name if p.cached_tokens else None)
+
+
+def main(argv=None):
+    from bench.stamp import arguments
+    ap = arguments(__doc__)
+    ap.add_argument("--lengths", default="256,512,1024,2048")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--models", default="bench/.models", help="where bench-size checkpoints are built")
+    a = ap.parse_args(argv)
+    lengths = [int(x) for x in a.lengths.split(",")]
+    from bench.families import checkpoint
+    from jaxserve.sampling import SamplingParams
+    from tqdm import tqdm
+    path = checkpoint("llama", a.models)
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    rng = np.random.default_rng(0)
+
+    async def go(cluster):
+        pol = Pinned()
+        cluster.policy = pol
+        out = {}
+        bar = tqdm(total=len(lengths) * a.reps, desc="store", unit="rep")
+
+        async def ttft(rid, prompt, on, from_store=False):
+            pol.on, pol.from_store = on, from_store
+            u = await finish(await cluster.add(rid, prompt, params))
+            return u.ttft_s, u.route or {}
+
+        await ttft("warm", [int(x) for x in rng.integers(1, 1000, 64)], "p1")  # first calls: connections
+        for L in lengths:
+            prefix = (L - SUFFIX) // 16 * 16
+            rows = {"cold": [], "local": [], "store": []}
+            moved = []
+            for k in range(a.reps):
+                S = [int(x) for x in rng.integers(1, 1000, prefix)]
+                fresh = lambda: [int(x) for x in rng.integers(1, 1000, SUFFIX)]  # noqa: E731
+                t, _ = await ttft(f"L{L}-{k}-cold", S + fresh(), "p0")
+                rows["cold"].append(t)
+                probe = S + fresh()
+                deadline = time.monotonic() + 30
+                while cluster.index.match(probe, {"s0"}).get("s0", 0) < prefix:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"the store did not get the {prefix}-token prefix: {cluster.store_puts}")
+                    await asyncio.sleep(0.05)
+                t, _ = await ttft(f"L{L}-{k}-local", probe, "p0")
+                rows["local"].append(t)
+                t, route = await ttft(f"L{L}-{k}-store", S + fresh(), "p1", True)
+                if (route.get("prefix_move") or {}).get("tokens") != prefix:
+                    raise RuntimeError(f"the prefix did not come from the store: {route}")
+                rows["store"].append(t)
+                moved.append(route["prefix_move"])
+                bar.update()
+            med = {k: float(np.median(v)) for k, v in rows.items()}
+            out[str(L)] = {"prefix_tokens": prefix, "ttft_s": rows, "median_s": med,
+                           "store_over_local": med["store"] / med["local"], "cold_over_local": med["cold"] / med["local"],
+                           "load_s_median": float(np.median([m["seconds"] for m in moved])),
+                           "load_kv_bytes": moved[0]["kv_bytes"]}
+        bar.close()
+        return out
+
+    t0 = time.monotonic()
+    by = run(config(path, max(lengths)), go)
+    result = {"benchmark": "store", "host": platform.node(), "wall_s": time.monotonic() - t0,
+              "what": "TTFT (median of --reps) of one-token requests whose prefix is in the prefill instance's own "
+                      "cache (local), comes from the global KV store (store), or is cached nowhere (cold); "
+                      "bench-size llama, real worker processes, 2 cores",
+              "by_length": by}
+    from bench.stamp import write
+    write(a.json, result)
+    for L, r in by.items():
+        m = r["median_s"]
+        print(f"L {L:>5s} (prefix {r['prefix_tokens']}): TTFT local {1e3 * m['local']:.1f} ms, store "
+              f"{1e3 * m['store']:.1f} ms ({r['store_over_local']:.2f}x; load {1e3 * r['load_s_median']:.1f} ms, "
+              f"{r['load_kv_bytes'] / 1e6:.2f} MB), cold {1e3 * m['cold']:.1f} ms ({r['cold_over_local']:.2f}x)")
+    print(f"wrote {a.json}")
+
+
+if __name__ == "__main__":
+    main()
