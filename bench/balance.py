@@ -13,6 +13,12 @@ Parts:
          turns at minute 30 from long prompts with short answers to short prompts with long answers (1.3 req/s):
          the fixed split (least loaded) against FlowKV's scheduler with its controller (every 10 s; a role flip
          drains the instance and takes 30 s of warm-up) and without it (dispatch only).
+  live   real worker processes on this machine (the bench-size llama): prefill p0, p1, p2 on core 0, decode d0
+         and the global KV store s0 on core 1, each prefill cache 128 blocks of 16 tokens (four 480-token
+         prefixes); prompts of one of 8 shared 480-token prefixes (Zipf 1.1) plus 16-64 tokens of their own, 8
+         output tokens, Poisson arrivals at `--live-rate` for `--live-s` seconds per policy, fresh token ids per
+         run. cache_aware (SGLang's and Dynamo's rules) against banaserve over the store: TTFT, throughput, and
+         each prefill instance's busy fraction over time (its heartbeats).
 `python -m bench.balance --json bench/results/balance.json --png bench/results/balance.png`.
 """
 
@@ -91,6 +97,87 @@ def shift() -> dict:
     return out
 
 
+def live(rate: float, duration: float, models: str) -> dict:
+    import asyncio
+    import time
+
+    from bench.clusters import finish, run
+    from bench.families import checkpoint
+    from bench.prfaas_live import settle
+    from jaxserve.config import parse
+    from jaxserve.sampling import SamplingParams
+    from router import policy as policies
+    cfg = {"model": {"path": checkpoint("llama", models), "name": "bench"},
+           "engine": dict(block_size=16, num_blocks=128, max_num_seqs=8, max_num_batched_tokens=512, chunk_size=256,
+                          max_prefill_seqs=4, max_model_len=640, num_snapshots=16, warmup=True),
+           "clusters": [{"name": "pd", "instances": [
+               *({"name": f"p{i}", "role": "prefill", "cpus": [0]} for i in range(3)),
+               {"name": "d0", "role": "decode", "cpus": [1], "kv_blocks": 512},
+               {"name": "s0", "role": "store", "cpus": [1], "kv_blocks": 1024}]}],
+           "transfer": {"token": "bench-balance", "layers_per_group": 4, "deadline_s": 60},
+           "router": {"heartbeat_s": 0.25, "down_after_s": 10.0, "busy_wait_s": 120},
+           "policy": {"name": "banaserve"}, "server": {"request_timeout_s": 600}}
+    runs = {"cache_aware_sglang": {"name": "cache_aware"}, "cache_aware_dynamo": {"name": "cache_aware", "rule": "dynamo"},
+            "banaserve_store": {"name": "banaserve"}}
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    w = 1.0 / np.arange(1, 9) ** 1.1
+    cum = np.cumsum(w / w.sum())
+
+    async def one_run(cluster, name: str, salt: int) -> dict:
+        rng = np.random.default_rng([7, salt])
+        prefixes = [[int(x) for x in rng.integers(1, 1000, 480)] for _ in range(8)]
+        recs, util, tasks = [], {f"p{i}": [] for i in range(3)}, []
+        t0 = time.monotonic()
+
+        async def one(k: int, prompt: list[int]):
+            try:
+                u = await finish(await cluster.add(f"{name}-{k}", prompt, params))
+                recs.append({"ttft_s": u.ttft_s, "prefill": (u.route or {}).get("prefill_instance"),
+                             "done_s": time.monotonic() - t0})
+            except Exception as e:  # noqa: BLE001 - counted
+                recs.append({"error": str(e)[:200]})
+
+        async def sample():
+            while True:
+                for wk in cluster.registry.all():
+                    if wk.name in util:
+                        util[wk.name].append((time.monotonic() - t0, float(wk.stats.get("busy", 0.0))))
+                await asyncio.sleep(cluster.cfg.router.heartbeat_s)
+        sampler = asyncio.ensure_future(sample())
+        k, nxt = 0, rng.exponential(1 / rate)
+        while (now := time.monotonic() - t0) < duration:
+            if now >= nxt:
+                g = int(np.searchsorted(cum, rng.random()))
+                tail = [int(x) for x in rng.integers(1, 1000, int(rng.integers(16, 65)))]
+                tasks.append(asyncio.ensure_future(one(k, prefixes[g] + tail)))
+                k += 1
+                nxt += rng.exponential(1 / rate)
+            await asyncio.sleep(min(0.02, max(0.0, nxt - now)))
+        await asyncio.gather(*tasks)
+        sampler.cancel()
+        ok = [r for r in recs if "ttft_s" in r]
+        ttft = np.array([r["ttft_s"] for r in ok]) if ok else np.zeros(1)
+        means = {n: float(np.mean([b for _, b in v])) if v else 0.0 for n, v in util.items()}
+        return {"requests": len(recs), "failed": len(recs) - len(ok),
+                "throughput_rps": len(ok) / max(r["done_s"] for r in ok) if ok else 0.0,
+                "ttft_s": {q: float(np.percentile(ttft, v)) for q, v in (("p50", 50), ("p90", 90), ("p99", 99))},
+                "per_instance_requests": {n: sum(r["prefill"] == n for r in ok) for n in util},
+                "busy_mean": means, "busy_timeline": {n: [(round(t, 2), round(b, 3)) for t, b in v]
+                                                      for n, v in util.items()},
+                "store_puts": dict(cluster.store_puts), "prefix_moves": dict(cluster.prefix_moves)}
+
+    async def go(cluster):
+        out = {}
+        for salt, (name, pol) in enumerate(runs.items()):
+            cluster.policy = policies.make(parse({**cfg, "policy": pol}).policy)
+            await settle(cluster)
+            await one_run(cluster, f"warm-{name}", 100 + salt)  # compiles what this policy's placements need
+            await settle(cluster)
+            out[name] = await one_run(cluster, name, salt)
+        return out
+    return {"rate": rate, "duration_s": duration, "by_policy": run(cfg, go)}
+
+
 def plot(out: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -135,11 +222,14 @@ def plot(out: dict, path: str) -> None:
 def main(argv=None):
     from bench.stamp import arguments
     ap = arguments(__doc__)
-    ap.add_argument("--parts", default="hot,scale,shift")
+    ap.add_argument("--parts", default="hot,scale,shift,live")
     ap.add_argument("--traffic-s", type=float, default=600.0, help="hot, scale: seconds of traffic")
+    ap.add_argument("--live-rate", type=float, default=6.0, help="live: requests per second")
+    ap.add_argument("--live-s", type=float, default=60.0, help="live: seconds of arrivals per policy")
+    ap.add_argument("--models", default="bench/.models", help="where bench-size checkpoints are built")
     a = ap.parse_args(argv)
     parts = a.parts.split(",")
-    unknown = set(parts) - {"hot", "scale", "shift"}
+    unknown = set(parts) - {"hot", "scale", "shift", "live"}
     if unknown:
         ap.error(f"--parts: unknown {sorted(unknown)}")
     from tqdm import tqdm
@@ -148,7 +238,8 @@ def main(argv=None):
                    "the global KV store; FlowKV's role switching against a fixed split under a traffic shift "
                    "(simulated, router/sim, with the live policy objects)"}
     jobs = {"hot": lambda: hot(4, 2, 8, [8.0, 16.0, 24.0], a.traffic_s),
-            "scale": lambda: hot(32, 16, 64, [128.0], a.traffic_s), "shift": shift}
+            "scale": lambda: hot(32, 16, 64, [128.0], a.traffic_s), "shift": shift,
+            "live": lambda: live(a.live_rate, a.live_s, a.models)}
     for part in tqdm(parts, desc="parts", unit="part"):
         out[part] = jobs[part]()
     from bench.stamp import write
@@ -165,6 +256,10 @@ def main(argv=None):
     for n, r in (out.get("shift") or {}).items():
         print(f"shift {n:22s} {r['throughput_rps']:.2f} req/s  TTFT p90 {r['ttft_s']['p90']:.1f} s  "
               f"flips {len(r['flips'])}")
+    for n, r in ((out.get("live") or {}).get("by_policy") or {}).items():
+        print(f"live {n:20s} {r['throughput_rps']:.2f} req/s  TTFT p50 {r['ttft_s']['p50']:.3f} p90 "
+              f"{r['ttft_s']['p90']:.3f} s  failed {r['failed']}  per instance {r['per_instance_requests']}  busy "
+              f"{ {k: round(v, 2) for k, v in r['busy_mean'].items()} }")
     print(f"wrote {a.json}")
 
 

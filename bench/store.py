@@ -2,8 +2,9 @@
 in the prefill instance's own cache, and against no cached prefix at all, over prompt lengths.
 
 Cluster (real worker processes, the bench-size llama of bench/families.py): prefill instances p0 and p1 on core
-0, decode d0 and the store s0 on core 1. Per prompt length L and repetition, a fresh prefix S of L - 32 tokens
-(whole blocks) and three requests of S plus 32 fresh tokens, one output token each:
+0, decode d0 and the store s0 on core 1. Per prefix share r (`--hits`: BanaServe's evaluation assumes r = 0.5;
+0.97 leaves the prefill almost nothing to compute), prompt length L and repetition, a fresh prefix S of r x L
+tokens (whole blocks) and three requests of S plus L - |S| fresh tokens, one output token each:
   cold   on p0, nothing cached (its prompt then goes to the store: the router writes it back after the prefill)
   local  on p0 again, once the store holds S: the prefix is in p0's own cache
   store  on p1, which has never seen S: the router loads S from the store into p1 (Import on p1, Export on s0),
@@ -23,8 +24,6 @@ import time
 import numpy as np
 
 from bench.clusters import finish, run
-
-SUFFIX = 32
 
 
 def config(path: str, max_len: int) -> dict:
@@ -69,10 +68,12 @@ def main(argv=None):
     from bench.stamp import arguments
     ap = arguments(__doc__)
     ap.add_argument("--lengths", default="256,512,1024,2048")
+    ap.add_argument("--hits", default="0.5,0.97", help="prefix shares of the prompt")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--models", default="bench/.models", help="where bench-size checkpoints are built")
     a = ap.parse_args(argv)
     lengths = [int(x) for x in a.lengths.split(",")]
+    hits = [float(x) for x in a.hits.split(",")]
     from bench.families import checkpoint
     from jaxserve.sampling import SamplingParams
     from tqdm import tqdm
@@ -84,7 +85,7 @@ def main(argv=None):
         pol = Pinned()
         cluster.policy = pol
         out = {}
-        bar = tqdm(total=len(lengths) * a.reps, desc="store", unit="rep")
+        bar = tqdm(total=len(hits) * len(lengths) * a.reps, desc="store", unit="rep")
 
         async def ttft(rid, prompt, on, from_store=False):
             pol.on, pol.from_store = on, from_store
@@ -92,13 +93,13 @@ def main(argv=None):
             return u.ttft_s, u.route or {}
 
         await ttft("warm", [int(x) for x in rng.integers(1, 1000, 64)], "p1")  # first calls: connections
-        for L in lengths:
-            prefix = (L - SUFFIX) // 16 * 16
+        for r, L in [(r, L) for r in hits for L in lengths]:
+            prefix = int(r * L) // 16 * 16
             rows = {"cold": [], "local": [], "store": []}
             moved = []
             for k in range(a.reps):
                 S = [int(x) for x in rng.integers(1, 1000, prefix)]
-                fresh = lambda: [int(x) for x in rng.integers(1, 1000, SUFFIX)]  # noqa: E731
+                fresh = lambda: [int(x) for x in rng.integers(1, 1000, L - prefix)]  # noqa: E731
                 t, _ = await ttft(f"L{L}-{k}-cold", S + fresh(), "p0")
                 rows["cold"].append(t)
                 probe = S + fresh()
@@ -116,7 +117,7 @@ def main(argv=None):
                 moved.append(route["prefix_move"])
                 bar.update()
             med = {k: float(np.median(v)) for k, v in rows.items()}
-            out[str(L)] = {"prefix_tokens": prefix, "ttft_s": rows, "median_s": med,
+            out[f"{r}/{L}"] = {"hit": r, "length": L, "prefix_tokens": prefix, "ttft_s": rows, "median_s": med,
                            "store_over_local": med["store"] / med["local"], "cold_over_local": med["cold"] / med["local"],
                            "load_s_median": float(np.median([m["seconds"] for m in moved])),
                            "load_kv_bytes": moved[0]["kv_bytes"]}
@@ -129,12 +130,12 @@ def main(argv=None):
               "what": "TTFT (median of --reps) of one-token requests whose prefix is in the prefill instance's own "
                       "cache (local), comes from the global KV store (store), or is cached nowhere (cold); "
                       "bench-size llama, real worker processes, 2 cores",
-              "by_length": by}
+              "by_hit_and_length": by}
     from bench.stamp import write
     write(a.json, result)
-    for L, r in by.items():
+    for r in by.values():
         m = r["median_s"]
-        print(f"L {L:>5s} (prefix {r['prefix_tokens']}): TTFT local {1e3 * m['local']:.1f} ms, store "
+        print(f"r {r['hit']:.2f} L {r['length']:>5d} (prefix {r['prefix_tokens']}): TTFT local {1e3 * m['local']:.1f} ms, store "
               f"{1e3 * m['store']:.1f} ms ({r['store_over_local']:.2f}x; load {1e3 * r['load_s_median']:.1f} ms, "
               f"{r['load_kv_bytes'] / 1e6:.2f} MB), cold {1e3 * m['cold']:.1f} ms ({r['cold_over_local']:.2f}x)")
     print(f"wrote {a.json}")

@@ -78,6 +78,8 @@ class InstanceSection(_Strict):
                                      "default: host and the bound kv_port")
     launch: bool = Field(True, description="`jaxserve serve` starts this worker as a child process; false: it "
                                            "joins from another host (`jaxserve worker ... --router HOST:PORT`)")
+    standby: bool = Field(False, description="not started with the cluster: the flowkv controller starts it when "
+                          "its role needs one instance more (scale-out) and stops it again (scale-in)")
 
     @model_validator(mode="after")
     def _devices(self):
@@ -87,6 +89,8 @@ class InstanceSection(_Strict):
                 raise ValueError(f"kv_advertise must be host:port, got {self.kv_advertise!r}")
         if len(self.devices) < self.tp:
             raise ValueError(f"tp={self.tp} needs {self.tp} devices, {len(self.devices)} listed")
+        if self.standby and (not self.launch or self.role == "store"):
+            raise ValueError("standby: a standby instance is started by the router (launch: true), and is no store")
         return self
 
 

@@ -297,8 +297,13 @@ class Router:
 
     async def control(self) -> list:
         """One cycle of the policy's global controller (flowkv `control`): role flips are carried out as the
-        re-plan's; scaling is logged and counted (the launcher does not start or stop workers on demand)."""
-        workers = [w for w in self.registry.up() if not w.draining and self.topology.kind(w.name) != "prfaas"]
+        re-plan's; a scale-out starts a standby instance of the role (config `standby`) through the launcher, a
+        scale-in drains a running standby instance of the role and stops it. Without a launcher or a standby
+        instance to use, a scaling action is logged and counted only."""
+        if not hasattr(self.policy, "control"):  # the policy in effect has no controller (swapped at run time)
+            return []
+        workers = [w for w in self.registry.up() if not w.draining and self.topology.kind(w.name) != "prfaas"
+                   and w.role != "store"]
         snap = self.topology.snapshot(workers, self.registry.all(), 0, 0, None, time.monotonic(),
                                       self.kv_bytes_per_token)
         acts = self.policy.control(snap)
@@ -312,7 +317,42 @@ class Router:
                     await self.set_role(a.instance, a.role)
                 except (RequestError, Unavailable) as e:
                     log.warning("policy control: %s did not change to %s: %s", a.instance, a.role, e)
+            elif a.kind in ("scale_out", "scale_in"):
+                await (self._scale_out(a.role) if a.kind == "scale_out" else self._scale_in(a.role, a.instance))
         return acts
+
+    def _standby(self, role: str) -> list[str]:
+        return [i.name for i in self.cfg.instances() if i.standby and i.role in (role, "both")]
+
+    async def _scale_out(self, role: str) -> str | None:
+        """Start a standby instance of `role` that is not running (it joins when ready) -> its name."""
+        running = {n for n, c in (self.launcher.children.items() if self.launcher else ()) if c.exited() is None}
+        name = next((n for n in self._standby(role) if n not in running), None)
+        if self.launcher is None or name is None:
+            log.warning("policy control: no standby %s instance to start%s", role,
+                        "" if self.launcher else " (the workers were not started by this router)")
+            return None
+        log.info("policy control: starting standby instance %s (%s)", name, role)
+        self.launcher.start_one(name)
+        return name
+
+    async def _scale_in(self, role: str, name: str | None) -> str | None:
+        """Drain a running standby instance of `role` (`name` when it is one) and stop it -> its name."""
+        up = {w.name: w for w in self.registry.up() if not w.draining}
+        cands = [n for n in self._standby(role) if n in up]
+        if name not in cands:
+            name = cands[0] if cands else None
+        if self.launcher is None or name is None or len([w for w in up.values() if w.serves(role)]) < 2:
+            log.info("policy control: no standby %s instance to stop", role)
+            return None
+        w = self.registry.retire(name)
+        deadline = time.monotonic() + self.cfg.router.role_change_timeout_s
+        while w.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.to_thread(self.launcher.stop_one, name)
+        self.registry.mark_down(name, "stopped (scale-in)")
+        log.info("policy control: stopped standby instance %s", name)
+        return name
 
     def _egress_gbps(self) -> float:
         """The PrfaaS -> PD bandwidth now (the narrowest shaped link; unshaped: unbounded)."""

@@ -89,6 +89,18 @@ class Launcher:
         c.proc.wait(30)
         remove_segments_of(c.pid)
 
+    def stop_one(self, name: str, timeout: float = 30.0) -> None:
+        """SIGTERM one child (a scale-in), SIGKILL after `timeout`."""
+        c = self.children[name]
+        if c.exited() is None:
+            c.proc.terminate()
+        try:
+            c.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            c.proc.kill()
+            c.proc.wait(10)
+        remove_segments_of(c.pid)
+
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM every child, then SIGKILL what is left after `timeout`; remove the shared-memory segments
         of any that could not remove their own."""

@@ -155,6 +155,14 @@ class Registry:
             self.events.append((self.now(), name, f"draining: {w.role} -> {role}"))
             return w
 
+    def retire(self, name: str) -> WorkerInfo:
+        """`name` is being stopped (a scale-in): no new work is placed there."""
+        with self._lock:
+            w = self.workers[name]
+            w.draining = True
+            self.events.append((self.now(), name, "draining: scale-in"))
+            return w
+
     def end_flip(self, name: str, role: str, ok: bool) -> None:
         """The change ended: done (`role` is the only one it may report now) or failed (the worker may have
         switched anyway: both stay allowed); work is placed there again."""

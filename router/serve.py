@@ -35,7 +35,7 @@ def build(cfg: Config, progress: bool = True, echo=None, on_ready=None):
     router = Router(cfg, Tokenizer.maybe_load(path))
     metrics = Metrics(router.stats, router.metrics_state)
     router.on_finish = metrics.observe_update
-    names = [i.name for i in cfg.instances() if i.launch]
+    names = [i.name for i in cfg.instances() if i.launch and not i.standby]
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

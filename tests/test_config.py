@@ -134,3 +134,27 @@ def test_max_num_seqs_is_sized_from_the_cache_unless_set():
     assert parse({}).engine.engine_config(16).max_num_seqs == 32
     with pytest.raises(ConfigFileError, match=r"engine.max_num_seqs"):
         parse({"engine": {"max_num_seqs": 0}})
+
+
+def test_banaserve_preset_and_the_store_role():
+    from router.balance import BanaServe
+    from router.policy import make
+    cfg = load("configs/banaserve.yaml")
+    roles = sorted(i.role for i in cfg.instances())
+    assert roles == ["decode", "decode", "prefill", "prefill", "store"]
+    assert isinstance(make(cfg.policy), BanaServe) and make(cfg.policy).p.store
+    assert next(i for i in cfg.instances() if i.role == "store").kv_blocks == 8192
+    two = {"clusters": [{"name": "c", "instances": [{"name": "d", "role": "decode"}, {"name": "s", "role": "store"},
+                                                    {"name": "t", "role": "store"}]}]}
+    with pytest.raises(ConfigFileError, match="one instance of role 'store' at most"):
+        parse(two)
+
+
+def test_standby_instances_are_started_by_the_router_and_are_not_stores():
+    base = [{"name": "d", "role": "decode"}, {"name": "p", "role": "prefill"}]
+    cfg = parse({"clusters": [{"name": "c", "instances": base + [{"name": "q", "role": "prefill", "standby": True}]}]})
+    assert [i.name for i in cfg.instances() if i.standby] == ["q"]  # tests/router/test_balance.py starts one live
+    for bad in ({"launch": False}, {"role": "store"}):
+        with pytest.raises(ConfigFileError, match="standby"):
+            parse({"clusters": [{"name": "c", "instances": base + [{"name": "q", "role": "prefill", "standby": True,
+                                                                    **bad}]}]})

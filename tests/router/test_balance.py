@@ -242,86 +242,96 @@ def test_policies_are_selected_by_name_and_checked():
         parse({**base, "policy": {"name": "cache_aware", "rule": "vllm"}})
 
 
-# ---- live: the policies place on real workers, the controller's flip is carried out
+# ---- live: the policies place on real workers, the store serves prefixes, the controller's flip is carried out
 @pytest.mark.slow
-def test_every_policy_serves_the_same_greedy_answers_on_a_live_cluster_and_the_controller_flips(checkpoint_dir):
-    """p0, p1 prefill and d0 decode as real worker processes; the router's policy swapped between requests. Every
-    policy's placements give the same greedy tokens, on prefill instances it chose; then the flowkv controller
-    (every 0.3 s) carries out a flip its decision asks for, and requests keep succeeding."""
+def test_policies_store_and_controller_on_a_live_cluster(checkpoint_dir):
+    """p0, p1 prefill, d0 decode and s0 (the global KV store) as real worker processes; the router's policy
+    object swapped between requests.
+    - Every policy's placements give the same greedy tokens, on prefill instances it chose.
+    - banaserve over the store: a request's prompt goes to the store after its prefill; the next request with
+      that prefix lands on the other prefill instance (no local hit there) and loads the prefix from the store
+      instead of computing it.
+    - The flowkv controller (every 0.3 s) carries out a flip its decision asks for, then a scale-out (the
+      standby prefill instance p2 starts and joins) and a scale-in (p2 drains and stops).
+    - With the store killed, requests still succeed (the prefill computes). Every answer equals the one a
+      cluster without a store gives."""
     import time
 
     from router.balance import Action
-    from tests.router.test_cluster_http import complete, disagg_config, serving, tokens
-    cfg = disagg_config(checkpoint_dir("llama"), [{"name": "p1", "role": "prefill", "cpus": [0]}],
+    from tests.router.test_cluster_http import BS, complete, disagg_config, serving, tokens
+    cfg = disagg_config(checkpoint_dir("llama"), [{"name": "p1", "role": "prefill", "cpus": [0]},
+                                                  {"name": "p2", "role": "prefill", "cpus": [0], "standby": True},
+                                                  {"name": "s0", "role": "store", "cpus": [1], "kv_blocks": 128}],
                         policy={"name": "flowkv", "control_s": 0.3})
-    prompts = [[5 + i, 7, 9, 11, 13, 2, 3, 4 + i] for i in range(4)]
+    short = [[5 + i, 7, 9, 11, 13, 2, 3, 4 + i] for i in range(4)]
+    shared = [(7 * j) % 50 + 3 for j in range(4 * BS)]
+    prompts = [shared + [60 + i, 61, 62] for i in range(3)]
+    got = {}
     with serving(cfg) as (client, cluster):
-        base = [tokens(complete(client, p)["choices"][0]) for p in prompts]
-        pol = parse({**cfg, "policy": {"name": "round_robin"}}).policy
+        base = [tokens(complete(client, p)["choices"][0]) for p in short]
         for name, extra in (("round_robin", {}), ("cache_aware", {}), ("cache_aware", {"rule": "dynamo"}),
-                            ("banaserve", {}), ("least_loaded", {})):
-            pol = parse({**cfg, "policy": {"name": name, **extra}}).policy
-            cluster.policy = policy.make(pol)
-            got = [complete(client, p) for p in prompts]
-            assert [tokens(g["choices"][0]) for g in got] == base, name
-            used = {g["jaxserve"]["prefill_instance"] for g in got}
+                            ("least_loaded", {})):
+            cluster.policy = policy.make(parse({**cfg, "policy": {"name": name, **extra}}).policy)
+            res = [complete(client, p) for p in short]
+            assert [tokens(g["choices"][0]) for g in res] == base, name
+            used = {g["jaxserve"]["prefill_instance"] for g in res}
             assert used <= {"p0", "p1"} and used, (name, used)
             if name == "round_robin":
                 assert used == {"p0", "p1"}
-        flow = policy.make(parse(cfg).policy)
-        asked = []
-
-        def control(snap):
-            assert {i.name for i in snap.instances} == {"p0", "p1", "d0"}
-            if asked:
-                return []
-            asked.append(snap)
-            return [Action("flip", "decode", "p1", "test: decode loaded")]
-        flow.control = control
-        cluster.policy = flow
-        deadline = time.monotonic() + 120
-        while sorted(w.role for w in cluster.registry.all()) != ["decode", "decode", "prefill"] \
-                or any(w.draining for w in cluster.registry.all()):
-            assert time.monotonic() < deadline, cluster.control_actions
-            time.sleep(0.05)
-        assert cluster.control_actions[0]["instance"] == "p1"
-        assert [tokens(complete(client, p)["choices"][0]) for p in prompts] == base
-
-
-@pytest.mark.slow
-def test_the_global_kv_store_serves_a_prefix_to_another_prefill_instance_and_its_loss_loses_nothing(checkpoint_dir):
-    """p0, p1 prefill, d0 decode and s0, the global KV store, as real worker processes under `banaserve`. A
-    request's prompt goes to the store after its prefill; the next request with that prefix lands on the other
-    prefill instance (no local hit there) and loads the prefix from the store instead of computing it; greedy
-    answers equal the first run's. With the store killed, requests still succeed (the prefill computes)."""
-    import time
-
-    from tests.router.test_cluster_http import BS, complete, disagg_config, serving, tokens
-    cfg = disagg_config(checkpoint_dir("llama"), [{"name": "p1", "role": "prefill", "cpus": [0]},
-                                                  {"name": "s0", "role": "store", "cpus": [1], "kv_blocks": 128}],
-                        policy={"name": "banaserve"})
-    shared = [(7 * j) % 50 + 3 for j in range(4 * BS)]
-    prompts = [shared + [60 + i, 61, 62] for i in range(3)]
-    with serving(cfg) as (client, cluster):
-        first = complete(client, prompts[0])
+        # the global KV store under banaserve
+        cluster.policy = policy.make(parse({**cfg, "policy": {"name": "banaserve"}}).policy)
+        got[0] = complete(client, prompts[0])
         deadline = time.monotonic() + 60
         while cluster.index.match(prompts[1], {"s0"}).get("s0", 0) < len(shared):  # written back, and indexed
             assert time.monotonic() < deadline, (cluster.store_puts, cluster.index.match(prompts[1], {"s0"}))
             time.sleep(0.05)
         assert cluster.store_puts["done"] >= 1 and cluster.store_puts["bytes"] > 0
-        second = complete(client, prompts[1])
-        meta = second["jaxserve"]
-        assert meta["prefill_instance"] != first["jaxserve"]["prefill_instance"], meta
+        got[1] = complete(client, prompts[1])
+        meta = got[1]["jaxserve"]
+        assert meta["prefill_instance"] != got[0]["jaxserve"]["prefill_instance"], meta
         assert meta["prefix_source"] == "s0" and meta["prefix_move"]["tokens"] == len(shared), meta
         assert meta["cached_tokens"] >= len(shared)
-        # the same answers as with nothing cached anywhere (a fresh prompt with the same tokens as prompts[1])
+        # the controller: its flip is carried out, and requests keep succeeding
+        assert "p2" not in cluster.registry.workers  # standby: not started with the cluster
+        flow = policy.make(parse(cfg).policy)
+        plan = [Action("flip", "decode", "p1", "test: decode loaded")]
+
+        def control(snap):
+            assert "s0" not in {i.name for i in snap.instances}  # the store is no instance to place on
+            return [plan.pop(0)] if plan else []
+        flow.control = control
+        cluster.policy = flow
+
+        def until(cond, what, limit=120):
+            deadline = time.monotonic() + limit
+            while not cond():
+                assert time.monotonic() < deadline, (what, cluster.control_actions)
+                time.sleep(0.05)
+        until(lambda: sorted(w.role for w in cluster.registry.all()) == ["decode", "decode", "prefill", "store"]
+              and not any(w.draining for w in cluster.registry.all()), "flip")
+        assert cluster.control_actions[0]["instance"] == "p1" and cluster.control_count == 1
+        assert [tokens(complete(client, p)["choices"][0]) for p in short] == base
+        plan.append(Action("scale_out", "prefill", None, "test: prefill overloaded"))
+        until(lambda: cluster.registry.get("p2") is not None and cluster.registry.is_up(cluster.registry.get("p2")),
+              "scale-out")
+        cluster.policy = policy.make(parse({**cfg, "policy": {"name": "round_robin"}}).policy)
+        res = [complete(client, p) for p in short]
+        assert [tokens(g["choices"][0]) for g in res] == base
+        assert {g["jaxserve"]["prefill_instance"] for g in res} == {"p0", "p2"}
+        flow.control, cluster.policy = control, flow
+        plan.append(Action("scale_in", "prefill", "p0", "test: low load"))  # p0 is no standby: p2 goes
+        until(lambda: cluster.launcher.children["p2"].exited() is not None
+              and not cluster.registry.is_up(cluster.registry.get("p2")), "scale-in")
+        assert cluster.registry.is_up(cluster.registry.get("p0")) and cluster.control_count == 3
+        # the store dies: nothing is lost
         cluster.launcher.kill("s0")
         deadline = time.monotonic() + 30
         while cluster.registry.is_up(cluster.registry.get("s0")):
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        third = complete(client, prompts[2])
-        assert third["jaxserve"]["prefix_source"] != "s0"
+        cluster.policy = policy.make(parse({**cfg, "policy": {"name": "banaserve"}}).policy)
+        got[2] = complete(client, prompts[2])
+        assert got[2]["jaxserve"]["prefix_source"] != "s0"
     with serving(disagg_config(checkpoint_dir("llama"))) as (client, _):
         want = [tokens(complete(client, p)["choices"][0]) for p in prompts]
-    assert [tokens(r["choices"][0]) for r in (first, second, third)] == want
+    assert [tokens(got[k]["choices"][0]) for k in range(3)] == want
