@@ -52,6 +52,8 @@ class StepTimer:
             return
         now = time.perf_counter()
         self._recent.append((self._t0, now))
+        while self._recent[0][1] < now - self.BUSY_WINDOW_S:  # kept to the window whether or not busy() is read
+            self._recent.popleft()
         if kind:
             self._count[kind] += 1
             self._total[kind] += now - self._t0
