@@ -13,11 +13,11 @@ Parts:
          turns at minute 30 from long prompts with short answers to short prompts with long answers (1.3 req/s):
          the fixed split (least loaded) against FlowKV's scheduler with its controller (every 10 s; a role flip
          drains the instance and takes 30 s of warm-up) and without it (dispatch only).
-  live   real worker processes on this machine (the bench-size llama): prefill p0, p1, p2 on core 0, decode d0
-         and the global KV store s0 on core 1, each prefill cache 128 blocks of 16 tokens (four 480-token
-         prefixes); prompts of one of 8 shared 480-token prefixes (Zipf 1.1) plus 16-64 tokens of their own, 8
-         output tokens, Poisson arrivals at `--live-rate` for `--live-s` seconds per policy, fresh token ids per
-         run. cache_aware (SGLang's and Dynamo's rules) against banaserve over the store: TTFT, throughput, and
+  live   real worker processes on this machine (the bench-size llama): prefill p0 on core 0 and p1 on core 1,
+         decode d0 on core 1, the global KV store s0 on core 0; each prefill cache 128 blocks of 16 tokens (four
+         480-token prefixes); prompts of one of 8 shared 480-token prefixes (Zipf 1.1) plus 16-64 tokens of their own, 8
+         output tokens, Poisson arrivals at `--live-rate` for `--live-s` seconds per policy (the same arrivals,
+         prefix choices and lengths in every run, fresh token ids). cache_aware (SGLang's and Dynamo's rules) against banaserve over the store: TTFT, throughput, and
          each prefill instance's busy fraction over time (its heartbeats).
 `python -m bench.balance --json bench/results/balance.json --png bench/results/balance.png`.
 """
@@ -111,9 +111,9 @@ def live(rate: float, duration: float, models: str) -> dict:
            "engine": dict(block_size=16, num_blocks=128, max_num_seqs=8, max_num_batched_tokens=512, chunk_size=256,
                           max_prefill_seqs=4, max_model_len=640, num_snapshots=16, warmup=True),
            "clusters": [{"name": "pd", "instances": [
-               *({"name": f"p{i}", "role": "prefill", "cpus": [0]} for i in range(3)),
+               {"name": "p0", "role": "prefill", "cpus": [0]}, {"name": "p1", "role": "prefill", "cpus": [1]},
                {"name": "d0", "role": "decode", "cpus": [1], "kv_blocks": 512},
-               {"name": "s0", "role": "store", "cpus": [1], "kv_blocks": 1024}]}],
+               {"name": "s0", "role": "store", "cpus": [0], "kv_blocks": 1024}]}],
            "transfer": {"token": "bench-balance", "layers_per_group": 4, "deadline_s": 60},
            "router": {"heartbeat_s": 0.25, "down_after_s": 10.0, "busy_wait_s": 120},
            "policy": {"name": "banaserve"}, "server": {"request_timeout_s": 600}}
@@ -124,9 +124,10 @@ def live(rate: float, duration: float, models: str) -> dict:
     cum = np.cumsum(w / w.sum())
 
     async def one_run(cluster, name: str, salt: int) -> dict:
-        rng = np.random.default_rng([7, salt])
-        prefixes = [[int(x) for x in rng.integers(1, 1000, 480)] for _ in range(8)]
-        recs, util, tasks = [], {f"p{i}": [] for i in range(3)}, []
+        rng = np.random.default_rng(7)  # the same arrivals, prefixes chosen and lengths in every run ...
+        ids = np.random.default_rng([7, salt])  # ... with fresh token ids (nothing cached carries over)
+        prefixes = [[int(x) for x in ids.integers(1, 1000, 480)] for _ in range(8)]
+        recs, util, tasks = [], {"p0": [], "p1": []}, []
         t0 = time.monotonic()
 
         async def one(k: int, prompt: list[int]):
@@ -148,7 +149,7 @@ def live(rate: float, duration: float, models: str) -> dict:
         while (now := time.monotonic() - t0) < duration:
             if now >= nxt:
                 g = int(np.searchsorted(cum, rng.random()))
-                tail = [int(x) for x in rng.integers(1, 1000, int(rng.integers(16, 65)))]
+                tail = [int(x) for x in ids.integers(1, 1000, int(rng.integers(16, 65)))]
                 tasks.append(asyncio.ensure_future(one(k, prefixes[g] + tail)))
                 k += 1
                 nxt += rng.exponential(1 / rate)
@@ -224,7 +225,7 @@ def main(argv=None):
     ap = arguments(__doc__)
     ap.add_argument("--parts", default="hot,scale,shift,live")
     ap.add_argument("--traffic-s", type=float, default=600.0, help="hot, scale: seconds of traffic")
-    ap.add_argument("--live-rate", type=float, default=6.0, help="live: requests per second")
+    ap.add_argument("--live-rate", type=float, default=12.0, help="live: requests per second")
     ap.add_argument("--live-s", type=float, default=60.0, help="live: seconds of arrivals per policy")
     ap.add_argument("--models", default="bench/.models", help="where bench-size checkpoints are built")
     a = ap.parse_args(argv)

@@ -12,7 +12,7 @@ llama, a shaped PrfaaS -> PD link), run live and simulated from profiles measure
    16 output tokens, second turns) under the `prfaas` policy at a fixed threshold.
 3. Simulated: router/sim with the same policy class and settings, the profiles, that fixed cost, the link, and
    the same arrival rate, length distribution, output length and turns (`--sim-s` of traffic, so percentiles
-   settle).
+   settle); pd-p0 and pd-d0 share a core there as they do live (the profiles are measured alone).
 Throughput and TTFT p50 / p90, and their ratios simulated / live (the issue's bar: within 15%).
 `python -m bench.sim_validate --json bench/results/sim_validate.json`
 """
@@ -95,7 +95,7 @@ def main(argv=None):
                       InstanceSpec("pd-p0", "pd", "pd", "prefill", D), InstanceSpec("pd-d0", "pd", "pd", "decode", D)],
                      lambda: policy(args, "fixed"), link_gbps=args.bandwidth_gbps,
                      link_latency_s=args.latency_ms / 1e3, chunk_tokens=cfg["engine"]["max_num_batched_tokens"],
-                     kv_bytes=D, dispatch_s=dispatch_s)
+                     kv_bytes=D, dispatch_s=dispatch_s, shared_cores=(("pd-p0", "pd-d0"),))
     lengths = LogNormal(MU - math.log(args.scale), SIGMA, max(2, LO // args.scale), HI // args.scale)
     tr = Traffic(args.rate, lengths, 1024 // args.scale, duration_s=args.sim_s, turn_p=args.turns,
                  think_s=args.think_s, followup_tokens=MESSAGE)

@@ -11,6 +11,8 @@
   constants of the throughput model); when every slot is taken requests wait in order. A prefill the decode
   instance runs itself (the colocated route) queues on its own `local` prefill queue and stalls its decoding
   while it computes: a running request finishes when its decode time has passed outside the stalls.
+  Instances that share a core (`peers`) share it: a prefill step takes its profile time x (1 + the peers
+  computing when it starts), and a decode instance decodes at half speed while a peer's prefill step runs.
 - `Link`: a FIFO pipe of a given bandwidth (changed on a schedule, scaled per transfer by a random
   fluctuation) and latency; it reports recent throughput, bytes in flight and queued, as the live links do.
 - `PrefixCache`: per instance, the tokens of each conversation whose KV it holds, LRU-evicted to a capacity.
@@ -86,6 +88,7 @@ class Prefill:
         self.busy_s = 0.0
         self.tokens_done = 0
         self.busy_by: dict[int, float] | None = None  # busy seconds per BUCKET_S of time, when tracked
+        self.peers: list = []  # instances sharing its core (Deployment.shared_cores): processor sharing
         self.layers = 32  # the pipeline's stages (store fetches overlap compute layer by layer)
         self.on_step = None  # called with each step's duration as it starts (a decode instance's stall)
 
@@ -113,8 +116,10 @@ class Prefill:
             batch.append(self.queue.popleft())
             total += batch[-1][0]
         fetch = sum(b[3] for b in batch)
-        dt = self.profile.prefill_seconds(total)
+        dt = self.profile.prefill_seconds(total) * (1 + sum(p.computing for p in self.peers))
         dt = max(dt, fetch) + fetch / max(1, self.layers)
+        for p in self.peers:
+            p.shared(dt)
         if self.on_step is not None:
             self.on_step(dt)
         if self.busy_by is not None:
@@ -129,6 +134,13 @@ class Prefill:
         self.busy_s += dt
         self.tokens_done += total
         self.clock.after(dt, self._done, batch)
+
+    @property
+    def computing(self) -> bool:
+        return self.busy
+
+    def shared(self, dt: float) -> None:
+        """A peer on its core computes for dt (its steps already count this one's): nothing to do here."""
 
     def _done(self, batch) -> None:
         for n, _, on_done, _ in batch:
@@ -159,6 +171,16 @@ class Decode:
     def _stall(self, dt: float) -> None:
         self._stalled += dt
         self._stall_end = max(self._stall_end, self.clock.now) + dt
+
+    @property
+    def computing(self) -> bool:
+        return self.active > 0 or self.local.busy
+
+    def shared(self, dt: float) -> None:
+        """A peer on its core computes for dt: its decoding runs at half speed meanwhile (counted as a stall
+        of dt / 2: the same progress by the end of it)."""
+        if self.active:
+            self._stall(dt / 2)
 
     def admit(self, output_tokens: int, on_done) -> None:
         if self.active < self.slots:

@@ -66,6 +66,7 @@ class Deployment:
     dispatch_s: float = 0.0  # the serving path's fixed cost per request (router, RPCs), added to every TTFT
     store_tokens: int = 0  # the global KV store's capacity (0: no store)
     store_bytes_s: float = 20e9  # its read bandwidth into a prefill instance
+    shared_cores: tuple = ()  # groups of instance names that share one core (profiles measured alone)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +115,7 @@ class _Cell:
         self.decodes = {s.name: Decode(clock, s.name, s.cluster, s.kind, s.profile, dep.cache_tokens,
                                        dep.chunk_tokens) for s in dep.instances if s.role == "decode"}
         self.store = PrefixCache(dep.store_tokens) if dep.store_tokens else None
+        self._wire()
         self.actions: list[dict] = []  # a policy's control actions (flowkv)
         clusters = {s.cluster: s.kind for s in dep.instances}
         self.links = {}
@@ -124,6 +126,17 @@ class _Cell:
                                                   dep.link_fluctuation, rng)
         self.kv_profile = dep.kv_bytes or dep.instances[0].profile
         self.kv_per_token = self.kv_profile.kv_bytes_at(8192) / 8192  # what the live router measures per token
+
+    def _wire(self) -> None:
+        """Processor sharing: each prefill instance's peers on its core (Deployment.shared_cores)."""
+        insts = {**self.prefills, **self.decodes}
+        for group in self.dep.shared_cores:
+            for name in group:
+                peers = [insts[n] for n in group if n != name and n in insts]
+                if name in self.prefills:
+                    self.prefills[name].peers = peers
+                elif name in self.decodes:  # its own prefills share the core too
+                    self.decodes[name].local.peers = [x for x in peers if isinstance(x, Prefill)]
 
     @staticmethod
     def held(cache, r: _Request | None, get: bool = False) -> int:
@@ -205,6 +218,7 @@ class _Cell:
             self.prefills[name] = Prefill(self.clock, name, old.cluster, old.kind, old.profile,
                                           self.dep.chunk_tokens, self.dep.cache_tokens)
         self.draining.discard(name)
+        self._wire()
 
 
 class Simulation:

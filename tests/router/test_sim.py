@@ -214,3 +214,22 @@ def test_the_flowkv_controller_flips_an_idle_prefill_instance_when_decode_is_the
                      control_s=2.0, warmup_s=5.0).run()
     assert [f["role"] for f in res["flips"]] and all(f["role"] == "decode" for f in res["flips"])
     assert res["flips"][0]["instance"] in ("p0", "p1", "p2") and len(res["flips"]) <= 2
+
+
+def test_instances_sharing_a_core_share_it():
+    """A decode instance decoding (10 s of work) and a prefill instance on its core: a 2 s prefill step takes 4 s,
+    and the decode finishes 2 s late (half speed for those 4 s)."""
+    from router.sim.models import Decode, Prefill
+    clock = Clock()
+    d = Decode(clock, "d0", "pd", "pd", flat(3.0, step_s=0.1, batch=4), 1000)
+    p = Prefill(clock, "p0", "pd", "pd", flat(2.0), 8192, 0)
+    p.peers = [d]
+    done = {}
+    d.admit(100, lambda: done.setdefault("decode", clock.now))
+    clock.at(1.0, p.submit, 10, lambda dt: None, lambda: done.setdefault("prefill", clock.now))
+    clock.run(100.0)
+    assert done["prefill"] == pytest.approx(5.0) and done["decode"] == pytest.approx(12.0)
+    # alone, the same prefill takes its profile's 2 s
+    clock.at(150.0, p.submit, 10, lambda dt: None, lambda: done.setdefault("alone", clock.now))
+    clock.run(200.0)
+    assert done["alone"] == pytest.approx(152.0)
