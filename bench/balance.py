@@ -183,7 +183,7 @@ def plot(out: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(2, 3, figsize=(17, 9))
+    fig, ax = plt.subplots(3, 3, figsize=(17, 13))
     h = out.get("hot")
     if h:
         rates = list(h["by_rate"])
@@ -216,6 +216,24 @@ def plot(out: dict, path: str) -> None:
             a.set(xlabel="minute", ylabel=label, title="traffic shift at minute 30 (offered 1.3 req/s)",
                   yscale="log" if "ttft" in y else "linear")
             a.legend(fontsize=7)
+    lv = (out.get("live") or {}).get("by_policy")
+    if lv:
+        names = list(lv)
+        a = ax[2, 0]
+        x = range(len(names))
+        a.bar([i - 0.2 for i in x], [lv[n]["ttft_s"]["p50"] for n in names], 0.4, label="p50")
+        a.bar([i + 0.2 for i in x], [lv[n]["ttft_s"]["p90"] for n in names], 0.4, label="p90")
+        a.set_xticks(list(x), [n.replace("_", "\n") for n in names], fontsize=7)
+        a.set(ylabel="TTFT (s)", title=f"live, {out['live']['rate']:.0f} req/s, 2 prefill instances")
+        a.legend()
+        for a, n in ((ax[2, 1], "cache_aware_sglang"), (ax[2, 2], "banaserve_store")):
+            for inst, v in lv.get(n, {}).get("busy_timeline", {}).items():
+                a.plot([t for t, _ in v], [b for _, b in v], label=inst)
+            a.set(xlabel="s", ylabel="busy fraction (heartbeats)", ylim=(0, 1.05), title=f"live: {n}")
+            a.legend(fontsize=7)
+    for a in ax.flat:
+        if not a.has_data():
+            a.set_axis_off()
     from bench.stamp import save_figure
     save_figure(fig, path)
 

@@ -61,9 +61,9 @@ Code = grpc.StatusCode
 DEAD = (Code.UNAVAILABLE,)
 
 
-
 def _why(e: BaseException) -> str:
     return f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else f"{e!r}"
+
 
 class _Retry(Exception):
     """This placement failed in a way another placement may not (the reason is the message)."""
@@ -608,7 +608,7 @@ class Router:
         store = next((w for w in self.registry.up() if w.role == "store"), None)
         bs = self.cfg.engine.block_size
         n = len(tokens) // bs * bs
-        if store is None or n == 0 or self.index.match(tokens[:n], {store.name}).get(store.name, 0) >= n:
+        if store is None or n == 0 or self.index.match(tokens[:n], {store.name}, whole=True).get(store.name, 0) >= n:
             return
 
         async def put():

@@ -98,9 +98,10 @@ class KVIndex:
     def hashes(self, tokens: list[int]) -> list[str]:
         return [h.hex() for h in block_hashes(tokens, self.block_size)]
 
-    def match(self, tokens: list[int], instances=None) -> dict[str, int]:
+    def match(self, tokens: list[int], instances=None, whole: bool = False) -> dict[str, int]:
         """instance -> prompt tokens whose KV it holds (only instances holding some), over `instances` (names;
-        None: all)."""
+        None: all). A prompt's last token is always left to compute; whole: `tokens` is a prefix, all of it may
+        match."""
         hashes = self.hashes(tokens)
         bs = self.block_size
         out = {}
@@ -109,7 +110,7 @@ class KVIndex:
                 if instances is not None and name not in instances or e.want is None:
                     continue
                 n = 0
-                while n < len(hashes) and (n + 1) * bs < len(tokens) and hashes[n] in e.blocks:
+                while n < len(hashes) and (n + 1) * bs < len(tokens) + whole and hashes[n] in e.blocks:
                     n += 1
                 if self.request_state:
                     while n and hashes[n - 1] not in e.snaps:

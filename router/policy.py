@@ -15,6 +15,8 @@ sequence of snapshots it places the same way. `make(cfg.policy)` builds the one 
   (bandwidth scarce: each cluster's own prefix; abundant: the best prefix anywhere, moved across when it
   sits in the other cluster) and cache-affine within a cluster unless the affine instance is overloaded.
 
+`round_robin`, `cache_aware`, `banaserve` and `flowkv` live in balance.py.
+
 Load, everywhere: requests the router has in flight on the instance, then its reported waiting + running,
 then the most free blocks; the name breaks exact ties, so placements are deterministic.
 """

@@ -27,9 +27,12 @@ schema in messages.py before a handler sees it):
   Import    (any role, stream) {"request_id", "prompt" (a prefix: whole blocks), "deadline_s"?} -> first
             {"reserved": {...}} as Decode's, then {"imported": {"tokens", "skip"}} once another instance's Export
             filled it and the prefix is in this instance's cache (the router's cross-cluster prefix move).
-  Export    (prefill) {"request_id", "prompt" (the prefix), "dst": reservation} -> {"kv_bytes", "frames", "sends",
-            "resends", "backend"}: sends the prefix's KV from this instance's prefix cache, no compute;
+  Export    (prefill, store) {"request_id", "prompt" (the prefix), "dst": reservation} -> {"kv_bytes", "frames",
+            "sends", "resends", "backend"}: sends the prefix's KV from this instance's prefix cache, no compute;
             FAILED_PRECONDITION when it is no longer cached.
+A worker of role `store` (the global KV cache store) runs no model step: it answers Import (the router writes
+prefill instances' prompts into it) and Export (a prefill instance loads a prefix from it), and refuses Decode,
+Prefill and Generate.
   SetRole   {"role"} -> {"role", "previous", "drained_s", "programs_compiled"}: the role changes in place (the
             router's admin endpoint and its long-term re-planning; the router has stopped sending this instance
             new work first). The worker waits until every request and transfer it has in flight is done (every

@@ -188,3 +188,14 @@ def test_a_cleared_cache_empties_the_instance():
     w.bm.events.emit("cleared")
     w.beat(index)
     assert index.match(list(range(40, 61))) == {} and index.stats()["resyncs"] == 0
+
+
+def test_a_whole_prefix_matches_in_full_and_a_prompt_leaves_its_last_token():
+    index = KVIndex(BS)
+    a = Worker("a", num_blocks=24)
+    p = list(range(1, 3 * BS + 1))  # three whole blocks
+    a.serve(p + [99])
+    a.beat(index)
+    assert index.match(p)["a"] == 2 * BS  # a prompt of exactly those blocks computes its last one
+    assert index.match(p, whole=True)["a"] == 3 * BS  # the prefix itself is held in full
+    assert index.match(p + [5], whole=True)["a"] == 3 * BS
