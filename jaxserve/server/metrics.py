@@ -11,7 +11,7 @@ class Metrics:
     def __init__(self, stats_fn, cluster_fn=None):
         """stats_fn: -> LLMEngine.stats()-shaped dict; cluster_fn: -> {"instances": registry state, "links":
         {name: link snapshot}, "kv_bytes_transferred", "retries", "routes": {route: requests}, "policy": {key:
-        number}, "index", "prefix_moves": {"done", "failed", "bytes"}} when serving a cluster
+        number}, "index", "prefix_moves" and "store_puts": {"done", "failed", "bytes"}} when serving a cluster
         (router/cluster.py metrics_state)."""
         self.registry = r = CollectorRegistry()
         self.stats_fn = stats_fn
@@ -52,6 +52,10 @@ class Metrics:
                                   "(outcome done / failed)", ["outcome"], registry=r),
             "prefix_move_bytes": Gauge("jaxserve_prefix_move_bytes", "KV bytes of the cached prefixes moved so far",
                                        registry=r),
+            "store_puts": Gauge("jaxserve_store_puts", "prompts written to the global KV store so far (outcome done "
+                                "/ failed)", ["outcome"], registry=r),
+            "store_put_bytes": Gauge("jaxserve_store_put_bytes", "KV bytes written to the global KV store so far",
+                                     registry=r),
             "index": Gauge("jaxserve_kv_index", "the global KV index: instances synced, blocks, snapshots, "
                            "resyncs so far", ["what"], registry=r)}
         self.policy: dict[str, Gauge] = {}  # jaxserve_policy_<key>, made as the policy reports keys
@@ -100,12 +104,13 @@ class Metrics:
             self.cluster["retries"].set(c["retries"])
             for what, n in c.get("index", {}).items():
                 self.cluster["index"].labels(what).set(n)
-            moves = c.get("prefix_moves", {})
-            for outcome in ("done", "failed"):
-                if outcome in moves:
-                    self.cluster["prefix_moves"].labels(outcome).set(moves[outcome])
-            if "bytes" in moves:
-                self.cluster["prefix_move_bytes"].set(moves["bytes"])
+            for key, bytes_key in (("prefix_moves", "prefix_move_bytes"), ("store_puts", "store_put_bytes")):
+                got = c.get(key, {})
+                for outcome in ("done", "failed"):
+                    if outcome in got:
+                        self.cluster[key].labels(outcome).set(got[outcome])
+                if "bytes" in got:
+                    self.cluster[bytes_key].set(got["bytes"])
             for route, n in c.get("routes", {}).items():
                 self.cluster["routes"].labels(route).set(n)
             for k, v in c.get("policy", {}).items():

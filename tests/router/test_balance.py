@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from jaxserve.config import ConfigFileError, parse
@@ -286,6 +288,9 @@ def test_policies_store_and_controller_on_a_live_cluster(checkpoint_dir):
             assert time.monotonic() < deadline, (cluster.store_puts, cluster.index.match(prompts[1], {"s0"}))
             time.sleep(0.05)
         assert cluster.store_puts["done"] >= 1 and cluster.store_puts["bytes"] > 0
+        metrics = client.get("/metrics").text
+        put = re.search(r'jaxserve_store_puts\{outcome="done"\} ([0-9.]+)', metrics)
+        assert put and float(put.group(1)) >= 1, metrics[-2000:]
         got[1] = complete(client, prompts[1])
         meta = got[1]["jaxserve"]
         assert meta["prefill_instance"] != got[0]["jaxserve"]["prefill_instance"], meta
