@@ -94,6 +94,11 @@ class Launcher:
         c = self.children[name]
         if c.exited() is None:
             c.proc.terminate()
+        self._reap(c, timeout)
+
+    @staticmethod
+    def _reap(c: Child, timeout: float) -> None:
+        """Wait for a terminated child, SIGKILL it after `timeout`; remove its shared-memory segments."""
         try:
             c.proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -108,12 +113,7 @@ class Launcher:
             if c.exited() is None:
                 c.proc.terminate()
         for c in self.children.values():
-            try:
-                c.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                c.proc.kill()
-                c.proc.wait(10)
-            remove_segments_of(c.pid)
+            self._reap(c, timeout)
 
 
 async def wait_ready(cluster, launcher: Launcher, names: list[str], timeout: float, progress: bool) -> None:
