@@ -22,8 +22,9 @@ objects and place the same way given the same snapshots.
   what the router has placed there since (its queued prefill tokens over `token_budget`, Algorithm 2 line 15).
   Among the instances under `load_threshold` the one with the least estimated TTFT (its queue and the
   request's uncached tokens at its measured rate, the prefix counted from its cache or the store) wins,
-  estimates within `ttft_tolerance_s` counting as ties, broken by (load, queue), then the least recently
-  picked; with none under it, the shortest queue. Decode: the instance with the least KV transfer time
+  estimates within `ttft_tolerance_s` counting as ties, broken by the prefix it would load from the store (its
+  own cache first), then (load, queue), then the least recently picked; with none under it, the shortest
+  queue. Decode: the instance with the least KV transfer time
   (none inside the prefill's cluster; else the link's backlog and this request's KV at its capacity), ties by
   load.
 - `flowkv` (FlowKV 3.4, Appendix B): per instance a load score, a weighted sum of normalised indicators
@@ -265,7 +266,10 @@ class BanaServe:
             best = min(cands, key=lambda i: (qlen[i.name], loads[i.name], i.name))
             return best, f"every prefill instance at U >= {self.p.load_threshold}: the shortest queue", details
 
-        best, t = self.ttft.best(under, snap, self.p.store, lambda i: (loads[i.name], qlen[i.name]))
+        # among near-equal estimates, the instance that needs the least loaded from the store, then load
+        best, t = self.ttft.best(under, snap, self.p.store,
+                                 lambda i: (prefix_tokens(i, snap, self.p.store) - i.cached_tokens, loads[i.name],
+                                            qlen[i.name]))
         why = (f"least estimated TTFT {t:.3f}s at U {loads[best.name]:.2f}" if t < math.inf
                else f"least load U {loads[best.name]:.2f}")
         return best, why, details

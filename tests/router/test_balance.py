@@ -74,6 +74,20 @@ def test_banaserve_with_the_store_balances_load_where_the_prefix_lives_on_one_in
     assert BanaServe(BanaServeParams(store=False)).place(snap(short, idle, D)).prefill == "p0"
 
 
+def test_banaserve_ties_go_to_the_instance_holding_the_prefix_then_rotate():
+    b = BanaServe()
+    holder = inst("p0", cached_tokens=2000, prefill_tokens_s=1000.0)
+    other = inst("p1", prefill_tokens_s=1000.0)
+    # equal estimates (the store holds the prefix): the holder computes without loading it
+    assert [b.place(snap(holder, other, D, store=2000)).prefill for _ in range(3)] == ["p0"] * 3
+    # nobody holds it locally: equal instances take turns
+    got = [b.place(snap(inst("p0", prefill_tokens_s=1000.0), other, D, store=2000)).prefill for _ in range(4)]
+    assert sorted(got) == ["p0", "p0", "p1", "p1"] and got[0] != got[1]
+    # the holder's queue outweighs the tolerance: the other instance loads from the store
+    busy = inst("p0", cached_tokens=2000, prefill_tokens_s=1000.0, queued_tokens=500)
+    assert b.place(snap(busy, other, D, store=2000)).prefill == "p1"
+
+
 def test_banaserve_load_is_busy_plus_kv_plus_queued_estimate_and_overload_takes_the_shortest_queue():
     b = BanaServe(BanaServeParams(load_threshold=1.0, token_budget=1000))
     a = inst("p0", busy=0.5, blocks_free=50, queued_tokens=100)  # 0.5 + 0.5 + 0.1
