@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -265,8 +266,8 @@ def test_policies_store_and_controller_on_a_live_cluster(checkpoint_dir):
     object swapped between requests.
     - Every policy's placements give the same greedy tokens, on prefill instances it chose.
     - banaserve over the store: a request's prompt goes to the store after its prefill; the next request with
-      that prefix lands on the other prefill instance (no local hit there) and loads the prefix from the store
-      instead of computing it.
+      that prefix, placed by banaserve on the other prefill instance (no local hit there), loads the prefix from
+      the store instead of computing it.
     - The flowkv controller (every 0.3 s) carries out a flip its decision asks for, then a scale-out (the
       standby prefill instance p2 starts and joins) and a scale-in (p2 drains and stops).
     - With the store killed, requests still succeed (the prefill computes). Every answer equals the one a
@@ -305,9 +306,21 @@ def test_policies_store_and_controller_on_a_live_cluster(checkpoint_dir):
         metrics = client.get("/metrics").text
         put = re.search(r'jaxserve_store_puts\{outcome="done"\} ([0-9.]+)', metrics)
         assert put and float(put.group(1)) >= 1, metrics[-2000:]
+        # banaserve would give it to the holder (its own cache first); on the other instance it loads the store's
+        holder, bana = got[0]["jaxserve"]["prefill_instance"], cluster.policy
+
+        class Elsewhere:
+            name = "banaserve"
+            state = bana.state
+
+            def place(self, snap):
+                return bana.place(dataclasses.replace(snap, instances=tuple(
+                    i for i in snap.instances if i.name != holder)))
+        cluster.policy = Elsewhere()
         got[1] = complete(client, prompts[1])
+        cluster.policy = bana
         meta = got[1]["jaxserve"]
-        assert meta["prefill_instance"] != got[0]["jaxserve"]["prefill_instance"], meta
+        assert meta["prefill_instance"] != holder, meta
         assert meta["prefix_source"] == "s0" and meta["prefix_move"]["tokens"] == len(shared), meta
         assert meta["cached_tokens"] >= len(shared)
         # the controller: its flip is carried out, and requests keep succeeding
