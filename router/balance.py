@@ -108,7 +108,8 @@ def typical_rate(cands: list[InstanceState]) -> float | None:
 
 def transfer_s(snap: Snapshot, p: InstanceState, d: InstanceState) -> float:
     """Seconds for the request's KV to reach d from p: 0 inside a cluster (or one instance); across, the
-    link's backlog and this request's KV at its capacity (inf on a link with no capacity figure)."""
+    link's backlog and this request's KV at its capacity (0 on an unshaped link, inf where no link is
+    configured between the two clusters)."""
     if p.cluster == d.cluster or p.name == d.name:
         return 0.0
     lk = snap.link(p.cluster, d.cluster)
