@@ -340,7 +340,8 @@ class FlowKV:
 
     def __init__(self, params: FlowKVParams = FlowKVParams()):
         self.p = params
-        self._hist: dict[str, deque] = {}  # instance -> (time, raw indicators)
+        self._hist: dict[str, deque] = {}  # instance -> (time, raw indicators), the last window_s
+        self._sum: dict[str, list[float]] = {}  # instance -> the indicators summed over its window
         self.scenario = "normal"
         self.cp = self.cd = 0.0
         self.assist_until = -math.inf  # imbalanced mode (prefill hot): idle decode instances prefill until then
@@ -360,18 +361,21 @@ class FlowKV:
                 kv_used(i), i.busy)
 
     def observe(self, snap: Snapshot) -> None:
+        """Each instance's indicators join its window (a running sum: scoring reads the mean in O(1))."""
         now = snap.now
         for i in snap.instances:
             h = self._hist.setdefault(i.name, deque())
-            h.append((now, self._raw(i)))
-            while h and now - h[0][0] > self.p.window_s:
-                h.popleft()
+            tot = self._sum.setdefault(i.name, [0.0] * 7)
+            raw = self._raw(i)
+            h.append((now, raw))
+            tot[:] = [a + b for a, b in zip(tot, raw)]
+            while now - h[0][0] > self.p.window_s:
+                tot[:] = [a - b for a, b in zip(tot, h.popleft()[1])]
 
     def score(self, i: InstanceState, role: str) -> float:
         """The smoothed, weighted load score of i in `role` (C_i^p or C_i^d)."""
         h = self._hist.get(i.name)
-        rows = [r for _, r in h] if h else [self._raw(i)]
-        m = [sum(col) / len(rows) for col in zip(*rows)]
+        m = [x / len(h) for x in self._sum[i.name]] if h else self._raw(i)
         w = self.p.prefill_weights if role == "prefill" else self.p.decode_weights
         q = self.p.queue_norm
         return (w.running * m[0] / q + w.waiting * m[1] / q + w.swapped * m[2] / q + w.sending * m[3] / q

@@ -178,9 +178,7 @@ class _Cell:
             self.actions.append({"t_s": self.clock.now, "kind": a.kind, "role": a.role, "instance": a.instance,
                                  "why": a.why})
             if a.kind == "flip" and not self.draining:
-                self.draining.add(a.instance)
-                self.flips.append({"t_s": self.clock.now, "instance": a.instance, "role": a.role, "why": a.why})
-                self._drained(a.instance, a.role, warmup_s)
+                self._flip(a.instance, a.role, a.why, warmup_s)
 
     # ---- the long-term loop (router/replan.py), as the live router runs it
     def replan(self, warmup_s: float) -> None:
@@ -194,10 +192,13 @@ class _Cell:
         if d.threshold_tokens is not None and hasattr(self.policy, "threshold"):
             self.policy.threshold.rebase(d.threshold_tokens)
         if d.flip is not None:
-            name, role = d.flip
-            self.draining.add(name)
-            self.flips.append({"t_s": self.clock.now, "instance": name, "role": role, "why": d.why})
-            self._drained(name, role, warmup_s)
+            self._flip(*d.flip, d.why, warmup_s)
+
+    def _flip(self, name: str, role: str, why: str, warmup_s: float) -> None:
+        """Drain `name` (no new work placed there), then switch it to `role` after the warm-up."""
+        self.draining.add(name)
+        self.flips.append({"t_s": self.clock.now, "instance": name, "role": role, "why": why})
+        self._drained(name, role, warmup_s)
 
     def _drained(self, name: str, role: str, warmup_s: float) -> None:
         """Poll (in simulated time) until `name` holds nothing, then switch it after the warm-up."""
