@@ -36,6 +36,7 @@ import dataclasses
 import logging
 import math
 import random
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -148,6 +149,7 @@ class Router:
         self.sequences: dict[str, list[_Sub]] = {}  # request id -> its sequences, while it runs (read-only view)
         self.kv_bytes_transferred = 0
         self.retries = 0
+        self.migrations: dict[str, int] = {}  # moves done by kind (POST /admin/migrate)
         self.prefix_moves = {"done": 0, "failed": 0, "bytes": 0}  # cached prefixes moved between instances
         self.store_puts = {"done": 0, "failed": 0, "bytes": 0}  # prefixes written to the global KV store
         self._store_tasks: set[asyncio.Task] = set()
@@ -277,6 +279,38 @@ class Router:
         log.info("%s: %s -> %s (drained in %.2fs, %d programs compiled)", name, old, role, ans["drained_s"],
                  ans["programs_compiled"])
         return {"instance": name, **ans}
+
+    async def migrate(self, kind: str, src: str, dst: str, heads: list[int] | None = None,
+                      layers: list[int] | None = None) -> dict:
+        """Move part of the decode work of the requests decoding on `src` to `dst` (BanaServe 4.1; the worker's
+        Migrate, engine/migration.py): the KV of some heads (`heads`) or the layers lo..hi-1 (`layers`). Answers
+        once the move is done. RequestError for an impossible move (unknown or down instances, the store, heads
+        or layers out of range, nothing decoding on src); Unavailable when src fails or times out."""
+        for param, name in (("src", src), ("dst", dst)):
+            w = self.registry.get(name)
+            if w is None:
+                raise RequestError(f"no instance {name!r} (instances: {sorted(self.topology.where)})", param)
+            if not self.registry.is_up(w):
+                raise RequestError(f"{name} is down", param)
+            if w.role == "store":
+                raise RequestError(f"{name} is the global KV store: it runs no model", param)
+        if src == dst:
+            raise RequestError("src and dst are the same instance", "dst")
+        w = self.registry.get(src)
+        if not w.serves("decode"):
+            raise RequestError(f"{src} is a {w.role} instance: nothing decodes there", "src")
+        msg = {"kind": kind, "dst": dst, "heads": heads, "layers": layers}
+        try:
+            ans = await self._client(w).call("Migrate", msg, timeout=self.cfg.router.role_change_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+                m = re.match(r"\[(\w+)\] (.*)", e.details() or "", re.S)
+                raise RequestError(m.group(2) if m else e.details(), m.group(1) if m else "src") from None
+            raise Unavailable(f"{src} did not move its work: {e.code().name}: {e.details()}") from None
+        self.migrations[kind] = self.migrations.get(kind, 0) + 1
+        log.info("moved %s of %d requests from %s to %s (%d bytes, %.3fs)", kind, len(ans["requests"]), src, dst,
+                 ans["bytes"], ans["seconds"])
+        return {"kind": kind, "src": src, "dst": dst, **ans}
 
     # ---- the long-term loop (PrfaaS 3.4.3): re-plan from the observed traffic, apply threshold and flips
     async def _replan_loop(self) -> None:

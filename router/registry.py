@@ -84,7 +84,7 @@ class WorkerInfo:
 
     def peer(self) -> dict:
         """This instance's entry in the peer table."""
-        return {"role": self.role, "pid": self.pid, "kv_address": list(self.kv_address) if self.kv_address else None,
+        return {"role": self.role, "pid": self.pid, "address": self.address, "kv_address": list(self.kv_address) if self.kv_address else None,
                 "shm": self.shm, "pull": self.pull, "pull_address": self.pull_address}
 
 

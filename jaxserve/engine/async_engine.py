@@ -68,6 +68,9 @@ class AsyncEngine:
     async def set_role(self, instance: str, role: str) -> dict:
         raise RequestError("a colocated deployment has no instance roles to change", "instance")
 
+    async def migrate(self, kind: str, src: str, dst: str, heads=None, layers=None) -> dict:
+        raise RequestError("a colocated deployment has one instance: there is nowhere to move work to", "dst")
+
     async def call(self, fn, *args):
         """Run fn(engine, *args) on the engine thread and await its result. Cancelled before the engine thread
         takes it, fn never runs; once it runs, it runs to the end (its result is dropped)."""
@@ -171,7 +174,8 @@ class AsyncEngine:
                 idx = req.seqs.index(s)
                 ttft = None if s.first_token_time is None else s.first_token_time - s.arrival
                 u = Update(idx, list(s.output), s.detok.text, s.finished, s.finish_reason,
-                           list(s.logprobs), s.num_cached, len(s.prompt), error=s.error, ttft_s=ttft)
+                           list(s.logprobs), s.num_cached, len(s.prompt), error=s.error, ttft_s=ttft,
+                           migrations=list(s.migrations) if s.finished and s.migrations else None)
                 req.loop.call_soon_threadsafe(req.queue.put_nowait, u)
                 if s.finished:
                     req.done.add(idx)

@@ -61,6 +61,7 @@ class Update:
     error: str | None = None
     ttft_s: float | None = None  # arrival -> first token
     route: dict | None = None  # where it ran, set by the router on the final update (server/app.py: meta)
+    migrations: list[dict] | None = None  # the final update's: the migrations it went through (kind, src, dst)
 
 
 def encode(tokenizer: Tokenizer | None, prompt) -> list[int]:
@@ -106,3 +107,7 @@ class EngineClient(Protocol):
     async def set_role(self, instance: str, role: str) -> dict:
         """Change an instance's role in place (the admin endpoint); RequestError when it cannot change,
         EngineUnavailable when it failed to."""
+
+    async def migrate(self, kind: str, src: str, dst: str, heads=None, layers=None) -> dict:
+        """Move part of the decode work running on src to dst (the admin endpoint); RequestError for an
+        impossible move, EngineUnavailable when src failed to."""

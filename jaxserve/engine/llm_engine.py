@@ -31,6 +31,7 @@ from ..models.stack import LayerStack, layer_runs
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
 from .client import RequestError, encode
+from .migration import Guests, MigrationError, RemoteFailed, plan_move, start_move
 from .runner import DecodeRow, ModelRunner, PrefillRow, Prefix
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import Sequence
@@ -153,6 +154,9 @@ class LLMEngine:
         self.eos = set(self.model_config.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
         self._rng = np.random.default_rng()
+        self.outbound: dict[int, object] = {}  # moves of work from here to helpers (engine/migration.py)
+        self._guests: Guests | None = None
+        self.moves = {"started": 0, "failed": 0, "calls": 0}  # moves from here, their helpers' calls, failures
 
     # ---- requests
     def encode(self, prompt) -> list[int]:
@@ -293,6 +297,8 @@ class LLMEngine:
         seq = self.requests.pop(request_id, None)
         if seq is not None:
             self.scheduler.abort(seq)
+            if self.outbound:
+                self._end_moves()
 
     def release(self, seq: Sequence) -> None:
         """Forget a finished request (its caller has read the result)."""
@@ -309,6 +315,9 @@ class LLMEngine:
         self.timer.mark("schedule")
         changed: list[Sequence] = []
         decoded = None  # the decode rows' tokens, when a mixed step computed them with the prefill chunks
+        for seq in plan.preempted:  # recomputed from its tokens: whatever part of it ran on a helper ends
+            seq.migration = None
+        local = [s for s in plan.decodes if s.migration is None]  # the rest run partly on a helper
         if plan.prefills:
             rows = []
             for c in plan.prefills:
@@ -330,9 +339,9 @@ class LLMEngine:
                     streamed.append(h)
                     staged.add(seq.request_id)
             on_stage = (lambda k: [h.export(k) for h in streamed]) if streamed else None
-            if self.runner.paged_prefill and plan.decodes and not due:
+            if self.runner.paged_prefill and local and not due:
                 # one packed program for the prefill chunks and the decode tokens: the weights read once
-                prefixes, decoded = self.runner.mixed(rows, self._decode_rows(plan.decodes))
+                prefixes, decoded = self.runner.mixed(rows, self._decode_rows(local))
             else:
                 try:
                     prefixes = self.runner.prefill(rows, stages, on_stage, staged)
@@ -357,15 +366,81 @@ class LLMEngine:
                     changed.append(c.seq)
             self.timer.mark("prefill.output")
         if plan.decodes:
-            if decoded is None:
-                decoded = self.runner.generate(self._decode_rows(plan.decodes))
-            for seq, (tok, lp, top) in zip(plan.decodes, decoded):
-                self._append(seq, tok, lp, top)
-                changed.append(seq)
+            got = dict(zip(local, decoded if decoded is not None else
+                           self.runner.generate(self._decode_rows(local)) if local else []))
+            for out in {id(s.migration): s.migration for s in plan.decodes if s.migration is not None}.values():
+                got.update(self._remote_decode(out, [s for s in plan.decodes if s.migration is out]))
+            for seq in plan.decodes:
+                if seq in got:
+                    self._append(seq, *got[seq])
+                    changed.append(seq)
             self.timer.mark("decode.output")
+        if self.outbound:
+            self._end_moves()
         self.timer.end("mixed" if plan.prefills and plan.decodes else "prefill" if plan.prefills
                        else "decode" if plan.decodes else "")
         return changed
+
+    # ---- migration (engine/migration.py)
+    def migrate(self, kind: str, heads: list[int] | None, layers: list[int] | None, src: str, dst: str,
+                link) -> dict:
+        """Move part of the decode work of the requests decoding here now to helper `dst` (`link` carries the
+        messages to it). Raises MigrationError for an impossible move (nothing decoding, heads or layers out of
+        range, the helper refusing)."""
+        spec = plan_move(self, kind, heads, layers)
+        seqs = [s for s in self.scheduler.running if s.migration is None and s.handoff is None
+                and not s.awaiting_kv and not s.is_prefilling and s.output]
+        if not seqs:
+            raise MigrationError(f"nothing is decoding on {src} (or all of it has moved already)", "src")
+        t0 = time.monotonic()
+        out, nbytes = start_move(self, spec, seqs, src, dst, link)
+        self.outbound[out.mid] = out
+        self.moves["started"] += 1
+        for s in seqs:
+            s.migration = out
+            s.kv_partial = s.kv_partial or kind == "layers"
+            s.migrations.append({"kind": kind, "src": src, "dst": dst})
+        log.info("moved %s of %d requests to %s (%d bytes, %.3fs)", kind, len(seqs), dst, nbytes,
+                 time.monotonic() - t0)
+        return {"requests": [s.request_id for s in seqs], "bytes": nbytes, "seconds": round(time.monotonic() - t0, 4)}
+
+    def _remote_decode(self, out, seqs: list[Sequence]) -> list:
+        """The decode step of a move's rows; a helper that fails ends the move: heads-migrated rows of a model
+        without request-level state run the step here again (it rewrites what the failed one wrote), the others
+        are recomputed (preempted: a linear layer's state has taken the failed step's token already, and a
+        layers-migrated request's pool misses the moved layers)."""
+        try:
+            return list(zip(seqs, self.runner.generate(self._decode_rows(seqs), remote=out.step(seqs))))
+        except RemoteFailed as e:
+            log.warning("migration %d to %s failed (%s): %d requests continue here", out.mid, out.dst, e, len(seqs))
+            self._end_move(out)
+            if out.spec.kind == "heads" and not self.layout.has_request_state:  # the same step again, here
+                return list(zip(seqs, self.runner.generate(self._decode_rows(seqs))))
+            for s in seqs:
+                self.scheduler.requeue(s)
+            return []
+
+    def _end_move(self, out) -> None:
+        self.moves["calls"] += out.calls
+        self.moves["failed"] += bool(out.failed)
+        for s in out.seqs:
+            if s.migration is out:
+                s.migration = None
+        self.outbound.pop(out.mid, None)
+        out.release()
+
+    def _end_moves(self) -> None:
+        """End the moves none of whose requests still runs partly on the helper."""
+        for out in list(self.outbound.values()):
+            if all(s.finished or s.migration is not out for s in out.seqs):
+                self._end_move(out)
+
+    @property
+    def guests(self) -> Guests:
+        """The moves this instance helps with (made on first use)."""
+        if self._guests is None:
+            self._guests = Guests(self)
+        return self._guests
 
     def _decode_rows(self, seqs: list[Sequence]) -> list[DecodeRow]:
         return [DecodeRow(s.slot, s.output[-1] if s.output else s.prompt[-1], s.num_tokens - 1, s.block_ids,

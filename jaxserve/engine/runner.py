@@ -32,6 +32,7 @@ Not thread-safe: one thread (the engine loop) drives it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
@@ -43,8 +44,10 @@ from transfer.device import DeviceIO
 
 from ..cache.layout import PoolLayout, gather, head_parts, init_pool, pool_shardings, scatter
 from ..models.batch import Batch
+from ..models.paged import PagedKV
 from ..models.stack import LayerStack
 from ..sampling import SamplingParams
+from .migration import remote_hidden
 from .sampler import MAX_LOGPROBS, SamplingTensors, sample
 from .steptimer import StepTimer
 
@@ -68,6 +71,17 @@ def pow2_bucket(n: int, lo: int, hi: int) -> int:
     while b < n and b < hi:
         b *= 2
     return min(b, hi) if n <= hi else n
+
+
+def _latest_pools(cache: list, ran) -> list:
+    """Every full-attention layer's view with its group's pool as the last of the layers `ran` (in the order they
+    ran) left it: a step whose layers run in separate parts, each part writing into what the one before wrote."""
+    latest = {}
+    for i in ran:
+        if isinstance(cache[i], PagedKV):
+            latest[cache[i].group] = cache[i].pool
+    return [dataclasses.replace(c, pool=latest.get(c.group, c.pool)) if isinstance(c, PagedKV) else c
+            for c in cache]
 
 
 @dataclass
@@ -162,11 +176,25 @@ class ModelRunner:
                 x = batch.last_tokens(x)
             return pool, x
 
-        def decode_fn(params, pool, batch, table, rows, snap, *, total_blocks):
-            # the model over one token per row -> (pool, hidden states [B, 1, H]) for `sample_fn`
+        def decode_fn(params, pool, batch, table, rows, snap, mig, *, total_blocks, remote):
+            # the model over one token per row -> (pool, hidden states [B, 1, H]) for `sample_fn`. remote: part of
+            # the step runs on a helper instance (engine/migration.py), mig its per-row arrays
             cache = gather(layout, pool, table, rows, batch.start, total_blocks=total_blocks)
             m, stacks = merge(params)
-            x, cache = m.run_layers(m.embed(batch), batch, cache, 0, layout.num_layers, stacks)
+            L = layout.num_layers
+            if remote is None:
+                x, cache = m.run_layers(m.embed(batch), batch, cache, 0, L, stacks)
+            elif remote.kind == "heads":
+                cache = [dataclasses.replace(c, split=remote.split, since=mig["since"], mid=mig["mid"],
+                                             gidx=mig["gidx"]) if isinstance(c, PagedKV) else c for c in cache]
+                x, cache = m.run_layers(m.embed(batch), batch, cache, 0, L, stacks)
+            else:  # layers lo..hi-1 run on the helper, the hidden states crossing there and back
+                lo, hi = remote.span
+                x, cache = m.run_layers(m.embed(batch), batch, cache, 0, lo, stacks)
+                cache = _latest_pools(cache, range(lo))
+                x = remote_hidden(x, mig, batch.start)
+                x, cache = m.run_layers(x, batch, cache, hi, L, stacks)
+                cache = _latest_pools(cache, [*range(lo), *range(hi, L)])
             return scatter(layout, pool, cache, rows, snap), x
 
         # the LM head and sampling are programs of their own, keyed by the rows only: every prefill and decode
@@ -188,7 +216,7 @@ class ModelRunner:
             return prompt_mask.at[slot].set(mask_row), out_counts.at[slot].set(0).at[slot, token].set(1)
 
         self._prefill = jax.jit(prefill_fn, donate_argnums=(1,), static_argnames=("lo", "hi", "last"))
-        self._decode = jax.jit(decode_fn, donate_argnums=(1,), static_argnames=("total_blocks",))
+        self._decode = jax.jit(decode_fn, donate_argnums=(1,), static_argnames=("total_blocks", "remote"))
         self._first = jax.jit(first_fn)
         self._sample = jax.jit(sample_fn, donate_argnums=(3,), static_argnames=("at",))
         self._insert = jax.jit(insert_fn, donate_argnums=(0, 1))
@@ -351,9 +379,11 @@ class ModelRunner:
             return min(SMALL_DECODE_ROWS, self.num_slots)
         return pow2_bucket(n, min(max(16, self.num_slots // 4), self.num_slots), self.num_slots)
 
-    def generate(self, rows: list[DecodeRow]) -> list[tuple[int, float, list[tuple[int, float]]]]:
+    def generate(self, rows: list[DecodeRow], remote=None) -> list[tuple[int, float, list[tuple[int, float]]]]:
         """One decode step for the given slots: per row (token, logprob, top logprobs). The program runs
-        `decode_batch(len(rows))` rows, the given ones first, the rest padding."""
+        `decode_batch(len(rows))` rows, the given ones first, the rest padding. remote: an engine/migration.py
+        `RemoteStep` when part of the rows' step runs on a helper instance; raises RemoteFailed (nothing sampled)
+        when the helper failed during the step."""
         if not 0 < len(rows) <= self.num_slots:
             raise ValueError(f"decode takes 1..{self.num_slots} rows, got {len(rows)}")
         B = self.decode_batch(len(rows))
@@ -373,11 +403,17 @@ class ModelRunner:
         if self.full_tables:
             W = self.max_blocks_per_seq
         table = self._table([r.block_ids for r in rows], B, max(used), W)
-        self.programs.add(("decode", B, 1, table.shape[1], M))
+        if remote is not None:  # the split attention reads a dense view of the blocks: any total will do
+            M, mig = None, remote.arrays(B)
+        self.programs.add(("decode", B, 1, table.shape[1], M) + ((remote.spec,) if remote else ()))
         batch = Batch(jnp.asarray(tokens), jnp.asarray(start), jnp.asarray(lengths))
         self.timer.mark("decode.prepare")
         self.pool, h = self._decode(self.params, self.pool, batch, jnp.asarray(table), jnp.asarray(state_rows),
-                                    jnp.asarray(snap_rows), total_blocks=M)
+                                    jnp.asarray(snap_rows), mig if remote else None, total_blocks=M,
+                                    remote=remote.spec if remote else None)
+        if remote is not None:
+            jax.block_until_ready(h)
+            remote.check()  # the helper answered every call of the step (else nothing is sampled)
         out = self._sample_decode(rows, h, 0)
         self.timer.mark("decode.device")
         return out

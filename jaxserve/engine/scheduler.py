@@ -230,7 +230,8 @@ class Scheduler:
         moved forward boundary by boundary (SnapshotPool.rekey); pinned for the step."""
         seq.decode_snapshot = None
         n = seq.num_tokens  # the KV / state of all of them once this step has run
-        if not (self.cfg.has_request_state and self.blocks.snapshots.capacity and n % self.cfg.block_size == 0):
+        if seq.kv_partial or not (self.cfg.has_request_state and self.blocks.snapshots.capacity
+                                  and n % self.cfg.block_size == 0):
             return
         h = self._hashes(seq, n)[-1]
         row = self.blocks.snapshots.rekey(seq.snapshot_hash, h, pinned)
@@ -238,9 +239,13 @@ class Scheduler:
             seq.decode_snapshot, seq.snapshot_hash = row, h
             pinned.add(row)
 
+    def requeue(self, seq: Sequence) -> None:
+        """Preempt a running request outside planning (its KV here cannot be trusted: it is recomputed)."""
+        self._preempt(seq, StepPlan())
+
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         self._release(seq)
-        seq.status, seq.num_computed, seq.state_src = Status.WAITING, 0, None
+        seq.status, seq.num_computed, seq.state_src, seq.kv_partial = Status.WAITING, 0, None, False
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -257,7 +262,7 @@ class Scheduler:
 
     def complete_decode(self, seq: Sequence) -> None:
         seq.num_computed = seq.num_tokens - 1  # the newest token is the next step's input
-        if seq.num_computed % self.cfg.block_size == 0:
+        if seq.num_computed % self.cfg.block_size == 0 and not seq.kv_partial:
             # a block of generated tokens is complete: cached like a prompt's, so the next turn of a
             # conversation (prompt + this answer + a new message) reuses the answer's KV too
             self.blocks.register(seq.block_ids, seq.tokens, seq.num_computed, self._hashes(seq, seq.num_computed))

@@ -41,6 +41,9 @@ class Sequence:
     decode_snapshot: int | None = None  # this decode step also saves its request-level state in this row
     snapshot_hash: bytes | None = None  # the chain hash the row it saved during decode is keyed by
     hashes: list[bytes] = field(default_factory=list)  # chain hashes of its full blocks computed so far
+    migration: object = None  # engine.migration.Outbound while part of its decode runs on a helper instance
+    kv_partial: bool = False  # layers of its KV in the pool miss the tokens decoded while they ran on a helper
+    migrations: list[dict] = field(default_factory=list)  # the migrations it went through: kind, src, dst
 
     @property
     def tokens(self) -> list[int]:

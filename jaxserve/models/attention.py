@@ -26,6 +26,7 @@ from .modules import Linear, RMSNorm
 from .paged import PagedKV
 from .params import ParamInfo, declare
 from .rope import apply_rope
+from .split import split_attention
 
 def write_full(cache, new, batch: Batch):
     """Write new entries [B, T, ...] at their positions into a full cache [B, S, ...]; padding is dropped."""
@@ -73,6 +74,11 @@ def kv_attention(q, k_new, v_new, cache: dict, batch: Batch, *, scale, window, s
             else:
                 k, v = PagedKV.unpack(cache.view(), k_new.shape[-1])
             return _attend_full(q, k, v, batch, scale, sinks, kernels), cache
+        if cache.split is not None:  # some heads' older positions are on a helper instance
+            k, v = PagedKV.unpack(cache.view(), k_new.shape[-1])
+            out = split_attention(q[:, 0], k, v, PagedKV.lengths(batch), cache.since, cache.split_key(), cache.gidx,
+                                  cache.split, scale=scale, sinks=sinks)
+            return out[:, None], cache
         out = select("paged_attention", kernels)(q[:, 0], cache.pool, cache.table, PagedKV.lengths(batch),
                                                  layer=cache.layer, sliding_window=window, sinks=sinks, scale=scale,
                                                  total_blocks=cache.total_blocks)
@@ -203,7 +209,12 @@ class MLAAttention(nnx.Module):
         w = self.kv_b_proj.weight[...].reshape(L, H, nope + s.v_head_dim)
         q_lat = jnp.einsum("bthn,lhn->bthl", q_nope, w[..., :nope])
         qf = jnp.concatenate([q_lat, q_rot], axis=-1)  # absorbed query [B, T, H, L + R]
-        if isinstance(cache, PagedKV) and not cache.dense:
+        if isinstance(cache, PagedKV) and not cache.dense and cache.split is not None:  # heads on a helper
+            cache = cache.write(kv_new[:, :, None], batch)
+            kv = cache.view()[:, 0]  # [B, S, 1, L + R]
+            out_lat = split_attention(qf[:, 0], kv, kv[..., :L], PagedKV.lengths(batch), cache.since,
+                                      cache.split_key(), cache.gidx, cache.split, scale=s.scale)[:, None]
+        elif isinstance(cache, PagedKV) and not cache.dense:
             cache = cache.write(kv_new[:, :, None], batch)
             out_lat = select("paged_mla_attention", self.kernels)(
                 qf[:, 0], cache.pool, cache.table, PagedKV.lengths(batch), layer=cache.layer, kv_lora_rank=L,

@@ -34,6 +34,16 @@ class PagedKV:
     # attention then gathers only those (pallas_kernels/paged_attention.py); None: table width per row
     total_blocks: int | None = field(default=None, metadata=dict(static=True))
     dense: bool = field(default=False, metadata=dict(static=True))  # prefill: attend over `view`
+    # decode after an attention-level migration (models/split.py): the moved heads, each row's length when it
+    # moved [B], the migration's id [] int32 and each row's index in the helper's group [B]
+    split: object = field(default=None, metadata=dict(static=True))  # HeadSplit
+    since: jax.Array | None = None
+    mid: jax.Array | None = None
+    gidx: jax.Array | None = None
+
+    def split_key(self):
+        """[3] int32: the migration, this cache group, this layer in it (models/split.py `remote_partial`)."""
+        return jnp.stack([self.mid, jnp.int32(self.group), jnp.asarray(self.layer, jnp.int32)])
 
     @staticmethod
     def pack(k, v, entries: int):

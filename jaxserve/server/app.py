@@ -30,7 +30,7 @@ from ..config import Config
 from ..engine.client import EngineClient, EngineUnavailable, QueueFull, RequestError, Update
 from .gate import Gate
 from .metrics import Metrics
-from .protocol import APIError, ChatRequest, CompletionRequest, LinkUpdate, RoleUpdate
+from .protocol import APIError, ChatRequest, CompletionRequest, LinkUpdate, MigrateRequest, RoleUpdate
 
 _work = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="http-work")
 
@@ -103,7 +103,7 @@ def create_app(config: Config, engine: EngineClient, model_name: str, metrics: M
             from fastapi.openapi.utils import get_openapi
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
             comps = schema.setdefault("components", {}).setdefault("schemas", {})
-            for model in (CompletionRequest, ChatRequest, LinkUpdate, RoleUpdate):
+            for model in (CompletionRequest, ChatRequest, LinkUpdate, RoleUpdate, MigrateRequest):
                 js = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 comps.update(js.pop("$defs", {}))
                 comps[model.__name__] = js
@@ -191,12 +191,14 @@ def create_app(config: Config, engine: EngineClient, model_name: str, metrics: M
                                      "prefix_source": instance if updates[0].cached_tokens else None}
         kv = sum((u.route or {}).get("kv_bytes_transferred", 0) for u in updates)
         cached = max(u.cached_tokens for u in updates)
+        moves = [m for u in updates for m in u.migrations or ()]
         return {"route": route["route"], "prefill_instance": route["prefill_instance"],
                 "decode_instance": route["decode_instance"], "prefill_cluster": route.get("prefill_cluster"),
                 "decode_cluster": route.get("decode_cluster"), "kv_backend": route.get("kv_backend"),
                 "cached_tokens": cached, "uncached_tokens": updates[0].prompt_tokens - cached,
                 "prefix_source": route.get("prefix_source"), "prefix_move": route.get("prefix_move"),
-                "kv_bytes_transferred": kv, "ttft_s": round(min(ttft), 6) if ttft else None}
+                "kv_bytes_transferred": kv, "ttft_s": round(min(ttft), 6) if ttft else None,
+                "migrations": [m for i, m in enumerate(moves) if m not in moves[:i]]}
 
     def usage(updates: list[Update]):
         p = updates[0].prompt_tokens
@@ -347,6 +349,18 @@ def create_app(config: Config, engine: EngineClient, model_name: str, metrics: M
         body = await parse(request, RoleUpdate)
         try:
             return await engine.set_role(body.instance, body.role)
+        except RequestError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        except EngineUnavailable as e:
+            raise APIError(503, str(e), "server_error", code="unavailable") from None
+
+    @app.post("/admin/migrate", openapi_extra=_body_schema(MigrateRequest))
+    async def admin_migrate(request: Request):
+        """Move part of the decode work of the requests running on src to dst (the KV of some heads, or a range
+        of layers); answers once the move is done."""
+        body = await parse(request, MigrateRequest)
+        try:
+            return await engine.migrate(body.kind, body.src, body.dst, body.heads, body.layers)
         except RequestError as e:
             raise APIError(400, str(e), param=e.param) from None
         except EngineUnavailable as e:

@@ -97,6 +97,15 @@ class RoleUpdate(_Body):
     role: Literal["prefill", "decode", "both"]
 
 
+class MigrateRequest(_Body):
+    """POST /admin/migrate: move part of the decode work of the requests running on src to dst."""
+    kind: Literal["heads", "layers"]
+    src: StrictStr = Field(min_length=1, max_length=256)
+    dst: StrictStr = Field(min_length=1, max_length=256)
+    heads: list[StrictInt] | None = Field(None, min_length=1, max_length=4096)
+    layers: list[StrictInt] | None = Field(None, min_length=2, max_length=2)
+
+
 class LinkUpdate(_Body):
     """POST /admin/links: the emulated bandwidth of the link from cluster src to cluster dst."""
     src: StrictStr = Field(min_length=1, max_length=256)

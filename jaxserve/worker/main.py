@@ -30,6 +30,12 @@ schema in messages.py before a handler sees it):
   Export    (prefill, store) {"request_id", "prompt" (the prefix), "dst": reservation} -> {"kv_bytes", "frames",
             "sends", "resends", "backend"}: sends the prefix's KV from this instance's prefix cache, no compute;
             FAILED_PRECONDITION when it is no longer cached.
+  Migrate   (decode, both) {"kind": "heads" | "layers", "dst", "heads"? | "layers"? [lo, hi]} -> {"requests",
+            "bytes", "seconds"}: part of the decode work of the requests decoding here moves to instance dst
+            (engine/migration.py), looked up in the peer table; INVALID_ARGUMENT for an impossible move, its
+            details starting with the field at fault in brackets ("[heads] ...").
+  MigrateCall (raw bytes, any role but store) a migration's messages to its helper: the moved state, then each
+            step's queries or hidden states (engine/migration.py `Guests`), computed on a thread of their own.
 A worker of role `store` (the global KV cache store) runs no model step: it answers Import (the router writes
 prefill instances' prompts into it) and Export (a prefill instance loads a prefix from it), and refuses Decode,
 Prefill and Generate.
@@ -66,6 +72,7 @@ from ..config import Config, InstanceSection
 
 log = logging.getLogger("jaxserve.worker")
 READY = "JAXSERVE_WORKER_READY"
+MIGRATE_CALL_S = 30.0  # a helper that does not answer a migration's call within this fails the step's move
 
 
 class Refused(RuntimeError):
@@ -146,6 +153,9 @@ class Worker:
         self._active = 0  # Decode, Prefill, Generate, Import and Export calls in progress (asyncio loop only)
         self._idle: asyncio.Event | None = None  # set while _active is 0 (made on the loop, in start())
         self._flipping = False
+        self._helpers: dict = {}  # address -> rpc.SyncClient: helpers of this instance's migrations
+        import concurrent.futures
+        self._migrations = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="migration")  # as a helper
 
     def _warm(self, role: str, progress: bool = False) -> int:
         """Compile what `role` runs (engine thread, or before the engine thread starts) -> programs compiled.
@@ -540,6 +550,38 @@ class Worker:
         return await self._sent(handoff.sender, ctx)
 
     # ---- heartbeats (on the thread of self._beats)
+    # ---- migration (engine/migration.py)
+    async def migrate(self, req, ctx):
+        import grpc
+        from ..engine.migration import MigrationError
+        if self.role in ("prefill", "store"):
+            await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, f"[src] {self.inst.name} is a {self.role} "
+                                                                 "instance: nothing decodes here")
+        peer = await self._peer(req.dst)
+        if peer is None or req.dst == self.inst.name:
+            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"[dst] no helper instance {req.dst!r} registered")
+        link = self._helper_link(peer["address"])
+        try:
+            return await self.engine.call(lambda eng: eng.migrate(req.kind, req.heads, req.layers, self.inst.name,
+                                                                  req.dst, link))
+        except MigrationError as e:  # the field it names first, for the router's answer
+            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"[{e.param or 'kind'}] {e}")
+
+    def _helper_link(self, address: str):
+        """The blocking call that carries a migration's messages to the helper at `address` (one channel each)."""
+        from . import rpc
+        if address not in self._helpers:
+            self._helpers[address] = rpc.SyncClient(address, self.cfg.transfer.token, self.tls)
+        client = self._helpers[address]
+        return lambda payload: client.call_raw("MigrateCall", payload, timeout=MIGRATE_CALL_S)
+
+    async def migrate_call(self, payload: bytes, ctx) -> bytes:
+        import grpc
+        if self.role == "store":
+            await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.inst.name} is the KV store: it runs no model")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._migrations, self.llm.guests.handle, payload)
+
     async def _register(self) -> None:
         """One registration with the router, carrying the prefix-cache events it asked for last time (the
         global KV index, router/kv_index.py); its answer replaces the peer table."""
@@ -607,11 +649,12 @@ class Worker:
         self._idle = asyncio.Event()
         self._idle.set()
         unary = {"Health": self.health, "SetLink": self.set_link, "SetRole": self.set_role,
-                 "Export": self._counted(self.export_prefix, False)}
+                 "Export": self._counted(self.export_prefix, False), "Migrate": self.migrate}
         streams = {name: self._counted(fn, True) for name, fn in (
             ("Decode", self.decode), ("Generate", self.generate), ("Prefill", self.prefill),
             ("Import", self.import_prefix))}
-        server.add_generic_rpc_handlers((rpc.handler(unary, streams, messages.WORKER),))
+        server.add_generic_rpc_handlers((rpc.handler(unary, streams, messages.WORKER,
+                                                     {"MigrateCall": self.migrate_call}),))
         port = rpc.listen(server, f"{self.inst.host}:{self.inst.port}", self.tls)
         await server.start()
         self.address = f"{self.inst.host}:{port}"
@@ -652,6 +695,9 @@ class Worker:
     def close(self) -> None:
         for link, _ in self.links.values():
             link.close()
+        for client in self._helpers.values():
+            client.close()
+        self._migrations.shutdown(wait=False)
         if self.feeder:
             self.feeder.close()
         self.intake.close()

@@ -170,6 +170,15 @@ class Register(_Msg):
     kv_epoch: Annotated[StrictStr, Field(min_length=1, max_length=64)] | None = None  # its cache events' epoch
 
 
+class Migrate(_Msg):
+    """Move part of the decode work of the requests decoding here to instance `dst` (engine/migration.py)."""
+    kind: Literal["heads", "layers"]
+    dst: Name
+    heads: Annotated[list[Annotated[StrictInt, Field(ge=0, lt=1 << 16)]], Field(max_length=4096)] | None = None
+    layers: Annotated[list[Annotated[StrictInt, Field(ge=0, lt=1 << 16)]], Field(min_length=2,
+                                                                                 max_length=2)] | None = None
+
+
 WORKER = {"Health": Health, "Decode": Decode, "Prefill": Prefill, "Generate": Generate, "SetLink": SetLink,
-          "SetRole": SetRole, "Import": Import, "Export": Export}
+          "SetRole": SetRole, "Import": Import, "Export": Export, "Migrate": Migrate}
 ROUTER = {"Register": Register}

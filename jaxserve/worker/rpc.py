@@ -1,6 +1,8 @@
 """gRPC plumbing for the control plane: JSON messages over generic method handlers (no generated stubs).
 
-Control messages are small (ids, token lists, block ids); KV bytes never travel here (transfer/).
+Control messages are small (ids, token lists, block ids); requests' KV never travels here (transfer/). The
+one exception is a migration's (engine/migration.py): the raw `MigrateCall` method carries its moved KV once and
+each decode step's queries, partial attention results or hidden states, as bytes with their own header.
 
 - **Authentication.** Every call carries the cluster token (`transfer.token`) in its metadata
   (`x-jaxserve-token`). The server's interceptor compares it in constant time before the request message is
@@ -107,9 +109,12 @@ def _internal(name: str, e: Exception) -> str:
     return f"{name}: internal error: {type(e).__name__}: {e}"
 
 
-def handler(unary: dict, streams: dict, schemas: dict[str, type[BaseModel]]) -> grpc.GenericRpcHandler:
+def handler(unary: dict, streams: dict, schemas: dict[str, type[BaseModel]],
+            raw: dict | None = None) -> grpc.GenericRpcHandler:
     """Generic handler: unary `async fn(request, context) -> dict`, streams async generators of dicts; each
-    method's request is parsed into `schemas[name]` first (INVALID_ARGUMENT when it does not fit)."""
+    method's request is parsed into `schemas[name]` first (INVALID_ARGUMENT when it does not fit). raw: unary
+    methods of bytes to bytes, `async fn(payload, context) -> bytes`, that parse their own messages (a
+    ValueError or KeyError they raise is INVALID_ARGUMENT)."""
     def unary_method(name, fn):
         async def call(raw, ctx):
             req = await _parse(schemas[name], raw, ctx)
@@ -133,11 +138,24 @@ def handler(unary: dict, streams: dict, schemas: dict[str, type[BaseModel]]) -> 
                 await ctx.abort(Code.INTERNAL, _internal(name, e))
         return grpc.unary_stream_rpc_method_handler(call, response_serializer=_enc)
 
+    def raw_method(name, fn):
+        async def call(payload, ctx):
+            try:
+                return await fn(payload, ctx)
+            except grpc.aio.AbortError:
+                raise
+            except (ValueError, KeyError) as e:
+                await ctx.abort(Code.INVALID_ARGUMENT, f"{name}: {type(e).__name__}: {e}")
+            except Exception as e:  # noqa: BLE001
+                await ctx.abort(Code.INTERNAL, _internal(name, e))
+        return grpc.unary_unary_rpc_method_handler(call)
+
     missing = (set(unary) | set(streams)) - set(schemas)
     if missing:
         raise ValueError(f"methods without a request schema: {sorted(missing)}")
     methods = {name: unary_method(name, fn) for name, fn in unary.items()}
     methods.update({name: stream_method(name, fn) for name, fn in streams.items()})
+    methods.update({name: raw_method(name, fn) for name, fn in (raw or {}).items()})
     return grpc.method_handlers_generic_handler(SERVICE, methods)
 
 
@@ -174,6 +192,23 @@ class Client:
 
     async def close(self) -> None:
         await self.channel.close()
+
+
+class SyncClient:
+    """A blocking client of one worker's raw (bytes to bytes) methods, for calls from threads that are not an
+    asyncio loop (a step program's host callbacks): `client.call_raw(name, payload, timeout)`."""
+
+    def __init__(self, address: str, token: str, tls=None):
+        self.address = address
+        self.metadata = ((TOKEN_KEY, token),)
+        self.channel = (grpc.insecure_channel(address, options=OPTIONS) if tls is None else
+                        grpc.secure_channel(address, tls.grpc_channel_credentials(), options=OPTIONS))
+
+    def call_raw(self, name: str, payload: bytes, timeout: float | None = None) -> bytes:
+        return self.channel.unary_unary(f"/{SERVICE}/{name}")(payload, timeout=timeout, metadata=self.metadata)
+
+    def close(self) -> None:
+        self.channel.close()
 
 
 class LoopThread:

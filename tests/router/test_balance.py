@@ -343,6 +343,7 @@ def test_policies_store_and_controller_on_a_live_cluster(checkpoint_dir):
               and not any(w.draining for w in cluster.registry.all()), "flip")
         assert cluster.control_actions[0]["instance"] == "p1" and cluster.control_count == 1
         assert [tokens(complete(client, p)["choices"][0]) for p in short] == base
+        migrate_by_hand(client, cluster, flow, cfg)
         plan.append(Action("scale_out", "prefill", None, "test: prefill overloaded"))
         until(lambda: cluster.registry.get("p2") is not None and cluster.registry.is_up(cluster.registry.get("p2")),
               "scale-out")
@@ -367,3 +368,42 @@ def test_policies_store_and_controller_on_a_live_cluster(checkpoint_dir):
     with serving(disagg_config(checkpoint_dir("llama"))) as (client, _):
         want = [tokens(complete(client, p)["choices"][0]) for p in prompts]
     assert [tokens(got[k]["choices"][0]) for k in range(3)] == want
+
+
+def migrate_by_hand(client, cluster, flow, cfg):
+    """POST /admin/migrate between the two decode instances (d0, and p1 since its flip) while a request decodes
+    there: the move answers 200 once done, the answer is the one without migration, and the completion lists
+    the move; impossible moves are 400 naming the field."""
+    import concurrent.futures
+
+    import httpx
+    from tests.router.test_cluster_http import complete, tokens
+    cluster.policy = policy.make(parse({**cfg, "policy": {"name": "round_robin"}}).policy)
+    prompt = [5, 7, 9, 11, 13, 2, 3, 4]
+    want = tokens(complete(client, prompt, max_tokens=48)["choices"][0])
+    for kind, arg in (("heads", {"heads": [1]}), ("layers", {"layers": [1, 3]})):
+        with httpx.Client(base_url=client.base_url, timeout=300) as other, \
+                concurrent.futures.ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(complete, other, prompt, max_tokens=48)
+            moved = None
+            while moved is None and not fut.done():
+                for src, dst in (("d0", "p1"), ("p1", "d0")):
+                    r = client.post("/admin/migrate", json={"kind": kind, "src": src, "dst": dst, **arg})
+                    if r.status_code == 200:
+                        moved = r.json()
+                        break
+                    assert r.status_code == 400 and "nothing is decoding" in r.text, r.text
+            res = fut.result()
+        assert moved is not None and moved["kind"] == kind and len(moved["requests"]) == 1, moved
+        assert tokens(res["choices"][0]) == want, kind
+        assert res["jaxserve"]["migrations"] == [{"kind": kind, "src": moved["src"], "dst": moved["dst"]}], res
+        assert res["jaxserve"]["decode_instance"] == moved["src"]
+    for body, param in (({"kind": "heads", "src": "zz", "dst": "d0", "heads": [0]}, "src"),
+                        ({"kind": "heads", "src": "d0", "dst": "s0", "heads": [0]}, "dst"),
+                        ({"kind": "heads", "src": "d0", "dst": "p1", "heads": [7]}, "heads"),
+                        ({"kind": "layers", "src": "d0", "dst": "p1", "layers": [3, 9]}, "layers"),
+                        ({"kind": "heads", "src": "d0", "dst": "p1", "heads": [0]}, "src"),  # nothing running
+                        ({"kind": "rows", "src": "d0", "dst": "p1"}, "kind")):
+        r = client.post("/admin/migrate", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    cluster.policy = flow
