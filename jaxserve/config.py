@@ -224,7 +224,15 @@ class PolicySection(_Strict):
                             "overloaded prefill side")
     extreme_s: float = Field(30.0, ge=0, description="flowkv: how long a scenario lasts before scaling")
     control_s: float | None = Field(None, gt=0, description="flowkv: run the global controller this often (role "
-                                    "changes, scaling); off when unset")
+                                    "changes, scaling); banaserve with migrate: plan migrations this often; off "
+                                    "when unset")
+    migrate: bool = Field(False, description="banaserve: every control_s, move decode work (layers or KV heads "
+                          "of the running requests) from the most to the least loaded decode instance (BanaServe "
+                          "Algorithm 1, router/migration.py)")
+    migrate_delta_up: float = Field(0.4, gt=0, description="migrate: a round starts when the load gap (busy "
+                                    "fraction + KV use) exceeds this")
+    migrate_delta_down: float = Field(0.15, ge=0, description="migrate: ... and goes on while it exceeds this")
+    migrate_budget_s: float = Field(2.0, gt=0, description="migrate: the most one move may take (T_budget)")
     threshold_tokens: int = Field(1024, ge=0, description="prfaas: a request whose uncached prompt length exceeds "
                                   "this is prefilled in a PrfaaS cluster, the rest in the PD cluster")
     adaptive: bool = Field(True, description="prfaas: the effective threshold follows the PrfaaS -> PD link's "
@@ -270,8 +278,13 @@ class PolicySection(_Strict):
     def _load_band(self):
         if self.load_low >= self.load_high:
             raise ValueError(f"load_low ({self.load_low}) must be below load_high ({self.load_high})")
-        if self.control_s is not None and self.name != "flowkv":
-            raise ValueError("control_s needs name: flowkv")
+        if self.control_s is not None and self.name != "flowkv" and not self.migrate:
+            raise ValueError("control_s needs name: flowkv, or migrate")
+        if self.migrate and (self.name != "banaserve" or self.control_s is None):
+            raise ValueError("migrate needs name: banaserve and control_s")
+        if self.migrate_delta_down >= self.migrate_delta_up:
+            raise ValueError(f"migrate_delta_down ({self.migrate_delta_down}) must be below migrate_delta_up "
+                             f"({self.migrate_delta_up})")
         return self
 
     @model_validator(mode="after")

@@ -51,6 +51,7 @@ from jaxserve.worker import rpc
 from . import policy as policies
 from .control import ControlServer
 from .kv_index import KVIndex
+from .migration import MigrationParams, MigrationPlanner, Unit
 from .policy import Placement
 from .registry import Registry, WorkerInfo
 from .snapshot import Topology
@@ -149,7 +150,10 @@ class Router:
         self.sequences: dict[str, list[_Sub]] = {}  # request id -> its sequences, while it runs (read-only view)
         self.kv_bytes_transferred = 0
         self.retries = 0
-        self.migrations: dict[str, int] = {}  # moves done by kind (POST /admin/migrate)
+        self.migrations: dict[str, int] = {}  # moves done by kind (POST /admin/migrate, the planner)
+        pol = cfg.policy
+        self.mover = (MigrationPlanner(MigrationParams(pol.migrate_delta_up, pol.migrate_delta_down,
+                                                       budget_s=pol.migrate_budget_s)) if pol.migrate else None)
         self.prefix_moves = {"done": 0, "failed": 0, "bytes": 0}  # cached prefixes moved between instances
         self.store_puts = {"done": 0, "failed": 0, "bytes": 0}  # prefixes written to the global KV store
         self._store_tasks: set[asyncio.Task] = set()
@@ -212,7 +216,8 @@ class Router:
                 "kv_bytes_transferred": self.kv_bytes_transferred, "retries": self.retries,
                 "routes": dict(self.routes), "policy": {**self.policy.state(), **self.replan_state,
                                                         **({"control_actions": self.control_count}
-                                                           if self.cfg.policy.control_s else {})},
+                                                           if self.cfg.policy.control_s else {}),
+                                                        "migrations": sum(self.migrations.values())},
                 "index": self.index.stats(),
                 "prefix_moves": dict(self.prefix_moves), "store_puts": dict(self.store_puts)}
 
@@ -326,8 +331,37 @@ class Router:
             await asyncio.sleep(self.cfg.policy.control_s)
             try:
                 await self.control()
+                if self.mover is not None:
+                    await self.rebalance()
             except Exception:  # noqa: BLE001 - a failed cycle changes nothing; the next one retries
                 log.exception("policy control failed")
+
+    async def rebalance(self) -> list:
+        """One cycle of BanaServe's migration planner (router/migration.py, Algorithm 1) over the decode
+        instances' heartbeat loads (busy fraction + KV use): the moves it decides are carried out as
+        POST /admin/migrate's (`migrate`); a move that cannot be made now (nothing decoding) is skipped."""
+        units = []
+        for w in self.registry.up():
+            st = w.stats
+            if w.draining or not w.serves("decode") or "move_layers" not in st:
+                continue
+            load = st.get("busy", 0.0) + st.get("blocks_used", 0) / max(1, st.get("blocks_total", 1))
+            units.append(Unit(w.name, load, (0, int(st["move_layers"])), int(st.get("move_heads", 0)),
+                              int(st.get("running", 0)), float(st.get("layer_weight_bytes", 0)),
+                              float(st.get("layer_kv_bytes", 0))))
+        done = []
+        for m in self.mover.plan(units):
+            heads = layers = None
+            if m.kind == "heads":
+                n = next(u.heads for u in units if u.name == m.src)
+                heads = list(range(n - m.heads, n))
+            else:
+                layers = list(m.layers)
+            try:
+                done.append(await self.migrate(m.kind, m.src, m.dst, heads, layers))
+            except (RequestError, Unavailable) as e:
+                log.info("migration planner: %s %s -> %s not made: %s", m.kind, m.src, m.dst, e)
+        return done
 
     async def control(self) -> list:
         """One cycle of the policy's global controller (flowkv `control`): role flips are carried out as the

@@ -144,6 +144,15 @@ def test_banaserve_preset_and_the_store_role():
     assert roles == ["decode", "decode", "prefill", "prefill", "store"]
     assert isinstance(make(cfg.policy), BanaServe) and make(cfg.policy).p.store
     assert next(i for i in cfg.instances() if i.role == "store").kv_blocks == 8192
+    assert cfg.policy.migrate and cfg.policy.control_s == 2.0  # its migration planner runs every 2 s
+    inst = {"clusters": [{"name": "c", "instances": [{"name": "d", "role": "decode"}]}]}
+    for bad, what in (({"name": "flowkv", "control_s": 1, "migrate": True}, "migrate needs name: banaserve"),
+                      ({"name": "banaserve", "migrate": True}, "migrate needs name: banaserve and control_s"),
+                      ({"name": "banaserve", "control_s": 1}, "control_s needs name: flowkv, or migrate"),
+                      ({"name": "banaserve", "control_s": 1, "migrate": True, "migrate_delta_down": 0.5},
+                       "migrate_delta_down")):
+        with pytest.raises(ConfigFileError, match=what):
+            parse({**inst, "policy": bad})
     two = {"clusters": [{"name": "c", "instances": [{"name": "d", "role": "decode"}, {"name": "s", "role": "store"},
                                                     {"name": "t", "role": "store"}]}]}
     with pytest.raises(ConfigFileError, match="one instance of role 'store' at most"):

@@ -31,7 +31,7 @@ from ..models.stack import LayerStack, layer_runs
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
 from .client import RequestError, encode
-from .migration import Guests, MigrationError, RemoteFailed, plan_move, start_move
+from .migration import Guests, MigrationError, RemoteFailed, facts as migration_facts, plan_move, start_move
 from .runner import DecodeRow, ModelRunner, PrefillRow, Prefix
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import Sequence
@@ -156,6 +156,7 @@ class LLMEngine:
         self._rng = np.random.default_rng()
         self.outbound: dict[int, object] = {}  # moves of work from here to helpers (engine/migration.py)
         self._guests: Guests | None = None
+        self._layer_weight_bytes: int | None = None  # (migration facts)
         self.moves = {"started": 0, "failed": 0, "calls": 0}  # moves from here, their helpers' calls, failures
 
     # ---- requests
@@ -480,7 +481,8 @@ class LLMEngine:
                 "blocks_total": b.num_blocks, "blocks_free": b.num_free, "blocks_used": b.num_referenced(),
                 "busy": round(self.timer.busy(), 4), "swapped": self.scheduler.num_preempted_waiting(),
                 "prefix_hit_rate": b.hit_rate, "compiled_programs": len(self.runner.programs),
-                "preemptions": self.scheduler.num_preemptions, "kernel_fallbacks": len(self.kernel_fallbacks)}
+                "preemptions": self.scheduler.num_preemptions, "kernel_fallbacks": len(self.kernel_fallbacks),
+                **migration_facts(self)}
 
 
 class Detokenizer:

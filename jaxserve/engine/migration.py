@@ -204,6 +204,31 @@ class RemoteStep:
             raise RemoteFailed(f"helper {self.out.dst}: {self.out.failed}")
 
 
+def attention_heads(engine) -> tuple[int, int, bool] | None:
+    """(query heads, cache heads, MLA) of the model's full-attention layers, or None when it has none or they
+    differ (no one set of heads can move)."""
+    specs = [engine.model_config.layers[i].mixer for g in engine.layout.groups if g.kind == "full"
+             for i in g.group.layers]
+    if not specs or not all(isinstance(s, (GQASpec, MLASpec)) for s in specs):
+        return None
+    counts = {(s.num_heads, getattr(s, "num_kv_heads", 1), isinstance(s, MLASpec)) for s in specs}
+    return counts.pop() if len(counts) == 1 else None
+
+
+def facts(engine) -> dict:
+    """What the router's migration planner needs of an instance (its heartbeat stats): the layers and heads a
+    move can take, the weight bytes of one layer and the KV bytes of one layer its running requests hold."""
+    heads = attention_heads(engine)
+    L = engine.layout.num_layers
+    if engine._layer_weight_bytes is None:
+        engine._layer_weight_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.runner.params)) // L
+    used = engine.blocks.num_referenced() / max(1, engine.blocks.num_blocks)
+    return {"move_layers": L, "move_heads": 0 if heads is None else heads[0] if heads[2] else heads[1],
+            "layer_weight_bytes": engine._layer_weight_bytes,
+            "layer_kv_bytes": int(engine.layout.bytes(engine.dtype) * used / L),
+            "moves_out": len(engine.outbound), "moves_in": engine._guests.count() if engine._guests else 0}
+
+
 def plan_move(engine, kind: str, heads: list[int] | None, layers: list[int] | None) -> Remote:
     """The move's static spec, checked against the model (MigrationError naming the field)."""
     if kind not in KINDS:
@@ -221,15 +246,10 @@ def plan_move(engine, kind: str, heads: list[int] | None, layers: list[int] | No
         return Remote("layers", span=(lo, hi))
     if layers is not None:
         raise MigrationError("an attention-level move takes `heads`, not `layers`", "layers")
-    full = {g.group.layers[0] for g in engine.layout.groups if g.kind == "full"}
-    attn = [specs[i] for g in engine.layout.groups if g.kind == "full" for i in g.group.layers]
-    if not full or not attn:
-        raise MigrationError("the model has no full-attention layer: no heads to move", "kind")
-    latent = isinstance(attn[0], MLASpec)
-    counts = {(s.num_heads, getattr(s, "num_kv_heads", 1), isinstance(s, MLASpec)) for s in attn}
-    if len(counts) != 1 or not all(isinstance(s, (GQASpec, MLASpec)) for s in attn):
-        raise MigrationError("the full-attention layers differ in their heads: no one set of heads moves", "heads")
-    Hq, Hkv, _ = counts.pop()
+    got = attention_heads(engine)
+    if got is None:
+        raise MigrationError("the model has no full-attention layers of one head layout: no heads to move", "kind")
+    Hq, Hkv, latent = got
     n = Hq if latent else Hkv
     if not heads or len(set(heads)) != len(heads) or not all(0 <= h < n for h in heads):
         what = "query heads (MLA: the latent is shared)" if latent else "KV heads"

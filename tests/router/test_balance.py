@@ -407,3 +407,42 @@ def migrate_by_hand(client, cluster, flow, cfg):
         r = client.post("/admin/migrate", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
     cluster.policy = flow
+
+
+def test_the_router_carries_out_the_migration_planners_moves_from_heartbeat_loads():
+    """Router.rebalance: units from the decode instances' heartbeat stats (load = busy + KV use), the planner's
+    moves made as POST /admin/migrate's: the most loaded instance's last layers (or KV heads) to the least
+    loaded; a steady gap under delta_up afterwards starts nothing; the store and prefill instances are no units."""
+    import asyncio
+
+    from router.cluster import Router
+    cfg = parse({"model": {"path": "bundled"}, "clusters": [{"name": "c", "instances": [
+        {"name": "p0", "role": "prefill"}, {"name": "d0", "role": "decode"}, {"name": "d1", "role": "decode"},
+        {"name": "s0", "role": "store"}]}], "policy": {"name": "banaserve", "control_s": 1.0, "migrate": True}})
+    router = Router(cfg, None)
+
+    def beat(name, role, busy, used, running, heads=2):
+        router.registry.register({"name": name, "role": role, "address": f"{name}:1", "max_model_len": 64,
+                                  "stats": {"busy": busy, "blocks_used": used, "blocks_total": 100,
+                                            "running": running, "move_layers": 4, "move_heads": heads,
+                                            "layer_weight_bytes": 1e5, "layer_kv_bytes": 1e4}})
+    beat("p0", "prefill", 0.9, 90, 0)
+    beat("s0", "store", 0.0, 0, 0)
+    beat("d0", "decode", 0.9, 60, 3)
+    beat("d1", "decode", 0.1, 5, 0)
+    calls = []
+
+    async def migrate(kind, src, dst, heads=None, layers=None):
+        calls.append((kind, src, dst, heads, layers))
+        return {"kind": kind}
+    router.migrate = migrate
+    assert asyncio.run(router.rebalance()) == [{"kind": "layers"}]
+    kind, src, dst, heads, layers = calls[0]
+    assert (kind, src, dst, heads) == ("layers", "d0", "d1", None) and layers[1] == 4 and 0 < layers[0] < 4
+    # the loads even out below delta_down: the round ends; a gap between the thresholds starts none
+    beat("d0", "decode", 0.5, 30, 3)
+    beat("d1", "decode", 0.45, 25, 0)
+    assert asyncio.run(router.rebalance()) == [] and not router.mover.active
+    beat("d0", "decode", 0.6, 30, 3)
+    beat("d1", "decode", 0.4, 20, 0)
+    assert asyncio.run(router.rebalance()) == [] and len(calls) == 1
