@@ -90,6 +90,7 @@ bench: $(STAMP)
 	$(BENCH) bench.sim_validate --json $(R)/sim_validate.json
 	$(BENCH) bench.balance --json $(R)/balance.json --png $(R)/balance.png
 	$(BENCH) bench.store --json $(R)/store.json
+	$(BENCH) bench.migration --json $(R)/migration.json
 	if nvidia-smi > /dev/null 2>&1; then $(BENCH) bench.kernels --iters 20 --json $(R)/kernels_h100.json && \
 		$(BENCH) bench.kernel_tune --json $(R)/kernel_tune_h100.json && \
 		$(BENCH) bench.offline --no-baseline --reps 2 --json $(R)/offline_h100.json; fi

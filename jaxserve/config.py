@@ -66,6 +66,10 @@ class InstanceSection(_Strict):
                                                                 "store (prefix KV shared by every prefill instance)")
     kv_blocks: int | None = Field(None, ge=1, description="cache blocks of this instance (default engine.num_blocks): "
                                   "a store's capacity")
+    spill_mb: int | None = Field(None, ge=1, description="store: blocks evicted from its cache go to disk, up to "
+                                 "this many MB, and stay in the store (cache/disk_tier.py)")
+    spill_dir: str | None = Field(None, description="store: where spilled blocks go (default "
+                                  "~/.cache/jaxserve/spill/<instance>; emptied at start)")
     devices: list[int] = Field(default_factory=lambda: [0])
     tp: int = Field(1, ge=1)
     cpus: list[int] = Field(default_factory=list, description="CPU cores the worker is pinned to (empty: all)")
@@ -91,7 +95,17 @@ class InstanceSection(_Strict):
             raise ValueError(f"tp={self.tp} needs {self.tp} devices, {len(self.devices)} listed")
         if self.standby and (not self.launch or self.role == "store"):
             raise ValueError("standby: a standby instance is started by the router (launch: true), and is no store")
+        if (self.spill_mb is not None or self.spill_dir is not None) and self.role != "store":
+            raise ValueError("spill_mb: only the global KV store (role: store) spills its cache to disk")
+        if self.spill_dir is not None and self.spill_mb is None:
+            raise ValueError("spill_dir needs spill_mb (the disk tier's size)")
         return self
+
+    def spill_path(self) -> str | None:
+        """The disk tier's directory (None: no disk tier)."""
+        if self.spill_mb is None:
+            return None
+        return self.spill_dir or os.path.join("~/.cache/jaxserve/spill", self.name)
 
 
 class ClusterSection(_Strict):

@@ -153,6 +153,13 @@ def test_banaserve_preset_and_the_store_role():
                        "migrate_delta_down")):
         with pytest.raises(ConfigFileError, match=what):
             parse({**inst, "policy": bad})
+    spill = parse({"clusters": [{"name": "c", "instances": [{"name": "d", "role": "decode"},
+                                                            {"name": "s", "role": "store", "spill_mb": 64}]}]})
+    assert next(i for i in spill.instances() if i.role == "store").spill_path().endswith("spill/s")
+    for bad, what in (({"role": "decode", "spill_mb": 64}, "only the global KV store"),
+                      ({"role": "store", "spill_dir": "/tmp/x"}, "spill_dir needs spill_mb")):
+        with pytest.raises(ConfigFileError, match=what):
+            parse({"clusters": [{"name": "c", "instances": [{"name": "s", **bad}]}]})
     two = {"clusters": [{"name": "c", "instances": [{"name": "d", "role": "decode"}, {"name": "s", "role": "store"},
                                                     {"name": "t", "role": "store"}]}]}
     with pytest.raises(ConfigFileError, match="one instance of role 'store' at most"):

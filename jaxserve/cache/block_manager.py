@@ -15,6 +15,9 @@ Request-level state (linear-attention and sliding-window layers) cannot be cut a
 it is reusable only at exactly that length. A model with such state reuses a prefix only up to a boundary
 that has a snapshot.
 
+With a disk tier (`spill`, disk_tier.py) evicted blocks keep their KV on disk and stay held (matchable by a
+prefix read, `spilled`) until the tier drops them past its budget.
+
 Every hash and snapshot gained or lost is reported to an events log (events.py) when one is given: the
 router's global KV index follows it. Invariant (checked by `check()`): free + evictable + referenced blocks
 == total. Plain Python; the engine thread owns it.
@@ -107,6 +110,10 @@ class BlockManager:
         self.evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 but hashed, oldest first
         self.events = events
         self.snapshots = SnapshotPool(num_snapshots if prefix_caching else 0, events)
+        # a disk tier (disk_tier.py) that evicted cached blocks go to, and how to read their KV from the pool:
+        # read_blocks(block ids) -> per block, its arrays (set by the engine with the tier)
+        self.spill = None
+        self.read_blocks = None
         self.query_tokens = 0
         self.hit_tokens = 0
 
@@ -195,6 +202,8 @@ class BlockManager:
             gone.append(self.block_hash.pop(b))
             del self.hash_block[gone[-1]]
             evict.append(b)
+        if self.spill is not None and evict:  # their KV goes to disk: lost only when the tier drops it
+            gone = self._spill(evict, gone)
         if self.events is not None:
             self.events.emit("removed", gone)
         self.allocator.free(evict)
@@ -202,6 +211,18 @@ class BlockManager:
         for b in out:
             self.ref[b] = 1
         return out
+
+    def _spill(self, blocks: list[int], hashes: list[bytes]) -> list[bytes]:
+        """Save evicted blocks to the disk tier -> the hashes no longer held anywhere (dropped past its budget)."""
+        dropped = self.spill.save(list(zip(hashes, self.read_blocks(blocks))))
+        return [h for h in dropped if h not in self.hash_block]
+
+    def spilled(self, hashes: list[bytes], start: int) -> int:
+        """How many of hashes[start:] follow on in the disk tier, as a chain."""
+        n = 0
+        while self.spill is not None and start + n < len(hashes) and hashes[start + n] in self.spill:
+            n += 1
+        return n
 
     def uncache(self, block: int) -> bool:
         """Drop `block` from the prefix cache if it is cached and no request holds it (its KV is about to be
@@ -212,7 +233,7 @@ class BlockManager:
         if h is not None:
             del self.hash_block[h]
             self.evictable.pop(block, None)
-            if self.events is not None:
+            if self.events is not None and not (self.spill is not None and h in self.spill):
                 self.events.emit("removed", [h])
             self.allocator.free([block])
         return True
@@ -233,7 +254,8 @@ class BlockManager:
 
     def full_state(self) -> dict:
         """Every hash and snapshot held, numbered (events.py `full`); the events log must be set."""
-        return self.events.full(list(self.hash_block), list(self.snapshots._rows))
+        disk = [h for h in self.spill.hashes() if h not in self.hash_block] if self.spill is not None else []
+        return self.events.full(list(self.hash_block) + disk, list(self.snapshots._rows))
 
     # ---- stats and invariants
     @property

@@ -19,6 +19,7 @@ import numpy as np
 
 from pallas_kernels import check
 from pallas_kernels.select import MODES, mode_of, resolve as resolve_kernels
+from transfer.segments import OutOfBlocks
 
 from ..cache.block_manager import BlockManager, block_hashes
 from ..cache.events import CacheEvents
@@ -79,11 +80,15 @@ class EngineConfig:
     prefix_caching: bool = True
     num_snapshots: int = 32  # request-level state snapshots kept for prefix reuse
     kernels: str = "auto"  # kernels or jnp references: auto / reference / pallas / interpret / native
+    spill_dir: str | None = None  # a disk tier for cached blocks evicted from the pool (cache/disk_tier.py) ...
+    spill_mb: int | None = None  # ... of at most this size
     compilation_cache: str | None = XLA_CACHE  # XLA's persistent compilation cache (None: off)
 
     def __post_init__(self):
         if self.max_num_seqs is None:
             object.__setattr__(self, "max_num_seqs", default_max_num_seqs(self.num_blocks, self.block_size))
+        if (self.spill_dir is None) != (self.spill_mb is None):
+            raise ValueError("engine.spill_dir and engine.spill_mb go together")
         if self.kernels not in MODES:
             raise ValueError(f"engine.kernels must be one of {', '.join(MODES)}, got {self.kernels!r}")
         for f in dataclasses.fields(self):
@@ -151,6 +156,12 @@ class LLMEngine:
                                   stack=LayerStack(layer_runs(self.model_config)
                                                    if paged <= {"reference", "native"} else ()))
         del state  # the runner's params hold the weights (stacked runs: their only copy)
+        if cfg.spill_dir is not None:
+            from ..cache.disk_tier import DiskTier
+            shapes = [(s.shape[1:], s.dtype) for gl, s in zip(self.layout.groups, self.layout.shapes(self.dtype))
+                      if gl.kind == "full"]
+            self.blocks.spill = DiskTier(cfg.spill_dir, cfg.spill_mb << 20, shapes)
+            self.blocks.read_blocks = self.runner.read_blocks
         self.eos = set(self.model_config.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
         self._rng = np.random.default_rng()
@@ -263,9 +274,34 @@ class LLMEngine:
         Read them before the next step (export programs dispatched now read the pool as it is)."""
         hashes = self._prefix_hashes(tokens)
         hits, row = self.blocks.cached(hashes, self.layout.has_request_state)
+        if len(hits) < len(hashes) and not self.layout.has_request_state:
+            hits = self._restore(tokens, hashes, hits)
         if len(hits) < len(hashes):
             return None
         return hits, (self.layout.scratch_row if row is None else row + self.snapshot_base)
+
+    def _restore(self, tokens, hashes: list[bytes], hits: list[int]) -> list[int]:
+        """The blocks of `hashes` with those after the cached `hits` brought back from the disk tier (as many as
+        follow on there, into fresh blocks, cached again) -> the blocks now cached for them, a chain."""
+        n = self.blocks.spilled(hashes, len(hits))
+        data = []
+        for h in hashes[len(hits):len(hits) + n]:
+            d = self.blocks.spill.load(h)
+            if d is None:
+                break
+            data.append(d)
+        if not data:
+            return hits
+        bs = self.cfg.block_size
+        try:
+            ids = self.blocks.allocate(hits, (len(hits) + len(data)) * bs)
+        except OutOfBlocks:
+            return hits
+        self.runner.write_blocks(ids[len(hits):], data)
+        k = len(ids)
+        self.blocks.register(ids, list(tokens)[:k * bs], k * bs, hashes[:k])
+        self.blocks.free(ids)
+        return ids
 
     def reserve_prefix(self, tokens) -> tuple[list[int], int, list[bytes]]:
         """Receiving side: blocks for the KV of `tokens` (whole blocks) that another instance's prefix cache
@@ -482,7 +518,7 @@ class LLMEngine:
                 "busy": round(self.timer.busy(), 4), "swapped": self.scheduler.num_preempted_waiting(),
                 "prefix_hit_rate": b.hit_rate, "compiled_programs": len(self.runner.programs),
                 "preemptions": self.scheduler.num_preemptions, "kernel_fallbacks": len(self.kernel_fallbacks),
-                **migration_facts(self)}
+                **migration_facts(self), **(b.spill.stats() if b.spill is not None else {})}
 
 
 class Detokenizer:

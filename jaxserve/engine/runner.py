@@ -221,6 +221,11 @@ class ModelRunner:
         self._sample = jax.jit(sample_fn, donate_argnums=(3,), static_argnames=("at",))
         self._insert = jax.jit(insert_fn, donate_argnums=(0, 1))
         self._io = DeviceIO()
+        full = [i for i, gl in enumerate(layout.groups) if gl.kind == "full"]
+        self._read_blocks = jax.jit(lambda pool, ids: [pool[i][ids] for i in full])
+        self._write_blocks = jax.jit(lambda pool, ids, vals: [
+            pool[i].at[ids].set(vals[full.index(i)].astype(pool[i].dtype), mode="drop") if i in full else pool[i]
+            for i in range(len(pool))], donate_argnums=(0,))
 
     # ---- helpers
     def _table(self, rows_blocks: list[list[int]], B: int, min_width: int, W: int | None = None) -> np.ndarray:
@@ -455,6 +460,27 @@ class ModelRunner:
         out = self._sample_decode(decodes, h, P)
         self.timer.mark("mixed.device")
         return [self._prefix(r, got[id(r)]) if r.sample else None for r in prefills], out
+
+    def read_blocks(self, ids: list[int]) -> list[list[np.ndarray]]:
+        """The KV of blocks `ids` on host: per block, its [layers, E, block_size, kv_heads, D] array of every full
+        cache group (what the disk tier keeps)."""
+        n = len(ids)
+        padded = np.zeros(pow2_bucket(n, 1, max(n, 1)), np.int32)
+        padded[:n] = ids
+        got = jax.device_get(self._read_blocks(self.pool, jnp.asarray(padded)))
+        return [[a[i] for a in got] for i in range(n)]
+
+    def write_blocks(self, ids: list[int], data: list[list[np.ndarray]]) -> None:
+        """Write `read_blocks`-shaped KV into blocks `ids`."""
+        n = len(ids)
+        B = pow2_bucket(n, 1, max(n, 1))
+        padded = np.full(B, self.layout.num_blocks, np.int32)  # padding rows are dropped
+        padded[:n] = ids
+        vals = [np.zeros((B,) + d.shape, d.dtype) for d in data[0]]
+        for i, arrays in enumerate(data):
+            for v, a in zip(vals, arrays):
+                v[i] = a
+        self.pool = self._write_blocks(self.pool, jnp.asarray(padded), vals)
 
     def export_kv(self, staging, layer_group: int, blocks: list[int], row: int) -> list[tuple[int, jax.Array]]:
         """A request's staged KV for one layer group (dispatched; read before any later step writes the pool)."""

@@ -113,6 +113,8 @@ class Worker:
         ecfg = cfg.engine.engine_config(cfg.server.max_waiting)
         if inst.kv_blocks is not None:
             ecfg = dataclasses.replace(ecfg, num_blocks=inst.kv_blocks)
+        if inst.spill_mb is not None:
+            ecfg = dataclasses.replace(ecfg, spill_dir=inst.spill_path(), spill_mb=inst.spill_mb)
         self.llm = LLMEngine(path, cfg.model.dtype, ecfg, make_mesh(inst, local=True), progress)
         if cfg.engine.warmup:
             print(f"{inst.name}: compiling the step programs (engine.warmup)", flush=True)
@@ -549,7 +551,6 @@ class Worker:
                             f"{self.inst.name} no longer holds the {len(tokens)}-token prefix")
         return await self._sent(handoff.sender, ctx)
 
-    # ---- heartbeats (on the thread of self._beats)
     # ---- migration (engine/migration.py)
     async def migrate(self, req, ctx):
         import grpc
@@ -582,6 +583,7 @@ class Worker:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._migrations, self.llm.guests.handle, payload)
 
+    # ---- heartbeats (on the thread of self._beats)
     async def _register(self) -> None:
         """One registration with the router, carrying the prefix-cache events it asked for last time (the
         global KV index, router/kv_index.py); its answer replaces the peer table."""
