@@ -233,6 +233,9 @@ def plan_move(engine, kind: str, heads: list[int] | None, layers: list[int] | No
     """The move's static spec, checked against the model (MigrationError naming the field)."""
     if kind not in KINDS:
         raise MigrationError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}", "kind")
+    if engine.mesh is not None and engine.mesh.size > 1:
+        raise MigrationError("a tensor-parallel instance does not migrate work (its step programs are sharded)",
+                             "src")
     specs = [layer.mixer for layer in engine.model_config.layers]
     L = len(specs)
     if kind == "layers":
