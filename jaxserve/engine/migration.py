@@ -312,6 +312,8 @@ class Guests:
 
     def __init__(self, engine):
         self.engine = engine
+        # the moved state this instance holds at most (outside its block pool): as much as its own cache
+        self.capacity = engine.layout.bytes(engine.dtype)
         self.guests: dict[tuple[str, int], _Guest] = {}
         self._lock = threading.Lock()
         self._programs: dict = {}
@@ -342,10 +344,15 @@ class Guests:
         since = arrays.pop("since")
         span = tuple(header["span"]) if header.get("span") else None
         now = time.monotonic()
+        size = sum(a.nbytes for a in arrays.values())
         with self._lock:
             for k in [k for k, g in self.guests.items() if now - g.used > IDLE_S]:
                 log.warning("forgetting move %s from %s: not called for %.0fs", k[1], k[0], IDLE_S)
                 del self.guests[k]
+            held = sum(a.nbytes for g in self.guests.values() for a in g.arrays.values())
+            if held + size > self.capacity:
+                raise ValueError(f"no room: the move is {size} bytes, this instance holds {held} of at most "
+                                 f"{self.capacity} bytes of moved state")
             self.guests[key] = _Guest(key[0], header["kind"], {k: jnp.asarray(v) for k, v in arrays.items()},
                                       since, span, now)
         return {"rows": int(len(since))}
@@ -353,8 +360,10 @@ class Guests:
     def _heads(self, g: _Guest, group: int, layer: int, arrays: dict) -> dict:
         gl = self.engine.layout.groups[group]
         spec = self.engine.model_config.layers[gl.group.layers[layer]].mixer
-        fn = self._programs.setdefault(("heads", spec.scale), jax.jit(functools.partial(held_partial,
-                                                                                     scale=spec.scale)))
+        key = ("heads", spec.scale)
+        if key not in self._programs:
+            self._programs[key] = jax.jit(functools.partial(held_partial, scale=spec.scale))
+        fn = self._programs[key]
         k = g.arrays[f"{group}.{layer}.k"]
         v = g.arrays.get(f"{group}.{layer}.v")
         if v is None:  # MLA: values are the latent part of the held keys
@@ -376,7 +385,8 @@ class Guests:
         names = sorted(g.arrays)
         key = ("layers", lo, hi)
         if key not in self._programs:
-            self._programs[key] = jax.jit(functools.partial(_guest_layers, self.engine, lo, hi))
+            self._programs[key] = jax.jit(functools.partial(_guest_layers, self.engine, lo, hi),
+                                          donate_argnums=(4,))  # the caches are updated in place
         xo, new = self._programs[key](self.engine.runner.params, jnp.asarray(xg), jnp.asarray(sg), jnp.asarray(lg),
                                       {k: g.arrays[k] for k in names})
         g.arrays.update(new)

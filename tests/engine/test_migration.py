@@ -136,6 +136,12 @@ def test_impossible_moves_are_refused_naming_the_field(pair):
     with pytest.raises(MigrationError, match="did not take the move") as e:
         src.migrate("layers", None, [1, 2], "src", "dst", other_model)
     assert e.value.param == "dst" and not src.outbound
+    room, dst.guests.capacity = dst.guests.capacity, 1000  # the helper holds at most this much moved state
+    try:
+        with pytest.raises(MigrationError, match="no room"):
+            src.migrate("layers", None, [1, 2], "src", "dst", dst.guests.handle)
+    finally:
+        dst.guests.capacity = room
     src.abort("bad")
     src.blocks.check()
 
