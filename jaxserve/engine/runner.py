@@ -402,14 +402,15 @@ class ModelRunner:
         bs = self.layout.block_size
         used = [-(-(r.position + 1) // bs) for r in rows]  # blocks each row attends over
         M = W = None
-        if self.ragged:  # the blocks in use, bucketed; a table as wide as the longest row can be
+        if remote is not None:  # the split attention reads a dense view of the table's blocks: as narrow as can be
+            mig = remote.arrays(B)
+        elif self.ragged:  # the blocks in use, bucketed; a table as wide as the longest row can be
             M = pow2_bucket(sum(used), B, B * self.max_blocks_per_seq)
             W = min(M, self.max_blocks_per_seq)
-        if self.full_tables:
+        elif self.full_tables:
             W = self.max_blocks_per_seq
-        table = self._table([r.block_ids for r in rows], B, max(used), W)
-        if remote is not None:  # the split attention reads a dense view of the blocks: any total will do
-            M, mig = None, remote.arrays(B)
+        table = self._table([r.block_ids[:-(-(r.position + 1) // bs)] if remote is not None else r.block_ids
+                             for r in rows], B, max(used), W)
         self.programs.add(("decode", B, 1, table.shape[1], M) + ((remote.spec,) if remote else ()))
         batch = Batch(jnp.asarray(tokens), jnp.asarray(start), jnp.asarray(lengths))
         self.timer.mark("decode.prepare")
