@@ -44,7 +44,8 @@ def findings(tree: ast.AST, name: str) -> list[str]:
 
 
 def test_no_unsafe_deserialisation_or_code_execution_in_the_source():
-    files = [p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")]
+    files = [p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")
+             if not any(part.startswith(".") for part in p.relative_to(ROOT).parts)]  # not bench/.vllm-venv
     assert len(files) > 40
     found = [f for p in files for f in findings(ast.parse(p.read_text(), str(p)), str(p.relative_to(ROOT)))]
     assert found == [], "\n".join(found)
