@@ -167,7 +167,7 @@ class LLMEngine:
         self._rng = np.random.default_rng()
         self.outbound: dict[int, object] = {}  # moves of work from here to helpers (engine/migration.py)
         self._guests: Guests | None = None
-        self._layer_weight_bytes: int | None = None  # (migration facts)
+        self._move_facts: tuple | None = None  # (migration facts that do not change)
         self.moves = {"started": 0, "failed": 0, "calls": 0}  # moves from here, their helpers' calls, failures
 
     # ---- requests
@@ -513,12 +513,13 @@ class LLMEngine:
     # ---- introspection
     def stats(self) -> dict:
         b = self.blocks
+        used = b.num_referenced()
         return {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
-                "blocks_total": b.num_blocks, "blocks_free": b.num_free, "blocks_used": b.num_referenced(),
+                "blocks_total": b.num_blocks, "blocks_free": b.num_free, "blocks_used": used,
                 "busy": round(self.timer.busy(), 4), "swapped": self.scheduler.num_preempted_waiting(),
                 "prefix_hit_rate": b.hit_rate, "compiled_programs": len(self.runner.programs),
                 "preemptions": self.scheduler.num_preemptions, "kernel_fallbacks": len(self.kernel_fallbacks),
-                **migration_facts(self), **(b.spill.stats() if b.spill is not None else {})}
+                **migration_facts(self, used), **(b.spill.stats() if b.spill is not None else {})}
 
 
 class Detokenizer:

@@ -215,17 +215,19 @@ def attention_heads(engine) -> tuple[int, int, bool] | None:
     return counts.pop() if len(counts) == 1 else None
 
 
-def facts(engine) -> dict:
+def facts(engine, blocks_used: int) -> dict:
     """What the router's migration planner needs of an instance (its heartbeat stats): the layers and heads a
-    move can take, the weight bytes of one layer and the KV bytes of one layer its running requests hold."""
-    heads = attention_heads(engine)
+    move can take, the weight bytes of one layer and the KV bytes of one layer its running requests hold
+    (`blocks_used` of the pool's blocks)."""
     L = engine.layout.num_layers
-    if engine._layer_weight_bytes is None:
-        engine._layer_weight_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.runner.params)) // L
-    used = engine.blocks.num_referenced() / max(1, engine.blocks.num_blocks)
-    return {"move_layers": L, "move_heads": 0 if heads is None else heads[0] if heads[2] else heads[1],
-            "layer_weight_bytes": engine._layer_weight_bytes,
-            "layer_kv_bytes": int(engine.layout.bytes(engine.dtype) * used / L),
+    if engine._move_facts is None:  # what does not change: computed once
+        heads = attention_heads(engine)
+        engine._move_facts = (0 if heads is None else heads[0] if heads[2] else heads[1],
+                              sum(x.nbytes for x in jax.tree.leaves(engine.runner.params)) // L,
+                              engine.layout.bytes(engine.dtype) / L / max(1, engine.blocks.num_blocks))
+    heads, weight, kv_per_block = engine._move_facts
+    return {"move_layers": L, "move_heads": heads, "layer_weight_bytes": weight,
+            "layer_kv_bytes": int(kv_per_block * blocks_used),
             "moves_out": len(engine.outbound), "moves_in": engine._guests.count() if engine._guests else 0}
 
 
