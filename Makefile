@@ -72,6 +72,7 @@ bench: $(STAMP)
 		--rate 0.5 --reps 3 $(VLLM))
 	$(BENCH) bench.steps --baseline 0ab36c4 --json $(R)/steps.json
 	$(BENCH) bench.steps --baseline b49a0f5 --json $(R)/steps_prefill.json
+	$(BENCH) bench.steps --baseline 48665a0 --json $(R)/steps_migration.json
 	$(BENCH) bench.serving --json $(R)/serving.json
 	$(BENCH) bench.startup --json $(R)/startup.json
 	$(BENCH) bench.kernels --json $(R)/kernels.json
