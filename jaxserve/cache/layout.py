@@ -126,7 +126,7 @@ def init_pool(layout: PoolLayout, dtype, sharding) -> list:
     return jax.tree.map(lambda s, sh: jnp.zeros(s.shape, s.dtype, device=sh), shapes, sharding)
 
 
-def _to_layer(gl: GroupLayout, x):
+def to_layer(gl: GroupLayout, x):
     """[B, E, S, H, D] -> the model's per-layer cache dict."""
     if gl.mla:
         return {"kv": x[:, 0]}
@@ -184,7 +184,7 @@ def gather(layout: PoolLayout, pool: list, block_table, src_rows, start, span: t
         rows = jax.tree.map(lambda a: jnp.where(fresh.reshape((B,) + (1,) * (a.ndim - 1)), 0, a), rows)
         for j in range(j0, j1):
             if g.kind == "sliding":
-                cache[g.layers[j]] = _to_layer(gl, rows[:, j - j0])
+                cache[g.layers[j]] = to_layer(gl, rows[:, j - j0])
             else:
                 cache[g.layers[j]] = {"conv": rows["conv"][:, j - j0], "ssm": rows["ssm"][:, j - j0]}
     return cache

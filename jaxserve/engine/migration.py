@@ -18,7 +18,7 @@ request is lost.
 
 Source side: `Outbound`, one per move, owned by the engine thread; the step programs call it back through
 `io_callback` (models/split.py's registry). Helper side: `Guests`, the moved state and the programs over it,
-called from one thread of the helper's worker (worker/migrate.py). Messages are `pack`ed: a JSON header and raw
+called from one thread of the helper's worker (worker/main.py `migrate_call`). Messages are `pack`ed: a JSON header and raw
 array bytes; `link(payload) -> payload` carries them (the workers' control port, or a direct call in tests).
 """
 
@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from ..cache.layout import gather
+from ..cache.layout import gather, to_layer
 from ..models.batch import Batch
 from ..models.config import GQASpec, MLASpec
 from ..models.paged import PagedKV
@@ -92,7 +92,7 @@ def unpack(payload: bytes) -> tuple[dict, dict[str, np.ndarray]]:
 
 
 def fingerprint(engine) -> dict:
-    """What source and helper must agree on for a move: the same model, dtype and block size."""
+    """What source and helper must agree on for a move: the same model and dtype."""
     c = engine.model_config
     return {"model_type": c.model_type, "layers": c.num_layers, "hidden": c.hidden_size, "vocab": c.vocab_size,
             "dtype": engine.dtype_name}
@@ -113,19 +113,16 @@ def _hidden_host(mid, x, start, gidx):
 
 @functools.partial(jax.jit, static_argnames=("layout", "split"))
 def _held_heads(pool, table, *, layout, split: HeadSplit):
-    """The moved heads' KV of every full-attention layer for the rows of `table` [B, W] -> {name: [B, S, Hh, D]}."""
+    """The moved heads' KV of every full-attention layer for the rows of `table` [B, W] -> {name: [B, S, Hh, D]}
+    (MLA: the latent alone, as "kv"; the helper reads the values from it as this instance does)."""
     out = {}
     kh = np.asarray(split.kv_heads)
     for gi, gl in enumerate(layout.groups):
         if gl.kind != "full":
             continue
         for j in range(len(gl.group.layers)):
-            x = PagedKV(pool[gi], table, gi, j).view()  # [B, E, S, Hkv, D]
-            if gl.mla:  # the latent: the helper reads the values from it as this instance does
-                out[f"{gi}.{j}.k"] = x[:, 0]
-                continue
-            k, v = PagedKV.unpack(x, gl.group.k_dim)
-            out[f"{gi}.{j}.k"], out[f"{gi}.{j}.v"] = k[:, :, kh], v[:, :, kh]
+            c = to_layer(gl, PagedKV(pool[gi], table, gi, j).view())  # the layer's dense cache dict
+            out.update({f"{gi}.{j}.{k}": a if gl.mla else a[:, :, kh] for k, a in c.items()})
     return out
 
 
@@ -137,9 +134,7 @@ def _held_layers(pool, table, rows, start, *, layout, span: tuple[int, int]):
     for i in range(*span):
         c = cache[i]
         if isinstance(c, PagedKV):
-            gl = layout.groups[c.group]
-            x = c.view()
-            c = {"kv": x[:, 0]} if gl.mla else dict(zip(("k", "v"), PagedKV.unpack(x, gl.group.k_dim)))
+            c = to_layer(layout.groups[c.group], c.view())
         out.update({f"{i}.{k}": v for k, v in c.items()})
     return out
 
@@ -285,7 +280,6 @@ def start_move(engine, spec: Remote, seqs: list, src: str, dst: str, link) -> tu
     arrays["since"] = since
     mid = new_id()
     header = {"op": "accept", "mid": mid, "src": src, "kind": spec.kind, "model": fingerprint(engine),
-              "heads": [list(spec.split.kv_heads), list(spec.split.q_groups)] if spec.split else None,
               "span": list(spec.span) if spec.span else None}
     payload = pack(header, arrays)
     try:
@@ -300,10 +294,9 @@ def start_move(engine, spec: Remote, seqs: list, src: str, dst: str, link) -> tu
 # ---- the helper's side
 @dataclass
 class _Guest:
-    src: str
-    kind: str
+    kind: str  # heads / layers: the operation its calls ask for
     arrays: dict  # name -> device array
-    since: np.ndarray
+    since: jax.Array  # [Bg] each request's length at the move
     span: tuple[int, int] | None
     used: float
 
@@ -332,6 +325,8 @@ class Guests:
                 return pack({})
         if g is None:
             raise KeyError(f"no move {key[1]} from {key[0]} here")
+        if op != g.kind:
+            raise ValueError(f"move {key[1]} from {key[0]} is a {g.kind} move, not {op}")
         g.used = time.monotonic()
         if op == "heads":
             return pack({}, self._heads(g, int(header["group"]), int(header["layer"]), arrays))
@@ -355,22 +350,22 @@ class Guests:
             if held + size > self.capacity:
                 raise ValueError(f"no room: the move is {size} bytes, this instance holds {held} of at most "
                                  f"{self.capacity} bytes of moved state")
-            self.guests[key] = _Guest(key[0], header["kind"], {k: jnp.asarray(v) for k, v in arrays.items()},
-                                      since, span, now)
+            self.guests[key] = _Guest(header["kind"], {k: jnp.asarray(v) for k, v in arrays.items()},
+                                      jnp.asarray(since), span, now)
         return {"rows": int(len(since))}
 
     def _heads(self, g: _Guest, group: int, layer: int, arrays: dict) -> dict:
         gl = self.engine.layout.groups[group]
         spec = self.engine.model_config.layers[gl.group.layers[layer]].mixer
-        key = ("heads", spec.scale)
+        latent = spec.kv_lora_rank if isinstance(spec, MLASpec) else None
+        key = ("heads", spec.scale, latent)
         if key not in self._programs:
-            self._programs[key] = jax.jit(functools.partial(held_partial, scale=spec.scale))
-        fn = self._programs[key]
-        k = g.arrays[f"{group}.{layer}.k"]
-        v = g.arrays.get(f"{group}.{layer}.v")
-        if v is None:  # MLA: values are the latent part of the held keys
-            v = k[..., :spec.kv_lora_rank]
-        o, m, l = fn(jnp.asarray(arrays["q"]), k, v, jnp.asarray(g.since), jnp.asarray(arrays["gidx"]))
+            def part(q, c, since, gidx, scale=spec.scale, latent=latent):
+                k, v = (c["kv"], c["kv"][..., :latent]) if latent else (c["k"], c["v"])  # MLA: values in the latent
+                return held_partial(q, k, v, since, gidx, scale=scale)
+            self._programs[key] = jax.jit(part)
+        c = {n: g.arrays[f"{group}.{layer}.{n}"] for n in (("kv",) if latent else ("k", "v"))}
+        o, m, l = self._programs[key](jnp.asarray(arrays["q"]), c, g.since, jnp.asarray(arrays["gidx"]))
         return {"o": np.asarray(o), "m": np.asarray(m), "l": np.asarray(l)}
 
     def _layers(self, g: _Guest, arrays: dict) -> dict:
@@ -384,13 +379,12 @@ class Guests:
         sg[gidx[rows]] = start[rows]
         lg = np.zeros(Bg, np.int32)
         lg[gidx[rows]] = 1
-        names = sorted(g.arrays)
         key = ("layers", lo, hi)
         if key not in self._programs:
             self._programs[key] = jax.jit(functools.partial(_guest_layers, self.engine, lo, hi),
                                           donate_argnums=(4,))  # the caches are updated in place
         xo, new = self._programs[key](self.engine.runner.params, jnp.asarray(xg), jnp.asarray(sg), jnp.asarray(lg),
-                                      {k: g.arrays[k] for k in names})
+                                      dict(g.arrays))
         g.arrays.update(new)
         out = np.zeros_like(x)
         out[rows] = np.asarray(xo)[gidx[rows]]

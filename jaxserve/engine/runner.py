@@ -466,7 +466,7 @@ class ModelRunner:
         """The KV of blocks `ids` on host: per block, its [layers, E, block_size, kv_heads, D] array of every full
         cache group (what the disk tier keeps)."""
         n = len(ids)
-        padded = np.zeros(pow2_bucket(n, 1, max(n, 1)), np.int32)
+        padded = np.zeros(pow2_bucket(n, 1, self.layout.num_blocks), np.int32)  # a program per power of two
         padded[:n] = ids
         got = jax.device_get(self._read_blocks(self.pool, jnp.asarray(padded)))
         return [[a[i] for a in got] for i in range(n)]
@@ -474,7 +474,7 @@ class ModelRunner:
     def write_blocks(self, ids: list[int], data: list[list[np.ndarray]]) -> None:
         """Write `read_blocks`-shaped KV into blocks `ids`."""
         n = len(ids)
-        B = pow2_bucket(n, 1, max(n, 1))
+        B = pow2_bucket(n, 1, self.layout.num_blocks)
         padded = np.full(B, self.layout.num_blocks, np.int32)  # padding rows are dropped
         padded[:n] = ids
         vals = [np.zeros((B,) + d.shape, d.dtype) for d in data[0]]
