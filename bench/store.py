@@ -7,10 +7,10 @@ Cluster (real worker processes, the bench-size llama of bench/families.py): pref
 tokens (whole blocks) and three requests of S plus L - |S| fresh tokens, one output token each:
   cold   on p0, nothing cached (its prompt then goes to the store: the router writes it back after the prefill)
   local  on p0 again, once the store holds S: the prefix is in p0's own cache
-  store  on p1, which has never seen S: the router loads S from the store into p1 (Import on p1, Export on s0),
-         then p1 computes the rest
-TTFT is the router's (arrival to first token). The bench's policy object pins each request to its instance; the
-load from the store happens before the prefill (not yet layer-wise overlapped with it).
+  store  on p1, which has never seen S: the router loads S from the store into p1 (Import on p1, Export on s0)
+         and p1 computes the rest over it as it lands, layer group by layer group (the pipelined load)
+  store_serial  the same on p2, but the load first and then the prefill (the pipeline's baseline)
+TTFT is the router's (arrival to first token). The bench's policy object pins each request to its instance.
 
     python -m bench.store --json bench/results/store.json
 """
@@ -33,6 +33,7 @@ def config(path: str, max_len: int) -> dict:
                            warmup=True),
             "clusters": [{"name": "pd", "instances": [
                 {"name": "p0", "role": "prefill", "cpus": [0]}, {"name": "p1", "role": "prefill", "cpus": [0]},
+                {"name": "p2", "role": "prefill", "cpus": [0]},
                 {"name": "d0", "role": "decode", "cpus": [1]},
                 {"name": "s0", "role": "store", "cpus": [1], "kv_blocks": 4096}]}],
             "transfer": {"token": "bench-store", "layers_per_group": 4, "deadline_s": 60},
@@ -46,7 +47,7 @@ class Pinned:
     name = "pinned"
 
     def __init__(self):
-        self.on, self.from_store = "p0", False
+        self.on, self.from_store, self.overlap = "p0", False, True
 
     def state(self) -> dict:
         return {}
@@ -58,7 +59,7 @@ class Pinned:
         if self.from_store:
             if not snap.store_tokens:
                 raise RuntimeError("the store holds none of the prompt")
-            return Placement("d0", p.name, "pd", "bench: from the store", PrefixMove(snap.store, snap.store_tokens),
+            return Placement("d0", p.name, "pd", "bench: from the store", PrefixMove(snap.store, snap.store_tokens, self.overlap),
                              total - snap.store_tokens, snap.store)
         return Placement("d0", p.name, "pd", "bench: pinned", None, total - p.cached_tokens,
                          p.name if p.cached_tokens else None)
@@ -87,16 +88,16 @@ def main(argv=None):
         out = {}
         bar = tqdm(total=len(hits) * len(lengths) * a.reps, desc="store", unit="rep")
 
-        async def ttft(rid, prompt, on, from_store=False):
-            pol.on, pol.from_store = on, from_store
+        async def ttft(rid, prompt, on, from_store=False, overlap=True):
+            pol.on, pol.from_store, pol.overlap = on, from_store, overlap
             u = await finish(await cluster.add(rid, prompt, params))
             return u.ttft_s, u.route or {}
 
         await ttft("warm", [int(x) for x in rng.integers(1, 1000, 64)], "p1")  # first calls: connections
         for r, L in [(r, L) for r in hits for L in lengths]:
             prefix = int(r * L) // 16 * 16
-            rows = {"cold": [], "local": [], "store": []}
-            moved = []
+            rows = {"cold": [], "local": [], "store": [], "store_serial": []}
+            moved = {"store": [], "store_serial": []}
             for k in range(a.reps):
                 S = [int(x) for x in rng.integers(1, 1000, prefix)]
                 fresh = lambda: [int(x) for x in rng.integers(1, 1000, L - prefix)]  # noqa: E731
@@ -110,17 +111,20 @@ def main(argv=None):
                     await asyncio.sleep(0.05)
                 t, _ = await ttft(f"L{L}-{k}-local", probe, "p0")
                 rows["local"].append(t)
-                t, route = await ttft(f"L{L}-{k}-store", S + fresh(), "p1", True)
-                if (route.get("prefix_move") or {}).get("tokens") != prefix:
-                    raise RuntimeError(f"the prefix did not come from the store: {route}")
-                rows["store"].append(t)
-                moved.append(route["prefix_move"])
+                for how, on in (("store", "p1"), ("store_serial", "p2")):
+                    t, route = await ttft(f"L{L}-{k}-{how}", S + fresh(), on, True, how == "store")
+                    if (route.get("prefix_move") or {}).get("tokens") != prefix:
+                        raise RuntimeError(f"the prefix did not come from the store: {route}")
+                    rows[how].append(t)
+                    moved[how].append(route["prefix_move"])
                 bar.update()
             med = {k: float(np.median(v)) for k, v in rows.items()}
             out[f"{r}/{L}"] = {"hit": r, "length": L, "prefix_tokens": prefix, "ttft_s": rows, "median_s": med,
-                           "store_over_local": med["store"] / med["local"], "cold_over_local": med["cold"] / med["local"],
-                           "load_s_median": float(np.median([m["seconds"] for m in moved])),
-                           "load_kv_bytes": moved[0]["kv_bytes"]}
+                           "store_over_local": med["store"] / med["local"],
+                           "serial_over_local": med["store_serial"] / med["local"],
+                           "cold_over_local": med["cold"] / med["local"],
+                           "load_s_median": {k: float(np.median([m["seconds"] for m in v])) for k, v in moved.items()},
+                           "load_kv_bytes": moved["store"][0]["kv_bytes"]}
         bar.close()
         return out
 
@@ -128,16 +132,18 @@ def main(argv=None):
     by = run(config(path, max(lengths)), go)
     result = {"benchmark": "store", "host": platform.node(), "wall_s": time.monotonic() - t0,
               "what": "TTFT (median of --reps) of one-token requests whose prefix is in the prefill instance's own "
-                      "cache (local), comes from the global KV store (store), or is cached nowhere (cold); "
+                      "cache (local), comes from the global KV store while the prefill runs (store) or before it "
+                      "(store_serial), or is cached nowhere (cold); "
                       "bench-size llama, real worker processes, 2 cores",
               "by_hit_and_length": by}
     from bench.stamp import write
     write(a.json, result)
     for r in by.values():
         m = r["median_s"]
-        print(f"r {r['hit']:.2f} L {r['length']:>5d} (prefix {r['prefix_tokens']}): TTFT local {1e3 * m['local']:.1f} ms, store "
-              f"{1e3 * m['store']:.1f} ms ({r['store_over_local']:.2f}x; load {1e3 * r['load_s_median']:.1f} ms, "
-              f"{r['load_kv_bytes'] / 1e6:.2f} MB), cold {1e3 * m['cold']:.1f} ms ({r['cold_over_local']:.2f}x)")
+        print(f"r {r['hit']:.2f} L {r['length']:>5d} (prefix {r['prefix_tokens']}, {r['load_kv_bytes'] / 1e6:.2f} MB): "
+              f"TTFT local {1e3 * m['local']:.1f} ms, store pipelined {1e3 * m['store']:.1f} ms "
+              f"({r['store_over_local']:.2f}x), store loaded first {1e3 * m['store_serial']:.1f} ms "
+              f"({r['serial_over_local']:.2f}x), cold {1e3 * m['cold']:.1f} ms ({r['cold_over_local']:.2f}x)")
     print(f"wrote {a.json}")
 
 

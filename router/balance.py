@@ -140,7 +140,7 @@ def _placement(snap: Snapshot, d: InstanceState, p: InstanceState | None, why: s
     if cached:
         src = p.name if p.cached_tokens >= cached else (snap.store or "store")
         if src != p.name and snap.store:  # the store's longer prefix is loaded into p first
-            move = PrefixMove(snap.store, cached)
+            move = PrefixMove(snap.store, cached, overlap=True)
     return Placement(d.name, p.name, _route(p, d), why, move, uncached_tokens=total - cached, prefix_source=src,
                      details=details or {})
 

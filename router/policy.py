@@ -106,9 +106,13 @@ class Snapshot:
 
 @dataclass(frozen=True)
 class PrefixMove:
-    """Cached prefix KV to copy from `src` (an instance of another cluster) before the prefill."""
+    """Cached prefix KV to copy from `src` (an instance of another cluster, or the global KV store) into the
+    prefill instance. overlap: the prefill runs over the prefix as it lands, layer group by layer group
+    (BanaServe's pipelined load: for a source whose fetch keeps up with compute; the prefill instance's engine
+    waits on it meanwhile); else it is loaded first and the prefill starts once it is cached."""
     src: str
     tokens: int
+    overlap: bool = False
 
 
 @dataclass(frozen=True)

@@ -99,11 +99,14 @@ class DeviceIO:
         return items
 
     # ---- import (receiver)
-    def import_(self, pool: list, st: Staging, views: list, blocks: list[int], row: int, num_blocks: int) -> list:
+    def import_(self, pool: list, st: Staging, views: list, blocks: list[int], row: int, num_blocks: int,
+                layer_groups=None) -> list:
         """The pool with the staged arrays written into `blocks` (the reserved blocks after the skipped prefix)
         and state row `row`; the pool is donated. views: the receive region's typed views (staging order), or
-        pulled device arrays (pull.py)."""
-        arrays = st.logical
+        pulled device arrays (pull.py); layer_groups: only the arrays of these layer groups (None: all)."""
+        arrays = [(w, parts) for w, parts in st.logical if layer_groups is None or w.layer_group in layer_groups]
+        if not arrays:
+            return pool
         key = _key([w for w, _ in arrays])
         fn = self._import.get(key)
         if fn is None:

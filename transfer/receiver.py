@@ -6,8 +6,10 @@ sized for the worst case. The backend then feeds it frames: the plan (checked ag
 bytes written straight into the region at their staged offsets (or, on the device backend, whole staged arrays
 pulled onto the device: pull.py), and the first-token record. It counts completions; when every expected byte and
 the record have arrived it moves to DONE and calls `on_done`, with no extra round trip. A deadline moves it to
-FAILED (the sender died or stalled), and the owner frees the reserved blocks. Thread-safe: backend connection
-threads call it concurrently (one lock).
+FAILED (the sender died or stalled), and the owner frees the reserved blocks. A consumer may also take the KV
+layer group by layer group as it lands (`wait_layers`, `landed_arrays`: a prefill that computes over a prefix
+still arriving). Thread-safe: backend connection threads call it concurrently (one lock, and a condition on it
+for `wait_layers`).
 """
 
 from __future__ import annotations
@@ -41,9 +43,11 @@ class KVReceiver:
         self.first: dict | None = None  # the first-token record
         self.received = 0
         self._got: dict[int, list[tuple[int, int]]] = {}  # array -> received (offset, bytes)
+        self._bytes: dict[int, int] = {}  # array -> bytes received
         self._pulled: dict[int, object] = {}  # array -> device array (device backend)
         self._pulling: set[int] = set()
         self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)  # bytes landed or the state went final
         self._planned = threading.Event()
         self._notified = False
 
@@ -127,14 +131,18 @@ class KVReceiver:
                 sent = self.staging.arrays[a].sent_bytes
                 self._pulled[a] = x
                 self._got[a] = [(0, sent)]
+                self._bytes[a] = sent
                 self.received += sent
+            self._arrived.notify_all()
         self._maybe_done()
 
     def commit(self, array: int, offset: int, nbytes: int) -> None:
         """A DATA frame arrived intact."""
         with self._lock:
             self._got.setdefault(array, []).append((offset, nbytes))
+            self._bytes[array] = self._bytes.get(array, 0) + nbytes
             self.received += nbytes
+            self._arrived.notify_all()
         self._maybe_done()
 
     def set_first(self, record: dict) -> None:
@@ -149,7 +157,39 @@ class KVReceiver:
     def fail(self, reason: str) -> None:
         self.state.fail(reason)
         self._planned.set()  # wake connections waiting for a plan that will not come
+        with self._lock:
+            self._arrived.notify_all()
         self._notify()
+
+    # ---- layer by layer (the consumer's thread)
+    def groups_below(self, hi: int) -> list[int]:
+        """The plan's layer groups holding any of layers [0, hi) (the plan must be accepted)."""
+        return [k for k, (a, _) in enumerate(self.plan.layer_groups) if a < hi]
+
+    def wait_layers(self, hi: int, timeout: float) -> bool:
+        """Block until every staged array of the layer groups holding layers [0, hi) has landed -> True; False
+        when the transfer failed or `timeout` seconds passed first (the transfer itself goes on)."""
+        end = time.monotonic() + timeout
+        with self._arrived:
+            while True:
+                if self.state.poll() is KVPoll.FAILED:
+                    return False
+                if self.plan is not None:
+                    want = set(self.groups_below(hi))
+                    if all(self._bytes.get(a.index, 0) == a.sent_bytes
+                           for a in self.staging.arrays if a.layer_group in want):
+                        return True
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._arrived.wait(left)
+
+    def landed_arrays(self) -> list:
+        """The staged arrays as `arrays` gives them, before the whole transfer is done: read only those of layer
+        groups `wait_layers` reported landed."""
+        with self._lock:
+            pulled = dict(self._pulled)
+        return [pulled.get(i, v) for i, v in enumerate(self.staging.views(self.region.buf))]
 
     # ---- queries
     def expired(self, now: float | None = None) -> bool:

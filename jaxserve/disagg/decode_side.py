@@ -6,14 +6,19 @@ counts arriving bytes (or pulled device arrays) on the server's connection threa
 FAILED it posts `arrived` back to the engine thread (`post`), which imports the KV into the reserved blocks and
 starts decoding, or fails the request and frees its blocks. A request aborted meanwhile only gives its region
 back. `reserve_prefix` receives a cached prefix into this instance's prefix cache the same way (the router's
-prefix move between clusters; any instance may receive one). Concurrency: `reserve`, `reserve_prefix` and the
-arrivals run on the engine thread; the server's threads only call `post`.
+prefix move: from the global KV store, or between clusters; any instance may receive one). A prefill may run
+over such a prefix while it arrives (`IncomingPrefix`, BanaServe 4.2's three-stage pipeline): before each of
+its layer groups runs, the engine waits until that group's part of the prefix has landed and imports it, so the
+fetch of layer group k+1 overlaps the compute of group k while the finished groups' KV leaves for decode.
+Concurrency: `reserve`, `reserve_prefix`, `IncomingPrefix` and the arrivals run on the engine thread; the
+server's threads only call `post` and feed the receivers.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 
 from transfer.bufpool import PoolFull, RecvPool
 from transfer.receiver import KVReceiver, region_bytes
@@ -35,6 +40,7 @@ class KVIntake:
         self.server = KVServer(token, host, port, puller=puller, timeouts=timeouts, pull_from=pull_from, tls=tls)
         self.pool = RecvPool(pool_bytes, shared=shared)
         self.receivers: dict[str, KVReceiver] = {}
+        self.prefixes: dict[str, IncomingPrefix] = {}  # reserve_prefix's, until they arrive or fail
 
     @property
     def address(self) -> tuple[str, int]:
@@ -74,10 +80,13 @@ class KVIntake:
         finally:
             recv.release()
 
-    def reserve_prefix(self, request_id: str, tokens: list[int], on_done, deadline_s: float | None = None):
+    def reserve_prefix(self, request_id: str, tokens: list[int], on_done, deadline_s: float | None = None,
+                       groups: list[tuple[int, int]] | None = None):
         """A cached prefix another instance sends into this instance's prefix cache (a prefix move): blocks
         (LLMEngine.reserve_prefix) and a receive region. When the transfer ends, on the engine thread, the KV is
         imported and cached, or the blocks are released, and on_done(None or the failure's reason) is called.
+        Until then `self.prefixes[request_id]` is its `IncomingPrefix`, which a prefill may compute over as it
+        lands, running as `groups` (layer groups [(lo, hi)]; None: the whole model at once).
         -> (dst block ids, skip). Raises RequestError, OutOfBlocks / PoolFull (busy)."""
         llm = self.llm
         blocks, skip, hashes = llm.reserve_prefix(tokens)
@@ -86,33 +95,25 @@ class KVIntake:
         except PoolFull:
             llm.blocks.free(blocks)
             raise
+        inc = IncomingPrefix(request_id, list(tokens), hashes, list(blocks), skip, groups)
 
         def arrived(recv: KVReceiver) -> list:
             self.receivers.pop(request_id, None)
-            error = None if recv.state.poll() is KVPoll.DONE else recv.state.reason
-            try:
-                if error is None:
-                    llm.prefix_arrived(tokens, hashes, blocks, skip, recv.staging, recv.arrays())
-                else:
-                    llm.blocks.free(blocks)
-            except Exception as e:  # noqa: BLE001 - a failed import releases the blocks like a failed transfer
-                log.exception("%s: importing a cached prefix failed", request_id)
-                llm.blocks.free(blocks)
-                error = f"import failed: {type(e).__name__}: {e}"
-            finally:
-                recv.release()
-            on_done(error)
+            self.prefixes.pop(request_id, None)
+            on_done(inc.arrived(llm))
             return []
 
-        recv = KVReceiver(request_id, llm.layout, llm.dtype_name, blocks, len(tokens), skip, region,
-                          deadline_s or self.deadline_s, on_done=lambda r: self.post(lambda: arrived(r)))
-        self.receivers[request_id] = recv
-        self.server.expect(recv)
+        inc.recv = KVReceiver(request_id, llm.layout, llm.dtype_name, blocks, len(tokens), skip, region,
+                              deadline_s or self.deadline_s, on_done=lambda r: self.post(lambda: arrived(r)))
+        self.receivers[request_id] = inc.recv
+        self.prefixes[request_id] = inc
+        self.server.expect(inc.recv)
         return list(blocks), skip
 
     def cancel(self, request_id: str) -> None:
         """The request was aborted: stop expecting its KV."""
         recv = self.receivers.pop(request_id, None)
+        self.prefixes.pop(request_id, None)
         if recv is not None:
             self.server.forget(request_id)
             recv.fail("request aborted")
@@ -134,3 +135,70 @@ class KVIntake:
     def close(self) -> None:
         self.server.close()
         self.pool.close()
+
+
+@dataclass(eq=False)
+class IncomingPrefix:
+    """A cached prefix arriving into reserved blocks (`KVIntake.reserve_prefix`), which the prefill of one request
+    may compute over while it lands. The engine admits that request with `blocks` as its cached prefix and, before
+    each layer group of its first chunk runs, calls `take(llm, hi, row)`: wait until the prefix's layers below
+    hi have landed and import them (blocks, and request-level state into the request's row, where the chunk
+    reads its state from). `arrived` ends it: the rest is imported and the blocks are cached as prefix cache (a
+    model with request-level state also keeps a snapshot at the prefix's end), or released. Engine thread."""
+    request_id: str
+    tokens: list[int]
+    hashes: list[bytes]
+    blocks: list[int]  # the prefix's blocks: `skip` held here already, the rest reserved for the transfer
+    skip: int
+    groups: list[tuple[int, int]] | None  # the layer groups a prefill over it runs as (None: one)
+    recv: KVReceiver | None = None
+    imported: set[int] = field(default_factory=set)  # the plan's layer groups imported into the pool
+    error: str | None = None  # why it did not arrive (or was not waited for)
+    ended: bool = False  # `arrived` ran
+
+    @property
+    def pending(self) -> bool:
+        """Still arriving, and nothing gave up on it."""
+        return not self.ended and self.error is None
+
+    def take(self, llm, hi: int, row: int) -> bool:
+        """Wait until the prefix's layers [0, hi) have landed (until the transfer's deadline) and import those not
+        imported yet -> True; False when it failed or timed out (`error` says why; nothing more is waited for)."""
+        if self.ended:
+            return self.error is None  # imported whole already
+        if self.error is None and not self.recv.wait_layers(hi, max(0.0, self.recv.deadline - time.monotonic())):
+            self.error = self.recv.state.reason or f"the prefix's layers below {hi} did not arrive in time"
+        if self.error is not None:
+            return False
+        new = set(self.recv.groups_below(hi)) - self.imported
+        if new:
+            llm.runner.import_kv(self.recv.staging, self.recv.landed_arrays(), self.blocks[self.skip:], row, new,
+                                 wait=False)  # the region outlives it: `arrived` settles before releasing
+            self.imported |= new
+        return True
+
+    def arrived(self, llm) -> str | None:
+        """The transfer ended: import what no prefill took (all of it again where a snapshot of the request-level
+        state is kept: what a prefill took went to its own row), cache the blocks and drop the reservation's
+        references -> None; or release them -> the reason it failed."""
+        recv, self.ended = self.recv, True
+        error = None if recv.state.poll() is KVPoll.DONE else recv.state.reason
+        try:
+            if error is None:
+                row = llm.prefix_row(self.hashes)
+                rest = {a.layer_group for a in recv.staging.arrays}
+                if row == llm.layout.scratch_row:
+                    rest -= self.imported
+                if rest:
+                    llm.runner.import_kv(recv.staging, recv.arrays(), self.blocks[self.skip:], row, rest)
+                llm.blocks.register(self.blocks, self.tokens, len(self.tokens), self.hashes)
+        except Exception as e:  # noqa: BLE001 - a failed import releases the blocks like a failed transfer
+            log.exception("%s: importing a cached prefix failed", self.request_id)
+            error = f"import failed: {type(e).__name__}: {e}"
+        finally:
+            llm.blocks.free(self.blocks)
+            if self.imported:
+                llm.runner.settle()
+            recv.release()
+        self.error = self.error or error
+        return error

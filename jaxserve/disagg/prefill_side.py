@@ -80,11 +80,18 @@ class Handoff:
     sender: KVSender | None = field(default=None, init=False)
     ends: bool = field(default=False, init=False)  # the first token ends the request (set by the engine)
 
-    def begin(self, llm, seq) -> list[tuple[int, int]] | None:
-        """Plan the transfer and send the plan. Returns the layer groups to run the step as (None: one
-        program, everything exported after it)."""
+    def groups(self, llm) -> list[tuple[int, int]] | None:
+        """The layer groups the step is to run as (None: one program, everything exported after it)."""
+        groups = layer_groups(llm.runner.layout.num_layers, self.layers_per_group)
+        return groups if len(groups) > 1 else None
+
+    def begin(self, llm, seq) -> None:
+        """Plan the transfer and send the plan."""
         self._start(llm, seq.block_ids, seq.slot, self.request_id or seq.request_id)
-        return self._groups if len(self._groups) > 1 else None
+
+    @property
+    def begun(self) -> bool:
+        return self.sender is not None
 
     def send_cached(self, llm, blocks: list[int], row: int) -> None:
         """Send KV that is already in the pool (a cached prefix: `blocks` and the state in `row`,

@@ -306,23 +306,19 @@ class LLMEngine:
     def reserve_prefix(self, tokens) -> tuple[list[int], int, list[bytes]]:
         """Receiving side: blocks for the KV of `tokens` (whole blocks) that another instance's prefix cache
         sends, the leading ones this instance holds skipped (never the last: with it comes the state). Returns
-        (block ids, skip, the tokens' chain hashes). Raises RequestError, OutOfBlocks. `prefix_arrived` or
-        `blocks.free` ends it."""
+        (block ids, skip, the tokens' chain hashes). Raises RequestError, OutOfBlocks. Ended by
+        disagg.decode_side.IncomingPrefix.arrived."""
         hashes = self._prefix_hashes(tokens)
         hits, _ = self.blocks.cached(hashes[:-1], False)
         return self.blocks.allocate(hits, len(tokens)), len(hits), hashes
 
-    def prefix_arrived(self, tokens, hashes: list[bytes], block_ids: list[int], skip: int, staging, views) -> None:
-        """Receiving side: the prefix's KV is here (hashes: reserve_prefix's). Import it, cache its blocks and
-        (request-level state) a snapshot at its end, and drop the reservation's references: the blocks stay as
-        prefix cache, and the cache events tell the router's index."""
+    def prefix_row(self, hashes: list[bytes]) -> int:
+        """Receiving side: the state row a cached prefix's request-level state goes to (a snapshot keyed by its
+        last block's hash, when the model has such state and the snapshot pool room; else the scratch row)."""
         row = None
         if self.layout.has_request_state and self.blocks.snapshots.capacity:
             row = self.blocks.snapshots.acquire(hashes[-1])
-        self.runner.import_kv(staging, views, block_ids[skip:],
-                              self.layout.scratch_row if row is None else row + self.snapshot_base)
-        self.blocks.register(block_ids, tokens, len(tokens), hashes)
-        self.blocks.free(block_ids)
+        return self.layout.scratch_row if row is None else row + self.snapshot_base
 
     def fail(self, seq: Sequence, error: str) -> None:
         """Finish a request with an error (its transfer failed); frees its slot and blocks."""
@@ -366,27 +362,42 @@ class LLMEngine:
                                        seq.tokens if c.last else None))
             # prefill instance: requests whose last chunk runs now hand their KV to decode elsewhere. With
             # layer-wise streaming the step runs as layer groups and each group's KV is exported as soon as
-            # its program is dispatched, so it travels while the later groups compute.
+            # its program is dispatched, so it travels while the later groups compute. A request whose cached
+            # prefix is still arriving (`incoming`) waits for each group's part of it before that group runs
+            # (and starts its hand-off once the first part is in): fetch, compute and export overlap.
             due = [(c.seq.handoff, c.seq) for c in plan.prefills if c.last and c.seq.handoff is not None]
-            stages, streamed, staged = None, [], set()
+            fetching = [c.seq for c in plan.prefills if c.seq.incoming is not None]
+            stages, streamed, staged = None, [], {s.request_id for s in fetching}
             for h, seq in due:
-                groups = h.begin(self, seq)
+                groups = h.groups(self)
+                if seq.incoming is None:
+                    h.begin(self, seq)
                 if groups is not None and (stages is None or groups == stages):
                     stages = groups
-                    streamed.append(h)
+                    streamed.append((h, seq))
                     staged.add(seq.request_id)
-            on_stage = (lambda k: [h.export(k) for h in streamed]) if streamed else None
-            if self.runner.paged_prefill and local and not due:
+            if stages is None and fetching:
+                stages = next((s.incoming.groups for s in fetching if s.incoming.groups), None)
+            spoiled: dict[Sequence, str] = {}  # fetching requests whose prefix did not arrive: why
+            deferred = {seq for _, seq in due if seq.incoming is not None}  # hand-offs begun by _fetch
+            before_stage = (lambda k: self._fetch(fetching, (stages or [(0, self.layout.num_layers)])[k][1], k,
+                                                  deferred, spoiled)) if fetching else None
+            on_stage = (lambda k: [h.export(k) for h, seq in streamed if seq not in spoiled]) if streamed else None
+            if self.runner.paged_prefill and local and not due and not fetching:
                 # one packed program for the prefill chunks and the decode tokens: the weights read once
                 prefixes, decoded = self.runner.mixed(rows, self._decode_rows(local))
             else:
                 try:
-                    prefixes = self.runner.prefill(rows, stages, on_stage, staged)
+                    prefixes = self.runner.prefill(rows, stages, on_stage, staged, before_stage)
                 except BaseException as e:
                     for h, _ in due:
                         h.abort(f"prefill step failed: {type(e).__name__}: {e}")
                     raise
             for c, prefix in zip(plan.prefills, prefixes):
+                c.seq.incoming = None  # every layer of its prefix was waited for, or it failed
+                if c.seq in spoiled:
+                    self._refetch(c.seq, spoiled[c.seq], changed)
+                    continue
                 self.scheduler.complete_prefill(c)
                 if prefix is not None and c.seq.handoff is not None:
                     # the remaining layer groups (all of them when not streamed) and the first token leave
@@ -419,6 +430,30 @@ class LLMEngine:
         return changed
 
     # ---- migration (engine/migration.py)
+    def _fetch(self, seqs: list[Sequence], hi: int, k: int, deferred: set, spoiled: dict) -> None:
+        """Before a prefill step's layer group k runs: every fetching request's prefix up to layer hi is in the
+        pool (waited for and imported), and the deferred hand-offs begin once the first group is in; a request
+        whose prefix failed is spoiled (its rows compute on and are thrown away)."""
+        for seq in seqs:
+            if seq in spoiled:
+                continue
+            if not seq.incoming.take(self, hi, seq.slot):
+                spoiled[seq] = seq.incoming.error
+            elif k == 0 and seq in deferred:
+                seq.handoff.begin(self, seq)
+
+    def _refetch(self, seq: Sequence, error: str, changed: list) -> None:
+        """A fetching request's prefix failed during its first chunk: recomputed whole, unless its hand-off had
+        started sending (then it fails; the router retries it)."""
+        why = f"its cached prefix did not arrive: {error}"
+        if seq.handoff is not None and seq.handoff.begun:
+            seq.handoff.abort(why)
+            self.fail(seq, why)
+            changed.append(seq)
+        else:
+            log.warning("%s: %s; computing it here", seq.request_id, why)
+            self.scheduler.requeue(seq)
+
     def migrate(self, kind: str, heads: list[int] | None, layers: list[int] | None, src: str, dst: str,
                 link) -> dict:
         """Move part of the decode work of the requests decoding here now to helper `dst` (`link` carries the

@@ -257,12 +257,13 @@ class ModelRunner:
         return ([fresh] if fresh else []) + [[r] for r in rows if r.start > 0]
 
     def prefill(self, rows: list[PrefillRow], stages: list[tuple[int, int]] | None = None,
-                on_stage=None, staged: set[str] | None = None) -> list[Prefix | None]:
+                on_stage=None, staged: set[str] | None = None, before_stage=None) -> list[Prefix | None]:
         """One prefill step over `rows` (one program per `prefill_groups` group). stages: run the layers as these
         groups [(lo, hi)], one program each, calling on_stage(k) once group k's programs are dispatched (its KV
-        is in the pool for the programs dispatched next: layer-wise export); staged: the request ids that need
-        it (their programs' groups run layer by layer, the others whole; None: all); stages None: the whole
-        model at once."""
+        is in the pool for the programs dispatched next: layer-wise export) and before_stage(k) before they are
+        (a cached prefix arriving layer by layer is imported then); staged: the request ids that need it (their
+        programs' groups run layer by layer, the others whole; None: all); stages None: the whole model at
+        once."""
         whole = [(0, self.layout.num_layers)]
         stages = stages or whole
         if not rows or len(rows) > self.max_prefill_seqs:
@@ -273,6 +274,8 @@ class ModelRunner:
         self.timer.mark("prefill.prepare")
         xs: list = [None] * len(groups)
         for k in range(len(stages)):
+            if before_stage is not None:
+                before_stage(k)
             for gi, ((B, T, W, N, fresh), args, sargs, _) in enumerate(preps):
                 if k >= len(plans[gi]):
                     continue
@@ -487,9 +490,16 @@ class ModelRunner:
         """A request's staged KV for one layer group (dispatched; read before any later step writes the pool)."""
         return self._io.export(self.pool, staging, layer_group, blocks, row)
 
-    def import_kv(self, staging, views: list[np.ndarray], blocks: list[int], row: int) -> None:
-        """Write received staged KV into `blocks` and state row `row`; returns once the views may be reused."""
-        self.pool = self._io.import_(self.pool, staging, views, blocks, row, self.layout.num_blocks)
+    def import_kv(self, staging, views: list[np.ndarray], blocks: list[int], row: int, layer_groups=None,
+                  wait: bool = True) -> None:
+        """Write received staged KV into `blocks` and state row `row` (layer_groups: only those of these layer
+        groups); returns once the views may be reused (wait False: once dispatched; `settle` waits)."""
+        self.pool = self._io.import_(self.pool, staging, views, blocks, row, self.layout.num_blocks, layer_groups)
+        if wait:
+            self.settle()
+
+    def settle(self) -> None:
+        """Wait for every program dispatched on the pool (the views they read may be reused after)."""
         jax.block_until_ready(self.pool)
 
     def _top(self, params, ids, tlp) -> list[tuple[int, float]]:
@@ -497,7 +507,7 @@ class ModelRunner:
         return list(zip(ids[:k].tolist(), tlp[:k].tolist()))
 
     def warmup(self, progress: bool = True, stages: list[tuple[int, int]] | None = None, tails: bool = False,
-               decode: bool = True, whole: bool = True, stage_min_tokens: int = 0) -> int:
+               decode: bool = True, whole: bool = True, stage_min_tokens: int = 0, stage_cached: bool = False) -> int:
         """Compile what an instance runs (every shape of `prefill_groups` and `decode_batch`), so that traffic
         compiles nothing afterwards:
           decode  the decode program for every batch bucket and block-table width (ragged: every total-blocks
@@ -506,7 +516,8 @@ class ModelRunner:
                   packed token bucket), and chunks after cached tokens (every chunk bucket and table width that
                   can follow); paged prefill: every token bucket up to the step's token budget
           stages  the layer-group programs of layer-wise prefill for the same shapes, those of prompts of at
-                  least stage_min_tokens (transfer.stream_min_tokens: shorter ones are sent whole)
+                  least stage_min_tokens (transfer.stream_min_tokens: shorter ones are sent whole), and with
+                  stage_cached every chunk after cached tokens (a prefill over a prefix loaded as it runs)
           tails   (without whole) the one-token chunk at the end of a sequence of every table width: what a
                   decode instance runs when KV arrives for all but the last token, a resumed request's or one
                   prefill left with transfer.leave_last_token
@@ -574,7 +585,7 @@ class ModelRunner:
             jobs += [(kind, n, None) for kind, n in short] + mixes
         if stages is not None:  # a staged request's chunk: its whole prompt of at least stage_min_tokens (paged:
             # any chunk of such a prompt shares its bucket's program with short ones)
-            long = lambda kind, n: (self.paged_prefill or  # noqa: E731
+            long = lambda kind, n: (self.paged_prefill or (stage_cached and kind == "cached") or  # noqa: E731
                                     (sum(n) if kind == "first" else n[1] * bs) >= stage_min_tokens)
             jobs += [(kind, n, stages) for kind, n in prefills if kind != "mixed" and long(kind, n)]
         scratch = self.layout.scratch_row
@@ -594,10 +605,11 @@ class ModelRunner:
         return len(self.programs)
 
     def warmup_transfer(self, dtype_name: str, groups: list[tuple[int, int]], export: bool, receive: bool,
-                        progress: bool = True) -> int:
+                        progress: bool = True, by_group: bool = False) -> int:
         """Compile the KV export (prefill side) and import (decode side) programs for every staged row-count
-        bucket, so the first disaggregated requests do not wait for them. Imports write only out-of-range
-        blocks (dropped) and the scratch row. Returns the number of transfer programs compiled."""
+        bucket, so the first disaggregated requests do not wait for them; by_group: also each layer group's
+        import alone (a prefill over a cached prefix as it lands). Imports write only out-of-range blocks
+        (dropped) and the scratch row. Returns the number of transfer programs compiled."""
         from tqdm import tqdm
 
         from transfer.bufpool import aligned_empty
@@ -613,6 +625,8 @@ class ModelRunner:
                 buf = aligned_empty(st.nbytes)
                 buf[:] = 0
                 self.import_kv(st, st.views(buf), [], scratch)
+                for k in range(len(groups) if by_group and len(groups) > 1 else 0):
+                    self.import_kv(st, st.views(buf), [], scratch, {k})
         return len(self._io._export) + len(self._io._import)
 
     def free(self, slot: int) -> None:

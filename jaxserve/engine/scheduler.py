@@ -14,6 +14,9 @@ step; `complete_prefill()` / `complete_decode()` apply its results.
 - Disaggregated decode: `reserve()` admits a request whose KV another instance computes (decode reserves
   cache first). It holds its slot and blocks but is skipped by planning and never preempted until
   `kv_arrived()`; the transfer writes into those blocks meanwhile.
+- A prefix still arriving from another instance (`Sequence.incoming`, the global KV store's pipelined load)
+  is taken as cached at admission, in the blocks its transfer fills, unless this instance's own cache holds as
+  much; the engine waits for it layer group by layer group as the first chunk runs.
 - Chunk ends fall on block boundaries (except a prompt's final chunk), and for models with request-level
   state the prompt is cut at its last block boundary, so the state can be snapshotted where a later
   request can reuse it (block_manager.SnapshotPool).
@@ -186,6 +189,12 @@ class Scheduler:
     def _admit(self, seq: Sequence) -> bool:
         tokens = seq.tokens
         hits, cached, row = self.blocks.match(tokens, self.cfg.has_request_state)
+        inc, bs = seq.incoming, self.cfg.block_size
+        n = min(len(inc.blocks), (len(tokens) - 1) // bs) if inc is not None and inc.pending else 0
+        if n * bs > cached:  # (a token is left to compute)
+            hits, cached, row = inc.blocks[:n], n * bs, None
+        else:
+            seq.incoming = None
         try:
             seq.block_ids = self.blocks.allocate(hits, len(tokens))
         except OutOfBlocks:
@@ -246,6 +255,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         self._release(seq)
         seq.status, seq.num_computed, seq.state_src, seq.kv_partial = Status.WAITING, 0, None, False
+        seq.incoming = None  # what arrives meanwhile is matched in the prefix cache at its next admission
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)

@@ -44,6 +44,7 @@ class Sequence:
     migration: object = None  # engine.migration.Outbound while part of its decode runs on a helper instance
     kv_partial: bool = False  # layers of its KV in the pool miss the tokens decoded while they ran on a helper
     migrations: list[dict] = field(default_factory=list)  # the migrations it went through: kind, src, dst
+    incoming: object = None  # disagg.decode_side.IncomingPrefix: its cached prefix, still arriving
 
     @property
     def tokens(self) -> list[int]:

@@ -13,10 +13,13 @@ schema in messages.py before a handler sees it):
             shared-memory pool, or None), "pull"}}, then one {"update": ...} per engine step that changed the
             request. Closing the stream aborts the request (frees its slot and blocks).
   Prefill   (prefill, stream) {"request_id", "prompt", "params", "kv_tokens", "sample", "dst": {"instance" (the
-            decode instance), "blocks", "skip", "shm_base", "pull"}} -> {"first": Update} as soon as the first
+            decode instance), "blocks", "skip", "shm_base", "pull"}, "prefix_import"? (the request_id of an Import
+            on this instance: the prefill runs over that prefix as it lands, layer group by layer group, instead of
+            after it; gone or failed: computed)} -> {"first": Update} as soon as the first
             token is sampled (with sample, unless that token ends the request: decode reports it then), while the KV
             travels; then {"kv_bytes", "frames", "sends", "resends", "token", "ttft_s", "backend" (tcp / shm /
-            device)} once decode has acknowledged every byte; gRPC ABORTED (with the reason) when the transfer
+            device), "prefix_groups_streamed" (with prefix_import: the layer groups of the prefix the prefill took
+            as they landed)} once decode has acknowledged every byte; gRPC ABORTED (with the reason) when the transfer
             failed. The decode instance's KV address and segment come from the router's peer table, never from
             the caller: an instance the router has not registered is INVALID_ARGUMENT.
   Generate  (any role, stream) {"request_id", "prompt", "params", "output"?, "logprobs"?} -> one {"update": ...}
@@ -173,10 +176,14 @@ class Worker:
                                                    progress=progress)
         sends, layerwise = role in ("prefill", "both"), len(groups) > 1
         receives = role in ("decode", "both")
+        store = any(i.role == "store" for i in cfg.instances())  # prefills may run over prefixes it loads
         n = self.llm.runner.warmup(progress, groups if sends and layerwise else None, tails=receives,
-                                   decode=receives, whole=sends, stage_min_tokens=cfg.transfer.stream_min_tokens)
-        return n + self.llm.runner.warmup_transfer(self.llm.dtype_name, groups, export=sends, receive=receives,
-                                                   progress=progress)
+                                   decode=receives, whole=sends, stage_min_tokens=cfg.transfer.stream_min_tokens,
+                                   stage_cached=store)
+        # a prefill instance receives cached prefixes too (moved between clusters, or loaded from the global KV
+        # store layer group by layer group while its prefill runs)
+        return n + self.llm.runner.warmup_transfer(self.llm.dtype_name, groups, export=sends,
+                                                   receive=receives or sends, progress=progress, by_group=sends)
 
     def _pull_source(self, address: str) -> bool:
         """Whether a PULL frame's transfer-server address belongs to a registered prefill instance."""
@@ -442,9 +449,13 @@ class Worker:
             handoff = Handoff(link, self.feeder, list(dst.blocks), dst.skip, kv, req.sample, t.groups_of(kv),
                               request_id=rid, shm_base=shm_base)
 
+            incoming = []
+
             def add(eng):
                 seqs = eng.add_request(rid, list(req.prompt)[:kv], params)
                 seqs[0].handoff = handoff
+                seqs[0].incoming = self.intake.prefixes.get(req.prefix_import) if req.prefix_import else None
+                incoming.append(seqs[0].incoming)
                 return seqs, None
             q, _ = await self.engine.attach(rid, add)
         except (RequestError, ValueError) as e:
@@ -462,7 +473,10 @@ class Worker:
         if handoff.sample and not handoff.ends:  # the client may see the first token while its KV travels
             yield {"first": dataclasses.asdict(dataclasses.replace(u, finished=False, finish_reason=None))}
         sent = await self._sent(sender, ctx)
-        yield {**sent, "token": u.token_ids[0] if u.token_ids and handoff.sample else None, "ttft_s": u.ttft_s}
+        # the prefix's layer groups the prefill waited for and took as they landed (0: it was all here before)
+        streamed = len(incoming[0].imported) if incoming and incoming[0] is not None else None
+        yield {**sent, "token": u.token_ids[0] if u.token_ids and handoff.sample else None, "ttft_s": u.ttft_s,
+               "prefix_groups_streamed": streamed}
 
     def _link_to(self, peer: dict, dst):
         """(link, shm region base) for a reservation on instance dst.instance (`peer`: its peer-table entry)."""
@@ -493,6 +507,7 @@ class Worker:
         ABORTED when the transfer failed. Closing the stream early releases the reservation."""
         import grpc
         from transfer.bufpool import PoolFull
+        from transfer.plan import layer_groups
         from transfer.segments import OutOfBlocks
         from ..engine.client import RequestError
         rid, tokens = req.request_id, list(req.prompt)
@@ -502,8 +517,9 @@ class Worker:
         def on_done(error):  # engine thread
             loop.call_soon_threadsafe(lambda: done.done() or done.set_result(error))
         try:
-            blocks, skip = await self.engine.call(
-                lambda eng: self.intake.reserve_prefix(rid, tokens, on_done, req.deadline_s))
+            groups = layer_groups(self.llm.layout.num_layers, self.cfg.transfer.layers_per_group)
+            blocks, skip = await self.engine.call(lambda eng: self.intake.reserve_prefix(
+                rid, tokens, on_done, req.deadline_s, groups if len(groups) > 1 else None))
         except (RequestError, ValueError) as e:
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except (OutOfBlocks, PoolFull) as e:
@@ -534,8 +550,9 @@ class Worker:
         if why is not None:
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
         link, shm_base = self._link_to(peer, dst)
+        # by layer group whatever its length: the receiver may be computing over it as it lands
         handoff = Handoff(link, self.feeder, list(dst.blocks), dst.skip, len(tokens), False,
-                          self.cfg.transfer.groups_of(len(tokens)), request_id=req.request_id, shm_base=shm_base)
+                          self.cfg.transfer.layers_per_group, request_id=req.request_id, shm_base=shm_base)
 
         def send(eng) -> bool:
             found = eng.cached_prefix(tokens)

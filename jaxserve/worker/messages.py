@@ -104,6 +104,7 @@ class Prefill(_Request):
     kv_tokens: StrictInt = Field(ge=1, le=MAX_TOKENS)
     sample: StrictBool = True
     dst: Reservation
+    prefix_import: Name | None = None  # an Import on this instance whose prefix the prefill runs over as it lands
 
 
 class Import(_Msg):

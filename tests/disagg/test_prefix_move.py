@@ -2,11 +2,14 @@
 move): two engines in one process, the sender's Export path (Handoff.send_cached from LLMEngine.cached_prefix,
 no compute) over TCP (loopback) into the receiver's Import reservation (KVIntake.reserve_prefix). The receiver
 then serves a longer prompt from the moved blocks (and, for the hybrid model, the moved linear state at the
-prefix's end), and its greedy tokens equal the colocated engine's."""
+prefix's end), and its greedy tokens equal the colocated engine's; or it computes that prompt over the prefix as
+it arrives, layer group by layer group (the global KV store's pipelined load)."""
 
 from __future__ import annotations
 
 import queue
+import threading
+import time
 
 import pytest
 
@@ -16,6 +19,7 @@ from jaxserve.disagg.prefill_side import Feeder, Handoff
 from jaxserve.engine.client import RequestError
 from jaxserve.engine.llm_engine import LLMEngine
 from tests.disagg.test_inprocess import BASE, CFG, GREEDY
+from transfer.plan import layer_groups
 from transfer.state import KVPoll
 from transfer.tcp import TcpLink
 
@@ -106,5 +110,116 @@ def test_a_move_that_never_arrives_releases_its_blocks(checkpoint_dir):
         with pytest.raises(RequestError, match="whole blocks"):
             mover.intake.reserve_prefix("x", PREFIX[:6], outcomes.append)
         dst.blocks.check()
+    finally:
+        mover.close()
+
+
+class Stepper:
+    """One `dst.step()` on a thread of its own (the engine thread), which the test feeds the prefix to."""
+
+    def __init__(self, eng: LLMEngine):
+        self.error = None
+
+        def go():
+            try:
+                eng.step()
+            except BaseException as e:  # noqa: BLE001 - re-raised by join
+                self.error = e
+        self.t = threading.Thread(target=go, daemon=True)
+        self.t.start()
+
+    def join(self):
+        self.t.join(120)
+        assert not self.t.is_alive(), "the step did not end"
+        if self.error is not None:
+            raise self.error
+
+
+def until(cond, what: str, timeout: float = 120.0):
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, what
+        time.sleep(0.005)
+
+
+def start_prefix(mover: Mover, src: LLMEngine, dst: LLMEngine, rid: str, tokens):
+    """Reserve a prefix on dst, arriving in one-layer groups, and a sender from src's cache that has sent
+    nothing yet -> (the IncomingPrefix, the handoff, the arrival outcomes)."""
+    outcomes = []
+    groups = layer_groups(dst.layout.num_layers, 1)
+    blocks, skip = mover.intake.reserve_prefix(rid, tokens, outcomes.append, groups=groups)
+    h = Handoff(mover.link, mover.feeder, blocks, skip, len(tokens), False, 1, request_id=rid)
+    h._start(src, *src.cached_prefix(tokens), rid)
+    return mover.intake.prefixes[rid], h, outcomes
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_oss", "kimi_linear"])
+def test_a_prefill_computes_over_a_prefix_as_it_lands(checkpoint_dir, family):
+    """BanaServe's pipelined load: the prefill of a request whose prefix is still arriving runs each layer group
+    as soon as that group's part is in, waiting for the next meanwhile; its greedy tokens equal the colocated
+    engine's (dense, sliding window, and MLA + linear attention with request-level state)."""
+    path = checkpoint_dir(family)
+    want = LLM(path, progress=False, engine=CFG).generate([FOLLOWUP], GREEDY)[0].token_ids
+    src = LLMEngine(path, "float32", CFG, progress=False)
+    dst = LLMEngine(path, "float32", CFG, progress=False)
+    run(src, "a", PROMPT)
+    mover = Mover(dst)
+    try:
+        inc, h, outcomes = start_prefix(mover, src, dst, "m", PREFIX)
+        (seq,) = dst.add_request("b", FOLLOWUP, GREEDY)
+        seq.incoming = inc
+        step = Stepper(dst)
+        h.export(0)
+        until(lambda: inc.imported == {0}, "layer group 0 was not imported")
+        time.sleep(0.2)  # more time than a group's import takes: the step waits for the next group
+        assert step.t.is_alive() and inc.imported == {0}
+        for k in range(1, dst.layout.num_layers):
+            h.export(k)
+        mover.feeder.put(h.sender, [], {"token": None})
+        step.join()
+        assert inc.imported == set(range(dst.layout.num_layers)) and seq.num_cached == len(PREFIX)
+        assert seq.num_computed > len(PREFIX)  # its first chunk ran over the prefix
+        mover.posted.get(timeout=30)()  # the arrival: the prefix is cached, the reservation's references dropped
+        assert outcomes == [None] and not mover.intake.prefixes
+        while dst.has_work:
+            dst.step()
+        assert seq.output == want, family
+        assert seq.num_preemptions == 0
+        assert dst.blocks.cached(dst._prefix_hashes(PREFIX), False)[0]  # the moved blocks are prefix cache
+        dst.blocks.check()
+        assert dst.blocks.num_referenced() == 0 and mover.intake.pool.free_bytes == mover.intake.pool.capacity
+    finally:
+        mover.close()
+
+
+def test_a_prefix_that_stops_arriving_is_computed_instead(checkpoint_dir):
+    """The holder fails after sending the first layer group: the prefill waiting for the second gives up on
+    the prefix, the request is computed from its tokens instead (same answer), nothing is cached from the
+    failed move and no block leaks."""
+    path = checkpoint_dir("llama")
+    want = LLM(path, progress=False, engine=CFG).generate([FOLLOWUP], GREEDY)[0].token_ids
+    src = LLMEngine(path, "float32", CFG, progress=False)
+    dst = LLMEngine(path, "float32", CFG, progress=False)
+    run(src, "a", PROMPT)
+    mover = Mover(dst)
+    try:
+        inc, h, outcomes = start_prefix(mover, src, dst, "m", PREFIX)
+        (seq,) = dst.add_request("b", FOLLOWUP, GREEDY)
+        seq.incoming = inc
+        step = Stepper(dst)
+        h.export(0)
+        until(lambda: inc.imported == {0}, "layer group 0 was not imported")
+        h.abort("the holder died")
+        mover.intake.cancel("m")  # the router closes the Import stream
+        step.join()
+        assert inc.error and seq.num_computed == 0 and seq.num_preemptions == 1  # back in the queue
+        mover.posted.get(timeout=30)()
+        assert outcomes == ["request aborted"]
+        while dst.has_work:
+            dst.step()
+        assert seq.output == want
+        assert seq.num_cached == 0  # nothing of the failed move was cached
+        dst.blocks.check()
+        assert dst.blocks.num_referenced() == 0 and mover.intake.pool.free_bytes == mover.intake.pool.capacity
     finally:
         mover.close()

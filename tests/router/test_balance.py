@@ -322,6 +322,9 @@ def test_policies_store_and_controller_on_a_live_cluster(checkpoint_dir):
         meta = got[1]["jaxserve"]
         assert meta["prefill_instance"] != holder, meta
         assert meta["prefix_source"] == "s0" and meta["prefix_move"]["tokens"] == len(shared), meta
+        # pipelined: the prefill ran over the Import (the groups it took as they landed: 0 when the whole prefix
+        # was in before it started, which the timing allows)
+        assert meta["prefix_move"]["overlapped"] and meta["prefix_move"]["streamed_groups"] is not None, meta
         assert meta["cached_tokens"] >= len(shared)
         # the controller: its flip is carried out, and requests keep succeeding
         assert "p2" not in cluster.registry.workers  # standby: not started with the cluster
