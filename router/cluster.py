@@ -625,78 +625,57 @@ class Router:
             s.worker.inflight -= 1
             s.call = None
 
-    async def _move_prefix(self, s: _Sub, p: WorkerInfo) -> tuple[str, asyncio.Future] | None:
+    async def _move_prefix(self, s: _Sub, p: WorkerInfo) -> dict | None:
         """Copy the cached prefix the placement names (`move_prefix`: PrfaaS 3.4.3's longer prefix held in the
-        other cluster, or BanaServe's global KV store) from its holder into prefill instance p's prefix cache:
-        an Import stream on p reserves the blocks, an Export call on the holder sends the KV into them, and p's
-        answer says they are cached. With `overlap` this returns once the blocks are reserved, with the Import's
-        id (the Prefill runs over the prefix as it lands) and the task finishing the copy; otherwise once the
-        copy is done (None). A move that fails costs only its time: p computes those tokens itself."""
+        other cluster, or BanaServe's global KV store) from its holder into prefill instance p's prefix cache: an
+        Import stream on p reserves the blocks, an Export call on the holder sends the KV into them, and p's
+        answer says they are cached. With `overlap`, p loads it itself while its prefill runs over it: -> the
+        Prefill's `prefix_from` (None: copied, or failed). A move that fails costs only its time: p computes
+        those tokens itself."""
         mv = s.placement.move_prefix
         src = self.registry.get(mv.src)
-        tokens, rid = (s.prompt + s.output)[:mv.tokens], f"{s.xid}.prefix"
+        tokens = (s.prompt + s.output)[:mv.tokens]
         if src is None or not self.registry.is_up(src):
             self.prefix_moves["failed"] += 1
             log.warning("%s: prefix holder %s is down; %s prefills without it", s.rid, mv.src, p.name)
             return None
+        if mv.overlap:
+            return {"instance": src.name, "tokens": len(tokens)}
         t0 = time.monotonic()
-
-        async def copy(imp):
-            try:
-                sent = await self._fill_import(src, p, imp, tokens, rid)
-            except (grpc.aio.AioRpcError, _Silent, StopAsyncIteration, KeyError, TypeError, ValueError) as e:
-                self.prefix_moves["failed"] += 1
-                log.warning("%s: moving the %d-token prefix %s -> %s failed (%s); %s prefills without it",
-                            s.rid, len(tokens), src.name, p.name, _why(e), p.name)
-                return
-            s.moved = {"src": src.name, "dst": p.name, "tokens": len(tokens), "kv_bytes": int(sent["kv_bytes"]),
-                       "seconds": round(time.monotonic() - t0, 6), "overlapped": mv.overlap}
-            self.prefix_moves["done"] += 1
-            self.prefix_moves["bytes"] += s.moved["kv_bytes"]
         try:
-            imp = await self._reserve_import(p, tokens, rid)
-        except (grpc.aio.AioRpcError, _Silent, StopAsyncIteration, KeyError, TypeError) as e:
+            sent = await self._copy_prefix(src, p, tokens, f"{s.xid}.prefix")
+        except (grpc.aio.AioRpcError, _Silent, StopAsyncIteration, KeyError, TypeError, ValueError) as e:
             self.prefix_moves["failed"] += 1
-            log.warning("%s: %s could not reserve the %d-token prefix (%s); it prefills without it",
-                        s.rid, p.name, len(tokens), _why(e))
+            log.warning("%s: moving the %d-token prefix %s -> %s failed (%s); %s prefills without it",
+                        s.rid, len(tokens), src.name, p.name, _why(e), p.name)
             return None
-        if not mv.overlap:
-            await copy(imp)
-            return None
-        return rid, asyncio.ensure_future(copy(imp))
+        self._moved(s, src.name, p.name, len(tokens), int(sent["kv_bytes"]), time.monotonic() - t0)
+        return None
 
-    async def _reserve_import(self, dst: WorkerInfo, tokens: list[int], rid: str):
-        """Open an Import stream on dst for a cached prefix (whole blocks) -> (call, iterator, its reservation).
-        Closing the call releases the reservation. Raises what the call raises."""
-        imp = self._client(dst).stream("Import", {"request_id": rid, "prompt": tokens,
-                                                   "deadline_s": self.cfg.transfer.deadline_s})
+    def _moved(self, s: _Sub, src: str, dst: str, tokens: int, kv_bytes: int, seconds: float, **more) -> None:
+        s.moved = {"src": src, "dst": dst, "tokens": tokens, "kv_bytes": kv_bytes, "seconds": round(seconds, 6),
+                   **more}
+        self.prefix_moves["done"] += 1
+        self.prefix_moves["bytes"] += kv_bytes
+
+    async def _copy_prefix(self, src: WorkerInfo, dst: WorkerInfo, tokens: list[int], rid: str) -> dict:
+        """Copy the KV of a cached prefix (whole blocks) from src's prefix cache into dst's: an Import stream on
+        dst reserves the blocks, an Export call on src sends the KV into them, and dst's answer says they are
+        cached -> Export's transfer numbers. Raises what the calls raise."""
+        deadline = self.cfg.transfer.deadline_s
+        imp = self._client(dst).stream("Import", {"request_id": rid, "prompt": tokens, "deadline_s": deadline})
         try:
             it = imp.__aiter__()
             first = await self._watch(dst, it.__anext__())
-            return imp, it, first["reserved"]
-        except BaseException:
-            imp.cancel()
-            raise
-
-    async def _fill_import(self, src: WorkerInfo, dst: WorkerInfo, imp, tokens: list[int], rid: str) -> dict:
-        """Have src Export the prefix into the reservation of `_reserve_import` on dst, wait for dst's answer
-        that it is cached, and close the Import -> Export's transfer numbers. Raises what the calls raise."""
-        call, it, reserved = imp
-        try:
             sent = await self._watch(src, self._client(src).call(
-                "Export", {"request_id": rid, "prompt": tokens, "dst": {"instance": dst.name, **reserved}},
-                timeout=self.cfg.transfer.deadline_s))
+                "Export", {"request_id": rid, "prompt": tokens, "dst": {"instance": dst.name, **first["reserved"]}},
+                timeout=deadline))
             done = await self._watch(dst, it.__anext__())
             if "imported" not in done:
                 raise ValueError(f"Import answered {str(done)[:200]}")
             return sent
         finally:
-            call.cancel()
-
-    async def _copy_prefix(self, src: WorkerInfo, dst: WorkerInfo, tokens: list[int], rid: str) -> dict:
-        """Copy the KV of a cached prefix (whole blocks) from src's prefix cache into dst's -> Export's transfer
-        numbers. Raises what the calls raise."""
-        return await self._fill_import(src, dst, await self._reserve_import(dst, tokens, rid), tokens, rid)
+            imp.cancel()
 
     def _store_put(self, s: _Sub, p: WorkerInfo, tokens: list[int]) -> None:
         """After a prefill on p: its prompt's whole blocks go to the global KV store (BanaServe 4.2), in the
@@ -725,7 +704,7 @@ class Router:
         """Run the prompt on prefill instance p into the reservation (after moving a cached prefix to p when
         the placement says so); on_first(Update) gets the first token as soon as it is sampled; returns once
         decode acknowledged every KV byte. Raises _Retry."""
-        fetch = await self._move_prefix(s, p) if s.placement.move_prefix is not None else None
+        load = await self._move_prefix(s, p) if s.placement.move_prefix is not None else None
         tokens = s.prompt + s.output  # resuming: the output so far is prompt to this prefill
         params = {**s.params, "max_tokens": s.params["max_tokens"] - len(s.output)}
         p.inflight += 1
@@ -734,7 +713,7 @@ class Router:
         p.prefill.start(n)
         call = self._client(p).stream("Prefill", {
             "request_id": s.xid, "prompt": tokens, "params": params, "kv_tokens": s.kv(),
-            "sample": s.kv() == len(tokens), "dst": s.reserved, **({"prefix_import": fetch[0]} if fetch else {})},
+            "sample": s.kv() == len(tokens), "dst": s.reserved, **({"prefix_from": load} if load else {})},
             timeout=self.cfg.server.request_timeout_s)
         res: dict = {}
         try:
@@ -763,12 +742,17 @@ class Router:
             s.prefilling = None
             if not computed:
                 p.prefill.end(n, t0, time.monotonic(), False)
-            if fetch and "kv_bytes" not in res:
-                fetch[1].cancel()  # the prefill failed: its Import closes, the reservation is released
-        if fetch:
-            await fetch[1]  # the prefill ran over all of it: its Import has ended or is about to
             if s.moved is not None:
                 s.moved["streamed_groups"] = res.get("prefix_groups_streamed")
+        if load:  # p loaded the prefix while its prefill ran over it
+            got = res.get("prefix") or {}
+            if got.get("error") or not got.get("kv_bytes"):
+                self.prefix_moves["failed"] += 1
+                log.warning("%s: %s did not load the %d-token prefix from %s (%s); it computed it", s.rid, p.name,
+                            load["tokens"], load["instance"], got.get("error"))
+            else:
+                self._moved(s, load["instance"], p.name, load["tokens"], int(got["kv_bytes"]),
+                            float(got.get("seconds", 0.0)), overlapped=True, streamed_groups=got.get("streamed_groups"))
         p.served += 1
         s.prefill, s.kv_bytes, s.kv_backend = p.name, int(res["kv_bytes"]), res.get("backend")
         self.kv_bytes_transferred += s.kv_bytes

@@ -13,15 +13,17 @@ schema in messages.py before a handler sees it):
             shared-memory pool, or None), "pull"}}, then one {"update": ...} per engine step that changed the
             request. Closing the stream aborts the request (frees its slot and blocks).
   Prefill   (prefill, stream) {"request_id", "prompt", "params", "kv_tokens", "sample", "dst": {"instance" (the
-            decode instance), "blocks", "skip", "shm_base", "pull"}, "prefix_import"? (the request_id of an Import
-            on this instance: the prefill runs over that prefix as it lands, layer group by layer group, instead of
-            after it; gone or failed: computed)} -> {"first": Update} as soon as the first
-            token is sampled (with sample, unless that token ends the request: decode reports it then), while the KV
-            travels; then {"kv_bytes", "frames", "sends", "resends", "token", "ttft_s", "backend" (tcp / shm /
-            device), "prefix_groups_streamed" (with prefix_import: the layer groups of the prefix the prefill took
-            as they landed)} once decode has acknowledged every byte; gRPC ABORTED (with the reason) when the transfer
-            failed. The decode instance's KV address and segment come from the router's peer table, never from
-            the caller: an instance the router has not registered is INVALID_ARGUMENT.
+            decode instance), "blocks", "skip", "shm_base", "pull"}, "prefix_from"? {"instance", "tokens"}} ->
+            {"first": Update} as soon as the first token is sampled (with sample, unless that token ends the
+            request: decode reports it then), while the KV travels; then {"kv_bytes", "frames", "sends",
+            "resends", "token", "ttft_s", "backend" (tcp / shm / device), "prefix" (with prefix_from: {"tokens",
+            "kv_bytes", "seconds", "streamed_groups", "error"})} once decode has acknowledged every byte; gRPC ABORTED (with
+            the reason) when the transfer failed. prefix_from: the prompt's first tokens are loaded from that
+            instance's prefix cache (the global KV store: this worker reserves blocks for them and calls its
+            Export) while the prefill runs over them, each layer group once its part has landed (BanaServe's
+            pipelined load); if the load fails, they are computed. The decode instance's KV address and segment
+            come from the router's peer table, never from the caller: an instance the router has not registered
+            is INVALID_ARGUMENT.
   Generate  (any role, stream) {"request_id", "prompt", "params", "output"?, "logprobs"?} -> one {"update": ...}
             per step: the whole request on this instance (a placement without prefill instance: this instance
             holds most of the prompt already, or no prefill instance is up).
@@ -159,6 +161,7 @@ class Worker:
         self._idle: asyncio.Event | None = None  # set while _active is 0 (made on the loop, in start())
         self._flipping = False
         self._helpers: dict = {}  # address -> rpc.SyncClient: helpers of this instance's migrations
+        self._peers_rpc: dict = {}  # address -> rpc.Client: instances this one loads prefixes from
         import concurrent.futures
         self._migrations = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="migration")  # as a helper
 
@@ -433,6 +436,7 @@ class Worker:
 
     async def prefill(self, req, ctx):
         import grpc
+        from transfer.plan import layer_groups
         from ..disagg.prefill_side import Handoff
         from ..engine.client import RequestError
         if self.role in ("decode", "store"):
@@ -441,25 +445,33 @@ class Worker:
         t = self.cfg.transfer
         peer = await self._peer(dst.instance, decode=True)
         why = self._check_dst(peer, dst, kv)
+        src = await self._peer(req.prefix_from.instance) if req.prefix_from is not None else None
+        if why is None and req.prefix_from is not None:
+            why = self._check_prefix_from(req.prefix_from, src, kv)
         if why is not None:
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+        prompt = list(req.prompt)[:kv]
+        fetch = _Fetch(f"{rid}.prefix", prompt[:req.prefix_from.tokens]) if src is not None else None
         try:
             params = req.params.sampling()
             link, shm_base = self._link_to(peer, dst)
             handoff = Handoff(link, self.feeder, list(dst.blocks), dst.skip, kv, req.sample, t.groups_of(kv),
                               request_id=rid, shm_base=shm_base)
 
-            incoming = []
-
             def add(eng):
-                seqs = eng.add_request(rid, list(req.prompt)[:kv], params)
+                seqs = eng.add_request(rid, prompt, params)
                 seqs[0].handoff = handoff
-                seqs[0].incoming = self.intake.prefixes.get(req.prefix_import) if req.prefix_import else None
-                incoming.append(seqs[0].incoming)
+                if fetch is not None:
+                    seqs[0].incoming = fetch.reserve(self.intake, layer_groups(eng.layout.num_layers,
+                                                                                t.layers_per_group), t.deadline_s)
                 return seqs, None
             q, _ = await self.engine.attach(rid, add)
         except (RequestError, ValueError) as e:
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        loading = fetch is not None and fetch.reserved is not None
+        if loading:
+            task = asyncio.ensure_future(fetch.load(self._rpc(src["address"]), self.inst.name, self.intake,
+                                                    t.deadline_s))
         try:
             while True:
                 u = await q.get()
@@ -473,10 +485,30 @@ class Worker:
         if handoff.sample and not handoff.ends:  # the client may see the first token while its KV travels
             yield {"first": dataclasses.asdict(dataclasses.replace(u, finished=False, finish_reason=None))}
         sent = await self._sent(sender, ctx)
-        # the prefix's layer groups the prefill waited for and took as they landed (0: it was all here before)
-        streamed = len(incoming[0].imported) if incoming and incoming[0] is not None else None
+        if loading:
+            await task  # the prefill waited for every layer of it: the Export has answered or is about to
         yield {**sent, "token": u.token_ids[0] if u.token_ids and handoff.sample else None, "ttft_s": u.ttft_s,
-               "prefix_groups_streamed": streamed}
+               **({"prefix": fetch.outcome()} if fetch is not None else {})}
+
+    def _check_prefix_from(self, pf, src: dict | None, kv: int) -> str | None:
+        """Why a prefix cannot be loaded from pf.instance (None: it can)."""
+        bs = self.llm.layout.block_size
+        if src is None:
+            return (f"prefix_from.instance: {pf.instance!r} is not an instance registered with the router"
+                    + ("" if self._beats is not None else " (this worker has no router: start it with --router)"))
+        if pf.instance == self.inst.name:
+            return "prefix_from.instance: the prefix would come from this instance itself"
+        if pf.tokens % bs or pf.tokens >= kv:
+            return (f"prefix_from.tokens: {pf.tokens} is not whole blocks of {bs} tokens shorter than the "
+                    f"{kv} tokens prefilled")
+        return None
+
+    def _rpc(self, address: str):
+        """An asyncio client of another worker (one channel per address, kept)."""
+        from . import rpc
+        if address not in self._peers_rpc:
+            self._peers_rpc[address] = rpc.Client(address, self.cfg.transfer.token, self.tls)
+        return self._peers_rpc[address]
 
     def _link_to(self, peer: dict, dst):
         """(link, shm region base) for a reservation on instance dst.instance (`peer`: its peer-table entry)."""
@@ -707,6 +739,8 @@ class Worker:
                 beat.cancel()
                 self._beats.stop()
             await server.stop(1.0)
+            for client in self._peers_rpc.values():
+                await client.close()
             self.close()
         if beat is not None and beat.done() and not beat.cancelled() and beat.exception() is not None:
             raise beat.exception()
@@ -721,6 +755,56 @@ class Worker:
             self.feeder.close()
         self.intake.close()
         self.engine.shutdown()
+
+
+class _Fetch:
+    """One prefill's load of a cached prefix from another instance (`prefix_from`): blocks reserved here on the
+    engine thread (`reserve`: a KVIntake.reserve_prefix, whose IncomingPrefix the request's prefill runs over),
+    then that instance's Export into them (`load`, on the asyncio loop); a failed Export cancels the
+    reservation, and the prefill computes what did not arrive."""
+
+    def __init__(self, request_id: str, tokens: list[int]):
+        self.request_id, self.tokens = request_id, tokens
+        self.reserved: dict | None = None
+        self.incoming = None
+        self.sent: dict = {}
+        self.seconds = 0.0  # the Export call's
+        self.error: str | None = None
+
+    def reserve(self, intake, groups, deadline_s: float):
+        """Engine thread -> the IncomingPrefix (None: no room for it now; the prefill computes the prefix)."""
+        from transfer.bufpool import PoolFull
+        from transfer.segments import OutOfBlocks
+        try:
+            blocks, skip = intake.reserve_prefix(self.request_id, self.tokens, lambda error: None, deadline_s,
+                                                 groups if len(groups) > 1 else None)
+        except (OutOfBlocks, PoolFull) as e:
+            self.error = f"no room to receive it: {type(e).__name__}: {e}"
+            return None
+        self.reserved = {"blocks": blocks, "skip": skip, "shm_base": intake.shm_base(self.request_id),
+                         "pull": intake.server.puller is not None}
+        self.incoming = intake.prefixes[self.request_id]
+        return self.incoming
+
+    async def load(self, client, here: str, intake, deadline_s: float) -> None:
+        """Asyncio loop: the holder's Export into the reservation."""
+        import grpc
+        t0 = time.monotonic()
+        try:
+            self.sent = await client.call("Export", {"request_id": self.request_id, "prompt": self.tokens,
+                                                     "dst": {"instance": here, **self.reserved}}, timeout=deadline_s)
+        except grpc.aio.AioRpcError as e:
+            self.error = f"Export failed: {e.code().name}: {e.details()}"
+            log.warning("%s: loading the %d-token prefix failed (%s); it is computed", self.request_id,
+                        len(self.tokens), self.error)
+            intake.cancel(self.request_id)  # its receiver fails: a prefill waiting for it stops waiting
+        self.seconds = time.monotonic() - t0
+
+    def outcome(self) -> dict:
+        inc = self.incoming
+        return {"tokens": len(self.tokens), "kv_bytes": int(self.sent.get("kv_bytes", 0)),
+                "seconds": round(self.seconds, 6), "streamed_groups": len(inc.imported) if inc is not None else 0,
+                "error": self.error or (inc.error if inc is not None else None)}
 
 
 def die_with_parent(parent_pid: int) -> None:

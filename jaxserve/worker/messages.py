@@ -100,11 +100,18 @@ class Reservation(_Msg):
     pull: StrictBool = False
 
 
+class PrefixFrom(_Msg):
+    """A cached prefix (the prompt's first `tokens`, whole blocks) the prefill loads from `instance` (the global KV
+    store) while it runs."""
+    instance: Name
+    tokens: StrictInt = Field(ge=1, le=MAX_TOKENS)
+
+
 class Prefill(_Request):
     kv_tokens: StrictInt = Field(ge=1, le=MAX_TOKENS)
     sample: StrictBool = True
     dst: Reservation
-    prefix_import: Name | None = None  # an Import on this instance whose prefix the prefill runs over as it lands
+    prefix_from: PrefixFrom | None = None
 
 
 class Import(_Msg):
