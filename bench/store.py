@@ -71,7 +71,7 @@ def main(argv=None):
     ap = arguments(__doc__)
     ap.add_argument("--lengths", default="256,512,1024,2048")
     ap.add_argument("--hits", default="0.5,0.97", help="prefix shares of the prompt")
-    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--reps", type=int, default=21)
     ap.add_argument("--models", default="bench/.models", help="where bench-size checkpoints are built")
     a = ap.parse_args(argv)
     lengths = [int(x) for x in a.lengths.split(",")]

@@ -164,8 +164,8 @@ class IncomingPrefix:
     def take(self, llm, hi: int, row: int) -> bool:
         """Wait until the prefix's layers [0, hi) have landed (until the transfer's deadline) and import those not
         imported yet -> True; False when it failed or timed out (`error` says why; nothing more is waited for)."""
-        if self.ended:
-            return self.error is None  # imported whole already
+        if self.ended:  # imported whole already (request-level state to its snapshot, not to `row`)
+            return self.error is None and not llm.layout.has_request_state
         if self.error is None and not self.recv.wait_layers(hi, max(0.0, self.recv.deadline - time.monotonic())):
             self.error = self.recv.state.reason or f"the prefix's layers below {hi} did not arrive in time"
         if self.error is not None:

@@ -775,10 +775,11 @@ class _Fetch:
         """Engine thread -> the IncomingPrefix (None: no room for it now; the prefill computes the prefix)."""
         from transfer.bufpool import PoolFull
         from transfer.segments import OutOfBlocks
+        from ..engine.client import RequestError
         try:
             blocks, skip = intake.reserve_prefix(self.request_id, self.tokens, lambda error: None, deadline_s,
                                                  groups if len(groups) > 1 else None)
-        except (OutOfBlocks, PoolFull) as e:
+        except (OutOfBlocks, PoolFull, RequestError) as e:
             self.error = f"no room to receive it: {type(e).__name__}: {e}"
             return None
         self.reserved = {"blocks": blocks, "skip": skip, "shm_base": intake.shm_base(self.request_id),

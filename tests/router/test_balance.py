@@ -13,7 +13,7 @@ from router import policy
 from router.balance import (BanaServe, BanaServeParams, CacheAware, CacheAwareParams, FlowKV, FlowKVParams,
                             RoundRobin)
 from router.migration import MigrationParams, MigrationPlanner, Unit
-from router.policy import InstanceState, LinkState, RequestInfo, Snapshot
+from router.policy import InstanceState, LinkState, PrefixMove, RequestInfo, Snapshot
 
 
 def inst(name, role="prefill", cluster="a", **kw):
@@ -282,7 +282,7 @@ def test_policies_store_and_controller_on_a_live_cluster(checkpoint_dir):
                         policy={"name": "flowkv", "control_s": 0.3})
     short = [[5 + i, 7, 9, 11, 13, 2, 3, 4 + i] for i in range(4)]
     shared = [(7 * j) % 50 + 3 for j in range(4 * BS)]
-    prompts = [shared + [60 + i, 61, 62] for i in range(3)]
+    prompts = [shared + [60 + i, 61, 62] for i in range(3)] + [[(11 * j) % 50 + 3 for j in range(3 * BS)] + [70]]
     got = {}
     with serving(cfg) as (client, cluster):
         base = [tokens(complete(client, p)["choices"][0]) for p in short]
@@ -318,6 +318,19 @@ def test_policies_store_and_controller_on_a_live_cluster(checkpoint_dir):
                     i for i in snap.instances if i.name != holder)))
         cluster.policy = Elsewhere()
         got[1] = complete(client, prompts[1])
+
+        class Claims:  # a prefix the store does not hold: its Export fails, the prefill computes it
+            name = "banaserve"
+            state = bana.state
+
+            def place(self, snap):
+                pl = bana.place(snap)
+                return dataclasses.replace(pl, move_prefix=PrefixMove("s0", 2 * BS, overlap=True),
+                                           prefix_source="s0", uncached_tokens=len(prompts[3]) - 2 * BS)
+        failed = cluster.prefix_moves["failed"]
+        cluster.policy = Claims()
+        got[3] = complete(client, prompts[3])
+        assert cluster.prefix_moves["failed"] == failed + 1 and got[3]["jaxserve"]["prefix_move"] is None, got[3]
         cluster.policy = bana
         meta = got[1]["jaxserve"]
         assert meta["prefill_instance"] != holder, meta
@@ -370,7 +383,7 @@ def test_policies_store_and_controller_on_a_live_cluster(checkpoint_dir):
         assert got[2]["jaxserve"]["prefix_source"] != "s0"
     with serving(disagg_config(checkpoint_dir("llama"))) as (client, _):
         want = [tokens(complete(client, p)["choices"][0]) for p in prompts]
-    assert [tokens(got[k]["choices"][0]) for k in range(3)] == want
+    assert [tokens(got[k]["choices"][0]) for k in range(4)] == want
 
 
 def migrate_by_hand(client, cluster, flow, cfg):
