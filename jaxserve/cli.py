@@ -49,13 +49,15 @@ def generate(model: str = typer.Argument(..., help="checkpoint directory (Huggin
 def worker(config: str = typer.Option(None, "--config", "-c", help="cluster YAML (default: the embedded local.yaml)"),
            instance: str = typer.Option(..., "--instance", help="the instance of the config this process runs"),
            router: str = typer.Option(None, "--router", help="HOST:PORT of the router's control port to join"),
+           advertise: str = typer.Option(None, "--advertise", help="the host other processes dial for this worker "
+                                         "(its pod's IP), where instance.host is a wildcard address"),
            parent_pid: int = typer.Option(None, "--parent-pid", hidden=True,
                                           help="exit when this process (the launching router) dies")):
     """Run one instance of a cluster (prefill, decode or both) as this process, controlled over gRPC."""
     from .config import ConfigFileError, load
     from .worker.main import run
     try:
-        run(load(config), instance, router, parent_pid)
+        run(load(config), instance, router, parent_pid, advertise)
     except ConfigFileError as e:
         typer.echo(f"config error: {e}", err=True)
         raise typer.Exit(2)

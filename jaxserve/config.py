@@ -150,6 +150,8 @@ class TlsSection(_Strict):
 
 class TransferSection(_Strict):
     token: str = Field("jaxserve-local", description="cluster token every KV data connection must present")
+    token_file: str | None = Field(None, description="read the cluster token from this file instead (a mounted "
+                                   "Kubernetes Secret); its content replaces `token` when the config is loaded")
     connections: int = Field(4, ge=1, description="parallel TCP connections per link")
     chunk_mb: float = Field(64.0, gt=0, description="largest frame payload (a send is split into one frame per "
                             "connection, of at least 1 MiB, at most this)")
@@ -172,6 +174,23 @@ class TransferSection(_Strict):
     device_transfer: Literal["auto", "on", "off"] = Field(
         "auto", description="decode pulls KV device to device through JAX's transfer server (jax.experimental."
                             "transfer) when both ends enable it; auto: on where JAX runs on a GPU or TPU")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _token_file(cls, data):
+        path = data.get("token_file") if isinstance(data, dict) else None
+        if not isinstance(path, str):
+            return data  # absent (or the wrong type: the field's own check says so)
+        if "token" in data:
+            raise ValueError("token_file: give the token or the file it is in, not both")
+        try:
+            with open(path) as f:
+                token = f.read().strip()
+        except OSError as e:
+            raise ValueError(f"token_file: cannot read {path!r}: {e.strerror}") from None
+        if not token:
+            raise ValueError(f"token_file: {path!r} is empty")
+        return {**data, "token": token}
 
     def groups_of(self, kv_tokens: int) -> int | None:
         """Layers per group of a transfer of `kv_tokens` tokens (None: one group, sent after the step)."""

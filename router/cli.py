@@ -1,8 +1,10 @@
 """The `jaxserve` command: jaxserve/cli.py's commands (convert, generate, worker, certs, bench), `serve`, which
-builds a router over a cluster's workers, and `plan` (the PrfaaS-PD planner, router/planner.py), so they live
-here, above the engine packages."""
+builds a router over a cluster's workers, `deploy kubernetes` (router/kubernetes.py) and `plan` (the PrfaaS-PD
+planner, router/planner.py), so they live here, above the engine packages."""
 
 from __future__ import annotations
+
+import os
 
 import typer
 
@@ -23,6 +25,37 @@ def serve(config: str = typer.Option(None, "--config", "-c", help="cluster YAML 
     except ConfigFileError as e:
         typer.echo(f"config error: {e}", err=True)
         raise typer.Exit(2)
+
+
+deploy = typer.Typer(no_args_is_help=True, help="Write what runs a cluster config elsewhere than `serve`'s own "
+                                                  "child processes.")
+app.add_typer(deploy, name="deploy")
+
+
+@deploy.command()
+def kubernetes(config: str = typer.Option(..., "--config", "-c", help="cluster YAML"),
+               image: str = typer.Option(..., "--image", help="container image with jaxserve and the model"),
+               out: str = typer.Option(..., "--out", help="directory to write the kustomize base into (new or "
+                                                          "empty)"),
+               name: str = typer.Option("jaxserve", "--name", help="prefix of every object's name"),
+               namespace: str = typer.Option(None, "--namespace", help="namespace of every object"),
+               gpu_resource: str = typer.Option(None, "--gpu-resource", help="device resource each worker requests, "
+                                                "one per instance device (e.g. nvidia.com/gpu)"),
+               memory: str = typer.Option("8Gi", "--memory", help="memory request of each worker pod")):
+    """A kustomize base for Kubernetes (LeaderWorkerSet controller installed): the router, one LeaderWorkerSet per
+    instance, the config and the cluster token. Apply it with `kubectl apply -k OUT`."""
+    from jaxserve.config import ConfigFileError, load
+
+    from .kubernetes import Options, write
+    try:
+        paths = write(load(config), Options(image=image, name=name, namespace=namespace, gpu_resource=gpu_resource,
+                                            memory=memory), out)
+    except ConfigFileError as e:
+        typer.echo(f"config error: {e}", err=True)
+        raise typer.Exit(2)
+    for p in paths:
+        typer.echo(f"wrote {p}")
+    typer.echo(f"{os.path.join(out, 'token.yaml')} holds the cluster token: keep it out of version control")
 
 
 @app.command()

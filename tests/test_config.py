@@ -174,3 +174,15 @@ def test_standby_instances_are_started_by_the_router_and_are_not_stores():
         with pytest.raises(ConfigFileError, match="standby"):
             parse({"clusters": [{"name": "c", "instances": base + [{"name": "q", "role": "prefill", "standby": True,
                                                                     **bad}]}]})
+
+
+def test_the_token_comes_from_a_file_when_named(tmp_path):
+    (tmp_path / "token").write_text("s3cret-from-a-secret\n")
+    cfg = parse({"transfer": {"token_file": str(tmp_path / "token")}})
+    assert cfg.transfer.token == "s3cret-from-a-secret"
+    (tmp_path / "empty").write_text(" \n")
+    for transfer, why in (({"token_file": str(tmp_path / "none")}, "transfer: .*token_file: cannot read"),
+                          ({"token_file": str(tmp_path / "empty")}, "token_file: .* is empty"),
+                          ({"token_file": str(tmp_path / "token"), "token": "x"}, "token_file: give the token or")):
+        with pytest.raises(ConfigFileError, match=why):
+            parse({"transfer": transfer})

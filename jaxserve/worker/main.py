@@ -103,7 +103,9 @@ def pin(inst: InstanceSection) -> None:
 
 
 class Worker:
-    def __init__(self, cfg: Config, inst: InstanceSection, progress: bool = False):
+    def __init__(self, cfg: Config, inst: InstanceSection, progress: bool = False, advertise: str | None = None):
+        """advertise: the host other processes dial for this worker's gRPC and KV servers (a pod's IP), where
+        it listens on a wildcard address (default: instance.host)."""
         from ..bundled import resolve
         from ..engine.async_engine import AsyncEngine
         from ..engine.llm_engine import LLMEngine
@@ -112,6 +114,7 @@ class Worker:
         self.role = inst.role  # SetRole changes it in place
         self.cluster = cfg.cluster_of(inst.name)
         self.address = None  # host:port once serving
+        self.advertise = advertise or inst.host
         t0 = time.monotonic()
         path = resolve(cfg.model.path, progress)
         print(f"{inst.name}: loading {path} ({inst.role}, cores {sorted(os.sched_getaffinity(0))})", flush=True)
@@ -334,11 +337,12 @@ class Worker:
         return {**eng.stats(), **self.intake.stats()}
 
     def _kv_address(self) -> list | None:
-        """[host, port] senders dial for this instance's KV server (instance.kv_advertise, else bound)."""
+        """[host, port] senders dial for this instance's KV server (instance.kv_advertise, else the advertised
+        host and the bound port)."""
         if self.inst.kv_advertise:
             host, _, port = self.inst.kv_advertise.rpartition(":")
             return [host, int(port)]
-        return list(self.intake.address)
+        return [self.advertise, self.intake.address[1]]
 
     def _describe(self, stats: dict) -> dict:
         from transfer.shm import boot_id
@@ -708,7 +712,7 @@ class Worker:
                                                      {"MigrateCall": self.migrate_call}),))
         port = rpc.listen(server, f"{self.inst.host}:{self.inst.port}", self.tls)
         await server.start()
-        self.address = f"{self.inst.host}:{port}"
+        self.address = f"{self.advertise}:{port}"
         return server
 
     async def serve(self, router: str | None = None) -> None:
@@ -819,8 +823,10 @@ def die_with_parent(parent_pid: int) -> None:
         raise SystemExit(f"the launching process {parent_pid} is gone")
 
 
-def run(cfg: Config, name: str, router: str | None = None, parent_pid: int | None = None) -> None:
-    """Run instance `name` of `cfg` in this process until SIGTERM / SIGINT; router: register there."""
+def run(cfg: Config, name: str, router: str | None = None, parent_pid: int | None = None,
+        advertise: str | None = None) -> None:
+    """Run instance `name` of `cfg` in this process until SIGTERM / SIGINT; router: register there; advertise:
+    the host other processes dial for it (Worker)."""
     if parent_pid is not None:
         die_with_parent(parent_pid)
     inst = cfg.instance(name)
@@ -828,7 +834,7 @@ def run(cfg: Config, name: str, router: str | None = None, parent_pid: int | Non
     pin(inst)
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
     try:
-        asyncio.run(Worker(cfg, inst).serve(router))
+        asyncio.run(Worker(cfg, inst, advertise=advertise).serve(router))
     except Refused as e:
         log.error("%s", e)
         raise SystemExit(2) from None
