@@ -14,14 +14,22 @@ from jaxserve.cli import app
 @app.command()
 def serve(config: str = typer.Option(None, "--config", "-c", help="cluster YAML (default: the embedded local.yaml)"),
           port: int = typer.Option(None, help="override server.port"),
-          host: str = typer.Option(None, help="override server.host")):
+          host: str = typer.Option(None, help="override server.host"),
+          launcher: str = typer.Option("local", "--launcher", help="local: workers as child processes; ray: on "
+                                                                   "the Ray cluster at --address"),
+          address: str = typer.Option(None, "--address", help="the Ray cluster's address (with --launcher ray; "
+                                                              "auto: the one this host belongs to)")):
     """Serve the OpenAI-compatible API for the cluster a config describes."""
     from jaxserve.config import ConfigFileError, load
 
     from .serve import serve as _serve
+    if launcher not in ("local", "ray"):
+        raise typer.BadParameter("must be local or ray", param_hint="--launcher")
+    if (launcher == "ray") != (address is not None):
+        raise typer.BadParameter("--address goes with --launcher ray, and only with it", param_hint="--address")
     try:
         cfg = load(config)
-        _serve(cfg, port, host)
+        _serve(cfg, port, host, address)
     except ConfigFileError as e:
         typer.echo(f"config error: {e}", err=True)
         raise typer.Exit(2)

@@ -140,14 +140,21 @@ async def wait_ready(cluster, launcher: Launcher, names: list[str], timeout: flo
 
 
 @contextlib.asynccontextmanager
-async def workers(cluster, cfg, names: list[str], progress: bool = False, echo=None):
+async def workers(cluster, cfg, names: list[str], progress: bool = False, echo=None, ray_address: str | None = None):
     """Open `cluster`'s control port, start `names` as child workers of exactly `cfg` (written to a temporary
-    file), wait until they have registered; on exit close the cluster and stop them all."""
+    file), or with ray_address on that Ray cluster (router/ray_launcher.py), wait until they have registered;
+    on exit close the cluster and stop them all."""
     import yaml
     address = await cluster.start()
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="jaxserve-", delete=False) as f:
-        yaml.safe_dump(cfg.model_dump(mode="json"), f)
-    launcher = Launcher(f.name, names, address, echo)
+    path = None
+    if ray_address is not None:
+        from .ray_launcher import RayLauncher
+        launcher = RayLauncher(cfg, names, address, ray_address, echo)
+    else:
+        with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="jaxserve-", delete=False) as f:
+            yaml.safe_dump(cfg.model_dump(mode="json"), f)
+        path = f.name
+        launcher = Launcher(path, names, address, echo)
     cluster.launcher = launcher
     try:
         launcher.start()
@@ -156,4 +163,5 @@ async def workers(cluster, cfg, names: list[str], progress: bool = False, echo=N
     finally:
         await cluster.close()
         launcher.stop()
-        os.unlink(f.name)
+        if path is not None:
+            os.unlink(path)

@@ -13,7 +13,7 @@ import os
 import sys
 
 from jaxserve.bundled import resolve
-from jaxserve.config import Config
+from jaxserve.config import Config, ConfigFileError
 from jaxserve.server.app import create_app
 from jaxserve.server.metrics import Metrics
 from jaxserve.server.serve import build_colocated
@@ -23,11 +23,14 @@ from .cluster import Router
 from .launcher import workers
 
 
-def build(cfg: Config, progress: bool = True, echo=None, on_ready=None):
+def build(cfg: Config, progress: bool = True, echo=None, on_ready=None, ray_address: str | None = None):
     """(FastAPI app, engine client, served model name): an AsyncEngine for a colocated config, else a Router
     whose workers start with the app (lifespan). echo: prints the workers' output lines (None: keep quiet);
-    on_ready: called once the server can take requests."""
+    on_ready: called once the server can take requests; ray_address: the workers start on that Ray cluster."""
     if not cfg.disaggregated:
+        if ray_address is not None:
+            raise ConfigFileError("--launcher ray: this config is served in-process (one colocated instance); "
+                                  "there are no workers to place")
         return build_colocated(cfg, progress, on_ready)
     path = resolve(cfg.model.path, progress)  # before the workers start, so they find the bundled model built
     name = cfg.model.name or os.path.basename(os.path.normpath(path))
@@ -39,7 +42,7 @@ def build(cfg: Config, progress: bool = True, echo=None, on_ready=None):
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        async with workers(router, cfg, names, progress, echo):
+        async with workers(router, cfg, names, progress, echo, ray_address):
             if on_ready is not None:
                 on_ready()
             yield
@@ -47,7 +50,7 @@ def build(cfg: Config, progress: bool = True, echo=None, on_ready=None):
     return create_app(cfg, router, name, metrics, lifespan=lifespan), router, name
 
 
-def serve(cfg: Config, port: int | None = None, host: str | None = None) -> None:
+def serve(cfg: Config, port: int | None = None, host: str | None = None, ray_address: str | None = None) -> None:
     import uvicorn
     cfg.check_exposure()
     host = host or cfg.server.host
@@ -60,7 +63,8 @@ def serve(cfg: Config, port: int | None = None, host: str | None = None) -> None
               f"  curl -s http://{shown}:{port}/v1/completions -H 'Content-Type: application/json'{auth} "
               f"-d '{{\"model\": \"{name}\", \"prompt\": \"Prefill and decode\", \"max_tokens\": 16}}'\n",
               flush=True)
-    app, engine, name = build(cfg, echo=lambda line: print(line, file=sys.stderr, flush=True), on_ready=banner)
+    app, engine, name = build(cfg, echo=lambda line: print(line, file=sys.stderr, flush=True), on_ready=banner,
+                              ray_address=ray_address)
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning")
     finally:

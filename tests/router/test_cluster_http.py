@@ -42,8 +42,8 @@ def disagg_config(path: str, extra_instances=(), **sections) -> dict:
 
 
 @contextlib.contextmanager
-def serving(cfg: dict):
-    app, engine, _ = build(parse(cfg), progress=False)
+def serving(cfg: dict, **build_kw):
+    app, engine, _ = build(parse(cfg), progress=False, **build_kw)
     try:
         with running(app) as client:
             yield client, engine

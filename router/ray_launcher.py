@@ -1,0 +1,179 @@
+"""`jaxserve serve --launcher ray --address ADDR`: start a config's workers on a Ray cluster instead of as local
+child processes (router/launcher.py), for bare-metal clusters without Kubernetes.
+
+Each instance gets a placement group of one bundle per host (an instance is one host today: one bundle of its
+cores, `max(1, len(cpus))` CPUs, strategy STRICT_SPREAD so a multi-host instance's bundles land on distinct
+nodes), and in its bundle a `WorkerHost` actor that runs `jaxserve worker` as a child process on that node:
+the config written to a local file there, `--router` the router's control address, `--advertise` the node's IP
+when the instance listens on a wildcard address, and `--parent-pid` the actor's process, so a worker does not
+outlive its actor. The router learns readiness from registrations, as with local children. `RayLauncher` has
+`Launcher`'s interface (start, start_one, check, kill, stop_one, stop, children[name].exited()), so the fault
+tests' kill and the flowkv controller's scaling work the same way. Concurrency: the caller's thread; each
+actor is a process on its node (Ray calls block the caller briefly).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from .launcher import WorkerExited
+
+READY_S = 120.0  # how long a placement group may wait for its bundles
+
+
+class WorkerHost:
+    """Ray actor: one worker process on this node (decorated with ray.remote when the launcher starts)."""
+
+    def __init__(self):
+        self.proc = None
+        self.tail: list[str] = []
+
+    def start(self, name: str, config_text: str, router: str, wildcard: bool) -> dict:
+        import subprocess
+        import tempfile
+        import threading
+
+        import ray
+        fd, path = tempfile.mkstemp(prefix=f"jaxserve-{name}-", suffix=".yaml")
+        with os.fdopen(fd, "w") as f:
+            f.write(config_text)
+        argv = [sys.executable, "-m", "jaxserve.cli", "worker", "--config", path, "--instance", name,
+                "--router", router, "--parent-pid", str(os.getpid())]
+        node_ip = ray.util.get_node_ip_address()
+        if wildcard:
+            argv += ["--advertise", node_ip]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+        def read():
+            for line in self.proc.stdout:
+                self.tail = (self.tail + [line.rstrip("\n")])[-60:]
+        threading.Thread(target=read, daemon=True).start()
+        return {"pid": self.proc.pid, "node_ip": node_ip, "node_id": ray.get_runtime_context().get_node_id()}
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def output(self) -> str:
+        return "\n".join(self.tail)
+
+    def signal(self, kill: bool, timeout: float) -> int | None:
+        """SIGKILL (kill) or SIGTERM the worker, then wait up to `timeout` (SIGKILL after it) -> its exit code."""
+        import subprocess
+
+        from transfer.bufpool import remove_segments_of
+        if self.proc.poll() is None:
+            self.proc.kill() if kill else self.proc.terminate()
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            rc = self.proc.wait(10)
+        remove_segments_of(self.proc.pid)  # what a killed worker could not remove itself, on this node
+        return rc
+
+
+class RayChild:
+    """One instance's placement group, actor and worker process (Launcher's Child, on a Ray node)."""
+
+    def __init__(self, name: str, actor, group, info: dict):
+        self.name, self.actor, self.group, self.info = name, actor, group, info
+        self.rc: int | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.info["pid"]
+
+    def exited(self) -> int | None:
+        import ray
+        if self.rc is None:
+            try:
+                self.rc = ray.get(self.actor.poll.remote(), timeout=30)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                self.rc = -9  # its actor (or node) is gone: so is the worker
+        return self.rc
+
+    def output(self) -> str:
+        import ray
+        try:
+            return ray.get(self.actor.output.remote(), timeout=30)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+            return f"(its Ray actor is gone: {type(e).__name__})"
+
+
+class RayLauncher:
+    def __init__(self, cfg, names: list[str], router_address: str, address: str, echo=None):
+        """cfg: the config the workers run (sent to each node); address: the Ray cluster's (ray.init's)."""
+        import ray
+        import yaml
+        self.cfg, self.names, self.router_address, self.echo = cfg, names, router_address, echo
+        self.config_text = yaml.safe_dump(cfg.model_dump(mode="json"))
+        if not ray.is_initialized():
+            ray.init(address=address, log_to_driver=False, include_dashboard=False)
+        self._host = ray.remote(WorkerHost)
+        self.children: dict[str, RayChild] = {}
+
+    def start(self) -> None:
+        for name in self.names:
+            self.start_one(name)
+
+    def start_one(self, name: str) -> None:
+        """Place instance `name` (a placement group of one bundle per host) and start its worker there."""
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        old = self.children.pop(name, None)
+        if old is not None:  # a restart after `kill`: the old actor and placement group go first
+            self._release(old, 10.0)
+        inst = self.cfg.instance(name)
+        cpus = max(1, len(inst.cpus))
+        group = placement_group([{"CPU": cpus}], strategy="STRICT_SPREAD", name=f"jaxserve-{name}")
+        try:
+            ray.get(group.ready(), timeout=READY_S)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(group)
+            raise WorkerExited(f"worker {name}: the Ray cluster has no node with {cpus} free CPUs for it "
+                               f"(waited {READY_S:.0f}s)") from None
+        actor = self._host.options(num_cpus=cpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=group, placement_group_bundle_index=0)).remote()
+        info = ray.get(actor.start.remote(name, self.config_text, self.router_address,
+                                          inst.host in ("0.0.0.0", "::")), timeout=READY_S)
+        if self.echo is not None:
+            self.echo(f"[{name}] started on Ray node {info['node_ip']} ({info['node_id'][:12]}), pid {info['pid']}")
+        self.children[name] = RayChild(name, actor, group, info)
+
+    def check(self) -> None:
+        """Raise WorkerExited (with its last output) if a worker has exited."""
+        for c in self.children.values():
+            rc = c.exited()
+            if rc is not None:
+                raise WorkerExited(f"worker {c.name} exited with code {rc}; its last output:\n{c.output()}")
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one worker (fault tests)."""
+        self._signal(self.children[name], True, 30.0)
+
+    def stop_one(self, name: str, timeout: float = 30.0) -> None:
+        """SIGTERM one worker (a scale-in), SIGKILL after `timeout`; its actor and placement group go."""
+        self._release(self.children[name], timeout)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        for c in self.children.values():
+            self._release(c, timeout)
+
+    @staticmethod
+    def _signal(c: RayChild, kill: bool, timeout: float) -> None:
+        import ray
+        try:
+            c.rc = ray.get(c.actor.signal.remote(kill, timeout), timeout=timeout + 30)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            c.rc = -9
+
+    def _release(self, c: RayChild, timeout: float) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+        if c.rc is None:
+            self._signal(c, False, timeout)
+        ray.kill(c.actor)
+        remove_placement_group(c.group)

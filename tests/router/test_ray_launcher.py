@@ -1,0 +1,55 @@
+"""`jaxserve serve --launcher ray` (router/ray_launcher.py) on a two-node local Ray cluster
+(`ray.cluster_utils.Cluster`, one CPU per node, on this machine): each instance gets a placement group and an
+actor on a node of its own, whose worker registers with the router; the cluster serves 1P1D with the answers of
+the local launcher, a killed worker is restarted in place through the launcher, and stopping leaves no actor or
+placement group behind."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from tests.router.test_cluster_http import complete, disagg_config, serving, tokens
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [[5, 7, 9, 11, 13, 2, 3, 4, 8, 10, 12, 14, 15], [30, 31, 5, 7, 9]]
+NODE = {"num_cpus": 1, "object_store_memory": 80 << 20}
+
+
+def test_a_ray_cluster_places_the_workers_and_serves(checkpoint_dir):
+    cfg = disagg_config(checkpoint_dir("llama"))
+    with serving(cfg) as (client, _):
+        want = [tokens(complete(client, p)["choices"][0]) for p in PROMPTS]
+    rc = Cluster(initialize_head=True, head_node_args=NODE)
+    rc.add_node(**NODE)
+    rc.wait_for_nodes()
+    try:
+        with serving(cfg, ray_address=rc.address) as (client, router):
+            got = [tokens(complete(client, p)["choices"][0]) for p in PROMPTS]
+            children = router.launcher.children
+            assert sorted(children) == ["d0", "p0"]
+            # one CPU per node and a bundle of one CPU per instance: the two land on different nodes
+            assert len({c.info["node_id"] for c in children.values()}) == 2
+            assert all(c.exited() is None for c in children.values())
+            # a worker killed on its node is seen exited, and starts again in a fresh placement group
+            router.launcher.kill("p0")
+            assert children["p0"].exited() is not None
+            router.launcher.start_one("p0")
+            fresh = router.launcher.children["p0"].pid
+            deadline = time.monotonic() + 120
+            while not (router.registry.get("p0").pid == fresh and router.registry.is_up(router.registry.get("p0"))):
+                assert router.launcher.children["p0"].exited() is None, router.launcher.children["p0"].output()
+                assert time.monotonic() < deadline, router.launcher.children["p0"].output()
+                time.sleep(0.2)
+            again = [tokens(complete(client, p)["choices"][0]) for p in PROMPTS]
+        # stopped: every instance's placement group (and with it its actor) is gone
+        groups = {g["name"]: g["state"] for g in ray.util.placement_group_table().values()}
+    finally:
+        ray.shutdown()
+        rc.shutdown()
+    assert got == want and again == want
+    assert set(groups) == {"jaxserve-p0", "jaxserve-d0"} and set(groups.values()) == {"REMOVED"}, groups
