@@ -60,8 +60,9 @@ class Pinned:
         if self.from_store:
             if not snap.store_tokens:
                 raise RuntimeError("the store holds none of the prompt")
-            return Placement("d0", p.name, "pd", "bench: from the store", PrefixMove(snap.store, snap.store_tokens, self.overlap),
-                             total - snap.store_tokens, snap.store)
+            return Placement("d0", p.name, "pd", "bench: from the store",
+                             PrefixMove(snap.store, snap.store_tokens, self.overlap), total - snap.store_tokens,
+                             snap.store)
         return Placement("d0", p.name, "pd", "bench: pinned", None, total - p.cached_tokens,
                          p.name if p.cached_tokens else None)
 

@@ -715,7 +715,6 @@ class Router:
             "request_id": s.xid, "prompt": tokens, "params": params, "kv_tokens": s.kv(),
             "sample": s.kv() == len(tokens), "dst": s.reserved, **({"prefix_from": load} if load else {})},
             timeout=self.cfg.server.request_timeout_s)
-        res: dict = {}
         try:
             it = call.__aiter__()
             while True:
@@ -742,8 +741,6 @@ class Router:
             s.prefilling = None
             if not computed:
                 p.prefill.end(n, t0, time.monotonic(), False)
-            if s.moved is not None:
-                s.moved["streamed_groups"] = res.get("prefix_groups_streamed")
         if load:  # p loaded the prefix while its prefill ran over it
             got = res.get("prefix") or {}
             if got.get("error") or not got.get("kv_bytes"):

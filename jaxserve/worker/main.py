@@ -17,8 +17,8 @@ schema in messages.py before a handler sees it):
             {"first": Update} as soon as the first token is sampled (with sample, unless that token ends the
             request: decode reports it then), while the KV travels; then {"kv_bytes", "frames", "sends",
             "resends", "token", "ttft_s", "backend" (tcp / shm / device), "prefix" (with prefix_from: {"tokens",
-            "kv_bytes", "seconds", "streamed_groups", "error"})} once decode has acknowledged every byte; gRPC ABORTED (with
-            the reason) when the transfer failed. prefix_from: the prompt's first tokens are loaded from that
+            "kv_bytes", "seconds", "streamed_groups", "error"})} once decode has acknowledged every byte; gRPC
+            ABORTED (with the reason) when the transfer failed. prefix_from: the prompt's first tokens are loaded from that
             instance's prefix cache (the global KV store: this worker reserves blocks for them and calls its
             Export) while the prefill runs over them, each layer group once its part has landed (BanaServe's
             pipelined load); if the load fails, they are computed. The decode instance's KV address and segment
@@ -784,7 +784,7 @@ class _Fetch:
             blocks, skip = intake.reserve_prefix(self.request_id, self.tokens, lambda error: None, deadline_s,
                                                  groups if len(groups) > 1 else None)
         except (OutOfBlocks, PoolFull, RequestError) as e:
-            self.error = f"no room to receive it: {type(e).__name__}: {e}"
+            self.error = f"cannot receive it here: {type(e).__name__}: {e}"
             return None
         self.reserved = {"blocks": blocks, "skip": skip, "shm_base": intake.shm_base(self.request_id),
                          "pull": intake.server.puller is not None}
