@@ -6,9 +6,9 @@ cores, `max(1, len(cpus))` CPUs, strategy STRICT_SPREAD so a multi-host instance
 nodes), and in its bundle a `WorkerHost` actor that runs `jaxserve worker` as a child process on that node:
 the config written to a local file there, `--router` the router's control address, `--advertise` the node's IP
 when the instance listens on a wildcard address, and `--parent-pid` the actor's process, so a worker does not
-outlive its actor. The router learns readiness from registrations, as with local children. `RayLauncher` has
-`Launcher`'s interface (start, start_one, check, kill, stop_one, stop, children[name].exited()), so the fault
-tests' kill and the flowkv controller's scaling work the same way. Concurrency: the caller's thread; each
+outlive its actor. The router learns readiness from registrations, as with local children. `RayLauncher` is a
+`Launcher` (start, start_one, check, kill, stop_one, stop, children[name].exited()), so the fault tests' kill
+and the flowkv controller's scaling work the same way. Concurrency: the caller's thread; each
 actor is a process on its node (Ray calls block the caller briefly).
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import sys
 
-from .launcher import WorkerExited
+from .launcher import Launcher, WorkerExited
 
 READY_S = 120.0  # how long a placement group may wait for its bundles
 
@@ -102,21 +102,19 @@ class RayChild:
             return f"(its Ray actor is gone: {type(e).__name__})"
 
 
-class RayLauncher:
+class RayLauncher(Launcher):
+    """Launcher's `start` and `check` over RayChild children; placing, stopping and killing through Ray."""
+
     def __init__(self, cfg, names: list[str], router_address: str, address: str, echo=None):
         """cfg: the config the workers run (sent to each node); address: the Ray cluster's (ray.init's)."""
         import ray
         import yaml
-        self.cfg, self.names, self.router_address, self.echo = cfg, names, router_address, echo
+        super().__init__(None, names, router_address, echo)
+        self.cfg = cfg
         self.config_text = yaml.safe_dump(cfg.model_dump(mode="json"))
         if not ray.is_initialized():
             ray.init(address=address, log_to_driver=False, include_dashboard=False)
         self._host = ray.remote(WorkerHost)
-        self.children: dict[str, RayChild] = {}
-
-    def start(self) -> None:
-        for name in self.names:
-            self.start_one(name)
 
     def start_one(self, name: str) -> None:
         """Place instance `name` (a placement group of one bundle per host) and start its worker there."""
@@ -142,13 +140,6 @@ class RayLauncher:
         if self.echo is not None:
             self.echo(f"[{name}] started on Ray node {info['node_ip']} ({info['node_id'][:12]}), pid {info['pid']}")
         self.children[name] = RayChild(name, actor, group, info)
-
-    def check(self) -> None:
-        """Raise WorkerExited (with its last output) if a worker has exited."""
-        for c in self.children.values():
-            rc = c.exited()
-            if rc is not None:
-                raise WorkerExited(f"worker {c.name} exited with code {rc}; its last output:\n{c.output()}")
 
     def kill(self, name: str) -> None:
         """SIGKILL one worker (fault tests)."""

@@ -153,24 +153,31 @@ def start_prefix(mover: Mover, src: LLMEngine, dst: LLMEngine, rid: str, tokens)
     return mover.intake.prefixes[rid], h, outcomes
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt_oss", "kimi_linear"])
-def test_a_prefill_computes_over_a_prefix_as_it_lands(checkpoint_dir, family):
-    """BanaServe's pipelined load: the prefill of a request whose prefix is still arriving runs each layer group
-    as soon as that group's part is in, waiting for the next meanwhile; its greedy tokens equal the colocated
-    engine's (dense, sliding window, and MLA + linear attention with request-level state)."""
-    path = checkpoint_dir(family)
+def fetching(path: str):
+    """src computes PROMPT; dst queues FOLLOWUP over PREFIX reserved as arriving from src, a step runs it on its
+    own thread, and src sends layer group 0 -> (the colocated answer, dst, the mover, (the IncomingPrefix, the
+    handoff, the arrival outcomes, the request, the step)) once group 0 is imported."""
     want = LLM(path, progress=False, engine=CFG).generate([FOLLOWUP], GREEDY)[0].token_ids
     src = LLMEngine(path, "float32", CFG, progress=False)
     dst = LLMEngine(path, "float32", CFG, progress=False)
     run(src, "a", PROMPT)
     mover = Mover(dst)
+    inc, h, outcomes = start_prefix(mover, src, dst, "m", PREFIX)
+    (seq,) = dst.add_request("b", FOLLOWUP, GREEDY)
+    seq.incoming = inc
+    step = Stepper(dst)
+    h.export(0)
+    until(lambda: inc.imported == {0}, "layer group 0 was not imported")
+    return want, dst, mover, (inc, h, outcomes, seq, step)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_oss", "kimi_linear"])
+def test_a_prefill_computes_over_a_prefix_as_it_lands(checkpoint_dir, family):
+    """BanaServe's pipelined load: the prefill of a request whose prefix is still arriving runs each layer group
+    as soon as that group's part is in, waiting for the next meanwhile; its greedy tokens equal the colocated
+    engine's (dense, sliding window, and MLA + linear attention with request-level state)."""
+    want, dst, mover, (inc, h, outcomes, seq, step) = fetching(checkpoint_dir(family))
     try:
-        inc, h, outcomes = start_prefix(mover, src, dst, "m", PREFIX)
-        (seq,) = dst.add_request("b", FOLLOWUP, GREEDY)
-        seq.incoming = inc
-        step = Stepper(dst)
-        h.export(0)
-        until(lambda: inc.imported == {0}, "layer group 0 was not imported")
         time.sleep(0.2)  # more time than a group's import takes: the step waits for the next group
         assert step.t.is_alive() and inc.imported == {0}
         for k in range(1, dst.layout.num_layers):
@@ -196,19 +203,8 @@ def test_a_prefix_that_stops_arriving_is_computed_instead(checkpoint_dir):
     """The holder fails after sending the first layer group: the prefill waiting for the second gives up on
     the prefix, the request is computed from its tokens instead (same answer), nothing is cached from the
     failed move and no block leaks."""
-    path = checkpoint_dir("llama")
-    want = LLM(path, progress=False, engine=CFG).generate([FOLLOWUP], GREEDY)[0].token_ids
-    src = LLMEngine(path, "float32", CFG, progress=False)
-    dst = LLMEngine(path, "float32", CFG, progress=False)
-    run(src, "a", PROMPT)
-    mover = Mover(dst)
+    want, dst, mover, (inc, h, outcomes, seq, step) = fetching(checkpoint_dir("llama"))
     try:
-        inc, h, outcomes = start_prefix(mover, src, dst, "m", PREFIX)
-        (seq,) = dst.add_request("b", FOLLOWUP, GREEDY)
-        seq.incoming = inc
-        step = Stepper(dst)
-        h.export(0)
-        until(lambda: inc.imported == {0}, "layer group 0 was not imported")
         h.abort("the holder died")
         mover.intake.cancel("m")  # the router closes the Import stream
         step.join()
