@@ -7,8 +7,8 @@ bytes written straight into the region at their staged offsets (or, on the devic
 pulled onto the device: pull.py), and the first-token record. It counts completions; when every expected byte and
 the record have arrived it moves to DONE and calls `on_done`, with no extra round trip. A deadline moves it to
 FAILED (the sender died or stalled), and the owner frees the reserved blocks. A consumer may also take the KV
-layer group by layer group as it lands (`wait_layers`, `landed_arrays`: a prefill that computes over a prefix
-still arriving). Thread-safe: backend connection threads call it concurrently (one lock, and a condition on it
+layer group by layer group as it lands (`layers_landed`, `on_layers`, `wait_layers`, `landed_arrays`: a prefill
+that computes over a prefix still arriving). Thread-safe: backend connection threads call it concurrently (one lock, and a condition on it
 for `wait_layers`).
 """
 
@@ -50,6 +50,7 @@ class KVReceiver:
         self._arrived = threading.Condition(self._lock)  # bytes landed or the state went final
         self._planned = threading.Event()
         self._notified = False
+        self._watch: list = []  # (hi, fn): call fn() once layers [0, hi) have landed (`on_layers`)
 
     # ---- frames (backend threads)
     def accept_plan(self, plan: TransferPlan) -> None:
@@ -134,6 +135,8 @@ class KVReceiver:
                 self._bytes[a] = sent
                 self.received += sent
             self._arrived.notify_all()
+        if self._watch:
+            self._fire()
         self._maybe_done()
 
     def commit(self, array: int, offset: int, nbytes: int) -> None:
@@ -143,6 +146,8 @@ class KVReceiver:
             self._bytes[array] = self._bytes.get(array, 0) + nbytes
             self.received += nbytes
             self._arrived.notify_all()
+        if self._watch:
+            self._fire()
         self._maybe_done()
 
     def set_first(self, record: dict) -> None:
@@ -166,6 +171,35 @@ class KVReceiver:
         """The plan's layer groups holding any of layers [0, hi) (the plan must be accepted)."""
         return [k for k, (a, _) in enumerate(self.plan.layer_groups) if a < hi]
 
+    def _landed(self, hi: int) -> bool:
+        """Whether layers [0, hi) have landed (the lock held)."""
+        if self.plan is None:
+            return False
+        want = set(self.groups_below(hi))
+        return all(self._bytes.get(a.index, 0) == a.sent_bytes for a in self.staging.arrays if a.layer_group in want)
+
+    def layers_landed(self, hi: int) -> bool:
+        with self._lock:
+            return self._landed(hi)
+
+    def on_layers(self, hi: int, fn) -> None:
+        """Call fn() once, on the thread that lands the last of them, when layers [0, hi) have landed (at once if
+        they have)."""
+        with self._lock:
+            ready = self._landed(hi)
+            if not ready:
+                self._watch.append((hi, fn))
+        if ready:
+            fn()
+
+    def _fire(self) -> None:
+        """Call the `on_layers` callbacks whose layers have landed (outside the lock)."""
+        with self._lock:
+            due = [fn for hi, fn in self._watch if self._landed(hi)]
+            self._watch = [(hi, fn) for hi, fn in self._watch if not self._landed(hi)]
+        for fn in due:
+            fn()
+
     def wait_layers(self, hi: int, timeout: float) -> bool:
         """Block until every staged array of the layer groups holding layers [0, hi) has landed -> True; False
         when the transfer failed or `timeout` seconds passed first (the transfer itself goes on)."""
@@ -174,11 +208,8 @@ class KVReceiver:
             while True:
                 if self.state.poll() is KVPoll.FAILED:
                     return False
-                if self.plan is not None:
-                    want = set(self.groups_below(hi))
-                    if all(self._bytes.get(a.index, 0) == a.sent_bytes
-                           for a in self.staging.arrays if a.layer_group in want):
-                        return True
+                if self._landed(hi):
+                    return True
                 left = end - time.monotonic()
                 if left <= 0:
                     return False

@@ -7,9 +7,10 @@ FAILED it posts `arrived` back to the engine thread (`post`), which imports the 
 starts decoding, or fails the request and frees its blocks. A request aborted meanwhile only gives its region
 back. `reserve_prefix` receives a cached prefix into this instance's prefix cache the same way (the router's
 prefix move: from the global KV store, or between clusters; any instance may receive one). A prefill may run
-over such a prefix while it arrives (`IncomingPrefix`, BanaServe 4.2's three-stage pipeline): before each of
-its layer groups runs, the engine waits until that group's part of the prefix has landed and imports it, so the
-fetch of layer group k+1 overlaps the compute of group k while the finished groups' KV leaves for decode.
+over such a prefix while it arrives (`IncomingPrefix`, BanaServe 4.2's three-stage pipeline): it is admitted
+once the first layer group has landed, and before each of its layer groups runs, the engine waits until that
+group's part of the prefix has landed and imports it, so the fetch of layer group k+1 overlaps the compute of
+group k while the finished groups' KV leaves for decode.
 Concurrency: `reserve`, `reserve_prefix`, `IncomingPrefix` and the arrivals run on the engine thread; the
 server's threads only call `post` and feed the receivers.
 """
@@ -107,6 +108,8 @@ class KVIntake:
                               deadline_s or self.deadline_s, on_done=lambda r: self.post(lambda: arrived(r)))
         self.receivers[request_id] = inc.recv
         self.prefixes[request_id] = inc
+        # a request waiting for the prefix's first layer group is admitted once it lands: wake the engine then
+        inc.recv.on_layers(inc.first_hi, lambda: self.post(lambda: []))
         self.server.expect(inc.recv)
         return list(blocks), skip
 
@@ -140,8 +143,9 @@ class KVIntake:
 @dataclass(eq=False)
 class IncomingPrefix:
     """A cached prefix arriving into reserved blocks (`KVIntake.reserve_prefix`), which the prefill of one request
-    may compute over while it lands. The engine admits that request with `blocks` as its cached prefix and, before
-    each layer group of its first chunk runs, calls `take(llm, hi, row)`: wait until the prefix's layers below
+    may compute over while it lands. The scheduler admits that request once the prefix's first layer group has
+    landed (`started`; other requests go first meanwhile), with `blocks` as its cached prefix, and before each
+    layer group of its first chunk runs, the engine calls `take(llm, hi, row)`: wait until the prefix's layers below
     hi have landed and import them (blocks, and request-level state into the request's row, where the chunk
     reads its state from). `arrived` ends it: the rest is imported and the blocks are cached as prefix cache (a
     model with request-level state also keeps a snapshot at the prefix's end), or released. Engine thread."""
@@ -160,6 +164,17 @@ class IncomingPrefix:
     def pending(self) -> bool:
         """Still arriving, and nothing gave up on it."""
         return not self.ended and self.error is None
+
+    @property
+    def first_hi(self) -> int:
+        """The layers a prefill over it runs first: its first layer group's end."""
+        return self.groups[0][1] if self.groups else self.recv.layout.num_layers
+
+    @property
+    def started(self) -> bool:
+        """The layers of the first group have landed (the scheduler admits a request over it from then on, so
+        a step never waits for the holder's first answer; only for groups that have not kept up with compute)."""
+        return self.recv.layers_landed(self.first_hi)
 
     def take(self, llm, hi: int, row: int) -> bool:
         """Wait until the prefix's layers [0, hi) have landed (until the transfer's deadline) and import those not

@@ -16,7 +16,8 @@ step; `complete_prefill()` / `complete_decode()` apply its results.
   `kv_arrived()`; the transfer writes into those blocks meanwhile.
 - A prefix still arriving from another instance (`Sequence.incoming`, the global KV store's pipelined load)
   is taken as cached at admission, in the blocks its transfer fills, unless this instance's own cache holds as
-  much; the engine waits for it layer group by layer group as the first chunk runs.
+  much. Its request is admitted once the prefix's first layer group has landed (requests behind it go first
+  meanwhile); the engine waits for the later groups as the first chunk runs.
 - Chunk ends fall on block boundaries (except a prompt's final chunk), and for models with request-level
   state the prompt is cut at its last block boundary, so the state can be snapshotted where a later
   request can reuse it (block_manager.SnapshotPool).
@@ -33,6 +34,13 @@ from transfer.segments import OutOfBlocks
 from ..cache.block_manager import BlockManager, block_hashes
 from .client import QueueFull
 from .sequence import Sequence, Status
+
+
+def _gated(seq: Sequence) -> bool:
+    """A waiting request whose cached prefix is arriving but whose first layer group has not landed yet: not
+    admitted until it has (its step would only wait for it), or until the load ends either way."""
+    inc = seq.incoming
+    return inc is not None and inc.pending and not inc.started
 
 
 @dataclass(frozen=True)
@@ -128,8 +136,9 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        """Something a step can do (requests waiting for their KV are not)."""
-        return bool(self.waiting) or any(not s.awaiting_kv for s in self.running)
+        """Something a step can do (requests waiting for their KV, or for their prefix to start arriving, are
+        not)."""
+        return any(not _gated(s) for s in self.waiting) or any(not s.awaiting_kv for s in self.running)
 
     # ---- disaggregated decode
     def reserve(self, seq: Sequence, kv_tokens: int) -> int:
@@ -177,12 +186,15 @@ class Scheduler:
             if (seq.is_prefilling and not seq.awaiting_kv and budget > 0
                     and len(plan.prefills) < self.cfg.max_prefill_seqs):
                 budget -= self._chunk(seq, budget, plan, pinned)
-        while (self.waiting and budget > 0 and self.free_slots and len(plan.prefills) < self.cfg.max_prefill_seqs
-               and not plan.preempted):
-            seq = self.waiting[0]
+        for seq in list(self.waiting):  # in arrival order, passing those whose prefix has not started arriving
+            if not (budget > 0 and self.free_slots and len(plan.prefills) < self.cfg.max_prefill_seqs
+                    and not plan.preempted):
+                break
+            if _gated(seq):
+                continue
             if not self._admit(seq):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             budget -= self._chunk(seq, budget, plan, pinned)
         return plan
 

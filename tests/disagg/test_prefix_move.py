@@ -53,8 +53,15 @@ class Mover:
         h = Handoff(self.link, self.feeder, blocks, skip, len(tokens), False, 2, request_id=rid)
         h.send_cached(src, *found)
         assert h.sender.wait(30) is KVPoll.DONE, h.sender.state.reason
-        self.posted.get(timeout=30)()  # the arrival, on "the engine thread"
+        self.arrive(outcomes)
         return outcomes, skip, h
+
+    def arrive(self, outcomes: list) -> None:
+        """Run what the intake posted to "the engine thread" until the transfer's arrival has run (it posts a
+        wake-up when the first layer group lands, too)."""
+        n = len(outcomes)
+        while len(outcomes) == n:
+            self.posted.get(timeout=30)()
 
     def close(self):
         self.link.close()
@@ -103,7 +110,7 @@ def test_a_move_that_never_arrives_releases_its_blocks(checkpoint_dir):
         mover.intake.reserve_prefix("m", PREFIX, outcomes.append)
         assert dst.blocks.num_referenced() == 3
         mover.intake.cancel("m")  # the router closed the Import stream (the sender failed)
-        mover.posted.get(timeout=30)()
+        mover.arrive(outcomes)
         assert outcomes == ["request aborted"]
         assert dst.blocks.num_referenced() == 0 and not dst.blocks.hash_block  # nothing cached from it
         assert mover.intake.pool.free_bytes == mover.intake.pool.capacity
@@ -154,8 +161,9 @@ def start_prefix(mover: Mover, src: LLMEngine, dst: LLMEngine, rid: str, tokens)
 
 
 def fetching(path: str):
-    """src computes PROMPT; dst queues FOLLOWUP over PREFIX reserved as arriving from src, a step runs it on its
-    own thread, and src sends layer group 0 -> (the colocated answer, dst, the mover, (the IncomingPrefix, the
+    """src computes PROMPT; dst queues FOLLOWUP over PREFIX reserved as arriving from src; the request is not
+    admitted before the prefix's first layer group lands (another request goes first); src sends group 0 and a
+    step runs the request on its own thread -> (the colocated answer, dst, the mover, (the IncomingPrefix, the
     handoff, the arrival outcomes, the request, the step)) once group 0 is imported."""
     want = LLM(path, progress=False, engine=CFG).generate([FOLLOWUP], GREEDY)[0].token_ids
     src = LLMEngine(path, "float32", CFG, progress=False)
@@ -165,8 +173,13 @@ def fetching(path: str):
     inc, h, outcomes = start_prefix(mover, src, dst, "m", PREFIX)
     (seq,) = dst.add_request("b", FOLLOWUP, GREEDY)
     seq.incoming = inc
-    step = Stepper(dst)
+    assert not dst.has_work  # nothing to do until the prefix starts arriving: the engine thread may sleep
+    other = run(dst, "c", [60, 61, 62])  # a request behind it is served meanwhile
+    assert other.finished and seq.num_computed == 0 and seq in dst.scheduler.waiting
     h.export(0)
+    until(lambda: inc.started, "layer group 0 did not land")
+    assert dst.has_work
+    step = Stepper(dst)
     until(lambda: inc.imported == {0}, "layer group 0 was not imported")
     return want, dst, mover, (inc, h, outcomes, seq, step)
 
@@ -186,7 +199,7 @@ def test_a_prefill_computes_over_a_prefix_as_it_lands(checkpoint_dir, family):
         step.join()
         assert inc.imported == set(range(dst.layout.num_layers)) and seq.num_cached == len(PREFIX)
         assert seq.num_computed > len(PREFIX)  # its first chunk ran over the prefix
-        mover.posted.get(timeout=30)()  # the arrival: the prefix is cached, the reservation's references dropped
+        mover.arrive(outcomes)  # the prefix is cached, the reservation's references dropped
         assert outcomes == [None] and not mover.intake.prefixes
         while dst.has_work:
             dst.step()
@@ -209,7 +222,7 @@ def test_a_prefix_that_stops_arriving_is_computed_instead(checkpoint_dir):
         mover.intake.cancel("m")  # the router closes the Import stream
         step.join()
         assert inc.error and seq.num_computed == 0 and seq.num_preemptions == 1  # back in the queue
-        mover.posted.get(timeout=30)()
+        mover.arrive(outcomes)
         assert outcomes == ["request aborted"]
         while dst.has_work:
             dst.step()
