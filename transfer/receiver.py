@@ -8,8 +8,8 @@ pulled onto the device: pull.py), and the first-token record. It counts completi
 the record have arrived it moves to DONE and calls `on_done`, with no extra round trip. A deadline moves it to
 FAILED (the sender died or stalled), and the owner frees the reserved blocks. A consumer may also take the KV
 layer group by layer group as it lands (`layers_landed`, `on_layers`, `wait_layers`, `landed_arrays`: a prefill
-that computes over a prefix still arriving). Thread-safe: backend connection threads call it concurrently (one lock, and a condition on it
-for `wait_layers`).
+that computes over a prefix still arriving). Thread-safe: backend connection threads call it concurrently (one
+lock, and a condition on it for `wait_layers`).
 """
 
 from __future__ import annotations

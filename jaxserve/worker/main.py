@@ -18,9 +18,9 @@ schema in messages.py before a handler sees it):
             request: decode reports it then), while the KV travels; then {"kv_bytes", "frames", "sends",
             "resends", "token", "ttft_s", "backend" (tcp / shm / device), "prefix" (with prefix_from: {"tokens",
             "kv_bytes", "seconds", "streamed_groups", "error"})} once decode has acknowledged every byte; gRPC
-            ABORTED (with the reason) when the transfer failed. prefix_from: the prompt's first tokens are loaded from that
-            instance's prefix cache (the global KV store: this worker reserves blocks for them and calls its
-            Export) while the prefill runs over them, each layer group once its part has landed (BanaServe's
+            ABORTED (with the reason) when the transfer failed. prefix_from: the prompt's first tokens are loaded
+            from that instance's prefix cache (the global KV store: this worker reserves blocks for them and calls
+            its Export) while the prefill runs over them, each layer group once its part has landed (BanaServe's
             pipelined load); if the load fails, they are computed. The decode instance's KV address and segment
             come from the router's peer table, never from the caller: an instance the router has not registered
             is INVALID_ARGUMENT.

@@ -1,8 +1,8 @@
 """`jaxserve serve --launcher ray` (router/ray_launcher.py) on a two-node local Ray cluster
 (`ray.cluster_utils.Cluster`, one CPU per node, on this machine): each instance gets a placement group and an
 actor on a node of its own, whose worker registers with the router; the cluster serves 1P1D with the answers of
-the local launcher (the colocated engine's), a killed worker is restarted in place through the launcher, and stopping leaves no actor or
-placement group behind."""
+the local launcher (the colocated engine's), a killed worker is restarted in place through the launcher, and
+stopping leaves no placement group (and so no actor) behind."""
 
 from __future__ import annotations
 
