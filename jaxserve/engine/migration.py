@@ -18,8 +18,9 @@ request is lost.
 
 Source side: `Outbound`, one per move, owned by the engine thread; the step programs call it back through
 `io_callback` (models/split.py's registry). Helper side: `Guests`, the moved state and the programs over it,
-called from one thread of the helper's worker (worker/main.py `migrate_call`). Messages are `pack`ed: a JSON header and raw
-array bytes; `link(payload) -> payload` carries them (the workers' control port, or a direct call in tests).
+called from one thread of the helper's worker (worker/main.py `migrate_call`). Messages are `pack`ed: a JSON
+header and raw array bytes; `link(payload) -> payload` carries them (the workers' control port, or a direct call
+in tests).
 """
 
 from __future__ import annotations

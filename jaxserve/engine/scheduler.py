@@ -186,15 +186,16 @@ class Scheduler:
             if (seq.is_prefilling and not seq.awaiting_kv and budget > 0
                     and len(plan.prefills) < self.cfg.max_prefill_seqs):
                 budget -= self._chunk(seq, budget, plan, pinned)
-        for seq in list(self.waiting):  # in arrival order, passing those whose prefix has not started arriving
-            if not (budget > 0 and self.free_slots and len(plan.prefills) < self.cfg.max_prefill_seqs
-                    and not plan.preempted):
-                break
+        i = 0  # in arrival order, passing those whose prefix has not started arriving
+        while (i < len(self.waiting) and budget > 0 and self.free_slots
+               and len(plan.prefills) < self.cfg.max_prefill_seqs and not plan.preempted):
+            seq = self.waiting[i]
             if _gated(seq):
+                i += 1
                 continue
             if not self._admit(seq):
                 break
-            self.waiting.remove(seq)
+            del self.waiting[i]
             budget -= self._chunk(seq, budget, plan, pinned)
         return plan
 

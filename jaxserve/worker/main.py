@@ -183,13 +183,15 @@ class Worker:
         sends, layerwise = role in ("prefill", "both"), len(groups) > 1
         receives = role in ("decode", "both")
         store = any(i.role == "store" for i in cfg.instances())  # prefills may run over prefixes it loads
+        moves = store or any(c.kind == "prfaas" for c in cfg.clusters)  # prefixes moved between clusters
         n = self.llm.runner.warmup(progress, groups if sends and layerwise else None, tails=receives,
                                    decode=receives, whole=sends, stage_min_tokens=cfg.transfer.stream_min_tokens,
-                                   stage_cached=store)
-        # a prefill instance receives cached prefixes too (moved between clusters, or loaded from the global KV
-        # store layer group by layer group while its prefill runs)
+                                   stage_cached=sends and store)
+        # a prefill instance receives cached prefixes too where there are any to receive (moved between clusters,
+        # or loaded from the global KV store layer group by layer group while its prefill runs)
         return n + self.llm.runner.warmup_transfer(self.llm.dtype_name, groups, export=sends,
-                                                   receive=receives or sends, progress=progress, by_group=sends)
+                                                   receive=receives or (sends and moves), progress=progress,
+                                                   by_group=sends and store)
 
     def _pull_source(self, address: str) -> bool:
         """Whether a PULL frame's transfer-server address belongs to a registered prefill instance."""
@@ -543,7 +545,6 @@ class Worker:
         ABORTED when the transfer failed. Closing the stream early releases the reservation."""
         import grpc
         from transfer.bufpool import PoolFull
-        from transfer.plan import layer_groups
         from transfer.segments import OutOfBlocks
         from ..engine.client import RequestError
         rid, tokens = req.request_id, list(req.prompt)
@@ -553,9 +554,8 @@ class Worker:
         def on_done(error):  # engine thread
             loop.call_soon_threadsafe(lambda: done.done() or done.set_result(error))
         try:
-            groups = layer_groups(self.llm.layout.num_layers, self.cfg.transfer.layers_per_group)
-            blocks, skip = await self.engine.call(lambda eng: self.intake.reserve_prefix(
-                rid, tokens, on_done, req.deadline_s, groups if len(groups) > 1 else None))
+            blocks, skip = await self.engine.call(
+                lambda eng: self.intake.reserve_prefix(rid, tokens, on_done, req.deadline_s))
         except (RequestError, ValueError) as e:
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except (OutOfBlocks, PoolFull) as e:
