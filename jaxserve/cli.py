@@ -51,13 +51,23 @@ def worker(config: str = typer.Option(None, "--config", "-c", help="cluster YAML
            router: str = typer.Option(None, "--router", help="HOST:PORT of the router's control port to join"),
            advertise: str = typer.Option(None, "--advertise", help="the host other processes dial for this worker "
                                          "(its pod's IP), where instance.host is a wildcard address"),
+           coordinator: str = typer.Option(None, "--coordinator", help="multi-host instance: HOST:PORT of its "
+                                           "first process's jax.distributed coordinator (default: the "
+                                           "LeaderWorkerSet's LWS_* variables)"),
+           num_processes: int = typer.Option(None, "--num-processes", help="multi-host instance: its processes"),
+           process_id: int = typer.Option(None, "--process-id", help="multi-host instance: this process's index "
+                                          "(0: the leader, which serves; the others follow it)"),
            parent_pid: int = typer.Option(None, "--parent-pid", hidden=True,
                                           help="exit when this process (the launching router) dies")):
-    """Run one instance of a cluster (prefill, decode or both) as this process, controlled over gRPC."""
+    """Run one instance of a cluster (prefill, decode or both) as this process, controlled over gRPC; or one
+    process of a multi-host instance (instance.hosts > 1)."""
     from .config import ConfigFileError, load
+    from .worker.group import resolve
     from .worker.main import run
     try:
-        run(load(config), instance, router, parent_pid, advertise)
+        cfg = load(config)
+        group = resolve(cfg.instance(instance), coordinator, num_processes, process_id)
+        run(cfg, instance, router, parent_pid, advertise, group)
     except ConfigFileError as e:
         typer.echo(f"config error: {e}", err=True)
         raise typer.Exit(2)

@@ -70,8 +70,13 @@ class InstanceSection(_Strict):
                                  "this many MB, and stay in the store (cache/disk_tier.py)")
     spill_dir: str | None = Field(None, description="store: where spilled blocks go (default "
                                   "~/.cache/jaxserve/spill/<instance>; emptied at start)")
-    devices: list[int] = Field(default_factory=lambda: [0])
-    tp: int = Field(1, ge=1)
+    devices: list[int] = Field(default_factory=lambda: [0], description="the devices of each of its hosts")
+    tp: int = Field(1, ge=1, description="tensor parallelism over all its hosts' devices")
+    hosts: int = Field(1, ge=1, description="processes (one per host) forming this instance: one JAX multi-controller "
+                       "program, its mesh over every process's devices (worker/group.py); tp / hosts devices each")
+    group_port: int = Field(0, ge=0, le=65534, description="hosts > 1: the port the first process serves "
+                            "jax.distributed's coordinator on; the port after it carries its step broadcast "
+                            "(0: the local launcher picks free ports, Kubernetes uses 8476)")
     cpus: list[int] = Field(default_factory=list, description="CPU cores the worker is pinned to (empty: all)")
     host: str = Field("127.0.0.1", description="address the worker's gRPC and KV servers listen on")
     port: int = Field(0, ge=0, le=65535, description="gRPC control port (0: any free port)")
@@ -91,8 +96,14 @@ class InstanceSection(_Strict):
             host, _, port = self.kv_advertise.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ValueError(f"kv_advertise must be host:port, got {self.kv_advertise!r}")
-        if len(self.devices) < self.tp:
-            raise ValueError(f"tp={self.tp} needs {self.tp} devices, {len(self.devices)} listed")
+        if self.tp % self.hosts:
+            raise ValueError(f"hosts: {self.hosts} hosts cannot share tp={self.tp} devices evenly")
+        if len(self.devices) < self.tp // self.hosts:
+            raise ValueError(f"tp={self.tp} needs {self.tp // self.hosts} devices per host, {len(self.devices)} "
+                             "listed")
+        if self.hosts > 1 and (self.role == "store" or self.standby):
+            raise ValueError("hosts: a store runs no model step and a standby instance is one process; either "
+                             "runs on one host")
         if self.standby and (not self.launch or self.role == "store"):
             raise ValueError("standby: a standby instance is started by the router (launch: true), and is no store")
         if (self.spill_mb is not None or self.spill_dir is not None) and self.role != "store":

@@ -49,15 +49,18 @@ def kubernetes(config: str = typer.Option(..., "--config", "-c", help="cluster Y
                namespace: str = typer.Option(None, "--namespace", help="namespace of every object"),
                gpu_resource: str = typer.Option(None, "--gpu-resource", help="device resource each worker requests, "
                                                 "one per instance device (e.g. nvidia.com/gpu)"),
-               memory: str = typer.Option("8Gi", "--memory", help="memory request of each worker pod")):
+               memory: str = typer.Option("8Gi", "--memory", help="memory request of each worker pod"),
+               kind: str = typer.Option("leaderworkerset", "--kind", help="leaderworkerset: one per instance; "
+                                        "disaggregatedset: one DisaggregatedSet, the instances its roles")):
     """A kustomize base for Kubernetes (LeaderWorkerSet controller installed): the router, one LeaderWorkerSet per
-    instance, the config and the cluster token. Apply it with `kubectl apply -k OUT`."""
+    instance (or one DisaggregatedSet of them), the config and the cluster token. Apply it with `kubectl apply -k
+    OUT`."""
     from jaxserve.config import ConfigFileError, load
 
     from .kubernetes import Options, write
     try:
         paths = write(load(config), Options(image=image, name=name, namespace=namespace, gpu_resource=gpu_resource,
-                                            memory=memory), out)
+                                            memory=memory, kind=kind), out)
     except ConfigFileError as e:
         typer.echo(f"config error: {e}", err=True)
         raise typer.Exit(2)

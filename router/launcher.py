@@ -4,7 +4,10 @@ Each child is `python -m jaxserve.cli worker --config FILE --instance NAME --rou
 builds its engine, and registers with the router (router/cluster.py), which is how readiness is known. A
 reader thread per child keeps its last output lines (shown when it dies before registering) and echoes them
 prefixed with the instance name. Children are started with `--parent-pid`: they ask the kernel for SIGTERM
-when this process dies (PR_SET_PDEATHSIG, worker/main.py), so a killed server leaves no orphan workers.
+when this process dies (PR_SET_PDEATHSIG, worker/main.py), so a killed server leaves no orphan workers. A
+multi-host instance (instance.hosts > 1) is started as its group of processes on this machine (`GroupChild`:
+`--coordinator 127.0.0.1:PORT --num-processes N --process-id I`, worker/group.py), stopped, killed and restarted
+together.
 Concurrency: the caller's thread plus one reader thread per child.
 """
 
@@ -54,14 +57,62 @@ class Child:
         self._reader.join(timeout=2)
         return "\n".join(self.tail)
 
+    @property
+    def members(self) -> list["Child"]:
+        return [self]
+
+
+class GroupChild:
+    """A multi-host instance's processes, here all on this machine (worker/group.py): started, stopped and
+    killed together; down as soon as one of them has exited (the others follow it down)."""
+
+    def __init__(self, name: str, argvs: list[list[str]], echo):
+        self.name = name
+        self.members = [Child(f"{name}[{i}]", argv, echo) for i, argv in enumerate(argvs)]
+
+    @property
+    def proc(self):
+        return self.members[0].proc
+
+    @property
+    def pid(self) -> int:
+        return self.members[0].pid  # the leader's: the process the router talks to
+
+    def exited(self) -> int | None:
+        return next((rc for rc in (m.exited() for m in self.members) if rc is not None), None)
+
+    def output(self) -> str:
+        return "\n".join(f"--- {m.name}\n{m.output()}" for m in self.members)
+
+
+def free_port_pair(host: str = "127.0.0.1") -> int:
+    """A port p with p and p + 1 free on host (a group's coordinator and its step channel)."""
+    import socket
+    for _ in range(100):
+        with socket.socket() as a:
+            a.bind((host, 0))
+            p = a.getsockname()[1]
+            if p >= 65535:
+                continue
+            with socket.socket() as b:
+                try:
+                    b.bind((host, p + 1))
+                except OSError:
+                    continue
+            return p
+    raise RuntimeError("no two consecutive free ports")
+
 
 class Launcher:
-    def __init__(self, config_path: str | None, names: list[str], router_address: str, echo=None, wrap=None):
+    def __init__(self, config_path: str | None, names: list[str], router_address: str, echo=None, wrap=None,
+                 hosts: dict[str, tuple[int, int]] | None = None):
         """config_path: the YAML the workers load (None: the embedded local.yaml). echo: line printer or None.
-        wrap: (name, argv) -> the argv that runs it (e.g. inside a network namespace), or None."""
+        wrap: (name, argv) -> the argv that runs it (e.g. inside a network namespace), or None. hosts: name ->
+        (instance.hosts, instance.group_port) of the multi-host instances, started as a group of processes."""
         self.config_path, self.names, self.router_address, self.echo = config_path, names, router_address, echo
         self.wrap = wrap
-        self.children: dict[str, Child] = {}
+        self.hosts = hosts or {}
+        self.children: dict[str, Child | GroupChild] = {}
 
     def start(self) -> None:
         for name in self.names:
@@ -73,6 +124,12 @@ class Launcher:
                 "--parent-pid", str(os.getpid())]
         if self.config_path is not None:
             argv[4:4] = ["--config", os.path.abspath(self.config_path)]
+        size, port = self.hosts.get(name, (1, 0))
+        if size > 1:  # its processes on this machine, the first one the coordinator
+            at = ["--coordinator", f"127.0.0.1:{port or free_port_pair()}", "--num-processes", str(size)]
+            argvs = [argv + at + ["--process-id", str(i)] for i in range(size)]
+            self.children[name] = GroupChild(name, [self.wrap(name, a) if self.wrap else a for a in argvs], self.echo)
+            return
         self.children[name] = Child(name, self.wrap(name, argv) if self.wrap else argv, self.echo)
 
     def check(self) -> None:
@@ -84,17 +141,19 @@ class Launcher:
 
     def kill(self, name: str) -> None:
         """SIGKILL one child (fault tests)."""
-        c = self.children[name]
-        c.proc.kill()
-        c.proc.wait(30)
-        remove_segments_of(c.pid)
+        for c in self.children[name].members:
+            c.proc.kill()
+            c.proc.wait(30)
+            remove_segments_of(c.pid)
 
     def stop_one(self, name: str, timeout: float = 30.0) -> None:
         """SIGTERM one child (a scale-in), SIGKILL after `timeout`."""
-        c = self.children[name]
-        if c.exited() is None:
-            c.proc.terminate()
-        self._reap(c, timeout)
+        members = self.children[name].members
+        for c in members:
+            if c.exited() is None:
+                c.proc.terminate()
+        for c in members:
+            self._reap(c, timeout)
 
     @staticmethod
     def _reap(c: Child, timeout: float) -> None:
@@ -109,10 +168,11 @@ class Launcher:
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM every child, then SIGKILL what is left after `timeout`; remove the shared-memory segments
         of any that could not remove their own."""
-        for c in self.children.values():
+        members = [m for c in self.children.values() for m in c.members]
+        for c in members:
             if c.exited() is None:
                 c.proc.terminate()
-        for c in self.children.values():
+        for c in members:
             self._reap(c, timeout)
 
 
@@ -154,7 +214,8 @@ async def workers(cluster, cfg, names: list[str], progress: bool = False, echo=N
         with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="jaxserve-", delete=False) as f:
             yaml.safe_dump(cfg.model_dump(mode="json"), f)
         path = f.name
-        launcher = Launcher(path, names, address, echo)
+        launcher = Launcher(path, names, address, echo,
+                            hosts={i.name: (i.hosts, i.group_port) for i in cfg.instances() if i.hosts > 1})
     cluster.launcher = launcher
     try:
         launcher.start()

@@ -1,15 +1,17 @@
 """`jaxserve serve --launcher ray --address ADDR`: start a config's workers on a Ray cluster instead of as local
 child processes (router/launcher.py), for bare-metal clusters without Kubernetes.
 
-Each instance gets a placement group of one bundle per host (an instance is one host today: one bundle of its
-cores, `max(1, len(cpus))` CPUs, strategy STRICT_SPREAD so a multi-host instance's bundles land on distinct
-nodes), and in its bundle a `WorkerHost` actor that runs `jaxserve worker` as a child process on that node:
+Each instance gets a placement group of one bundle per host (`instance.hosts` bundles of its cores,
+`max(1, len(cpus))` CPUs each, strategy STRICT_SPREAD so a multi-host instance's bundles land on distinct
+nodes), and in each bundle a `WorkerHost` actor that runs `jaxserve worker` as a child process on that node:
 the config written to a local file there, `--router` the router's control address, `--advertise` the node's IP
 when the instance listens on a wildcard address, and `--parent-pid` the actor's process, so a worker does not
-outlive its actor. The router learns readiness from registrations, as with local children. `RayLauncher` is a
-`Launcher` (start, start_one, check, kill, stop_one, stop, children[name].exited()), so the fault tests' kill
-and the flowkv controller's scaling work the same way. Concurrency: the caller's thread; each
-actor is a process on its node (Ray calls block the caller briefly).
+outlive its actor. A multi-host instance's processes get `--coordinator` (the first bundle's node, on a port
+pair free there, or `group_port`), `--num-processes` and `--process-id` (worker/group.py), and are
+seen exited, killed and released together. The router learns readiness from registrations, as with local
+children. `RayLauncher` is a `Launcher` (start, start_one, check, kill, stop_one, stop,
+children[name].exited()), so the fault tests' kill and the flowkv controller's scaling work the same way.
+Concurrency: the caller's thread; each actor is a process on its node (Ray calls block the caller briefly).
 """
 
 from __future__ import annotations
@@ -29,7 +31,16 @@ class WorkerHost:
         self.proc = None
         self.tail: list[str] = []
 
-    def start(self, name: str, config_text: str, router: str, wildcard: bool) -> dict:
+    def node_ip(self) -> str:
+        import ray
+        return ray.util.get_node_ip_address()
+
+    def free_port_pair(self) -> int:
+        """Two consecutive ports free on this node (a group's coordinator and channel)."""
+        from router.launcher import free_port_pair
+        return free_port_pair("0.0.0.0")
+
+    def start(self, name: str, config_text: str, router: str, wildcard: bool, extra: list[str]) -> dict:
         import subprocess
         import tempfile
         import threading
@@ -43,6 +54,7 @@ class WorkerHost:
         node_ip = ray.util.get_node_ip_address()
         if wildcard:
             argv += ["--advertise", node_ip]
+        argv += extra
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
@@ -75,11 +87,16 @@ class WorkerHost:
 
 
 class RayChild:
-    """One instance's placement group, actor and worker process (Launcher's Child, on a Ray node)."""
+    """One instance's placement group, and per host an actor and its worker process (Launcher's Child, on Ray
+    nodes): exited as soon as one of them has."""
 
-    def __init__(self, name: str, actor, group, info: dict):
-        self.name, self.actor, self.group, self.info = name, actor, group, info
+    def __init__(self, name: str, actors: list, group, infos: list[dict]):
+        self.name, self.actors, self.group, self.infos = name, actors, group, infos
         self.rc: int | None = None
+
+    @property
+    def info(self) -> dict:
+        return self.infos[0]  # the leader's: the process the router talks to
 
     @property
     def pid(self) -> int:
@@ -87,19 +104,25 @@ class RayChild:
 
     def exited(self) -> int | None:
         import ray
-        if self.rc is None:
+        for actor in self.actors:
+            if self.rc is not None:
+                break
             try:
-                self.rc = ray.get(self.actor.poll.remote(), timeout=30)
+                self.rc = ray.get(actor.poll.remote(), timeout=30)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 self.rc = -9  # its actor (or node) is gone: so is the worker
         return self.rc
 
     def output(self) -> str:
         import ray
-        try:
-            return ray.get(self.actor.output.remote(), timeout=30)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
-            return f"(its Ray actor is gone: {type(e).__name__})"
+        out = []
+        for i, actor in enumerate(self.actors):
+            try:
+                text = ray.get(actor.output.remote(), timeout=30)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+                text = f"(its Ray actor is gone: {type(e).__name__})"
+            out.append(text if len(self.actors) == 1 else f"--- {self.name}[{i}]\n{text}")
+        return "\n".join(out)
 
 
 class RayLauncher(Launcher):
@@ -117,7 +140,7 @@ class RayLauncher(Launcher):
         self._host = ray.remote(WorkerHost)
 
     def start_one(self, name: str) -> None:
-        """Place instance `name` (a placement group of one bundle per host) and start its worker there."""
+        """Place instance `name` (a placement group of one bundle per host) and start its workers there."""
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -125,21 +148,30 @@ class RayLauncher(Launcher):
         if old is not None:  # a restart after `kill`: the old actor and placement group go first
             self._release(old, 10.0)
         inst = self.cfg.instance(name)
-        cpus = max(1, len(inst.cpus))
-        group = placement_group([{"CPU": cpus}], strategy="STRICT_SPREAD", name=f"jaxserve-{name}")
+        cpus, n = max(1, len(inst.cpus)), inst.hosts
+        group = placement_group([{"CPU": cpus}] * n, strategy="STRICT_SPREAD", name=f"jaxserve-{name}")
         try:
             ray.get(group.ready(), timeout=READY_S)
         except ray.exceptions.GetTimeoutError:
             remove_placement_group(group)
-            raise WorkerExited(f"worker {name}: the Ray cluster has no node with {cpus} free CPUs for it "
-                               f"(waited {READY_S:.0f}s)") from None
-        actor = self._host.options(num_cpus=cpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
-            placement_group=group, placement_group_bundle_index=0)).remote()
-        info = ray.get(actor.start.remote(name, self.config_text, self.router_address,
-                                          inst.host in ("0.0.0.0", "::")), timeout=READY_S)
+            raise WorkerExited(f"worker {name}: the Ray cluster has no {n} nodes with {cpus} free CPUs each for "
+                               f"it (waited {READY_S:.0f}s)") from None
+        actors = [self._host.options(num_cpus=cpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=group, placement_group_bundle_index=i)).remote() for i in range(n)]
+        extras = [[]]
+        wildcard = inst.host in ("0.0.0.0", "::")
+        if n > 1:  # the group's coordinator on the first bundle's node, where the leader listens
+            leader = ray.get(actors[0].node_ip.remote(), timeout=READY_S) if wildcard else inst.host
+            port = inst.group_port or ray.get(actors[0].free_port_pair.remote(), timeout=READY_S)
+            extras = [["--coordinator", f"{leader}:{port}", "--num-processes", str(n), "--process-id", str(i)]
+                      for i in range(n)]
+        infos = ray.get([a.start.remote(name, self.config_text, self.router_address, wildcard, extra)
+                         for a, extra in zip(actors, extras)], timeout=READY_S)
         if self.echo is not None:
-            self.echo(f"[{name}] started on Ray node {info['node_ip']} ({info['node_id'][:12]}), pid {info['pid']}")
-        self.children[name] = RayChild(name, actor, group, info)
+            for info in infos:
+                self.echo(f"[{name}] started on Ray node {info['node_ip']} ({info['node_id'][:12]}), "
+                          f"pid {info['pid']}")
+        self.children[name] = RayChild(name, actors, group, infos)
 
     def kill(self, name: str) -> None:
         """SIGKILL one worker (fault tests)."""
@@ -156,15 +188,18 @@ class RayLauncher(Launcher):
     @staticmethod
     def _signal(c: RayChild, kill: bool, timeout: float) -> None:
         import ray
-        try:
-            c.rc = ray.get(c.actor.signal.remote(kill, timeout), timeout=timeout + 30)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            c.rc = -9
+        rcs = []
+        for actor in c.actors:
+            try:
+                rcs.append(ray.get(actor.signal.remote(kill, timeout), timeout=timeout + 30))
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                rcs.append(-9)
+        c.rc = rcs[0]
 
     def _release(self, c: RayChild, timeout: float) -> None:
         import ray
         from ray.util.placement_group import remove_placement_group
-        if c.rc is None:
-            self._signal(c, False, timeout)
-        ray.kill(c.actor)
+        self._signal(c, False, timeout)  # every process of the group, whichever of them has exited
+        for actor in c.actors:
+            ray.kill(actor)
         remove_placement_group(c.group)

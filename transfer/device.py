@@ -127,10 +127,11 @@ class DeviceIO:
             fn = self._import[key] = jax.jit(put, donate_argnums=(0,))
         ids = _ids(st, blocks, num_blocks)  # pad rows land out of range and are dropped
         mesh = _mesh(pool)
-        ids, row = jnp.asarray(ids), jnp.int32(row)
         if mesh is not None:
             rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-            ids, row = jax.device_put(ids, rep), jax.device_put(row, rep)
+            ids, row = _place(ids, rep), _place(np.int32(row), rep)
+        else:
+            ids, row = jnp.asarray(ids), jnp.int32(row)
         xs = [_assemble(w, [views[p.index] for p in parts], pool[w.group], mesh) for w, parts in arrays]
         return fn(pool, xs, ids, row)
 
@@ -145,6 +146,15 @@ def _head_shards(x: jax.Array, parts: int) -> list[jax.Array]:
     return [by_start[k] for k in sorted(by_start)]
 
 
+def _place(x: np.ndarray, sharding) -> jax.Array:
+    """Host array x as a jax.Array with `sharding`: on a mesh spanning processes (a multi-host instance, whose
+    every process passes the same x) each process places its own devices' shards."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
 def _device_array(v) -> jax.Array:
     return v if isinstance(v, jax.Array) else jnp.from_dlpack(v)  # region views: no copy (64-byte aligned)
 
@@ -155,6 +165,8 @@ def _assemble(w: ArraySpec, parts: list, pool_group, mesh) -> jax.Array:
     split = mesh is not None and w.kind in ("blocks", "ring") and not pool_group.sharding.is_fully_replicated
     target = (_head_sharding(mesh, len(w.shape)) if split else
               jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None else None)
+    if target is not None and not target.is_fully_addressable:  # a multi-host instance: from the host's copy
+        return _place(np.concatenate([np.asarray(p) for p in parts], axis=HEAD_AXIS), target)
     if len(parts) == 1:
         x = _device_array(parts[0])
     else:

@@ -94,21 +94,30 @@ class PoolLayout:
         return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.shapes(dtype)))
 
 
-def head_parts(layout: PoolLayout, mesh) -> list[int]:
-    """Per group, how many ways its KV heads are split over the mesh's "tp" axis (1: not split): attention
-    groups whose heads divide evenly over "tp", as the step programs' outputs are; MLA latents (one head) and
-    linear states are never split."""
+def _split_heads(layout: PoolLayout, mesh) -> list[int]:
+    """Per group, how many ways the pool splits its KV heads over the mesh's "tp" axis (1: not split):
+    attention groups whose heads divide evenly over "tp", as the step programs' outputs are; MLA latents (one
+    head) and linear states are never split."""
     tp = 1 if mesh is None else mesh.shape.get("tp", 1)
     return [tp if gl.group.kind in ("full", "sliding") and not gl.mla and tp > 1 and gl.group.kv_heads % tp == 0
             else 1 for gl in layout.groups]
 
 
+def head_parts(layout: PoolLayout, mesh) -> list[int]:
+    """Per group, the head parts a transfer from this pool sends (each rank's heads as they lie): the pool's
+    split where the mesh is this process's devices; none on a mesh spanning processes (a multi-host instance:
+    its leader sends the KV, gathered whole by the export program)."""
+    local = mesh is None or all(d.process_index == mesh.devices.flat[0].process_index for d in mesh.devices.flat)
+    split = _split_heads(layout, mesh)
+    return split if local else [1] * len(split)
+
+
 def pool_shardings(layout: PoolLayout, mesh) -> list:
     """Where each pool array lives on a TP mesh: attention groups split over KV heads (axis 4 of
-    [rows, layers, entries, tokens, heads, width]) where `head_parts` says so, else replicated."""
+    [rows, layers, entries, tokens, heads, width]) where `_split_heads` says so, else replicated."""
     from jax.sharding import NamedSharding, PartitionSpec as P
     out = []
-    for gl, parts in zip(layout.groups, head_parts(layout, mesh)):
+    for gl, parts in zip(layout.groups, _split_heads(layout, mesh)):
         if parts > 1:
             out.append(NamedSharding(mesh, P(None, None, None, None, "tp")))
         elif gl.group.kind in ("full", "sliding"):

@@ -73,7 +73,12 @@ class KVIntake:
             if seq.finished:  # aborted while its KV was on the way
                 return []
             if recv.state.poll() is KVPoll.DONE:
-                changed = self.llm.kv_arrived(seq, recv.staging, recv.arrays(), recv.num_tokens, recv.first)
+                try:
+                    changed = self.llm.kv_arrived(seq, recv.staging, recv.arrays(), recv.num_tokens, recv.first)
+                except Exception as e:  # noqa: BLE001 - the request fails (the router places it again), not hangs
+                    log.exception("%s: importing the KV failed", seq.request_id)
+                    self.llm.fail(seq, f"importing the KV failed: {type(e).__name__}: {e}")
+                    return [seq]
                 return [seq] if changed else []
             log.warning("%s: KV transfer failed: %s", seq.request_id, recv.state.reason)
             self.llm.fail(seq, f"KV transfer failed: {recv.state.reason}")

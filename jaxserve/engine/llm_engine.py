@@ -161,7 +161,7 @@ class LLMEngine:
             shapes = [(s.shape[1:], s.dtype) for gl, s in zip(self.layout.groups, self.layout.shapes(self.dtype))
                       if gl.kind == "full"]
             self.blocks.spill = DiskTier(cfg.spill_dir, cfg.spill_mb << 20, shapes)
-            self.blocks.read_blocks = self.runner.read_blocks
+            self.blocks.read_blocks = lambda ids: self.runner.read_blocks(ids)  # the runner in use then
         self.eos = set(self.model_config.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
         self._rng = np.random.default_rng()

@@ -222,7 +222,9 @@ class ModelRunner:
         self._insert = jax.jit(insert_fn, donate_argnums=(0, 1))
         self._io = DeviceIO()
         full = [i for i, gl in enumerate(layout.groups) if gl.kind == "full"]
-        self._read_blocks = jax.jit(lambda pool, ids: [pool[i][ids] for i in full])
+        # read back whole on the host (replicated: a multi-host instance's leader holds only its own heads)
+        self._read_blocks = jax.jit(lambda pool, ids: [pool[i][ids] for i in full],
+                                    **({} if mesh is None else {"out_shardings": sharding}))
         self._write_blocks = jax.jit(lambda pool, ids, vals: [
             pool[i].at[ids].set(vals[full.index(i)].astype(pool[i].dtype), mode="drop") if i in full else pool[i]
             for i in range(len(pool))], donate_argnums=(0,))

@@ -23,6 +23,12 @@ def make_mesh(inst, local: bool = False):
     if inst.tp == 1:
         return None
     devs = jax.devices()
+    if inst.hosts > 1:  # one multi-controller program: the mesh spans every process's devices, process by process
+        if len(devs) != inst.tp:
+            raise ConfigFileError(f"clusters.instances.tp: {inst.tp} over {inst.hosts} hosts, but the group has "
+                                  f"{len(devs)} devices")
+        devs = sorted(devs, key=lambda d: (d.process_index, d.id))
+        return jax.make_mesh((inst.tp,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,), devices=devs)
     ids = list(range(inst.tp)) if local else inst.devices[:inst.tp]
     if max(ids) >= len(devs):
         raise ConfigFileError(f"clusters.instances.devices: {inst.devices} but only {len(devs)} devices exist")

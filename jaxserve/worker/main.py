@@ -96,34 +96,47 @@ def pin(inst: InstanceSection) -> None:
                                   f"only on cores {sorted(have)}")
         os.sched_setaffinity(0, set(inst.cpus))
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", ",".join(str(d) for d in inst.devices))
-    n = max(len(inst.devices), inst.tp)
+    n = max(len(inst.devices), inst.tp // inst.hosts)  # this host's devices
     if n > 1:
         flags = os.environ.get("XLA_FLAGS", "")
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
+def build_engine(cfg: Config, inst: InstanceSection, progress: bool = False):
+    """The instance's LLMEngine on a mesh over its devices (a multi-host group's: every process's)."""
+    from ..bundled import resolve
+    from ..engine.llm_engine import LLMEngine
+    from ..server.serve import make_mesh
+    path = resolve(cfg.model.path, progress)
+    print(f"{inst.name}: loading {path} ({inst.role}, cores {sorted(os.sched_getaffinity(0))})", flush=True)
+    ecfg = cfg.engine.engine_config(cfg.server.max_waiting)
+    if inst.kv_blocks is not None:
+        ecfg = dataclasses.replace(ecfg, num_blocks=inst.kv_blocks)
+    if inst.spill_mb is not None:
+        ecfg = dataclasses.replace(ecfg, spill_dir=inst.spill_path(), spill_mb=inst.spill_mb)
+    return LLMEngine(path, cfg.model.dtype, ecfg, make_mesh(inst, local=True), progress)
+
+
 class Worker:
-    def __init__(self, cfg: Config, inst: InstanceSection, progress: bool = False, advertise: str | None = None):
+    def __init__(self, cfg: Config, inst: InstanceSection, progress: bool = False, advertise: str | None = None,
+                 group=None):
         """advertise: the host other processes dial for this worker's gRPC and KV servers (a pod's IP), where
-        it listens on a wildcard address (default: instance.host)."""
-        from ..bundled import resolve
+        it listens on a wildcard address (default: instance.host). group: the leader's channel to the other
+        processes of a multi-host instance (worker/group.py), whose runners then follow this one's."""
         from ..engine.async_engine import AsyncEngine
-        from ..engine.llm_engine import LLMEngine
-        from ..server.serve import make_mesh
         self.cfg, self.inst = cfg, inst
         self.role = inst.role  # SetRole changes it in place
         self.cluster = cfg.cluster_of(inst.name)
         self.address = None  # host:port once serving
         self.advertise = advertise or inst.host
         t0 = time.monotonic()
-        path = resolve(cfg.model.path, progress)
-        print(f"{inst.name}: loading {path} ({inst.role}, cores {sorted(os.sched_getaffinity(0))})", flush=True)
-        ecfg = cfg.engine.engine_config(cfg.server.max_waiting)
-        if inst.kv_blocks is not None:
-            ecfg = dataclasses.replace(ecfg, num_blocks=inst.kv_blocks)
-        if inst.spill_mb is not None:
-            ecfg = dataclasses.replace(ecfg, spill_dir=inst.spill_path(), spill_mb=inst.spill_mb)
-        self.llm = LLMEngine(path, cfg.model.dtype, ecfg, make_mesh(inst, local=True), progress)
+        self.llm = build_engine(cfg, inst, progress)
+        self.group = group
+        if group is not None:
+            from .group import Lockstep
+            print(f"{inst.name}: waiting for the group's {group.group.size - 1} other processes", flush=True)
+            group.accept()
+            self.llm.runner = Lockstep(self.llm.runner, group)
         if cfg.engine.warmup:
             print(f"{inst.name}: compiling the step programs (engine.warmup)", flush=True)
             print(f"{inst.name}: {self._warm(inst.role, progress)} programs compiled", flush=True)
@@ -141,7 +154,7 @@ class Worker:
         self._kv_want: int | None = None  # the cache event the router's KV index expects next (None: full)
         self._kv_full = None  # the full cache state being taken on the engine thread
         import jax
-        if t.pulls(jax.default_backend()):
+        if t.pulls(jax.default_backend()) and group is None:  # a group's KV moves through its leader's host
             from transfer.pull import PullServer
             try:
                 self.pull_server = PullServer(inst.host, t.connections)
@@ -633,6 +646,9 @@ class Worker:
         import grpc
         if self.role == "store":
             await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.inst.name} is the KV store: it runs no model")
+        if self.group is not None:  # a helper's programs run on this process alone; the weights span the group
+            await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.inst.name} is a multi-host instance: it "
+                            "helps no migration")
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._migrations, self.llm.guests.handle, payload)
 
@@ -824,17 +840,32 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 def run(cfg: Config, name: str, router: str | None = None, parent_pid: int | None = None,
-        advertise: str | None = None) -> None:
+        advertise: str | None = None, group=None) -> None:
     """Run instance `name` of `cfg` in this process until SIGTERM / SIGINT; router: register there; advertise:
-    the host other processes dial for it (Worker)."""
+    the host other processes dial for it (Worker); group: this process's place in a multi-host instance
+    (worker/group.py `resolve`): the leader serves, the others follow it."""
     if parent_pid is not None:
         die_with_parent(parent_pid)
     inst = cfg.instance(name)
     cfg.check_exposure()
     pin(inst)
-    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
+    label = name if group is None else f"{name}[{group.index}]"
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {label} %(levelname)s %(name)s: %(message)s")
+    if group is not None:
+        from . import group as grp
+        channel = grp.LeaderChannel(group, inst.host, cfg.transfer.token) if group.leader else None
+        grp.join(group)
+        if not group.leader:  # a follower: the same engine, its runner driven by the leader's calls
+            llm = build_engine(cfg, inst)
+            print(f"{label}: following {group.host}:{group.port + 1}", flush=True)
+            grp.exit_now(grp.follow(llm.runner, grp.connect(group, cfg.transfer.token)))
     try:
-        asyncio.run(Worker(cfg, inst, advertise=advertise).serve(router))
+        asyncio.run(Worker(cfg, inst, advertise=advertise, group=channel if group else None).serve(router))
     except Refused as e:
         log.error("%s", e)
+        if group is not None:
+            grp.exit_now(2)
         raise SystemExit(2) from None
+    if group is not None:
+        channel.close()
+        grp.exit_now(0)

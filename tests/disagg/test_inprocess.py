@@ -37,11 +37,12 @@ def compiled_transfer_programs(pre, dec) -> tuple[int, int]:
 
 
 def run_disagg(path, prompts, params, *, sample=True, layers_per_group=None, warm_decode=None, tp=(1, 1),
-               shm=False, pull=False, warm_transfer=False, exported=None):
+               shm=False, pull=False, warm_transfer=False, exported=None, failing_imports=0, seqs=None):
     """tp: (prefill, decode) tensor parallelism, over the two fake CPU devices; shm: the local backend; pull:
     the device backend (each side its own JAX transfer server); warm_transfer: compile the export / import
     programs first, and check the transfers compile no more; exported: a list that collects every
-    (staged array index, device array) prefill's exports hand the sender."""
+    (staged array index, device array) prefill's exports hand the sender; failing_imports: decode's first
+    that many imports raise; seqs: a list that collects decode's sequences."""
     def mesh(n):
         return None if n == 1 else jax.make_mesh((n,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,),
                                                  devices=jax.devices()[:n])
@@ -64,6 +65,15 @@ def run_disagg(path, prompts, params, *, sample=True, layers_per_group=None, war
             exported.extend(items)
             return items
         pre.runner.export_kv = record
+    if failing_imports:
+        import_kv, left = dec.runner.import_kv, [failing_imports]
+
+        def broken(*a, **kw):
+            left[0] -= 1
+            if left[0] >= 0:
+                raise RuntimeError("injected import failure")
+            return import_kv(*a, **kw)
+        dec.runner.import_kv = broken
     if warm_transfer:
         groups = layer_groups(pre.layout.num_layers, layers_per_group)
         pre.runner.warmup_transfer("float32", groups, export=True, receive=False, progress=False)
@@ -83,6 +93,8 @@ def run_disagg(path, prompts, params, *, sample=True, layers_per_group=None, war
             (pseq,) = pre.add_request(f"r{i}", p[:kv], params)
             pseq.handoff = h
             dseqs.append(seq)
+            if seqs is not None:
+                seqs.append(seq)
             handoffs.append(h)
             skips.append(skip)
         while pre.has_work:
@@ -112,6 +124,20 @@ def run_disagg(path, prompts, params, *, sample=True, layers_per_group=None, war
 # dense and sliding-window here; MLA (deepseek_v3) runs over TCP in the sharded test below and the hybrid
 # kimi_linear through the shared-memory and device backends below, all three end to end over HTTP with real
 # worker processes in tests/router/test_cluster_http.py
+def test_a_failed_import_fails_its_request_and_frees_its_blocks(checkpoint_dir):
+    """The import raising on decode (a device error) ends that request with the error, for the router to place
+    it again, instead of leaving it waiting; the others are served and every block and region is freed
+    (run_disagg checks)."""
+    path = checkpoint_dir("llama")
+    want = LLM(path, progress=False, engine=CFG).generate(PROMPTS[:2], GREEDY)
+    seqs: list = []
+    got, *_ = run_disagg(path, PROMPTS[:2], GREEDY, failing_imports=1, seqs=seqs)
+    failed = [i for i, s in enumerate(seqs) if s.finish_reason == "error"]  # the first transfer to arrive
+    assert len(failed) == 1 and "injected import failure" in seqs[failed[0]].error
+    (ok,) = {0, 1} - set(failed)
+    assert seqs[ok].error is None and got[ok] == want[ok].token_ids
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt_oss"])
 def test_disaggregated_tokens_equal_colocated(checkpoint_dir, family):
     path = checkpoint_dir(family)

@@ -1,8 +1,9 @@
 """`jaxserve serve --launcher ray` (router/ray_launcher.py) on a two-node local Ray cluster
-(`ray.cluster_utils.Cluster`, one CPU per node, on this machine): each instance gets a placement group and an
-actor on a node of its own, whose worker registers with the router; the cluster serves 1P1D with the answers of
-the local launcher (the colocated engine's), a killed worker is restarted in place through the launcher, and
-stopping leaves no placement group (and so no actor) behind."""
+(`ray.cluster_utils.Cluster`, two CPUs per node, on this machine): each instance gets a placement group of one
+bundle per host, and in each bundle an actor whose worker process runs there; p0 is a multi-host instance of two
+processes (worker/group.py), placed on the two nodes. The cluster serves 1P1D with the answers of the local
+launcher (the colocated engine's), a killed instance is restarted in place through the launcher (both of p0's
+processes), and stopping leaves no placement group (and so no actor) behind."""
 
 from __future__ import annotations
 
@@ -19,12 +20,13 @@ from tests.router.test_cluster_http import complete, disagg_config, serving, tok
 pytestmark = pytest.mark.slow
 
 PROMPTS = [[5, 7, 9, 11, 13, 2, 3, 4, 8, 10, 12, 14, 15], [30, 31, 5, 7, 9]]
-NODE = {"num_cpus": 1, "object_store_memory": 80 << 20}
+NODE = {"num_cpus": 2, "object_store_memory": 80 << 20}
 
 
 def test_a_ray_cluster_places_the_workers_and_serves(checkpoint_dir):
     path = checkpoint_dir("llama")
     cfg = disagg_config(path)
+    cfg["clusters"][0]["instances"][0].update(hosts=2, tp=2)  # p0: two processes, one CPU device each
     rc = Cluster(initialize_head=True, head_node_args=NODE)
     rc.add_node(**NODE)
     rc.wait_for_nodes()
@@ -33,8 +35,8 @@ def test_a_ray_cluster_places_the_workers_and_serves(checkpoint_dir):
             got = [tokens(complete(client, p)["choices"][0]) for p in PROMPTS]
             children = router.launcher.children
             assert sorted(children) == ["d0", "p0"]
-            # one CPU per node and a bundle of one CPU per instance: the two land on different nodes
-            assert len({c.info["node_id"] for c in children.values()}) == 2
+            # p0's two bundles are spread over the two nodes, a process on each
+            assert len({i["node_id"] for i in children["p0"].infos}) == 2 and len(children["d0"].infos) == 1
             assert all(c.exited() is None for c in children.values())
             # a worker killed on its node is seen exited, and starts again in a fresh placement group
             router.launcher.kill("p0")

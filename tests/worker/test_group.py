@@ -1,0 +1,108 @@
+"""Multi-host instances (worker/group.py) for real: each instance two worker processes with a CPU device each,
+one JAX multi-controller program over both (jax.distributed on 127.0.0.1, gloo collectives, the KV heads and
+weights split over the two processes, restored from an Orbax checkpoint), behind the router, disaggregated:
+greedy answers equal to a one-process instance's. Then a fault: one process of the decode group is killed; the group goes down, the router marks the
+instance down and fails the request in flight over (no request hangs); the group, started again as a unit,
+serves again. And where a process finds its place in the group: flags, LeaderWorkerSet variables, clear errors.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from jaxserve.config import ConfigFileError, InstanceSection
+from jaxserve.worker.group import DEFAULT_PORT, Group, resolve
+from tests.router.test_cluster_http import BASE, complete, disagg_config, serving, tokens
+from tests.router.test_faults import check_no_leak, reference, wait_for
+
+
+def test_place_from_flags_and_from_leaderworkerset_variables():
+    inst = InstanceSection(name="p0", hosts=2, tp=2)
+    assert resolve(inst, "10.0.0.5:9000", 2, 1, env={}) == Group("10.0.0.5", 9000, 2, 1)
+    lws = {"LWS_LEADER_ADDRESS": "lws-p0-0.lws-p0", "LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "1"}
+    assert resolve(inst, env=lws) == Group("lws-p0-0.lws-p0", DEFAULT_PORT, 2, 1)
+    assert resolve(InstanceSection(name="p0", hosts=2, tp=2, group_port=7000), env=lws).port == 7000
+    assert resolve(InstanceSection(name="p0"), env={"LWS_GROUP_SIZE": "1"}) is None  # a group of one host
+    assert resolve(InstanceSection(name="p0"), env={}) is None
+    with pytest.raises(ConfigFileError, match=r"hosts\]?: 2, so this worker needs its place"):
+        resolve(inst, env={})
+    with pytest.raises(ConfigFileError, match="go together"):
+        resolve(inst, "h:1", 2, None, env={})
+    with pytest.raises(ConfigFileError, match="HOST:PORT"):
+        resolve(inst, "h", 2, 0, env={})
+    with pytest.raises(ConfigFileError, match=r"hosts: 2, but --num-processes says 3"):
+        resolve(inst, "h:1", 3, 0, env={})
+    with pytest.raises(ConfigFileError, match=r"hosts: 2, but LWS_GROUP_SIZE says 4"):
+        resolve(inst, env={**lws, "LWS_GROUP_SIZE": "4"})
+    with pytest.raises(ConfigFileError, match=r"index in the group \(2\)"):
+        resolve(inst, "h:1", 2, 2, env={})
+    with pytest.raises(ConfigFileError, match="LWS_WORKER_INDEX: not an integer"):
+        resolve(inst, env={**lws, "LWS_WORKER_INDEX": "x"})
+
+
+def test_config_refuses_groups_it_cannot_split():
+    with pytest.raises(ValueError, match="cannot share tp=3"):
+        InstanceSection(name="p0", hosts=2, tp=3)
+    with pytest.raises(ValueError, match="a store runs no model step"):
+        InstanceSection(name="s0", role="store", hosts=2, tp=2)
+    assert InstanceSection(name="p0", hosts=2, tp=4, devices=[0, 1]).hosts == 2  # two devices on each host
+
+
+def group_config(path: str) -> dict:
+    cfg = disagg_config(path)
+    for inst in cfg["clusters"][0]["instances"]:
+        inst.update(hosts=2, tp=2)
+    return cfg
+
+
+@pytest.mark.slow
+def test_two_process_instances_serve_disaggregated_and_go_down_as_one(checkpoint_dir, tmp_path):
+    from jaxserve.checkpoint import convert
+    from jaxserve.models.config import load_config
+    path = checkpoint_dir("llama")
+    prompts = [BASE[:13], BASE[:21], [30, 31] + BASE[:11]]
+    want = [reference(path, p, 6) for p in prompts]  # one process, from the Hugging Face checkpoint
+    # the groups restore an Orbax conversion of it, each process its shards
+    orbax = convert(path, str(tmp_path / "orbax"), load_config(path), "float32", progress=False)
+    with serving(group_config(orbax)) as (client, cluster):
+        for p, w in zip(prompts, want):
+            body = complete(client, p)
+            meta = body["jaxserve"]
+            assert meta["prefill_instance"] == "p0" and meta["decode_instance"] == "d0", meta
+            assert meta["kv_bytes_transferred"] > 0
+            assert tokens(body["choices"][0]) == w
+        check_no_leak(cluster)
+
+        # one process of d0's group (not the one the router talks to) dies while a request decodes there
+        d0 = cluster.launcher.children["d0"]
+        follower = d0.members[1].proc
+        box = {}
+        t = threading.Thread(target=lambda: box.update(r=client.post("/v1/completions", json={
+            "model": "m", "prompt": BASE[:9], "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+            "logprobs": 0})))
+        t.start()
+        wait_for(lambda: cluster.registry.workers["d0"].inflight == 1, what="d0's Decode call")
+        os.kill(follower.pid, signal.SIGKILL)
+        wait_for(lambda: d0.members[0].exited() is not None, 60, "d0's leader to go down with its group")
+        t.join(180)
+        assert not t.is_alive(), "the request hung"
+        r = box["r"]
+        assert r.status_code == 200, r.text
+        assert tokens(r.json()["choices"][0]) == reference(path, BASE[:9], 40)
+        wait_for(lambda: not client.get("/health").json()["instances"]["d0"]["up"], 30, "d0 marked down")
+
+        # the group starts again as a unit and serves
+        cluster.launcher.start_one("d0")
+        deadline = time.monotonic() + 300
+        while not client.get("/health").json()["instances"]["d0"]["up"]:
+            assert cluster.launcher.children["d0"].exited() is None, cluster.launcher.children["d0"].output()
+            assert time.monotonic() < deadline, "d0 did not come back"
+            time.sleep(0.2)
+        body = complete(client, prompts[0])
+        assert body["jaxserve"]["decode_instance"] == "d0" and tokens(body["choices"][0]) == want[0]
+        check_no_leak(cluster)
