@@ -137,11 +137,13 @@ class LeaderChannel:
     """The leader's end: listens from the start (followers connect once their engines are built), `accept`
     takes every follower, `send` pickles a message once for all of them."""
 
-    def __init__(self, group: Group, bind_host: str, token: str | None):
+    def __init__(self, group: Group, bind_host: str, token: str | None, on_lost=None):
+        """on_lost(index): a follower's connection closed before `close` (default: this process exits)."""
         self.group = group
         self._listener = Listener((bind_host, group.port + 1), authkey=_authkey(token))
         self.conns: dict[int, object] = {}
         self.closing = False
+        self._on_lost = on_lost or (lambda index: exit_now(1))
 
     def accept(self, timeout: float = JOIN_S) -> None:
         """Wait until every follower has connected (ConfigFileError after `timeout`); then watch them."""
@@ -170,7 +172,7 @@ class LeaderChannel:
             pass
         if not self.closing:
             log.error("process %d of this instance's group is gone: the instance goes down", index)
-            exit_now(1)
+            self._on_lost(index)
 
     def send(self, msg: tuple) -> None:
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
@@ -211,15 +213,15 @@ class Lockstep:
 
     def __init__(self, runner, channel: LeaderChannel):
         self._runner, self._channel = runner, channel
-        self._sigs = {name: inspect.signature(getattr(runner, name)) for name in CALLS}
 
     def __getattr__(self, name: str):
         attr = getattr(self._runner, name)
         if name not in CALLS:
             return attr
+        sig = inspect.signature(attr)
 
         def call(*args, **kwargs):
-            bound = self._sigs[name].bind(*args, **kwargs)
+            bound = sig.bind(*args, **kwargs)
             if bound.arguments.get("remote") is not None:
                 raise RuntimeError("a multi-host instance takes no part in migrations")
             sent = dict(bound.arguments)

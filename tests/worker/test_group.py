@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -106,3 +107,127 @@ def test_two_process_instances_serve_disaggregated_and_go_down_as_one(checkpoint
         body = complete(client, prompts[0])
         assert body["jaxserve"]["decode_instance"] == "d0" and tokens(body["choices"][0]) == want[0]
         check_no_leak(cluster)
+
+
+class Recorder:
+    """A runner that records what it is asked to do (the programs of a two-stage prefill, with its callbacks)."""
+
+    def __init__(self):
+        self.calls: list = []
+
+    def prefill(self, rows, stages=None, on_stage=None, staged=None, before_stage=None):
+        self.calls.append(("prefill", rows, stages))
+        for k in range(len(stages or [None])):
+            if before_stage is not None:
+                before_stage(k)
+            self.calls.append(("program", k))
+            if on_stage is not None:
+                on_stage(k)
+        return ["first token"]
+
+    def export_kv(self, staging, layer_group, blocks, row):
+        self.calls.append(("export", staging, layer_group, blocks, row))
+        return [(0, "array")]
+
+    def import_kv(self, staging, views, blocks, row, layer_groups=None, wait=True):
+        self.calls.append(("import", staging, [v.tolist() for v in views], blocks, row, layer_groups, wait))
+
+    def generate(self, rows, remote=None):
+        if not rows:
+            raise ValueError("decode takes 1.. rows")
+        self.calls.append(("generate", rows))
+        return [(7, 0.0, [])]
+
+
+def _pair(token_leader="tok", token_follower="tok", **kw):
+    from router.launcher import free_port_pair
+    from jaxserve.worker.group import LeaderChannel
+    port = free_port_pair()
+    return (LeaderChannel(Group("127.0.0.1", port, 2, 0), "127.0.0.1", token_leader, **kw),
+            Group("127.0.0.1", port, 2, 1), token_follower)
+
+
+def test_followers_replay_the_leaders_calls_in_order_callbacks_included():
+    """The group protocol over a real socket: a follower's runner receives the same calls in the same order as
+    the leader's, those the leader's callbacks make between a prefill's programs included; a callback that
+    raises ends the call there on both; exit ends the follower with 0."""
+    import numpy as np
+
+    from jaxserve.worker.group import Lockstep, connect, follow
+    channel, fgroup, token = _pair()
+    leader, follower, ended = Recorder(), Recorder(), {}
+    t = threading.Thread(target=lambda: ended.update(rc=follow(follower, connect(fgroup, token, timeout=30))))
+    t.start()
+    channel.accept(timeout=30)
+    runner = Lockstep(leader, channel)
+    exports = []
+    assert runner.prefill(["r0"], [(0, 2), (2, 4)], lambda k: exports.append(runner.export_kv("st", k, [3], 1)),
+                          None, lambda k: runner.import_kv("st", [np.arange(3) + k], [5], 1, {k}, wait=False)) \
+        == ["first token"]
+    assert exports == [[(0, "array")]] * 2  # the leader's own results
+
+    def broken(k):
+        runner.export_kv("st", k, [4], 2)
+        if k == 1:
+            raise RuntimeError("the transfer failed")
+    with pytest.raises(RuntimeError, match="the transfer failed"):
+        runner.prefill(["r1"], [(0, 2), (2, 4), (4, 6)], broken)
+    with pytest.raises(ValueError, match="decode takes"):  # refused on both: the follower goes on
+        runner.generate([])
+    assert runner.generate(["row"]) == [(7, 0.0, [])]
+    with pytest.raises(RuntimeError, match="no part in migrations"):
+        runner.generate(["row"], remote="a move")
+    channel.close()
+    t.join(30)
+    assert ended == {"rc": 0}
+    assert follower.calls == leader.calls
+    assert [c[0] for c in leader.calls] == [
+        "prefill", "import", "program", "export", "import", "program", "export",
+        "prefill", "program", "export", "program", "export", "generate"]
+
+
+def test_a_group_member_lost_or_refused():
+    """A follower's connection closing takes the leader down (its on_lost); the leader's closing ends the
+    follower with 1; a follower presenting another cluster token is not taken."""
+    from multiprocessing import AuthenticationError
+
+    from jaxserve.worker.group import connect, follow
+    lost = threading.Event()
+    channel, fgroup, token = _pair(on_lost=lambda index: lost.set())
+    box = {}
+    t = threading.Thread(target=lambda: box.update(conn=connect(fgroup, token, timeout=30)))
+    t.start()  # a follower's connect returns once the leader has taken it
+    channel.accept(timeout=30)
+    t.join(30)
+    box["conn"].close()
+    assert lost.wait(30)
+    channel.close()
+
+    channel, fgroup, token = _pair(on_lost=lambda index: None)
+    ended = {}
+    t = threading.Thread(target=lambda: ended.update(rc=follow(Recorder(), connect(fgroup, token, timeout=30))))
+    t.start()
+    channel.accept(timeout=30)
+    for c in channel.conns.values():  # the leader gone without its exit message: its sockets reset
+        socket.socket(fileno=os.dup(c.fileno())).shutdown(socket.SHUT_RDWR)
+    t.join(30)
+    assert ended == {"rc": 1}
+    channel.close()
+
+    channel, fgroup, _ = _pair(token_follower="another")
+    box = {}
+    t = threading.Thread(target=lambda: box.update(err=_refused(connect, fgroup, AuthenticationError)))
+    t.start()
+    with pytest.raises(ConfigFileError, match=r"followers \[1\] did not connect"):
+        channel.accept(timeout=30)
+    t.join(30)
+    assert box["err"]
+    channel.close()
+
+
+def _refused(connect, group, error) -> bool:
+    try:
+        connect(group, "another", timeout=30)
+    except error:
+        return True
+    return False
