@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .structured import Guided
 
 INT32_MAX = 2**31 - 1  # the engine samples with int32 token ids and top-k
 MAX_REPETITION_PENALTY = 1e6  # and float32 penalties (a value this large already means "never repeat")
@@ -29,6 +30,7 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None  # top log-probabilities per output token (0: only the sampled token's)
+    guided: Guided | None = None  # structured outputs: what the output must match (structured.py)
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -59,6 +61,10 @@ class SamplingParams:
         if any(not 0 <= t <= INT32_MAX for t in ids):
             raise ValueError(f"SamplingParams.stop_token_ids must be in [0, {INT32_MAX}]")
         object.__setattr__(self, "stop_token_ids", ids)
+        if isinstance(self.guided, dict):  # as dataclasses.asdict wrote it (a worker's request)
+            object.__setattr__(self, "guided", Guided(**self.guided))
+        if self.guided is not None and not isinstance(self.guided, Guided):
+            raise ValueError(f"SamplingParams.guided must be a structured.Guided, got {type(self.guided).__name__}")
 
 
 @dataclass

@@ -32,6 +32,10 @@ class Tokenizer:
     def maybe_load(model_dir: str) -> "Tokenizer | None":
         return Tokenizer(model_dir) if os.path.isfile(os.path.join(model_dir, "tokenizer.json")) else None
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json holds it (the grammar engine builds its own from it)."""
+        return self._tok.to_str()
+
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()

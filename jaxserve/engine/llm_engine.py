@@ -30,6 +30,7 @@ from ..models.config import load_config
 from ..models.model import kernel_cases, model_graphdef
 from ..models.stack import LayerStack, layer_runs
 from ..sampling import SamplingParams
+from ..structured import GuidedError, Grammars
 from ..tokenizer import Tokenizer
 from .client import RequestError, encode
 from .migration import Guests, MigrationError, RemoteFailed, facts as migration_facts, plan_move, start_move
@@ -169,6 +170,7 @@ class LLMEngine:
         self._guests: Guests | None = None
         self._move_facts: tuple | None = None  # (migration facts that do not change)
         self.moves = {"started": 0, "failed": 0, "calls": 0}  # moves from here, their helpers' calls, failures
+        self._grammars: Grammars | None = None
 
     # ---- requests
     def encode(self, prompt) -> list[int]:
@@ -190,6 +192,22 @@ class LLMEngine:
                                f"context length {self.max_model_len}", "max_tokens")
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer; use stop_token_ids", "stop")
+        if params.guided is not None:
+            try:
+                self.grammars.check(params.guided)
+            except GuidedError as e:
+                raise RequestError(str(e), e.param) from None
+
+    @property
+    def grammars(self) -> Grammars:
+        """The grammar engine for this model's tokenizer (structured outputs), made on first use."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise RequestError("structured outputs need the model's tokenizer (tokenizer.json)",
+                                   "response_format")
+            self._grammars = Grammars(self.tokenizer.to_json(), self.model_config.vocab_size,
+                                      sorted(self.model_config.eos_token_ids))
+        return self._grammars
 
     def add_request(self, request_id: str, prompt, params: SamplingParams, output: list[int] | None = None,
                     logprobs: list | None = None) -> list[Sequence]:
@@ -216,6 +234,8 @@ class LLMEngine:
         for t in output or ():
             seq.output.append(int(t))
             seq.detok.add(int(t))
+        if params.guided is not None:  # its own matcher, past the tokens it has already
+            seq.guide = self.grammars.guide(params.guided, seq.output)
         if params.logprobs is not None and output:
             if logprobs is None or len(logprobs) != len(output):
                 raise RequestError("a resumed request needs one logprobs entry per output token", "logprobs")
@@ -385,10 +405,10 @@ class LLMEngine:
             on_stage = (lambda k: [h.export(k) for h, seq in streamed if seq not in spoiled]) if streamed else None
             if self.runner.paged_prefill and local and not due and not fetching:
                 # one packed program for the prefill chunks and the decode tokens: the weights read once
-                prefixes, decoded = self.runner.mixed(rows, self._decode_rows(local))
+                prefixes, decoded = self.runner.mixed(rows, self._decode_rows(local), self._masks)
             else:
                 try:
-                    prefixes = self.runner.prefill(rows, stages, on_stage, staged, before_stage)
+                    prefixes = self.runner.prefill(rows, stages, on_stage, staged, before_stage, self._masks)
                 except BaseException as e:
                     for h, _ in due:
                         h.abort(f"prefill step failed: {type(e).__name__}: {e}")
@@ -415,7 +435,7 @@ class LLMEngine:
             self.timer.mark("prefill.output")
         if plan.decodes:
             got = dict(zip(local, decoded if decoded is not None else
-                           self.runner.generate(self._decode_rows(local)) if local else []))
+                           self.runner.generate(self._decode_rows(local), masks=self._masks) if local else []))
             for out in {id(s.migration): s.migration for s in plan.decodes if s.migration is not None}.values():
                 got.update(self._remote_decode(out, [s for s in plan.decodes if s.migration is out]))
             for seq in plan.decodes:
@@ -517,8 +537,21 @@ class LLMEngine:
     def _decode_rows(self, seqs: list[Sequence]) -> list[DecodeRow]:
         return [DecodeRow(s.slot, s.output[-1] if s.output else s.prompt[-1], s.num_tokens - 1, s.block_ids,
                           s.params, len(s.output),
-                          None if s.decode_snapshot is None else s.decode_snapshot + self.snapshot_base)
+                          None if s.decode_snapshot is None else s.decode_snapshot + self.snapshot_base,
+                          s.request_id)
                 for s in seqs]
+
+    def _masks(self, rows: list) -> np.ndarray | None:
+        """The runner's sampler rows' next-token bitmasks [len(rows), W] (structured outputs): each constrained
+        request's guide fills its row, the others allow every token; None when no row is constrained."""
+        seqs = [self.requests.get(r.request_id) if r is not None else None for r in rows]
+        if not any(s is not None and s.guide is not None for s in seqs):
+            return None
+        out = np.full((len(rows), self.runner.mask_words), -1, np.int32)
+        for i, s in enumerate(seqs):
+            if s is not None and s.guide is not None:
+                s.guide.fill(out[i])
+        return out
 
     def _record(self, seq: Sequence, tok: int, lp: float, top) -> str | None:
         """Append a sampled token (output, logprobs, text); returns the reason it ends the request, or None."""
@@ -528,9 +561,13 @@ class LLMEngine:
         if seq.params.logprobs is not None:
             seq.logprobs.append((lp, top))
         p = seq.params
+        if seq.guide is not None:
+            seq.guide.advance(tok)
         if tok in p.stop_token_ids or (tok in self.eos and not p.ignore_eos):
             return "stop"
         if seq.detok.add(tok):
+            return "stop"
+        if seq.guide is not None and seq.guide.done:  # the grammar accepts nothing further
             return "stop"
         if len(seq.output) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"

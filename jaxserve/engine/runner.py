@@ -50,6 +50,7 @@ from ..sampling import SamplingParams
 from .migration import remote_hidden
 from .sampler import MAX_LOGPROBS, SamplingTensors, sample
 from .steptimer import StepTimer
+from ..structured import words
 
 _IDLE = SamplingParams(temperature=0.0, seed=0)  # sampling parameters of the warm-up's requests
 SMALL_DECODE_ROWS = 4  # the smallest decode batch bucket: up to this many running requests
@@ -121,6 +122,7 @@ class DecodeRow:
     params: object
     step: int
     snap_row: int | None = None  # also save the request-level state here (a block boundary during decode)
+    request_id: str = ""
 
 
 class ModelRunner:
@@ -202,14 +204,16 @@ class ModelRunner:
         def logits_of(params, h):  # h [B, 1, H] -> [B, V] float32
             return merge(params)[0].head(h, jnp.zeros((h.shape[0], 1), jnp.int32))[:, 0]
 
-        def first_fn(params, h, st, pmask):
-            # a prefill's first tokens: pmask [B, V] the prompts' tokens, no outputs yet (h: its first B rows)
-            return sample(logits_of(params, h[:pmask.shape[0]]), st, pmask, jnp.zeros(pmask.shape, jnp.int32))
+        def first_fn(params, h, st, pmask, allowed):
+            # a prefill's first tokens: pmask [B, V] the prompts' tokens, no outputs yet (h: its first B rows);
+            # allowed [B, W] the rows' next-token bitmasks (structured outputs)
+            return sample(logits_of(params, h[:pmask.shape[0]]), st, pmask, jnp.zeros(pmask.shape, jnp.int32),
+                          allowed)
 
-        def sample_fn(params, h, prompt_mask, out_counts, slots, lengths, st, *, at=0):
+        def sample_fn(params, h, prompt_mask, out_counts, slots, lengths, st, allowed, *, at=0):
             # a decode step's tokens, with each slot's penalty state; counts the tokens drawn (h: rows at.. of it)
             h = h[at:at + slots.shape[0]]
-            tok, lp, ids, tlp = sample(logits_of(params, h), st, prompt_mask[slots], out_counts[slots])
+            tok, lp, ids, tlp = sample(logits_of(params, h), st, prompt_mask[slots], out_counts[slots], allowed)
             return out_counts.at[slots, tok].add(lengths), tok, lp, ids, tlp
 
         def insert_fn(prompt_mask, out_counts, slot, mask_row, token):
@@ -221,6 +225,8 @@ class ModelRunner:
         self._sample = jax.jit(sample_fn, donate_argnums=(3,), static_argnames=("at",))
         self._insert = jax.jit(insert_fn, donate_argnums=(0, 1))
         self._io = DeviceIO()
+        self.mask_words = words(vocab_size)  # a row of a next-token bitmask
+        self._free: dict[int, jax.Array] = {}  # rows -> every token allowed (no row constrained)
         full = [i for i, gl in enumerate(layout.groups) if gl.kind == "full"]
         # read back whole on the host (replicated: a multi-host instance's leader holds only its own heads)
         self._read_blocks = jax.jit(lambda pool, ids: [pool[i][ids] for i in full],
@@ -259,13 +265,15 @@ class ModelRunner:
         return ([fresh] if fresh else []) + [[r] for r in rows if r.start > 0]
 
     def prefill(self, rows: list[PrefillRow], stages: list[tuple[int, int]] | None = None,
-                on_stage=None, staged: set[str] | None = None, before_stage=None) -> list[Prefix | None]:
+                on_stage=None, staged: set[str] | None = None, before_stage=None, masks=None) -> list[Prefix | None]:
         """One prefill step over `rows` (one program per `prefill_groups` group). stages: run the layers as these
         groups [(lo, hi)], one program each, calling on_stage(k) once group k's programs are dispatched (its KV
         is in the pool for the programs dispatched next: layer-wise export) and before_stage(k) before they are
         (a cached prefix arriving layer by layer is imported then); staged: the request ids that need it (their
         programs' groups run layer by layer, the others whole; None: all); stages None: the whole model at
-        once."""
+        once. masks(rows) -> the next-token bitmasks [len(rows), mask_words] of the rows a first-token program
+        samples (None entries: padding), or None when none is constrained; called once the model's programs are
+        dispatched, so the host fills them while the device runs."""
         whole = [(0, self.layout.num_layers)]
         stages = stages or whole
         if not rows or len(rows) > self.max_prefill_seqs:
@@ -287,8 +295,9 @@ class ModelRunner:
                 self.pool, xs[gi] = self._prefill(self.params, self.pool, xs[gi], shift, *args, lo=lo, hi=hi,
                                                   last=last)
                 if last:  # the first tokens: [B, 1, H] -> (tokens, logprobs, top ids, top logprobs)
-                    self.programs.add(("first", sargs[1].shape[0]))
-                    xs[gi] = self._first(self.params, xs[gi], *sargs)
+                    S = sargs[1].shape[0]
+                    self.programs.add(("first", S))
+                    xs[gi] = self._first(self.params, xs[gi], *sargs, self._allowed(S, masks, groups[gi][:S]))
             if on_stage is not None:
                 on_stage(k)
         got = {}
@@ -389,11 +398,12 @@ class ModelRunner:
             return min(SMALL_DECODE_ROWS, self.num_slots)
         return pow2_bucket(n, min(max(16, self.num_slots // 4), self.num_slots), self.num_slots)
 
-    def generate(self, rows: list[DecodeRow], remote=None) -> list[tuple[int, float, list[tuple[int, float]]]]:
+    def generate(self, rows: list[DecodeRow], remote=None,
+                 masks=None) -> list[tuple[int, float, list[tuple[int, float]]]]:
         """One decode step for the given slots: per row (token, logprob, top logprobs). The program runs
         `decode_batch(len(rows))` rows, the given ones first, the rest padding. remote: an engine/migration.py
         `RemoteStep` when part of the rows' step runs on a helper instance; raises RemoteFailed (nothing sampled)
-        when the helper failed during the step."""
+        when the helper failed during the step. masks: as `prefill`'s, for the rows."""
         if not 0 < len(rows) <= self.num_slots:
             raise ValueError(f"decode takes 1..{self.num_slots} rows, got {len(rows)}")
         B = self.decode_batch(len(rows))
@@ -425,13 +435,26 @@ class ModelRunner:
         if remote is not None:
             jax.block_until_ready(h)
             remote.check()  # the helper answered every call of the step (else nothing is sampled)
-        out = self._sample_decode(rows, h, 0)
+        out = self._sample_decode(rows, h, 0, masks)
         self.timer.mark("decode.device")
         return out
 
-    def _sample_decode(self, rows: list[DecodeRow], h, at: int) -> list[tuple[int, float, list[tuple[int, float]]]]:
+    def _allowed(self, B: int, masks, rows: list) -> jax.Array:
+        """[B, mask_words] int32 next-token bitmasks for the B rows a sampler runs, the first len(rows) from
+        masks(rows) (see `prefill`), every token allowed in the others (and in all when masks gives None)."""
+        got = masks(rows) if masks is not None else None
+        if got is None:
+            if B not in self._free:
+                self._free[B] = jnp.asarray(np.full((B, self.mask_words), -1, np.int32))
+            return self._free[B]
+        out = np.full((B, self.mask_words), -1, np.int32)
+        out[:len(got)] = got
+        return jnp.asarray(out)
+
+    def _sample_decode(self, rows: list[DecodeRow], h, at: int,
+                       masks=None) -> list[tuple[int, float, list[tuple[int, float]]]]:
         """The decode rows' tokens from hidden states h (rows at.. of it), `decode_batch` rows sampled, with
-        each slot's penalty state."""
+        each slot's penalty state and `masks` (see `prefill`)."""
         B = self.decode_batch(len(rows))
         slots = np.full(B, self.num_slots, np.int32)  # padding: the penalty state's spare row
         slots[:len(rows)] = [r.slot for r in rows]
@@ -439,15 +462,16 @@ class ModelRunner:
         self.programs.add(("sample", B, at))
         self.out_counts, tok, lp, ids, tlp = self._sample(self.params, h, self.prompt_mask, self.out_counts,
                                                           jnp.asarray(slots), jnp.asarray(slots < self.num_slots,
-                                                                                          jnp.int32), st, at=at)
+                                                                                          jnp.int32), st,
+                                                          self._allowed(B, masks, rows), at=at)
         tok, lp, ids, tlp = (np.asarray(x) for x in (tok, lp, ids, tlp))
         return [(int(tok[i]), float(lp[i]), self._top(r.params, ids[i], tlp[i])) for i, r in enumerate(rows)]
 
-    def mixed(self, prefills: list[PrefillRow], decodes: list[DecodeRow]):
+    def mixed(self, prefills: list[PrefillRow], decodes: list[DecodeRow], masks=None):
         """A step's prefill chunks and decode tokens as one packed program (paged prefill only): each decode token
         is a one-token chunk after its request's cached tokens, in the rows after the prefill rows, so the
         weights are read once for both. -> (what `prefill` returns for `prefills`, what `generate` returns
-        for `decodes`)."""
+        for `decodes`). masks: as `prefill`'s."""
         P = self.max_prefill_seqs
         if not self.paged_prefill or not 0 < len(prefills) <= P or not 0 < len(decodes) <= self.num_slots:
             raise ValueError(f"a mixed step (paged prefill) takes 1..{P} prefill and 1..{self.num_slots} decode "
@@ -462,8 +486,8 @@ class ModelRunner:
         self.programs.update({("prefill", B, T, W, 0, L, N, fresh), ("first", P)})
         self.timer.mark("mixed.prepare")
         self.pool, h = self._prefill(self.params, self.pool, None, None, *args, lo=0, hi=L, last=True)
-        got = self._firsts(rows[:P], self._first(self.params, h, *sargs), pmask)
-        out = self._sample_decode(decodes, h, P)
+        got = self._firsts(rows[:P], self._first(self.params, h, *sargs, self._allowed(P, masks, rows[:P])), pmask)
+        out = self._sample_decode(decodes, h, P, masks)
         self.timer.mark("mixed.device")
         return [self._prefix(r, got[id(r)]) if r.sample else None for r in prefills], out
 

@@ -5,6 +5,8 @@ negative multiplied), presence and frequency penalties (over output tokens), the
 or temperature + top-k + top-p + min-p and a draw from a key derived from (seed, output index), so a seeded
 request gives the same tokens whatever it is batched with. Log-probabilities are those of the model's
 distribution (before penalties and temperature): the sampled token's and the `max_logprobs` best.
+Structured outputs (jaxserve/structured.py): `allowed` is each row's next-token bitmask ([B, ceil(V / 32)] int32,
+bit t % 32 of word t // 32 for token t, every bit set for a free row); a token outside it is never drawn.
 A batch with no sampled row skips the sort and the draws, and one where no row asks for top logprobs skips
 the top-k (`lax.cond`: the other branch is not run), so greedy decoding pays for an argmax only.
 """
@@ -82,11 +84,20 @@ def _filtered(logits, st: SamplingTensors):
     return jnp.where((z >= thresh) & (probs >= minp), z, -jnp.inf)
 
 
-def sample(logits, st: SamplingTensors, prompt_mask, out_counts):
-    """logits [B, V] float32 -> (tokens [B] int32, logprob [B], top_ids [B, K] int32, top_logprobs [B, K])."""
+def unpack(allowed, V: int):
+    """Bitmask rows [B, W] int32 -> [B, V] bool (token t: bit t % 32 of word t // 32)."""
+    bits = (allowed[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    return bits.reshape(allowed.shape[0], -1)[:, :V].astype(bool)
+
+
+def sample(logits, st: SamplingTensors, prompt_mask, out_counts, allowed=None):
+    """logits [B, V] float32; allowed [B, ceil(V / 32)] int32 or None (no constraint) -> (tokens [B] int32,
+    logprob [B], top_ids [B, K] int32, top_logprobs [B, K])."""
     B = logits.shape[0]
     logp = jax.nn.log_softmax(logits, axis=-1)
     x = apply_penalties(logits, st, prompt_mask, out_counts)
+    if allowed is not None:
+        x = jnp.where(unpack(allowed, x.shape[-1]), x, -jnp.inf)
     greedy = jnp.argmax(x, axis=-1).astype(jnp.int32)
 
     def drawn(x):

@@ -45,6 +45,7 @@ class Sequence:
     kv_partial: bool = False  # layers of its KV in the pool miss the tokens decoded while they ran on a helper
     migrations: list[dict] = field(default_factory=list)  # the migrations it went through: kind, src, dst
     incoming: object = None  # disagg.decode_side.IncomingPrefix: its cached prefix, still arriving
+    guide: object = None  # structured.Guide: the grammar its output follows (structured outputs)
 
     @property
     def tokens(self) -> list[int]:

@@ -30,6 +30,7 @@ from ..config import Config
 from ..engine.client import EngineClient, EngineUnavailable, QueueFull, RequestError, Update
 from .gate import Gate
 from .metrics import Metrics
+from ..structured import Grammars, GuidedError
 from .protocol import APIError, ChatRequest, CompletionRequest, LinkUpdate, MigrateRequest, RoleUpdate
 
 _work = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="http-work")
@@ -77,6 +78,7 @@ def create_app(config: Config, engine: EngineClient, model_name: str, metrics: M
     tok = engine.tokenizer
     srv = config.server
     app.state.profiling = False
+    app.state.grammars = None
     instance = config.instances()[0].name
     cluster = config.cluster_of(instance)
 
@@ -139,9 +141,22 @@ def create_app(config: Config, engine: EngineClient, model_name: str, metrics: M
         if body.stream and body.n > 1:
             raise APIError(400, "stream with n > 1 is not supported", param="n")
         try:
-            return body.params(max_tokens, logprobs)
+            params = body.params(max_tokens, logprobs)
+            if params.guided is not None:
+                grammars().check(params.guided)
+            return params
+        except GuidedError as e:
+            raise APIError(400, str(e), param=e.param) from None
         except ValueError as e:
             raise APIError(400, str(e)) from None
+
+    def grammars() -> Grammars:
+        """A grammar engine to check constraints with before any is queued (the engine compiles its own)."""
+        if tok is None:
+            raise GuidedError("structured outputs need the model's tokenizer", "response_format")
+        if app.state.grammars is None:
+            app.state.grammars = Grammars(tok.to_json(), tok.vocab_size, [])
+        return app.state.grammars
 
     async def submit(prompt, params):
         rid = uuid.uuid4().hex

@@ -3,11 +3,13 @@ itself by the gate) and the OpenAI error shape."""
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
 
 from ..sampling import INT32_MAX, MAX_REPETITION_PENALTY, SamplingParams
+from ..structured import Guided, GuidedError, json_object
 
 
 class APIError(Exception):
@@ -30,6 +32,40 @@ class StreamOptions(_Body):
 
 MAX_STOP_TOKEN_IDS = 256
 MAX_MESSAGES = 4096
+MAX_CHOICES = 1024
+
+
+class JsonSchema(_Body):
+    """response_format.json_schema (OpenAI): the schema the answer must validate against."""
+    name: StrictStr = Field("response", max_length=256)
+    description: StrictStr | None = Field(None, max_length=65536)
+    schema_: dict | None = Field(None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's response_format: text (free), json_object (any JSON object), json_schema."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+
+class StructuredOutputs(_Body):
+    """vLLM's structured_outputs: one of a JSON schema, a regular expression, a choice, an EBNF grammar."""
+    json_: dict | StrictStr | None = Field(None, alias="json")
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = Field(None, min_length=1, max_length=MAX_CHOICES)
+    grammar: StrictStr | None = None
+
+
+def _schema_text(schema, param: str) -> str:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise GuidedError(f"{param}: not JSON: {e}", param) from None
+    if not isinstance(schema, dict):
+        raise GuidedError(f"{param}: a JSON schema is an object", param)
+    return json.dumps(schema)
 
 
 class _Sampling(_Body):
@@ -53,6 +89,13 @@ class _Sampling(_Body):
     user: StrictStr | None = Field(None, max_length=256)
     return_token_ids: StrictBool = Field(False, description="vLLM's extension: the answer adds prompt_token_ids "
                                          "and choices[].token_ids (a stream: each chunk's new token ids)")
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = Field(None, description="vLLM's structured outputs")
+    guided_json: dict | StrictStr | None = Field(None, description="vLLM's (older) JSON schema constraint")
+    guided_regex: StrictStr | None = Field(None, description="vLLM's (older) regular expression constraint")
+    guided_choice: list[StrictStr] | None = Field(None, min_length=1, max_length=MAX_CHOICES,
+                                                  description="vLLM's (older) choice constraint")
+    guided_grammar: StrictStr | None = Field(None, description="vLLM's (older) EBNF grammar constraint")
 
     @field_validator("stop")
     @classmethod
@@ -62,13 +105,43 @@ class _Sampling(_Body):
             raise ValueError("stop takes up to 4 non-empty strings")
         return v
 
+    def guided(self) -> Guided | None:
+        """The request's output constraint (one at most; GuidedError naming the field otherwise)."""
+        found = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(json_object())
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise GuidedError("response_format: json_schema needs json_schema.schema", "response_format")
+            found.append(Guided("json", _schema_text(rf.json_schema.schema_, "response_format"), "response_format"))
+        so = self.structured_outputs
+        for name, kind, value in (
+                ("structured_outputs", "json", so.json_ if so else None),
+                ("structured_outputs", "regex", so.regex if so else None),
+                ("structured_outputs", "choice", so.choice if so else None),
+                ("structured_outputs", "grammar", so.grammar if so else None),
+                ("guided_json", "json", self.guided_json), ("guided_regex", "regex", self.guided_regex),
+                ("guided_choice", "choice", self.guided_choice), ("guided_grammar", "grammar", self.guided_grammar)):
+            if value is None:
+                continue
+            if kind == "json":
+                value = _schema_text(value, name)
+            elif kind == "choice":
+                value = json.dumps(value)
+            found.append(Guided(kind, value, name))
+        if len(found) > 1:
+            raise GuidedError(f"give one output constraint, got {len(found)} ({', '.join(g.param for g in found)})",
+                              found[1].param)
+        return found[0] if found else None
+
     def params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=max(self.top_k, 0), min_p=self.min_p, repetition_penalty=self.repetition_penalty,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               seed=self.seed, stop=stop, stop_token_ids=tuple(self.stop_token_ids),
-                              ignore_eos=self.ignore_eos, n=self.n, logprobs=logprobs)
+                              ignore_eos=self.ignore_eos, n=self.n, logprobs=logprobs, guided=self.guided())
 
 
 class CompletionRequest(_Sampling):

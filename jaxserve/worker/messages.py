@@ -30,6 +30,13 @@ class _Msg(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class GuidedMsg(_Msg):
+    """structured.Guided as JSON."""
+    kind: Literal["json", "regex", "choice", "grammar"]
+    spec: Annotated[StrictStr, Field(max_length=1 << 20)]
+    param: Annotated[StrictStr, Field(max_length=64)] = "response_format"
+
+
 class Params(_Msg):
     """SamplingParams as JSON (dataclasses.asdict of one); `sampling()` checks the ranges."""
     max_tokens: StrictInt = Field(16, ge=1, le=MAX_TOKENS)
@@ -46,6 +53,7 @@ class Params(_Msg):
     ignore_eos: StrictBool = False
     n: StrictInt = Field(1, ge=1, le=64)
     logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    guided: GuidedMsg | None = None
 
     def sampling(self) -> SamplingParams:
         """-> SamplingParams; raises ValueError on an out-of-range value."""
