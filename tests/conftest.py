@@ -97,3 +97,10 @@ def hf_model():
 
     return get
 
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """The checkpoint directory of SmolLM2-135M-Instruct (the packaged GGUF file, converted once and cached)."""
+    from jaxserve.models import gguf
+    return gguf.resolve(gguf.SMOLLM2, progress=False)

@@ -30,7 +30,8 @@ from ..config import Config
 from ..engine.client import EngineClient, EngineUnavailable, QueueFull, RequestError, Update
 from .gate import Gate
 from .metrics import Metrics
-from ..structured import Grammars, GuidedError
+from ..structured import Grammars, Guided, GuidedError
+from . import tools as toolcalls
 from .protocol import APIError, ChatRequest, CompletionRequest, LinkUpdate, MigrateRequest, RoleUpdate
 
 _work = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="http-work")
@@ -144,6 +145,10 @@ def create_app(config: Config, engine: EngineClient, model_name: str, metrics: M
             params = body.params(max_tokens, logprobs)
             if params.guided is not None:
                 grammars().check(params.guided)
+            for i, t in enumerate(getattr(body, "tools", None) or ()):  # every tool's schema, whichever is called
+                if t.function.parameters is not None:
+                    grammars().check(Guided("json", json.dumps(t.function.parameters),
+                                            f"tools[{i}].function.parameters"))
             return params
         except GuidedError as e:
             raise APIError(400, str(e), param=e.param) from None
@@ -233,11 +238,13 @@ def create_app(config: Config, engine: EngineClient, model_name: str, metrics: M
         obj = "chat.completion.chunk" if chat else "text_completion"
         created, sent_text, sent_lp, sent_ids = int(time.time()), "", 0, 0
         want_lp = bool(body.logprobs) if chat else body.logprobs is not None
+        # chat: what of the text goes out as content and as tool-call deltas (server/tools.py)
+        ts = toolcalls.ToolStream(body.tools or [], body.choice, srv.tool_call_parser,
+                                  body.parallel_tool_calls) if chat else None
 
-        def chunk(delta_text, finish, u=None, extra=None):
+        def chunk(delta_text, finish, u=None, extra=None, delta=None):
             if chat:
-                choice = {"index": 0, "delta": {"content": delta_text} if delta_text or finish is None else {},
-                          "finish_reason": finish, "logprobs": None}
+                choice = {"index": 0, "delta": delta or {}, "finish_reason": finish, "logprobs": None}
             else:
                 choice = {"index": 0, "text": delta_text, "finish_reason": finish, "logprobs": None}
             if u is not None and want_lp and len(u.logprobs) > sent_lp:
@@ -273,15 +280,22 @@ def create_app(config: Config, engine: EngineClient, model_name: str, metrics: M
                 delta = text[len(sent_text):]
                 if u.finished:
                     extra = {"jaxserve": meta([u])}
-                    yield chunk(delta, u.finish_reason, u, extra)
+                    finish = u.finish_reason
+                    if chat:
+                        last, called = ts.end(text)
+                        finish = "tool_calls" if called and finish == "stop" else finish
+                        yield chunk("", finish, u, extra, last)
+                    else:
+                        yield chunk(delta, finish, u, extra)
                     if body.stream_options is not None and body.stream_options.include_usage:
                         d = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": [],
                              "usage": usage([u])}
                         yield f"data: {json.dumps(d)}\n\n"
                     break
-                if delta or (want_lp and len(u.logprobs) > sent_lp) or (body.return_token_ids and
-                                                                        len(u.token_ids) > sent_ids):
-                    yield chunk(delta, None, u)
+                out = ts.delta(text) if chat else None
+                if (out if chat else delta) or (want_lp and len(u.logprobs) > sent_lp) or (
+                        body.return_token_ids and len(u.token_ids) > sent_ids):
+                    yield chunk(delta, None, u, delta=out)
                     sent_text, sent_lp, sent_ids = text, len(u.logprobs), len(u.token_ids)
             yield "data: [DONE]\n\n"
         finally:
@@ -332,8 +346,10 @@ def create_app(config: Config, engine: EngineClient, model_name: str, metrics: M
         check_model(body.model)
         if tok is None or not tok.chat_template:
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         try:
-            prompt = await _off_loop(tok.apply_chat_template, [m.model_dump(exclude_none=True) for m in body.messages])
+            prompt = await _off_loop(lambda: tok.apply_chat_template([m.template_dict() for m in body.messages],
+                                                                     tools=tools))
         except Exception as e:  # noqa: BLE001 - the template raised on these messages (jinja2 errors)
             raise APIError(400, f"the chat template failed on these messages: {type(e).__name__}: {e}",
                            param="messages") from None
@@ -342,9 +358,19 @@ def create_app(config: Config, engine: EngineClient, model_name: str, metrics: M
         if body.stream:
             return StreamingResponse(stream(rid, q, True, body, ids), media_type="text/event-stream")
         ups = await collect(request, rid, q, params.n)
-        choices = [{"index": u.index, "message": {"role": "assistant", "content": u.text},
-                    "finish_reason": u.finish_reason,
-                    "logprobs": _logprobs_block(u, 0, tok, True) if body.logprobs else None} for u in ups]
+        choices = []
+        for u in ups:
+            message, finish = {"role": "assistant", "content": u.text}, u.finish_reason
+            try:
+                content, calls = toolcalls.calls_of(u.text, body.tools or [], body.choice, srv.tool_call_parser,
+                                                    body.parallel_tool_calls)
+            except (ValueError, KeyError, TypeError):  # a constrained call cut short (max_tokens): its text
+                content, calls = u.text, []
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": calls}
+                finish = "tool_calls" if finish == "stop" else finish
+            choices.append({"index": u.index, "message": message, "finish_reason": finish,
+                            "logprobs": _logprobs_block(u, 0, tok, True) if body.logprobs else None})
         return token_ids(body, ids, ups, {
             "id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time()),
             "model": model_name, "choices": choices, "usage": usage(ups), "jaxserve": meta(ups)})

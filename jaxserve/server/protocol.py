@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 
 from ..sampling import INT32_MAX, MAX_REPETITION_PENALTY, SamplingParams
 from ..structured import Guided, GuidedError, json_object
@@ -151,10 +151,73 @@ class CompletionRequest(_Sampling):
     suffix: None = None
 
 
+MAX_TOOLS = 128
+TOOL_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+
+
+class ToolCallFunction(_Body):
+    name: StrictStr = Field(pattern=TOOL_NAME)
+    arguments: StrictStr = Field(max_length=1 << 20)
+
+
+class ToolCall(_Body):
+    """An assistant message's call of a tool (an earlier answer, sent back in the conversation)."""
+    id: StrictStr = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: StrictStr
+
+
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: StrictStr
+    content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = Field(None, max_length=256)
+    tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS)
+    tool_call_id: StrictStr | None = Field(None, max_length=256, description="role tool: the call it answers")
+
+    @model_validator(mode="after")
+    def _content(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (only an assistant message with tool_calls may omit it)")
+        return self
+
+    def template_dict(self) -> dict:
+        """The message as chat templates take it: text parts joined, tool-call arguments as objects."""
+        d = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            d["content"] = "".join(p.text for p in self.content)
+        d.setdefault("content", "")  # an assistant's tool calls without text: templates read content anyway
+        for call in d.get("tool_calls", ()):
+            try:
+                call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+            except json.JSONDecodeError:
+                pass
+        return d
+
+
+class FunctionDef(_Body):
+    name: StrictStr = Field(pattern=TOOL_NAME)
+    description: StrictStr | None = Field(None, max_length=65536)
+    parameters: dict | None = Field(None, description="a JSON schema of the arguments (none: no arguments)")
+    strict: StrictBool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: StrictStr = Field(max_length=256)
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatRequest(_Sampling):
@@ -162,6 +225,30 @@ class ChatRequest(_Sampling):
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="none, auto (the default with tools: the model's own calls, parsed), required (one or "
+        "more calls, enforced by the grammar engine) or a named function (its arguments, enforced)")
+    parallel_tool_calls: StrictBool = True
+
+    @property
+    def choice(self):
+        """tool_choice in effect: as given, else auto with tools, else none."""
+        return self.tool_choice if self.tool_choice is not None else ("auto" if self.tools else "none")
+
+    def guided(self) -> Guided | None:
+        from .tools import constraint
+        own = super().guided()
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise GuidedError("tool_choice needs tools", "tool_choice")
+        calls = constraint(self.tools or [], self.choice)
+        if calls is not None and own is not None:
+            raise GuidedError(f"tool_choice {self.choice if isinstance(self.choice, str) else 'named'} constrains "
+                              f"the output already: drop {own.param}", own.param)
+        if calls is not None and self.choice == "required" and not self.parallel_tool_calls:
+            spec = json.loads(calls.spec)
+            calls = Guided("json", json.dumps({**spec, "maxItems": 1}), calls.param)
+        return calls or own
 
 
 class RoleUpdate(_Body):

@@ -10,7 +10,8 @@ channel (the port after the coordinator's; multiprocessing.connection, authentic
 the cluster token) before the leader runs it, and a follower (`follow`) runs the same calls in the same order
 on its own runner, so every process enters each program, and its collectives, in the same order. A call that
 runs callbacks between its programs (a layer-wise prefill's on_stage / before_stage, which export and import
-KV) is run with callbacks that replay the calls the leader's callbacks made, up to their end marker.
+KV) is run with callbacks that replay the calls the leader's callbacks made, up to their end marker, which carries what the leader's callback returned (a step's next-token bitmasks, which
+only the leader's grammar matchers can fill).
 
 KV leaves and enters through the leader: the export program gathers every process's KV heads (a mesh that
 spans processes sends no head parts, cache/layout.py `head_parts`), so the leader reads it whole, and the
@@ -50,7 +51,7 @@ JOIN_S = 300.0  # how long the group's processes may take to find each other (en
 # the runner's calls that run programs or change its state: what a follower repeats
 CALLS = frozenset({"prefill", "generate", "mixed", "insert", "read_blocks", "write_blocks", "export_kv",
                    "import_kv", "settle", "warmup", "warmup_transfer", "free"})
-HOOKS = ("on_stage", "before_stage")  # callbacks a call runs between its programs
+HOOKS = ("on_stage", "before_stage", "masks")  # callbacks a call runs between its programs
 
 
 @dataclass(frozen=True)
@@ -236,11 +237,12 @@ class Lockstep:
     def _hook(self, fn):
         def hook(k):
             try:
-                fn(k)
+                value = fn(k)
             except BaseException:
                 self._channel.send(("hook_raised",))
                 raise
-            self._channel.send(("hook_done",))
+            self._channel.send(("hook_done", value))
+            return value
         return hook
 
 
@@ -258,7 +260,7 @@ def follow(runner, conn) -> int:
         while True:
             msg = recv()
             if msg[0] == "hook_done":
-                return
+                return msg[1]
             if msg[0] == "hook_raised":
                 raise _LeaderRaised()
             run(msg)

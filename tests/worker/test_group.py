@@ -132,10 +132,10 @@ class Recorder:
     def import_kv(self, staging, views, blocks, row, layer_groups=None, wait=True):
         self.calls.append(("import", staging, [v.tolist() for v in views], blocks, row, layer_groups, wait))
 
-    def generate(self, rows, remote=None):
+    def generate(self, rows, remote=None, masks=None):
         if not rows:
             raise ValueError("decode takes 1.. rows")
-        self.calls.append(("generate", rows))
+        self.calls.append(("generate", rows, None if masks is None else masks(rows).tolist()))
         return [(7, 0.0, [])]
 
 
@@ -175,6 +175,8 @@ def test_followers_replay_the_leaders_calls_in_order_callbacks_included():
     with pytest.raises(ValueError, match="decode takes"):  # refused on both: the follower goes on
         runner.generate([])
     assert runner.generate(["row"]) == [(7, 0.0, [])]
+    # a callback's result (a step's bitmasks, which only the leader can compute) reaches the follower
+    assert runner.generate(["row"], masks=lambda rows: np.array([[len(rows), 5]])) == [(7, 0.0, [])]
     with pytest.raises(RuntimeError, match="no part in migrations"):
         runner.generate(["row"], remote="a move")
     channel.close()
@@ -183,7 +185,8 @@ def test_followers_replay_the_leaders_calls_in_order_callbacks_included():
     assert follower.calls == leader.calls
     assert [c[0] for c in leader.calls] == [
         "prefill", "import", "program", "export", "import", "program", "export",
-        "prefill", "program", "export", "program", "export", "generate"]
+        "prefill", "program", "export", "program", "export", "generate", "generate"]
+    assert leader.calls[-1][2] == [[1, 5]]
 
 
 def test_a_group_member_lost_or_refused():
