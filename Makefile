@@ -92,6 +92,8 @@ bench: $(STAMP)
 	$(BENCH) bench.balance --json $(R)/balance.json --png $(R)/balance.png
 	$(BENCH) bench.store --json $(R)/store.json
 	$(BENCH) bench.migration --json $(R)/migration.json
+	$(PY) -m pip install -q --no-deps --target bench/.xgrammar xgrammar==0.2.8 apache-tvm-ffi  # the comparison only
+	PYTHONPATH=bench/.xgrammar $(BENCH) bench.structured --json $(R)/structured.json
 	if nvidia-smi > /dev/null 2>&1; then $(BENCH) bench.kernels --iters 20 --json $(R)/kernels_h100.json && \
 		$(BENCH) bench.kernel_tune --json $(R)/kernel_tune_h100.json && \
 		$(BENCH) bench.offline --no-baseline --reps 2 --json $(R)/offline_h100.json; fi

@@ -1,10 +1,10 @@
 """jaxserve: JAX/XLA LLM serving with prefill/decode disaggregation.
 
-`LLM`, `SamplingParams` and `Output` are imported on first use, so that `import jaxserve.<module>` does not
+`LLM`, `SamplingParams`, `Output` and `Guided` are imported on first use, so that `import jaxserve.<module>` does not
 import JAX: a worker process must pin its CPUs before JAX loads (worker/main.py).
 """
 
-__all__ = ["LLM", "SamplingParams", "Output"]
+__all__ = ["LLM", "SamplingParams", "Output", "Guided"]
 
 
 def __getattr__(name):
@@ -14,4 +14,7 @@ def __getattr__(name):
     if name in ("SamplingParams", "Output"):
         from . import sampling
         return getattr(sampling, name)
+    if name == "Guided":
+        from .structured import Guided
+        return Guided
     raise AttributeError(f"module 'jaxserve' has no attribute {name!r}")

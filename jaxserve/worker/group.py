@@ -7,11 +7,13 @@ programs. Only process 0, the leader, is a worker as a one-host instance is: it 
 serves gRPC, schedules, and sends and receives KV. The others follow. The leader's engine drives a `Lockstep`
 in place of its ModelRunner: each runner call (method and arguments) goes to every follower over the group
 channel (the port after the coordinator's; multiprocessing.connection, authenticated with a key derived from
-the cluster token) before the leader runs it, and a follower (`follow`) runs the same calls in the same order
-on its own runner, so every process enters each program, and its collectives, in the same order. A call that
-runs callbacks between its programs (a layer-wise prefill's on_stage / before_stage, which export and import
-KV) is run with callbacks that replay the calls the leader's callbacks made, up to their end marker, which carries what the leader's callback returned (a step's next-token bitmasks, which
-only the leader's grammar matchers can fill).
+the cluster token; messages in `encode`'s format: JSON and raw array bytes, dataclasses only of the runner's
+argument types, never pickle) before the leader runs it, and a follower (`follow`) runs the same calls in the
+same order on its own runner, so every process enters each program, and its collectives, in the same order. A
+call that runs callbacks between its programs (a layer-wise prefill's on_stage / before_stage, which export and
+import KV; the sampler's masks) is run with callbacks that replay the calls the leader's callbacks made, up to
+their end marker, which carries what the leader's callback returned (a step's next-token bitmasks, which only
+the leader's grammar matchers can fill).
 
 KV leaves and enters through the leader: the export program gathers every process's KV heads (a mesh that
 spans processes sends no head parts, cache/layout.py `head_parts`), so the leader reads it whole, and the
@@ -32,15 +34,19 @@ waits for its connection to close; a follower is one thread.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import inspect
+import json
 import logging
 import os
-import pickle
+import struct
 import sys
 import threading
 import time
 from dataclasses import dataclass
+
+import numpy as np
 from multiprocessing.connection import Client, Listener
 
 from ..config import ConfigFileError
@@ -122,6 +128,81 @@ def join(group: Group) -> None:
     jax.distributed.initialize(group.coordinator, group.size, group.index, initialization_timeout=int(JOIN_S))
 
 
+_TYPES: dict[str, type] = {}  # the dataclasses a message may hold (runner arguments), by name
+
+
+def _types() -> dict[str, type]:
+    if not _TYPES:
+        from transfer.plan import ArraySpec, Staging
+
+        from ..engine.runner import DecodeRow, PrefillRow, Prefix
+        from ..sampling import SamplingParams
+        from ..structured import Guided
+        _TYPES.update({t.__name__: t for t in (PrefillRow, DecodeRow, Prefix, SamplingParams, Guided, Staging,
+                                               ArraySpec)})
+    return _TYPES
+
+
+def encode(msg) -> bytes:
+    """A message (None, numbers, strings, lists, tuples, sets, dicts, numpy arrays and scalars, and the runner's
+    argument dataclasses, nested) -> bytes: a length-prefixed JSON tree, then the arrays' raw bytes."""
+    bufs: list[bytes] = []
+    metas: list = []
+
+    def tree(x):
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return x
+        if isinstance(x, np.ndarray):
+            a = np.ascontiguousarray(x)
+            metas.append([a.dtype.str, list(a.shape)])
+            bufs.append(a.tobytes())
+            return {"A": len(bufs) - 1}
+        if isinstance(x, np.generic):
+            return {"N": [x.dtype.str, x.item()]}
+        if isinstance(x, (list, tuple, set, frozenset)):
+            tag = {list: "L", tuple: "T", set: "S", frozenset: "F"}[type(x)]
+            return {tag: [tree(v) for v in x]}
+        if isinstance(x, dict):
+            return {"D": [[tree(k), tree(v)] for k, v in x.items()]}
+        if dataclasses.is_dataclass(x) and type(x).__name__ in _types():
+            return {"C": type(x).__name__, "f": {f.name: tree(getattr(x, f.name)) for f in dataclasses.fields(x)}}
+        raise TypeError(f"the group channel does not carry {type(x).__name__}")
+    head = json.dumps({"v": tree(msg), "a": metas}).encode()
+    return struct.pack("<I", len(head)) + head + b"".join(bufs)
+
+
+def decode(data: bytes):
+    """`encode`'s bytes -> the message (dataclasses only of the allowed types; nothing in it runs)."""
+    (n,) = struct.unpack_from("<I", data)
+    head = json.loads(data[4:4 + n])
+    arrays, pos = [], 4 + n
+    for dtype, shape in head["a"]:
+        dt = np.dtype(dtype)
+        if dt.hasobject:
+            raise ValueError("object arrays are not carried")
+        count = int(np.prod(shape, dtype=np.int64))
+        arrays.append(np.frombuffer(data, dt, count, pos).reshape(shape).copy())
+        pos += count * dt.itemsize
+    types = _types()
+
+    def tree(x):
+        if not isinstance(x, dict):
+            return x
+        tag, v = next(iter(x.items()))
+        if tag == "A":
+            return arrays[v]
+        if tag == "N":
+            return np.dtype(v[0]).type(v[1])
+        if tag in ("L", "T", "S", "F"):
+            return {"L": list, "T": tuple, "S": set, "F": frozenset}[tag](tree(i) for i in v)
+        if tag == "D":
+            return {tree(k): tree(i) for k, i in v}
+        if tag == "C" and v in types:
+            return types[v](**{k: tree(i) for k, i in x["f"].items()})
+        raise ValueError(f"not a group message: {tag!r}")
+    return tree(head["v"])
+
+
 def _authkey(token: str | None) -> bytes:
     return hashlib.sha256(b"jaxserve-group:" + (token or "").encode()).digest()
 
@@ -136,7 +217,7 @@ def exit_now(code: int) -> None:
 
 class LeaderChannel:
     """The leader's end: listens from the start (followers connect once their engines are built), `accept`
-    takes every follower, `send` pickles a message once for all of them."""
+    takes every follower, `send` encodes a message once for all of them."""
 
     def __init__(self, group: Group, bind_host: str, token: str | None, on_lost=None):
         """on_lost(index): a follower's connection closed before `close` (default: this process exits)."""
@@ -154,8 +235,7 @@ class LeaderChannel:
             try:
                 while len(self.conns) < self.group.size - 1:
                     conn = self._listener.accept()
-                    index = conn.recv()
-                    self.conns[int(index)] = conn
+                    self.conns[int(conn.recv_bytes(16))] = conn
             except Exception as e:  # noqa: BLE001 - a bad handshake: reported as missing followers below
                 log.error("group channel: %s", e)
             done.set()
@@ -176,7 +256,7 @@ class LeaderChannel:
             self._on_lost(index)
 
     def send(self, msg: tuple) -> None:
-        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        data = encode(msg)
         for conn in self.conns.values():
             conn.send_bytes(data)
 
@@ -185,7 +265,7 @@ class LeaderChannel:
         self.closing = True
         for conn in self.conns.values():
             try:
-                conn.send_bytes(pickle.dumps(("exit",)))
+                conn.send_bytes(encode(("exit",)))
                 conn.close()
             except OSError:
                 pass
@@ -204,7 +284,7 @@ def connect(group: Group, token: str | None, timeout: float = JOIN_S):
                 raise ConfigFileError(f"process {group.index} could not reach its group's leader at "
                                       f"{group.host}:{group.port + 1}: {e}") from None
             time.sleep(0.2)
-    conn.send(group.index)
+    conn.send_bytes(str(group.index).encode())
     return conn
 
 
@@ -254,7 +334,7 @@ def follow(runner, conn) -> int:
     """A follower's life: run the leader's calls on `runner` until it says exit (-> 0) or its connection
     closes (-> 1)."""
     def recv():
-        return pickle.loads(conn.recv_bytes())
+        return decode(conn.recv_bytes())
 
     def hook(k):
         while True:

@@ -234,3 +234,36 @@ def _refused(connect, group, error) -> bool:
     except error:
         return True
     return False
+
+
+def test_the_channel_codec_round_trips_runner_arguments_and_refuses_the_rest():
+    import numpy as np
+
+    from jaxserve.engine.runner import DecodeRow, PrefillRow, Prefix
+    from jaxserve.sampling import SamplingParams
+    from jaxserve.structured import Guided
+    from jaxserve.worker.group import decode, encode
+    from transfer.plan import ArraySpec, Staging
+    params = SamplingParams(max_tokens=5, stop=("x",), guided=Guided("regex", "[0-9]+", "guided_regex"))
+    spec = ArraySpec(0, 1, 0, "blocks", 0, 2, (4, 2, 1, 16, 2, 8), "<u2", 0, rows=3)
+    msg = ("call", "prefill", {
+        "rows": [PrefillRow("r", [1, 2], 0, [3], 1, 1, None, True, params, 0, [1, 2]),
+                 DecodeRow(1, 7, 9, [3, 4], params, 2, None, "r2")],
+        "stages": [(0, 2), (2, 4)], "staged": {"r"}, "views": [np.arange(6, dtype=np.uint16).reshape(2, 3)],
+        "prefix": Prefix("r", 1, [3], 2, 5, -0.5, [(5, -0.5)], np.array([True, False])),
+        "staging": Staging((spec,), 1024, 768), "scalar": np.int32(4), "groups": frozenset({1})}, ["masks"])
+    back = decode(encode(msg))
+    assert back[:2] == msg[:2] and back[3] == msg[3]
+    got, want = back[2], msg[2]
+    assert got["rows"] == want["rows"] and got["stages"] == want["stages"] and got["staged"] == {"r"}
+    assert got["staging"] == want["staging"] and got["scalar"] == 4 and got["scalar"].dtype == np.int32
+    assert got["views"][0].dtype == np.uint16 and (got["views"][0] == want["views"][0]).all()
+    assert got["prefix"].top == [(5, -0.5)] and (got["prefix"].prompt_mask == [True, False]).all()
+    assert got["groups"] == frozenset({1}) and got["rows"][0].params.guided.param == "guided_regex"
+    with pytest.raises(TypeError, match="does not carry"):
+        encode(("call", "x", {"f": object()}, []))
+    import json
+    import struct
+    head = json.dumps({"v": {"C": "Popen", "f": {"args": "sh"}}, "a": []}).encode()
+    with pytest.raises(ValueError, match="not a group message"):
+        decode(struct.pack("<I", len(head)) + head)
