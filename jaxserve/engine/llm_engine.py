@@ -502,12 +502,13 @@ class LLMEngine:
         are recomputed (preempted: a linear layer's state has taken the failed step's token already, and a
         layers-migrated request's pool misses the moved layers)."""
         try:
-            return list(zip(seqs, self.runner.generate(self._decode_rows(seqs), remote=out.step(seqs))))
+            return list(zip(seqs, self.runner.generate(self._decode_rows(seqs), remote=out.step(seqs),
+                                                       masks=self._masks)))
         except RemoteFailed as e:
             log.warning("migration %d to %s failed (%s): %d requests continue here", out.mid, out.dst, e, len(seqs))
             self._end_move(out)
             if out.spec.kind == "heads" and not self.layout.has_request_state:  # the same step again, here
-                return list(zip(seqs, self.runner.generate(self._decode_rows(seqs))))
+                return list(zip(seqs, self.runner.generate(self._decode_rows(seqs), masks=self._masks)))
             for s in seqs:
                 self.scheduler.requeue(s)
             return []

@@ -11,6 +11,8 @@ donated:
             request-level state (sliding rings, linear state) is gathered by slot
 and two small ones, keyed by the rows only, run the LM head and sampling after them: `first` (a prefill's first
 tokens) and `sample` (a decode step's, with the slots' penalty state), so no shape compiles the sampler again.
+Both take the rows' next-token bitmasks (structured outputs): the engine's `masks` callback fills them on the
+host once the model's program is dispatched, so it runs while the device computes.
 The model's kernel mode (engine.kernels) picks Pallas kernels or jnp references for both programs.
 Shapes are bucketed so that a workload compiles a bounded set of programs, all of which warm-up can compile
 ahead (`warmup`): prefill in the three families of `prefill_groups` (chunk lengths and block-table widths in
@@ -47,10 +49,10 @@ from ..models.batch import Batch
 from ..models.paged import PagedKV
 from ..models.stack import LayerStack
 from ..sampling import SamplingParams
+from ..structured import words
 from .migration import remote_hidden
 from .sampler import MAX_LOGPROBS, SamplingTensors, sample
 from .steptimer import StepTimer
-from ..structured import words
 
 _IDLE = SamplingParams(temperature=0.0, seed=0)  # sampling parameters of the warm-up's requests
 SMALL_DECODE_ROWS = 4  # the smallest decode batch bucket: up to this many running requests

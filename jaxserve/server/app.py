@@ -28,10 +28,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import Config
 from ..engine.client import EngineClient, EngineUnavailable, QueueFull, RequestError, Update
-from .gate import Gate
-from .metrics import Metrics
 from ..structured import Grammars, Guided, GuidedError
 from . import tools as toolcalls
+from .gate import Gate
+from .metrics import Metrics
 from .protocol import APIError, ChatRequest, CompletionRequest, LinkUpdate, MigrateRequest, RoleUpdate
 
 _work = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="http-work")

@@ -199,16 +199,19 @@ def test_disaggregated_answers_equal_colocated(api, smollm2_dir):
     from tests.router.test_cluster_http import serving
     c, _ = api
     want = constrained_answers(c)
-    cfg = {"model": {"path": smollm2_dir, "name": "m"}, "engine": ENGINE,
-           "clusters": [{"name": "local", "instances": [{"name": "p0", "role": "prefill", "cpus": [0]},
-                                                        {"name": "d0", "role": "decode", "cpus": [1]}]}],
-           "transfer": {"token": "tok", "layers_per_group": 10, "stream_min_tokens": 0},
-           "router": {"heartbeat_s": 0.5, "down_after_s": 10.0}}
+    import importlib.resources
+
+    import yaml
+    # the embedded default: one prefill and one decode worker on their own cores, KV over TCP, layer-wise; the
+    # engine sized as the colocated server's (no warm-up: the programs compile as the requests need them)
+    cfg = yaml.safe_load(importlib.resources.files("jaxserve").joinpath("configs/local.yaml").read_text())
+    cfg["model"].update(path=smollm2_dir, name="m")
+    cfg["engine"] = {**cfg["engine"], **ENGINE}
     with serving(cfg) as (client, _):
         d = sdk(client)
         got = constrained_answers(d)
         r = d.chat.completions.create(model="m", messages=[{"role": "user", "content": QUESTIONS["city"]}],
                                       temperature=0, max_tokens=120, response_format={"type": "json_object"})
-        assert r.model_extra["jaxserve"]["prefill_instance"] == "p0"
-        assert r.model_extra["jaxserve"]["decode_instance"] == "d0"
+        assert r.model_extra["jaxserve"]["prefill_instance"] == "local-p0"
+        assert r.model_extra["jaxserve"]["decode_instance"] == "local-d0"
     assert got == want
