@@ -59,6 +59,12 @@ def llm(smollm2_dir):
     return LLM(smollm2_dir, progress=False, engine=ROOM)
 
 
+@pytest.fixture(scope="module")
+def constrained(llm):
+    """The mixed batch's sequences with a roomy pool (the answers the other runs must give)."""
+    return run(llm, batch(llm, True))
+
+
 def batch(llm, constrained: bool):
     json_g = Guided("json", json.dumps(PERSON))
     choice = Guided("choice", json.dumps(["Paris", "Lyon", "Marseille"]))
@@ -72,8 +78,8 @@ def batch(llm, constrained: bool):
     return [(chat(llm, q), greedy(n, g if constrained else None)) for q, n, g in asks]
 
 
-def test_constrained_and_free_rows_in_one_batch(llm):
-    seqs = run(llm, batch(llm, True))
+def test_constrained_and_free_rows_in_one_batch(llm, constrained):
+    seqs = constrained
     text = [s.detok.text for s in seqs]
     jsonschema.validate(json.loads(text[1]), PERSON)
     assert text[2] in ("Paris", "Lyon", "Marseille")
@@ -86,8 +92,8 @@ def test_constrained_and_free_rows_in_one_batch(llm):
     assert any(seqs[i].output != free[i].output for i in (1, 2, 3, 5))  # and the constraints did constrain
 
 
-def test_preemption_and_resume_keep_the_constrained_answer(llm, smollm2_dir):
-    want = run(llm, batch(llm, True))
+def test_preemption_and_resume_keep_the_constrained_answer(llm, smollm2_dir, constrained):
+    want = constrained
     tight = LLM(smollm2_dir, progress=False, engine=EngineConfig(
         block_size=16, num_blocks=12, max_num_seqs=6, chunk_size=32, max_num_batched_tokens=64, max_prefill_seqs=2,
         max_model_len=1024, num_snapshots=8, prefix_caching=False))
