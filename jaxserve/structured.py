@@ -110,6 +110,7 @@ class Grammars:
         self._json, self.V, self.eos = tokenizer_json, vocab_size, list(eos_ids)
         self._tok = None
         self._cache: collections.OrderedDict[Guided, object] = collections.OrderedDict()
+        self._checked: collections.OrderedDict[Guided, str] = collections.OrderedDict()  # constraint -> grammar
         self.compiled = 0  # grammars compiled (cache misses)
 
     @property
@@ -120,8 +121,12 @@ class Grammars:
         return self._tok
 
     def check(self, g: Guided) -> str:
-        """The constraint's grammar, validated -> the grammar; GuidedError naming g.param when it is none."""
+        """The constraint's grammar, validated -> the grammar; GuidedError naming g.param when it is none. A
+        constraint that passed is remembered (an LRU of MAX_GRAMMARS): repeated requests are not checked again."""
         from llguidance import LLMatcher
+        if g in self._checked:
+            self._checked.move_to_end(g)
+            return self._checked[g]
         try:
             grammar = g.grammar()
         except GuidedError:
@@ -131,6 +136,9 @@ class Grammars:
         is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if is_error:
             raise GuidedError(f"invalid {g.kind}: {messages[0] if messages else 'rejected'}", g.param)
+        self._checked[g] = grammar
+        if len(self._checked) > MAX_GRAMMARS:
+            self._checked.popitem(last=False)
         return grammar
 
     def guide(self, g: Guided, tokens: list[int] = ()) -> Guide:

@@ -195,9 +195,9 @@ class KVReceiver:
     def _fire(self) -> None:
         """Call the `on_layers` callbacks whose layers have landed (outside the lock)."""
         with self._lock:
-            due = [fn for hi, fn in self._watch if self._landed(hi)]
-            self._watch = [(hi, fn) for hi, fn in self._watch if not self._landed(hi)]
-        for fn in due:
+            landed = [(self._landed(hi), hi, fn) for hi, fn in self._watch]
+            self._watch = [(hi, fn) for done, hi, fn in landed if not done]
+        for fn in (fn for done, _, fn in landed if done):
             fn()
 
     def wait_layers(self, hi: int, timeout: float) -> bool:

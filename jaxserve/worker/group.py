@@ -294,12 +294,13 @@ class Lockstep:
 
     def __init__(self, runner, channel: LeaderChannel):
         self._runner, self._channel = runner, channel
+        self._sigs: dict[str, inspect.Signature] = {}  # each call's signature, taken on its first use
 
     def __getattr__(self, name: str):
         attr = getattr(self._runner, name)
         if name not in CALLS:
             return attr
-        sig = inspect.signature(attr)
+        sig = self._sigs.get(name) or self._sigs.setdefault(name, inspect.signature(attr))
 
         def call(*args, **kwargs):
             bound = sig.bind(*args, **kwargs)
