@@ -147,6 +147,8 @@ def summary(records: list[dict], duration: float, slo: float) -> dict:
             "goodput_rps": sum(1 for t in ttft if t <= slo) / span, "slo_attainment": (
                 sum(1 for t in ttft if t <= slo) / len(ttft) if ttft else None),
             "ttft_p50_s": pct(ttft, 50), "ttft_p90_s": pct(ttft, 90),
+            "ttft_by_route": {k: {"n": len(v), "p50_s": pct(v, 50), "p90_s": pct(v, 90)} for k, v in sorted(
+                {r["route"]: [q["ttft_s"] for q in ok if q["route"] == r["route"]] for r in ok}.items())},
             "tt2t_p90_s": pct([r["tt2t_s"] for r in ok if r.get("tt2t_s") is not None], 90),
             "second_turn_cached_fraction": pct([r["cached"] / r["len"] for r in ok if r["turn"] == 2], 50),
             "kv_bytes_prfaas": sum(r["kv_bytes"] for r in ok if r["route"] == "prfaas")}

@@ -108,7 +108,8 @@ def main(argv=None):
            "what": "one workload live (real workers) and simulated from profiles measured by jaxserve profile: "
                    "throughput and TTFT p50 / p90; ratios simulated / live",
            "profiles": profiles, "calibration_ttft_s": calibration, "dispatch_s": dispatch_s, "live": live,
-           "simulated": {k: sim[k] for k in ("throughput_rps", "ttft_s", "routes", "requests", "egress_gbps")},
+           "simulated": {k: sim[k] for k in ("throughput_rps", "ttft_s", "routes", "ttft_by_route", "requests",
+                                                  "egress_gbps")},
            "ratio_sim_over_live": ratio, "within_15_percent": {k: abs(v - 1) <= 0.15 for k, v in ratio.items()}}
     from bench.stamp import write
     write(args.json, out, indent=1)

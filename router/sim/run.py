@@ -418,9 +418,10 @@ class Simulation:
         in_window = [r for r in done if r.done <= duration_s]
         ttft = np.array([r.first - r.arrival for r in done]) if done else np.zeros(1)
         second = np.array([r.kv_at - r.arrival for r in done]) if done else np.zeros(1)
-        routes = {}
+        routes, by_route = {}, {}
         for r in done:
             routes[r.route] = routes.get(r.route, 0) + 1
+            by_route.setdefault(r.route, []).append(r.first - r.arrival)
         buckets, served, seconds = {}, {}, {}
         for r in done:
             buckets.setdefault(int(r.arrival // timeline_s), []).append(r.first - r.arrival)
@@ -441,7 +442,10 @@ class Simulation:
                            "p90": float(np.percentile(ttft, 90)), "p99": float(np.percentile(ttft, 99))},
                 # until the KV is at the decode instance (the second token is one decode step later)
                 "kv_ready_s": {"p50": float(np.percentile(second, 50)), "p90": float(np.percentile(second, 90))},
-                "routes": routes, "egress_gbps": link_bytes * 8 / 1e9 / duration_s,
+                "routes": routes, "ttft_by_route": {k: {"n": len(v), "p50_s": float(np.percentile(v, 50)),
+                                                        "p90_s": float(np.percentile(v, 90))}
+                                                    for k, v in sorted(by_route.items())},
+                "egress_gbps": link_bytes * 8 / 1e9 / duration_s,
                 "timeline": [{"t_s": k * timeline_s, "requests": len(v), "ttft_p90_s": float(np.percentile(v, 90)),
                               "kv_ready_p90_s": float(np.percentile(seconds[k], 90)),
                               "finished_rps": served.get(k, 0) / timeline_s} for k, v in sorted(buckets.items())],
