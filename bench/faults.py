@@ -38,12 +38,13 @@ import os
 import platform
 import secrets
 import signal
-import socket
 import sys
 import tempfile
 import time
 
 import numpy as np
+
+from router.launcher import free_ports
 
 ROLES = ("prefill", "decode")
 FAULTS = ("sigkill", "sigstop_10s", "sigstop", "partition", "corrupt")
@@ -56,11 +57,6 @@ ENGINE = dict(block_size=16, num_blocks=256, max_num_seqs=8, max_num_batched_tok
 
 def pct(xs, q):
     return float(np.percentile(xs, q)) if xs else None
-
-
-def free_port(host: str) -> int:
-    with socket.create_server((host, 0)) as s:
-        return s.getsockname()[1]
 
 
 def wait_ready(proc, ready, what: str, log: str, timeout: float, every: float = 0.5) -> float:
@@ -105,7 +101,7 @@ class Topology:
             host = "127.0.0.1"
         addr = {n: (self.ns[n].ns_ip if n in self.ns else host) for n in ("p0", "p1", "d0", "d1")}
         self.victim_ip = {n: addr[n] for n in self.ns}
-        kv_ports = {d: free_port(host) if d not in self.ns else 7300 for d in ("d0", "d1")}
+        kv_ports = {d: free_ports(host) if d not in self.ns else 7300 for d in ("d0", "d1")}
         self.proxies = {d: FaultProxy((addr[d], kv_ports[d]), host=host) for d in ("d0", "d1")}
         inst = lambda name, role, cpu, **kw: {"name": name, "role": role, "cpus": [cpu], "host": addr[name],  # noqa
                                               "launch": False, **kw}

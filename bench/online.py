@@ -32,8 +32,9 @@ import time
 
 import numpy as np
 
-from bench.faults import free_port, pct, stop_process, wait_ready
+from bench.faults import pct, stop_process, wait_ready
 from bench.offline import ensure_vllm, prompts
+from router.launcher import free_ports
 
 
 class Server:
@@ -159,8 +160,8 @@ def main(argv=None):
     python = a.vllm_python or ensure_vllm(a.vllm_venv)
     log_dir = tempfile.mkdtemp(prefix="jaxserve-online-")
     # started one at a time, each once the one before has warmed up: each starts (and compiles) on an idle machine
-    starts = [lambda: jaxserve(path, free_port("127.0.0.1"), a, log_dir),
-              lambda: vllm(python, path, free_port("127.0.0.1"), a, log_dir)]
+    starts = [lambda: jaxserve(path, free_ports("127.0.0.1"), a, log_dir),
+              lambda: vllm(python, path, free_ports("127.0.0.1"), a, log_dir)]
     servers: list[Server] = []
     res = {"what": "online serving over HTTP: streamed completions at Poisson arrivals, jaxserve serve (one "
                    "colocated instance) against vLLM's OpenAI server (CPU build), same checkpoint, prompts and "

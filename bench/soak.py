@@ -34,7 +34,8 @@ import time
 
 import numpy as np
 
-from bench.faults import free_port, stop_process, wait_ready
+from bench.faults import stop_process, wait_ready
+from router.launcher import free_ports
 
 ENGINE = dict(block_size=16, num_blocks=512, max_num_seqs=16, max_num_batched_tokens=256, chunk_size=256,
               max_prefill_seqs=4, max_model_len=512, num_snapshots=16, prefix_caching=False, warmup=True)
@@ -68,7 +69,7 @@ class Deployment:
     """`jaxserve serve` on a free port with a 1P1D config; its processes by name."""
 
     def __init__(self, model: str, tmp: str, name: str):
-        self.port = free_port("127.0.0.1")
+        self.port = free_ports("127.0.0.1")
         cfg = {"model": {"path": model, "name": name}, "engine": ENGINE,
                "transfer": {"token": "soak-" + os.urandom(8).hex(), "connections": 2, "shared_memory": False},
                "router": {"heartbeat_s": 0.5, "down_after_s": 5.0},

@@ -15,6 +15,7 @@ import glob
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 
@@ -26,7 +27,7 @@ CODE = ("jaxserve", "pallas_kernels", "transfer", "router", "pyproject.toml")  #
 def measured_paths(command: str | None) -> tuple[str, ...]:
     """The code a result describes: CODE and the benchmark's own module (`python -m bench.NAME ...`; every
     benchmark when the command names none)."""
-    parts = (command or "").split()
+    parts = shlex.split(command or "")
     mods = [parts[i + 1] for i, p in enumerate(parts[:-1]) if p == "-m" and parts[i + 1].startswith("bench.")]
     own = tuple(os.path.join(*m.split(".")) + ".py" for m in mods[:1]) or ("bench",)
     return CODE + own
@@ -55,7 +56,7 @@ def stamp() -> dict:
                                ":(exclude)bench/results")),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": _machine(),
-            "command": " ".join(["python"] + sys.orig_argv[1:])}
+            "command": shlex.join(["python"] + sys.orig_argv[1:])}  # a shell runs it again as it ran
 
 
 def arguments(doc: str):

@@ -22,7 +22,8 @@ import urllib.request
 
 import yaml
 
-from bench.faults import free_port
+from router.launcher import free_ports
+
 
 
 def start(config: str, port: int, timeout_s: float) -> tuple[float, str]:
@@ -73,7 +74,7 @@ def main(argv=None):
         with open(path, "w") as f:
             yaml.safe_dump(cfg, f)
         for name in ("empty cache", "cache from the first start"):
-            secs, out = start(path, free_port("127.0.0.1"), args.timeout_s)
+            secs, out = start(path, free_ports("127.0.0.1"), args.timeout_s)
             compiled = {m.group(1): int(m.group(2)) for m in re.finditer(r"(\S+): (\d+) programs compiled", out)}
             runs.append({"cache": name, "ready_s": secs, "programs_warmed": compiled})
             print(f"{name}: ready after {secs:.1f}s ({compiled})", flush=True)

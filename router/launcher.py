@@ -85,22 +85,38 @@ class GroupChild:
         return "\n".join(f"--- {m.name}\n{m.output()}" for m in self.members)
 
 
-def free_port_pair(host: str = "127.0.0.1") -> int:
-    """A port p with p and p + 1 free on host (a group's coordinator and its step channel)."""
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (the ports it gives outgoing connections)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_ports(host: str = "127.0.0.1", n: int = 1) -> int:
+    """A port p with p .. p + n - 1 free on host (n = 2: a group's coordinator and its step channel), drawn at
+    random below the kernel's ephemeral range: a port the kernel handed out (bind to port 0) could go to another
+    process's outgoing connection between this check and the server's bind; below that range only servers
+    bind, and a random draw keeps two processes that look at the same moment apart."""
+    import random
     import socket
-    for _ in range(100):
-        with socket.socket() as a:
-            a.bind((host, 0))
-            p = a.getsockname()[1]
-            if p >= 65535:
-                continue
-            with socket.socket() as b:
-                try:
-                    b.bind((host, p + 1))
-                except OSError:
-                    continue
+    low = _ephemeral_low()
+    lo, hi = (10000, low - n) if low - n > 12000 else (low, 65536 - n)
+    draw = random.SystemRandom()
+    for _ in range(200):
+        p = draw.randrange(lo, hi)
+        socks = [socket.socket() for _ in range(n)]
+        try:
+            for k, s in enumerate(socks):
+                s.bind((host, p + k))
             return p
-    raise RuntimeError("no two consecutive free ports")
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports on {host} in {lo} .. {hi + n - 1}")
 
 
 class Launcher:
@@ -126,7 +142,7 @@ class Launcher:
             argv[4:4] = ["--config", os.path.abspath(self.config_path)]
         size, port = self.hosts.get(name, (1, 0))
         if size > 1:  # its processes on this machine, the first one the coordinator
-            at = ["--coordinator", f"127.0.0.1:{port or free_port_pair()}", "--num-processes", str(size)]
+            at = ["--coordinator", f"127.0.0.1:{port or free_ports(n=2)}", "--num-processes", str(size)]
             argvs = [argv + at + ["--process-id", str(i)] for i in range(size)]
             self.children[name] = GroupChild(name, [self.wrap(name, a) if self.wrap else a for a in argvs], self.echo)
             return

@@ -37,8 +37,8 @@ class WorkerHost:
 
     def free_port_pair(self) -> int:
         """Two consecutive ports free on this node (a group's coordinator and channel)."""
-        from router.launcher import free_port_pair
-        return free_port_pair("0.0.0.0")
+        from router.launcher import free_ports
+        return free_ports("0.0.0.0", 2)
 
     def start(self, name: str, config_text: str, router: str, wildcard: bool, extra: list[str]) -> dict:
         import subprocess

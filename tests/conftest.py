@@ -68,6 +68,13 @@ def pytest_unconfigure(config):
     os._exit(_exit["status"])
 
 
+FIRST = ("tests/test_soak.py",)  # the longest: under make test's two workers it runs beside the rest, not after
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: not item.nodeid.startswith(FIRST))  # a stable sort: the rest keep their order
+
+
 @pytest.fixture(scope="session")
 def checkpoint_dir(tmp_path_factory):
     """checkpoint_dir(name) -> path of the tiny checkpoint `name` (see tests/tiny_models.py), built once."""

@@ -3,24 +3,19 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import time
 
 import httpx
 import uvicorn
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from router.launcher import free_ports
 
 
 @contextlib.contextmanager
 def running(app, headers: dict | None = None, start_timeout: float = 300.0):
     """-> an httpx.Client for the app; the app's lifespan (a cluster's workers) runs at start and stop."""
-    port = free_port()
+    port = free_ports()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     t = threading.Thread(target=srv.run, daemon=True)
     t.start()

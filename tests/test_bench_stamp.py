@@ -2,6 +2,7 @@
 measures is reported stale (bench/stamp.py)."""
 
 import json
+import shlex
 import subprocess
 import sys
 
@@ -23,7 +24,7 @@ def test_write_stamps_the_result(tmp_path):
         d = json.load(f)
     st = d["stamp"]
     assert d["figure"] == 1.5 and st["commit"] == git("rev-parse", "HEAD")
-    assert st["command"].split()[1:] == sys.orig_argv[1:] and st["date"].endswith("+00:00")
+    assert shlex.split(st["command"])[1:] == sys.orig_argv[1:] and st["date"].endswith("+00:00")
     assert st["machine"]["cpus"] >= 1 and isinstance(st["dirty"], bool)
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ import yaml
 
 from jaxserve.config import ConfigFileError, parse
 from router.kubernetes import CONFIG_DIR, POD_IP, TOKEN_DIR, Options, manifests, write
-from router.launcher import free_port_pair
+from router.launcher import free_ports
 from tests.router.test_cluster_http import complete, tokens
 
 HERE = os.path.dirname(__file__)
@@ -208,12 +207,6 @@ async def healths(where: dict, token: str) -> dict:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_the_pod_commands_form_the_cluster_and_serve(checkpoint_dir, tmp_path):
     """The router's and every worker's command from the manifests, as local processes: each worker "pod" has a
@@ -226,8 +219,8 @@ def test_the_pod_commands_form_the_cluster_and_serve(checkpoint_dir, tmp_path):
     path = checkpoint_dir("llama")
     raw = config(path)
     raw["clusters"][0]["instances"][1].update(devices=[0], tp=2)  # d0: two pods of one CPU device each
-    opts = Options(image="img", http_port=_free_port(), control_port=_free_port(), grpc_port=_free_port(),
-                   kv_port=_free_port())
+    opts = Options(image="img", http_port=free_ports(), control_port=free_ports(), grpc_port=free_ports(),
+                   kv_port=free_ports())
     files = manifests(parse(raw), opts)
     k = by_kind(files)
     mounts = {CONFIG_DIR: tmp_path / "config", TOKEN_DIR: tmp_path / "token"}
@@ -239,10 +232,10 @@ def test_the_pod_commands_form_the_cluster_and_serve(checkpoint_dir, tmp_path):
         for n, i in enumerate(c["instances"]):
             addr[i["name"]] = f"127.0.0.{n + 2}"
             # pods on one host share its ports: each its own (they still listen on every address, 0.0.0.0)
-            ports[i["name"]] = i["port"] = _free_port()
-            i["kv_port"] = _free_port()
+            ports[i["name"]] = i["port"] = free_ports()
+            i["kv_port"] = free_ports()
             if i.get("hosts", 1) > 1:
-                i["group_port"] = free_port_pair()
+                i["group_port"] = free_ports(n=2)
     pod_cfg["transfer"]["token_file"] = str(mounts[TOKEN_DIR] / "token")
     (mounts[CONFIG_DIR] / "config.yaml").write_text(yaml.safe_dump(pod_cfg))
     (mounts[TOKEN_DIR] / "token").write_text(k["Secret"][0]["stringData"]["token"])

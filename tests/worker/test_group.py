@@ -140,9 +140,9 @@ class Recorder:
 
 
 def _pair(token_leader="tok", token_follower="tok", **kw):
-    from router.launcher import free_port_pair
+    from router.launcher import free_ports
     from jaxserve.worker.group import LeaderChannel
-    port = free_port_pair()
+    port = free_ports(n=2)
     return (LeaderChannel(Group("127.0.0.1", port, 2, 0), "127.0.0.1", token_leader, **kw),
             Group("127.0.0.1", port, 2, 1), token_follower)
 
