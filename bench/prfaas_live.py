@@ -92,7 +92,7 @@ async def workload(cluster, args, seed: int, duration: float, on_tick=None, salt
     records: list[dict] = []
     t0 = time.monotonic()
 
-    async def one(rid: str, prompt: list[int], turn: int) -> list[int] | None:
+    async def one(rid: str, conv: int, prompt: list[int], turn: int) -> list[int] | None:
         arrival = time.monotonic() - t0
         second = []  # when the second token arrived: decode ran on the KV (the first leaves before the KV)
 
@@ -102,21 +102,22 @@ async def workload(cluster, args, seed: int, duration: float, on_tick=None, salt
         try:
             u = await finish(await cluster.add(rid, prompt, params), seen)
         except Exception as e:  # noqa: BLE001 - a failed request is counted, the run goes on
-            records.append({"t": arrival, "ok": False, "error": str(e)[:200], "turn": turn, "len": len(prompt)})
+            records.append({"t": arrival, "ok": False, "error": str(e)[:200], "conv": conv, "turn": turn,
+                            "len": len(prompt)})
             return None
         r = u.route or {}
         records.append({"t": arrival, "ok": True, "ttft_s": u.ttft_s, "tt2t_s": second[0] if second else None,
                         "e2e_s": time.monotonic() - t0 - arrival,
-                        "turn": turn, "len": len(prompt), "cached": u.cached_tokens, "route": r.get("route"),
+                        "conv": conv, "turn": turn, "len": len(prompt), "cached": u.cached_tokens, "route": r.get("route"),
                         "kv_bytes": r.get("kv_bytes_transferred", 0), "tokens": len(u.token_ids)})
         return u.token_ids
 
     async def conversation(i: int, n: int, second: bool, message: list[int]):
         first = [int(x) for x in ids.integers(1, vocab, n)]
-        ans = await one(f"s{seed}.{salt}-c{i}-t1", first, 1)
+        ans = await one(f"s{seed}.{salt}-c{i}-t1", i, first, 1)
         if ans is not None and second:
             await asyncio.sleep(args.think_s)
-            await one(f"s{seed}.{salt}-c{i}-t2", first + ans + message, 2)
+            await one(f"s{seed}.{salt}-c{i}-t2", i, first + ans + message, 2)
 
     tasks, i = [], 0
     lens = iter(lengths(rng, 100_000, args.scale))

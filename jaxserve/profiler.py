@@ -6,6 +6,11 @@ interchangeable.
   caching cannot hit) to its first token, median of `reps` after one untimed pass (its compilations); and
   S_kv(l), the bytes a transfer of that prompt moves, from the model's cache groups (full-attention blocks,
   sliding rings, linear state) in the serving dtype;
+- a cached prefix (`prefill.prefix`, with prefix caching on): for each listed length c that is whole blocks, a
+  prompt of c tokens is run once (its blocks become cached prefix), then the same c tokens followed by
+  `prefix_new_tokens` new ones is timed to its first token; what the prefix adds is that time less a fresh
+  prefill of the new tokens alone (medians; 0 where noise makes it negative): attention over the prefix and
+  reading it from the cache, what a conversation's next turn pays that a fresh prompt does not;
 - decode: for each batch size B, the wall time of a decode step with B requests decoding (the mean over
   `decode_steps` steps, after each request's first tokens and an untimed pass); `max_batch` is the largest B
   whose step meets the TPOT SLO and `step_seconds` that B's step time.
@@ -74,8 +79,37 @@ def _decode_step(llm, B: int, prompt_len: int, steps: int, rng, tag: str) -> flo
     return wall
 
 
+def _prefix(llm, Ls: list[int], new: int, reps: int, one, rng, progress: bool) -> dict | None:
+    """The `prefill.prefix` block (see the module docstring), or None without prefix caching, room, or a
+    reusable prefix."""
+    from tqdm import tqdm
+    bs, vocab = llm.cfg.block_size, llm.model_config.vocab_size
+    cs = [c for c in Ls if c % bs == 0 and c + new < llm.max_model_len]
+    if not llm.cfg.prefix_caching or not cs:
+        return None
+    fresh = statistics.median([_run(llm, [rng.integers(3, vocab, new).tolist()], one, f"f{r}")
+                               for r in range(reps + 1)][1:])
+    extra = []
+    for c in tqdm(cs, desc="cached prefixes", unit="length", disable=not progress):
+        times = []
+        for r in range(reps + 1):
+            head = rng.integers(3, vocab, c).tolist()
+            _run(llm, [head], one, f"c{c}-{r}-head")  # its blocks stay cached once released
+            t0 = time.perf_counter()
+            (seq,) = llm.add_request(f"c{c}-{r}", head + rng.integers(3, vocab, new).tolist(), one)
+            while llm.has_work:
+                llm.step()
+            times.append(time.perf_counter() - t0)
+            llm.release(seq)
+            if seq.num_cached != c:  # the model cannot reuse this prefix (no state snapshot there): not measured
+                return None
+        extra.append(max(0.0, statistics.median(times[1:]) - fresh))
+    return {"new_tokens": new, "tokens": cs, "extra_seconds": extra, "fresh_seconds": fresh}
+
+
 def profile(cfg, instance: str, lengths: list[int] | None = None, batches: list[int] | None = None,
-            tpot_slo_s: float = 0.1, reps: int = 3, decode_steps: int = 16, progress: bool = True) -> dict:
+            tpot_slo_s: float = 0.1, reps: int = 3, decode_steps: int = 16, progress: bool = True,
+            prefix_new_tokens: int = 32) -> dict:
     """Profile instance `instance` of config `cfg` (see the module docstring) -> the profile dict."""
     from .worker.main import pin
     inst = cfg.instance(instance)
@@ -90,8 +124,8 @@ def profile(cfg, instance: str, lengths: list[int] | None = None, batches: list[
     from .server.serve import make_mesh
     if not tpot_slo_s > 0:
         raise ValueError(f"--tpot-slo-ms must be > 0, got {tpot_slo_s * 1e3:g}")
-    if reps < 1 or decode_steps < 1:
-        raise ValueError("--reps and --decode-steps must be >= 1")
+    if reps < 1 or decode_steps < 1 or prefix_new_tokens < 1:
+        raise ValueError("--reps, --decode-steps and --prefix-new-tokens must be >= 1")
     ec = cfg.engine.engine_config(cfg.server.max_waiting)
     llm = LLMEngine(resolve(cfg.model.path, progress), cfg.model.dtype, ec, make_mesh(inst, local=True), progress)
     Ls = _sizes(lengths, llm.max_model_len - 1, 16, "--lengths", f"engine.max_model_len {llm.max_model_len}")
@@ -106,6 +140,7 @@ def profile(cfg, instance: str, lengths: list[int] | None = None, batches: list[
         times = [_run(llm, [rng.integers(3, vocab, n).tolist()], one, f"p{n}-{r}") for r in range(reps + 1)][1:]
         seconds.append(statistics.median(times))
         kv.append(llm.cache_spec.transfer_bytes(n, llm.cfg.block_size, itemsize))
+    prefix = _prefix(llm, Ls, prefix_new_tokens, reps, one, rng, progress)
     steps = []
     for B in tqdm(Bs, desc="decode batches", unit="batch", disable=not progress):
         _decode_step(llm, B, 16, 2, rng, f"w{B}")  # compiles this batch's programs
@@ -116,7 +151,7 @@ def profile(cfg, instance: str, lengths: list[int] | None = None, batches: list[
                            f"takes {steps[0] * 1e3:.1f} ms")
     best = meets[-1]
     return {
-        "prefill": {"tokens": Ls, "seconds": seconds, "kv_bytes": kv},
+        "prefill": {"tokens": Ls, "seconds": seconds, "kv_bytes": kv, **({"prefix": prefix} if prefix else {})},
         "decode": {"step_seconds": steps[best], "max_batch": Bs[best], "tpot_slo_s": tpot_slo_s,
                    "batch": Bs, "batch_step_seconds": steps},
         "instance": instance, "role": inst.role, "model": cfg.model.path, "dtype": cfg.model.dtype,

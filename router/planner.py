@@ -50,7 +50,7 @@ def _series(d: dict, key: str, where: str) -> tuple[float, ...]:
     v = d.get(key)
     if not isinstance(v, list) or not v:
         raise PlanError(f"{where}.{key} must be a non-empty list of numbers, got {v!r}")
-    out = tuple(_num({key: x}, key, where, positive=key != "kv_bytes") for x in v)
+    out = tuple(_num({key: x}, key, where, positive=key not in ("kv_bytes", "extra_seconds")) for x in v)
     if any(x < 0 for x in out):
         raise PlanError(f"{where}.{key} must not be negative, got {v!r}")
     return out
@@ -69,12 +69,17 @@ def _linear(xs: tuple[float, ...], ys: tuple[float, ...], x: float) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class Profile:
-    """One instance kind: prefill seconds and KV bytes at measured lengths, a decode step and its batch."""
+    """One instance kind: prefill seconds and KV bytes at measured lengths, a decode step and its batch; and,
+    where measured (`prefill.prefix`, optional), what a cached prefix of each listed length adds to a prefill of
+    `new_tokens` behind it (attention over the prefix, reading it from the cache) over that prefill alone."""
     tokens: tuple[float, ...]
     seconds: tuple[float, ...]
     kv_bytes: tuple[float, ...]
     step_seconds: float
     max_batch: float
+    prefix_tokens: tuple[float, ...] = ()
+    prefix_extra: tuple[float, ...] = ()
+    prefix_new_tokens: float = 0.0
 
     @classmethod
     def from_json(cls, d: dict, where: str = "profile") -> "Profile":
@@ -92,16 +97,37 @@ class Profile:
                             f"{len(kv)})")
         if any(b <= a for a, b in zip(tokens, tokens[1:])):
             raise PlanError(f"{w}.tokens must increase, got {list(tokens)}")
+        prefix = pre.get("prefix")
+        ptoks, extra, new = (), (), 0.0
+        if prefix is not None:
+            wp = f"{w}.prefix"
+            if not isinstance(prefix, dict):
+                raise PlanError(f"{wp} must be an object with new_tokens, tokens, extra_seconds")
+            ptoks, extra = _series(prefix, "tokens", wp), _series(prefix, "extra_seconds", wp)
+            new = _num(prefix, "new_tokens", wp)
+            if len(ptoks) != len(extra):
+                raise PlanError(f"{wp}: tokens and extra_seconds differ in length ({len(ptoks)}, {len(extra)})")
+            if any(b <= a for a, b in zip(ptoks, ptoks[1:])):
+                raise PlanError(f"{wp}.tokens must increase, got {list(ptoks)}")
         return cls(tokens, seconds, kv, _num(dec, "step_seconds", f"{where}.decode"),
-                   _num(dec, "max_batch", f"{where}.decode"))
+                   _num(dec, "max_batch", f"{where}.decode"), ptoks, extra, new)
 
     def to_json(self) -> dict:
-        return {"prefill": {"tokens": list(self.tokens), "seconds": list(self.seconds),
-                            "kv_bytes": list(self.kv_bytes)},
-                "decode": {"step_seconds": self.step_seconds, "max_batch": self.max_batch}}
+        pre = {"tokens": list(self.tokens), "seconds": list(self.seconds), "kv_bytes": list(self.kv_bytes)}
+        if self.prefix_tokens:
+            pre["prefix"] = {"new_tokens": self.prefix_new_tokens, "tokens": list(self.prefix_tokens),
+                             "extra_seconds": list(self.prefix_extra)}
+        return {"prefill": pre, "decode": {"step_seconds": self.step_seconds, "max_batch": self.max_batch}}
 
     def prefill_seconds(self, length: float) -> float:
         return max(_linear(self.tokens, self.seconds, length), 1e-12)
+
+    def prefix_seconds(self, cached: float) -> float:
+        """What a cached prefix of `cached` tokens adds to the prefill behind it (0 where not measured): linear
+        from (0, 0) through the measured points, extrapolated from the last two."""
+        if not self.prefix_tokens or cached <= 0:
+            return 0.0
+        return max(_linear((0.0,) + self.prefix_tokens, (0.0,) + self.prefix_extra, cached), 0.0)
 
     def kv_bytes_at(self, length: float) -> float:
         return max(_linear(self.tokens, self.kv_bytes, length), 0.0)

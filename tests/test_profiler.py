@@ -38,6 +38,9 @@ def test_profile_measures_an_instance_in_the_planners_format(checkpoint_dir, tmp
     # tiny llama: 4 layers, 2 KV heads of 16, float32, K and V, whole blocks of 4 tokens
     per_token = 4 * 2 * 2 * 16 * 4
     assert prof["prefill"]["kv_bytes"] == [8 * per_token, 40 * per_token]
+    # a cached prefix: of the listed lengths only 40 is whole blocks of 4; 32 new tokens behind it
+    pf = prof["prefill"]["prefix"]
+    assert pf["tokens"] == [40] and pf["new_tokens"] == 32 and pf["extra_seconds"][0] >= 0 < pf["fresh_seconds"]
     d = prof["decode"]
     assert d["batch"] == [1, 4] and all(s > 0 for s in d["batch_step_seconds"])
     assert d["max_batch"] == 4 and d["step_seconds"] == d["batch_step_seconds"][1]  # a 10 s SLO: every batch

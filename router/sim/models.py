@@ -81,7 +81,7 @@ class Prefill:
         self.clock, self.name, self.cluster, self.kind, self.profile = clock, name, cluster, kind, profile
         self.chunk_tokens = chunk_tokens
         self.cache = PrefixCache(cache_tokens)
-        self.queue: deque = deque()  # (tokens, on_start, on_done)
+        self.queue: deque = deque()  # (tokens, on_start, on_done, fetch_s, cached tokens)
         self.queued_tokens = 0
         self.busy = False
         self.inflight = 0  # placed here and not finished (the router's count)
@@ -96,11 +96,12 @@ class Prefill:
     def rate(self) -> float | None:
         return self.tokens_done / self.busy_s if self.busy_s > 0 else None
 
-    def submit(self, tokens: int, on_start, on_done, fetch_s: float = 0.0) -> None:
-        """fetch_s: time to load this request's cached prefix from the global KV store, overlapped with the
-        step's compute layer by layer (BanaServe's three-stage pipeline): a step takes max(compute, fetch) plus
-        one layer's share of the fetch."""
-        self.queue.append((max(1, tokens), on_start, on_done, fetch_s))
+    def submit(self, tokens: int, on_start, on_done, fetch_s: float = 0.0, cached: int = 0) -> None:
+        """tokens: the uncached tokens it computes; cached: the prefix before them it reads from the cache (the
+        profile's prefix_seconds: attention over it); fetch_s: time to load this request's cached prefix from
+        the global KV store, overlapped with the step's compute layer by layer (BanaServe's three-stage
+        pipeline): a step takes max(compute, fetch) plus one layer's share of the fetch."""
+        self.queue.append((max(1, tokens), on_start, on_done, fetch_s, cached))
         self.queued_tokens += max(1, tokens)
         if not self.busy:
             self._step()
@@ -116,7 +117,8 @@ class Prefill:
             batch.append(self.queue.popleft())
             total += batch[-1][0]
         fetch = sum(b[3] for b in batch)
-        dt = self.profile.prefill_seconds(total) * (1 + sum(p.computing for p in self.peers))
+        dt = self.profile.prefill_seconds(total) + sum(self.profile.prefix_seconds(b[4]) for b in batch)
+        dt *= 1 + sum(p.computing for p in self.peers)
         dt = max(dt, fetch) + fetch / max(1, self.layers)
         for p in self.peers:
             p.shared(dt)
@@ -129,7 +131,7 @@ class Prefill:
                 nxt = min(end, (k + 1) * self.BUCKET_S)
                 self.busy_by[k] = self.busy_by.get(k, 0.0) + nxt - t
                 t = nxt
-        for n, on_start, _, _ in batch:
+        for n, on_start, *_ in batch:
             on_start(dt)
         self.busy_s += dt
         self.tokens_done += total
@@ -143,7 +145,7 @@ class Prefill:
         """A peer on its core computes for dt (its steps already count this one's): nothing to do here."""
 
     def _done(self, batch) -> None:
-        for n, _, on_done, _ in batch:
+        for n, _, on_done, *_ in batch:
             self.queued_tokens -= n  # as the live router counts them: until the prefill has ended
             on_done()
         self._step()

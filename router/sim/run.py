@@ -4,7 +4,9 @@ A `Deployment` names its clusters' instances (role, profile), the PrfaaS -> PD l
 gives arrivals (Poisson, or bursty: the rate multiplied by `burst_factor` for `burst_s` out of every
 `burst_every_s`), first-turn uncached lengths (a truncated log-normal), output lengths, and conversations
 (another turn with probability `turn_p` after `think_s`, its prompt the whole conversation so far plus
-`followup_tokens` new ones, so its prefix sits in the caches of the instances that served it). Per request:
+`followup_tokens` new ones, so its prefix sits in the caches of the instances that served it). `trace` replays
+a recorded workload instead: each conversation's arrival, first-turn length and whether one more turn follows
+(after exactly `think_s`), so a live run and its simulation serve the very same requests. Per request:
 
   arrival -> policy.place(Snapshot) -> prefill queue (only the uncached tokens) -> first token (TTFT) ->
   KV: inside a cluster at once; across clusters over the link, streamed layer by layer from the prefill's
@@ -86,11 +88,12 @@ class Traffic:
     prefix_groups: int = 0  # shared prefixes a new conversation's prompt starts with (0: none)
     prefix_tokens: int = 0
     prefix_skew: float = 1.2  # Zipf exponent of the prefixes' popularity
+    trace: tuple = ()  # ((arrival_s, first-turn tokens, a second turn follows), ...): replaces the draws above
 
 
 class _Request:
     __slots__ = ("conv", "turn", "prompt", "arrival", "first", "done", "route", "prefill", "decode", "uncached",
-                 "cell", "kv_ready", "prefill_end", "output", "kv_at", "group", "shared")
+                 "cell", "kv_ready", "prefill_end", "output", "kv_at", "group", "shared", "follow")
 
     def __init__(self, conv, turn, prompt, arrival, cell, group=None, shared=0):
         self.conv, self.turn, self.prompt, self.arrival, self.cell = conv, turn, prompt, arrival, cell
@@ -101,6 +104,7 @@ class _Request:
         self.output = 0
         self.kv_at = None  # when its KV was at the decode instance (the second token follows one step later)
         self.kv_ready = 0
+        self.follow = None  # a traced conversation: whether its second turn follows (None: drawn, turn_p)
 
 
 class _Cell:
@@ -293,6 +297,12 @@ class Simulation:
             self._zipf = np.cumsum(w / w.sum())
         return int(np.searchsorted(self._zipf, self.rng.random()))
 
+    def _arrive_traced(self, tokens: int, follow: bool) -> None:
+        self._convs += 1
+        r = _Request(self._convs, 0, tokens, self.clock.now, self.cells[int(self.rng.integers(len(self.cells)))])
+        r.output, r.follow = self.traffic.output_tokens, follow
+        self._start(r)
+
     def _arrive_new(self) -> None:
         self._convs += 1
         cell = self.cells[int(self.rng.integers(len(self.cells)))]
@@ -326,7 +336,7 @@ class Simulation:
                 r.prefill_end = self.clock.now
                 r.first = r.prefill_end + self.dep.dispatch_s
                 self._to_decode(r)
-            d.local.submit(r.uncached, lambda dt: None, local_done)
+            d.local.submit(r.uncached, lambda dt: None, local_done, cached=r.prompt - r.uncached)
             return
         p.inflight += 1
         held = cell.held(p.cache, r, get=True)
@@ -354,7 +364,7 @@ class Simulation:
             if cell.store is not None:
                 cell.remember(cell.store, r, r.prompt)
             self._kv(r)
-        p.submit(r.uncached, started, done, fetch_s)
+        p.submit(r.uncached, started, done, fetch_s, cached=r.prompt - r.uncached)
 
     def _kv(self, r: _Request) -> None:
         r.kv_ready += 1
@@ -374,10 +384,11 @@ class Simulation:
         if r.cell.replanner is not None:
             r.cell.replanner.finished(out, self.clock.now)
         tr = self.traffic
-        if tr.turn_p and self.rng.random() < tr.turn_p:
+        traced = r.follow is not None
+        if (r.follow and r.turn == 0) if traced else (tr.turn_p and self.rng.random() < tr.turn_p):
             nxt = _Request(r.conv, r.turn + 1, r.prompt + out + tr.followup_tokens, 0.0, r.cell, r.group, r.shared)
-            nxt.output = r.output
-            t = self.clock.now + self.rng.exponential(tr.think_s)
+            nxt.output, nxt.follow = r.output, (False if traced else None)
+            t = self.clock.now + (tr.think_s if traced else self.rng.exponential(tr.think_s))
             if t <= tr.duration_s:
                 def arrive():
                     nxt.arrival = self.clock.now
@@ -392,8 +403,12 @@ class Simulation:
             for lk in cell.links.values():
                 for when, gbps in self.dep.link_schedule:
                     self.clock.at(when, lk.set_gbps, gbps)
-        self._next_arrival()
         dur = self.traffic.duration_s
+        for t, tokens, follow in self.traffic.trace:
+            if t <= dur:
+                self.clock.at(t, self._arrive_traced, int(tokens), bool(follow))
+        if not self.traffic.trace:
+            self._next_arrival()
         if self.replan_params is not None:
             self.clock.after(self.replan_params.replan_s, self._replan)
         if self.control_s:

@@ -37,6 +37,19 @@ def test_prefill_time_and_kv_are_linear_between_points_and_extrapolated_outside(
     assert p.decode_rate(1000) == pytest.approx(20 / (0.025 * 1000))
 
 
+def test_a_cached_prefix_adds_its_measured_extra_from_zero():
+    d = {"prefill": {"tokens": [100, 200], "seconds": [1.0, 2.0], "kv_bytes": [1, 2],
+                     "prefix": {"new_tokens": 32, "tokens": [256, 1024], "extra_seconds": [0.004, 0.020]}},
+         "decode": {"step_seconds": 0.025, "max_batch": 20}}
+    p = Profile.from_json(d)
+    assert p.prefix_seconds(0) == 0 and p.prefix_seconds(128) == pytest.approx(0.002)  # from (0, 0)
+    assert p.prefix_seconds(640) == pytest.approx(0.012) and p.prefix_seconds(2048) == pytest.approx(0.0413, 1e-3)
+    assert Profile.from_json(p.to_json()) == p and _profile([1], [1.0], [1]).prefix_seconds(500) == 0
+    d["prefill"]["prefix"]["extra_seconds"] = [0.004]
+    with pytest.raises(PlanError, match=r"pd\.prefill\.prefix: tokens and extra_seconds differ in length"):
+        Profile.from_json(d, "pd")
+
+
 @pytest.mark.parametrize("mu,sigma,lo,hi", [(9.9, 1.0, 128, 131072), (6.0, 0.5, 16, 2048), (3.0, 2.0, 1, 1e5)])
 def test_truncated_lognormal_matches_numerical_integration(mu, sigma, lo, hi):
     L = LogNormal(mu, sigma, lo, hi)

@@ -11,7 +11,7 @@ import pytest
 
 from router.planner import LogNormal, Profile, Workload, plan
 from router.policy import LeastLoaded, PrfaaS, ThresholdParams
-from router.sim.models import Clock, Link, PrefixCache
+from router.sim.models import Clock, Link, Prefill, PrefixCache
 from router.sim.run import Deployment, InstanceSpec, Simulation, Traffic, case_study
 
 PROFILES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench",
@@ -47,6 +47,36 @@ def test_decode_slots_bound_throughput():
                      LeastLoaded)
     res = Simulation(dep, Traffic(8.0, LogNormal(4.0, 0.5, 1, 1000), output_tokens=100, duration_s=2000)).run(drain_s=0)
     assert res["throughput_rps"] == pytest.approx(4.0, rel=0.03)
+
+
+def test_a_prefill_behind_a_cached_prefix_takes_the_profiles_extra():
+    prof = Profile.from_json({"prefill": {"tokens": [16, 64], "seconds": [0.004, 0.010], "kv_bytes": [1, 4],
+                                          "prefix": {"new_tokens": 32, "tokens": [1024], "extra_seconds": [0.020]}},
+                              "decode": {"step_seconds": 0.002, "max_batch": 8}})
+    clock, steps = Clock(), []
+    p = Prefill(clock, "p0", "pd", "pd", prof, chunk_tokens=32, cache_tokens=0)
+    p.submit(32, steps.append, lambda: None, cached=1024)  # a next turn: 32 new tokens behind 1,024 cached
+    p.submit(32, steps.append, lambda: None)  # a fresh prompt of 32
+    clock.run(1.0)
+    assert steps == [pytest.approx(0.006 + 0.020), pytest.approx(0.006)]
+
+
+def test_a_trace_replays_exactly_its_conversations():
+    """Traffic.trace: each listed conversation arrives when listed with its length, its second turn exactly
+    think_s after the first finished (the whole conversation plus followup_tokens), and nothing else arrives."""
+    prof = flat(0.5, step_s=0.01)
+    dep = Deployment([InstanceSpec("p0", "pd", "pd", "prefill", prof), InstanceSpec("d0", "pd", "pd", "decode", prof)],
+                     LeastLoaded)
+    trace = ((1.0, 300, True), (2.5, 40, False), (90.0, 7, True))  # the last one arrives after the run's end
+    sim = Simulation(dep, Traffic(50.0, LogNormal(4.0, 1.0, 1, 1000), output_tokens=10, duration_s=60, turn_p=1.0,
+                                  think_s=3.0, followup_tokens=5, trace=trace))
+    res = sim.run()
+    got = sorted((r.arrival, r.turn, r.prompt) for r in sim.finished)
+    first = next(r for r in sim.finished if r.turn == 0 and r.prompt == 300)
+    assert [(t, p) for t, turn, p in got if turn == 0] == [(1.0, 300), (2.5, 40)]
+    assert [(turn, p) for _, turn, p in got if turn == 1] == [(1, 300 + 10 + 5)]
+    assert [t for t, turn, _ in got if turn == 1] == [pytest.approx(first.done + 3.0)]
+    assert res["requests"] == 3
 
 
 def test_the_live_policy_routes_by_the_threshold():
