@@ -10,7 +10,8 @@ llama, a shaped PrfaaS -> PD link), run live and simulated from profiles measure
    (the router's RPCs and the engine's scheduling around a step: the profiles measure the engine alone); then
    `--duration` seconds of prfaas_live's workload (Poisson conversations, truncated log-normal lengths / 64,
    16 output tokens, second turns) under the `prfaas` policy at a fixed threshold.
-3. Simulated: router/sim with the same policy class and settings, the profiles, that fixed cost and the link;
+3. Simulated: router/sim with the same policy class and settings, the engine's chunked prefill (chunk_size,
+   max_num_batched_tokens, max_prefill_seqs), the profiles, that fixed cost and the link;
    pd-p0 and pd-d0 share a core there as they do live (the profiles are measured alone). Twice:
    - replayed: the live run's own conversations (`Traffic.trace`: each one's arrival, first-turn length and
      whether its second turn came), so both serve the very same requests; the comparison the bar is on;
@@ -46,7 +47,7 @@ def _profile(cfg_path: str, instance: str, out: str, args) -> subprocess.Popen:
 def main(argv=None):
     from bench.prfaas_live import workload_args
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    workload_args(ap, rate=0.4, duration=180, warm_s=20)
+    workload_args(ap, rate=0.4, duration=360, warm_s=20)
     ap.add_argument("--lengths", default="16,32,64,128,256,512,1024,2048")
     ap.add_argument("--batches", default="1,2,4,8,16")
     ap.add_argument("--tpot-slo-ms", type=float, default=1000.0)
@@ -99,6 +100,7 @@ def main(argv=None):
                       InstanceSpec("pd-p0", "pd", "pd", "prefill", D), InstanceSpec("pd-d0", "pd", "pd", "decode", D)],
                      lambda: policy(args, "fixed"), link_gbps=args.bandwidth_gbps,
                      link_latency_s=args.latency_ms / 1e3, chunk_tokens=cfg["engine"]["max_num_batched_tokens"],
+                     chunk_size=cfg["engine"]["chunk_size"], max_prefill_seqs=cfg["engine"]["max_prefill_seqs"],
                      kv_bytes=D, dispatch_s=dispatch_s, shared_cores=(("pd-p0", "pd-d0"),))
     lengths = LogNormal(MU - math.log(args.scale), SIGMA, max(2, LO // args.scale), HI // args.scale)
     tr = Traffic(args.rate, lengths, 1024 // args.scale, duration_s=args.sim_s, turn_p=args.turns,

@@ -73,15 +73,32 @@ class PrefixCache:
             self.used -= n
 
 
+class _Job:
+    __slots__ = ("tokens", "on_start", "on_done", "fetch_s", "cached", "done")
+
+    def __init__(self, tokens, on_start, on_done, fetch_s, cached):
+        self.tokens, self.on_start, self.on_done, self.fetch_s, self.cached = tokens, on_start, on_done, fetch_s, cached
+        self.done = 0  # tokens computed so far (chunked prefill)
+
+
 class Prefill:
+    """A prefill queue served in steps. chunk_size None: whole prompts, as many as fit in chunk_tokens (one
+    at least). chunk_size set: the live scheduler's chunked prefill (engine/scheduler.py): each step takes up to
+    chunk_size tokens of each queued request, partly prefilled ones first, at most max_seqs requests and
+    chunk_tokens tokens in all; a request's first token comes at the end of the step with its last chunk. A
+    step of chunks k_i, each after d_i tokens already computed, takes F(sum k_i) + sum (F(d_i + k_i) - F(d_i) -
+    F(k_i)) for the d_i > 0, F the profile's prefill time: the batch's tokens as one prompt, plus what a
+    continued chunk's attention over its request's earlier tokens adds (the chunks of one prompt alone sum to
+    F of the whole prompt)."""
     BUCKET_S = 10.0
 
     def __init__(self, clock: Clock, name: str, cluster: str, kind: str, profile, chunk_tokens: int,
-                 cache_tokens: int):
+                 cache_tokens: int, chunk_size: int | None = None, max_seqs: int | None = None):
         self.clock, self.name, self.cluster, self.kind, self.profile = clock, name, cluster, kind, profile
-        self.chunk_tokens = chunk_tokens
+        self.chunk_tokens, self.chunk_size, self.max_seqs = chunk_tokens, chunk_size, max_seqs
         self.cache = PrefixCache(cache_tokens)
-        self.queue: deque = deque()  # (tokens, on_start, on_done, fetch_s, cached tokens)
+        self.queue: deque = deque()  # _Job, waiting, in arrival order
+        self.partial: list = []  # _Job, started and not finished (chunked prefill)
         self.queued_tokens = 0
         self.busy = False
         self.inflight = 0  # placed here and not finished (the router's count)
@@ -101,24 +118,45 @@ class Prefill:
         profile's prefix_seconds: attention over it); fetch_s: time to load this request's cached prefix from
         the global KV store, overlapped with the step's compute layer by layer (BanaServe's three-stage
         pipeline): a step takes max(compute, fetch) plus one layer's share of the fetch."""
-        self.queue.append((max(1, tokens), on_start, on_done, fetch_s, cached))
+        self.queue.append(_Job(max(1, tokens), on_start, on_done, fetch_s, cached))
         self.queued_tokens += max(1, tokens)
         if not self.busy:
             self._step()
 
+    def _plan(self) -> list:
+        """This step's [(job, tokens)] (see the class docstring)."""
+        if self.chunk_size is None:
+            first = self.queue.popleft()
+            batch, total = [(first, first.tokens)], first.tokens
+            while self.queue and total + self.queue[0].tokens <= self.chunk_tokens:
+                batch.append((self.queue[0], self.queue[0].tokens))
+                total += self.queue.popleft().tokens
+            return batch
+        batch, budget = [], self.chunk_tokens
+        while budget > 0 and not (self.max_seqs and len(batch) >= self.max_seqs):
+            if len(batch) < len(self.partial):
+                j = self.partial[len(batch)]
+            elif self.queue:
+                j = self.queue.popleft()
+                self.partial.append(j)
+            else:
+                break
+            k = min(j.tokens - j.done, self.chunk_size, budget)
+            batch.append((j, k))
+            budget -= k
+        return batch
+
     def _step(self) -> None:
-        if not self.queue:
+        if not self.queue and not self.partial:
             self.busy = False
             return
         self.busy = True
-        batch = [self.queue.popleft()]
-        total = batch[0][0]
-        while self.queue and total + self.queue[0][0] <= self.chunk_tokens:
-            batch.append(self.queue.popleft())
-            total += batch[-1][0]
-        fetch = sum(b[3] for b in batch)
-        dt = self.profile.prefill_seconds(total) + sum(self.profile.prefix_seconds(b[4]) for b in batch)
+        batch = self._plan()
+        F, total = self.profile.prefill_seconds, sum(k for _, k in batch)
+        dt = F(total) + sum(max(0.0, F(j.done + k) - F(j.done) - F(k)) for j, k in batch if j.done)
+        dt += sum(self.profile.prefix_seconds(j.cached) * k / j.tokens for j, k in batch)
         dt *= 1 + sum(p.computing for p in self.peers)
+        fetch = sum(j.fetch_s for j, _ in batch if not j.done)
         dt = max(dt, fetch) + fetch / max(1, self.layers)
         for p in self.peers:
             p.shared(dt)
@@ -131,8 +169,9 @@ class Prefill:
                 nxt = min(end, (k + 1) * self.BUCKET_S)
                 self.busy_by[k] = self.busy_by.get(k, 0.0) + nxt - t
                 t = nxt
-        for n, on_start, *_ in batch:
-            on_start(dt)
+        for j, _ in batch:
+            if not j.done:
+                j.on_start(dt)
         self.busy_s += dt
         self.tokens_done += total
         self.clock.after(dt, self._done, batch)
@@ -145,22 +184,26 @@ class Prefill:
         """A peer on its core computes for dt (its steps already count this one's): nothing to do here."""
 
     def _done(self, batch) -> None:
-        for n, _, on_done, *_ in batch:
-            self.queued_tokens -= n  # as the live router counts them: until the prefill has ended
-            on_done()
+        for j, k in batch:
+            j.done += k
+            if j.done >= j.tokens:
+                if self.chunk_size is not None:
+                    self.partial.remove(j)
+                self.queued_tokens -= j.tokens  # as the live router counts them: until the prefill has ended
+                j.on_done()
         self._step()
 
 
 class Decode:
     def __init__(self, clock: Clock, name: str, cluster: str, kind: str, profile, cache_tokens: int,
-                 chunk_tokens: int = 8192):
+                 chunk_tokens: int = 8192, chunk_size: int | None = None, max_seqs: int | None = None):
         self.clock, self.name, self.cluster, self.kind, self.profile = clock, name, cluster, kind, profile
         self.slots, self.step_s = int(profile.max_batch), profile.step_seconds
         self.cache = PrefixCache(cache_tokens)
         self.active = 0
         self.queue: deque = deque()  # (output_tokens, on_done)
         self.inflight = 0
-        self.local = Prefill(clock, name, cluster, kind, profile, chunk_tokens, 0)  # its own prefills
+        self.local = Prefill(clock, name, cluster, kind, profile, chunk_tokens, 0, chunk_size, max_seqs)  # its own
         self.local.on_step = self._stall
         self._stalled = 0.0  # seconds of stalls that have ended, or begun (counted up to stall_end)
         self._stall_end = 0.0

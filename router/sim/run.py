@@ -62,7 +62,9 @@ class Deployment:
     link_latency_s: float = 0.005
     link_fluctuation: float = 0.0  # relative standard deviation of each transfer's rate
     link_schedule: tuple = ()  # ((time_s, gbps), ...): the link's bandwidth changes at these times
-    chunk_tokens: int = 8192
+    chunk_tokens: int = 8192  # prefill tokens per step
+    chunk_size: int | None = None  # prefill tokens per request per step (None: whole prompts; models.Prefill)
+    max_prefill_seqs: int | None = None  # requests per chunked prefill step (None: no limit)
     cache_tokens: int = 1 << 22  # prefix cache per instance
     kv_bytes: object = None  # Profile whose S_kv gives the KV bytes (default: the first instance's)
     dispatch_s: float = 0.0  # the serving path's fixed cost per request (router, RPCs), added to every TTFT
@@ -114,10 +116,10 @@ class _Cell:
         self.replanner = replan() if replan is not None else None
         self.draining: set[str] = set()
         self.flips: list[dict] = []
-        self.prefills = {s.name: Prefill(clock, s.name, s.cluster, s.kind, s.profile, dep.chunk_tokens,
-                                         dep.cache_tokens) for s in dep.instances if s.role == "prefill"}
-        self.decodes = {s.name: Decode(clock, s.name, s.cluster, s.kind, s.profile, dep.cache_tokens,
-                                       dep.chunk_tokens) for s in dep.instances if s.role == "decode"}
+        self.prefills = {s.name: self._prefill(s.name, s.cluster, s.kind, s.profile)
+                         for s in dep.instances if s.role == "prefill"}
+        self.decodes = {s.name: self._decode(s.name, s.cluster, s.kind, s.profile)
+                        for s in dep.instances if s.role == "decode"}
         self.store = PrefixCache(dep.store_tokens) if dep.store_tokens else None
         self._wire()
         self.actions: list[dict] = []  # a policy's control actions (flowkv)
@@ -130,6 +132,16 @@ class _Cell:
                                                   dep.link_fluctuation, rng)
         self.kv_profile = dep.kv_bytes or dep.instances[0].profile
         self.kv_per_token = self.kv_profile.kv_bytes_at(8192) / 8192  # what the live router measures per token
+
+    def _prefill(self, name, cluster, kind, profile) -> Prefill:
+        d = self.dep
+        return Prefill(self.clock, name, cluster, kind, profile, d.chunk_tokens, d.cache_tokens, d.chunk_size,
+                       d.max_prefill_seqs)
+
+    def _decode(self, name, cluster, kind, profile) -> Decode:
+        d = self.dep
+        return Decode(self.clock, name, cluster, kind, profile, d.cache_tokens, d.chunk_tokens, d.chunk_size,
+                      d.max_prefill_seqs)
 
     def _wire(self) -> None:
         """Processor sharing: each prefill instance's peers on its core (Deployment.shared_cores)."""
@@ -217,11 +229,9 @@ class _Cell:
     def _switch(self, name: str, role: str) -> None:
         old = self.prefills.pop(name, None) or self.decodes.pop(name)
         if role == "decode":
-            self.decodes[name] = Decode(self.clock, name, old.cluster, old.kind, old.profile, self.dep.cache_tokens,
-                                        self.dep.chunk_tokens)
+            self.decodes[name] = self._decode(name, old.cluster, old.kind, old.profile)
         else:
-            self.prefills[name] = Prefill(self.clock, name, old.cluster, old.kind, old.profile,
-                                          self.dep.chunk_tokens, self.dep.cache_tokens)
+            self.prefills[name] = self._prefill(name, old.cluster, old.kind, old.profile)
         self.draining.discard(name)
         self._wire()
 

@@ -61,6 +61,27 @@ def test_a_prefill_behind_a_cached_prefix_takes_the_profiles_extra():
     assert steps == [pytest.approx(0.006 + 0.020), pytest.approx(0.006)]
 
 
+def test_chunked_prefill_lets_a_short_prompt_pass_a_long_one():
+    """chunk_size 256, 512 tokens a step: a 1,024-token prompt runs as four chunks whose times sum to its whole
+    prefill; a 64-token prompt arriving during its first chunk rides in the second step instead of waiting for
+    the whole of it (as it does with whole prompts)."""
+    F = {256: 0.010, 320: 0.013, 512: 0.024, 768: 0.040, 1024: 0.060}  # convex: attention grows with length
+    prof = Profile.from_json({"prefill": {"tokens": [64] + list(F), "seconds": [0.003] + list(F.values()),
+                                          "kv_bytes": [1] * 6}, "decode": {"step_seconds": 0.002, "max_batch": 8}})
+    ends = {}
+    for chunk in (None, 256):
+        clock, done = Clock(), {}
+        p = Prefill(clock, "p0", "pd", "pd", prof, chunk_tokens=512, cache_tokens=0, chunk_size=chunk, max_seqs=4)
+        p.submit(1024, lambda dt: None, lambda: done.setdefault("long", clock.now))
+        clock.at(0.001, p.submit, 64, lambda dt: None, lambda: done.setdefault("short", clock.now))
+        clock.run(1.0)
+        ends[chunk] = done
+    assert ends[None] == {"long": pytest.approx(0.060), "short": pytest.approx(0.063)}
+    # steps: [long 0-256] 10 ms; [long 256-512, short 64]: F(320) + F(512) - F(256) - F(256) = 17 ms;
+    # [long 512-768] F(768) - F(512) = 16 ms; [long 768-1024] 20 ms: the long prompt ends 3 ms later than alone
+    assert ends[256] == {"short": pytest.approx(0.027), "long": pytest.approx(0.063)}
+
+
 def test_a_trace_replays_exactly_its_conversations():
     """Traffic.trace: each listed conversation arrives when listed with its length, its second turn exactly
     think_s after the first finished (the whole conversation plus followup_tokens), and nothing else arrives."""
