@@ -108,7 +108,8 @@ async def workload(cluster, args, seed: int, duration: float, on_tick=None, salt
         r = u.route or {}
         records.append({"t": arrival, "ok": True, "ttft_s": u.ttft_s, "tt2t_s": second[0] if second else None,
                         "e2e_s": time.monotonic() - t0 - arrival,
-                        "conv": conv, "turn": turn, "len": len(prompt), "cached": u.cached_tokens, "route": r.get("route"),
+                        "conv": conv, "turn": turn, "len": len(prompt), "cached": u.cached_tokens,
+                        "route": r.get("route"),
                         "kv_bytes": r.get("kv_bytes_transferred", 0), "tokens": len(u.token_ids)})
         return u.token_ids
 

@@ -117,7 +117,8 @@ def main(argv=None):
 
     def ratios(s):
         return {"throughput": s["throughput_rps"] / live["throughput_rps"],
-                "ttft_p50": s["ttft_s"]["p50"] / live["ttft_p50_s"], "ttft_p90": s["ttft_s"]["p90"] / live["ttft_p90_s"]}
+                "ttft_p50": s["ttft_s"]["p50"] / live["ttft_p50_s"],
+                "ttft_p90": s["ttft_s"]["p90"] / live["ttft_p90_s"]}
     ratio = ratios(sim)
     long_share = {"live": live["routes"].get("prfaas", 0) / max(1, sum(live["routes"].values())),
                   "drawn": sims["drawn"]["routes"].get("prfaas", 0) / max(1, sum(sims["drawn"]["routes"].values()))}
