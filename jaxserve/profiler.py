@@ -41,8 +41,8 @@ def _sizes(given: list[int] | None, hi: int, start: int, what: str, limit: str) 
     return out + [hi]
 
 
-def _run(llm, prompts: list[list[int]], params, tag: str) -> float:
-    """Queue `prompts`, step until all finish, forget them -> wall seconds."""
+def _run(llm, prompts: list[list[int]], params, tag: str) -> tuple[float, list]:
+    """Queue `prompts`, step until all finish, forget them -> (wall seconds, their sequences)."""
     t0 = time.perf_counter()
     seqs = [s for i, p in enumerate(prompts) for s in llm.add_request(f"{tag}-{i}", p, params)]
     while llm.has_work:
@@ -50,7 +50,7 @@ def _run(llm, prompts: list[list[int]], params, tag: str) -> float:
     dt = time.perf_counter() - t0
     for s in seqs:
         llm.release(s)
-    return dt
+    return dt, seqs
 
 
 def _decode_step(llm, B: int, prompt_len: int, steps: int, rng, tag: str) -> float:
@@ -87,7 +87,7 @@ def _prefix(llm, Ls: list[int], new: int, reps: int, one, rng, progress: bool) -
     cs = [c for c in Ls if c % bs == 0 and c + new < llm.max_model_len]
     if not llm.cfg.prefix_caching or not cs:
         return None
-    fresh = statistics.median([_run(llm, [rng.integers(3, vocab, new).tolist()], one, f"f{r}")
+    fresh = statistics.median([_run(llm, [rng.integers(3, vocab, new).tolist()], one, f"f{r}")[0]
                                for r in range(reps + 1)][1:])
     extra = []
     for c in tqdm(cs, desc="cached prefixes", unit="length", disable=not progress):
@@ -95,12 +95,8 @@ def _prefix(llm, Ls: list[int], new: int, reps: int, one, rng, progress: bool) -
         for r in range(reps + 1):
             head = rng.integers(3, vocab, c).tolist()
             _run(llm, [head], one, f"c{c}-{r}-head")  # its blocks stay cached once released
-            t0 = time.perf_counter()
-            (seq,) = llm.add_request(f"c{c}-{r}", head + rng.integers(3, vocab, new).tolist(), one)
-            while llm.has_work:
-                llm.step()
-            times.append(time.perf_counter() - t0)
-            llm.release(seq)
+            dt, (seq,) = _run(llm, [head + rng.integers(3, vocab, new).tolist()], one, f"c{c}-{r}")
+            times.append(dt)
             if seq.num_cached != c:  # the model cannot reuse this prefix (no state snapshot there): not measured
                 return None
         extra.append(max(0.0, statistics.median(times[1:]) - fresh))
@@ -137,7 +133,7 @@ def profile(cfg, instance: str, lengths: list[int] | None = None, batches: list[
     seconds, kv = [], []
     itemsize = jnp.dtype(llm.dtype).itemsize
     for n in tqdm(Ls, desc="prefill lengths", unit="length", disable=not progress):
-        times = [_run(llm, [rng.integers(3, vocab, n).tolist()], one, f"p{n}-{r}") for r in range(reps + 1)][1:]
+        times = [_run(llm, [rng.integers(3, vocab, n).tolist()], one, f"p{n}-{r}")[0] for r in range(reps + 1)][1:]
         seconds.append(statistics.median(times))
         kv.append(llm.cache_spec.transfer_bytes(n, llm.cfg.block_size, itemsize))
     prefix = _prefix(llm, Ls, prefix_new_tokens, reps, one, rng, progress)

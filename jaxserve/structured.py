@@ -13,13 +13,15 @@ A Guide follows its sequence's output tokens: `fill` writes the tokens allowed n
 [rows, ceil(V / 32)] int32 bitmask (bit t of word t // 32: token t), `advance` consumes the token sampled,
 `done` says the grammar accepts nothing further (the sequence ends, "stop"). A sequence resumed elsewhere (the
 decode instance of a disaggregated request, a request placed again) rebuilds its guide from the tokens so far.
-Concurrency: the engine thread only (and the request path's validation, which compiles nothing it keeps).
+Concurrency: guides on the engine thread only; `Grammars.check` also on the server's request threads (its cache
+under a lock; the request path compiles no matcher).
 """
 
 from __future__ import annotations
 
 import collections
 import json
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -109,8 +111,9 @@ class Grammars:
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: list[int]):
         self._json, self.V, self.eos = tokenizer_json, vocab_size, list(eos_ids)
         self._tok = None
-        self._cache: collections.OrderedDict[Guided, object] = collections.OrderedDict()
-        self._checked: collections.OrderedDict[Guided, str] = collections.OrderedDict()  # constraint -> grammar
+        # constraint -> [its validated grammar, its compiled matcher once a guide needed one]; an LRU
+        self._cache: collections.OrderedDict[Guided, list] = collections.OrderedDict()
+        self._lock = threading.Lock()  # the server checks on its request threads
         self.compiled = 0  # grammars compiled (cache misses)
 
     @property
@@ -120,13 +123,23 @@ class Grammars:
             self._tok = LLTokenizer(self._json, n_vocab=self.V, eos_token=self.eos or None)
         return self._tok
 
-    def check(self, g: Guided) -> str:
-        """The constraint's grammar, validated -> the grammar; GuidedError naming g.param when it is none. A
-        constraint that passed is remembered (an LRU of MAX_GRAMMARS): repeated requests are not checked again."""
+    def _entry(self, g: Guided) -> list:
+        """g's cache entry (validated on first use; at most MAX_GRAMMARS kept, the least recently used dropped)."""
+        with self._lock:
+            entry = self._cache.get(g)
+            if entry is not None:
+                self._cache.move_to_end(g)
+                return entry
+        entry = [self._validate(g), None]  # outside the lock: a slow check holds up no other request
+        with self._lock:
+            entry = self._cache.setdefault(g, entry)
+            self._cache.move_to_end(g)
+            if len(self._cache) > MAX_GRAMMARS:
+                self._cache.popitem(last=False)
+        return entry
+
+    def _validate(self, g: Guided) -> str:
         from llguidance import LLMatcher
-        if g in self._checked:
-            self._checked.move_to_end(g)
-            return self._checked[g]
         try:
             grammar = g.grammar()
         except GuidedError:
@@ -136,24 +149,24 @@ class Grammars:
         is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if is_error:
             raise GuidedError(f"invalid {g.kind}: {messages[0] if messages else 'rejected'}", g.param)
-        self._checked[g] = grammar
-        if len(self._checked) > MAX_GRAMMARS:
-            self._checked.popitem(last=False)
         return grammar
+
+    def check(self, g: Guided) -> str:
+        """The constraint's grammar, validated -> the grammar; GuidedError naming g.param when it is none. A
+        constraint that passed is remembered: repeated requests are not checked again."""
+        return self._entry(g)[0]
 
     def guide(self, g: Guided, tokens: list[int] = ()) -> Guide:
         """A fresh guide for g, having consumed `tokens` (a resumed sequence's output so far)."""
         from llguidance import LLMatcher
-        template = self._cache.get(g)
-        if template is None:
-            template = LLMatcher(self.tokenizer, self.check(g), log_level=0)
+        entry = self._entry(g)
+        if entry[1] is None:
+            template = LLMatcher(self.tokenizer, entry[0], log_level=0)
             if template.is_error():
                 raise GuidedError(f"invalid {g.kind}: {template.get_error()}", g.param)
             self.compiled += 1
-            self._cache[g] = template
-            if len(self._cache) > MAX_GRAMMARS:
-                self._cache.popitem(last=False)
-        self._cache.move_to_end(g)
+            entry[1] = template
+        template = entry[1]
         guide = Guide(template.deep_copy())
         for t in tokens:
             guide.advance(t)

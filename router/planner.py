@@ -56,6 +56,17 @@ def _series(d: dict, key: str, where: str) -> tuple[float, ...]:
     return out
 
 
+def _curve(d: dict, keys: tuple[str, ...], where: str) -> tuple[tuple[float, ...], ...]:
+    """The series `keys` of d, of one length, the first increasing (a PlanError naming the field if not)."""
+    cols = tuple(_series(d, k, where) for k in keys)
+    if len({len(c) for c in cols}) > 1:
+        raise PlanError(f"{where}: {', '.join(keys[:-1])} and {keys[-1]} differ in length "
+                        f"({', '.join(str(len(c)) for c in cols)})")
+    if any(b <= a for a, b in zip(cols[0], cols[0][1:])):
+        raise PlanError(f"{where}.{keys[0]} must increase, got {list(cols[0])}")
+    return cols
+
+
 def _linear(xs: tuple[float, ...], ys: tuple[float, ...], x: float) -> float:
     """Piecewise-linear in x through (xs, ys) (xs increasing), extrapolated from the nearest two points."""
     if len(xs) == 1:
@@ -91,24 +102,15 @@ class Profile:
         if not isinstance(dec, dict):
             raise PlanError(f"{where}.decode must be an object with step_seconds, max_batch")
         w = f"{where}.prefill"
-        tokens, seconds, kv = (_series(pre, k, w) for k in ("tokens", "seconds", "kv_bytes"))
-        if not len(tokens) == len(seconds) == len(kv):
-            raise PlanError(f"{w}: tokens, seconds and kv_bytes differ in length ({len(tokens)}, {len(seconds)}, "
-                            f"{len(kv)})")
-        if any(b <= a for a, b in zip(tokens, tokens[1:])):
-            raise PlanError(f"{w}.tokens must increase, got {list(tokens)}")
+        tokens, seconds, kv = _curve(pre, ("tokens", "seconds", "kv_bytes"), w)
         prefix = pre.get("prefix")
         ptoks, extra, new = (), (), 0.0
         if prefix is not None:
             wp = f"{w}.prefix"
             if not isinstance(prefix, dict):
                 raise PlanError(f"{wp} must be an object with new_tokens, tokens, extra_seconds")
-            ptoks, extra = _series(prefix, "tokens", wp), _series(prefix, "extra_seconds", wp)
+            ptoks, extra = _curve(prefix, ("tokens", "extra_seconds"), wp)
             new = _num(prefix, "new_tokens", wp)
-            if len(ptoks) != len(extra):
-                raise PlanError(f"{wp}: tokens and extra_seconds differ in length ({len(ptoks)}, {len(extra)})")
-            if any(b <= a for a, b in zip(ptoks, ptoks[1:])):
-                raise PlanError(f"{wp}.tokens must increase, got {list(ptoks)}")
         return cls(tokens, seconds, kv, _num(dec, "step_seconds", f"{where}.decode"),
                    _num(dec, "max_batch", f"{where}.decode"), ptoks, extra, new)
 

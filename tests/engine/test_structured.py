@@ -166,6 +166,7 @@ def test_the_grammar_engine_on_smollm2s_tokenizer(llm):
     spec = Guided("choice", json.dumps(["yes", "no"]))
     a, b = g.guide(spec), g.guide(spec)
     assert g.compiled == 1
+    assert g.check(spec) is g.check(spec) and spec.grammar() is not spec.grammar()  # remembered, not re-built
     row = np.zeros(words(g.V), np.int32)
     a.fill(row)
     ok = np.nonzero(np.asarray(unpack(jnp.asarray(row[None]), g.V))[0])[0]
