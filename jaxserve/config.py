@@ -32,7 +32,10 @@ class EngineSection(_Strict):
     max_num_seqs: int | None = Field(None, ge=1, description="concurrent requests (default: as many as the "
                                      "cache holds at 256 tokens each, 8 to 256)")
     max_num_batched_tokens: int = Field(512, ge=1)
-    chunk_size: int = Field(256, ge=1)
+    chunk_size: int | None = Field(None, ge=1, description="prefill tokens per request per step, a multiple of "
+                                   "block_size (default: max_num_batched_tokens where the model prefills over the "
+                                   "paged cache in one packed program, every full-attention GQA model on the "
+                                   "native CPU kernels; 256 otherwise)")
     max_prefill_seqs: int = Field(4, ge=1)
     max_model_len: int | None = Field(None, ge=1)
     prefix_caching: bool = True
@@ -48,7 +51,7 @@ class EngineSection(_Strict):
 
     @model_validator(mode="after")
     def _chunk(self):
-        if self.chunk_size % self.block_size:
+        if self.chunk_size is not None and self.chunk_size % self.block_size:
             raise ValueError(f"chunk_size ({self.chunk_size}) must be a multiple of block_size ({self.block_size})")
         return self
 

@@ -68,13 +68,25 @@ def default_max_num_seqs(num_blocks: int, block_size: int) -> int:
     return max(8, min(256, num_blocks * block_size // SLOT_TOKENS))
 
 
+DENSE_CHUNK = 256  # the default chunk of a model that prefills in dense [B, T] programs
+
+
+def default_chunk_size(paged_prefill: bool, max_num_batched_tokens: int, block_size: int) -> int:
+    """Prefill tokens per request per step when not configured, a multiple of block_size. A model that prefills
+    over the pool in one packed program (runner.paged_prefill) takes the step's whole budget: a prompt that fits
+    is prefilled in one step, as vLLM's scheduler does (each extra chunk costs a step: its weight reads and, on
+    a colocated instance, one more stall of the running requests' decoding). Dense [B, T] prefill programs keep
+    DENSE_CHUNK: their shapes, and warm-up's programs, grow with the chunk."""
+    return max(block_size, (max_num_batched_tokens if paged_prefill else DENSE_CHUNK) // block_size * block_size)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     block_size: int = 16
     num_blocks: int = 512
     max_num_seqs: int | None = None  # default: sized from the cache (default_max_num_seqs)
     max_num_batched_tokens: int = 512
-    chunk_size: int = 256
+    chunk_size: int | None = None  # default: sized from the model and budget (default_chunk_size)
     max_prefill_seqs: int = 4
     max_waiting: int = 256
     max_model_len: int | None = None  # default: the model's context, capped by the pool
@@ -135,10 +147,6 @@ class LLMEngine:
         self.snapshot_base = cfg.max_num_seqs
         self.cache_events = CacheEvents()  # what the router's global KV index follows (cache/events.py)
         self.blocks = BlockManager(cfg.num_blocks, bs, cfg.num_snapshots, cfg.prefix_caching, self.cache_events)
-        self.scheduler = Scheduler(SchedulerConfig(
-            cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.chunk_size, cfg.max_prefill_seqs, cfg.max_waiting, bs,
-            self.layout.has_request_state), self.blocks)
-        self.timer = StepTimer()  # where each step's time goes (bench/offline.py)
         # the reference and the native paged attention take a traced layer index: then runs of identical layers
         # run as one lax.scan (models/stack.py; a Pallas paged kernel takes its layer as a static index); the
         # reference gathers a ragged list of the batch's blocks (its count bucketed: `ragged`)
@@ -148,6 +156,13 @@ class LLMEngine:
         # full GQA attention prefills over the pool in one packed program per step (runner.paged_prefill)
         paged_prefill = (mode_of("paged_prefill_attention", self.kernels) == "native"
                          and not self.layout.has_request_state and not any(g.mla for g in self.layout.groups))
+        if cfg.chunk_size is None:
+            self.cfg = cfg = dataclasses.replace(cfg, chunk_size=default_chunk_size(
+                paged_prefill, cfg.max_num_batched_tokens, bs))
+        self.scheduler = Scheduler(SchedulerConfig(
+            cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.chunk_size, cfg.max_prefill_seqs, cfg.max_waiting, bs,
+            self.layout.has_request_state), self.blocks)
+        self.timer = StepTimer()  # where each step's time goes (bench/offline.py)
         self.runner = ModelRunner(self.graphdef, state, self.layout, self.model_config.vocab_size, self.dtype,
                                   num_slots=cfg.max_num_seqs, max_prefill_seqs=cfg.max_prefill_seqs,
                                   chunk_size=cfg.chunk_size, max_blocks_per_seq=-(-self.max_model_len // bs),

@@ -262,6 +262,24 @@ def test_a_varied_workload_compiles_nothing_after_warmup(engines, kernels):
         assert len(warmed) < 20  # 2 decode + 4 token-bucket prefill programs, their samplers, not widths x buckets
 
 
+@pytest.mark.parametrize("kernels", ["reference", "native"])
+def test_the_default_chunk_is_the_step_budget_where_prefill_is_paged(engines, kernels):
+    """chunk_size unset: where a step prefills in one packed program over the pool (the native kernels), a
+    request's chunk is the step's whole token budget, so a prompt within it is prefilled in one step; dense
+    [B, T] prefill programs keep DENSE_CHUNK (a multiple of the block size). Answers stay the dense path's."""
+    from jaxserve.engine.llm_engine import DENSE_CHUNK
+    llm = engines("llama", dataclasses.replace(ENGINE, chunk_size=None, max_num_batched_tokens=26, num_blocks=96,
+                                              max_model_len=80, kernels=kernels))
+    eng = llm.engine
+    want = 24 if kernels == "native" else DENSE_CHUNK  # the budget (26) down to a whole block
+    assert eng.cfg.chunk_size == eng.scheduler.cfg.chunk_size == eng.runner.chunk_size == want
+    prompt = np.random.default_rng(3).integers(1, 100, 23).tolist()
+    eng.timer.reset()
+    out, = llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert out.token_ids == reference_greedy(llm, prompt, 3)
+    assert eng.timer.summary()["prefill"]["count"] == 1
+
+
 def test_layerwise_warmup_covers_a_streamed_prompts_chunks(engines):
     """A layer-wise prefill instance runs a streamed prompt's chunks before the last whole and its last chunk
     layer group by layer group (the groups of other requests in the step stay whole): warm-up with the stages
