@@ -393,12 +393,14 @@ class ModelRunner:
 
     def decode_batch(self, n: int) -> int:
         """Rows of the decode program for n running requests: SMALL_DECODE_ROWS for a few (a light load's
-        steps), else a power of two from max(16, num_slots / 4), at most num_slots: at most four buckets, each
-        compiled at warm-up for every table width. (SmolLM2 on 2 CPU cores, 3 requests decoding: 70 ms a step
-        in 16 rows, 52 ms in 4.)"""
+        steps), else a power of two, at most num_slots. With full tables (one decode program per row bucket)
+        every power of two from SMALL_DECODE_ROWS; otherwise from max(16, num_slots / 4): at most four buckets,
+        each compiled at warm-up for every table width. (SmolLM2 on 2 CPU cores: 3 requests decoding, 70 ms a
+        step in 16 rows, 52 ms in 4; padding rows cost their share of the matrix products there.)"""
         if n <= SMALL_DECODE_ROWS:
             return min(SMALL_DECODE_ROWS, self.num_slots)
-        return pow2_bucket(n, min(max(16, self.num_slots // 4), self.num_slots), self.num_slots)
+        lo = SMALL_DECODE_ROWS * 2 if self.full_tables else max(16, self.num_slots // 4)
+        return pow2_bucket(n, min(lo, self.num_slots), self.num_slots)
 
     def generate(self, rows: list[DecodeRow], remote=None,
                  masks=None) -> list[tuple[int, float, list[tuple[int, float]]]]:

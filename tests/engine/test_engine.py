@@ -262,14 +262,32 @@ def test_a_varied_workload_compiles_nothing_after_warmup(engines, kernels):
         assert len(warmed) < 20  # 2 decode + 4 token-bucket prefill programs, their samplers, not widths x buckets
 
 
+def paged_defaults(kernels):
+    return dataclasses.replace(ENGINE, chunk_size=None, max_num_batched_tokens=26, num_blocks=96, max_model_len=80,
+                               max_num_seqs=32, kernels=kernels)
+
+
+@pytest.mark.parametrize("kernels", ["reference", "native"])
+def test_decode_row_buckets_double_from_four_where_tables_are_full(engines, kernels):
+    """With full tables (native kernels: one decode program per row bucket) every power of two from 4 is a
+    bucket, so 5 requests decode in 8 rows, not 16; otherwise (a program per bucket and table width) at most
+    four buckets, the first after 4 at max(16, num_slots / 4)."""
+    runner = engines("llama", paged_defaults(kernels)).engine.runner
+    got = {n: runner.decode_batch(n) for n in range(1, 33)}
+    assert got[1] == got[4] == 4 and got[32] == 32
+    if kernels == "native":
+        assert got[5] == got[8] == 8 and got[9] == 16 and set(got.values()) == {4, 8, 16, 32}
+    else:
+        assert got[5] == got[16] == 16 and set(got.values()) == {4, 16, 32}
+
+
 @pytest.mark.parametrize("kernels", ["reference", "native"])
 def test_the_default_chunk_is_the_step_budget_where_prefill_is_paged(engines, kernels):
     """chunk_size unset: where a step prefills in one packed program over the pool (the native kernels), a
     request's chunk is the step's whole token budget, so a prompt within it is prefilled in one step; dense
     [B, T] prefill programs keep DENSE_CHUNK (a multiple of the block size). Answers stay the dense path's."""
     from jaxserve.engine.llm_engine import DENSE_CHUNK
-    llm = engines("llama", dataclasses.replace(ENGINE, chunk_size=None, max_num_batched_tokens=26, num_blocks=96,
-                                              max_model_len=80, kernels=kernels))
+    llm = engines("llama", paged_defaults(kernels))
     eng = llm.engine
     want = 24 if kernels == "native" else DENSE_CHUNK  # the budget (26) down to a whole block
     assert eng.cfg.chunk_size == eng.scheduler.cfg.chunk_size == eng.runner.chunk_size == want
