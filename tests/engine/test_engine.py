@@ -298,14 +298,19 @@ def test_the_default_chunk_is_the_step_budget_where_prefill_is_paged(engines, ke
     assert eng.timer.summary()["prefill"]["count"] == 1
 
 
-def test_layerwise_warmup_covers_a_streamed_prompts_chunks(engines):
+@pytest.mark.parametrize("chunk", [8, None])
+def test_layerwise_warmup_covers_a_streamed_prompts_chunks(engines, chunk):
     """A layer-wise prefill instance runs a streamed prompt's chunks before the last whole and its last chunk
     layer group by layer group (the groups of other requests in the step stay whole): warm-up with the stages
-    compiles both for prompts of at least stage_min_tokens, and the staged result is the dense path's."""
+    compiles both for prompts of at least stage_min_tokens, and the staged result is the dense path's. Also with
+    the default chunk (the step budget, 16)."""
     from jaxserve.engine.runner import PrefillRow
     from transfer.plan import layer_groups
-    llm = engines("llama", dataclasses.replace(ENGINE, max_model_len=80, num_blocks=96, prefix_caching=False))
+    llm = engines("llama", dataclasses.replace(ENGINE, max_model_len=80, num_blocks=96, prefix_caching=False,
+                                              chunk_size=chunk))
     runner = llm.engine.runner
+    C = runner.chunk_size
+    assert C == (chunk or ENGINE.max_num_batched_tokens)
     stages = layer_groups(runner.layout.num_layers, 1)
     runner.warmup(progress=False, stages=stages, decode=False, stage_min_tokens=24)
     warmed, runner.programs = set(runner.programs), set()
@@ -313,8 +318,8 @@ def test_layerwise_warmup_covers_a_streamed_prompts_chunks(engines):
     for n in (26, 41, 77):
         prompt = [int(t) for t in np.random.default_rng(n).integers(1, 100, n)]
         blocks = list(range(1, -(-n // ENGINE.block_size) + 1))
-        for start in range(0, n, ENGINE.chunk_size):
-            end = min(start + ENGINE.chunk_size, n)
+        for start in range(0, n, C):
+            end = min(start + C, n)
             row = PrefillRow(f"r{n}", prompt[start:end], start, blocks, 0, 0, None, end == n, params, 0,
                              prompt if end == n else None)
             out, = runner.prefill([row], stages if end == n else None, None, {f"r{n}"})
