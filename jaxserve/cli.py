@@ -81,7 +81,9 @@ def profile(config: str = typer.Option(None, "--config", "-c", help="cluster YAM
                                                    "max_model_len)"),
             batches: str = typer.Option(None, help="decode batch sizes (default 1, 2, 4, ... max_num_seqs)"),
             tpot_slo_ms: float = typer.Option(100.0, "--tpot-slo-ms", help="the decode step SLO for max_batch"),
-            reps: int = typer.Option(3, help="timed prefills per length (median)"),
+            reps: int = typer.Option(3, help="timed prefills per length (median), at least"),
+            min_seconds: float = typer.Option(0.5, "--min-seconds", help="more timed prefills of a length until "
+                                              "they add up to this many seconds (short prompts: many runs)"),
             decode_steps: int = typer.Option(16, "--decode-steps", help="timed decode steps per batch size"),
             prefix_new_tokens: int = typer.Option(32, "--prefix-new-tokens",
                                                   help="new tokens behind each cached prefix timed")):
@@ -91,7 +93,7 @@ def profile(config: str = typer.Option(None, "--config", "-c", help="cluster YAM
     ints = lambda s: [int(x) for x in s.split(",")] if s else None  # noqa: E731
     try:
         out = _profile(load(config), instance, ints(lengths), ints(batches), tpot_slo_ms / 1e3, reps, decode_steps,
-                       prefix_new_tokens=prefix_new_tokens)
+                       prefix_new_tokens=prefix_new_tokens, min_seconds=min_seconds)
     except (ConfigFileError, ValueError) as e:
         typer.echo(f"profile error: {e}", err=True)
         raise typer.Exit(2)

@@ -3,7 +3,8 @@ profile format (router/planner.py), so a profile measured here and one typed fro
 interchangeable.
 
 - prefill: for each prompt length l, the wall time from queueing a fresh prompt of l random tokens (prefix
-  caching cannot hit) to its first token, median of `reps` after one untimed pass (its compilations); and
+  caching cannot hit) to its first token, the median of at least `reps` runs, and of more until they add up to
+  `min_seconds` (a short prompt's time is then a median of many), after one untimed pass (its compilations); and
   S_kv(l), the bytes a transfer of that prompt moves, from the model's cache groups (full-attention blocks,
   sliding rings, linear state) in the serving dtype;
 - a cached prefix (`prefill.prefix`, with prefix caching on): for each listed length c that is whole blocks, a
@@ -21,9 +22,12 @@ engine section, warm-up off: compile time is what the untimed passes absorb and 
 
 from __future__ import annotations
 
+import itertools
 import os
 import statistics
 import time
+
+_RUNS = itertools.count()  # request ids unique across runs
 
 
 def _sizes(given: list[int] | None, hi: int, start: int, what: str, limit: str) -> list[int]:
@@ -44,13 +48,28 @@ def _sizes(given: list[int] | None, hi: int, start: int, what: str, limit: str) 
 def _run(llm, prompts: list[list[int]], params, tag: str) -> tuple[float, list]:
     """Queue `prompts`, step until all finish, forget them -> (wall seconds, their sequences)."""
     t0 = time.perf_counter()
-    seqs = [s for i, p in enumerate(prompts) for s in llm.add_request(f"{tag}-{i}", p, params)]
+    n = next(_RUNS)
+    seqs = [s for i, p in enumerate(prompts) for s in llm.add_request(f"{tag}-{n}-{i}", p, params)]
     while llm.has_work:
         llm.step()
     dt = time.perf_counter() - t0
     for s in seqs:
         llm.release(s)
     return dt, seqs
+
+
+MAX_RUNS = 400  # timed runs of one measurement at most, however short each is
+
+
+def _median_time(once, reps: int, min_seconds: float) -> float:
+    """Median seconds of `once()` (-> its seconds) after one untimed call: at least `reps` timed calls, and more
+    until they add up to `min_seconds` (at most MAX_RUNS), so a short prefill's median is over many runs rather
+    than a few that one scheduling hiccup of the machine can move."""
+    once()
+    times: list[float] = []
+    while len(times) < reps or (sum(times) < min_seconds and len(times) < MAX_RUNS):
+        times.append(once())
+    return statistics.median(times)
 
 
 def _decode_step(llm, B: int, prompt_len: int, steps: int, rng, tag: str) -> float:
@@ -79,7 +98,11 @@ def _decode_step(llm, B: int, prompt_len: int, steps: int, rng, tag: str) -> flo
     return wall
 
 
-def _prefix(llm, Ls: list[int], new: int, reps: int, one, rng, progress: bool) -> dict | None:
+class _NoReuse(Exception):
+    """The model cannot reuse a cached prefix of this length (no state snapshot there)."""
+
+
+def _prefix(llm, Ls: list[int], new: int, reps: int, min_seconds: float, one, rng, progress: bool) -> dict | None:
     """The `prefill.prefix` block (see the module docstring), or None without prefix caching, room, or a
     reusable prefix."""
     from tqdm import tqdm
@@ -87,25 +110,27 @@ def _prefix(llm, Ls: list[int], new: int, reps: int, one, rng, progress: bool) -
     cs = [c for c in Ls if c % bs == 0 and c + new < llm.max_model_len]
     if not llm.cfg.prefix_caching or not cs:
         return None
-    fresh = statistics.median([_run(llm, [rng.integers(3, vocab, new).tolist()], one, f"f{r}")[0]
-                               for r in range(reps + 1)][1:])
+    fresh = _median_time(lambda: _run(llm, [rng.integers(3, vocab, new).tolist()], one, "f")[0], reps, min_seconds)
     extra = []
+
+    def behind(c: int) -> float:
+        head = rng.integers(3, vocab, c).tolist()
+        _run(llm, [head], one, f"c{c}-head")  # its blocks stay cached once released
+        dt, (seq,) = _run(llm, [head + rng.integers(3, vocab, new).tolist()], one, f"c{c}")
+        if seq.num_cached != c:
+            raise _NoReuse
+        return dt
     for c in tqdm(cs, desc="cached prefixes", unit="length", disable=not progress):
-        times = []
-        for r in range(reps + 1):
-            head = rng.integers(3, vocab, c).tolist()
-            _run(llm, [head], one, f"c{c}-{r}-head")  # its blocks stay cached once released
-            dt, (seq,) = _run(llm, [head + rng.integers(3, vocab, new).tolist()], one, f"c{c}-{r}")
-            times.append(dt)
-            if seq.num_cached != c:  # the model cannot reuse this prefix (no state snapshot there): not measured
-                return None
-        extra.append(max(0.0, statistics.median(times[1:]) - fresh))
+        try:
+            extra.append(max(0.0, _median_time(lambda: behind(c), reps, min_seconds) - fresh))
+        except _NoReuse:  # not measured
+            return None
     return {"new_tokens": new, "tokens": cs, "extra_seconds": extra, "fresh_seconds": fresh}
 
 
 def profile(cfg, instance: str, lengths: list[int] | None = None, batches: list[int] | None = None,
             tpot_slo_s: float = 0.1, reps: int = 3, decode_steps: int = 16, progress: bool = True,
-            prefix_new_tokens: int = 32) -> dict:
+            prefix_new_tokens: int = 32, min_seconds: float = 0.5) -> dict:
     """Profile instance `instance` of config `cfg` (see the module docstring) -> the profile dict."""
     from .worker.main import pin
     inst = cfg.instance(instance)
@@ -122,6 +147,8 @@ def profile(cfg, instance: str, lengths: list[int] | None = None, batches: list[
         raise ValueError(f"--tpot-slo-ms must be > 0, got {tpot_slo_s * 1e3:g}")
     if reps < 1 or decode_steps < 1 or prefix_new_tokens < 1:
         raise ValueError("--reps, --decode-steps and --prefix-new-tokens must be >= 1")
+    if not min_seconds >= 0:
+        raise ValueError(f"--min-seconds must be >= 0, got {min_seconds:g}")
     ec = cfg.engine.engine_config(cfg.server.max_waiting)
     llm = LLMEngine(resolve(cfg.model.path, progress), cfg.model.dtype, ec, make_mesh(inst, local=True), progress)
     Ls = _sizes(lengths, llm.max_model_len - 1, 16, "--lengths", f"engine.max_model_len {llm.max_model_len}")
@@ -133,10 +160,10 @@ def profile(cfg, instance: str, lengths: list[int] | None = None, batches: list[
     seconds, kv = [], []
     itemsize = jnp.dtype(llm.dtype).itemsize
     for n in tqdm(Ls, desc="prefill lengths", unit="length", disable=not progress):
-        times = [_run(llm, [rng.integers(3, vocab, n).tolist()], one, f"p{n}-{r}")[0] for r in range(reps + 1)][1:]
-        seconds.append(statistics.median(times))
+        seconds.append(_median_time(lambda: _run(llm, [rng.integers(3, vocab, n).tolist()], one, f"p{n}")[0], reps,
+                                    min_seconds))
         kv.append(llm.cache_spec.transfer_bytes(n, llm.cfg.block_size, itemsize))
-    prefix = _prefix(llm, Ls, prefix_new_tokens, reps, one, rng, progress)
+    prefix = _prefix(llm, Ls, prefix_new_tokens, reps, min_seconds, one, rng, progress)
     steps = []
     for B in tqdm(Bs, desc="decode batches", unit="batch", disable=not progress):
         _decode_step(llm, B, 16, 2, rng, f"w{B}")  # compiles this batch's programs
@@ -151,6 +178,7 @@ def profile(cfg, instance: str, lengths: list[int] | None = None, batches: list[
         "decode": {"step_seconds": steps[best], "max_batch": Bs[best], "tpot_slo_s": tpot_slo_s,
                    "batch": Bs, "batch_step_seconds": steps},
         "instance": instance, "role": inst.role, "model": cfg.model.path, "dtype": cfg.model.dtype,
-        "cores": sorted(os.sched_getaffinity(0)), "reps": reps, "decode_steps": decode_steps,
+        "cores": sorted(os.sched_getaffinity(0)), "reps": reps, "min_seconds": min_seconds,
+        "decode_steps": decode_steps,
         "programs_compiled": len(llm.runner.programs) - programs, "seconds_total": time.perf_counter() - t_start,
     }

@@ -65,3 +65,24 @@ def test_profile_refuses_lengths_past_the_model(checkpoint_dir, tmp_path):
     cfg_path.write_text(yaml.safe_dump(cfg))
     r = _profile(str(cfg_path), tmp_path / "p.json", "--lengths", "6,500")
     assert r.returncode == 2 and "--lengths [500]: must be 1 .. 127 (engine.max_model_len 128)" in r.stderr
+
+
+def test_a_timing_is_the_median_of_enough_runs_to_fill_min_seconds():
+    """_median_time: one untimed call first (its compilations), then at least `reps` timed calls, more while they
+    add up to less than min_seconds, never more than MAX_RUNS; the median of the timed ones only."""
+    from jaxserve.profiler import MAX_RUNS, _median_time
+
+    def calls(seconds):
+        made = []
+
+        def once():
+            made.append(seconds[min(len(made), len(seconds) - 1)])
+            return made[-1]
+        return once, made
+    once, made = calls([9.0, 0.1, 0.3, 0.2])  # the untimed first call is the slow one
+    assert _median_time(once, 3, 0.0) == 0.2 and len(made) == 4
+    once, made = calls([9.0] + [0.01] * 1000)  # short runs: as many as fill 0.25 s
+    assert _median_time(once, 3, 0.25) == 0.01 and 25 <= len(made) - 1 <= 26
+    once, made = calls([9.0] + [1e-6] * 1000)
+    _median_time(once, 3, 10.0)
+    assert len(made) - 1 == MAX_RUNS
