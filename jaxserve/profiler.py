@@ -61,13 +61,15 @@ def _run(llm, prompts: list[list[int]], params, tag: str) -> tuple[float, list]:
 MAX_RUNS = 400  # timed runs of one measurement at most, however short each is
 
 
-def _median_time(once, reps: int, min_seconds: float) -> float:
-    """Median seconds of `once()` (-> its seconds) after one untimed call: at least `reps` timed calls, and more
-    until they add up to `min_seconds` (at most MAX_RUNS), so a short prefill's median is over many runs rather
-    than a few that one scheduling hiccup of the machine can move."""
+def _median_time(once, reps: int, min_seconds: float, clock=time.perf_counter) -> float:
+    """Median of what `once()` returns (its seconds) after one untimed call: at least `reps` timed calls, and
+    more until the calls have taken `min_seconds` of wall time (their untimed set-up included; at most
+    MAX_RUNS), so a short prefill's median is over many runs rather than a few that one scheduling hiccup of the
+    machine can move."""
     once()
     times: list[float] = []
-    while len(times) < reps or (sum(times) < min_seconds and len(times) < MAX_RUNS):
+    t0 = clock()
+    while len(times) < reps or (clock() - t0 < min_seconds and len(times) < MAX_RUNS):
         times.append(once())
     return statistics.median(times)
 

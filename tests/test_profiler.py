@@ -68,21 +68,27 @@ def test_profile_refuses_lengths_past_the_model(checkpoint_dir, tmp_path):
 
 
 def test_a_timing_is_the_median_of_enough_runs_to_fill_min_seconds():
-    """_median_time: one untimed call first (its compilations), then at least `reps` timed calls, more while they
-    add up to less than min_seconds, never more than MAX_RUNS; the median of the timed ones only."""
+    """_median_time: one untimed call first (its compilations), then at least `reps` timed calls, more while the
+    calls have taken less than min_seconds of wall time (set-up included), never more than MAX_RUNS; the median
+    of the timed calls' own seconds only."""
     from jaxserve.profiler import MAX_RUNS, _median_time
+    now = [0.0]
 
-    def calls(seconds):
+    def calls(seconds, setup=0.0):
         made = []
 
         def once():
             made.append(seconds[min(len(made), len(seconds) - 1)])
+            now[0] += made[-1] + setup  # the wall time the call takes
             return made[-1]
         return once, made
+    clock = lambda: now[0]  # noqa: E731
     once, made = calls([9.0, 0.1, 0.3, 0.2])  # the untimed first call is the slow one
-    assert _median_time(once, 3, 0.0) == 0.2 and len(made) == 4
+    assert _median_time(once, 3, 0.0, clock) == 0.2 and len(made) == 4
     once, made = calls([9.0] + [0.01] * 1000)  # short runs: as many as fill 0.25 s
-    assert _median_time(once, 3, 0.25) == 0.01 and 25 <= len(made) - 1 <= 26
+    assert _median_time(once, 3, 0.25, clock) == 0.01 and 25 <= len(made) - 1 <= 26
+    once, made = calls([9.0] + [0.01] * 1000, setup=0.04)  # a set-up of 40 ms a call counts too
+    assert _median_time(once, 3, 0.25, clock) == 0.01 and 5 <= len(made) - 1 <= 6
     once, made = calls([9.0] + [1e-6] * 1000)
-    _median_time(once, 3, 10.0)
+    _median_time(once, 3, 10.0, clock)
     assert len(made) - 1 == MAX_RUNS
