@@ -83,7 +83,8 @@ def profile(config: str = typer.Option(None, "--config", "-c", help="cluster YAM
             tpot_slo_ms: float = typer.Option(100.0, "--tpot-slo-ms", help="the decode step SLO for max_batch"),
             reps: int = typer.Option(3, help="timed prefills per length (median), at least"),
             min_seconds: float = typer.Option(0.5, "--min-seconds", help="more timed prefills of a length until "
-                                              "they add up to this many seconds (short prompts: many runs)"),
+                                              "they have taken this many seconds of wall time (short prompts: "
+                                              "many runs)"),
             decode_steps: int = typer.Option(16, "--decode-steps", help="timed decode steps per batch size"),
             prefix_new_tokens: int = typer.Option(32, "--prefix-new-tokens",
                                                   help="new tokens behind each cached prefix timed")):
