@@ -5,8 +5,8 @@ interchangeable.
 - prefill: for each prompt length l, the wall time from queueing a fresh prompt of l random tokens (prefix
   caching cannot hit) to its first token, the median of at least `reps` runs, and of more until the runs have
   taken `min_seconds` of wall time (a short prompt's time is then a median of many), after one untimed pass
-  (its compilations); and S_kv(l), the bytes a transfer of that prompt moves, from the model's cache groups (full-attention blocks,
-  sliding rings, linear state) in the serving dtype;
+  (its compilations); and S_kv(l), the bytes a transfer of that prompt moves, from the model's cache groups
+  (full-attention blocks, sliding rings, linear state) in the serving dtype;
 - a cached prefix (`prefill.prefix`, with prefix caching on): for each listed length c that is whole blocks, a
   prompt of c tokens is run once (its blocks become cached prefix), then the same c tokens followed by
   `prefix_new_tokens` new ones is timed to its first token; what the prefix adds is that time less a fresh
