@@ -8,8 +8,9 @@ tokens (whole blocks) and three requests of S plus L - |S| fresh tokens, one out
   cold   on p0, nothing cached (its prompt then goes to the store: the router writes it back after the prefill)
 then, in an order that rotates with the repetition (an instance that ran last runs faster on a shared core):
   local  on p0 again, once the store holds S: the prefix is in p0's own cache
-  store  on p1, which has never seen S: the router loads S from the store into p1 (Import on p1, Export on s0)
-         and p1 computes the rest over it as it lands, layer group by layer group (the pipelined load)
+  store  on p1, which has never seen S: the router loads S from the store into p1 (Import on p1, Export on s0),
+         starting with the placement, beside d0's reservation, and p1 computes the rest over it as it lands,
+         layer group by layer group (the pipelined load)
   store_serial  the same on p2, but the load first and then the prefill (the pipeline's baseline)
 TTFT is the router's (arrival to first token). The bench's policy object pins each request to its instance.
 

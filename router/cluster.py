@@ -9,8 +9,10 @@ answers once decode has acknowledged every KV byte; the decode stream's Updates 
 first token is dropped). n > 1 fans out into n requests with seeds seed, seed + 1, ... (as the colocated
 engine does). A placement without a prefill instance runs the request whole on the decode instance
 (`Generate`: it holds most of the prompt already, or no prefill instance is up). A placement that names a
-cached prefix to move (`move_prefix`) copies it into the prefill instance first (`Import` there, `Export` on
-its holder); a failed move only means the prefill computes those tokens.
+cached prefix to move (`move_prefix`) copies it into the prefill instance (`Import` there, `Export` on its
+holder): before the Prefill call, or, for a pipelined load (BanaServe's global KV store), from the placement
+on, beside the decode reservation, with the Prefill call running over the prefix as it lands (`_Load`); a
+failed move only means the prefill computes those tokens.
 
 Faults: a prefill that fails (its worker died, or the transfer failed) before decode has the KV closes the
 reservation (decode frees its blocks at once) and the request is placed again, on another prefill instance,
@@ -75,6 +77,24 @@ class _Silent(Exception):
     """The worker a call waits on stopped heartbeating (hung or partitioned): the call is abandoned."""
 
 
+@dataclass(eq=False)
+class _Load:
+    """A cached prefix the router copies from its holder (the global KV store) into a placement's prefill
+    instance, started with the placement so that the fetch overlaps the decode reservation (BanaServe's pipelined
+    load): the Import stream on the prefill instance reserves the blocks (`reserved`: its reservation, None when
+    none was made), the holder's Export sends into them, and the Prefill call names the Import (`import_id`), so
+    that the prefill computes over the prefix as it lands. `task` ends once the prefix is cached there."""
+    src: str
+    dst: str
+    tokens: int
+    import_id: str
+    reserved: asyncio.Future
+    task: asyncio.Future | None = None
+    sent: dict | None = None  # Export's transfer numbers
+    seconds: float = 0.0  # from the start to the prefix cached (or the failure)
+    error: str | None = None
+
+
 @dataclass
 class _Sub:
     """One sequence of a request, and where it runs now."""
@@ -99,6 +119,7 @@ class _Sub:
     avoid_prefill: set = field(default_factory=set)
     placement: Placement | None = None  # the policy's latest answer
     moved: dict | None = None  # the cached prefix moved to its prefill instance: {"src", "tokens", "kv_bytes", ...}
+    load: _Load | None = None  # the placement's pipelined load of a cached prefix
     ttft_s: float | None = None
     errors: list = field(default_factory=list)
     sent: Update | None = None  # the last update the client got (updates are cumulative)
@@ -571,6 +592,7 @@ class Router:
             if self.replanner is not None and not s.errors and pl.uncached_tokens is not None:
                 self.replanner.observe(pl.uncached_tokens, time.monotonic())
             log.debug("%s: %s", s.rid, pl)
+            self._start_load(s, pl)
             try:
                 await self._open(s, w, method)
                 return
@@ -620,18 +642,57 @@ class Router:
         w.inflight += 1
 
     def _close(self, s: _Sub) -> None:
+        self._drop_load(s)
         if s.call is not None:
             s.call.cancel()  # the worker's stream ends: it aborts the request and frees its blocks
             s.worker.inflight -= 1
             s.call = None
 
+    def _start_load(self, s: _Sub, pl: Placement) -> None:
+        """Start the pipelined load the placement names (`move_prefix` with `overlap`), beside the decode
+        reservation that follows (`s.load`); an earlier placement's load is dropped."""
+        self._drop_load(s)
+        mv = pl.move_prefix
+        if pl.prefill is None or mv is None or not mv.overlap:
+            return
+        src, dst = self.registry.get(mv.src), self.registry.get(pl.prefill)
+        if src is None or dst is None or not self.registry.is_up(src):
+            return  # _move_prefix counts the move failed
+        tokens = (s.prompt + s.output)[:mv.tokens]
+        ld = _Load(src.name, dst.name, len(tokens), f"{s.rid}.{s.serial + 1}.prefix",
+                   asyncio.get_running_loop().create_future())
+
+        async def run():
+            t0 = time.monotonic()
+            try:
+                ld.sent = await self._copy_prefix(src, dst, tokens, ld.import_id, ld.reserved)
+            except (grpc.aio.AioRpcError, _Silent, StopAsyncIteration, KeyError, TypeError, ValueError) as e:
+                ld.error = _why(e)
+            finally:
+                ld.seconds = time.monotonic() - t0
+                if not ld.reserved.done():
+                    ld.reserved.set_result(None)
+        ld.task = asyncio.ensure_future(run())
+        s.load = ld
+
+    @staticmethod
+    def _drop_load(s: _Sub) -> None:
+        """Stop the sequence's pipelined load, if still running (its Import stream closes: the prefill instance
+        releases the blocks)."""
+        if s.load is not None:
+            s.load.task.cancel()
+            if not s.load.reserved.done():  # a task cancelled before it ran sets nothing
+                s.load.reserved.set_result(None)
+            s.load = None
+
     async def _move_prefix(self, s: _Sub, p: WorkerInfo) -> dict | None:
         """Copy the cached prefix the placement names (`move_prefix`: PrfaaS 3.4.3's longer prefix held in the
         other cluster, or BanaServe's global KV store) from its holder into prefill instance p's prefix cache: an
         Import stream on p reserves the blocks, an Export call on the holder sends the KV into them, and p's
-        answer says they are cached. With `overlap`, p loads it itself while its prefill runs over it: -> the
-        Prefill's `prefix_from` (None: copied, or failed). A move that fails costs only its time: p computes
-        those tokens itself."""
+        answer says they are cached. With `overlap`, that load started with the placement (`_start_load`) and
+        the prefill runs over the prefix as it lands: -> the Prefill's `prefix_from` once p has reserved the
+        blocks (None: copied, or failed). A move that fails costs only its time: p computes those tokens
+        itself."""
         mv = s.placement.move_prefix
         src = self.registry.get(mv.src)
         tokens = (s.prompt + s.output)[:mv.tokens]
@@ -640,7 +701,13 @@ class Router:
             log.warning("%s: prefix holder %s is down; %s prefills without it", s.rid, mv.src, p.name)
             return None
         if mv.overlap:
-            return {"instance": src.name, "tokens": len(tokens)}
+            ld = s.load
+            if ld is not None and ld.dst == p.name and await ld.reserved is not None:
+                return {"import_id": ld.import_id, "tokens": ld.tokens}
+            self.prefix_moves["failed"] += 1
+            log.warning("%s: %s could not take the %d-token prefix from %s (%s); it prefills without it", s.rid,
+                        p.name, len(tokens), src.name, ld.error if ld is not None else "no load started")
+            return None
         t0 = time.monotonic()
         try:
             sent = await self._copy_prefix(src, p, tokens, f"{s.xid}.prefix")
@@ -658,15 +725,18 @@ class Router:
         self.prefix_moves["done"] += 1
         self.prefix_moves["bytes"] += kv_bytes
 
-    async def _copy_prefix(self, src: WorkerInfo, dst: WorkerInfo, tokens: list[int], rid: str) -> dict:
+    async def _copy_prefix(self, src: WorkerInfo, dst: WorkerInfo, tokens: list[int], rid: str,
+                           reserved: asyncio.Future | None = None) -> dict:
         """Copy the KV of a cached prefix (whole blocks) from src's prefix cache into dst's: an Import stream on
-        dst reserves the blocks, an Export call on src sends the KV into them, and dst's answer says they are
-        cached -> Export's transfer numbers. Raises what the calls raise."""
+        dst reserves the blocks (`reserved` gets the reservation), an Export call on src sends the KV into them,
+        and dst's answer says they are cached -> Export's transfer numbers. Raises what the calls raise."""
         deadline = self.cfg.transfer.deadline_s
         imp = self._client(dst).stream("Import", {"request_id": rid, "prompt": tokens, "deadline_s": deadline})
         try:
             it = imp.__aiter__()
             first = await self._watch(dst, it.__anext__())
+            if reserved is not None:
+                reserved.set_result(first["reserved"])
             sent = await self._watch(src, self._client(src).call(
                 "Export", {"request_id": rid, "prompt": tokens, "dst": {"instance": dst.name, **first["reserved"]}},
                 timeout=deadline))
@@ -741,15 +811,17 @@ class Router:
             s.prefilling = None
             if not computed:
                 p.prefill.end(n, t0, time.monotonic(), False)
-        if load:  # p loaded the prefix while its prefill ran over it
-            got = res.get("prefix") or {}
-            if got.get("error") or not got.get("kv_bytes"):
+        if load:  # the prefix arrived while p's prefill ran over it (the prefill waited for all of it)
+            ld = s.load
+            await ld.task
+            error = ld.error or (res.get("prefix") or {}).get("error")
+            if error or not ld.sent:
                 self.prefix_moves["failed"] += 1
                 log.warning("%s: %s did not load the %d-token prefix from %s (%s); it computed it", s.rid, p.name,
-                            load["tokens"], load["instance"], got.get("error"))
+                            ld.tokens, ld.src, error)
             else:
-                self._moved(s, load["instance"], p.name, load["tokens"], int(got["kv_bytes"]),
-                            float(got.get("seconds", 0.0)), overlapped=True, streamed_groups=got.get("streamed_groups"))
+                self._moved(s, ld.src, p.name, ld.tokens, int(ld.sent["kv_bytes"]), ld.seconds, overlapped=True,
+                            streamed_groups=(res.get("prefix") or {}).get("streamed_groups"))
         p.served += 1
         s.prefill, s.kv_bytes, s.kv_backend = p.name, int(res["kv_bytes"]), res.get("backend")
         self.kv_bytes_transferred += s.kv_bytes

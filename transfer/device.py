@@ -94,7 +94,7 @@ class DeviceIO:
         ids = _ids(st, blocks, 0) if any(w.kind == "blocks" for w, _ in arrays) else np.zeros(1, np.int32)
         items = []
         j0s = np.array([w.j0 for w, _ in arrays], np.int32)  # [arrays] each array's first layer
-        for (w, parts), x in zip(arrays, fn(pool, jnp.asarray(ids), jnp.int32(row), jnp.asarray(j0s))):
+        for (w, parts), x in zip(arrays, fn(pool, ids, np.int32(row), j0s)):  # host arguments: jit places them
             items += zip((p.index for p in parts), _head_shards(x, len(parts)) if len(parts) > 1 else [x])
         return items
 
@@ -131,7 +131,7 @@ class DeviceIO:
             rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
             ids, row = _place(ids, rep), _place(np.int32(row), rep)
         else:
-            ids, row = jnp.asarray(ids), jnp.int32(row)
+            row = np.int32(row)  # host arguments: jit places them (cheaper than jnp.asarray)
         xs = [_assemble(w, [views[p.index] for p in parts], pool[w.group], mesh) for w, parts in arrays]
         return fn(pool, xs, ids, row)
 

@@ -400,6 +400,11 @@ class LLMEngine:
             # its program is dispatched, so it travels while the later groups compute. A request whose cached
             # prefix is still arriving (`incoming`) waits for each group's part of it before that group runs
             # (and starts its hand-off once the first part is in): fetch, compute and export overlap.
+            for c in plan.prefills:  # a prefix that has landed whole is imported now: its prefill runs unstaged
+                inc = c.seq.incoming
+                if inc is not None and inc.pending and inc.recv.layers_landed(self.layout.num_layers) \
+                        and inc.take(self, self.layout.num_layers, c.seq.slot):
+                    c.seq.incoming = None
             due = [(c.seq.handoff, c.seq) for c in plan.prefills if c.last and c.seq.handoff is not None]
             fetching = [c.seq for c in plan.prefills if c.seq.incoming is not None]
             stages, streamed, staged = None, [], {s.request_id for s in fetching}

@@ -13,17 +13,17 @@ schema in messages.py before a handler sees it):
             shared-memory pool, or None), "pull"}}, then one {"update": ...} per engine step that changed the
             request. Closing the stream aborts the request (frees its slot and blocks).
   Prefill   (prefill, stream) {"request_id", "prompt", "params", "kv_tokens", "sample", "dst": {"instance" (the
-            decode instance), "blocks", "skip", "shm_base", "pull"}, "prefix_from"? {"instance", "tokens"}} ->
+            decode instance), "blocks", "skip", "shm_base", "pull"}, "prefix_from"? {"import_id", "tokens"}} ->
             {"first": Update} as soon as the first token is sampled (with sample, unless that token ends the
             request: decode reports it then), while the KV travels; then {"kv_bytes", "frames", "sends",
             "resends", "token", "ttft_s", "backend" (tcp / shm / device), "prefix" (with prefix_from: {"tokens",
-            "kv_bytes", "seconds", "streamed_groups", "error"})} once decode has acknowledged every byte; gRPC
-            ABORTED (with the reason) when the transfer failed. prefix_from: the prompt's first tokens are loaded
-            from that instance's prefix cache (the global KV store: this worker reserves blocks for them and calls
-            its Export) while the prefill runs over them, each layer group once its part has landed (BanaServe's
-            pipelined load); if the load fails, they are computed. The decode instance's KV address and segment
-            come from the router's peer table, never from the caller: an instance the router has not registered
-            is INVALID_ARGUMENT.
+            "streamed_groups", "error"})} once decode has acknowledged every byte; gRPC ABORTED (with the reason)
+            when the transfer failed. prefix_from: the prompt's first tokens are arriving into this instance
+            through the Import stream `import_id` (the router's load from the global KV store, started with the
+            decode reservation): the prefill runs over them as they land, each layer group once its part has
+            landed (BanaServe's pipelined load). If that Import has ended, the prefix is in the prefix cache or, when
+            it failed, computed. The decode instance's KV address and segment come from the router's peer table,
+            never from the caller: an instance the router has not registered is INVALID_ARGUMENT.
   Generate  (any role, stream) {"request_id", "prompt", "params", "output"?, "logprobs"?} -> one {"update": ...}
             per step: the whole request on this instance (a placement without prefill instance: this instance
             holds most of the prompt already, or no prefill instance is up).
@@ -31,7 +31,8 @@ schema in messages.py before a handler sees it):
             dst, open and future (the router's admin endpoint).
   Import    (any role, stream) {"request_id", "prompt" (a prefix: whole blocks), "deadline_s"?} -> first
             {"reserved": {...}} as Decode's, then {"imported": {"tokens", "skip"}} once another instance's Export
-            filled it and the prefix is in this instance's cache (the router's cross-cluster prefix move).
+            filled it and the prefix is in this instance's cache (the router's prefix moves: between clusters,
+            and from the global KV store, where a Prefill naming the Import runs over the prefix as it lands).
   Export    (prefill, store) {"request_id", "prompt" (the prefix), "dst": reservation} -> {"kv_bytes", "frames",
             "sends", "resends", "backend"}: sends the prefix's KV from this instance's prefix cache, no compute;
             FAILED_PRECONDITION when it is no longer cached.
@@ -42,8 +43,8 @@ schema in messages.py before a handler sees it):
   MigrateCall (raw bytes, any role but store) a migration's messages to its helper: the moved state, then each
             step's queries or hidden states (engine/migration.py `Guests`), computed on a thread of their own.
 A worker of role `store` (the global KV cache store) runs no model step: it answers Import (the router writes
-prefill instances' prompts into it) and Export (a prefill instance loads a prefix from it), and refuses Decode,
-Prefill and Generate.
+prefill instances' prompts into it) and Export (the router loads a prefix from it into a prefill instance), and
+refuses Decode, Prefill and Generate.
   SetRole   {"role"} -> {"role", "previous", "drained_s", "programs_compiled"}: the role changes in place (the
             router's admin endpoint and its long-term re-planning; the router has stopped sending this instance
             new work first). The worker waits until every request and transfer it has in flight is done (every
@@ -177,7 +178,6 @@ class Worker:
         self._idle: asyncio.Event | None = None  # set while _active is 0 (made on the loop, in start())
         self._flipping = False
         self._helpers: dict = {}  # address -> rpc.SyncClient: helpers of this instance's migrations
-        self._peers_rpc: dict = {}  # address -> rpc.Client: instances this one loads prefixes from
         import concurrent.futures
         self._migrations = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="migration")  # as a helper
 
@@ -455,7 +455,6 @@ class Worker:
 
     async def prefill(self, req, ctx):
         import grpc
-        from transfer.plan import layer_groups
         from ..disagg.prefill_side import Handoff
         from ..engine.client import RequestError
         if self.role in ("decode", "store"):
@@ -464,13 +463,13 @@ class Worker:
         t = self.cfg.transfer
         peer = await self._peer(dst.instance, decode=True)
         why = self._check_dst(peer, dst, kv)
-        src = await self._peer(req.prefix_from.instance) if req.prefix_from is not None else None
-        if why is None and req.prefix_from is not None:
-            why = self._check_prefix_from(req.prefix_from, src, kv)
+        pf = req.prefix_from
+        if why is None and pf is not None:
+            why = self._check_prefix_from(pf, kv)
         if why is not None:
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
         prompt = list(req.prompt)[:kv]
-        fetch = _Fetch(f"{rid}.prefix", prompt[:req.prefix_from.tokens]) if src is not None else None
+        over = []  # the IncomingPrefix the prefill runs over (none when that Import has ended)
         try:
             params = req.params.sampling()
             link, shm_base = self._link_to(peer, dst)
@@ -478,19 +477,19 @@ class Worker:
                               request_id=rid, shm_base=shm_base)
 
             def add(eng):
+                inc = self.intake.prefixes.get(pf.import_id) if pf is not None else None
+                if inc is not None and inc.tokens != prompt[:pf.tokens]:
+                    raise RequestError(f"prefix_from.import_id: {pf.import_id!r} carries another prefix than the "
+                                       f"prompt's first {pf.tokens} tokens")
                 seqs = eng.add_request(rid, prompt, params)
                 seqs[0].handoff = handoff
-                if fetch is not None:
-                    seqs[0].incoming = fetch.reserve(self.intake, layer_groups(eng.layout.num_layers,
-                                                                                t.layers_per_group), t.deadline_s)
+                if inc is not None and inc.pending:
+                    seqs[0].incoming = inc
+                    over.append(inc)
                 return seqs, None
             q, _ = await self.engine.attach(rid, add)
         except (RequestError, ValueError) as e:
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        loading = fetch is not None and fetch.reserved is not None
-        if loading:
-            task = asyncio.ensure_future(fetch.load(self._rpc(src["address"]), self.inst.name, self.intake,
-                                                    t.deadline_s))
         try:
             while True:
                 u = await q.get()
@@ -504,30 +503,20 @@ class Worker:
         if handoff.sample and not handoff.ends:  # the client may see the first token while its KV travels
             yield {"first": dataclasses.asdict(dataclasses.replace(u, finished=False, finish_reason=None))}
         sent = await self._sent(sender, ctx)
-        if loading:
-            await task  # the prefill waited for every layer of it: the Export has answered or is about to
+        prefix = None
+        if pf is not None:  # what arrived while the prefill ran (none: the Import had ended before it began)
+            prefix = {"tokens": pf.tokens, "streamed_groups": len(over[0].imported) if over else 0,
+                      "error": over[0].error if over else None}
         yield {**sent, "token": u.token_ids[0] if u.token_ids and handoff.sample else None, "ttft_s": u.ttft_s,
-               **({"prefix": fetch.outcome()} if fetch is not None else {})}
+               **({"prefix": prefix} if prefix is not None else {})}
 
-    def _check_prefix_from(self, pf, src: dict | None, kv: int) -> str | None:
-        """Why a prefix cannot be loaded from pf.instance (None: it can)."""
+    def _check_prefix_from(self, pf, kv: int) -> str | None:
+        """Why the prompt cannot run over the prefix pf names (None: it can)."""
         bs = self.llm.layout.block_size
-        if src is None:
-            return (f"prefix_from.instance: {pf.instance!r} is not an instance registered with the router"
-                    + ("" if self._beats is not None else " (this worker has no router: start it with --router)"))
-        if pf.instance == self.inst.name:
-            return "prefix_from.instance: the prefix would come from this instance itself"
         if pf.tokens % bs or pf.tokens >= kv:
             return (f"prefix_from.tokens: {pf.tokens} is not whole blocks of {bs} tokens shorter than the "
                     f"{kv} tokens prefilled")
         return None
-
-    def _rpc(self, address: str):
-        """An asyncio client of another worker (one channel per address, kept)."""
-        from . import rpc
-        if address not in self._peers_rpc:
-            self._peers_rpc[address] = rpc.Client(address, self.cfg.transfer.token, self.tls)
-        return self._peers_rpc[address]
 
     def _link_to(self, peer: dict, dst):
         """(link, shm region base) for a reservation on instance dst.instance (`peer`: its peer-table entry)."""
@@ -558,6 +547,7 @@ class Worker:
         ABORTED when the transfer failed. Closing the stream early releases the reservation."""
         import grpc
         from transfer.bufpool import PoolFull
+        from transfer.plan import layer_groups
         from transfer.segments import OutOfBlocks
         from ..engine.client import RequestError
         rid, tokens = req.request_id, list(req.prompt)
@@ -566,9 +556,11 @@ class Worker:
 
         def on_done(error):  # engine thread
             loop.call_soon_threadsafe(lambda: done.done() or done.set_result(error))
+        # as the layer groups a prefill over it runs (a Prefill naming this Import computes over it as it lands)
+        groups = layer_groups(self.llm.layout.num_layers, self.cfg.transfer.layers_per_group)
         try:
-            blocks, skip = await self.engine.call(
-                lambda eng: self.intake.reserve_prefix(rid, tokens, on_done, req.deadline_s))
+            blocks, skip = await self.engine.call(lambda eng: self.intake.reserve_prefix(
+                rid, tokens, on_done, req.deadline_s, groups if len(groups) > 1 else None))
         except (RequestError, ValueError) as e:
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except (OutOfBlocks, PoolFull) as e:
@@ -576,7 +568,7 @@ class Worker:
         try:
             yield {"reserved": {"blocks": blocks, "skip": skip, "shm_base": self.intake.shm_base(rid),
                                 "pull": self.intake.server.puller is not None}}
-            error = await done
+            error = await asyncio.shield(done)  # the caller closing the stream cancels this wait, not `done`
         finally:
             if not done.done():
                 self.intake.cancel(rid)  # its arrival (failed) releases the blocks on the engine thread
@@ -759,8 +751,6 @@ class Worker:
                 beat.cancel()
                 self._beats.stop()
             await server.stop(1.0)
-            for client in self._peers_rpc.values():
-                await client.close()
             self.close()
         if beat is not None and beat.done() and not beat.cancelled() and beat.exception() is not None:
             raise beat.exception()
@@ -775,57 +765,6 @@ class Worker:
             self.feeder.close()
         self.intake.close()
         self.engine.shutdown()
-
-
-class _Fetch:
-    """One prefill's load of a cached prefix from another instance (`prefix_from`): blocks reserved here on the
-    engine thread (`reserve`: a KVIntake.reserve_prefix, whose IncomingPrefix the request's prefill runs over),
-    then that instance's Export into them (`load`, on the asyncio loop); a failed Export cancels the
-    reservation, and the prefill computes what did not arrive."""
-
-    def __init__(self, request_id: str, tokens: list[int]):
-        self.request_id, self.tokens = request_id, tokens
-        self.reserved: dict | None = None
-        self.incoming = None
-        self.sent: dict = {}
-        self.seconds = 0.0  # the Export call's
-        self.error: str | None = None
-
-    def reserve(self, intake, groups, deadline_s: float):
-        """Engine thread -> the IncomingPrefix (None: no room for it now; the prefill computes the prefix)."""
-        from transfer.bufpool import PoolFull
-        from transfer.segments import OutOfBlocks
-        from ..engine.client import RequestError
-        try:
-            blocks, skip = intake.reserve_prefix(self.request_id, self.tokens, lambda error: None, deadline_s,
-                                                 groups if len(groups) > 1 else None)
-        except (OutOfBlocks, PoolFull, RequestError) as e:
-            self.error = f"cannot receive it here: {type(e).__name__}: {e}"
-            return None
-        self.reserved = {"blocks": blocks, "skip": skip, "shm_base": intake.shm_base(self.request_id),
-                         "pull": intake.server.puller is not None}
-        self.incoming = intake.prefixes[self.request_id]
-        return self.incoming
-
-    async def load(self, client, here: str, intake, deadline_s: float) -> None:
-        """Asyncio loop: the holder's Export into the reservation."""
-        import grpc
-        t0 = time.monotonic()
-        try:
-            self.sent = await client.call("Export", {"request_id": self.request_id, "prompt": self.tokens,
-                                                     "dst": {"instance": here, **self.reserved}}, timeout=deadline_s)
-        except grpc.aio.AioRpcError as e:
-            self.error = f"Export failed: {e.code().name}: {e.details()}"
-            log.warning("%s: loading the %d-token prefix failed (%s); it is computed", self.request_id,
-                        len(self.tokens), self.error)
-            intake.cancel(self.request_id)  # its receiver fails: a prefill waiting for it stops waiting
-        self.seconds = time.monotonic() - t0
-
-    def outcome(self) -> dict:
-        inc = self.incoming
-        return {"tokens": len(self.tokens), "kv_bytes": int(self.sent.get("kv_bytes", 0)),
-                "seconds": round(self.seconds, 6), "streamed_groups": len(inc.imported) if inc is not None else 0,
-                "error": self.error or (inc.error if inc is not None else None)}
 
 
 def die_with_parent(parent_pid: int) -> None:

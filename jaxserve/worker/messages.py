@@ -109,9 +109,9 @@ class Reservation(_Msg):
 
 
 class PrefixFrom(_Msg):
-    """A cached prefix (the prompt's first `tokens`, whole blocks) the prefill loads from `instance` (the global KV
-    store) while it runs."""
-    instance: Name
+    """A cached prefix (the prompt's first `tokens`, whole blocks) arriving into this instance through the Import
+    stream `import_id` (the router's load from the global KV store) while the prefill runs over it."""
+    import_id: Name
     tokens: StrictInt = Field(ge=1, le=MAX_TOKENS)
 
 

@@ -212,6 +212,39 @@ def test_a_prefill_computes_over_a_prefix_as_it_lands(checkpoint_dir, family):
         mover.close()
 
 
+def test_a_prefix_landed_whole_before_its_prefill_runs_unstaged(checkpoint_dir):
+    """A prefix that has landed whole by the time its request's prefill step runs is imported at once, and the
+    step runs the whole model in one program instead of layer group by layer group; same greedy answer."""
+    path = checkpoint_dir("llama")
+    want = LLM(path, progress=False, engine=CFG).generate([FOLLOWUP], GREEDY)[0].token_ids
+    src = LLMEngine(path, "float32", CFG, progress=False)
+    dst = LLMEngine(path, "float32", CFG, progress=False)
+    run(src, "a", PROMPT)
+    mover = Mover(dst)
+    try:
+        inc, h, outcomes = start_prefix(mover, src, dst, "m", PREFIX)
+        (seq,) = dst.add_request("b", FOLLOWUP, GREEDY)
+        seq.incoming = inc
+        L = dst.layout.num_layers
+        for k in range(L):
+            h.export(k)
+        mover.feeder.put(h.sender, [], {"token": None})
+        until(lambda: inc.recv.layers_landed(L), "the prefix did not land")
+        stages, prefill = [], dst.runner.prefill
+        dst.runner.prefill = lambda rows, st=None, *a, **kw: (stages.append(st), prefill(rows, st, *a, **kw))[1]
+        dst.step()  # the arrival is not run yet: the prefix is still the request's IncomingPrefix
+        assert stages == [None] and inc.imported == set(range(L)) and seq.num_cached == len(PREFIX)
+        mover.arrive(outcomes)
+        assert outcomes == [None]
+        while dst.has_work:
+            dst.step()
+        assert seq.output == want
+        dst.blocks.check()
+        assert dst.blocks.num_referenced() == 0 and mover.intake.pool.free_bytes == mover.intake.pool.capacity
+    finally:
+        mover.close()
+
+
 def test_a_prefix_that_stops_arriving_is_computed_instead(checkpoint_dir):
     """The holder fails after sending the first layer group: the prefill waiting for the second gives up on
     the prefix, the request is computed from its tokens instead (same answer), nothing is cached from the

@@ -326,14 +326,21 @@ def test_worker_methods_refuse_callers_without_the_token_and_forged_destinations
                     await p.stream("Prefill", {"request_id": "forged", "prompt": BASE[:9], "params": GREEDY,
                                                "kv_tokens": 9, "dst": dst}).read()
                 out[dst["instance"], len(dst["blocks"])] = (e.value.code(), e.value.details())
-            for pf in ({"instance": "elsewhere", "tokens": 4}, {"instance": "p0", "tokens": 4},
-                       {"instance": "d0", "tokens": 6}, {"instance": "d0", "tokens": 12}):
-                with pytest.raises(grpc.aio.AioRpcError) as e:  # a prefix to load: from where, how much
+            imp = p.stream("Import", {"request_id": "imp", "prompt": [7] * 4})  # a prefix arriving, not BASE's
+            assert "reserved" in await imp.read()
+            for pf in ({"import_id": "imp", "tokens": 4}, {"import_id": "imp", "tokens": 6},
+                       {"import_id": "imp", "tokens": 12}):
+                with pytest.raises(grpc.aio.AioRpcError) as e:  # the prefix it runs over: which, how much
                     await p.stream("Prefill", {"request_id": "forged", "prompt": BASE[:9], "params": GREEDY,
                                                "kv_tokens": 9, "dst": {"instance": "d0", "blocks": [0, 1, 2],
                                                                        "skip": 0}, "prefix_from": pf}).read()
-                out["from", pf["instance"], pf["tokens"]] = (e.value.code(), e.value.details())
-            health = await p.call("Health", {})
+                out["from", pf["tokens"]] = (e.value.code(), e.value.details())
+            imp.cancel()  # the reservation is released
+            for _ in range(100):
+                health = await p.call("Health", {})
+                if not health["stats"]["blocks_used"]:
+                    break
+                await asyncio.sleep(0.05)
         finally:
             await p.close()
         return out, health
@@ -346,9 +353,8 @@ def test_worker_methods_refuse_callers_without_the_token_and_forged_destinations
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "not a decode instance" in why
     code, why = out["d0", 1]
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "dst.blocks" in why
-    for key, why in ((("from", "elsewhere", 4), "prefix_from.instance: 'elsewhere' is not an instance registered"),
-                     (("from", "p0", 4), "prefix_from.instance: the prefix would come from this instance itself"),
-                     (("from", "d0", 6), "prefix_from.tokens: 6 is not whole blocks"),
-                     (("from", "d0", 12), "prefix_from.tokens: 12 is not whole blocks of 4 tokens shorter than")):
+    for key, why in ((("from", 4), "prefix_from.import_id: 'imp' carries another prefix than the prompt's first 4"),
+                     (("from", 6), "prefix_from.tokens: 6 is not whole blocks"),
+                     (("from", 12), "prefix_from.tokens: 12 is not whole blocks of 4 tokens shorter than")):
         assert out[key][0] == grpc.StatusCode.INVALID_ARGUMENT and why in out[key][1], (key, out[key])
     assert health["stats"]["blocks_used"] == 0 and health["stats"]["running"] == 0
