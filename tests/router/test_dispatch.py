@@ -1,6 +1,7 @@
 """The router's orchestration against scripted fake workers (real gRPC servers in this process, no model):
 registration, placement, retries with a fresh reservation, the local-prefill fallback, a hung worker found
-by its missing heartbeat, busy and invalid refusals, n > 1 fan-out, abort. The fakes speak the workers'
+by its missing heartbeat, busy and invalid refusals, n > 1 fan-out, abort, the global KV store's pipelined load.
+The fakes speak the workers'
 protocol (worker/main.py); the real workers are exercised in test_cluster_http.py and test_faults.py."""
 
 from __future__ import annotations
@@ -23,12 +24,16 @@ TOKEN = "tok"
 class Fake:
     """A worker whose answers are scripted: `prefill` in ok | abort | hang | hold (the first token goes out, the
     KV waits for `release`), `decode` in ok | full | invalid | garbage (a malformed update after the KV arrived)
-    | die (the stream breaks after the first token) | hang (no reservation, no heartbeat: a stopped process)."""
+    | die (the stream breaks after the first token) | hang (no reservation, no heartbeat: a stopped process)
+    | after_import (the reservation waits until an Import was opened on any instance); `export` in ok | fail (a
+    store no longer holding the prefix). Import answers its reservation, then `imported` once an Export filled
+    it."""
 
-    def __init__(self, name, role, board, prefill="ok", decode="ok"):
+    def __init__(self, name, role, board, prefill="ok", decode="ok", export="ok"):
         self.name, self.role, self.board = name, role, board
-        self.prefill_mode, self.decode_mode = prefill, decode
+        self.prefill_mode, self.decode_mode, self.export_mode = prefill, decode, export
         self.opened, self.closed, self.prefills, self.generated = [], [], [], []
+        self.imports, self.imports_closed, self.exports = [], [], []
         self.requests = []  # every Decode / Prefill / Generate message
         self.release = asyncio.Event()
         self.beating = True
@@ -36,7 +41,8 @@ class Fake:
     async def start(self):
         self.server = rpc.server(TOKEN)
         self.server.add_generic_rpc_handlers((rpc.handler(
-            {}, {"Prefill": self.prefill, "Decode": self.decode, "Generate": self.generate}, messages.WORKER),))
+            {"Export": self.export}, {"Prefill": self.prefill, "Decode": self.decode, "Generate": self.generate,
+                                      "Import": self.import_}, messages.WORKER),))
         self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
         await self.server.start()
 
@@ -59,6 +65,8 @@ class Fake:
         if self.decode_mode == "hang":
             self.beating = False
             await asyncio.Event().wait()
+        if self.decode_mode == "after_import":
+            await asyncio.wait_for(self.board.setdefault("import opened", asyncio.Event()).wait(), 5)
         req = req.model_dump()
         xid = req["request_id"]
         self.opened.append(xid)
@@ -92,6 +100,24 @@ class Fake:
             await self.release.wait()
         self.board.setdefault(req["request_id"], asyncio.Event()).set()
         yield {"kv_bytes": 100, "frames": 1, "sends": 1, "resends": 0, "token": 0, "ttft_s": 0.0, "backend": "tcp"}
+
+    async def import_(self, req, ctx):
+        rid = req.request_id
+        self.imports.append(rid)
+        self.board.setdefault("import opened", asyncio.Event()).set()
+        try:
+            yield {"reserved": {"blocks": [5], "skip": 0, "shm_base": None, "pull": False}}
+            await self.board.setdefault(("exported", rid), asyncio.Event()).wait()
+            yield {"imported": {"tokens": len(req.prompt), "skip": 0}}
+        finally:
+            self.imports_closed.append(rid)
+
+    async def export(self, req, ctx):
+        self.exports.append((req.request_id, req.dst.instance, list(req.dst.blocks)))
+        if self.export_mode == "fail":
+            await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.name} no longer holds the prefix")
+        self.board.setdefault(("exported", req.request_id), asyncio.Event()).set()
+        return {"kv_bytes": 4096, "frames": 1, "sends": 1, "resends": 0, "backend": "tcp"}
 
     async def generate(self, req, ctx):
         req = req.model_dump()
@@ -328,4 +354,40 @@ def test_a_handler_bug_fails_the_placement_not_the_worker():
             w["d0"].decode_mode = "ok"
             u, = await result(await ce.add("r2", [1, 2, 3], GREEDY))
             assert u.error is None and u.route["decode_instance"] == "d0"  # in rotation: first by name again
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("export", ["ok", "fail"])
+def test_a_pipelined_load_from_the_store_starts_beside_the_decode_reservation(export):
+    """BanaServe's pipelined load: the Import on the prefill instance is opened before the decode reservation is
+    answered (decode here waits for it), the store's Export fills it, and the Prefill call names that Import. A
+    failed Export closes the Import (the prefill instance frees the blocks) and the prefill computes the prefix:
+    the request succeeds either way, and the route says whether the prefix was moved."""
+    from router.policy import Placement, PrefixMove
+
+    class FromStore:
+        name = "banaserve"
+
+        def state(self):
+            return {}
+
+        def place(self, snap):
+            return Placement("d0", "p0", "pd", "test: from the store", PrefixMove("s0", 4, overlap=True), 2, "s0")
+
+    async def go():
+        async with cluster({"p0": P, "d0": ("decode", {"decode": "after_import"}),
+                            "s0": ("store", {"export": export})}) as (ce, w):
+            ce.policy = FromStore()
+            u, = await result(await ce.add("r", [1, 2, 3, 4, 5, 6], GREEDY))
+            assert u.error is None and u.token_ids == [6, 0]
+            assert w["p0"].imports == ["r.1.prefix"] and w["d0"].opened == ["r.1"]
+            assert w["s0"].exports == [("r.1.prefix", "p0", [5])]
+            pre = w["p0"].requests[-1]
+            assert pre["prefix_from"] == {"import_id": "r.1.prefix", "tokens": 4}
+            assert w["p0"].imports_closed == ["r.1.prefix"]  # ended (imported), or closed by the router
+            if export == "ok":
+                assert u.route["prefix_move"]["tokens"] == 4 and u.route["prefix_move"]["overlapped"]
+                assert u.route["prefix_move"]["kv_bytes"] == 4096 and ce.prefix_moves["done"] == 1
+            else:
+                assert u.route["prefix_move"] is None and ce.prefix_moves["failed"] == 1
     asyncio.run(go())
