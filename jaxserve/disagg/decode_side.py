@@ -181,6 +181,11 @@ class IncomingPrefix:
         a step never waits for the holder's first answer; only for groups that have not kept up with compute)."""
         return self.recv.layers_landed(self.first_hi)
 
+    @property
+    def landed(self) -> bool:
+        """Every layer has landed (a prefill over it may import it whole and run unstaged)."""
+        return self.recv.layers_landed(self.recv.layout.num_layers)
+
     def take(self, llm, hi: int, row: int) -> bool:
         """Wait until the prefix's layers [0, hi) have landed (until the transfer's deadline) and import those not
         imported yet -> True; False when it failed or timed out (`error` says why; nothing more is waited for)."""

@@ -402,7 +402,7 @@ class LLMEngine:
             # (and starts its hand-off once the first part is in): fetch, compute and export overlap.
             for c in plan.prefills:  # a prefix that has landed whole is imported now: its prefill runs unstaged
                 inc = c.seq.incoming
-                if inc is not None and inc.pending and inc.recv.layers_landed(self.layout.num_layers) \
+                if inc is not None and inc.pending and inc.landed \
                         and inc.take(self, self.layout.num_layers, c.seq.slot):
                     c.seq.incoming = None
             due = [(c.seq.handoff, c.seq) for c in plan.prefills if c.last and c.seq.handoff is not None]

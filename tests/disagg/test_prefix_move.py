@@ -229,7 +229,7 @@ def test_a_prefix_landed_whole_before_its_prefill_runs_unstaged(checkpoint_dir):
         for k in range(L):
             h.export(k)
         mover.feeder.put(h.sender, [], {"token": None})
-        until(lambda: inc.recv.layers_landed(L), "the prefix did not land")
+        until(lambda: inc.landed, "the prefix did not land")
         stages, prefill = [], dst.runner.prefill
         dst.runner.prefill = lambda rows, st=None, *a, **kw: (stages.append(st), prefill(rows, st, *a, **kw))[1]
         dst.step()  # the arrival is not run yet: the prefix is still the request's IncomingPrefix
