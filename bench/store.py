@@ -1,17 +1,19 @@
 """The global KV store live: TTFT of a prefill whose prefix comes from the store, against the same prefix already
 in the prefill instance's own cache, and against no cached prefix at all, over prompt lengths.
 
-Cluster (real worker processes, the bench-size llama of bench/families.py): prefill instances p0 and p1 on core
-0, decode d0 and the store s0 on core 1. Per prefix share r (`--hits`: BanaServe's evaluation assumes r = 0.5;
+Cluster (real worker processes, the bench-size llama of bench/families.py): prefill instances p0-p3 on core 0,
+decode d0 and the store s0 on core 1. Per prefix share r (`--hits`: BanaServe's evaluation assumes r = 0.5;
 0.97 leaves the prefill almost nothing to compute), prompt length L and repetition, a fresh prefix S of r x L
 tokens (whole blocks) and three requests of S plus L - |S| fresh tokens, one output token each:
   cold   on p0, nothing cached (its prompt then goes to the store: the router writes it back after the prefill)
 then, in an order that rotates with the repetition (an instance that ran last runs faster on a shared core):
   local  on p0 again, once the store holds S: the prefix is in p0's own cache
-  store  on p1, which has never seen S: the router loads S from the store into p1 (Import on p1, Export on s0),
-         starting with the placement, beside d0's reservation, and p1 computes the rest over it as it lands,
-         layer group by layer group (the pipelined load)
-  store_serial  the same on p2, but the load first and then the prefill (the pipeline's baseline)
+  store  on p1, which has never seen S: the router leases S on the store beside d0's reservation, and p1 copies
+         its blocks out of the store's shared pool (the same host) into its own cache before its prefill
+  store_tcp  on p2, S over the transfer layer as between hosts: the router loads S from the store into p2
+         (Import on p2, Export on s0), starting with the placement, beside d0's reservation, and p2 computes the
+         rest over it as it lands, layer group by layer group (the pipelined load)
+  store_serial  the same on p3, but the load first and then the prefill (the pipeline's baseline)
 TTFT is the router's (arrival to first token). The bench's policy object pins each request to its instance.
 
     python -m bench.store --json bench/results/store.json
@@ -35,7 +37,7 @@ def config(path: str, max_len: int) -> dict:
                            warmup=True),
             "clusters": [{"name": "pd", "instances": [
                 {"name": "p0", "role": "prefill", "cpus": [0]}, {"name": "p1", "role": "prefill", "cpus": [0]},
-                {"name": "p2", "role": "prefill", "cpus": [0]},
+                {"name": "p2", "role": "prefill", "cpus": [0]}, {"name": "p3", "role": "prefill", "cpus": [0]},
                 {"name": "d0", "role": "decode", "cpus": [1]},
                 {"name": "s0", "role": "store", "cpus": [1], "kv_blocks": 4096}]}],
             "transfer": {"token": "bench-store", "layers_per_group": 2, "deadline_s": 60},
@@ -91,18 +93,19 @@ def main(argv=None):
         out = {}
         bar = tqdm(total=len(hits) * len(lengths) * a.reps, desc="store", unit="rep")
 
-        async def ttft(rid, prompt, on, from_store=False, overlap=True):
+        async def ttft(rid, prompt, on, from_store=False, overlap=True, shared=True):
             # the router writes each prompt to the store after its prefill: that copy runs before, not during
             await asyncio.gather(*list(cluster._store_tasks))
             pol.on, pol.from_store, pol.overlap = on, from_store, overlap
+            cluster.shared_loads = shared
             u = await finish(await cluster.add(rid, prompt, params))
             return u.ttft_s, u.route or {}
 
         await ttft("warm", [int(x) for x in rng.integers(1, 1000, 64)], "p1")  # first calls: connections
         for r, L in [(r, L) for r in hits for L in lengths]:
             prefix = int(r * L) // 16 * 16
-            rows = {"cold": [], "local": [], "store": [], "store_serial": []}
-            moved = {"store": [], "store_serial": []}
+            rows = {"cold": [], "local": [], "store": [], "store_tcp": [], "store_serial": []}
+            moved = {"store": [], "store_tcp": [], "store_serial": []}
             for k in range(a.reps):
                 S = [int(x) for x in rng.integers(1, 1000, prefix)]
                 fresh = lambda: [int(x) for x in rng.integers(1, 1000, L - prefix)]  # noqa: E731
@@ -114,21 +117,24 @@ def main(argv=None):
                     if time.monotonic() > deadline:
                         raise RuntimeError(f"the store did not get the {prefix}-token prefix: {cluster.store_puts}")
                     await asyncio.sleep(0.05)
-                runs = [("local", "p0"), ("store", "p1"), ("store_serial", "p2")]
-                for how, on in runs[k % 3:] + runs[:k % 3]:  # each goes first, second, third in turn
+                runs = [("local", "p0"), ("store", "p1"), ("store_tcp", "p2"), ("store_serial", "p3")]
+                for how, on in runs[k % 4:] + runs[:k % 4]:  # each goes first, second, ... in turn
                     if how == "local":
                         t, _ = await ttft(f"L{L}-{k}-local", probe, "p0")
                         rows["local"].append(t)
                         continue
-                    t, route = await ttft(f"L{L}-{k}-{how}", S + fresh(), on, True, how == "store")
-                    if (route.get("prefix_move") or {}).get("tokens") != prefix:
-                        raise RuntimeError(f"the prefix did not come from the store: {route}")
+                    t, route = await ttft(f"L{L}-{k}-{how}", S + fresh(), on, True, how != "store_serial",
+                                          how == "store")
+                    mv = route.get("prefix_move") or {}
+                    if mv.get("tokens") != prefix or mv.get("via") != ("shared" if how == "store" else "transfer"):
+                        raise RuntimeError(f"the prefix did not come from the store as {how} asks: {route}")
                     rows[how].append(t)
                     moved[how].append(route["prefix_move"])
                 bar.update()
             med = {k: float(np.median(v)) for k, v in rows.items()}
             out[f"{r}/{L}"] = {"hit": r, "length": L, "prefix_tokens": prefix, "ttft_s": rows, "median_s": med,
                            "store_over_local": med["store"] / med["local"],
+                           "tcp_over_local": med["store_tcp"] / med["local"],
                            "serial_over_local": med["store_serial"] / med["local"],
                            "cold_over_local": med["cold"] / med["local"],
                            "load_s_median": {k: float(np.median([m["seconds"] for m in v])) for k, v in moved.items()},
@@ -140,8 +146,9 @@ def main(argv=None):
     by = run(config(path, max(lengths)), go)
     result = {"benchmark": "store", "host": platform.node(), "wall_s": time.monotonic() - t0,
               "what": "TTFT (median of --reps) of one-token requests whose prefix is in the prefill instance's own "
-                      "cache (local), comes from the global KV store while the prefill runs (store) or before it "
-                      "(store_serial), or is cached nowhere (cold); "
+                      "cache (local), comes from the global KV store's shared pool on the same host (store), over "
+                      "the transfer layer while the prefill runs (store_tcp) or before it (store_serial), or is "
+                      "cached nowhere (cold); "
                       "bench-size llama, real worker processes, 2 cores",
               "by_hit_and_length": by}
     from bench.stamp import write
@@ -149,8 +156,9 @@ def main(argv=None):
     for r in by.values():
         m = r["median_s"]
         print(f"r {r['hit']:.2f} L {r['length']:>5d} (prefix {r['prefix_tokens']}, {r['load_kv_bytes'] / 1e6:.2f} MB): "
-              f"TTFT local {1e3 * m['local']:.1f} ms, store pipelined {1e3 * m['store']:.1f} ms "
-              f"({r['store_over_local']:.2f}x), store loaded first {1e3 * m['store_serial']:.1f} ms "
+              f"TTFT local {1e3 * m['local']:.1f} ms, store shared pool {1e3 * m['store']:.1f} ms "
+              f"({r['store_over_local']:.2f}x), store over TCP pipelined {1e3 * m['store_tcp']:.1f} ms "
+              f"({r['tcp_over_local']:.2f}x), loaded first {1e3 * m['store_serial']:.1f} ms "
               f"({r['serial_over_local']:.2f}x), cold {1e3 * m['cold']:.1f} ms ({r['cold_over_local']:.2f}x)")
     print(f"wrote {a.json}")
 

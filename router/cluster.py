@@ -79,18 +79,23 @@ class _Silent(Exception):
 
 @dataclass(eq=False)
 class _Load:
-    """A cached prefix the router copies from its holder (the global KV store) into a placement's prefill
+    """A cached prefix the router loads from its holder (the global KV store) into a placement's prefill
     instance, started with the placement so that the fetch overlaps the decode reservation (BanaServe's pipelined
-    load): the Import stream on the prefill instance reserves the blocks (`reserved`: its reservation, None when
-    none was made), the holder's Export sends into them, and the Prefill call names the Import (`import_id`), so
-    that the prefill computes over the prefix as it lands. `task` ends once the prefix is cached there."""
+    load). Over the transfer layer: the Import stream on the prefill instance reserves the blocks (`reserved`:
+    its reservation, None when none was made), the holder's Export sends into them, and the Prefill call names
+    the Import (`import_id`), so that the prefill computes over the prefix as it lands; `task` ends once the
+    prefix is cached there. From the store's shared pool on the prefill instance's host (`shared`): the store
+    leases the prefix's blocks (`reserved`: the lease, {"blocks", "row", "kv_bytes"}), the Prefill call names
+    them and the prefill instance copies them in place; `task` ends with the lease, which is released once the
+    prefill has run (`_drop_load`)."""
     src: str
     dst: str
     tokens: int
-    import_id: str
+    import_id: str  # the Import's id, or the lease's
     reserved: asyncio.Future
+    shared: bool = False
     task: asyncio.Future | None = None
-    sent: dict | None = None  # Export's transfer numbers
+    sent: dict | None = None  # Export's transfer numbers (shared: {"kv_bytes"})
     seconds: float = 0.0  # from the start to the prefix cached (or the failure)
     error: str | None = None
 
@@ -178,6 +183,9 @@ class Router:
         self.prefix_moves = {"done": 0, "failed": 0, "bytes": 0}  # cached prefixes moved between instances
         self.store_puts = {"done": 0, "failed": 0, "bytes": 0}  # prefixes written to the global KV store
         self._store_tasks: set[asyncio.Task] = set()
+        # a prefix the store holds is read from its shared pool where the prefill instance runs on its host
+        # (cache/shared_pool.py), else sent over the transfer layer; False: always sent (bench/store compares them)
+        self.shared_loads = cfg.transfer.shared_memory
         self.kv_bytes_per_token: float | None = None  # measured on the transfers so far
         self._clients: dict[str, rpc.Client] = {}
         self._control: ControlServer | None = None
@@ -660,12 +668,20 @@ class Router:
             return  # _move_prefix counts the move failed
         tokens = (s.prompt + s.output)[:mv.tokens]
         ld = _Load(src.name, dst.name, len(tokens), f"{s.rid}.{s.serial + 1}.prefix",
-                   asyncio.get_running_loop().create_future())
+                   asyncio.get_running_loop().create_future(),
+                   shared=self.shared_loads and dst.shares_host_pool(src)
+                   and self.cfg.link(self.topology.cluster(src.name), self.topology.cluster(dst.name)) is None)
 
         async def run():
             t0 = time.monotonic()
             try:
-                ld.sent = await self._copy_prefix(src, dst, tokens, ld.import_id, ld.reserved)
+                if ld.shared:
+                    lease = await self._watch(src, self._client(src).call(
+                        "Lease", {"request_id": ld.import_id, "prompt": tokens}, timeout=self.cfg.transfer.deadline_s))
+                    ld.reserved.set_result(lease)
+                    ld.sent = {"kv_bytes": int(lease["kv_bytes"])}
+                else:
+                    ld.sent = await self._copy_prefix(src, dst, tokens, ld.import_id, ld.reserved)
             except (grpc.aio.AioRpcError, _Silent, StopAsyncIteration, KeyError, TypeError, ValueError) as e:
                 ld.error = _why(e)
             finally:
@@ -675,15 +691,29 @@ class Router:
         ld.task = asyncio.ensure_future(run())
         s.load = ld
 
-    @staticmethod
-    def _drop_load(s: _Sub) -> None:
+    def _drop_load(self, s: _Sub) -> None:
         """Stop the sequence's pipelined load, if still running (its Import stream closes: the prefill instance
-        releases the blocks)."""
-        if s.load is not None:
-            s.load.task.cancel()
-            if not s.load.reserved.done():  # a task cancelled before it ran sets nothing
-                s.load.reserved.set_result(None)
-            s.load = None
+        releases the blocks), and let go of its lease on the store (in the background: the store also lets go
+        of it at the transfer deadline)."""
+        ld, s.load = s.load, None
+        if ld is None:
+            return
+        ld.task.cancel()
+        if not ld.reserved.done():  # a task cancelled before it ran sets nothing
+            ld.reserved.set_result(None)
+        src = self.registry.get(ld.src)
+        # a lease granted, or asked for and not yet answered (the answer may be on its way; a store that has not
+        # granted it yet sees the Lease call cancelled and lets go itself): released by its id
+        if ld.shared and ld.error is None and src is not None:
+            async def release():
+                try:
+                    await self._client(src).call("Release", {"lease": ld.import_id}, timeout=5.0)
+                except grpc.aio.AioRpcError as e:
+                    log.info("releasing lease %s on %s failed (%s); it expires", ld.import_id, src.name, _why(e))
+                finally:
+                    self._store_tasks.discard(task)
+            task = asyncio.ensure_future(release())
+            self._store_tasks.add(task)
 
     async def _move_prefix(self, s: _Sub, p: WorkerInfo) -> dict | None:
         """Copy the cached prefix the placement names (`move_prefix`: PrfaaS 3.4.3's longer prefix held in the
@@ -703,6 +733,10 @@ class Router:
         if mv.overlap:
             ld = s.load
             if ld is not None and ld.dst == p.name and await ld.reserved is not None:
+                if ld.shared:
+                    lease = ld.reserved.result()
+                    return {"shared": {"instance": ld.src, "blocks": lease["blocks"], "row": lease["row"]},
+                            "tokens": ld.tokens}
                 return {"import_id": ld.import_id, "tokens": ld.tokens}
             self.prefix_moves["failed"] += 1
             log.warning("%s: %s could not take the %d-token prefix from %s (%s); it prefills without it", s.rid,
@@ -716,7 +750,7 @@ class Router:
             log.warning("%s: moving the %d-token prefix %s -> %s failed (%s); %s prefills without it",
                         s.rid, len(tokens), src.name, p.name, _why(e), p.name)
             return None
-        self._moved(s, src.name, p.name, len(tokens), int(sent["kv_bytes"]), time.monotonic() - t0)
+        self._moved(s, src.name, p.name, len(tokens), int(sent["kv_bytes"]), time.monotonic() - t0, via="transfer")
         return None
 
     def _moved(self, s: _Sub, src: str, dst: str, tokens: int, kv_bytes: int, seconds: float, **more) -> None:
@@ -821,7 +855,9 @@ class Router:
                             ld.tokens, ld.src, error)
             else:
                 self._moved(s, ld.src, p.name, ld.tokens, int(ld.sent["kv_bytes"]), ld.seconds, overlapped=True,
-                            streamed_groups=(res.get("prefix") or {}).get("streamed_groups"))
+                            streamed_groups=(res.get("prefix") or {}).get("streamed_groups"),
+                            via="shared" if ld.shared else "transfer")
+            self._drop_load(s)  # the prefill has run: a lease on the store is let go
         p.served += 1
         s.prefill, s.kv_bytes, s.kv_backend = p.name, int(res["kv_bytes"]), res.get("backend")
         self.kv_bytes_transferred += s.kv_bytes

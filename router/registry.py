@@ -71,6 +71,8 @@ class WorkerInfo:
     shm: dict | None = None  # decode: its shared-memory receive pool {"name", "boot", "bytes"}
     pull: bool = False  # decode: takes device pulls
     pull_address: str | None = None  # prefill: its JAX transfer server
+    pool: dict | None = None  # store: its shared KV pool (cache/shared_pool.py; "boot": its host)
+    reads_pool: bool = False  # prefill: copies prefixes out of a store's shared pool on its host
     last_seen: float = 0.0
     down_reason: str | None = None  # set while marked down by a failed call
     draining: bool = False  # a role change is under way: no new work is placed here
@@ -85,7 +87,13 @@ class WorkerInfo:
     def peer(self) -> dict:
         """This instance's entry in the peer table."""
         return {"role": self.role, "pid": self.pid, "address": self.address, "kv_address": list(self.kv_address) if self.kv_address else None,
-                "shm": self.shm, "pull": self.pull, "pull_address": self.pull_address}
+                "shm": self.shm, "pull": self.pull, "pull_address": self.pull_address, "pool": self.pool}
+
+    def shares_host_pool(self, store: "WorkerInfo") -> bool:
+        """Whether this instance can read `store`'s shared KV pool in place: it reads such pools, and its receive
+        pool's host is the store's."""
+        return (self.reads_pool and store.pool is not None and self.shm is not None
+                and store.pool.get("boot") == self.shm.get("boot"))
 
 
 class Registry:
@@ -134,6 +142,7 @@ class Registry:
             w.links = dict(msg.get("links") or {})
             w.shm = dict(msg["shm"]) if msg.get("shm") else None
             w.pull, w.pull_address = bool(msg.get("pull")), msg.get("pull_address")
+            w.pool, w.reads_pool = (dict(msg["pool"]) if msg.get("pool") else None), bool(msg.get("reads_pool"))
             w.last_seen = self.now()
             w.down_reason = None
         return w

@@ -229,7 +229,9 @@ class ModelRunner:
         self._io = DeviceIO()
         self.mask_words = words(vocab_size)  # a row of a next-token bitmask
         self._free: dict[int, jax.Array] = {}  # rows -> every token allowed (no row constrained)
-        full = [i for i, gl in enumerate(layout.groups) if gl.kind == "full"]
+        full = self._full = [i for i, gl in enumerate(layout.groups) if gl.kind == "full"]
+        self.shared = None  # cache/shared_pool.py SharedPool: the pool lives in it (`share_pool`)
+        self._reads: list[jax.Array] = []  # with `shared`: export results not yet known computed
         # read back whole on the host (replicated: a multi-host instance's leader holds only its own heads)
         self._read_blocks = jax.jit(lambda pool, ids: [pool[i][ids] for i in full],
                                     **({} if mesh is None else {"out_shardings": sharding}))
@@ -506,6 +508,10 @@ class ModelRunner:
 
     def write_blocks(self, ids: list[int], data: list[list[np.ndarray]]) -> None:
         """Write `read_blocks`-shaped KV into blocks `ids`."""
+        if self.shared is not None:
+            self._writable()
+            self.shared.write_blocks(self._full, ids, data)
+            return
         n = len(ids)
         B = pow2_bucket(n, 1, self.layout.num_blocks)
         padded = np.full(B, self.layout.num_blocks, np.int32)  # padding rows are dropped
@@ -516,14 +522,39 @@ class ModelRunner:
                 v[i] = a
         self.pool = self._write_blocks(self.pool, jnp.asarray(padded), vals)
 
+    def share_pool(self):
+        """Move the pool into shared memory (the global KV store, whose prefill instances on this host then read
+        it in place: cache/shared_pool.py) -> the SharedPool. From then on the pool is only read by programs;
+        `import_kv` and `write_blocks` store into it with numpy once the reads dispatched before are done. Only
+        for a pool on one device that no model step writes."""
+        from ..cache.shared_pool import SharedPool
+        if len(jax.tree.leaves(self.pool)[0].sharding.device_set) > 1:
+            raise ValueError("a shared pool is kept on one device")
+        self.shared = SharedPool.create(self.layout, jnp.dtype(self.dtype).name)
+        self.pool = self.shared.views()
+        return self.shared
+
+    def _writable(self) -> None:
+        """Shared pool: wait until the programs dispatched on it have read it (a block they read may be written
+        next)."""
+        jax.block_until_ready(self._reads)
+        self._reads = []
+
     def export_kv(self, staging, layer_group: int, blocks: list[int], row: int) -> list[tuple[int, jax.Array]]:
         """A request's staged KV for one layer group (dispatched; read before any later step writes the pool)."""
-        return self._io.export(self.pool, staging, layer_group, blocks, row)
+        items = self._io.export(self.pool, staging, layer_group, blocks, row)
+        if self.shared is not None:
+            self._reads = [x for x in self._reads if not x.is_ready()] + [x for _, x in items]
+        return items
 
     def import_kv(self, staging, views: list[np.ndarray], blocks: list[int], row: int, layer_groups=None,
                   wait: bool = True) -> None:
         """Write received staged KV into `blocks` and state row `row` (layer_groups: only those of these layer
         groups); returns once the views may be reused (wait False: once dispatched; `settle` waits)."""
+        if self.shared is not None:  # numpy stores: done when this returns
+            self._writable()
+            self.shared.import_(staging, views, blocks, row, layer_groups)
+            return
         self.pool = self._io.import_(self.pool, staging, views, blocks, row, self.layout.num_blocks, layer_groups)
         if wait:
             self.settle()

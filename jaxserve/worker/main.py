@@ -138,6 +138,15 @@ class Worker:
             print(f"{inst.name}: waiting for the group's {group.group.size - 1} other processes", flush=True)
             group.accept()
             self.llm.runner = Lockstep(self.llm.runner, group)
+        # the global KV store keeps its pool in shared memory, where prefill instances on its host read it in
+        # place (cache/shared_pool.py); a prefill instance on one CPU device reads such pools (an accelerator's
+        # pool would copy them over its host link: it takes them over the transfer layer)
+        single = group is None and _one_cpu_device(self.llm.runner.pool)
+        self.shared_pool = self.llm.runner.share_pool() if (
+            inst.role == "store" and cfg.transfer.shared_memory and single) else None
+        self.reads_pool = single and cfg.transfer.shared_memory
+        self._pools: dict = {}  # a store instance's name -> its SharedPool, mapped here
+        self._leases: dict[str, tuple] = {}  # lease id -> (blocks, row, expiry timer): prefixes held for readers
         if cfg.engine.warmup:
             print(f"{inst.name}: compiling the step programs (engine.warmup)", flush=True)
             print(f"{inst.name}: {self._warm(inst.role, progress)} programs compiled", flush=True)
@@ -369,7 +378,9 @@ class Worker:
                 "max_model_len": self.llm.max_model_len, "stats": stats, "links": links, "shm": shm,
                 "pull": self.intake.server.puller is not None,
                 "pull_address": self.pull_server.address if self.pull_server and self.role != "decode" else None,
-                "request_state": self.llm.scheduler.cfg.has_request_state}
+                "request_state": self.llm.scheduler.cfg.has_request_state,
+                "pool": {**self.shared_pool.describe(), "boot": boot_id()} if self.shared_pool else None,
+                "reads_pool": self.reads_pool}
 
     async def _updates(self, q, rid):
         """The request's Updates as stream messages until it finishes; leaving early aborts it."""
@@ -455,6 +466,8 @@ class Worker:
 
     async def prefill(self, req, ctx):
         import grpc
+        from transfer.plan import layer_groups
+        from transfer.segments import OutOfBlocks
         from ..disagg.prefill_side import Handoff
         from ..engine.client import RequestError
         if self.role in ("decode", "store"):
@@ -470,6 +483,12 @@ class Worker:
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
         prompt = list(req.prompt)[:kv]
         over = []  # the IncomingPrefix the prefill runs over (none when that Import has ended)
+        shared, missed = None, None  # the store's SharedPool the prefix is read from; why it is not
+        if pf is not None and pf.shared:
+            shared, missed = self._pool_of(pf.shared.instance)
+            if shared is not None and not shared.holds(self.llm.layout, pf.shared.blocks, pf.shared.row):
+                await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prefix_from.shared: blocks or row outside "
+                                                                  f"{pf.shared.instance!r}'s pool")
         try:
             params = req.params.sampling()
             link, shm_base = self._link_to(peer, dst)
@@ -477,7 +496,17 @@ class Worker:
                               request_id=rid, shm_base=shm_base)
 
             def add(eng):
-                inc = self.intake.prefixes.get(pf.import_id) if pf is not None else None
+                nonlocal missed
+                if shared is not None:  # read from the store's shared pool into the prefix cache first
+                    try:
+                        # staged in the layer groups the import programs were warmed with (_warm)
+                        groups = layer_groups(self.llm.layout.num_layers, self.cfg.transfer.layers_per_group)
+                        if not eng.load_prefix(prompt[:pf.tokens], shared, list(pf.shared.blocks), pf.shared.row,
+                                               groups):
+                            missed = "no snapshot row free for the prefix's state"
+                    except OutOfBlocks as e:
+                        missed = f"no room for the prefix: {e}"
+                inc = self.intake.prefixes.get(pf.import_id) if pf is not None and pf.import_id else None
                 if inc is not None and inc.tokens != prompt[:pf.tokens]:
                     raise RequestError(f"prefix_from.import_id: {pf.import_id!r} carries another prefix than the "
                                        f"prompt's first {pf.tokens} tokens")
@@ -504,9 +533,11 @@ class Worker:
             yield {"first": dataclasses.asdict(dataclasses.replace(u, finished=False, finish_reason=None))}
         sent = await self._sent(sender, ctx)
         prefix = None
-        if pf is not None:  # what arrived while the prefill ran (none: the Import had ended before it began)
+        if pf is not None and pf.shared:  # read from the store's shared pool (or, failing that, computed)
+            prefix = {"tokens": pf.tokens, "streamed_groups": 0, "error": missed, "via": "shared"}
+        elif pf is not None:  # what arrived while the prefill ran (none: the Import had ended before it began)
             prefix = {"tokens": pf.tokens, "streamed_groups": len(over[0].imported) if over else 0,
-                      "error": over[0].error if over else None}
+                      "error": over[0].error if over else None, "via": "transfer"}
         yield {**sent, "token": u.token_ids[0] if u.token_ids and handoff.sample else None, "ttft_s": u.ttft_s,
                **({"prefix": prefix} if prefix is not None else {})}
 
@@ -516,6 +547,8 @@ class Worker:
         if pf.tokens % bs or pf.tokens >= kv:
             return (f"prefix_from.tokens: {pf.tokens} is not whole blocks of {bs} tokens shorter than the "
                     f"{kv} tokens prefilled")
+        if pf.shared is not None and len(pf.shared.blocks) != pf.tokens // bs:
+            return f"prefix_from.shared.blocks: {len(pf.shared.blocks)} blocks do not hold {pf.tokens} tokens"
         return None
 
     def _link_to(self, peer: dict, dst):
@@ -556,8 +589,10 @@ class Worker:
 
         def on_done(error):  # engine thread
             loop.call_soon_threadsafe(lambda: done.done() or done.set_result(error))
-        # as the layer groups a prefill over it runs (a Prefill naming this Import computes over it as it lands)
-        groups = layer_groups(self.llm.layout.num_layers, self.cfg.transfer.layers_per_group)
+        # as the layer groups a prefill over it runs (a Prefill naming this Import computes over it as it lands);
+        # a prefix shorter than transfer.stream_min_tokens lands whole before that prefill runs, unstaged: its
+        # per-group programs and imports would cost more than the fetch they hide
+        groups = layer_groups(self.llm.layout.num_layers, self.cfg.transfer.groups_of(len(tokens)))
         try:
             blocks, skip = await self.engine.call(lambda eng: self.intake.reserve_prefix(
                 rid, tokens, on_done, req.deadline_s, groups if len(groups) > 1 else None))
@@ -608,6 +643,88 @@ class Worker:
             await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION,
                             f"{self.inst.name} no longer holds the {len(tokens)}-token prefix")
         return await self._sent(handoff.sender, ctx)
+
+    # ---- the store's shared pool (cache/shared_pool.py): leases for its readers on this host
+    async def lease(self, req, ctx):
+        """Lease: hold the prefix `prompt` of this store's prefix cache for a reader of its shared pool on this
+        host -> {"blocks", "row", "kv_bytes"}, until Release names it or for transfer.deadline_s (a reader that
+        died frees nothing twice). FAILED_PRECONDITION when the prefix is not held (any more) or there is no
+        shared pool here."""
+        import grpc
+        from transfer.receiver import region_bytes
+        from ..engine.client import RequestError
+        lid, tokens = req.request_id, list(req.prompt)
+        if self.shared_pool is None:
+            await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.inst.name} has no shared KV pool")
+        if lid in self._leases:
+            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: lease {lid!r} is held already")
+        taken: list = []  # what the engine thread leased (it runs to the end even once this call is cancelled)
+
+        def take(eng):
+            taken.append(eng.lease_prefix(tokens))
+            return taken[0]
+        try:
+            got = await self.engine.call(take)
+        except (RequestError, ValueError) as e:
+            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except asyncio.CancelledError:  # the caller gave up: queued after `take`, this lets go of what it took
+
+            def let_go():
+                if taken and taken[0] is not None:
+                    self.llm.end_lease(*taken[0])
+                return []
+            self.engine.post(let_go)
+            raise
+        if got is None:
+            await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                            f"{self.inst.name} no longer holds the {len(tokens)}-token prefix")
+        blocks, row = got
+        if lid in self._leases:  # the same id leased twice at once: the second lets go
+            self.engine.post(lambda: self.llm.end_lease(blocks, row) or [])
+            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: lease {lid!r} is held already")
+        expiry = asyncio.get_running_loop().call_later(self.cfg.transfer.deadline_s, self._end_lease, lid, "expired")
+        self._leases[lid] = (blocks, row, expiry)
+        return {"blocks": blocks, "row": row,
+                "kv_bytes": region_bytes(self.llm.layout, self.llm.dtype_name, len(tokens), 0)}
+
+    def _end_lease(self, lid: str, why: str) -> bool:
+        """Let go of lease `lid` (asyncio loop) -> whether it was held."""
+        held = self._leases.pop(lid, None)
+        if held is None:
+            return False
+        blocks, row, expiry = held
+        expiry.cancel()
+        if why != "released":
+            log.warning("%s: lease %s %s", self.inst.name, lid, why)
+        self.engine.post(lambda: self.llm.end_lease(blocks, row) or [])
+        return True
+
+    async def release(self, req, ctx):
+        """Release: the reader is done with lease `lease` -> {"released": whether it was held}."""
+        return {"released": self._end_lease(req.lease, "released")}
+
+    def _pool_of(self, instance: str):
+        """Store `instance`'s shared pool, mapped here on first use -> (SharedPool, None), or (None, why not) when
+        the peer table has no such pool on this host or it does not fit this instance's pool."""
+        from transfer.shm import same_host
+        from ..cache.shared_pool import SharedPool
+        peer = self.peers.get(instance)
+        desc = (peer or {}).get("pool")
+        if not self.reads_pool or peer is None or peer.get("role") != "store" or not desc:
+            return None, f"prefix_from.shared.instance: {instance!r} is not a store with a shared pool"
+        if not same_host(desc.get("boot")):
+            return None, f"prefix_from.shared.instance: {instance!r} runs on another host"
+        got = self._pools.get(instance)
+        if got is None or got.name != desc["name"]:  # first use, or the store restarted with a new segment
+            if got is not None:
+                got.close()
+            try:
+                got = SharedPool.attach(desc, self.llm.layout, self.llm.dtype_name)
+            except (OSError, ValueError) as e:
+                self._pools.pop(instance, None)
+                return None, f"prefix_from.shared.instance: {instance!r}: {e}"
+            self._pools[instance] = got
+        return got, None
 
     # ---- migration (engine/migration.py)
     async def migrate(self, req, ctx):
@@ -712,7 +829,8 @@ class Worker:
         self._idle = asyncio.Event()
         self._idle.set()
         unary = {"Health": self.health, "SetLink": self.set_link, "SetRole": self.set_role,
-                 "Export": self._counted(self.export_prefix, False), "Migrate": self.migrate}
+                 "Export": self._counted(self.export_prefix, False), "Migrate": self.migrate,
+                 "Lease": self._counted(self.lease, False), "Release": self.release}
         streams = {name: self._counted(fn, True) for name, fn in (
             ("Decode", self.decode), ("Generate", self.generate), ("Prefill", self.prefill),
             ("Import", self.import_prefix))}
@@ -765,6 +883,16 @@ class Worker:
             self.feeder.close()
         self.intake.close()
         self.engine.shutdown()
+        for pool in self._pools.values():
+            pool.close()
+        if self.shared_pool is not None:
+            self.shared_pool.close()
+
+
+def _one_cpu_device(pool) -> bool:
+    import jax
+    devices = jax.tree.leaves(pool)[0].sharding.device_set
+    return len(devices) == 1 and next(iter(devices)).platform == "cpu"
 
 
 def die_with_parent(parent_pid: int) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, StrictBool, StrictInt, StrictStr, model_validator
 
 from ..cache.events import KINDS
 from ..sampling import SamplingParams
@@ -108,11 +108,27 @@ class Reservation(_Msg):
     pull: StrictBool = False
 
 
+class SharedPrefix(_Msg):
+    """A prefix leased in the shared pool of the global KV store `instance` on this host (its segment comes from
+    the peer table): its blocks there and the state row at its end."""
+    instance: Name
+    blocks: Annotated[list[Annotated[StrictInt, Field(ge=0, lt=1 << 31)]], Field(min_length=1, max_length=MAX_BLOCKS)]
+    row: StrictInt = Field(ge=0, lt=1 << 31)
+
+
 class PrefixFrom(_Msg):
-    """A cached prefix (the prompt's first `tokens`, whole blocks) arriving into this instance through the Import
-    stream `import_id` (the router's load from the global KV store) while the prefill runs over it."""
-    import_id: Name
+    """A cached prefix (the prompt's first `tokens`, whole blocks) from the global KV store (the router's load):
+    arriving into this instance through the Import stream `import_id` while the prefill runs over it, or read
+    from the store's shared pool on this host (`shared`). Exactly one of the two."""
+    import_id: Name | None = None
+    shared: SharedPrefix | None = None
     tokens: StrictInt = Field(ge=1, le=MAX_TOKENS)
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.import_id is None) == (self.shared is None):
+            raise ValueError("prefix_from names exactly one of import_id and shared")
+        return self
 
 
 class Prefill(_Request):
@@ -134,6 +150,32 @@ class Export(_Msg):
     request_id: Name
     prompt: Annotated[Ids, Field(min_length=1)]
     dst: Reservation
+
+
+class Lease(_Msg):
+    """Hold a prefix of the store's prefix cache (whole blocks) for a reader of its shared pool on this host
+    until Release or the transfer deadline; `request_id` names the lease."""
+    request_id: Name
+    prompt: Annotated[Ids, Field(min_length=1)]
+
+
+class Release(_Msg):
+    lease: Name
+
+
+class PoolLeaf(_Msg):
+    offset: StrictInt = Field(ge=0, lt=1 << 48)
+    shape: Annotated[list[Annotated[StrictInt, Field(ge=0, lt=1 << 31)]], Field(max_length=8)]
+    dtype: Literal["float32", "uint16"]
+
+
+class PoolInfo(_Msg):
+    """The global KV store's shared pool (cache/shared_pool.py SharedPool.describe, and the host's boot id)."""
+    name: Annotated[StrictStr, Field(min_length=1, max_length=255, pattern=r"^[A-Za-z0-9._-]+$")]
+    boot: Annotated[StrictStr, Field(max_length=255)]
+    bytes: StrictInt = Field(ge=0)
+    signature: Annotated[StrictStr, Field(max_length=64)]
+    leaves: Annotated[list[PoolLeaf], Field(max_length=256)]
 
 
 class ShmInfo(_Msg):
@@ -179,6 +221,8 @@ class Register(_Msg):
                           Annotated[dict[Annotated[str, Field(max_length=64)], Scalar], Field(max_length=64)]],
                      Field(max_length=256)] = {}
     shm: ShmInfo | None = None  # its shared-memory receive pool
+    pool: PoolInfo | None = None  # a store's shared KV pool
+    reads_pool: StrictBool = False  # copies prefixes out of a store's shared pool on its host (one device)
     pull: StrictBool = False  # takes device pulls
     pull_address: Annotated[StrictStr, Field(max_length=512)] | None = None  # prefill: its JAX transfer server
     request_state: StrictBool = False  # the model has request-level state (prefixes reusable at snapshots only)
@@ -196,5 +240,6 @@ class Migrate(_Msg):
 
 
 WORKER = {"Health": Health, "Decode": Decode, "Prefill": Prefill, "Generate": Generate, "SetLink": SetLink,
-          "SetRole": SetRole, "Import": Import, "Export": Export, "Migrate": Migrate}
+          "SetRole": SetRole, "Import": Import, "Export": Export, "Migrate": Migrate, "Lease": Lease,
+          "Release": Release}
 ROUTER = {"Register": Register}

@@ -328,13 +328,15 @@ def test_worker_methods_refuse_callers_without_the_token_and_forged_destinations
                 out[dst["instance"], len(dst["blocks"])] = (e.value.code(), e.value.details())
             imp = p.stream("Import", {"request_id": "imp", "prompt": [7] * 4})  # a prefix arriving, not BASE's
             assert "reserved" in await imp.read()
+            shared = {"instance": "d0", "blocks": [0], "row": 0}  # a store's shared pool: blocks must hold tokens
             for pf in ({"import_id": "imp", "tokens": 4}, {"import_id": "imp", "tokens": 6},
-                       {"import_id": "imp", "tokens": 12}):
+                       {"import_id": "imp", "tokens": 12}, {"shared": shared, "tokens": 8},
+                       {"import_id": "imp", "shared": shared, "tokens": 4}):
                 with pytest.raises(grpc.aio.AioRpcError) as e:  # the prefix it runs over: which, how much
                     await p.stream("Prefill", {"request_id": "forged", "prompt": BASE[:9], "params": GREEDY,
                                                "kv_tokens": 9, "dst": {"instance": "d0", "blocks": [0, 1, 2],
                                                                        "skip": 0}, "prefix_from": pf}).read()
-                out["from", pf["tokens"]] = (e.value.code(), e.value.details())
+                out["from", pf["tokens"], *pf] = (e.value.code(), e.value.details())
             imp.cancel()  # the reservation is released
             for _ in range(100):
                 health = await p.call("Health", {})
@@ -353,8 +355,12 @@ def test_worker_methods_refuse_callers_without_the_token_and_forged_destinations
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "not a decode instance" in why
     code, why = out["d0", 1]
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "dst.blocks" in why
-    for key, why in ((("from", 4), "prefix_from.import_id: 'imp' carries another prefix than the prompt's first 4"),
-                     (("from", 6), "prefix_from.tokens: 6 is not whole blocks"),
-                     (("from", 12), "prefix_from.tokens: 12 is not whole blocks of 4 tokens shorter than")):
+    for key, why in ((("from", 4, "import_id", "tokens"),
+                      "prefix_from.import_id: 'imp' carries another prefix than the prompt's first 4"),
+                     (("from", 6, "import_id", "tokens"), "prefix_from.tokens: 6 is not whole blocks"),
+                     (("from", 12, "import_id", "tokens"),
+                      "prefix_from.tokens: 12 is not whole blocks of 4 tokens shorter than"),
+                     (("from", 8, "shared", "tokens"), "prefix_from.shared.blocks: 1 blocks do not hold 8 tokens"),
+                     (("from", 4, "import_id", "shared", "tokens"), "exactly one of import_id and shared")):
         assert out[key][0] == grpc.StatusCode.INVALID_ARGUMENT and why in out[key][1], (key, out[key])
     assert health["stats"]["blocks_used"] == 0 and health["stats"]["running"] == 0

@@ -285,6 +285,11 @@ def test_policies_store_and_controller_on_a_live_cluster(checkpoint_dir):
     prompts = [shared + [60 + i, 61, 62] for i in range(3)] + [[(11 * j) % 50 + 3 for j in range(3 * BS)] + [70]]
     got = {}
     with serving(cfg) as (client, cluster):
+        def until(cond, what, limit=120):
+            deadline = time.monotonic() + limit
+            while not cond():
+                assert time.monotonic() < deadline, (what, cluster.control_actions)
+                time.sleep(0.05)
         base = [tokens(complete(client, p)["choices"][0]) for p in short]
         for name, extra in (("round_robin", {}), ("cache_aware", {}), ("cache_aware", {"rule": "dynamo"}),
                             ("least_loaded", {})):
@@ -338,6 +343,10 @@ def test_policies_store_and_controller_on_a_live_cluster(checkpoint_dir):
         # pipelined: the prefill ran over the Import (the groups it took as they landed: 0 when the whole prefix
         # was in before it started, which the timing allows)
         assert meta["prefix_move"]["overlapped"] and meta["prefix_move"]["streamed_groups"] is not None, meta
+        # every process on this host: the prefill instance read the store's shared pool in place, and the store's
+        # lease on the prefix was let go once the prefill had run (no block of the store stays referenced)
+        assert meta["prefix_move"]["via"] == "shared", meta
+        until(lambda: cluster.registry.get("s0").stats.get("blocks_used") == 0, "the store's lease released", 10)
         assert meta["cached_tokens"] >= len(shared)
         # the controller: its flip is carried out, and requests keep succeeding
         assert "p2" not in cluster.registry.workers  # standby: not started with the cluster
@@ -350,11 +359,6 @@ def test_policies_store_and_controller_on_a_live_cluster(checkpoint_dir):
         flow.control = control
         cluster.policy = flow
 
-        def until(cond, what, limit=120):
-            deadline = time.monotonic() + limit
-            while not cond():
-                assert time.monotonic() < deadline, (what, cluster.control_actions)
-                time.sleep(0.05)
         until(lambda: sorted(w.role for w in cluster.registry.all()) == ["decode", "decode", "prefill", "store"]
               and not any(w.draining for w in cluster.registry.all()), "flip")
         assert cluster.control_actions[0]["instance"] == "p1" and cluster.control_count == 1

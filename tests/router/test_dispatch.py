@@ -26,14 +26,17 @@ class Fake:
     KV waits for `release`), `decode` in ok | full | invalid | garbage (a malformed update after the KV arrived)
     | die (the stream breaks after the first token) | hang (no reservation, no heartbeat: a stopped process)
     | after_import (the reservation waits until an Import was opened on any instance); `export` in ok | fail (a
-    store no longer holding the prefix). Import answers its reservation, then `imported` once an Export filled
-    it."""
+    store no longer holding the prefix; Lease too). Import answers its reservation, then `imported` once an
+    Export filled it. `shared`: a store advertises a shared KV pool, a prefill instance reads such pools (both on
+    this host)."""
 
-    def __init__(self, name, role, board, prefill="ok", decode="ok", export="ok"):
+    def __init__(self, name, role, board, prefill="ok", decode="ok", export="ok", shared=False):
         self.name, self.role, self.board = name, role, board
         self.prefill_mode, self.decode_mode, self.export_mode = prefill, decode, export
+        self.shared = shared
         self.opened, self.closed, self.prefills, self.generated = [], [], [], []
         self.imports, self.imports_closed, self.exports = [], [], []
+        self.leases, self.releases = [], []
         self.requests = []  # every Decode / Prefill / Generate message
         self.release = asyncio.Event()
         self.beating = True
@@ -41,14 +44,21 @@ class Fake:
     async def start(self):
         self.server = rpc.server(TOKEN)
         self.server.add_generic_rpc_handlers((rpc.handler(
-            {"Export": self.export}, {"Prefill": self.prefill, "Decode": self.decode, "Generate": self.generate,
+            {"Export": self.export, "Lease": self.lease, "Release": self.release_},
+            {"Prefill": self.prefill, "Decode": self.decode, "Generate": self.generate,
                                       "Import": self.import_}, messages.WORKER),))
         self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
         await self.server.start()
 
     def health(self):
+        shared = {}
+        if self.shared and self.role == "store":
+            shared = {"pool": {"name": "pool-s", "boot": "host-a", "bytes": 4096, "signature": "x", "leaves": []}}
+        elif self.shared:
+            shared = {"shm": {"name": f"recv-{self.name}", "boot": "host-a", "bytes": 4096}, "reads_pool": True}
         return {"name": self.name, "role": self.role, "address": self.address, "pid": 1, "max_model_len": 64,
-                "kv_address": ["127.0.0.1", 1] if self.role != "prefill" else None, "stats": {}, "links": {}}
+                "kv_address": ["127.0.0.1", 1] if self.role != "prefill" else None, "stats": {}, "links": {},
+                **shared}
 
     @staticmethod
     def output(req):
@@ -118,6 +128,16 @@ class Fake:
             await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.name} no longer holds the prefix")
         self.board.setdefault(("exported", req.request_id), asyncio.Event()).set()
         return {"kv_bytes": 4096, "frames": 1, "sends": 1, "resends": 0, "backend": "tcp"}
+
+    async def lease(self, req, ctx):
+        self.leases.append(req.request_id)
+        if self.export_mode == "fail":
+            await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.name} no longer holds the prefix")
+        return {"blocks": [9], "row": 3, "kv_bytes": 2048}
+
+    async def release_(self, req, ctx):
+        self.releases.append(req.lease)
+        return {"released": True}
 
     async def generate(self, req, ctx):
         req = req.model_dump()
@@ -383,11 +403,64 @@ def test_a_pipelined_load_from_the_store_starts_beside_the_decode_reservation(ex
             assert w["p0"].imports == ["r.1.prefix"] and w["d0"].opened == ["r.1"]
             assert w["s0"].exports == [("r.1.prefix", "p0", [5])]
             pre = w["p0"].requests[-1]
-            assert pre["prefix_from"] == {"import_id": "r.1.prefix", "tokens": 4}
+            assert pre["prefix_from"] == {"import_id": "r.1.prefix", "shared": None, "tokens": 4}
+            assert u.route["prefix_move"] is None or u.route["prefix_move"]["via"] == "transfer"
             assert w["p0"].imports_closed == ["r.1.prefix"]  # ended (imported), or closed by the router
             if export == "ok":
                 assert u.route["prefix_move"]["tokens"] == 4 and u.route["prefix_move"]["overlapped"]
                 assert u.route["prefix_move"]["kv_bytes"] == 4096 and ce.prefix_moves["done"] == 1
             else:
                 assert u.route["prefix_move"] is None and ce.prefix_moves["failed"] == 1
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("lease", ["ok", "fail", "busy"])
+def test_a_load_from_the_stores_shared_pool_is_leased_beside_the_reservation_and_released(lease):
+    """The store's shared pool on the prefill instance's host: the router leases the prefix on the store (no
+    Import, no Export), the Prefill call names the leased blocks and state row, and the lease is released once the
+    prefill has run. A lease refused (the store no longer holds the prefix) leaves the prefill to compute it; a
+    placement given up (decode busy, here until the request is refused) releases its lease: none is left held."""
+    from router.policy import Placement, PrefixMove
+
+    class FromStore:
+        name = "banaserve"
+
+        def state(self):
+            return {}
+
+        def place(self, snap):
+            if not any(i.name == "d0" for i in snap.of("decode")):  # busy: the router waits, then refuses
+                return Placement(None, None, "pd", "test: d0 is busy")
+            return Placement("d0", "p0", "pd", "test: from the store", PrefixMove("s0", 4, overlap=True), 2, "s0")
+
+    async def go():
+        async with cluster({"p0": ("prefill", {"shared": True}),
+                            "d0": ("decode", {"decode": "full" if lease == "busy" else "ok"}),
+                            "s0": ("store", {"export": lease, "shared": True})}) as (ce, w):
+            ce.policy = FromStore()
+            if lease == "busy":
+                with pytest.raises(QueueFull):
+                    await ce.add("r", [1, 2, 3, 4, 5, 6], GREEDY)
+            else:
+                u, = await result(await ce.add("r", [1, 2, 3, 4, 5, 6], GREEDY))
+                assert u.error is None and u.token_ids == [6, 0]
+            assert w["p0"].imports == [] and w["s0"].exports == []
+            assert w["s0"].leases and w["s0"].leases[0] == "r.1.prefix"
+            for _ in range(200):  # released in the background
+                if sorted(w["s0"].releases) == sorted(w["s0"].leases) or lease == "fail":
+                    break
+                await asyncio.sleep(0.01)
+            if lease == "ok":
+                assert w["p0"].requests[-1]["prefix_from"] == {
+                    "import_id": None, "shared": {"instance": "s0", "blocks": [9], "row": 3}, "tokens": 4}
+                mv = u.route["prefix_move"]
+                assert mv["via"] == "shared" and mv["tokens"] == 4 and mv["kv_bytes"] == 2048, mv
+                assert w["s0"].releases == ["r.1.prefix"] and ce.prefix_moves["done"] == 1
+            elif lease == "fail":
+                assert "prefix_from" not in w["p0"].requests[-1] or w["p0"].requests[-1]["prefix_from"] is None
+                assert u.route["prefix_move"] is None and ce.prefix_moves["failed"] == 1
+                assert w["s0"].releases == []
+            else:
+                assert len(w["s0"].leases) > 1 and sorted(w["s0"].releases) == sorted(w["s0"].leases)
+                assert w["p0"].prefills == []
     asyncio.run(go())
