@@ -17,8 +17,10 @@ Parts:
          decode d0 on core 1, the global KV store s0 on core 0; each prefill cache 128 blocks of 16 tokens (four
          480-token prefixes); prompts of one of 8 shared 480-token prefixes (Zipf 1.1) plus 16-64 tokens of their own, 8
          output tokens, Poisson arrivals at `--live-rate` for `--live-s` seconds per policy (the same arrivals,
-         prefix choices and lengths in every run, fresh token ids). cache_aware (SGLang's and Dynamo's rules) against banaserve over the store: TTFT, throughput, and
-         each prefill instance's busy fraction over time (its heartbeats).
+         prefix choices and lengths in every run, fresh token ids). cache_aware (SGLang's and Dynamo's rules)
+         against banaserve over the store (prefixes read from its shared pool; _tcp: over the transfer layer, as
+         from a store on another host): TTFT, throughput, and each prefill instance's busy fraction over time
+         (its heartbeats).
 `python -m bench.balance --json bench/results/balance.json --png bench/results/balance.png`.
 """
 
@@ -117,8 +119,11 @@ def live(rate: float, duration: float, models: str) -> dict:
            "transfer": {"token": "bench-balance", "layers_per_group": 4, "deadline_s": 60},
            "router": {"heartbeat_s": 0.25, "down_after_s": 10.0, "busy_wait_s": 120},
            "policy": {"name": "banaserve"}, "server": {"request_timeout_s": 600}}
-    runs = {"cache_aware_sglang": {"name": "cache_aware"}, "cache_aware_dynamo": {"name": "cache_aware", "rule": "dynamo"},
-            "banaserve_store": {"name": "banaserve"}}
+    # banaserve_store reads prefixes from the store's shared pool (every process on this host); _tcp over the
+    # transfer layer, as from a store on another host
+    runs = {"cache_aware_sglang": ({"name": "cache_aware"}, True),
+            "cache_aware_dynamo": ({"name": "cache_aware", "rule": "dynamo"}, True),
+            "banaserve_store": ({"name": "banaserve"}, True), "banaserve_store_tcp": ({"name": "banaserve"}, False)}
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     w = 1.0 / np.arange(1, 9) ** 1.1
     cum = np.cumsum(w / w.sum())
@@ -169,8 +174,9 @@ def live(rate: float, duration: float, models: str) -> dict:
 
     async def go(cluster):
         out = {}
-        for salt, (name, pol) in enumerate(runs.items()):
+        for salt, (name, (pol, shared)) in enumerate(runs.items()):
             cluster.policy = policies.make(parse({**cfg, "policy": pol}).policy)
+            cluster.shared_loads = shared
             await settle(cluster)
             await one_run(cluster, f"warm-{name}", 100 + salt)  # compiles what this policy's placements need
             await settle(cluster)
@@ -243,7 +249,7 @@ def main(argv=None):
     ap = arguments(__doc__)
     ap.add_argument("--parts", default="hot,scale,shift,live")
     ap.add_argument("--traffic-s", type=float, default=600.0, help="hot, scale: seconds of traffic")
-    ap.add_argument("--live-rate", type=float, default=12.0, help="live: requests per second")
+    ap.add_argument("--live-rate", type=float, default=8.0, help="live: requests per second")
     ap.add_argument("--live-s", type=float, default=60.0, help="live: seconds of arrivals per policy")
     ap.add_argument("--models", default="bench/.models", help="where bench-size checkpoints are built")
     a = ap.parse_args(argv)
