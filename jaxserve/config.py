@@ -177,7 +177,9 @@ class TransferSection(_Strict):
     recv_pool_mb: int = Field(256, ge=1, description="receive pool of a decode instance")
     leave_last_token: bool = Field(False, description="prefill leaves the last prompt token for decode to compute")
     shared_memory: bool = Field(True, description="prefill on the decode instance's host writes KV straight into "
-                                                  "its receive pool (shared memory) instead of over TCP")
+                                                  "its receive pool (shared memory) instead of over TCP; a global KV "
+                                                  "store keeps its pool in shared memory, read in place by prefill "
+                                                  "instances on its host")
     io_timeout_s: float = Field(10.0, gt=0, description="a KV socket read or write that makes no progress for this "
                                 "long fails (and TCP_USER_TIMEOUT): a silent partition breaks the connection")
     idle_timeout_s: float = Field(300.0, gt=0, description="a KV server closes a connection idle for this long")
