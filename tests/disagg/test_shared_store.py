@@ -28,13 +28,18 @@ def store_of(path: str, dtype: str = "float32") -> tuple[LLMEngine, LLMEngine]:
     store.runner.share_pool()
     store.blocks.allocate([], 5 * CFG.block_size)  # block ids differ between the pools
     run(src, "a", PROMPT)
-    mover = Mover(store)
+    move(src, store, "m")
+    return src, store
+
+
+def move(src: LLMEngine, dst: LLMEngine, rid: str) -> None:
+    """PREFIX from src's prefix cache into dst's, over the transfer layer."""
+    mover = Mover(dst)
     try:
-        outcomes, _, _ = mover.move(src, "m", PREFIX)
+        outcomes, _, _ = mover.move(src, rid, PREFIX)
         assert outcomes == [None]
     finally:
         mover.close()
-    return src, store
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt_oss", "kimi_linear"])
@@ -70,12 +75,7 @@ def test_a_prefix_read_from_the_stores_shared_pool_serves_the_next_request(check
 
         # the store still serves a reader on another host: its export reads the shared pool
         far = LLMEngine(path, "float32", CFG, progress=False)
-        mover = Mover(far)
-        try:
-            outcomes, _, _ = mover.move(store, "m2", PREFIX)
-            assert outcomes == [None]
-        finally:
-            mover.close()
+        move(store, far, "m2")
         seq = run(far, "c", FOLLOWUP)
         assert seq.num_cached == len(PREFIX) and seq.output == want, family
         store.blocks.check()
