@@ -132,6 +132,9 @@ class Worker:
         self.advertise = advertise or inst.host
         t0 = time.monotonic()
         self.llm = build_engine(cfg, inst, progress)
+        from transfer.plan import layer_groups
+        # the layer groups KV is exported and imported in: the transfer programs are warmed with them (_warm)
+        self.layer_groups = layer_groups(self.llm.layout.num_layers, cfg.transfer.layers_per_group)
         self.group = group
         if group is not None:
             from .group import Lockstep
@@ -196,9 +199,8 @@ class Worker:
         layer-group programs of the shapes a streamed prompt's last chunk can take; a role's fallbacks (a
         prefill instance decoding when no decode instance is up, a decode instance prefilling when no prefill
         instance is) compile when first needed."""
-        from transfer.plan import layer_groups
         cfg = self.cfg
-        groups = layer_groups(self.llm.layout.num_layers, cfg.transfer.layers_per_group)
+        groups = self.layer_groups
         if role == "store":  # no model step runs here: only the programs that move KV in and out
             return self.llm.runner.warmup_transfer(self.llm.dtype_name, groups, export=True, receive=True,
                                                    progress=progress)
@@ -466,7 +468,6 @@ class Worker:
 
     async def prefill(self, req, ctx):
         import grpc
-        from transfer.plan import layer_groups
         from transfer.segments import OutOfBlocks
         from ..disagg.prefill_side import Handoff
         from ..engine.client import RequestError
@@ -498,11 +499,9 @@ class Worker:
             def add(eng):
                 nonlocal missed
                 if shared is not None:  # read from the store's shared pool into the prefix cache first
-                    try:
-                        # staged in the layer groups the import programs were warmed with (_warm)
-                        groups = layer_groups(self.llm.layout.num_layers, self.cfg.transfer.layers_per_group)
+                    try:  # staged in the layer groups the import programs were warmed with
                         if not eng.load_prefix(prompt[:pf.tokens], shared, list(pf.shared.blocks), pf.shared.row,
-                                               groups):
+                                               self.layer_groups):
                             missed = "no snapshot row free for the prefix's state"
                     except OutOfBlocks as e:
                         missed = f"no room for the prefix: {e}"
