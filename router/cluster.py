@@ -84,18 +84,18 @@ class _Load:
     load). Over the transfer layer: the Import stream on the prefill instance reserves the blocks (`reserved`:
     its reservation, None when none was made), the holder's Export sends into them, and the Prefill call names
     the Import (`import_id`), so that the prefill computes over the prefix as it lands; `task` ends once the
-    prefix is cached there. From the store's shared pool on the prefill instance's host (`shared`): the store
-    leases the prefix's blocks (`reserved`: the lease, {"blocks", "row", "kv_bytes"}), the Prefill call names
-    them and the prefill instance copies them in place; `task` ends with the lease, which is released once the
-    prefill has run (`_drop_load`)."""
+    prefix is cached there. From the store's shared pool on the prefill instance's host (`shared`): nothing to
+    start (`reserved` is set at once): the Prefill call names the store, and the prefill instance finds the
+    prefix's blocks in the store's segment and copies them in place (cache/shared_pool.py) without a call to the
+    store; its answer says what it copied (`sent`) in how long (`seconds`), or why it did not."""
     src: str
     dst: str
     tokens: int
-    import_id: str  # the Import's id, or the lease's
+    import_id: str  # the Import's id
     reserved: asyncio.Future
     shared: bool = False
     task: asyncio.Future | None = None
-    sent: dict | None = None  # Export's transfer numbers (shared: {"kv_bytes"})
+    sent: dict | None = None  # Export's transfer numbers (shared: {"kv_bytes"}, from the Prefill's answer)
     seconds: float = 0.0  # from the start to the prefix cached (or the failure)
     error: str | None = None
 
@@ -676,10 +676,7 @@ class Router:
             t0 = time.monotonic()
             try:
                 if ld.shared:
-                    lease = await self._watch(src, self._client(src).call(
-                        "Lease", {"request_id": ld.import_id, "prompt": tokens}, timeout=self.cfg.transfer.deadline_s))
-                    ld.reserved.set_result(lease)
-                    ld.sent = {"kv_bytes": int(lease["kv_bytes"])}
+                    ld.reserved.set_result({})
                 else:
                     ld.sent = await self._copy_prefix(src, dst, tokens, ld.import_id, ld.reserved)
             except (grpc.aio.AioRpcError, _Silent, StopAsyncIteration, KeyError, TypeError, ValueError) as e:
@@ -693,27 +690,13 @@ class Router:
 
     def _drop_load(self, s: _Sub) -> None:
         """Stop the sequence's pipelined load, if still running (its Import stream closes: the prefill instance
-        releases the blocks), and let go of its lease on the store (in the background: the store also lets go
-        of it at the transfer deadline)."""
+        releases the blocks)."""
         ld, s.load = s.load, None
         if ld is None:
             return
         ld.task.cancel()
         if not ld.reserved.done():  # a task cancelled before it ran sets nothing
             ld.reserved.set_result(None)
-        src = self.registry.get(ld.src)
-        # a lease granted, or asked for and not yet answered (the answer may be on its way; a store that has not
-        # granted it yet sees the Lease call cancelled and lets go itself): released by its id
-        if ld.shared and ld.error is None and src is not None:
-            async def release():
-                try:
-                    await self._client(src).call("Release", {"lease": ld.import_id}, timeout=5.0)
-                except grpc.aio.AioRpcError as e:
-                    log.info("releasing lease %s on %s failed (%s); it expires", ld.import_id, src.name, _why(e))
-                finally:
-                    self._store_tasks.discard(task)
-            task = asyncio.ensure_future(release())
-            self._store_tasks.add(task)
 
     async def _move_prefix(self, s: _Sub, p: WorkerInfo) -> dict | None:
         """Copy the cached prefix the placement names (`move_prefix`: PrfaaS 3.4.3's longer prefix held in the
@@ -734,9 +717,7 @@ class Router:
             ld = s.load
             if ld is not None and ld.dst == p.name and await ld.reserved is not None:
                 if ld.shared:
-                    lease = ld.reserved.result()
-                    return {"shared": {"instance": ld.src, "blocks": lease["blocks"], "row": lease["row"]},
-                            "tokens": ld.tokens}
+                    return {"shared": {"instance": ld.src}, "tokens": ld.tokens}
                 return {"import_id": ld.import_id, "tokens": ld.tokens}
             self.prefix_moves["failed"] += 1
             log.warning("%s: %s could not take the %d-token prefix from %s (%s); it prefills without it", s.rid,
@@ -846,18 +827,20 @@ class Router:
             if not computed:
                 p.prefill.end(n, t0, time.monotonic(), False)
         if load:  # the prefix arrived while p's prefill ran over it (the prefill waited for all of it)
-            ld = s.load
+            ld, got = s.load, res.get("prefix") or {}
             await ld.task
-            error = ld.error or (res.get("prefix") or {}).get("error")
+            if ld.shared:  # read by p itself: its answer says what it copied, in how long
+                ld.sent, ld.seconds = {"kv_bytes": int(got.get("kv_bytes", 0))}, float(got.get("seconds", 0.0))
+            error = ld.error or got.get("error")
             if error or not ld.sent:
                 self.prefix_moves["failed"] += 1
                 log.warning("%s: %s did not load the %d-token prefix from %s (%s); it computed it", s.rid, p.name,
                             ld.tokens, ld.src, error)
             else:
                 self._moved(s, ld.src, p.name, ld.tokens, int(ld.sent["kv_bytes"]), ld.seconds, overlapped=True,
-                            streamed_groups=(res.get("prefix") or {}).get("streamed_groups"),
+                            streamed_groups=got.get("streamed_groups"),
                             via="shared" if ld.shared else "transfer")
-            self._drop_load(s)  # the prefill has run: a lease on the store is let go
+            self._drop_load(s)
         p.served += 1
         s.prefill, s.kv_bytes, s.kv_backend = p.name, int(res["kv_bytes"]), res.get("backend")
         self.kv_bytes_transferred += s.kv_bytes

@@ -12,14 +12,27 @@ pool (engine/runner.py).
 A prefill instance on the same host maps the segment (`attach`, checked against its own layout), gathers a
 prefix's blocks and the state snapshot at its end from it into a staging region (`stage`: numpy, one copy) and
 imports that with the import program it already compiled for KV arriving over the transfer layer (so reading a
-store of any size compiles nothing): no store process, socket or receive thread in the data path. The router
-leases the blocks on the store first (pinned until released, or until the lease expires), names them in the
-Prefill call, and releases them once the prefill has run.
+store of any size compiles nothing): no store process, socket, receive thread or call in the data path.
 
-Not thread-safe: one writer (the store's engine thread); readers only read leased blocks.
+Reads take no lock and no lease: the segment ends with a table, one entry per block and per state row, of a
+generation counter and the chain hash of what the entry holds (a snapshot row: the hash of the prefix it ends;
+0: nothing readable). A seqlock (one writer, any number of readers):
+  writer  `begin`: generation made odd and hash cleared, then the KV written (`import_` / `write_blocks`), then
+          `publish`: hash set, generation made even (the next even number)
+  reader  `locate` the prefix's entries by hash and read their generations (all even) and hashes (all the
+          prefix's), stage the KV, then `intact`: every generation unchanged, so nothing was written meanwhile
+A read that raced a write (the store reused a block for another prefix) is refused and the prefill computes
+those tokens. x86-64 keeps stores in program order and loads in program order (TSO; memcpy's non-temporal
+stores end in a fence), which is what the protocol needs from the numpy stores and loads on each side; on other
+hosts a prefill instance does not read the pool (`readable_here`). A block the store evicted keeps its hash
+until it is written again, its KV still that prefix's, so it stays readable.
+
+Not thread-safe on the writing side: one writer (the store's engine thread).
 """
 
 from __future__ import annotations
+
+import platform
 
 import jax
 import jax.numpy as jnp
@@ -34,13 +47,34 @@ def _wire(dtype) -> np.dtype:
     return np.dtype(np.uint16) if jnp.dtype(dtype) == jnp.bfloat16 else np.dtype(jnp.dtype(dtype).name)
 
 
+def readable_here() -> bool:
+    """Whether this host's memory order is the one the seqlock relies on (x86-64)."""
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+class Missed(Exception):
+    """The pool does not hold the prefix (any more), or a write to its blocks raced the read."""
+
+
+def _keys(hashes: list[bytes]) -> np.ndarray:
+    """Chain hashes (16 bytes each) as the table's [n, 2] uint64 keys."""
+    if any(len(h) != 16 for h in hashes):
+        raise ValueError("the shared pool's table keys chain hashes of 16 bytes")
+    return np.frombuffer(b"".join(hashes), np.uint64).reshape(-1, 2)
+
+
 class SharedPool:
-    def __init__(self, name: str, mapping, leaves: list[dict], treedef, signature: str, owner: bool):
+    def __init__(self, name: str, mapping, leaves: list[dict], treedef, signature: str, owner: bool,
+                 table: dict):
         self.name, self.signature, self.owner = name, signature, owner
-        self._mapping, self._leaves, self._treedef = mapping, leaves, treedef
+        self._mapping, self._leaves, self._treedef, self._table = mapping, leaves, treedef, table
         flat = [np.frombuffer(mapping, np.dtype(lf["dtype"]), int(np.prod(lf["shape"])), lf["offset"])
                 .reshape(lf["shape"]) for lf in leaves]
         self.arrays = jax.tree.unflatten(treedef, flat)  # the pool pytree as numpy arrays over the segment
+        self.num_blocks, self.num_rows = table["blocks"], table["rows"]
+        n = self.num_blocks + self.num_rows  # entries: the blocks, then the state rows
+        self.gens = np.frombuffer(mapping, np.uint64, n, table["offset"])
+        self.keys = np.frombuffer(mapping, np.uint64, 2 * n, table["offset"] + 8 * n).reshape(n, 2)
 
     @classmethod
     def create(cls, layout, dtype: str) -> "SharedPool":
@@ -51,13 +85,14 @@ class SharedPool:
             dt = _wire(s.dtype)
             specs.append({"offset": off, "shape": list(s.shape), "dtype": dt.name})
             off += -(-int(np.prod(s.shape)) * dt.itemsize // PAGE) * PAGE
-        name, mapping = create_segment(max(off, PAGE))
-        return cls(name, mapping, specs, treedef, layout_signature(layout, dtype), True)
+        table = {"offset": off, "blocks": layout.num_blocks, "rows": layout.num_rows}
+        name, mapping = create_segment(off + 24 * (layout.num_blocks + layout.num_rows))
+        return cls(name, mapping, specs, treedef, layout_signature(layout, dtype), True, table)
 
     def describe(self) -> dict:
         """What a reader needs to map it (the store's heartbeat carries it)."""
         return {"name": self.name, "bytes": len(self._mapping), "signature": self.signature,
-                "leaves": self._leaves}
+                "leaves": self._leaves, "table": self._table}
 
     @classmethod
     def attach(cls, desc: dict, layout, dtype: str) -> "SharedPool":
@@ -73,25 +108,76 @@ class SharedPool:
                 for lf, s in zip(leaves, mine)):
             raise ValueError(f"the shared pool {desc.get('name')!r} has arrays {leaves} that do not match this "
                              f"instance's pool")
+        table = desc.get("table") or {}
+        full = [gl.kind == "full" for gl, shp in zip(layout.groups, layout.shapes(jnp.dtype(dtype)))
+                for _ in jax.tree.leaves(shp)]  # per leaf: indexed by block (else by state row)
+        sizes = [(f, lf["shape"][0]) for f, lf in zip(full, leaves)]
+        if not isinstance(table.get("offset"), int) or any(
+                n != table.get("blocks" if full else "rows") for full, n in sizes):
+            raise ValueError(f"the shared pool {desc.get('name')!r} has a table {table} that does not index its "
+                             f"arrays {leaves}")
         mapping = attach_segment(desc["name"])
-        end = max((lf["offset"] + int(np.prod(lf["shape"])) * np.dtype(lf["dtype"]).itemsize for lf in leaves),
-                  default=0)
+        end = max([lf["offset"] + int(np.prod(lf["shape"])) * np.dtype(lf["dtype"]).itemsize for lf in leaves] +
+                  [table["offset"] + 24 * (table["blocks"] + table["rows"])])
         if end > len(mapping):
             mapping.close()
             raise ValueError(f"the shared pool {desc['name']!r} is {len(mapping)} bytes, its arrays need {end}")
-        return cls(desc["name"], mapping, leaves, treedef, desc["signature"], False)
-
-    def holds(self, layout, blocks: list[int], row: int) -> bool:
-        """Whether block ids `blocks` and state row `row` lie inside this pool (of `layout`'s groups)."""
-        for gl, g in zip(layout.groups, self.arrays):
-            n = (g if not isinstance(g, dict) else next(iter(g.values()))).shape[0]
-            if (max(blocks, default=0) if gl.kind == "full" else row) >= n:
-                return False
-        return True
+        return cls(desc["name"], mapping, leaves, treedef, desc["signature"], False, table)
 
     def views(self):
         """The pool pytree as JAX arrays over the segment (no copy): what the programs that read it take."""
         return jax.tree.map(jnp.from_dlpack, self.arrays)
+
+    # ---- the seqlock (module docstring)
+    def _entries(self, blocks: list[int], row: int | None) -> np.ndarray:
+        return np.asarray(list(blocks) + ([self.num_blocks + row] if row is not None else []), np.intp)
+
+    def locate(self, hashes: list[bytes], row_key: bytes | None) -> tuple[list[int], int | None, tuple]:
+        """Find the blocks holding the chain `hashes` (and, with row_key, the state row holding the snapshot
+        keyed by it) -> (block ids, row, a ticket for `intact`). Raises Missed when any is not held or is being
+        written."""
+        want = _keys(hashes)
+        bk = self.keys[:self.num_blocks]
+        cand = np.flatnonzero(np.isin(bk[:, 0], want[:, 0]))  # a few (stale duplicates of a hash: any serves)
+        where = {bk[b].tobytes(): int(b) for b in cand}
+        blocks = [where.get(w.tobytes()) for w in want]
+        if None in blocks:
+            raise Missed(f"the store's pool does not hold block {blocks.index(None)} of the prefix")
+        row = None
+        if row_key is not None:
+            rk = _keys([row_key])[0]
+            rows = np.flatnonzero((self.keys[self.num_blocks:] == rk).all(axis=1))
+            if not len(rows):
+                raise Missed("the store's pool holds no state snapshot at the prefix's end")
+            row = int(rows[0])
+        idx = self._entries(blocks, row)
+        gens = self.gens[idx]  # a copy: read before the hashes, compared after the KV is read
+        keys = np.concatenate([want, _keys([row_key])]) if row is not None else want
+        if (gens & 1).any() or not (self.keys[idx] == keys).all():
+            raise Missed("the store is writing the prefix's blocks")
+        return blocks, row, (idx, gens)
+
+    def intact(self, ticket: tuple) -> bool:
+        """Whether nothing was written to the located entries since `locate` (what was read since is theirs)."""
+        idx, gens = ticket
+        return bool((self.gens[idx] == gens).all())
+
+    def begin(self, blocks: list[int], row: int | None) -> None:
+        """Writer: the entries about to be written become unreadable (odd generation, no hash)."""
+        idx = self._entries(blocks, row)
+        self.gens[idx] |= np.uint64(1)
+        self.keys[idx] = 0
+
+    def publish(self, blocks: list[int], hashes: list[bytes], row: int | None = None,
+                row_key: bytes | None = None) -> None:
+        """Writer: blocks `blocks` hold the chain `hashes` (and state row `row` the snapshot keyed by row_key):
+        readable from now on."""
+        blocks = list(blocks)[:len(hashes)]
+        row = row if row_key is not None else None
+        self.begin(blocks, row)
+        idx = self._entries(blocks, row)
+        self.keys[idx] = _keys(list(hashes)[:len(blocks)] + ([row_key] if row is not None else []))
+        self.gens[idx] += np.uint64(1)
 
     def stage(self, st: Staging, views: list, blocks: list[int], row: int) -> None:
         """Gather blocks `blocks` and state row `row` into staging region views (st's order, heads whole): what
@@ -111,7 +197,9 @@ class SharedPool:
     # ---- writes (the owner's engine thread)
     def import_(self, st: Staging, views: list, blocks: list[int], row: int, layer_groups=None) -> None:
         """Write received staged arrays (region views in staging order) into `blocks` and state row `row`: what
-        transfer/device.py `DeviceIO.import_` does to a device pool. layer_groups: only these (None: all)."""
+        transfer/device.py `DeviceIO.import_` does to a device pool. layer_groups: only these (None: all).
+        Unreadable until `publish`."""
+        self.begin(blocks, row)
         ids = np.asarray(blocks, np.intp)
         for w, parts in st.logical:
             if layer_groups is not None and w.layer_group not in layer_groups:
@@ -127,7 +215,9 @@ class SharedPool:
                 g[w.kind][row, w.j0:w.j1] = x
 
     def write_blocks(self, full: list[int], ids: list[int], data: list[list[np.ndarray]]) -> None:
-        """Per block of `ids`, its arrays of the full cache groups `full` (runner.read_blocks' shape)."""
+        """Per block of `ids`, its arrays of the full cache groups `full` (runner.read_blocks' shape). Unreadable
+        until `publish`."""
+        self.begin(ids, None)
         for b, arrays in zip(ids, data):
             for gi, a in zip(full, arrays):
                 self.arrays[gi][b] = a

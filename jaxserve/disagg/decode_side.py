@@ -216,7 +216,7 @@ class IncomingPrefix:
                     rest -= self.imported
                 if rest:
                     llm.runner.import_kv(recv.staging, recv.arrays(), self.blocks[self.skip:], row, rest)
-                llm.blocks.register(self.blocks, self.tokens, len(self.tokens), self.hashes)
+                llm.cache_arrived(self.blocks, self.tokens, self.hashes, row)
         except Exception as e:  # noqa: BLE001 - a failed import releases the blocks like a failed transfer
             log.exception("%s: importing a cached prefix failed", self.request_id)
             error = f"import failed: {type(e).__name__}: {e}"

@@ -8,7 +8,6 @@ request; stop strings are matched on the text and the text is cut before them. S
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import os
@@ -146,7 +145,6 @@ class LLMEngine:
                                  self.model_config.max_position_embeddings, cfg.num_blocks * bs)
         self.layout = PoolLayout.build(self.cache_spec, bs, cfg.num_blocks, cfg.max_num_seqs, cfg.num_snapshots)
         self.snapshot_base = cfg.max_num_seqs
-        self.leased_rows: collections.Counter = collections.Counter()  # snapshot rows leased (lease_prefix)
         self._load_buf = np.empty(0, np.uint8)  # load_prefix's staging region
         self.cache_events = CacheEvents()  # what the router's global KV index follows (cache/events.py)
         self.blocks = BlockManager(cfg.num_blocks, bs, cfg.num_snapshots, cfg.prefix_caching, self.cache_events)
@@ -337,7 +335,7 @@ class LLMEngine:
             return hits
         self.runner.write_blocks(ids[len(hits):], data)
         k = len(ids)
-        self.blocks.register(ids, list(tokens)[:k * bs], k * bs, hashes[:k])
+        self.cache_arrived(ids, list(tokens)[:k * bs], hashes[:k], self.layout.scratch_row)
         self.blocks.free(ids)
         return ids
 
@@ -355,54 +353,47 @@ class LLMEngine:
         last block's hash, when the model has such state and the snapshot pool room; else the scratch row)."""
         row = None
         if self.layout.has_request_state and self.blocks.snapshots.capacity:
-            row = self.blocks.snapshots.acquire(hashes[-1], set(self.leased_rows))
+            row = self.blocks.snapshots.acquire(hashes[-1])
         return self.layout.scratch_row if row is None else row + self.snapshot_base
 
+    def cache_arrived(self, blocks: list[int], tokens, hashes: list[bytes], row: int) -> None:
+        """KV for `tokens` (whole blocks) written into `blocks` (and the state at their end into snapshot row
+        `row`) becomes prefix cache; a store's shared pool makes it readable in place (cache/shared_pool.py)."""
+        self.blocks.register(blocks, tokens, len(tokens), hashes)
+        if self.runner.shared is not None:
+            self.runner.shared.publish(blocks, hashes, row, hashes[-1] if row != self.layout.scratch_row else None)
+
     # ---- the global KV store's shared pool (cache/shared_pool.py): prefixes read in place on its host
-    def lease_prefix(self, tokens) -> tuple[list[int], int] | None:
-        """Store side: `cached_prefix`, held for a reader on this host until `end_lease`: a reference on each
-        block (never evicted or reused meanwhile) and the snapshot row at its end pinned; None when not held."""
-        found = self.cached_prefix(tokens)
-        if found is None:
-            return None
-        blocks, row = found
-        self.blocks.allocate(blocks, len(blocks) * self.cfg.block_size)  # hits only: one reference each
-        if row != self.layout.scratch_row:
-            self.leased_rows[row - self.snapshot_base] += 1
-        return blocks, row
-
-    def end_lease(self, blocks: list[int], row: int) -> None:
-        self.blocks.free(blocks)
-        if row != self.layout.scratch_row:
-            self.leased_rows[row - self.snapshot_base] -= 1
-            if not self.leased_rows[row - self.snapshot_base]:
-                del self.leased_rows[row - self.snapshot_base]
-
-    def load_prefix(self, tokens, src, src_blocks: list[int], src_row: int,
-                    groups: list[tuple[int, int]] | None = None) -> int:
+    def load_prefix(self, tokens, src, groups: list[tuple[int, int]] | None = None) -> int:
         """Reading side: copy a cached prefix (whole blocks) from another pool on this host (`src`: the store's
-        SharedPool; its blocks and the snapshot row at its end, leased) into this instance's prefix cache:
-        staged on the host in the layer groups `groups` (default: one), then the import program that KV arriving
-        over the transfer layer in those groups runs (warmed with them: nothing compiles); done when this returns
-        (the lease may be let go then) -> its tokens, now cached; 0 when a model with request-level state has no
-        snapshot row to keep its state in (the prefill computes it). Raises RequestError, OutOfBlocks."""
+        SharedPool) into this instance's prefix cache, without a call to the store: its blocks (and the snapshot
+        at its end) found by hash, staged on the host in the layer groups `groups` (default: one) and checked
+        untouched by the store meanwhile, then the import program that KV arriving over the transfer layer in
+        those groups runs (warmed with them: nothing compiles) -> the bytes read from the store's pool. Raises
+        shared_pool.Missed (the store no longer holds it, a write raced the read, or no snapshot row is free
+        here for a model with request-level state: the prefill computes it), RequestError, OutOfBlocks."""
         from transfer.bufpool import aligned_empty
         from transfer.plan import staging
+        from ..cache.shared_pool import Missed
         blocks, skip, hashes = self.reserve_prefix(tokens)
         try:
-            row = self.prefix_row(hashes)
-            if self.layout.has_request_state and row == self.layout.scratch_row:
-                return 0
+            state = self.layout.has_request_state
+            src_blocks, src_row, ticket = src.locate(hashes[skip:], hashes[-1] if state else None)
             st = staging(self.layout, self.dtype_name, len(blocks) - skip, groups or [(0, self.layout.num_layers)])
             if self._load_buf.nbytes < st.nbytes:  # one region, reused (its pages stay mapped)
                 self._load_buf = aligned_empty(st.nbytes)
             views = st.views(self._load_buf)
-            src.stage(st, views, src_blocks[skip:], src_row)
+            src.stage(st, views, src_blocks, src_row if state else None)
+            if not src.intact(ticket):
+                raise Missed("the store wrote the prefix's blocks while they were read")
+            row = self.prefix_row(hashes)  # after the read held: a snapshot row is not keyed for nothing
+            if state and row == self.layout.scratch_row:
+                raise Missed("no snapshot row free here for the prefix's state")
             self.runner.import_kv(st, views, blocks[skip:], row)  # waits: the staging region is read whole
-            self.blocks.register(blocks, tokens, len(tokens), hashes)
+            self.cache_arrived(blocks, tokens, hashes, row)
         finally:
             self.blocks.free(blocks)
-        return len(tokens)
+        return st.nbytes
 
     def fail(self, seq: Sequence, error: str) -> None:
         """Finish a request with an error (its transfer failed); frees its slot and blocks."""

@@ -144,12 +144,12 @@ class Worker:
         # the global KV store keeps its pool in shared memory, where prefill instances on its host read it in
         # place (cache/shared_pool.py); a prefill instance on one CPU device reads such pools (an accelerator's
         # pool would copy them over its host link: it takes them over the transfer layer)
+        from ..cache.shared_pool import readable_here
         single = group is None and _one_cpu_device(self.llm.runner.pool)
         self.shared_pool = self.llm.runner.share_pool() if (
             inst.role == "store" and cfg.transfer.shared_memory and single) else None
-        self.reads_pool = single and cfg.transfer.shared_memory
+        self.reads_pool = single and cfg.transfer.shared_memory and readable_here()
         self._pools: dict = {}  # a store instance's name -> its SharedPool, mapped here
-        self._leases: dict[str, tuple] = {}  # lease id -> (blocks, row, expiry timer): prefixes held for readers
         if cfg.engine.warmup:
             print(f"{inst.name}: compiling the step programs (engine.warmup)", flush=True)
             print(f"{inst.name}: {self._warm(inst.role, progress)} programs compiled", flush=True)
@@ -469,6 +469,7 @@ class Worker:
     async def prefill(self, req, ctx):
         import grpc
         from transfer.segments import OutOfBlocks
+        from ..cache.shared_pool import Missed
         from ..disagg.prefill_side import Handoff
         from ..engine.client import RequestError
         if self.role in ("decode", "store"):
@@ -485,11 +486,9 @@ class Worker:
         prompt = list(req.prompt)[:kv]
         over = []  # the IncomingPrefix the prefill runs over (none when that Import has ended)
         shared, missed = None, None  # the store's SharedPool the prefix is read from; why it is not
+        loaded = {"kv_bytes": 0, "seconds": 0.0}  # what the read from it copied, in how long
         if pf is not None and pf.shared:
             shared, missed = self._pool_of(pf.shared.instance)
-            if shared is not None and not shared.holds(self.llm.layout, pf.shared.blocks, pf.shared.row):
-                await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prefix_from.shared: blocks or row outside "
-                                                                  f"{pf.shared.instance!r}'s pool")
         try:
             params = req.params.sampling()
             link, shm_base = self._link_to(peer, dst)
@@ -499,12 +498,14 @@ class Worker:
             def add(eng):
                 nonlocal missed
                 if shared is not None:  # read from the store's shared pool into the prefix cache first
+                    t0 = time.monotonic()
                     try:  # staged in the layer groups the import programs were warmed with
-                        if not eng.load_prefix(prompt[:pf.tokens], shared, list(pf.shared.blocks), pf.shared.row,
-                                               self.layer_groups):
-                            missed = "no snapshot row free for the prefix's state"
+                        loaded["kv_bytes"] = eng.load_prefix(prompt[:pf.tokens], shared, self.layer_groups)
+                    except Missed as e:
+                        missed = str(e)
                     except OutOfBlocks as e:
                         missed = f"no room for the prefix: {e}"
+                    loaded["seconds"] = round(time.monotonic() - t0, 6)
                 inc = self.intake.prefixes.get(pf.import_id) if pf is not None and pf.import_id else None
                 if inc is not None and inc.tokens != prompt[:pf.tokens]:
                     raise RequestError(f"prefix_from.import_id: {pf.import_id!r} carries another prefix than the "
@@ -533,7 +534,7 @@ class Worker:
         sent = await self._sent(sender, ctx)
         prefix = None
         if pf is not None and pf.shared:  # read from the store's shared pool (or, failing that, computed)
-            prefix = {"tokens": pf.tokens, "streamed_groups": 0, "error": missed, "via": "shared"}
+            prefix = {"tokens": pf.tokens, "streamed_groups": 0, "error": missed, "via": "shared", **loaded}
         elif pf is not None:  # what arrived while the prefill ran (none: the Import had ended before it began)
             prefix = {"tokens": pf.tokens, "streamed_groups": len(over[0].imported) if over else 0,
                       "error": over[0].error if over else None, "via": "transfer"}
@@ -546,8 +547,6 @@ class Worker:
         if pf.tokens % bs or pf.tokens >= kv:
             return (f"prefix_from.tokens: {pf.tokens} is not whole blocks of {bs} tokens shorter than the "
                     f"{kv} tokens prefilled")
-        if pf.shared is not None and len(pf.shared.blocks) != pf.tokens // bs:
-            return f"prefix_from.shared.blocks: {len(pf.shared.blocks)} blocks do not hold {pf.tokens} tokens"
         return None
 
     def _link_to(self, peer: dict, dst):
@@ -642,65 +641,6 @@ class Worker:
             await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION,
                             f"{self.inst.name} no longer holds the {len(tokens)}-token prefix")
         return await self._sent(handoff.sender, ctx)
-
-    # ---- the store's shared pool (cache/shared_pool.py): leases for its readers on this host
-    async def lease(self, req, ctx):
-        """Lease: hold the prefix `prompt` of this store's prefix cache for a reader of its shared pool on this
-        host -> {"blocks", "row", "kv_bytes"}, until Release names it or for transfer.deadline_s (a reader that
-        died frees nothing twice). FAILED_PRECONDITION when the prefix is not held (any more) or there is no
-        shared pool here."""
-        import grpc
-        from transfer.receiver import region_bytes
-        from ..engine.client import RequestError
-        lid, tokens = req.request_id, list(req.prompt)
-        if self.shared_pool is None:
-            await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.inst.name} has no shared KV pool")
-        if lid in self._leases:
-            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: lease {lid!r} is held already")
-        taken: list = []  # what the engine thread leased (it runs to the end even once this call is cancelled)
-
-        def take(eng):
-            taken.append(eng.lease_prefix(tokens))
-            return taken[0]
-        try:
-            got = await self.engine.call(take)
-        except (RequestError, ValueError) as e:
-            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except asyncio.CancelledError:  # the caller gave up: queued after `take`, this lets go of what it took
-
-            def let_go():
-                if taken and taken[0] is not None:
-                    self.llm.end_lease(*taken[0])
-                return []
-            self.engine.post(let_go)
-            raise
-        if got is None:
-            await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                            f"{self.inst.name} no longer holds the {len(tokens)}-token prefix")
-        blocks, row = got
-        if lid in self._leases:  # the same id leased twice at once: the second lets go
-            self.engine.post(lambda: self.llm.end_lease(blocks, row) or [])
-            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: lease {lid!r} is held already")
-        expiry = asyncio.get_running_loop().call_later(self.cfg.transfer.deadline_s, self._end_lease, lid, "expired")
-        self._leases[lid] = (blocks, row, expiry)
-        return {"blocks": blocks, "row": row,
-                "kv_bytes": region_bytes(self.llm.layout, self.llm.dtype_name, len(tokens), 0)}
-
-    def _end_lease(self, lid: str, why: str) -> bool:
-        """Let go of lease `lid` (asyncio loop) -> whether it was held."""
-        held = self._leases.pop(lid, None)
-        if held is None:
-            return False
-        blocks, row, expiry = held
-        expiry.cancel()
-        if why != "released":
-            log.warning("%s: lease %s %s", self.inst.name, lid, why)
-        self.engine.post(lambda: self.llm.end_lease(blocks, row) or [])
-        return True
-
-    async def release(self, req, ctx):
-        """Release: the reader is done with lease `lease` -> {"released": whether it was held}."""
-        return {"released": self._end_lease(req.lease, "released")}
 
     def _pool_of(self, instance: str):
         """Store `instance`'s shared pool, mapped here on first use -> (SharedPool, None), or (None, why not) when
@@ -828,8 +768,7 @@ class Worker:
         self._idle = asyncio.Event()
         self._idle.set()
         unary = {"Health": self.health, "SetLink": self.set_link, "SetRole": self.set_role,
-                 "Export": self._counted(self.export_prefix, False), "Migrate": self.migrate,
-                 "Lease": self._counted(self.lease, False), "Release": self.release}
+                 "Export": self._counted(self.export_prefix, False), "Migrate": self.migrate}
         streams = {name: self._counted(fn, True) for name, fn in (
             ("Decode", self.decode), ("Generate", self.generate), ("Prefill", self.prefill),
             ("Import", self.import_prefix))}

@@ -109,11 +109,9 @@ class Reservation(_Msg):
 
 
 class SharedPrefix(_Msg):
-    """A prefix leased in the shared pool of the global KV store `instance` on this host (its segment comes from
-    the peer table): its blocks there and the state row at its end."""
+    """A prefix in the shared pool of the global KV store `instance` on this host (its segment comes from the
+    peer table): read in place, its blocks found by hash (cache/shared_pool.py)."""
     instance: Name
-    blocks: Annotated[list[Annotated[StrictInt, Field(ge=0, lt=1 << 31)]], Field(min_length=1, max_length=MAX_BLOCKS)]
-    row: StrictInt = Field(ge=0, lt=1 << 31)
 
 
 class PrefixFrom(_Msg):
@@ -152,21 +150,17 @@ class Export(_Msg):
     dst: Reservation
 
 
-class Lease(_Msg):
-    """Hold a prefix of the store's prefix cache (whole blocks) for a reader of its shared pool on this host
-    until Release or the transfer deadline; `request_id` names the lease."""
-    request_id: Name
-    prompt: Annotated[Ids, Field(min_length=1)]
-
-
-class Release(_Msg):
-    lease: Name
-
-
 class PoolLeaf(_Msg):
     offset: StrictInt = Field(ge=0, lt=1 << 48)
     shape: Annotated[list[Annotated[StrictInt, Field(ge=0, lt=1 << 31)]], Field(max_length=8)]
     dtype: Literal["float32", "uint16"]
+
+
+class PoolTable(_Msg):
+    """Where the pool's seqlock table lies: one entry per block, then one per state row."""
+    offset: StrictInt = Field(ge=0, lt=1 << 48)
+    blocks: StrictInt = Field(ge=0, lt=1 << 31)
+    rows: StrictInt = Field(ge=0, lt=1 << 31)
 
 
 class PoolInfo(_Msg):
@@ -176,6 +170,7 @@ class PoolInfo(_Msg):
     bytes: StrictInt = Field(ge=0)
     signature: Annotated[StrictStr, Field(max_length=64)]
     leaves: Annotated[list[PoolLeaf], Field(max_length=256)]
+    table: PoolTable
 
 
 class ShmInfo(_Msg):
@@ -240,6 +235,5 @@ class Migrate(_Msg):
 
 
 WORKER = {"Health": Health, "Decode": Decode, "Prefill": Prefill, "Generate": Generate, "SetLink": SetLink,
-          "SetRole": SetRole, "Import": Import, "Export": Export, "Migrate": Migrate, "Lease": Lease,
-          "Release": Release}
+          "SetRole": SetRole, "Import": Import, "Export": Export, "Migrate": Migrate}
 ROUTER = {"Register": Register}

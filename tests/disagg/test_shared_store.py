@@ -1,24 +1,31 @@
 """The global KV store's pool in shared memory (cache/shared_pool.py), read in place by a prefill instance on its
 host: engines in one process standing for the store and the prefill instance. A prefix reaches the store over
-the transfer layer (its numpy import into the segment), the store leases it, the reader maps the segment,
-stages the prefix's blocks from it and imports them into its own prefix cache with its warmed import program; the reader's greedy tokens for a longer prompt
-equal the colocated engine's (dense, sliding window, MLA + linear attention with request-level state), the
-lease pins what it names, reading it compiles nothing past the reader's transfer warm-up, and the store still
-exports over the transfer layer from the shared pool."""
+the transfer layer (its numpy import into the segment, then published in the segment's table); the reader maps
+the segment, finds the prefix's blocks by hash, stages them and imports them into its own prefix cache with its
+warmed import program, without the store doing anything. The reader's greedy tokens for a longer prompt equal
+the colocated engine's (dense, sliding window, MLA + linear attention with request-level state); reading
+compiles nothing past the reader's transfer warm-up; a read that a write of the store races is refused and
+leaves nothing behind (also under a writer thread hammering the block); the store still exports over the
+transfer layer from the shared pool."""
 
 from __future__ import annotations
+
+import dataclasses
+import sys
+import threading
 
 import jax
 import numpy as np
 import pytest
 
 from jaxserve import LLM
-from jaxserve.cache.shared_pool import SharedPool
+from jaxserve.cache.block_manager import block_hashes
+from jaxserve.cache.shared_pool import Missed, SharedPool
 from jaxserve.engine.llm_engine import LLMEngine
 from tests.disagg.test_inprocess import CFG, GREEDY
 from tests.disagg.test_prefix_move import FOLLOWUP, PREFIX, PROMPT, Mover, run
-from transfer.plan import layer_groups
-from transfer.segments import OutOfBlocks
+from transfer.bufpool import aligned_empty
+from transfer.plan import layer_groups, staging
 
 
 def store_of(path: str, dtype: str = "float32") -> tuple[LLMEngine, LLMEngine]:
@@ -54,18 +61,13 @@ def test_a_prefix_read_from_the_stores_shared_pool_serves_the_next_request(check
     warmed = len(reader.runner._io._import)
     pool = SharedPool.attach(store.runner.shared.describe(), reader.layout, "float32")
     try:
-        held = store.blocks.num_referenced()
-        lease = store.lease_prefix(PREFIX)
-        assert lease is not None and store.lease_prefix(PROMPT[:8] + [60, 61, 62, 63]) is None
-        blocks, row = lease
-        assert store.blocks.num_referenced() == held + len(blocks)  # pinned: never evicted while leased
-        assert (row - store.snapshot_base in store.leased_rows) == store.layout.has_request_state
-        with pytest.raises(OutOfBlocks):  # every block but the leased ones is taken: the lease holds
-            store.blocks.allocate([], (CFG.num_blocks - held) * CFG.block_size)
-        assert reader.load_prefix(PREFIX, pool, blocks, row, groups) == len(PREFIX)
+        held, mine = store.blocks.num_referenced(), reader.blocks.num_referenced()
+        with pytest.raises(Missed, match="does not hold"):  # a prefix the store never saw: nothing taken
+            reader.load_prefix(PROMPT[:8] + [60, 61, 62, 63], pool, groups)
+        assert reader.blocks.num_referenced() == mine and len(reader.blocks.snapshots) == 0
+        assert reader.load_prefix(PREFIX, pool, groups) > 0
         assert len(reader.runner._io._import) == warmed  # the transfer layer's import programs, as warmed
-        store.end_lease(blocks, row)
-        assert store.blocks.num_referenced() == held and not store.leased_rows
+        assert store.blocks.num_referenced() == held  # the store did nothing for the read
 
         seq = run(reader, "b", FOLLOWUP)
         assert seq.num_cached == len(PREFIX)  # served from the copied blocks (and snapshot), not recomputed
@@ -95,9 +97,7 @@ def test_the_shared_pool_carries_bfloat16_bits_exactly_and_refuses_another_model
     assert {lf["dtype"] for lf in desc["leaves"]} == {"uint16"}
     pool = SharedPool.attach(desc, reader.layout, "bfloat16")
     try:
-        blocks, row = store.lease_prefix(PREFIX)
-        assert reader.load_prefix(PREFIX, pool, blocks, row) == len(PREFIX)
-        store.end_lease(blocks, row)
+        assert reader.load_prefix(PREFIX, pool) > 0
         mine = reader.cached_prefix(PREFIX)[0]
         theirs = src.cached_prefix(PREFIX)[0]
         assert mine != theirs
@@ -112,3 +112,93 @@ def test_the_shared_pool_carries_bfloat16_bits_exactly_and_refuses_another_model
     finally:
         pool.close()
         store.runner.shared.close()
+
+
+def test_a_read_that_a_store_write_races_is_refused_and_takes_nothing(checkpoint_dir):
+    """The store rewrites one of the prefix's blocks (its disk tier's write path) while the reader stages them:
+    the read is refused (the block's generation moved) and the reader keeps neither blocks nor hashes nor a
+    snapshot; while the block is unpublished it is not read at all; once the store publishes it again, the
+    same read succeeds."""
+    path = checkpoint_dir("kimi_linear")  # blocks and a snapshot row
+    src, store = store_of(path)
+    reader = LLMEngine(path, "float32", CFG, progress=False)
+    pool = SharedPool.attach(store.runner.shared.describe(), reader.layout, "float32")
+    blocks, row = store.cached_prefix(PREFIX)
+    data = store.runner.read_blocks(blocks[1:2])
+
+    class Racing:  # the store's pool, with the store's write landing while the reader stages
+        def __getattr__(self, name):
+            return getattr(pool, name)
+
+        def stage(self, *a):
+            store.runner.write_blocks(blocks[1:2], data)  # the same KV, even: a write is a write
+            pool.stage(*a)
+    try:
+        mine = reader.blocks.num_referenced()
+        with pytest.raises(Missed, match="while they were read"):
+            reader.load_prefix(PREFIX, Racing())
+        with pytest.raises(Missed, match="does not hold block 1"):  # written, not published again yet
+            reader.load_prefix(PREFIX, pool)
+        assert reader.blocks.num_referenced() == mine and not reader.blocks.hash_block
+        assert len(reader.blocks.snapshots) == 0
+        store.cache_arrived(blocks, PREFIX, block_hashes(PREFIX, CFG.block_size), row)
+        assert reader.load_prefix(PREFIX, pool) > 0
+        seq = run(reader, "b", FOLLOWUP)
+        assert seq.num_cached == len(PREFIX)
+        assert seq.output == LLM(path, progress=False, engine=CFG).generate([FOLLOWUP], GREEDY)[0].token_ids
+    finally:
+        pool.close()
+        store.runner.shared.close()
+
+
+def test_reads_under_a_writer_thread_never_see_a_torn_block(checkpoint_dir):
+    """A writer thread rewrites block 0 over and over (write i: every value i, published under hash A for even
+    i, B for odd), each time followed by a write of block 1, as a reader looks for hash A and stages it. Every
+    read that `intact` accepts holds one even value throughout; the race is exercised (some reads are refused)
+    and reads do succeed."""
+    eng = LLMEngine(checkpoint_dir("llama"), "float32", CFG, progress=False)
+    layout = dataclasses.replace(eng.layout, block_size=512, num_blocks=2)  # 256 KiB blocks: the copies take time
+    owner = SharedPool.create(layout, "float32")
+    pool = SharedPool.attach(owner.describe(), layout, "float32")
+    keys = [bytes([k]) * 16 for k in (1, 2, 3)]
+    shape = owner.arrays[0].shape[1:]
+    st = staging(layout, "float32", 1, [(0, layout.num_layers)])
+    views = st.views(aligned_empty(st.nbytes))
+    done = threading.Event()
+
+    def writer():
+        try:
+            for i in range(600):
+                owner.write_blocks([0], [0], [[np.full(shape, float(i), np.float32)]])
+                owner.publish([0], [keys[i % 2]])
+                owner.write_blocks([0], [1], [[np.full(shape, -1.0, np.float32)]])  # block 0 stays put meanwhile
+                owner.publish([1], [keys[2]])
+        finally:
+            done.set()
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    t = threading.Thread(target=writer)
+    t.start()
+    good, refused, torn = 0, 0, 0
+    try:
+        while not done.is_set():
+            try:
+                blocks, _, ticket = pool.locate(keys[:1], None)
+            except Missed:
+                refused += 1
+                continue
+            pool.stage(st, views, blocks, 0)
+            if not pool.intact(ticket):
+                refused += 1
+                continue
+            got = np.asarray(views[0])
+            if got.min() != got.max() or int(got.flat[0]) % 2:
+                torn += 1
+            good += 1
+    finally:
+        t.join()
+        sys.setswitchinterval(old)
+        pool.close()
+        owner.close()
+    assert torn == 0, (torn, good, refused)
+    assert good > 0 and refused > 0, (good, refused)

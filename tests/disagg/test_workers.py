@@ -328,9 +328,9 @@ def test_worker_methods_refuse_callers_without_the_token_and_forged_destinations
                 out[dst["instance"], len(dst["blocks"])] = (e.value.code(), e.value.details())
             imp = p.stream("Import", {"request_id": "imp", "prompt": [7] * 4})  # a prefix arriving, not BASE's
             assert "reserved" in await imp.read()
-            shared = {"instance": "d0", "blocks": [0], "row": 0}  # a store's shared pool: blocks must hold tokens
+            shared = {"instance": "d0"}  # a store's shared pool
             for pf in ({"import_id": "imp", "tokens": 4}, {"import_id": "imp", "tokens": 6},
-                       {"import_id": "imp", "tokens": 12}, {"shared": shared, "tokens": 8},
+                       {"import_id": "imp", "tokens": 12}, {"shared": {**shared, "blocks": [0]}, "tokens": 8},
                        {"import_id": "imp", "shared": shared, "tokens": 4}):
                 with pytest.raises(grpc.aio.AioRpcError) as e:  # the prefix it runs over: which, how much
                     await p.stream("Prefill", {"request_id": "forged", "prompt": BASE[:9], "params": GREEDY,
@@ -360,7 +360,7 @@ def test_worker_methods_refuse_callers_without_the_token_and_forged_destinations
                      (("from", 6, "import_id", "tokens"), "prefix_from.tokens: 6 is not whole blocks"),
                      (("from", 12, "import_id", "tokens"),
                       "prefix_from.tokens: 12 is not whole blocks of 4 tokens shorter than"),
-                     (("from", 8, "shared", "tokens"), "prefix_from.shared.blocks: 1 blocks do not hold 8 tokens"),
+                     (("from", 8, "shared", "tokens"), "prefix_from.shared.blocks"),  # blocks are found by hash
                      (("from", 4, "import_id", "shared", "tokens"), "exactly one of import_id and shared")):
         assert out[key][0] == grpc.StatusCode.INVALID_ARGUMENT and why in out[key][1], (key, out[key])
     assert health["stats"]["blocks_used"] == 0 and health["stats"]["running"] == 0

@@ -26,9 +26,9 @@ class Fake:
     KV waits for `release`), `decode` in ok | full | invalid | garbage (a malformed update after the KV arrived)
     | die (the stream breaks after the first token) | hang (no reservation, no heartbeat: a stopped process)
     | after_import (the reservation waits until an Import was opened on any instance); `export` in ok | fail (a
-    store no longer holding the prefix; Lease too). Import answers its reservation, then `imported` once an
-    Export filled it. `shared`: a store advertises a shared KV pool, a prefill instance reads such pools (both on
-    this host)."""
+    store no longer holding the prefix; a prefill instance's read of the store's shared pool too). Import answers
+    its reservation, then `imported` once an Export filled it. `shared`: a store advertises a shared KV pool, a
+    prefill instance reads such pools (both on this host)."""
 
     def __init__(self, name, role, board, prefill="ok", decode="ok", export="ok", shared=False):
         self.name, self.role, self.board = name, role, board
@@ -36,7 +36,6 @@ class Fake:
         self.shared = shared
         self.opened, self.closed, self.prefills, self.generated = [], [], [], []
         self.imports, self.imports_closed, self.exports = [], [], []
-        self.leases, self.releases = [], []
         self.requests = []  # every Decode / Prefill / Generate message
         self.release = asyncio.Event()
         self.beating = True
@@ -44,7 +43,7 @@ class Fake:
     async def start(self):
         self.server = rpc.server(TOKEN)
         self.server.add_generic_rpc_handlers((rpc.handler(
-            {"Export": self.export, "Lease": self.lease, "Release": self.release_},
+            {"Export": self.export},
             {"Prefill": self.prefill, "Decode": self.decode, "Generate": self.generate,
                                       "Import": self.import_}, messages.WORKER),))
         self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
@@ -53,7 +52,8 @@ class Fake:
     def health(self):
         shared = {}
         if self.shared and self.role == "store":
-            shared = {"pool": {"name": "pool-s", "boot": "host-a", "bytes": 4096, "signature": "x", "leaves": []}}
+            shared = {"pool": {"name": "pool-s", "boot": "host-a", "bytes": 4096, "signature": "x", "leaves": [],
+                               "table": {"offset": 0, "blocks": 0, "rows": 0}}}
         elif self.shared:
             shared = {"shm": {"name": f"recv-{self.name}", "boot": "host-a", "bytes": 4096}, "reads_pool": True}
         return {"name": self.name, "role": self.role, "address": self.address, "pid": 1, "max_model_len": 64,
@@ -109,7 +109,14 @@ class Fake:
         if self.prefill_mode == "hold":
             await self.release.wait()
         self.board.setdefault(req["request_id"], asyncio.Event()).set()
-        yield {"kv_bytes": 100, "frames": 1, "sends": 1, "resends": 0, "token": 0, "ttft_s": 0.0, "backend": "tcp"}
+        prefix = {}
+        if (req.get("prefix_from") or {}).get("shared"):  # read from the store's pool: it holds it, or not
+            missed = self.board["store"].export_mode == "fail"
+            prefix = {"prefix": {"tokens": req["prefix_from"]["tokens"], "streamed_groups": 0, "via": "shared",
+                                 "error": "the store's pool does not hold block 0 of the prefix" if missed else None,
+                                 "kv_bytes": 0 if missed else 2048, "seconds": 0.002}}
+        yield {"kv_bytes": 100, "frames": 1, "sends": 1, "resends": 0, "token": 0, "ttft_s": 0.0, "backend": "tcp",
+               **prefix}
 
     async def import_(self, req, ctx):
         rid = req.request_id
@@ -128,16 +135,6 @@ class Fake:
             await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.name} no longer holds the prefix")
         self.board.setdefault(("exported", req.request_id), asyncio.Event()).set()
         return {"kv_bytes": 4096, "frames": 1, "sends": 1, "resends": 0, "backend": "tcp"}
-
-    async def lease(self, req, ctx):
-        self.leases.append(req.request_id)
-        if self.export_mode == "fail":
-            await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.name} no longer holds the prefix")
-        return {"blocks": [9], "row": 3, "kv_bytes": 2048}
-
-    async def release_(self, req, ctx):
-        self.releases.append(req.lease)
-        return {"released": True}
 
     async def generate(self, req, ctx):
         req = req.model_dump()
@@ -414,12 +411,12 @@ def test_a_pipelined_load_from_the_store_starts_beside_the_decode_reservation(ex
     asyncio.run(go())
 
 
-@pytest.mark.parametrize("lease", ["ok", "fail", "busy"])
-def test_a_load_from_the_stores_shared_pool_is_leased_beside_the_reservation_and_released(lease):
-    """The store's shared pool on the prefill instance's host: the router leases the prefix on the store (no
-    Import, no Export), the Prefill call names the leased blocks and state row, and the lease is released once the
-    prefill has run. A lease refused (the store no longer holds the prefix) leaves the prefill to compute it; a
-    placement given up (decode busy, here until the request is refused) releases its lease: none is left held."""
+@pytest.mark.parametrize("held", [True, False])
+def test_a_load_from_the_stores_shared_pool_is_named_in_the_prefill_and_calls_nothing_else(held):
+    """The store's shared pool on the prefill instance's host: the router calls nothing on the store (no Import,
+    no Export) and the Prefill call names the store; the prefill instance reads the prefix itself, and its answer
+    says what it copied (the prefix move, `via: "shared"`) or why not (the store no longer held it: the move
+    failed, the prefill computed it)."""
     from router.policy import Placement, PrefixMove
 
     class FromStore:
@@ -429,38 +426,22 @@ def test_a_load_from_the_stores_shared_pool_is_leased_beside_the_reservation_and
             return {}
 
         def place(self, snap):
-            if not any(i.name == "d0" for i in snap.of("decode")):  # busy: the router waits, then refuses
-                return Placement(None, None, "pd", "test: d0 is busy")
             return Placement("d0", "p0", "pd", "test: from the store", PrefixMove("s0", 4, overlap=True), 2, "s0")
 
     async def go():
-        async with cluster({"p0": ("prefill", {"shared": True}),
-                            "d0": ("decode", {"decode": "full" if lease == "busy" else "ok"}),
-                            "s0": ("store", {"export": lease, "shared": True})}) as (ce, w):
+        async with cluster({"p0": ("prefill", {"shared": True}), "d0": ("decode", {}),
+                            "s0": ("store", {"export": "ok" if held else "fail", "shared": True})}) as (ce, w):
             ce.policy = FromStore()
-            if lease == "busy":
-                with pytest.raises(QueueFull):
-                    await ce.add("r", [1, 2, 3, 4, 5, 6], GREEDY)
-            else:
-                u, = await result(await ce.add("r", [1, 2, 3, 4, 5, 6], GREEDY))
-                assert u.error is None and u.token_ids == [6, 0]
-            assert w["p0"].imports == [] and w["s0"].exports == []
-            assert w["s0"].leases and w["s0"].leases[0] == "r.1.prefix"
-            for _ in range(200):  # released in the background
-                if sorted(w["s0"].releases) == sorted(w["s0"].leases) or lease == "fail":
-                    break
-                await asyncio.sleep(0.01)
-            if lease == "ok":
-                assert w["p0"].requests[-1]["prefix_from"] == {
-                    "import_id": None, "shared": {"instance": "s0", "blocks": [9], "row": 3}, "tokens": 4}
-                mv = u.route["prefix_move"]
+            w["p0"].board["store"] = w["s0"]
+            u, = await result(await ce.add("r", [1, 2, 3, 4, 5, 6], GREEDY))
+            assert u.error is None and u.token_ids == [6, 0]
+            assert w["p0"].imports == [] and w["s0"].exports == [] and w["s0"].requests == []
+            assert w["p0"].requests[-1]["prefix_from"] == {"import_id": None, "shared": {"instance": "s0"},
+                                                           "tokens": 4}
+            mv = u.route["prefix_move"]
+            if held:
                 assert mv["via"] == "shared" and mv["tokens"] == 4 and mv["kv_bytes"] == 2048, mv
-                assert w["s0"].releases == ["r.1.prefix"] and ce.prefix_moves["done"] == 1
-            elif lease == "fail":
-                assert "prefix_from" not in w["p0"].requests[-1] or w["p0"].requests[-1]["prefix_from"] is None
-                assert u.route["prefix_move"] is None and ce.prefix_moves["failed"] == 1
-                assert w["s0"].releases == []
+                assert mv["seconds"] == 0.002 and ce.prefix_moves == {"done": 1, "failed": 0, "bytes": 2048}
             else:
-                assert len(w["s0"].leases) > 1 and sorted(w["s0"].releases) == sorted(w["s0"].leases)
-                assert w["p0"].prefills == []
+                assert mv is None and ce.prefix_moves["failed"] == 1 and ce.prefix_moves["done"] == 0
     asyncio.run(go())
