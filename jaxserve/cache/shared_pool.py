@@ -109,11 +109,10 @@ class SharedPool:
             raise ValueError(f"the shared pool {desc.get('name')!r} has arrays {leaves} that do not match this "
                              f"instance's pool")
         table = desc.get("table") or {}
-        full = [gl.kind == "full" for gl, shp in zip(layout.groups, layout.shapes(jnp.dtype(dtype)))
-                for _ in jax.tree.leaves(shp)]  # per leaf: indexed by block (else by state row)
-        sizes = [(f, lf["shape"][0]) for f, lf in zip(full, leaves)]
+        by_block = [gl.kind == "full" for gl, shp in zip(layout.groups, layout.shapes(jnp.dtype(dtype)))
+                    for _ in jax.tree.leaves(shp)]  # per leaf: indexed by block (else by state row)
         if not isinstance(table.get("offset"), int) or any(
-                n != table.get("blocks" if full else "rows") for full, n in sizes):
+                lf["shape"][0] != table.get("blocks" if b else "rows") for b, lf in zip(by_block, leaves)):
             raise ValueError(f"the shared pool {desc.get('name')!r} has a table {table} that does not index its "
                              f"arrays {leaves}")
         mapping = attach_segment(desc["name"])
@@ -174,21 +173,28 @@ class SharedPool:
         readable from now on."""
         blocks = list(blocks)[:len(hashes)]
         row = row if row_key is not None else None
-        self.begin(blocks, row)
         idx = self._entries(blocks, row)
-        self.keys[idx] = _keys(list(hashes)[:len(blocks)] + ([row_key] if row is not None else []))
+        keys = _keys(list(hashes)[:len(blocks)] + ([row_key] if row is not None else []))
+        # entries published with these hashes and not written since are left as they are (a prefix sharing
+        # blocks with one held already must not refuse the readers of those)
+        new = ((self.gens[idx] & 1) == 1) | (self.keys[idx] != keys).any(axis=1)
+        idx, keys = idx[new], keys[new]
+        self.gens[idx] |= np.uint64(1)
+        self.keys[idx] = keys
         self.gens[idx] += np.uint64(1)
 
     def stage(self, st: Staging, views: list, blocks: list[int], row: int) -> None:
         """Gather blocks `blocks` and state row `row` into staging region views (st's order, heads whole): what
         transfer/device.py `DeviceIO.export` stages from a device pool, for every layer group of `st`."""
+        ids = np.asarray(blocks, np.intp)
+        if len(ids) and (ids.min() < 0 or ids.max() >= self.num_blocks):
+            raise ValueError(f"blocks {blocks} lie outside the shared pool's {self.num_blocks}")
         for w, parts in st.logical:
             if len(parts) != 1:
                 raise ValueError("a shared pool is read into one device: its staging splits no heads")
             g, out = self.arrays[w.group], views[parts[0].index]
-            if w.kind == "blocks":  # block by block (no temporary); the padding rows are left (their ids drop)
-                for i, b in enumerate(blocks):
-                    out[i] = g[b, w.j0:w.j1]
+            if w.kind == "blocks":  # one gather (vectorised: a layer group's blocks are many small copies)
+                out[:len(ids)] = g[ids, w.j0:w.j1]  # the padding rows are left (their ids drop)
             elif w.kind == "ring":
                 out[...] = g[row, w.j0:w.j1]
             else:

@@ -155,7 +155,7 @@ def test_reads_under_a_writer_thread_never_see_a_torn_block(checkpoint_dir):
     """A writer thread rewrites block 0 over and over (write i: every value i, published under hash A for even
     i, B for odd), each time followed by a write of block 1, as a reader looks for hash A and stages it. Every
     read that `intact` accepts holds one even value throughout; the race is exercised (some reads are refused)
-    and reads do succeed."""
+    and reads do succeed. Publishing what an entry holds already writes nothing."""
     eng = LLMEngine(checkpoint_dir("llama"), "float32", CFG, progress=False)
     layout = dataclasses.replace(eng.layout, block_size=512, num_blocks=2)  # 256 KiB blocks: the copies take time
     owner = SharedPool.create(layout, "float32")
@@ -195,7 +195,14 @@ def test_reads_under_a_writer_thread_never_see_a_torn_block(checkpoint_dir):
             if got.min() != got.max() or int(got.flat[0]) % 2:
                 torn += 1
             good += 1
+        t.join()
+        g = owner.gens[:2].copy()
+        owner.publish([0, 1], [keys[599 % 2], keys[2]])  # as they are (a put sharing them): readers unaffected
+        assert (owner.gens[:2] == g).all()
+        owner.publish([0], [keys[0]])  # another hash: a write
+        assert owner.gens[0] == g[0] + 2 and pool.locate(keys[:1], None)[0] == [0]
     finally:
+        done.wait()
         t.join()
         sys.setswitchinterval(old)
         pool.close()
