@@ -762,14 +762,16 @@ class Router:
         finally:
             imp.cancel()
 
-    def _store_put(self, s: _Sub, p: WorkerInfo, tokens: list[int]) -> None:
+    def _store_put(self, s: _Sub, p: WorkerInfo, tokens: list[int], force: bool = False) -> None:
         """After a prefill on p: its prompt's whole blocks go to the global KV store (BanaServe 4.2), in the
-        background, unless the store holds them already. A failed write is logged and counted; nothing waits
-        for it."""
+        background, unless the store holds them already (force: even then; a read of the store's shared pool
+        missed them, so they are on its disk tier only, or were being rewritten). A failed write is logged and
+        counted; nothing waits for it."""
         store = next((w for w in self.registry.up() if w.role == "store"), None)
         bs = self.cfg.engine.block_size
         n = len(tokens) // bs * bs
-        if store is None or n == 0 or self.index.match(tokens[:n], {store.name}, whole=True).get(store.name, 0) >= n:
+        if store is None or n == 0 or not force and self.index.match(
+                tokens[:n], {store.name}, whole=True).get(store.name, 0) >= n:
             return
 
         async def put():
@@ -790,6 +792,7 @@ class Router:
         the placement says so); on_first(Update) gets the first token as soon as it is sampled; returns once
         decode acknowledged every KV byte. Raises _Retry."""
         load = await self._move_prefix(s, p) if s.placement.move_prefix is not None else None
+        missed = False  # a read of the store's shared pool did not find the prefix there
         tokens = s.prompt + s.output  # resuming: the output so far is prompt to this prefill
         params = {**s.params, "max_tokens": s.params["max_tokens"] - len(s.output)}
         p.inflight += 1
@@ -832,6 +835,7 @@ class Router:
             if ld.shared:  # read by p itself: its answer says what it copied, in how long
                 ld.sent, ld.seconds = {"kv_bytes": int(got.get("kv_bytes", 0))}, float(got.get("seconds", 0.0))
             error = ld.error or got.get("error")
+            missed = bool(ld.shared and error)
             if error or not ld.sent:
                 self.prefix_moves["failed"] += 1
                 log.warning("%s: %s did not load the %d-token prefix from %s (%s); it computed it", s.rid, p.name,
@@ -848,7 +852,7 @@ class Router:
         if sent > 0 and s.kv_bytes > 0:  # the policies' bytes per token (a moving average over transfers)
             x, old = s.kv_bytes / sent, self.kv_bytes_per_token
             self.kv_bytes_per_token = x if old is None else 0.8 * old + 0.2 * x
-        self._store_put(s, p, tokens)
+        self._store_put(s, p, tokens, force=missed)
 
     async def _next(self, s: _Sub, pre: asyncio.Future | None, kv_pending: bool) -> dict:
         """The open stream's next message. While the request's prefill call (`pre`) runs and decode has not yet

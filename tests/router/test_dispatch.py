@@ -415,9 +415,11 @@ def test_a_pipelined_load_from_the_store_starts_beside_the_decode_reservation(ex
 def test_a_load_from_the_stores_shared_pool_is_named_in_the_prefill_and_calls_nothing_else(held):
     """The store's shared pool on the prefill instance's host: the router calls nothing on the store (no Import,
     no Export) and the Prefill call names the store; the prefill instance reads the prefix itself, and its answer
-    says what it copied (the prefix move, `via: "shared"`) or why not (the store no longer held it: the move
-    failed, the prefill computed it)."""
+    says what it copied (the prefix move, `via: "shared"`) or why not. When the store's pool no longer held it
+    (its disk tier may: the global index still counts it), the prefill computed it and the router writes the
+    prompt back to the store although the index says the store holds it, so the next read finds it."""
     from router.policy import Placement, PrefixMove
+    from router.kv_index import KVIndex
 
     class FromStore:
         name = "banaserve"
@@ -426,22 +428,30 @@ def test_a_load_from_the_stores_shared_pool_is_named_in_the_prefill_and_calls_no
             return {}
 
         def place(self, snap):
-            return Placement("d0", "p0", "pd", "test: from the store", PrefixMove("s0", 4, overlap=True), 2, "s0")
+            return Placement("d0", "p0", "pd", "test: from the store", PrefixMove("s0", 16, overlap=True), 4, "s0")
 
     async def go():
         async with cluster({"p0": ("prefill", {"shared": True}), "d0": ("decode", {}),
                             "s0": ("store", {"export": "ok" if held else "fail", "shared": True})}) as (ce, w):
             ce.policy = FromStore()
             w["p0"].board["store"] = w["s0"]
-            u, = await result(await ce.add("r", [1, 2, 3, 4, 5, 6], GREEDY))
-            assert u.error is None and u.token_ids == [6, 0]
-            assert w["p0"].imports == [] and w["s0"].exports == [] and w["s0"].requests == []
+            prompt = list(range(1, 21))  # a whole block of 16 the store holds (says the index), and 4 more
+            ce.index.apply("s0", {"epoch": "e", "full": {"blocks": KVIndex(16).hashes(prompt), "snaps": []},
+                                  "next": 0})
+            u, = await result(await ce.add("r", prompt, GREEDY))
+            assert u.error is None and u.token_ids == [20, 0]
             assert w["p0"].requests[-1]["prefix_from"] == {"import_id": None, "shared": {"instance": "s0"},
-                                                           "tokens": 4}
+                                                           "tokens": 16}
             mv = u.route["prefix_move"]
             if held:
-                assert mv["via"] == "shared" and mv["tokens"] == 4 and mv["kv_bytes"] == 2048, mv
+                assert mv["via"] == "shared" and mv["tokens"] == 16 and mv["kv_bytes"] == 2048, mv
                 assert mv["seconds"] == 0.002 and ce.prefix_moves == {"done": 1, "failed": 0, "bytes": 2048}
             else:
                 assert mv is None and ce.prefix_moves["failed"] == 1 and ce.prefix_moves["done"] == 0
+                await asyncio.gather(*list(ce._store_tasks))  # the write-back, in the background
+                assert w["s0"].imports == ["r.1.store"] and w["p0"].exports == [("r.1.store", "s0", [5])]
+                assert ce.store_puts["done"] == 1
+            if held:  # nothing but the Prefill: no store call, no write-back of what the store holds
+                assert w["p0"].imports == [] and w["s0"].imports == [] and w["p0"].exports == []
+            assert w["s0"].exports == [] and w["s0"].requests == []
     asyncio.run(go())
