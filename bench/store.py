@@ -8,9 +8,9 @@ tokens (whole blocks) and three requests of S plus L - |S| fresh tokens, one out
   cold   on p0, nothing cached (its prompt then goes to the store: the router writes it back after the prefill)
 then, in an order that rotates with the repetition (an instance that ran last runs faster on a shared core):
   local  on p0 again, once the store holds S: the prefix is in p0's own cache
-  store  on p1, which has never seen S: the router names the store in p1's Prefill call, and p1 finds S's blocks
-         in the store's shared pool (the same host) by hash and copies them into its own cache before its
-         prefill, with no call to the store
+  store  on p1, which has never seen S: beside d0's reservation the router asks p1 to load S (Load), and p1
+         finds S's blocks in the store's shared pool (the same host) by hash and copies them into its own cache,
+         with no call to the store; its prefill then finds S cached
   store_tcp  on p2, S over the transfer layer as between hosts: the router loads S from the store into p2
          (Import on p2, Export on s0), starting with the placement, beside d0's reservation, and p2 computes the
          rest over it as it lands, layer group by layer group (the pipelined load)

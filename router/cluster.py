@@ -84,10 +84,10 @@ class _Load:
     load). Over the transfer layer: the Import stream on the prefill instance reserves the blocks (`reserved`:
     its reservation, None when none was made), the holder's Export sends into them, and the Prefill call names
     the Import (`import_id`), so that the prefill computes over the prefix as it lands; `task` ends once the
-    prefix is cached there. From the store's shared pool on the prefill instance's host (`shared`): nothing to
-    start (`reserved` is set at once): the Prefill call names the store, and the prefill instance finds the
-    prefix's blocks in the store's segment and copies them in place (cache/shared_pool.py) without a call to the
-    store; its answer says what it copied (`sent`) in how long (`seconds`), or why it did not."""
+    prefix is cached there. From the store's shared pool on the prefill instance's host (`shared`): a Load call
+    on the prefill instance, which finds the prefix's blocks in the store's segment and copies them into its
+    prefix cache (cache/shared_pool.py) without a call to the store, beside the decode reservation; `task` ends
+    once they are cached there (`reserved` is set at once), and the Prefill then finds them cached."""
     src: str
     dst: str
     tokens: int
@@ -95,7 +95,7 @@ class _Load:
     reserved: asyncio.Future
     shared: bool = False
     task: asyncio.Future | None = None
-    sent: dict | None = None  # Export's transfer numbers (shared: {"kv_bytes"}, from the Prefill's answer)
+    sent: dict | None = None  # Export's transfer numbers (shared: Load's {"kv_bytes", "seconds"})
     seconds: float = 0.0  # from the start to the prefix cached (or the failure)
     error: str | None = None
 
@@ -677,6 +677,9 @@ class Router:
             try:
                 if ld.shared:
                     ld.reserved.set_result({})
+                    ld.sent = await self._watch(dst, self._client(dst).call(
+                        "Load", {"request_id": ld.import_id, "prompt": tokens, "store": src.name},
+                        timeout=self.cfg.transfer.deadline_s))
                 else:
                     ld.sent = await self._copy_prefix(src, dst, tokens, ld.import_id, ld.reserved)
             except (grpc.aio.AioRpcError, _Silent, StopAsyncIteration, KeyError, TypeError, ValueError) as e:
@@ -704,8 +707,9 @@ class Router:
         Import stream on p reserves the blocks, an Export call on the holder sends the KV into them, and p's
         answer says they are cached. With `overlap`, that load started with the placement (`_start_load`) and
         the prefill runs over the prefix as it lands: -> the Prefill's `prefix_from` once p has reserved the
-        blocks (None: copied, or failed). A move that fails costs only its time: p computes those tokens
-        itself."""
+        blocks (None: copied, or failed); from the store's shared pool on p's host, p's Load copied it beside
+        the decode reservation -> None once it is cached there. A move that fails costs only its time: p
+        computes those tokens itself."""
         mv = s.placement.move_prefix
         src = self.registry.get(mv.src)
         tokens = (s.prompt + s.output)[:mv.tokens]
@@ -716,9 +720,13 @@ class Router:
         if mv.overlap:
             ld = s.load
             if ld is not None and ld.dst == p.name and await ld.reserved is not None:
-                if ld.shared:
-                    return {"shared": {"instance": ld.src}, "tokens": ld.tokens}
-                return {"import_id": ld.import_id, "tokens": ld.tokens}
+                if not ld.shared:
+                    return {"import_id": ld.import_id, "tokens": ld.tokens}
+                await ld.task  # copied beside the decode reservation: the prefill finds it cached
+                if ld.error is None:
+                    self._moved(s, ld.src, p.name, ld.tokens, int(ld.sent["kv_bytes"]), ld.seconds,
+                                overlapped=True, via="shared")
+                    return None
             self.prefix_moves["failed"] += 1
             log.warning("%s: %s could not take the %d-token prefix from %s (%s); it prefills without it", s.rid,
                         p.name, len(tokens), src.name, ld.error if ld is not None else "no load started")
@@ -792,7 +800,8 @@ class Router:
         the placement says so); on_first(Update) gets the first token as soon as it is sampled; returns once
         decode acknowledged every KV byte. Raises _Retry."""
         load = await self._move_prefix(s, p) if s.placement.move_prefix is not None else None
-        missed = False  # a read of the store's shared pool did not find the prefix there
+        ld = s.load  # a read of the store's shared pool that missed: the prompt goes back to the store after
+        missed = ld is not None and ld.shared and ld.dst == p.name and ld.error is not None
         tokens = s.prompt + s.output  # resuming: the output so far is prompt to this prefill
         params = {**s.params, "max_tokens": s.params["max_tokens"] - len(s.output)}
         p.inflight += 1
@@ -832,18 +841,14 @@ class Router:
         if load:  # the prefix arrived while p's prefill ran over it (the prefill waited for all of it)
             ld, got = s.load, res.get("prefix") or {}
             await ld.task
-            if ld.shared:  # read by p itself: its answer says what it copied, in how long
-                ld.sent, ld.seconds = {"kv_bytes": int(got.get("kv_bytes", 0))}, float(got.get("seconds", 0.0))
             error = ld.error or got.get("error")
-            missed = bool(ld.shared and error)
             if error or not ld.sent:
                 self.prefix_moves["failed"] += 1
                 log.warning("%s: %s did not load the %d-token prefix from %s (%s); it computed it", s.rid, p.name,
                             ld.tokens, ld.src, error)
             else:
                 self._moved(s, ld.src, p.name, ld.tokens, int(ld.sent["kv_bytes"]), ld.seconds, overlapped=True,
-                            streamed_groups=got.get("streamed_groups"),
-                            via="shared" if ld.shared else "transfer")
+                            streamed_groups=got.get("streamed_groups"), via="transfer")
             self._drop_load(s)
         p.served += 1
         s.prefill, s.kv_bytes, s.kv_backend = p.name, int(res["kv_bytes"]), res.get("backend")

@@ -22,16 +22,21 @@ generation counter and the chain hash of what the entry holds (a snapshot row: t
   reader  `locate` the prefix's entries by hash and read their generations (all even) and hashes (all the
           prefix's), stage the KV, then `intact`: every generation unchanged, so nothing was written meanwhile
 A read that raced a write (the store reused a block for another prefix) is refused and the prefill computes
-those tokens. x86-64 keeps stores in program order and loads in program order (TSO; memcpy's non-temporal
-stores end in a fence), which is what the protocol needs from the numpy stores and loads on each side; on other
-hosts a prefill instance does not read the pool (`readable_here`). A block the store evicted keeps its hash
-until it is written again, its KV still that prefix's, so it stays readable.
+those tokens. x86-64 keeps ordinary stores in program order and loads in program order (TSO), which is what the
+protocol needs from the numpy stores and loads on each side; the non-temporal stores a large memcpy may use are
+the exception, so the writer fences (`mfence`, a four-byte function mapped executable) between marking entries
+and writing their KV, and between writing it and publishing. On other hosts, or where no such function can be
+mapped, the store keeps its pool private and the KV goes over the transfer layer (`readable_here`). A block the
+store evicted keeps its hash until it is written again, its KV still that prefix's, so it stays readable.
 
 Not thread-safe on the writing side: one writer (the store's engine thread).
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import mmap
 import platform
 
 import jax
@@ -47,9 +52,26 @@ def _wire(dtype) -> np.dtype:
     return np.dtype(np.uint16) if jnp.dtype(dtype) == jnp.bfloat16 else np.dtype(jnp.dtype(dtype).name)
 
 
+@functools.cache
+def _mfence():
+    """A callable that runs x86-64 `mfence` (every store before it is visible before any after it, non-temporal
+    ones included), or None where it cannot be had."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    try:
+        code = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+    except (OSError, AttributeError):  # no executable mapping allowed here
+        return None
+    code.write(b"\x0f\xae\xf0\xc3")  # mfence; ret
+    fn = ctypes.CFUNCTYPE(None)(ctypes.addressof(ctypes.c_char.from_buffer(code)))
+    fn._code = code  # the mapping lives as long as the function
+    fn()
+    return fn
+
+
 def readable_here() -> bool:
-    """Whether this host's memory order is the one the seqlock relies on (x86-64)."""
-    return platform.machine().lower() in ("x86_64", "amd64")
+    """Whether the seqlock holds on this host: x86-64 memory order, and the writer's fence to hand."""
+    return _mfence() is not None
 
 
 class Missed(Exception):
@@ -78,7 +100,10 @@ class SharedPool:
 
     @classmethod
     def create(cls, layout, dtype: str) -> "SharedPool":
-        """A zeroed pool of `layout` (cache.layout.PoolLayout) in a new segment, owned here."""
+        """A zeroed pool of `layout` (cache.layout.PoolLayout) in a new segment, owned here. Raises ValueError
+        where readers could not read it safely (`readable_here`)."""
+        if not readable_here():
+            raise ValueError("a shared KV pool needs an x86-64 host that can map its writer's fence")
         leaves, treedef = jax.tree.flatten(layout.shapes(jnp.dtype(dtype)))
         specs, off = [], 0
         for s in leaves:
@@ -111,7 +136,7 @@ class SharedPool:
         table = desc.get("table") or {}
         by_block = [gl.kind == "full" for gl, shp in zip(layout.groups, layout.shapes(jnp.dtype(dtype)))
                     for _ in jax.tree.leaves(shp)]  # per leaf: indexed by block (else by state row)
-        if not isinstance(table.get("offset"), int) or any(
+        if not isinstance(table.get("offset"), int) or table["offset"] % 8 or any(
                 lf["shape"][0] != table.get("blocks" if b else "rows") for b, lf in zip(by_block, leaves)):
             raise ValueError(f"the shared pool {desc.get('name')!r} has a table {table} that does not index its "
                              f"arrays {leaves}")
@@ -166,6 +191,7 @@ class SharedPool:
         idx = self._entries(blocks, row)
         self.gens[idx] |= np.uint64(1)
         self.keys[idx] = 0
+        _mfence()()  # marked before any byte of their KV changes
 
     def publish(self, blocks: list[int], hashes: list[bytes], row: int | None = None,
                 row_key: bytes | None = None) -> None:
@@ -179,6 +205,7 @@ class SharedPool:
         # blocks with one held already must not refuse the readers of those)
         new = ((self.gens[idx] & 1) == 1) | (self.keys[idx] != keys).any(axis=1)
         idx, keys = idx[new], keys[new]
+        _mfence()()  # the KV written before is visible before the entries are
         self.gens[idx] |= np.uint64(1)
         self.keys[idx] = keys
         self.gens[idx] += np.uint64(1)

@@ -36,6 +36,10 @@ schema in messages.py before a handler sees it):
   Export    (prefill, store) {"request_id", "prompt" (the prefix), "dst": reservation} -> {"kv_bytes", "frames",
             "sends", "resends", "backend"}: sends the prefix's KV from this instance's prefix cache, no compute;
             FAILED_PRECONDITION when it is no longer cached.
+  Load      (prefill) {"request_id", "prompt" (a prefix: whole blocks), "store"} -> {"kv_bytes", "seconds"}: copies
+            the prefix from the shared pool of the global KV store `store` on this host into this instance's
+            prefix cache, found there by hash, with no call to the store (the router's load from the store,
+            started with the decode reservation); FAILED_PRECONDITION when that pool does not hold it.
   Migrate   (decode, both) {"kind": "heads" | "layers", "dst", "heads"? | "layers"? [lo, hi]} -> {"requests",
             "bytes", "seconds"}: part of the decode work of the requests decoding here moves to instance dst
             (engine/migration.py), looked up in the peer table; INVALID_ARGUMENT for an impossible move, its
@@ -147,7 +151,7 @@ class Worker:
         from ..cache.shared_pool import readable_here
         single = group is None and _one_cpu_device(self.llm.runner.pool)
         self.shared_pool = self.llm.runner.share_pool() if (
-            inst.role == "store" and cfg.transfer.shared_memory and single) else None
+            inst.role == "store" and cfg.transfer.shared_memory and single and readable_here()) else None
         self.reads_pool = single and cfg.transfer.shared_memory and readable_here()
         self._pools: dict = {}  # a store instance's name -> its SharedPool, mapped here
         if cfg.engine.warmup:
@@ -469,7 +473,6 @@ class Worker:
     async def prefill(self, req, ctx):
         import grpc
         from transfer.segments import OutOfBlocks
-        from ..cache.shared_pool import Missed
         from ..disagg.prefill_side import Handoff
         from ..engine.client import RequestError
         if self.role in ("decode", "store"):
@@ -485,10 +488,6 @@ class Worker:
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
         prompt = list(req.prompt)[:kv]
         over = []  # the IncomingPrefix the prefill runs over (none when that Import has ended)
-        shared, missed = None, None  # the store's SharedPool the prefix is read from; why it is not
-        loaded = {"kv_bytes": 0, "seconds": 0.0}  # what the read from it copied, in how long
-        if pf is not None and pf.shared:
-            shared, missed = self._pool_of(pf.shared.instance)
         try:
             params = req.params.sampling()
             link, shm_base = self._link_to(peer, dst)
@@ -496,17 +495,7 @@ class Worker:
                               request_id=rid, shm_base=shm_base)
 
             def add(eng):
-                nonlocal missed
-                if shared is not None:  # read from the store's shared pool into the prefix cache first
-                    t0 = time.monotonic()
-                    try:  # staged in the layer groups the import programs were warmed with
-                        loaded["kv_bytes"] = eng.load_prefix(prompt[:pf.tokens], shared, self.layer_groups)
-                    except Missed as e:
-                        missed = str(e)
-                    except OutOfBlocks as e:
-                        missed = f"no room for the prefix: {e}"
-                    loaded["seconds"] = round(time.monotonic() - t0, 6)
-                inc = self.intake.prefixes.get(pf.import_id) if pf is not None and pf.import_id else None
+                inc = self.intake.prefixes.get(pf.import_id) if pf is not None else None
                 if inc is not None and inc.tokens != prompt[:pf.tokens]:
                     raise RequestError(f"prefix_from.import_id: {pf.import_id!r} carries another prefix than the "
                                        f"prompt's first {pf.tokens} tokens")
@@ -533,9 +522,7 @@ class Worker:
             yield {"first": dataclasses.asdict(dataclasses.replace(u, finished=False, finish_reason=None))}
         sent = await self._sent(sender, ctx)
         prefix = None
-        if pf is not None and pf.shared:  # read from the store's shared pool (or, failing that, computed)
-            prefix = {"tokens": pf.tokens, "streamed_groups": 0, "error": missed, "via": "shared", **loaded}
-        elif pf is not None:  # what arrived while the prefill ran (none: the Import had ended before it began)
+        if pf is not None:  # what arrived while the prefill ran (none: the Import had ended before it began)
             prefix = {"tokens": pf.tokens, "streamed_groups": len(over[0].imported) if over else 0,
                       "error": over[0].error if over else None, "via": "transfer"}
         yield {**sent, "token": u.token_ids[0] if u.token_ids and handoff.sample else None, "ttft_s": u.ttft_s,
@@ -642,6 +629,32 @@ class Worker:
                             f"{self.inst.name} no longer holds the {len(tokens)}-token prefix")
         return await self._sent(handoff.sender, ctx)
 
+    async def load_prefix(self, req, ctx):
+        """Load: copy the prefix `prompt` (whole blocks) from the shared pool of store `store` on this host into
+        this instance's prefix cache, with no call to the store (cache/shared_pool.py) -> {"kv_bytes",
+        "seconds"}. FAILED_PRECONDITION when `store` is no store with a shared pool on this host, or its pool
+        does not hold the prefix (any more, or a write of the store raced the read); RESOURCE_EXHAUSTED when
+        there is no room for it here."""
+        import grpc
+        from transfer.segments import OutOfBlocks
+        from ..cache.shared_pool import Missed
+        from ..engine.client import RequestError
+        if self.role != "prefill":
+            await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.inst.name} is a {self.role} instance")
+        pool, why = self._pool_of(req.store)
+        if pool is None:
+            await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
+        tokens, t0 = list(req.prompt), time.monotonic()
+        try:  # staged in the layer groups the import programs were warmed with
+            kv_bytes = await self.engine.call(lambda eng: eng.load_prefix(tokens, pool, self.layer_groups))
+        except (RequestError, ValueError) as e:
+            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Missed as e:
+            await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except OutOfBlocks as e:
+            await ctx.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"no room for the prefix: {e}")
+        return {"kv_bytes": kv_bytes, "seconds": round(time.monotonic() - t0, 6)}
+
     def _pool_of(self, instance: str):
         """Store `instance`'s shared pool, mapped here on first use -> (SharedPool, None), or (None, why not) when
         the peer table has no such pool on this host or it does not fit this instance's pool."""
@@ -650,9 +663,9 @@ class Worker:
         peer = self.peers.get(instance)
         desc = (peer or {}).get("pool")
         if not self.reads_pool or peer is None or peer.get("role") != "store" or not desc:
-            return None, f"prefix_from.shared.instance: {instance!r} is not a store with a shared pool"
+            return None, f"store: {instance!r} is not a store with a shared pool"
         if not same_host(desc.get("boot")):
-            return None, f"prefix_from.shared.instance: {instance!r} runs on another host"
+            return None, f"store: {instance!r} runs on another host"
         got = self._pools.get(instance)
         if got is None or got.name != desc["name"]:  # first use, or the store restarted with a new segment
             if got is not None:
@@ -661,7 +674,7 @@ class Worker:
                 got = SharedPool.attach(desc, self.llm.layout, self.llm.dtype_name)
             except (OSError, ValueError) as e:
                 self._pools.pop(instance, None)
-                return None, f"prefix_from.shared.instance: {instance!r}: {e}"
+                return None, f"store: {instance!r}: {e}"
             self._pools[instance] = got
         return got, None
 
@@ -768,7 +781,8 @@ class Worker:
         self._idle = asyncio.Event()
         self._idle.set()
         unary = {"Health": self.health, "SetLink": self.set_link, "SetRole": self.set_role,
-                 "Export": self._counted(self.export_prefix, False), "Migrate": self.migrate}
+                 "Export": self._counted(self.export_prefix, False), "Migrate": self.migrate,
+                 "Load": self._counted(self.load_prefix, False)}
         streams = {name: self._counted(fn, True) for name, fn in (
             ("Decode", self.decode), ("Generate", self.generate), ("Prefill", self.prefill),
             ("Import", self.import_prefix))}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, StrictBool, StrictInt, StrictStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, StrictBool, StrictInt, StrictStr
 
 from ..cache.events import KINDS
 from ..sampling import SamplingParams
@@ -108,25 +108,11 @@ class Reservation(_Msg):
     pull: StrictBool = False
 
 
-class SharedPrefix(_Msg):
-    """A prefix in the shared pool of the global KV store `instance` on this host (its segment comes from the
-    peer table): read in place, its blocks found by hash (cache/shared_pool.py)."""
-    instance: Name
-
-
 class PrefixFrom(_Msg):
-    """A cached prefix (the prompt's first `tokens`, whole blocks) from the global KV store (the router's load):
-    arriving into this instance through the Import stream `import_id` while the prefill runs over it, or read
-    from the store's shared pool on this host (`shared`). Exactly one of the two."""
-    import_id: Name | None = None
-    shared: SharedPrefix | None = None
+    """A cached prefix (the prompt's first `tokens`, whole blocks) arriving into this instance through the Import
+    stream `import_id` (the router's load from the global KV store) while the prefill runs over it."""
+    import_id: Name
     tokens: StrictInt = Field(ge=1, le=MAX_TOKENS)
-
-    @model_validator(mode="after")
-    def _one_source(self):
-        if (self.import_id is None) == (self.shared is None):
-            raise ValueError("prefix_from names exactly one of import_id and shared")
-        return self
 
 
 class Prefill(_Request):
@@ -148,6 +134,14 @@ class Export(_Msg):
     request_id: Name
     prompt: Annotated[Ids, Field(min_length=1)]
     dst: Reservation
+
+
+class Load(_Msg):
+    """A cached prefix (whole blocks) to copy from the shared pool of the global KV store `store` on this host into
+    this instance's prefix cache."""
+    request_id: Name
+    prompt: Annotated[Ids, Field(min_length=1)]
+    store: Name
 
 
 class PoolLeaf(_Msg):
@@ -235,5 +229,5 @@ class Migrate(_Msg):
 
 
 WORKER = {"Health": Health, "Decode": Decode, "Prefill": Prefill, "Generate": Generate, "SetLink": SetLink,
-          "SetRole": SetRole, "Import": Import, "Export": Export, "Migrate": Migrate}
+          "SetRole": SetRole, "Import": Import, "Export": Export, "Migrate": Migrate, "Load": Load}
 ROUTER = {"Register": Register}

@@ -328,16 +328,19 @@ def test_worker_methods_refuse_callers_without_the_token_and_forged_destinations
                 out[dst["instance"], len(dst["blocks"])] = (e.value.code(), e.value.details())
             imp = p.stream("Import", {"request_id": "imp", "prompt": [7] * 4})  # a prefix arriving, not BASE's
             assert "reserved" in await imp.read()
-            shared = {"instance": "d0"}  # a store's shared pool
             for pf in ({"import_id": "imp", "tokens": 4}, {"import_id": "imp", "tokens": 6},
-                       {"import_id": "imp", "tokens": 12}, {"shared": {**shared, "blocks": [0]}, "tokens": 8},
-                       {"import_id": "imp", "shared": shared, "tokens": 4}):
+                       {"import_id": "imp", "tokens": 12},
+                       {"import_id": "imp", "shared": {"instance": "s0"}, "tokens": 8}):  # no such source (any more)
                 with pytest.raises(grpc.aio.AioRpcError) as e:  # the prefix it runs over: which, how much
                     await p.stream("Prefill", {"request_id": "forged", "prompt": BASE[:9], "params": GREEDY,
                                                "kv_tokens": 9, "dst": {"instance": "d0", "blocks": [0, 1, 2],
                                                                        "skip": 0}, "prefix_from": pf}).read()
                 out["from", pf["tokens"], *pf] = (e.value.code(), e.value.details())
             imp.cancel()  # the reservation is released
+            for store in ("d0", "nowhere"):  # a Load from a store's shared pool: only a registered store's
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await p.call("Load", {"request_id": "l", "prompt": BASE[:8], "store": store})
+                out["load", store] = (e.value.code(), e.value.details())
             for _ in range(100):
                 health = await p.call("Health", {})
                 if not health["stats"]["blocks_used"]:
@@ -360,7 +363,10 @@ def test_worker_methods_refuse_callers_without_the_token_and_forged_destinations
                      (("from", 6, "import_id", "tokens"), "prefix_from.tokens: 6 is not whole blocks"),
                      (("from", 12, "import_id", "tokens"),
                       "prefix_from.tokens: 12 is not whole blocks of 4 tokens shorter than"),
-                     (("from", 8, "shared", "tokens"), "prefix_from.shared.blocks"),  # blocks are found by hash
-                     (("from", 4, "import_id", "shared", "tokens"), "exactly one of import_id and shared")):
+                     (("from", 8, "import_id", "shared", "tokens"),
+                      "prefix_from.shared: Extra inputs are not permitted")):
         assert out[key][0] == grpc.StatusCode.INVALID_ARGUMENT and why in out[key][1], (key, out[key])
+    for store in ("d0", "nowhere"):
+        assert out["load", store] == (grpc.StatusCode.FAILED_PRECONDITION,
+                                      f"store: {store!r} is not a store with a shared pool"), out["load", store]
     assert health["stats"]["blocks_used"] == 0 and health["stats"]["running"] == 0

@@ -35,7 +35,7 @@ class Fake:
         self.prefill_mode, self.decode_mode, self.export_mode = prefill, decode, export
         self.shared = shared
         self.opened, self.closed, self.prefills, self.generated = [], [], [], []
-        self.imports, self.imports_closed, self.exports = [], [], []
+        self.imports, self.imports_closed, self.exports, self.loads = [], [], [], []
         self.requests = []  # every Decode / Prefill / Generate message
         self.release = asyncio.Event()
         self.beating = True
@@ -43,7 +43,7 @@ class Fake:
     async def start(self):
         self.server = rpc.server(TOKEN)
         self.server.add_generic_rpc_handlers((rpc.handler(
-            {"Export": self.export},
+            {"Export": self.export, "Load": self.load},
             {"Prefill": self.prefill, "Decode": self.decode, "Generate": self.generate,
                                       "Import": self.import_}, messages.WORKER),))
         self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
@@ -109,14 +109,7 @@ class Fake:
         if self.prefill_mode == "hold":
             await self.release.wait()
         self.board.setdefault(req["request_id"], asyncio.Event()).set()
-        prefix = {}
-        if (req.get("prefix_from") or {}).get("shared"):  # read from the store's pool: it holds it, or not
-            missed = self.board["store"].export_mode == "fail"
-            prefix = {"prefix": {"tokens": req["prefix_from"]["tokens"], "streamed_groups": 0, "via": "shared",
-                                 "error": "the store's pool does not hold block 0 of the prefix" if missed else None,
-                                 "kv_bytes": 0 if missed else 2048, "seconds": 0.002}}
-        yield {"kv_bytes": 100, "frames": 1, "sends": 1, "resends": 0, "token": 0, "ttft_s": 0.0, "backend": "tcp",
-               **prefix}
+        yield {"kv_bytes": 100, "frames": 1, "sends": 1, "resends": 0, "token": 0, "ttft_s": 0.0, "backend": "tcp"}
 
     async def import_(self, req, ctx):
         rid = req.request_id
@@ -135,6 +128,12 @@ class Fake:
             await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.name} no longer holds the prefix")
         self.board.setdefault(("exported", req.request_id), asyncio.Event()).set()
         return {"kv_bytes": 4096, "frames": 1, "sends": 1, "resends": 0, "backend": "tcp"}
+
+    async def load(self, req, ctx):  # from the store's shared pool: it holds the prefix, or not
+        self.loads.append((req.request_id, req.store, len(req.prompt)))
+        if self.board[req.store].export_mode == "fail":
+            await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, "the store's pool does not hold block 0 of it")
+        return {"kv_bytes": 2048, "seconds": 0.002}
 
     async def generate(self, req, ctx):
         req = req.model_dump()
@@ -400,7 +399,7 @@ def test_a_pipelined_load_from_the_store_starts_beside_the_decode_reservation(ex
             assert w["p0"].imports == ["r.1.prefix"] and w["d0"].opened == ["r.1"]
             assert w["s0"].exports == [("r.1.prefix", "p0", [5])]
             pre = w["p0"].requests[-1]
-            assert pre["prefix_from"] == {"import_id": "r.1.prefix", "shared": None, "tokens": 4}
+            assert pre["prefix_from"] == {"import_id": "r.1.prefix", "tokens": 4}
             assert u.route["prefix_move"] is None or u.route["prefix_move"]["via"] == "transfer"
             assert w["p0"].imports_closed == ["r.1.prefix"]  # ended (imported), or closed by the router
             if export == "ok":
@@ -412,12 +411,12 @@ def test_a_pipelined_load_from_the_store_starts_beside_the_decode_reservation(ex
 
 
 @pytest.mark.parametrize("held", [True, False])
-def test_a_load_from_the_stores_shared_pool_is_named_in_the_prefill_and_calls_nothing_else(held):
+def test_a_load_from_the_stores_shared_pool_is_a_load_call_beside_the_reservation(held):
     """The store's shared pool on the prefill instance's host: the router calls nothing on the store (no Import,
-    no Export) and the Prefill call names the store; the prefill instance reads the prefix itself, and its answer
-    says what it copied (the prefix move, `via: "shared"`) or why not. When the store's pool no longer held it
-    (its disk tier may: the global index still counts it), the prefill computed it and the router writes the
-    prompt back to the store although the index says the store holds it, so the next read finds it."""
+    no Export); a Load call on the prefill instance copies the prefix beside the decode reservation, and the
+    Prefill then finds it cached (no prefix_from). When the store's pool no longer held it (its disk tier may:
+    the global index still counts it), the prefill computes it and the router writes the prompt back to the
+    store although the index says the store holds it, so the next read finds it."""
     from router.policy import Placement, PrefixMove
     from router.kv_index import KVIndex
 
@@ -434,24 +433,24 @@ def test_a_load_from_the_stores_shared_pool_is_named_in_the_prefill_and_calls_no
         async with cluster({"p0": ("prefill", {"shared": True}), "d0": ("decode", {}),
                             "s0": ("store", {"export": "ok" if held else "fail", "shared": True})}) as (ce, w):
             ce.policy = FromStore()
-            w["p0"].board["store"] = w["s0"]
+            w["p0"].board["s0"] = w["s0"]
             prompt = list(range(1, 21))  # a whole block of 16 the store holds (says the index), and 4 more
             ce.index.apply("s0", {"epoch": "e", "full": {"blocks": KVIndex(16).hashes(prompt), "snaps": []},
                                   "next": 0})
             u, = await result(await ce.add("r", prompt, GREEDY))
             assert u.error is None and u.token_ids == [20, 0]
-            assert w["p0"].requests[-1]["prefix_from"] == {"import_id": None, "shared": {"instance": "s0"},
-                                                           "tokens": 16}
+            assert w["p0"].loads == [("r.1.prefix", "s0", 16)]
+            assert w["p0"].requests[-1]["prefix_from"] is None
             mv = u.route["prefix_move"]
             if held:
                 assert mv["via"] == "shared" and mv["tokens"] == 16 and mv["kv_bytes"] == 2048, mv
-                assert mv["seconds"] == 0.002 and ce.prefix_moves == {"done": 1, "failed": 0, "bytes": 2048}
+                assert ce.prefix_moves == {"done": 1, "failed": 0, "bytes": 2048}
+                # nothing but the Load and the Prefill: no store call, no write-back of what the store holds
+                assert w["p0"].imports == [] and w["s0"].imports == [] and w["p0"].exports == []
             else:
                 assert mv is None and ce.prefix_moves["failed"] == 1 and ce.prefix_moves["done"] == 0
                 await asyncio.gather(*list(ce._store_tasks))  # the write-back, in the background
                 assert w["s0"].imports == ["r.1.store"] and w["p0"].exports == [("r.1.store", "s0", [5])]
                 assert ce.store_puts["done"] == 1
-            if held:  # nothing but the Prefill: no store call, no write-back of what the store holds
-                assert w["p0"].imports == [] and w["s0"].imports == [] and w["p0"].exports == []
-            assert w["s0"].exports == [] and w["s0"].requests == []
+            assert w["s0"].exports == [] and w["s0"].requests == [] and w["s0"].loads == []
     asyncio.run(go())
