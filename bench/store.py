@@ -16,6 +16,8 @@ then, in an order that rotates with the repetition (an instance that ran last ru
          rest over it as it lands, layer group by layer group (the pipelined load)
   store_serial  the same on p3, but the load first and then the prefill (the pipeline's baseline)
 TTFT is the router's (arrival to first token). The bench's policy object pins each request to its instance.
+Ratios against `local` are paired: per repetition against the local run of the same repetition (the machine's
+slow moments fall on both), median and quartiles; TTFT medians beside them.
 
     python -m bench.store --json bench/results/store.json
 """
@@ -133,11 +135,14 @@ def main(argv=None):
                     moved[how].append(route["prefix_move"])
                 bar.update()
             med = {k: float(np.median(v)) for k, v in rows.items()}
+
+            def paired(how):  # per repetition against the local run of the same repetition
+                x = np.asarray(rows[how]) / np.asarray(rows["local"])
+                return {"median": float(np.median(x)), "p25": float(np.percentile(x, 25)),
+                        "p75": float(np.percentile(x, 75)), "min": float(x.min()), "max": float(x.max())}
             out[f"{r}/{L}"] = {"hit": r, "length": L, "prefix_tokens": prefix, "ttft_s": rows, "median_s": med,
-                           "store_over_local": med["store"] / med["local"],
-                           "tcp_over_local": med["store_tcp"] / med["local"],
-                           "serial_over_local": med["store_serial"] / med["local"],
-                           "cold_over_local": med["cold"] / med["local"],
+                           "store_over_local": paired("store"), "tcp_over_local": paired("store_tcp"),
+                           "serial_over_local": paired("store_serial"), "cold_over_local": paired("cold"),
                            "load_s_median": {k: float(np.median([m["seconds"] for m in v])) for k, v in moved.items()},
                            "load_kv_bytes": moved["store"][0]["kv_bytes"]}
         bar.close()
@@ -146,7 +151,8 @@ def main(argv=None):
     t0 = time.monotonic()
     by = run(config(path, max(lengths)), go)
     result = {"benchmark": "store", "host": platform.node(), "wall_s": time.monotonic() - t0,
-              "what": "TTFT (median of --reps) of one-token requests whose prefix is in the prefill instance's own "
+              "what": "TTFT (median of --reps; ratios: per repetition against local, median and quartiles) of "
+                      "one-token requests whose prefix is in the prefill instance's own "
                       "cache (local), comes from the global KV store's shared pool on the same host (store), over "
                       "the transfer layer while the prefill runs (store_tcp) or before it (store_serial), or is "
                       "cached nowhere (cold); "
@@ -156,11 +162,13 @@ def main(argv=None):
     write(a.json, result)
     for r in by.values():
         m = r["median_s"]
+        q = {k: f"{r[k]['median']:.2f}x [{r[k]['p25']:.2f}-{r[k]['p75']:.2f}]"
+             for k in ("store_over_local", "tcp_over_local", "serial_over_local", "cold_over_local")}
         print(f"r {r['hit']:.2f} L {r['length']:>5d} (prefix {r['prefix_tokens']}, {r['load_kv_bytes'] / 1e6:.2f} MB): "
               f"TTFT local {1e3 * m['local']:.1f} ms, store shared pool {1e3 * m['store']:.1f} ms "
-              f"({r['store_over_local']:.2f}x), store over TCP pipelined {1e3 * m['store_tcp']:.1f} ms "
-              f"({r['tcp_over_local']:.2f}x), loaded first {1e3 * m['store_serial']:.1f} ms "
-              f"({r['serial_over_local']:.2f}x), cold {1e3 * m['cold']:.1f} ms ({r['cold_over_local']:.2f}x)")
+              f"({q['store_over_local']}), store over TCP pipelined {1e3 * m['store_tcp']:.1f} ms "
+              f"({q['tcp_over_local']}), loaded first {1e3 * m['store_serial']:.1f} ms "
+              f"({q['serial_over_local']}), cold {1e3 * m['cold']:.1f} ms ({q['cold_over_local']})")
     print(f"wrote {a.json}")
 
 

@@ -9,10 +9,11 @@ prefix arriving, blocks restored from its disk tier) are numpy stores into the s
 `write_blocks`), made on the store's engine thread once the export programs already dispatched have read the
 pool (engine/runner.py).
 
-A prefill instance on the same host maps the segment (`attach`, checked against its own layout), gathers a
-prefix's blocks and the state snapshot at its end from it into a staging region (`stage`: numpy, one copy) and
-imports that with the import program it already compiled for KV arriving over the transfer layer (so reading a
-store of any size compiles nothing): no store process, socket, receive thread or call in the data path.
+A prefill instance on the same host (the router's Load call) maps the segment (`attach`, checked against its
+own layout), gathers a prefix's blocks and the state snapshot at its end from it into a staging region (`stage`:
+numpy, one copy) and imports that with the import program it already compiled for KV arriving over the transfer
+layer (so reading a store of any size compiles nothing): no store process, socket, receive thread or call in the
+data path.
 
 Reads take no lock and no lease: the segment ends with a table, one entry per block and per state row, of a
 generation counter and the chain hash of what the entry holds (a snapshot row: the hash of the prefix it ends;

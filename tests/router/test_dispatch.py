@@ -373,27 +373,34 @@ def test_a_handler_bug_fails_the_placement_not_the_worker():
     asyncio.run(go())
 
 
+class FromStore:
+    """Placement: prefill on p0 over the prompt's first `tokens` loaded from the store s0 (pipelined), decode on
+    d0."""
+    name = "banaserve"
+
+    def __init__(self, tokens: int, uncached: int):
+        self.tokens, self.uncached = tokens, uncached
+
+    def state(self):
+        return {}
+
+    def place(self, snap):
+        from router.policy import Placement, PrefixMove
+        return Placement("d0", "p0", "pd", "test: from the store", PrefixMove("s0", self.tokens, overlap=True),
+                         self.uncached, "s0")
+
+
 @pytest.mark.parametrize("export", ["ok", "fail"])
 def test_a_pipelined_load_from_the_store_starts_beside_the_decode_reservation(export):
     """BanaServe's pipelined load: the Import on the prefill instance is opened before the decode reservation is
     answered (decode here waits for it), the store's Export fills it, and the Prefill call names that Import. A
     failed Export closes the Import (the prefill instance frees the blocks) and the prefill computes the prefix:
     the request succeeds either way, and the route says whether the prefix was moved."""
-    from router.policy import Placement, PrefixMove
-
-    class FromStore:
-        name = "banaserve"
-
-        def state(self):
-            return {}
-
-        def place(self, snap):
-            return Placement("d0", "p0", "pd", "test: from the store", PrefixMove("s0", 4, overlap=True), 2, "s0")
 
     async def go():
         async with cluster({"p0": P, "d0": ("decode", {"decode": "after_import"}),
                             "s0": ("store", {"export": export})}) as (ce, w):
-            ce.policy = FromStore()
+            ce.policy = FromStore(4, 2)
             u, = await result(await ce.add("r", [1, 2, 3, 4, 5, 6], GREEDY))
             assert u.error is None and u.token_ids == [6, 0]
             assert w["p0"].imports == ["r.1.prefix"] and w["d0"].opened == ["r.1"]
@@ -417,22 +424,12 @@ def test_a_load_from_the_stores_shared_pool_is_a_load_call_beside_the_reservatio
     Prefill then finds it cached (no prefix_from). When the store's pool no longer held it (its disk tier may:
     the global index still counts it), the prefill computes it and the router writes the prompt back to the
     store although the index says the store holds it, so the next read finds it."""
-    from router.policy import Placement, PrefixMove
     from router.kv_index import KVIndex
-
-    class FromStore:
-        name = "banaserve"
-
-        def state(self):
-            return {}
-
-        def place(self, snap):
-            return Placement("d0", "p0", "pd", "test: from the store", PrefixMove("s0", 16, overlap=True), 4, "s0")
 
     async def go():
         async with cluster({"p0": ("prefill", {"shared": True}), "d0": ("decode", {}),
                             "s0": ("store", {"export": "ok" if held else "fail", "shared": True})}) as (ce, w):
-            ce.policy = FromStore()
+            ce.policy = FromStore(16, 4)
             w["p0"].board["s0"] = w["s0"]
             prompt = list(range(1, 21))  # a whole block of 16 the store holds (says the index), and 4 more
             ce.index.apply("s0", {"epoch": "e", "full": {"blocks": KVIndex(16).hashes(prompt), "snaps": []},
