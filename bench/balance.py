@@ -165,6 +165,7 @@ def live(rate: float, duration: float, models: str) -> dict:
         ttft = np.array([r["ttft_s"] for r in ok]) if ok else np.zeros(1)
         means = {n: float(np.mean([b for _, b in v])) if v else 0.0 for n, v in util.items()}
         return {"requests": len(recs), "failed": len(recs) - len(ok),
+                "errors": [r["error"] for r in recs if "error" in r][:5],  # the first few, as the router said
                 "throughput_rps": len(ok) / max(r["done_s"] for r in ok) if ok else 0.0,
                 "ttft_s": {q: float(np.percentile(ttft, v)) for q, v in (("p50", 50), ("p90", 90), ("p99", 99))},
                 "per_instance_requests": {n: sum(r["prefill"] == n for r in ok) for n in util},
