@@ -211,7 +211,7 @@ class SharedPool:
         self.keys[idx] = keys
         self.gens[idx] += np.uint64(1)
 
-    def stage(self, st: Staging, views: list, blocks: list[int], row: int) -> None:
+    def stage(self, st: Staging, views: list, blocks: list[int], row: int | None) -> None:
         """Gather blocks `blocks` and state row `row` into staging region views (st's order, heads whole): what
         transfer/device.py `DeviceIO.export` stages from a device pool, for every layer group of `st`."""
         ids = np.asarray(blocks, np.intp)

@@ -209,3 +209,23 @@ def test_reads_under_a_writer_thread_never_see_a_torn_block(checkpoint_dir):
         owner.close()
     assert torn == 0, (torn, good, refused)
     assert good > 0 and refused > 0, (good, refused)
+
+
+def test_a_reader_holding_the_prefix_in_part_reads_only_the_rest(checkpoint_dir):
+    """The reader holds the prefix's first blocks already (an earlier, shorter read): a read of the whole prefix
+    copies only the blocks after them, and the next request is served from both, with the colocated tokens."""
+    path = checkpoint_dir("llama")
+    want = LLM(path, progress=False, engine=CFG).generate([FOLLOWUP], GREEDY)[0].token_ids
+    src, store = store_of(path)
+    reader = LLMEngine(path, "float32", CFG, progress=False)
+    pool = SharedPool.attach(store.runner.shared.describe(), reader.layout, "float32")
+    try:
+        first = reader.load_prefix(PREFIX[:8], pool)  # two of its three blocks
+        rest = reader.load_prefix(PREFIX, pool)
+        assert 0 < rest < first  # staged: the third block only (padded to its bucket)
+        seq = run(reader, "b", FOLLOWUP)
+        assert seq.num_cached == len(PREFIX) and seq.output == want
+        reader.blocks.check()
+    finally:
+        pool.close()
+        store.runner.shared.close()
