@@ -150,9 +150,8 @@ class Worker:
         # pool would copy them over its host link: it takes them over the transfer layer)
         from ..cache.shared_pool import readable_here
         single = group is None and _one_cpu_device(self.llm.runner.pool)
-        self.shared_pool = self.llm.runner.share_pool() if (
-            inst.role == "store" and cfg.transfer.shared_memory and single and readable_here()) else None
         self.reads_pool = single and cfg.transfer.shared_memory and readable_here()
+        self.shared_pool = self.llm.runner.share_pool() if inst.role == "store" and self.reads_pool else None
         self._pools: dict = {}  # a store instance's name -> its SharedPool, mapped here
         if cfg.engine.warmup:
             print(f"{inst.name}: compiling the step programs (engine.warmup)", flush=True)
