@@ -87,7 +87,8 @@ class _Load:
     prefix is cached there. From the store's shared pool on the prefill instance's host (`shared`): a Load call
     on the prefill instance, which finds the prefix's blocks in the store's segment and copies them into its
     prefix cache (cache/shared_pool.py) without a call to the store, beside the decode reservation; `task` ends
-    once they are cached there (`reserved` is set at once), and the Prefill then finds them cached."""
+    once they are cached there (`reserved` is set at once). The Prefill names the Load (`import_id`) and is sent
+    without waiting for its answer: p runs it after the copy (its engine thread takes calls in order)."""
     src: str
     dst: str
     tokens: int
@@ -707,9 +708,9 @@ class Router:
         Import stream on p reserves the blocks, an Export call on the holder sends the KV into them, and p's
         answer says they are cached. With `overlap`, that load started with the placement (`_start_load`) and
         the prefill runs over the prefix as it lands: -> the Prefill's `prefix_from` once p has reserved the
-        blocks (None: copied, or failed); from the store's shared pool on p's host, p's Load copied it beside
-        the decode reservation -> None once it is cached there. A move that fails costs only its time: p
-        computes those tokens itself."""
+        blocks (None: copied, or failed); from the store's shared pool on p's host, p's Load copies it beside
+        the decode reservation -> the Prefill's `prefix_from` at once, naming the Load (p runs the prefill
+        after the copy). A move that fails costs only its time: p computes those tokens itself."""
         mv = s.placement.move_prefix
         src = self.registry.get(mv.src)
         tokens = (s.prompt + s.output)[:mv.tokens]
@@ -720,13 +721,7 @@ class Router:
         if mv.overlap:
             ld = s.load
             if ld is not None and ld.dst == p.name and await ld.reserved is not None:
-                if not ld.shared:
-                    return {"import_id": ld.import_id, "tokens": ld.tokens}
-                await ld.task  # copied beside the decode reservation: the prefill finds it cached
-                if ld.error is None:
-                    self._moved(s, ld.src, p.name, ld.tokens, int(ld.sent["kv_bytes"]), ld.seconds,
-                                overlapped=True, via="shared")
-                    return None
+                return {"import_id": ld.import_id, "tokens": ld.tokens}
             self.prefix_moves["failed"] += 1
             log.warning("%s: %s could not take the %d-token prefix from %s (%s); it prefills without it", s.rid,
                         p.name, len(tokens), src.name, ld.error if ld is not None else "no load started")
@@ -800,8 +795,7 @@ class Router:
         the placement says so); on_first(Update) gets the first token as soon as it is sampled; returns once
         decode acknowledged every KV byte. Raises _Retry."""
         load = await self._move_prefix(s, p) if s.placement.move_prefix is not None else None
-        ld = s.load  # a read of the store's shared pool that missed: the prompt goes back to the store after
-        missed = ld is not None and ld.shared and ld.dst == p.name and ld.error is not None
+        missed = False  # a read of the store's shared pool that missed: the prompt goes back to the store after
         tokens = s.prompt + s.output  # resuming: the output so far is prompt to this prefill
         params = {**s.params, "max_tokens": s.params["max_tokens"] - len(s.output)}
         p.inflight += 1
@@ -838,14 +832,18 @@ class Router:
             s.prefilling = None
             if not computed:
                 p.prefill.end(n, t0, time.monotonic(), False)
-        if load:  # the prefix arrived while p's prefill ran over it (the prefill waited for all of it)
+        if load:  # the prefix arrived while p's prefill ran over it, or before it (the prefill waited for it)
             ld, got = s.load, res.get("prefix") or {}
             await ld.task
             error = ld.error or got.get("error")
             if error or not ld.sent:
                 self.prefix_moves["failed"] += 1
+                missed = ld.shared
                 log.warning("%s: %s did not load the %d-token prefix from %s (%s); it computed it", s.rid, p.name,
                             ld.tokens, ld.src, error)
+            elif ld.shared:
+                self._moved(s, ld.src, p.name, ld.tokens, int(ld.sent["kv_bytes"]), ld.seconds, overlapped=True,
+                            via="shared")
             else:
                 self._moved(s, ld.src, p.name, ld.tokens, int(ld.sent["kv_bytes"]), ld.seconds, overlapped=True,
                             streamed_groups=got.get("streamed_groups"), via="transfer")

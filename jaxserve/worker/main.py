@@ -17,12 +17,13 @@ schema in messages.py before a handler sees it):
             {"first": Update} as soon as the first token is sampled (with sample, unless that token ends the
             request: decode reports it then), while the KV travels; then {"kv_bytes", "frames", "sends",
             "resends", "token", "ttft_s", "backend" (tcp / shm / device), "prefix" (with prefix_from: {"tokens",
-            "streamed_groups", "error"})} once decode has acknowledged every byte; gRPC ABORTED (with the reason)
-            when the transfer failed. prefix_from: the prompt's first tokens are arriving into this instance
+            "streamed_groups", "error", "via"})} once decode has acknowledged every byte; gRPC ABORTED (with the
+            reason) when the transfer failed. prefix_from: the prompt's first tokens are arriving into this instance
             through the Import stream `import_id` (the router's load from the global KV store, started with the
             decode reservation): the prefill runs over them as they land, each layer group once its part has
-            landed (BanaServe's pipelined load). If that Import has ended, the prefix is in the prefix cache or, when
-            it failed, computed. The decode instance's KV address and segment come from the router's peer table,
+            landed (BanaServe's pipelined load). Or `import_id` names a Load call here (the prefix copied from the
+            store's shared pool on this host): the prefill runs after its copy. If that Import or Load has ended,
+            the prefix is in the prefix cache or, when it failed, computed. The decode instance's KV address and segment come from the router's peer table,
             never from the caller: an instance the router has not registered is INVALID_ARGUMENT.
   Generate  (any role, stream) {"request_id", "prompt", "params", "output"?, "logprobs"?} -> one {"update": ...}
             per step: the whole request on this instance (a placement without prefill instance: this instance
@@ -39,7 +40,8 @@ schema in messages.py before a handler sees it):
   Load      (prefill) {"request_id", "prompt" (a prefix: whole blocks), "store"} -> {"kv_bytes", "seconds"}: copies
             the prefix from the shared pool of the global KV store `store` on this host into this instance's
             prefix cache, found there by hash, with no call to the store (the router's load from the store,
-            started with the decode reservation); FAILED_PRECONDITION when that pool does not hold it.
+            started with the decode reservation, and named by the Prefill that follows it: that prefill runs
+            after the copy); FAILED_PRECONDITION when that pool does not hold it.
   Migrate   (decode, both) {"kind": "heads" | "layers", "dst", "heads"? | "layers"? [lo, hi]} -> {"requests",
             "bytes", "seconds"}: part of the decode work of the requests decoding here moves to instance dst
             (engine/migration.py), looked up in the peer table; INVALID_ARGUMENT for an impossible move, its
@@ -153,6 +155,7 @@ class Worker:
         self.reads_pool = single and cfg.transfer.shared_memory and readable_here()
         self.shared_pool = self.llm.runner.share_pool() if inst.role == "store" and self.reads_pool else None
         self._pools: dict = {}  # a store instance's name -> its SharedPool, mapped here
+        self._loads: dict[str, asyncio.Future] = {}  # Load calls under way here by request_id -> their error or None
         if cfg.engine.warmup:
             print(f"{inst.name}: compiling the step programs (engine.warmup)", flush=True)
             print(f"{inst.name}: {self._warm(inst.role, progress)} programs compiled", flush=True)
@@ -487,6 +490,9 @@ class Worker:
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
         prompt = list(req.prompt)[:kv]
         over = []  # the IncomingPrefix the prefill runs over (none when that Import has ended)
+        # or a Load here from the store's shared pool, under way: its copy is queued on the engine thread already
+        # (Load queues it before it first awaits), so the prefill, queued after it, finds the prefix cached
+        loading = self._loads.get(pf.import_id) if pf is not None else None
         try:
             params = req.params.sampling()
             link, shm_base = self._link_to(peer, dst)
@@ -521,7 +527,10 @@ class Worker:
             yield {"first": dataclasses.asdict(dataclasses.replace(u, finished=False, finish_reason=None))}
         sent = await self._sent(sender, ctx)
         prefix = None
-        if pf is not None:  # what arrived while the prefill ran (none: the Import had ended before it began)
+        if loading is not None:
+            prefix = {"tokens": pf.tokens, "streamed_groups": 0, "error": await asyncio.shield(loading),
+                      "via": "shared"}
+        elif pf is not None:  # what arrived while the prefill ran (none: the Import had ended before it began)
             prefix = {"tokens": pf.tokens, "streamed_groups": len(over[0].imported) if over else 0,
                       "error": over[0].error if over else None, "via": "transfer"}
         yield {**sent, "token": u.token_ids[0] if u.token_ids and handoff.sample else None, "ttft_s": u.ttft_s,
@@ -633,26 +642,41 @@ class Worker:
         this instance's prefix cache, with no call to the store (cache/shared_pool.py) -> {"kv_bytes",
         "seconds"}. FAILED_PRECONDITION when `store` is no store with a shared pool on this host, or its pool
         does not hold the prefix (any more, or a write of the store raced the read); RESOURCE_EXHAUSTED when
-        there is no room for it here."""
+        there is no room for it here. While it runs, a Prefill whose prefix_from names it waits for it
+        (`_loads`: its outcome, None or why it failed)."""
+        done = asyncio.get_running_loop().create_future()
+        self._loads[req.request_id] = done
+        code, answer = None, "the Load call was cancelled"  # what the engine thread took runs to its end first
+        try:
+            code, answer = await self._load(req)
+        finally:
+            self._loads.pop(req.request_id, None)
+            done.set_result(None if code is None and isinstance(answer, dict) else answer)
+        if code is not None:
+            await ctx.abort(code, answer)
+        return answer
+
+    async def _load(self, req) -> tuple:
+        """-> (None, Load's answer), or (a gRPC status code, why)"""
         import grpc
         from transfer.segments import OutOfBlocks
         from ..cache.shared_pool import Missed
         from ..engine.client import RequestError
         if self.role != "prefill":
-            await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.inst.name} is a {self.role} instance")
+            return grpc.StatusCode.FAILED_PRECONDITION, f"{self.inst.name} is a {self.role} instance"
         pool, why = self._pool_of(req.store)
         if pool is None:
-            await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
+            return grpc.StatusCode.FAILED_PRECONDITION, why
         tokens, t0 = list(req.prompt), time.monotonic()
         try:  # staged in the layer groups the import programs were warmed with
             kv_bytes = await self.engine.call(lambda eng: eng.load_prefix(tokens, pool, self.layer_groups))
         except (RequestError, ValueError) as e:
-            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            return grpc.StatusCode.INVALID_ARGUMENT, str(e)
         except Missed as e:
-            await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            return grpc.StatusCode.FAILED_PRECONDITION, str(e)
         except OutOfBlocks as e:
-            await ctx.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"no room for the prefix: {e}")
-        return {"kv_bytes": kv_bytes, "seconds": round(time.monotonic() - t0, 6)}
+            return grpc.StatusCode.RESOURCE_EXHAUSTED, f"no room for the prefix: {e}"
+        return None, {"kv_bytes": kv_bytes, "seconds": round(time.monotonic() - t0, 6)}
 
     def _pool_of(self, instance: str):
         """Store `instance`'s shared pool, mapped here on first use -> (SharedPool, None), or (None, why not) when

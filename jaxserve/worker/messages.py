@@ -110,7 +110,8 @@ class Reservation(_Msg):
 
 class PrefixFrom(_Msg):
     """A cached prefix (the prompt's first `tokens`, whole blocks) arriving into this instance through the Import
-    stream `import_id` (the router's load from the global KV store) while the prefill runs over it."""
+    stream `import_id` (the router's load from the global KV store) while the prefill runs over it, or copied
+    from the store's shared pool by the Load call `import_id` before the prefill runs."""
     import_id: Name
     tokens: StrictInt = Field(ge=1, le=MAX_TOKENS)
 

@@ -99,6 +99,8 @@ class Fake:
         req = req.model_dump()
         self.prefills.append(req["request_id"])
         self.requests.append(req)
+        if req["prefix_from"] is not None:
+            self.board.setdefault(("prefill names", req["prefix_from"]["import_id"]), asyncio.Event()).set()
         if self.prefill_mode == "abort":
             await ctx.abort(grpc.StatusCode.ABORTED, "KV transfer failed: injected")
         if self.prefill_mode == "hang":
@@ -131,6 +133,8 @@ class Fake:
 
     async def load(self, req, ctx):  # from the store's shared pool: it holds the prefix, or not
         self.loads.append((req.request_id, req.store, len(req.prompt)))
+        # answered only once the Prefill naming it has come: the router does not wait for the copy to send it
+        await asyncio.wait_for(self.board.setdefault(("prefill names", req.request_id), asyncio.Event()).wait(), 5)
         if self.board[req.store].export_mode == "fail":
             await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, "the store's pool does not hold block 0 of it")
         return {"kv_bytes": 2048, "seconds": 0.002}
@@ -421,7 +425,8 @@ def test_a_pipelined_load_from_the_store_starts_beside_the_decode_reservation(ex
 def test_a_load_from_the_stores_shared_pool_is_a_load_call_beside_the_reservation(held):
     """The store's shared pool on the prefill instance's host: the router calls nothing on the store (no Import,
     no Export); a Load call on the prefill instance copies the prefix beside the decode reservation, and the
-    Prefill then finds it cached (no prefix_from). When the store's pool no longer held it (its disk tier may:
+    Prefill names it (prefix_from), sent without waiting for the Load's answer (the fake answers the Load only
+    once that Prefill came): the instance runs the prefill after the copy. When the store's pool no longer held it (its disk tier may:
     the global index still counts it), the prefill computes it and the router writes the prompt back to the
     store although the index says the store holds it, so the next read finds it."""
     from router.kv_index import KVIndex
@@ -437,7 +442,7 @@ def test_a_load_from_the_stores_shared_pool_is_a_load_call_beside_the_reservatio
             u, = await result(await ce.add("r", prompt, GREEDY))
             assert u.error is None and u.token_ids == [20, 0]
             assert w["p0"].loads == [("r.1.prefix", "s0", 16)]
-            assert w["p0"].requests[-1]["prefix_from"] is None
+            assert w["p0"].requests[-1]["prefix_from"] == {"import_id": "r.1.prefix", "tokens": 16}
             mv = u.route["prefix_move"]
             if held:
                 assert mv["via"] == "shared" and mv["tokens"] == 16 and mv["kv_bytes"] == 2048, mv
