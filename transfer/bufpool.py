@@ -11,8 +11,11 @@ host can write a region directly (shm.py). Thread-safe (one lock).
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import mmap
 import os
+import sys
 import threading
 import uuid
 
@@ -31,29 +34,81 @@ class PoolFull(RuntimeError):
 SHM_DIR = "/dev/shm"
 
 
+_OWNED: set[str] = set()  # segments created by this process and not removed yet: removed when it exits
+
+
+@atexit.register
+def _remove_owned() -> None:
+    mine = f"jaxserve-kv-{os.getpid()}-"  # not a forked child's: the set came with the fork
+    for name in list(_OWNED):
+        if name.startswith(mine):
+            remove_segment(name)
+
+
 def create_segment(nbytes: int) -> tuple[str, mmap.mmap]:
-    """A new POSIX shared-memory segment (owner-only) mapped here: (name, mapping). Page aligned."""
+    """A new POSIX shared-memory segment (owner-only) mapped here: (name, mapping). Page aligned. Its memory is
+    committed now: where /dev/shm cannot hold it this raises (OSError naming the size) rather than a write
+    into it killing a process with SIGBUS later. Removed when this process exits, unless removed before (a
+    killed process's segments: `remove_segments_of`)."""
     name = f"jaxserve-kv-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-    fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    path = os.path.join(SHM_DIR, name)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    _OWNED.add(name)
     try:
         os.ftruncate(fd, nbytes)
+        try:
+            if hasattr(os, "posix_fallocate"):  # Linux
+                os.posix_fallocate(fd, 0, nbytes)
+        except OSError as e:
+            raise OSError(e.errno, f"{SHM_DIR} cannot hold a shared-memory segment of {nbytes} bytes "
+                                   f"({os.strerror(e.errno)})") from None
         return name, mmap.mmap(fd, nbytes)
+    except BaseException:
+        remove_segment(name)
+        raise
     finally:
         os.close(fd)
 
 
 def attach_segment(name: str) -> mmap.mmap:
-    """Map an existing segment (another process's receive pool) into this process."""
+    """Map an existing segment (another process's receive pool or KV pool) into this process; its pages are
+    mapped in the background (`populate`)."""
     if "/" in name:
         raise ValueError(f"bad shared-memory segment name {name!r}")
     fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
     try:
-        return mmap.mmap(fd, 0)
+        mapping = mmap.mmap(fd, 0)
     finally:
         os.close(fd)
+    populate(mapping)
+    return mapping
+
+
+MADV_POPULATE_READ = 22  # Linux 5.14+
+
+
+def populate(mapping: mmap.mmap) -> threading.Thread | None:
+    """Map all of `mapping`'s pages into this process's page tables, on a thread of its own (-> it; None off
+    Linux). Without it, the first read of each part of another process's segment takes page faults (one per
+    page, or per few with the kernel's fault-around): a load of a prefix from the store's shared pool into
+    blocks this process had not read before ran about 10% slower here. Best effort: where the kernel lacks
+    MADV_POPULATE_READ (before 5.14), or the mapping is closed meanwhile, madvise fails and pages fault in as
+    they are first read."""
+    if not sys.platform.startswith("linux") or not len(mapping):
+        return None
+    view = ctypes.c_char.from_buffer(mapping)
+    addr, n = ctypes.addressof(view), len(mapping)
+    del view  # no export held: the mapping may still be closed
+    libc = ctypes.CDLL(None, use_errno=True)
+    # a foreign call: the GIL is released while the kernel maps the pages
+    t = threading.Thread(target=libc.madvise, args=(ctypes.c_void_p(addr), ctypes.c_size_t(n), MADV_POPULATE_READ),
+                         name="shm-populate", daemon=True)
+    t.start()
+    return t
 
 
 def remove_segment(name: str) -> None:
+    _OWNED.discard(name)
     try:
         os.unlink(os.path.join(SHM_DIR, name))
     except FileNotFoundError:

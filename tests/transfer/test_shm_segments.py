@@ -1,0 +1,93 @@
+"""Shared-memory segments (transfer/bufpool.py): created with their memory committed (a /dev/shm too small is an
+error at creation, not a SIGBUS at a later write), removed when their creating process exits, and mapped into a
+reader's page tables in the background when it attaches them (its first reads then take no page faults)."""
+
+from __future__ import annotations
+
+import os
+import resource
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from transfer import bufpool
+from transfer.bufpool import PAGE, SHM_DIR, attach_segment, create_segment, remove_segment
+
+linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="POSIX shared memory in /dev/shm")
+
+
+@linux
+def test_a_segment_larger_than_dev_shm_is_refused_at_creation_and_leaves_nothing():
+    st = os.statvfs(SHM_DIR)
+    too_big = st.f_blocks * st.f_frsize + PAGE  # more than the whole filesystem: refused before any allocation
+    before = set(os.listdir(SHM_DIR))
+    with pytest.raises(OSError, match=f"cannot hold a shared-memory segment of {too_big} bytes"):
+        create_segment(too_big)
+    assert set(os.listdir(SHM_DIR)) - before == set()
+    assert not any(n.startswith(f"jaxserve-kv-{os.getpid()}-") for n in bufpool._OWNED)
+
+
+@linux
+def test_a_segment_is_allocated_whole_at_creation():
+    name, mapping = create_segment(64 * PAGE)
+    try:
+        st = os.stat(os.path.join(SHM_DIR, name))
+        assert st.st_size == 64 * PAGE and st.st_blocks * 512 >= 64 * PAGE  # backed now, not a hole
+    finally:
+        mapping.close()
+        remove_segment(name)
+
+
+@linux
+def test_a_process_that_exits_removes_the_segments_it_created():
+    code = ("from transfer.bufpool import create_segment, remove_segment\n"
+            "kept, m = create_segment(4096)\n"
+            "gone, m2 = create_segment(4096)\n"
+            "remove_segment(gone)\n"
+            "print(kept)\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    name = out.stdout.strip()
+    assert name.startswith("jaxserve-kv-") and not os.path.exists(os.path.join(SHM_DIR, name))
+
+
+def _faults_reading(mapping) -> int:
+    """Minor page faults this process takes reading every page of `mapping` once."""
+    a = np.frombuffer(mapping, np.uint8)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    total = int(a[::PAGE].sum())  # one byte per page
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    del a
+    assert total == 7 * (len(mapping) // PAGE)
+    return after - before
+
+
+@linux
+@pytest.mark.parametrize("populated", [True, False])
+def test_an_attached_segment_is_mapped_in_the_background(monkeypatch, populated):
+    """Another process's segment, attached here: once `populate`'s thread is done, reading every page takes
+    (next to) no fault; without it, one per page or per few (the kernel's fault-around)."""
+    pages = 2048
+    name, owner = create_segment(pages * PAGE)
+    np.frombuffer(owner, np.uint8)[:] = 7
+    threads = []
+    real = bufpool.populate
+    monkeypatch.setattr(bufpool, "populate",
+                        lambda m: threads.append(real(m)) if populated else threads.append(None))
+    try:
+        mapping = attach_segment(name)  # a second mapping: its page tables start empty
+        if populated:
+            threads[0].join(30)
+            assert not threads[0].is_alive()
+        faults = _faults_reading(mapping)
+        if populated:
+            assert faults < pages // 200, faults
+        else:
+            assert faults > pages // 100, faults  # one per page, or per few with the kernel's fault-around
+        mapping.close()
+    finally:
+        owner.close()
+        remove_segment(name)
