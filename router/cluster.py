@@ -841,12 +841,11 @@ class Router:
                 missed = ld.shared
                 log.warning("%s: %s did not load the %d-token prefix from %s (%s); it computed it", s.rid, p.name,
                             ld.tokens, ld.src, error)
-            elif ld.shared:
-                self._moved(s, ld.src, p.name, ld.tokens, int(ld.sent["kv_bytes"]), ld.seconds, overlapped=True,
-                            via="shared")
             else:
+                more = {"via": "shared"} if ld.shared else {"streamed_groups": got.get("streamed_groups"),
+                                                            "via": "transfer"}
                 self._moved(s, ld.src, p.name, ld.tokens, int(ld.sent["kv_bytes"]), ld.seconds, overlapped=True,
-                            streamed_groups=got.get("streamed_groups"), via="transfer")
+                            **more)
             self._drop_load(s)
         p.served += 1
         s.prefill, s.kv_bytes, s.kv_backend = p.name, int(res["kv_bytes"]), res.get("backend")

@@ -23,8 +23,9 @@ schema in messages.py before a handler sees it):
             decode reservation): the prefill runs over them as they land, each layer group once its part has
             landed (BanaServe's pipelined load). Or `import_id` names a Load call here (the prefix copied from the
             store's shared pool on this host): the prefill runs after its copy. If that Import or Load has ended,
-            the prefix is in the prefix cache or, when it failed, computed. The decode instance's KV address and segment come from the router's peer table,
-            never from the caller: an instance the router has not registered is INVALID_ARGUMENT.
+            the prefix is in the prefix cache or, when it failed, computed. The decode instance's KV address and
+            segment come from the router's peer table, never from the caller: an instance the router has not
+            registered is INVALID_ARGUMENT.
   Generate  (any role, stream) {"request_id", "prompt", "params", "output"?, "logprobs"?} -> one {"update": ...}
             per step: the whole request on this instance (a placement without prefill instance: this instance
             holds most of the prompt already, or no prefill instance is up).
@@ -642,16 +643,17 @@ class Worker:
         this instance's prefix cache, with no call to the store (cache/shared_pool.py) -> {"kv_bytes",
         "seconds"}. FAILED_PRECONDITION when `store` is no store with a shared pool on this host, or its pool
         does not hold the prefix (any more, or a write of the store raced the read); RESOURCE_EXHAUSTED when
-        there is no room for it here. While it runs, a Prefill whose prefix_from names it waits for it
-        (`_loads`: its outcome, None or why it failed)."""
+        there is no room for it here. While it runs it is in `_loads` (its outcome to come: None, or why it
+        failed): a Prefill whose prefix_from names it is queued on the engine thread after its copy."""
         done = asyncio.get_running_loop().create_future()
         self._loads[req.request_id] = done
-        code, answer = None, "the Load call was cancelled"  # what the engine thread took runs to its end first
+        outcome = "the Load call was cancelled"  # what the engine thread took of it runs to its end first
         try:
             code, answer = await self._load(req)
+            outcome = None if code is None else answer
         finally:
             self._loads.pop(req.request_id, None)
-            done.set_result(None if code is None and isinstance(answer, dict) else answer)
+            done.set_result(outcome)
         if code is not None:
             await ctx.abort(code, answer)
         return answer

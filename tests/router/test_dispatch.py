@@ -426,9 +426,9 @@ def test_a_load_from_the_stores_shared_pool_is_a_load_call_beside_the_reservatio
     """The store's shared pool on the prefill instance's host: the router calls nothing on the store (no Import,
     no Export); a Load call on the prefill instance copies the prefix beside the decode reservation, and the
     Prefill names it (prefix_from), sent without waiting for the Load's answer (the fake answers the Load only
-    once that Prefill came): the instance runs the prefill after the copy. When the store's pool no longer held it (its disk tier may:
-    the global index still counts it), the prefill computes it and the router writes the prompt back to the
-    store although the index says the store holds it, so the next read finds it."""
+    once that Prefill came): the instance runs the prefill after the copy. When the store's pool no longer held
+    it (its disk tier may: the global index still counts it), the prefill computes it and the router writes the
+    prompt back to the store although the index says the store holds it, so the next read finds it."""
     from router.kv_index import KVIndex
 
     async def go():
