@@ -61,6 +61,7 @@ def worker(config: str = typer.Option(None, "--config", "-c", help="cluster YAML
                                           help="exit when this process (the launching router) dies")):
     """Run one instance of a cluster (prefill, decode or both) as this process, controlled over gRPC; or one
     process of a multi-host instance (instance.hosts > 1)."""
+    from transfer.bufpool import ShmFull
     from .config import ConfigFileError, load
     from .worker.group import resolve
     from .worker.main import run
@@ -70,6 +71,9 @@ def worker(config: str = typer.Option(None, "--config", "-c", help="cluster YAML
         run(cfg, instance, router, parent_pid, advertise, group)
     except ConfigFileError as e:
         typer.echo(f"config error: {e}", err=True)
+        raise typer.Exit(2)
+    except ShmFull as e:
+        typer.echo(f"shared memory: {e.strerror}", err=True)
         raise typer.Exit(2)
 
 

@@ -31,6 +31,10 @@ class PoolFull(RuntimeError):
     pass
 
 
+class ShmFull(OSError):
+    """/dev/shm cannot hold a new segment (its message says what sets the size)."""
+
+
 SHM_DIR = "/dev/shm"
 
 
@@ -45,11 +49,11 @@ def _remove_owned() -> None:
             remove_segment(name)
 
 
-def create_segment(nbytes: int) -> tuple[str, mmap.mmap]:
+def create_segment(nbytes: int, what: str = "") -> tuple[str, mmap.mmap]:
     """A new POSIX shared-memory segment (owner-only) mapped here: (name, mapping). Page aligned. Its memory is
-    committed now: where /dev/shm cannot hold it this raises (OSError naming the size) rather than a write
-    into it killing a process with SIGBUS later. Removed when this process exits, unless removed before (a
-    killed process's segments: `remove_segments_of`)."""
+    committed now: where /dev/shm cannot hold it this raises (ShmFull naming the size, the space left and
+    `what` sets the size) rather than a write into it killing a process with SIGBUS later. Removed when this
+    process exits, unless removed before (a killed process's segments: `remove_segments_of`)."""
     name = f"jaxserve-kv-{os.getpid()}-{uuid.uuid4().hex[:12]}"
     path = os.path.join(SHM_DIR, name)
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -60,8 +64,11 @@ def create_segment(nbytes: int) -> tuple[str, mmap.mmap]:
             if hasattr(os, "posix_fallocate"):  # Linux
                 os.posix_fallocate(fd, 0, nbytes)
         except OSError as e:
-            raise OSError(e.errno, f"{SHM_DIR} cannot hold a shared-memory segment of {nbytes} bytes "
-                                   f"({os.strerror(e.errno)})") from None
+            st = os.statvfs(SHM_DIR)
+            raise ShmFull(e.errno, f"{SHM_DIR} cannot hold a shared-memory segment of {nbytes} bytes "
+                                   f"({os.strerror(e.errno)}; {st.f_bavail * st.f_frsize} bytes free): "
+                                   f"{what + ', or ' if what else ''}a larger {SHM_DIR} (a container's: "
+                                   f"docker run --shm-size)") from None
         return name, mmap.mmap(fd, nbytes)
     except BaseException:
         remove_segment(name)
@@ -152,7 +159,8 @@ class RecvPool:
         self.num_pages = nbytes // PAGE
         self.shm_name: str | None = None  # the shared-memory segment, when shared
         if shared:
-            self.shm_name, mapping = create_segment(self.num_pages * PAGE)
+            self.shm_name, mapping = create_segment(self.num_pages * PAGE, "a smaller transfer.recv_pool_mb, "
+                                                    "transfer.shared_memory: false")
             self.buf = np.frombuffer(mapping, np.uint8)
         else:
             self.buf = aligned_empty(self.num_pages * PAGE)

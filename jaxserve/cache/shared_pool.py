@@ -112,7 +112,8 @@ class SharedPool:
             specs.append({"offset": off, "shape": list(s.shape), "dtype": dt.name})
             off += -(-int(np.prod(s.shape)) * dt.itemsize // PAGE) * PAGE
         table = {"offset": off, "blocks": layout.num_blocks, "rows": layout.num_rows}
-        name, mapping = create_segment(off + 24 * (layout.num_blocks + layout.num_rows))
+        name, mapping = create_segment(off + 24 * (layout.num_blocks + layout.num_rows),
+                                       "a store with fewer kv_blocks, transfer.shared_memory: false")
         return cls(name, mapping, specs, treedef, layout_signature(layout, dtype), True, table)
 
     def describe(self) -> dict:
