@@ -124,7 +124,7 @@ async def disagg_request(p_addr, d_addr, rid, prompt, params, output=()):
             "request_id": rid, "prompt": prompt + list(output), "params": {**params, "max_tokens": params[
                 "max_tokens"] - len(output)}, "kv_tokens": kv, "sample": not output,
             "dst": {"instance": "d0", **first["reserved"]}},
-            timeout=60)]
+            timeout=300)]  # a hang guard: the first calls compile (warmup off), slowly on a busy machine
         last = None
         async for msg in it:
             last = msg["update"]
