@@ -6,7 +6,9 @@ it, so `recv_into` writes the bytes where they stay and `jax.numpy.from_dlpack` 
 aligned) managed by the segment allocator the KV pool uses: a transfer gets one contiguous region, and
 frees merge back. A transfer that does not fit waits or is refused (`PoolFull`), which is the receive side's
 backpressure. A `shared` pool lives in a POSIX shared-memory segment (page aligned), so a sender on the same
-host can write a region directly (shm.py). Thread-safe (one lock).
+host can write a region directly (shm.py). Segments are committed whole when created and removed when their
+process exits; a process that attaches one maps its pages on a thread of its own (`populate`), which touches
+nothing else. Thread-safe (one lock).
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ def create_segment(nbytes: int, what: str = "") -> tuple[str, mmap.mmap]:
     try:
         os.ftruncate(fd, nbytes)
         try:
-            if hasattr(os, "posix_fallocate"):  # Linux
+            if hasattr(os, "posix_fallocate"):  # where the OS has it (Linux does)
                 os.posix_fallocate(fd, 0, nbytes)
         except OSError as e:
             st = os.statvfs(SHM_DIR)
