@@ -78,8 +78,7 @@ def test_an_attached_segment_is_mapped_in_the_background(monkeypatch, populated)
     np.frombuffer(owner, np.uint8)[:] = 7
     threads = []
     real = bufpool.populate
-    monkeypatch.setattr(bufpool, "populate",
-                        lambda m: threads.append(real(m)) if populated else threads.append(None))
+    monkeypatch.setattr(bufpool, "populate", lambda m: threads.append(real(m) if populated else None))
     try:
         mapping = attach_segment(name)  # a second mapping: its page tables start empty
         if populated:
