@@ -15,7 +15,9 @@ then, in an order that rotates with the repetition (an instance that ran last ru
          (Import on p2, Export on s0), starting with the placement, beside d0's reservation, and p2 computes the
          rest over it as it lands, layer group by layer group (the pipelined load)
   store_serial  the same on p3, but the load first and then the prefill (the pipeline's baseline)
-TTFT is the router's (arrival to first token). The bench's policy object pins each request to its instance.
+TTFT is the router's (arrival to first token), split at the decode reservation (the route's `placed_s`: the
+store's Load runs beside the reservation, the prefill after it). The bench's policy object pins each request
+to its instance.
 Ratios against `local` are paired: per repetition against the local run of the same repetition (the machine's
 slow moments fall on both), median and quartiles; TTFT medians beside them.
 
@@ -102,12 +104,19 @@ def main(argv=None):
             pol.on, pol.from_store, pol.overlap = on, from_store, overlap
             cluster.shared_loads = shared
             u = await finish(await cluster.add(rid, prompt, params))
+            placed[how_of(rid)].append(u.route["placed_s"])
             return u.ttft_s, u.route or {}
 
-        await ttft("warm", [int(x) for x in rng.integers(1, 1000, 64)], "p1")  # first calls: connections
+        placed = {"warm": []}  # per variant: the route's placed_s (arrival to the decode reservation)
+
+        def how_of(rid):  # f"L{L}-{k}-{how}"
+            return rid.rsplit("-", 1)[-1]
+        await ttft("warm-warm", [int(x) for x in rng.integers(1, 1000, 64)], "p1")  # first calls: connections
         for r, L in [(r, L) for r in hits for L in lengths]:
             prefix = int(r * L) // 16 * 16
             rows = {"cold": [], "local": [], "store": [], "store_tcp": [], "store_serial": []}
+            placed.clear()
+            placed.update({k: [] for k in rows})
             moved = {"store": [], "store_tcp": [], "store_serial": []}
             for k in range(a.reps):
                 S = [int(x) for x in rng.integers(1, 1000, prefix)]
@@ -144,6 +153,10 @@ def main(argv=None):
                            "store_over_local": paired("store"), "tcp_over_local": paired("store_tcp"),
                            "serial_over_local": paired("store_serial"), "cold_over_local": paired("cold"),
                            "load_s_median": {k: float(np.median([m["seconds"] for m in v])) for k, v in moved.items()},
+                           # the TTFT split: to the decode reservation (the store's Load runs beside it), and after
+                           "placed_s_median": {k: float(np.median(v)) for k, v in placed.items()},
+                           "after_placed_s_median": {k: float(np.median(np.subtract(rows[k], v)))
+                                                     for k, v in placed.items()},
                            "load_kv_bytes": moved["store"][0]["kv_bytes"]}
         bar.close()
         return out
@@ -168,7 +181,10 @@ def main(argv=None):
               f"TTFT local {1e3 * m['local']:.1f} ms, store shared pool {1e3 * m['store']:.1f} ms "
               f"({q['store_over_local']}), store over TCP pipelined {1e3 * m['store_tcp']:.1f} ms "
               f"({q['tcp_over_local']}), loaded first {1e3 * m['store_serial']:.1f} ms "
-              f"({q['serial_over_local']}), cold {1e3 * m['cold']:.1f} ms ({q['cold_over_local']})")
+              f"({q['serial_over_local']}), cold {1e3 * m['cold']:.1f} ms ({q['cold_over_local']}); "
+              f"to the reservation / after it: local {1e3 * r['placed_s_median']['local']:.1f} / "
+              f"{1e3 * r['after_placed_s_median']['local']:.1f} ms, store shared pool "
+              f"{1e3 * r['placed_s_median']['store']:.1f} / {1e3 * r['after_placed_s_median']['store']:.1f} ms")
     print(f"wrote {a.json}")
 
 

@@ -127,6 +127,8 @@ class _Sub:
     moved: dict | None = None  # the cached prefix moved to its prefill instance: {"src", "tokens", "kv_bytes", ...}
     load: _Load | None = None  # the placement's pipelined load of a cached prefix
     ttft_s: float | None = None
+    arrival: float = 0.0  # time.monotonic() when the request came
+    placed_s: float | None = None  # from the arrival to the placement's stream opened (Decode: its reservation)
     errors: list = field(default_factory=list)
     sent: Update | None = None  # the last update the client got (updates are cumulative)
 
@@ -160,7 +162,8 @@ class _Sub:
                 "prefix_source": None if pl is None else self.moved["src"] if self.moved
                 else pl.prefix_source if pl.move_prefix is None else None,
                 "prefix_move": self.moved,
-                "kv_bytes_transferred": self.kv_bytes, "kv_backend": self.kv_backend, "attempts": self.attempts}
+                "kv_bytes_transferred": self.kv_bytes, "kv_backend": self.kv_backend, "attempts": self.attempts,
+                "placed_s": None if self.placed_s is None else round(self.placed_s, 6)}
 
 
 class Router:
@@ -514,7 +517,8 @@ class Router:
             seed = random.randrange(2**31)
         kv = len(prompt_ids) - 1 if self.cfg.transfer.leave_last_token and len(prompt_ids) > 1 else len(prompt_ids)
         subs = [_Sub(request_id if params.n == 1 else f"{request_id}-{i}", i, list(prompt_ids),
-                     dataclasses.asdict(dataclasses.replace(params, n=1, seed=None if seed is None else seed + i)), kv)
+                     dataclasses.asdict(dataclasses.replace(params, n=1, seed=None if seed is None else seed + i)), kv,
+                     arrival=arrival)
                 for i in range(params.n)]
         try:
             for s in subs:
@@ -647,6 +651,7 @@ class Router:
         # where prefill sends the KV: the decode instance by name (the worker looks its addresses up in the
         # registry's peer table) and the reservation's blocks, skip and region offset
         s.reserved = {"instance": w.name, **first["reserved"]} if first else None
+        s.placed_s = time.monotonic() - s.arrival
         s.attempts += 1
         w.inflight += 1
 

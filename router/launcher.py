@@ -135,7 +135,11 @@ class Launcher:
             self.start_one(name)
 
     def start_one(self, name: str) -> None:
-        """Start (or, after `kill`, restart) the worker `name`."""
+        """Start (or, after `kill` or its exit, restart) the worker `name`. A process of its last start that
+        exited loses its shared-memory segments here (one that ended without removing them)."""
+        for c in getattr(self.children.get(name), "members", ()):
+            if c.exited() is not None:
+                remove_segments_of(c.pid)
         argv = [sys.executable, "-m", "jaxserve.cli", "worker", "--instance", name, "--router", self.router_address,
                 "--parent-pid", str(os.getpid())]
         if self.config_path is not None:

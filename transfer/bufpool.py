@@ -7,7 +7,8 @@ aligned) managed by the segment allocator the KV pool uses: a transfer gets one 
 frees merge back. A transfer that does not fit waits or is refused (`PoolFull`), which is the receive side's
 backpressure. A `shared` pool lives in a POSIX shared-memory segment (page aligned), so a sender on the same
 host can write a region directly (shm.py). Segments are committed whole when created and removed when their
-process exits; a process that attaches one maps its pages on a thread of its own (`populate`), which touches
+process exits (`remove_owned`: at exit, or before an os._exit; a killed process's go when the launcher reaps
+or restarts it); a process that attaches one maps its pages on a thread of its own (`populate`), which touches
 nothing else. Thread-safe (one lock).
 """
 
@@ -44,7 +45,8 @@ _OWNED: set[str] = set()  # segments created by this process and not removed yet
 
 
 @atexit.register
-def _remove_owned() -> None:
+def remove_owned() -> None:
+    """Remove the segments this process created (at exit; a process ending with os._exit calls it first)."""
     mine = f"jaxserve-kv-{os.getpid()}-"  # not a forked child's: the set came with the fork
     for name in list(_OWNED):
         if name.startswith(mine):

@@ -218,7 +218,7 @@ def create_app(config: Config, engine: EngineClient, model_name: str, metrics: M
                 "cached_tokens": cached, "uncached_tokens": updates[0].prompt_tokens - cached,
                 "prefix_source": route.get("prefix_source"), "prefix_move": route.get("prefix_move"),
                 "kv_bytes_transferred": kv, "ttft_s": round(min(ttft), 6) if ttft else None,
-                "migrations": [m for i, m in enumerate(moves) if m not in moves[:i]]}
+                "placed_s": route.get("placed_s"), "migrations": [m for i, m in enumerate(moves) if m not in moves[:i]]}
 
     def usage(updates: list[Update]):
         p = updates[0].prompt_tokens

@@ -209,7 +209,9 @@ def _authkey(token: str | None) -> bytes:
 
 def exit_now(code: int) -> None:
     """End this process at once: the group's processes do not wait for each other in jax.distributed's
-    shutdown barrier (one of them may be gone)."""
+    shutdown barrier (one of them may be gone). Its shared-memory segments go first (os._exit runs no atexit)."""
+    from transfer.bufpool import remove_owned
+    remove_owned()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

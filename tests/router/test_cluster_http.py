@@ -102,6 +102,7 @@ def test_disaggregated_http_equals_colocated(family, checkpoint_dir):
         assert tokens(g["choices"][0]) == tokens(w["choices"][0]), (family, p)
         meta = g["jaxserve"]
         assert meta["prefill_instance"] == "p0" and meta["decode_instance"] == "d0" and meta["route"] == "pd"
+        assert 0 < meta["placed_s"] <= meta["ttft_s"], meta  # over HTTP too
         skip = meta["cached_tokens"] // BS  # prefix blocks decode already held are not sent
         assert meta["kv_bytes_transferred"] == spec.transfer_bytes(len(p), BS, 4, skip) > 0, (family, p, meta)
         assert w["jaxserve"]["kv_bytes_transferred"] == 0 and w["jaxserve"]["prefill_instance"] == "solo"

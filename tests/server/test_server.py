@@ -89,7 +89,7 @@ def test_completion_matches_offline_greedy(server):
                              "total_tokens": len(prompt) + 12, "prompt_tokens_details": {"cached_tokens": 0}}
     js = body["jaxserve"]
     assert js["route"] == "colocated" and js["prefill_instance"] == js["decode_instance"] == "local-0"
-    assert js["kv_bytes_transferred"] == 0 and js["ttft_s"] > 0
+    assert js["kv_bytes_transferred"] == 0 and js["ttft_s"] > 0 and js["placed_s"] is None
     # the same prompt again reuses its cached prefix (blocks + linear-state snapshot at the last boundary)
     again = client.post("/v1/completions", json={"model": "demo", "prompt": prompt + prompt, "max_tokens": 4,
                                                  "temperature": 0}).json()

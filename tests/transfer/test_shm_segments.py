@@ -43,18 +43,46 @@ def test_a_segment_is_allocated_whole_at_creation():
         remove_segment(name)
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LEAVES = ("from transfer.bufpool import create_segment, remove_segment\n"
+          "kept, m = create_segment(4096)\n"
+          "gone, m2 = create_segment(4096)\n"
+          "remove_segment(gone)\n"
+          "print(kept, flush=True)\n")
+
+
 @linux
-def test_a_process_that_exits_removes_the_segments_it_created():
-    code = ("from transfer.bufpool import create_segment, remove_segment\n"
-            "kept, m = create_segment(4096)\n"
-            "gone, m2 = create_segment(4096)\n"
-            "remove_segment(gone)\n"
-            "print(kept)\n")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
+@pytest.mark.parametrize("end", ["exit", "exit_now"])
+def test_a_process_that_exits_removes_the_segments_it_created(end):
+    """A normal exit (atexit), and a multi-process instance's member ending at once (worker/group.py `exit_now`:
+    os._exit, which runs no atexit)."""
+    code = LEAVES + ("from jaxserve.worker.group import exit_now\nexit_now(3)\n" if end == "exit_now" else "")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == (3 if end == "exit_now" else 0), out.stderr
     name = out.stdout.strip()
     assert name.startswith("jaxserve-kv-") and not os.path.exists(os.path.join(SHM_DIR, name))
+
+
+@linux
+def test_the_launcher_removes_what_a_dead_worker_left_when_it_starts_it_again():
+    """A worker killed (or ended by os._exit) cannot remove its segments: starting it again removes them."""
+    from router.launcher import Launcher
+    code = LEAVES + "import os\nos._exit(0)\n"  # stands in for the worker: leaves one segment behind
+    launcher = Launcher(None, ["w"], "127.0.0.1:1", wrap=lambda name, argv: [sys.executable, "-c", code])
+    try:
+        launcher.start_one("w")
+        first = launcher.children["w"]
+        assert first.proc.wait(60) == 0, first.output()
+        left = first.output().strip()
+        assert os.path.exists(os.path.join(SHM_DIR, left))
+        launcher.start_one("w")
+        assert not os.path.exists(os.path.join(SHM_DIR, left))
+        assert launcher.children["w"].proc.wait(60) == 0
+    finally:
+        launcher.stop()
+    again = launcher.children["w"].output().strip()
+    assert again.startswith("jaxserve-kv-") and again != left
+    assert not os.path.exists(os.path.join(SHM_DIR, again))  # stop removed it
 
 
 def _faults_reading(mapping) -> int:

@@ -20,6 +20,7 @@ from jaxserve.config import ConfigFileError, InstanceSection
 from jaxserve.worker.group import DEFAULT_PORT, Group, resolve
 from tests.router.test_cluster_http import BASE, complete, disagg_config, serving, tokens
 from tests.router.test_faults import check_no_leak, reference, wait_for
+from transfer.bufpool import SHM_DIR
 
 
 def test_place_from_flags_and_from_leaderworkerset_variables():
@@ -90,6 +91,8 @@ def test_two_process_instances_serve_disaggregated_and_go_down_as_one(checkpoint
         wait_for(lambda: cluster.registry.workers["d0"].inflight == 1, what="d0's Decode call")
         os.kill(follower.pid, signal.SIGKILL)
         wait_for(lambda: d0.members[0].exited() is not None, 60, "d0's leader to go down with its group")
+        gone = f"jaxserve-kv-{d0.members[0].pid}-"  # its receive pool: removed by the leader itself (os._exit)
+        assert not [n for n in os.listdir(SHM_DIR) if n.startswith(gone)]
         t.join(180)
         assert not t.is_alive(), "the request hung"
         r = box["r"]
