@@ -104,25 +104,22 @@ def main(argv=None):
             pol.on, pol.from_store, pol.overlap = on, from_store, overlap
             cluster.shared_loads = shared
             u = await finish(await cluster.add(rid, prompt, params))
-            placed[how_of(rid)].append(u.route["placed_s"])
             return u.ttft_s, u.route or {}
 
-        placed = {"warm": []}  # per variant: the route's placed_s (arrival to the decode reservation)
-
-        def how_of(rid):  # f"L{L}-{k}-{how}"
-            return rid.rsplit("-", 1)[-1]
-        await ttft("warm-warm", [int(x) for x in rng.integers(1, 1000, 64)], "p1")  # first calls: connections
+        await ttft("warm", [int(x) for x in rng.integers(1, 1000, 64)], "p1")  # first calls: connections
         for r, L in [(r, L) for r in hits for L in lengths]:
             prefix = int(r * L) // 16 * 16
             rows = {"cold": [], "local": [], "store": [], "store_tcp": [], "store_serial": []}
-            placed.clear()
-            placed.update({k: [] for k in rows})
+            placed = {k: [] for k in rows}  # the route's placed_s: arrival to the decode reservation
+
+            def keep(how, t, route):
+                rows[how].append(t)
+                placed[how].append(route["placed_s"])
             moved = {"store": [], "store_tcp": [], "store_serial": []}
             for k in range(a.reps):
                 S = [int(x) for x in rng.integers(1, 1000, prefix)]
                 fresh = lambda: [int(x) for x in rng.integers(1, 1000, L - prefix)]  # noqa: E731
-                t, _ = await ttft(f"L{L}-{k}-cold", S + fresh(), "p0")
-                rows["cold"].append(t)
+                keep("cold", *await ttft(f"L{L}-{k}-cold", S + fresh(), "p0"))
                 probe = S + fresh()
                 deadline = time.monotonic() + 30
                 while cluster.index.match(probe, {"s0"}).get("s0", 0) < prefix:
@@ -132,15 +129,14 @@ def main(argv=None):
                 runs = [("local", "p0"), ("store", "p1"), ("store_tcp", "p2"), ("store_serial", "p3")]
                 for how, on in runs[k % 4:] + runs[:k % 4]:  # each goes first, second, ... in turn
                     if how == "local":
-                        t, _ = await ttft(f"L{L}-{k}-local", probe, "p0")
-                        rows["local"].append(t)
+                        keep("local", *await ttft(f"L{L}-{k}-local", probe, "p0"))
                         continue
                     t, route = await ttft(f"L{L}-{k}-{how}", S + fresh(), on, True, how != "store_serial",
                                           how == "store")
                     mv = route.get("prefix_move") or {}
                     if mv.get("tokens") != prefix or mv.get("via") != ("shared" if how == "store" else "transfer"):
                         raise RuntimeError(f"the prefix did not come from the store as {how} asks: {route}")
-                    rows[how].append(t)
+                    keep(how, t, route)
                     moved[how].append(route["prefix_move"])
                 bar.update()
             med = {k: float(np.median(v)) for k, v in rows.items()}

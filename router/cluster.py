@@ -528,7 +528,7 @@ class Router:
                 self._close(s)
             raise
         q: asyncio.Queue = asyncio.Queue()
-        tasks = [asyncio.ensure_future(self._drive(s, q, arrival)) for s in subs]
+        tasks = [asyncio.ensure_future(self._drive(s, q)) for s in subs]
         self.tasks[request_id], self.sequences[request_id] = tasks, subs
 
         def done(_):
@@ -900,7 +900,7 @@ class Router:
             fut.cancel()
 
     # ---- one sequence, start to end
-    async def _drive(self, s: _Sub, q: asyncio.Queue, arrival: float) -> None:
+    async def _drive(self, s: _Sub, q: asyncio.Queue) -> None:
         def final(u: Update):
             if self.replanner is not None and u.finish_reason in ("length", "stop"):
                 self.replanner.finished(len(u.token_ids), time.monotonic())
@@ -908,12 +908,12 @@ class Router:
             self.routes[u.route["route"]] = self.routes.get(u.route["route"], 0) + 1
             q.put_nowait(u)
             if self.on_finish is not None:
-                self.on_finish(u, time.monotonic() - arrival)
+                self.on_finish(u, time.monotonic() - s.arrival)
 
         def stamp(u: Update) -> Update:
             u.index = s.index
             if s.ttft_s is None and u.token_ids:
-                s.ttft_s = time.monotonic() - arrival
+                s.ttft_s = time.monotonic() - s.arrival
             u.ttft_s = s.ttft_s
             return u
 
