@@ -9,8 +9,8 @@ tokens (whole blocks) and three requests of S plus L - |S| fresh tokens, one out
 then, in an order that rotates with the repetition (an instance that ran last runs faster on a shared core):
   local  on p0 again, once the store holds S: the prefix is in p0's own cache
   store  on p1, which has never seen S: beside d0's reservation the router asks p1 to load S (Load), and p1
-         finds S's blocks in the store's shared pool (the same host) by hash and copies them into its own cache,
-         with no call to the store; its prefill then finds S cached
+         finds S's blocks in the store's shared pool (the same host) by hash and copies them into its own cache
+         in one pass (cache/pool_copy.py), with no call to the store; its prefill then finds S cached
   store_tcp  on p2, S over the transfer layer as between hosts: the router loads S from the store into p2
          (Import on p2, Export on s0), starting with the placement, beside d0's reservation, and p2 computes the
          rest over it as it lands, layer group by layer group (the pipelined load)
@@ -107,6 +107,11 @@ def main(argv=None):
             return u.ttft_s, u.route or {}
 
         await ttft("warm", [int(x) for x in rng.integers(1, 1000, 64)], "p1")  # first calls: connections
+        deadline = time.monotonic() + 120  # the prefill instances compile their copy out of the store's pool
+        while not all(cluster.registry.get(p).stats.get("store_copies") for p in ("p0", "p1", "p2", "p3")):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the prefill instances did not compile their copies out of the store's pool")
+            await asyncio.sleep(0.1)
         for r, L in [(r, L) for r in hits for L in lengths]:
             prefix = int(r * L) // 16 * 16
             rows = {"cold": [], "local": [], "store": [], "store_tcp": [], "store_serial": []}
@@ -136,6 +141,8 @@ def main(argv=None):
                     mv = route.get("prefix_move") or {}
                     if mv.get("tokens") != prefix or mv.get("via") != ("shared" if how == "store" else "transfer"):
                         raise RuntimeError(f"the prefix did not come from the store as {how} asks: {route}")
+                    if how == "store" and not mv.get("one_pass"):
+                        raise RuntimeError(f"the store's prefix was staged, not copied in one pass: {route}")
                     keep(how, t, route)
                     moved[how].append(route["prefix_move"])
                 bar.update()

@@ -847,8 +847,8 @@ class Router:
                 log.warning("%s: %s did not load the %d-token prefix from %s (%s); it computed it", s.rid, p.name,
                             ld.tokens, ld.src, error)
             else:
-                more = {"via": "shared"} if ld.shared else {"streamed_groups": got.get("streamed_groups"),
-                                                            "via": "transfer"}
+                more = ({"via": "shared", "one_pass": bool(ld.sent.get("one_pass"))} if ld.shared else
+                        {"streamed_groups": got.get("streamed_groups"), "via": "transfer"})
                 self._moved(s, ld.src, p.name, ld.tokens, int(ld.sent["kv_bytes"]), ld.seconds, overlapped=True,
                             **more)
             self._drop_load(s)

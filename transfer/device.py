@@ -39,7 +39,7 @@ def _to_wire(x):
     return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype == jnp.bfloat16 else x
 
 
-def _from_wire(x, dtype):
+def from_wire(x, dtype):
     return jax.lax.bitcast_convert_type(x, dtype) if x.dtype == jnp.uint16 else x.astype(dtype)
 
 
@@ -117,11 +117,11 @@ class DeviceIO:
                 for a, x in zip(specs, xs):
                     g = pool[a.group]
                     if a.kind == "blocks":
-                        pool[a.group] = g.at[ids, a.j0:a.j1].set(_from_wire(x, g.dtype), mode="drop")
+                        pool[a.group] = g.at[ids, a.j0:a.j1].set(from_wire(x, g.dtype), mode="drop")
                     elif a.kind == "ring":
-                        pool[a.group] = g.at[row, a.j0:a.j1].set(_from_wire(x, g.dtype))
+                        pool[a.group] = g.at[row, a.j0:a.j1].set(from_wire(x, g.dtype))
                     else:
-                        part = g[a.kind].at[row, a.j0:a.j1].set(_from_wire(x, g[a.kind].dtype))
+                        part = g[a.kind].at[row, a.j0:a.j1].set(from_wire(x, g[a.kind].dtype))
                         pool[a.group] = {**g, a.kind: part}
                 return pool
             fn = self._import[key] = jax.jit(put, donate_argnums=(0,))

@@ -93,6 +93,15 @@ class SnapshotPool:
             self.events.emit("snap", [h])
         return row
 
+    def release(self, h: bytes) -> None:
+        """Forget the snapshot for `h` (its row was taken and never written): the row is free again."""
+        row = self._rows.pop(h, None)
+        if row is None:
+            return
+        self._free.append(row)
+        if self.events is not None:
+            self.events.emit("unsnap", [h])
+
     def __len__(self) -> int:
         return len(self._rows)
 

@@ -94,6 +94,7 @@ class SharedPool:
         flat = [np.frombuffer(mapping, np.dtype(lf["dtype"]), int(np.prod(lf["shape"])), lf["offset"])
                 .reshape(lf["shape"]) for lf in leaves]
         self.arrays = jax.tree.unflatten(treedef, flat)  # the pool pytree as numpy arrays over the segment
+        self._views = None  # `views`, once made
         self.num_blocks, self.num_rows = table["blocks"], table["rows"]
         n = self.num_blocks + self.num_rows  # entries: the blocks, then the state rows
         self.gens = np.frombuffer(mapping, np.uint64, n, table["offset"])
@@ -121,10 +122,11 @@ class SharedPool:
         return {"name": self.name, "bytes": len(self._mapping), "signature": self.signature,
                 "leaves": self._leaves, "table": self._table}
 
-    @classmethod
-    def attach(cls, desc: dict, layout, dtype: str) -> "SharedPool":
-        """Map another process's pool (`describe()`) here, for reading. Raises ValueError when it is not a pool of
-        the same model layout and dtype as `layout` (sizes may differ: the store holds more blocks)."""
+    @staticmethod
+    def shapes(desc: dict, layout, dtype: str) -> list:
+        """The arrays of another process's pool (`describe()`) as a ShapeDtypeStruct pytree, in their wire dtypes.
+        Raises ValueError when it is not a pool of the same model layout and dtype as `layout` (sizes may differ:
+        the store holds more blocks)."""
         if desc.get("signature") != layout_signature(layout, dtype):
             raise ValueError(f"the shared pool {desc.get('name')!r} holds another model's KV (layout signature "
                              f"{desc.get('signature')} != {layout_signature(layout, dtype)})")
@@ -142,6 +144,15 @@ class SharedPool:
                 lf["shape"][0] != table.get("blocks" if b else "rows") for b, lf in zip(by_block, leaves)):
             raise ValueError(f"the shared pool {desc.get('name')!r} has a table {table} that does not index its "
                              f"arrays {leaves}")
+        return jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(tuple(lf["shape"]), np.dtype(lf["dtype"]))
+                                            for lf in leaves])
+
+    @classmethod
+    def attach(cls, desc: dict, layout, dtype: str) -> "SharedPool":
+        """Map another process's pool (`describe()`) here, for reading. Raises ValueError when it is not a pool of
+        the same model layout and dtype as `layout` (`shapes`)."""
+        treedef = jax.tree.structure(cls.shapes(desc, layout, dtype))
+        leaves, table = desc["leaves"], desc["table"]
         mapping = attach_segment(desc["name"])
         end = max([lf["offset"] + int(np.prod(lf["shape"])) * np.dtype(lf["dtype"]).itemsize for lf in leaves] +
                   [table["offset"] + 24 * (table["blocks"] + table["rows"])])
@@ -151,8 +162,11 @@ class SharedPool:
         return cls(desc["name"], mapping, leaves, treedef, desc["signature"], False, table)
 
     def views(self):
-        """The pool pytree as JAX arrays over the segment (no copy): what the programs that read it take."""
-        return jax.tree.map(jnp.from_dlpack, self.arrays)
+        """The pool pytree as JAX arrays over the segment (no copy): what the programs that read it take. Made
+        once (each costs a DLPack import)."""
+        if self._views is None:
+            self._views = jax.tree.map(jnp.from_dlpack, self.arrays)
+        return self._views
 
     # ---- the seqlock (module docstring)
     def _entries(self, blocks: list[int], row: int | None) -> np.ndarray:
@@ -260,7 +274,7 @@ class SharedPool:
     def close(self) -> None:
         """Unmap (views handed out keep their memory only while the mapping lives); the owner removes the
         segment."""
-        self.arrays = None
+        self.arrays = self._views = None
         try:
             self._mapping.close()
         except BufferError:  # arrays over it are still referenced: the mapping goes with them

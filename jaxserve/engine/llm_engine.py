@@ -146,6 +146,7 @@ class LLMEngine:
         self.layout = PoolLayout.build(self.cache_spec, bs, cfg.num_blocks, cfg.max_num_seqs, cfg.num_snapshots)
         self.snapshot_base = cfg.max_num_seqs
         self._load_buf = np.empty(0, np.uint8)  # load_prefix's staging region
+        self.prefix_loads = {"one_pass": 0, "staged": 0}  # load_prefix's copies out of a store's pool, by path
         self.cache_events = CacheEvents()  # what the router's global KV index follows (cache/events.py)
         self.blocks = BlockManager(cfg.num_blocks, bs, cfg.num_snapshots, cfg.prefix_caching, self.cache_events)
         # the reference and the native paged attention take a traced layer index: then runs of identical layers
@@ -367,33 +368,63 @@ class LLMEngine:
     def load_prefix(self, tokens, src, groups: list[tuple[int, int]] | None = None) -> int:
         """Reading side: copy a cached prefix (whole blocks) from another pool on this host (`src`: the store's
         SharedPool) into this instance's prefix cache, without a call to the store: its blocks (and the snapshot
-        at its end) found by hash, staged on the host in the layer groups `groups` (default: one) and checked
-        untouched by the store meanwhile, then the import program that KV arriving over the transfer layer in
-        those groups runs (warmed with them: nothing compiles) -> the bytes read from the store's pool. Raises
-        shared_pool.Missed (the store no longer holds it, a write raced the read, or no snapshot row is free
-        here for a model with request-level state: the prefill computes it), RequestError, OutOfBlocks."""
-        from transfer.bufpool import aligned_empty
-        from transfer.plan import staging
+        at its end) found by hash, copied and checked untouched by the store meanwhile. The copy is one program
+        straight from the store's arrays (cache/pool_copy.py) once `prepare_loads` compiled it for that store;
+        else they are staged on the host in the layer groups `groups` (default: one) and imported with the
+        import program that KV arriving over the transfer layer in those groups runs (warmed with them): nothing
+        compiles -> the bytes copied. Raises shared_pool.Missed (the store no longer holds it, a write raced the
+        read, or no snapshot row is free here for a model with request-level state: the prefill computes it),
+        RequestError, OutOfBlocks."""
         from ..cache.shared_pool import Missed
         blocks, skip, hashes = self.reserve_prefix(tokens)
+        taken = False  # a snapshot row keyed by the prefix's end that does not hold its state yet
         try:
             state = self.layout.has_request_state
             src_blocks, src_row, ticket = src.locate(hashes[skip:], hashes[-1] if state else None)
-            st = staging(self.layout, self.dtype_name, len(blocks) - skip, groups or [(0, self.layout.num_layers)])
-            if self._load_buf.nbytes < st.nbytes:  # one region, reused (its pages stay mapped)
-                self._load_buf = aligned_empty(st.nbytes)
-            views = st.views(self._load_buf)
-            src.stage(st, views, src_blocks, src_row if state else None)
-            if not src.intact(ticket):
-                raise Missed("the store wrote the prefix's blocks while they were read")
-            row = self.prefix_row(hashes)  # after the read held: a snapshot row is not keyed for nothing
-            if state and row == self.layout.scratch_row:
+            n = len(blocks) - skip
+            one_pass = self.runner.can_copy(src.arrays, n)
+            if not one_pass:  # staged first: a snapshot row is keyed only once the read held
+                st, staged = self._stage_prefix(src, src_blocks, src_row if state else None, ticket, n, groups)
+            row = self.prefix_row(hashes)
+            taken = row != self.layout.scratch_row
+            if state and not taken:
                 raise Missed("no snapshot row free here for the prefix's state")
-            self.runner.import_kv(st, views, blocks[skip:], row)  # waits: the staging region is read whole
+            if one_pass:  # the store's arrays into the pool: the read is checked once the copy is done
+                self.runner.copy_from(src.views(), src_blocks, blocks[skip:], src_row, row)
+                if not src.intact(ticket):
+                    raise Missed("the store wrote the prefix's blocks while they were read")
+                nbytes = self.runner.copies.nbytes(src.arrays, n, state)
+            else:
+                self.runner.import_kv(st, staged, blocks[skip:], row)  # waits: the staging region is read whole
+                nbytes = st.nbytes
             self.cache_arrived(blocks, tokens, hashes, row)
+            taken = False
+            self.prefix_loads["one_pass" if one_pass else "staged"] += 1
         finally:
+            if taken:  # the read failed: the row is given back
+                self.blocks.snapshots.release(hashes[-1])
             self.blocks.free(blocks)
-        return st.nbytes
+        return nbytes
+
+    def _stage_prefix(self, src, src_blocks: list[int], src_row: int | None, ticket, n: int, groups) -> tuple:
+        """Gather n of the store's blocks (and its state row) into the staging region, checked untouched by the
+        store meanwhile -> (the Staging, its views). Raises shared_pool.Missed."""
+        from transfer.bufpool import aligned_empty
+        from transfer.plan import staging
+        from ..cache.shared_pool import Missed
+        st = staging(self.layout, self.dtype_name, n, groups or [(0, self.layout.num_layers)])
+        if self._load_buf.nbytes < st.nbytes:  # one region, reused (its pages stay mapped)
+            self._load_buf = aligned_empty(st.nbytes)
+        views = st.views(self._load_buf)
+        src.stage(st, views, src_blocks, src_row)
+        if not src.intact(ticket):
+            raise Missed("the store wrote the prefix's blocks while they were read")
+        return st, views
+
+    def prepare_loads(self, src) -> int:
+        """Compile the one-pass copy out of store pool `src` (a SharedPool, or its arrays as ShapeDtypeStructs:
+        SharedPool.shapes); any thread -> the programs compiled (0 or 1)."""
+        return self.runner.prepare_copies(getattr(src, "arrays", src))
 
     def fail(self, seq: Sequence, error: str) -> None:
         """Finish a request with an error (its transfer failed); frees its slot and blocks."""
@@ -652,6 +683,7 @@ class LLMEngine:
                 "busy": round(self.timer.busy(), 4), "swapped": self.scheduler.num_preempted_waiting(),
                 "prefix_hit_rate": b.hit_rate, "compiled_programs": len(self.runner.programs),
                 "preemptions": self.scheduler.num_preemptions, "kernel_fallbacks": len(self.kernel_fallbacks),
+                **{f"prefix_loads_{k}": v for k, v in self.prefix_loads.items()},
                 **migration_facts(self, used), **(b.spill.stats() if b.spill is not None else {})}
 
 

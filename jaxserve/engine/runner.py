@@ -45,6 +45,7 @@ import numpy as np
 from transfer.device import DeviceIO
 
 from ..cache.layout import PoolLayout, gather, head_parts, init_pool, pool_shardings, scatter
+from ..cache.pool_copy import PoolCopy
 from ..models.batch import Batch
 from ..models.paged import PagedKV
 from ..models.stack import LayerStack
@@ -158,6 +159,12 @@ class ModelRunner:
         sharding = (jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None
                     else jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
         self.pool = init_pool(layout, dtype, sharding if mesh is None else pool_shardings(layout, mesh))
+        # the pool's shapes and placement, for programs compiled off the engine thread (`prepare_copies`)
+        self._pool_like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                                       self.pool)
+        # one-pass copies out of a store's shared pool on this host (cache/pool_copy.py): a pool on one CPU device
+        self.copies = PoolCopy(tuple(gl.kind for gl in layout.groups), max_blocks_per_seq) \
+            if mesh is None and jax.local_devices()[0].platform == "cpu" else None
         self.head_parts = head_parts(layout, mesh)  # how a transfer from this pool splits each group's heads
         # per-slot penalty state, one more row for the padding rows of a decode batch to write to
         self.prompt_mask = jnp.zeros((num_slots + 1, vocab_size), bool, device=sharding)
@@ -558,6 +565,23 @@ class ModelRunner:
         self.pool = self._io.import_(self.pool, staging, views, blocks, row, self.layout.num_blocks, layer_groups)
         if wait:
             self.settle()
+
+    def prepare_copies(self, src: list) -> int:
+        """Compile the one-pass copy out of a store pool shaped as `src` (arrays or ShapeDtypeStructs), for any
+        block count (any thread: the pool is not read) -> the programs compiled (0: none, as for a pool off the
+        CPU, or compiled before)."""
+        return 0 if self.copies is None else self.copies.compile(self._pool_like, src)
+
+    def can_copy(self, src: list, n: int) -> bool:
+        """Whether n blocks copy from a store pool shaped as `src` (SharedPool.arrays) in one pass (`copy_from`)."""
+        return self.copies is not None and self.shared is None and self.copies.ready(src, n)
+
+    def copy_from(self, src: list, src_blocks: list[int], blocks: list[int], src_row: int | None,
+                  row: int | None) -> None:
+        """Copy blocks src_blocks (and state row src_row) of store arrays `src` (SharedPool.views) into blocks
+        `blocks` (and row `row`) in one pass; returns once done (the store's arrays are read). Needs `can_copy`."""
+        self.pool = self.copies.copy(self.pool, src, src_blocks, blocks, src_row, row)
+        self.settle()
 
     def settle(self) -> None:
         """Wait for every program dispatched on the pool (the views they read may be reused after)."""

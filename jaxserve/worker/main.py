@@ -38,7 +38,8 @@ schema in messages.py before a handler sees it):
   Export    (prefill, store) {"request_id", "prompt" (the prefix), "dst": reservation} -> {"kv_bytes", "frames",
             "sends", "resends", "backend"}: sends the prefix's KV from this instance's prefix cache, no compute;
             FAILED_PRECONDITION when it is no longer cached.
-  Load      (prefill) {"request_id", "prompt" (a prefix: whole blocks), "store"} -> {"kv_bytes", "seconds"}: copies
+  Load      (prefill) {"request_id", "prompt" (a prefix: whole blocks), "store"} -> {"kv_bytes", "seconds",
+            "one_pass" (copied by the program compiled for that store, cache/pool_copy.py; else staged)}: copies
             the prefix from the shared pool of the global KV store `store` on this host into this instance's
             prefix cache, found there by hash, with no call to the store (the router's load from the store,
             started with the decode reservation, and named by the Prefill that follows it: that prefill runs
@@ -66,8 +67,8 @@ path cannot delay it, plus its prefix-cache events for the router's global KV in
 the peer table and the next event the index wants ("kv_want"). The router refuses names and roles its config does not
 list, and workers that do not present the cluster token.
 When ready it prints one line `JAXSERVE_WORKER_READY {json}` with its addresses. Concurrency: one asyncio loop
-(gRPC server and handlers), the heartbeat thread's loop, the engine thread (engine/async_engine.py) and the
-transfer threads.
+(gRPC server and handlers), the heartbeat thread's loop, the engine thread (engine/async_engine.py), the
+transfer threads, and a thread compiling the copies out of each store pool on the host (`_prepare_loads`).
 """
 
 from __future__ import annotations
@@ -156,6 +157,7 @@ class Worker:
         self.reads_pool = single and cfg.transfer.shared_memory and readable_here()
         self.shared_pool = self.llm.runner.share_pool() if inst.role == "store" and self.reads_pool else None
         self._pools: dict = {}  # a store instance's name -> its SharedPool, mapped here
+        self._copies: set[str] = set()  # store pools (segment names) whose one-pass copy is compiled or compiling
         self._loads: dict[str, asyncio.Future] = {}  # Load calls under way here by request_id -> their error or None
         if cfg.engine.warmup:
             print(f"{inst.name}: compiling the step programs (engine.warmup)", flush=True)
@@ -382,6 +384,8 @@ class Worker:
         links = {v.metrics.name: v.metrics.snapshot() for v, _ in list(self.links.values())}
         pool = self.intake.pool
         shm = {"name": pool.shm_name, "boot": boot_id(), "bytes": pool.capacity} if pool.shm_name else None
+        copies = self.llm.runner.copies  # compiled on their own thread: the engine's stats may predate them
+        stats = {**stats, "store_copies": len(copies) if copies is not None else 0}
         return {"name": self.inst.name, "role": self.role, "address": self.address, "pid": os.getpid(),
                 "kv_address": self._kv_address(),
                 "max_model_len": self.llm.max_model_len, "stats": stats, "links": links, "shm": shm,
@@ -670,15 +674,48 @@ class Worker:
         if pool is None:
             return grpc.StatusCode.FAILED_PRECONDITION, why
         tokens, t0 = list(req.prompt), time.monotonic()
-        try:  # staged in the layer groups the import programs were warmed with
-            kv_bytes = await self.engine.call(lambda eng: eng.load_prefix(tokens, pool, self.layer_groups))
+
+        def load(eng):  # -> (bytes, whether copied in one pass); staged (until the one-pass copy is compiled) in
+            before = eng.prefix_loads["one_pass"]  # the layer groups the import programs were warmed with
+            return eng.load_prefix(tokens, pool, self.layer_groups), eng.prefix_loads["one_pass"] > before
+        try:
+            kv_bytes, one_pass = await self.engine.call(load)
         except (RequestError, ValueError) as e:
             return grpc.StatusCode.INVALID_ARGUMENT, str(e)
         except Missed as e:
             return grpc.StatusCode.FAILED_PRECONDITION, str(e)
         except OutOfBlocks as e:
             return grpc.StatusCode.RESOURCE_EXHAUSTED, f"no room for the prefix: {e}"
-        return None, {"kv_bytes": kv_bytes, "seconds": round(time.monotonic() - t0, 6)}
+        return None, {"kv_bytes": kv_bytes, "seconds": round(time.monotonic() - t0, 6), "one_pass": one_pass}
+
+    def _prepare_loads(self) -> None:
+        """For each store pool on this host that the peer table newly shows, compile the one-pass copy out of it
+        (cache/pool_copy.py) on a thread of its own: the engine thread is not held up, and until they are
+        compiled a Load stages the prefix (nothing compiles on a request's path)."""
+        import threading
+
+        from transfer.shm import same_host
+        from ..cache.shared_pool import SharedPool
+        if self.role != "prefill" or not self.reads_pool or self.llm.runner.copies is None:
+            return
+        for name, peer in list(self.peers.items()):
+            desc = peer.get("pool")
+            if peer.get("role") != "store" or not desc or desc.get("name") in self._copies \
+                    or not same_host(desc.get("boot")):
+                continue
+            self._copies.add(desc["name"])
+
+            def compile_(name=name, desc=desc):
+                try:
+                    shapes = SharedPool.shapes(desc, self.llm.layout, self.llm.dtype_name)
+                    t0 = time.monotonic()
+                    made = self.llm.prepare_loads(shapes)
+                    log.info("%s: the one-pass copy out of %s's pool compiled in %.1fs (%d programs)",
+                             self.inst.name, name, time.monotonic() - t0, made)
+                except Exception as e:  # noqa: BLE001 - the loads from this store stage instead
+                    log.warning("%s: no one-pass copy out of %s's pool (%s: %s); its prefixes are staged",
+                                self.inst.name, name, type(e).__name__, e)
+            threading.Thread(target=compile_, name="jaxserve-copies", daemon=True).start()
 
     def _pool_of(self, instance: str):
         """Store `instance`'s shared pool, mapped here on first use -> (SharedPool, None), or (None, why not) when
@@ -752,6 +789,7 @@ class Worker:
             return
         if isinstance(ans.get("peers"), dict):
             self.peers = ans["peers"]
+            self._prepare_loads()
         want = ans.get("kv_want")
         self._kv_want = want if isinstance(want, int) else None
 

@@ -1,12 +1,13 @@
 """The global KV store's pool in shared memory (cache/shared_pool.py), read in place by a prefill instance on its
 host: engines in one process standing for the store and the prefill instance. A prefix reaches the store over
 the transfer layer (its numpy import into the segment, then published in the segment's table); the reader maps
-the segment, finds the prefix's blocks by hash, stages them and imports them into its own prefix cache with its
-warmed import program, without the store doing anything. The reader's greedy tokens for a longer prompt equal
-the colocated engine's (dense, sliding window, MLA + linear attention with request-level state); reading
-compiles nothing past the reader's transfer warm-up; a read that a write of the store races is refused and
-leaves nothing behind (also under a writer thread hammering the block); the store still exports over the
-transfer layer from the shared pool."""
+the segment, finds the prefix's blocks by hash and copies them into its own prefix cache, without the store
+doing anything: in one pass with the program compiled for that store (cache/pool_copy.py), or staged on the
+host and imported with its warmed import program. The reader's greedy tokens for a longer prompt equal the
+colocated engine's (dense, sliding window, MLA + linear attention with request-level state); reading compiles
+nothing past the reader's warm-up; a read that a write of the store races is refused and leaves nothing behind
+(also under a writer thread hammering the block); the store still exports over the transfer layer from the
+shared pool."""
 
 from __future__ import annotations
 
@@ -59,14 +60,22 @@ def test_a_prefix_read_from_the_stores_shared_pool_serves_the_next_request(check
     groups = layer_groups(reader.layout.num_layers, 1)  # a layer group per layer: staged group by group
     reader.runner.warmup_transfer("float32", groups, export=False, receive=True, progress=False)
     warmed = len(reader.runner._io._import)
-    pool = SharedPool.attach(store.runner.shared.describe(), reader.layout, "float32")
+    desc = store.runner.shared.describe()
+    assert reader.prepare_loads(SharedPool.shapes(desc, reader.layout, "float32")) == 1  # from shapes alone
+    pool = SharedPool.attach(desc, reader.layout, "float32")
     try:
+        assert reader.prepare_loads(pool) == 0  # compiled for that store already
         held, mine = store.blocks.num_referenced(), reader.blocks.num_referenced()
         with pytest.raises(Missed, match="does not hold"):  # a prefix the store never saw: nothing taken
             reader.load_prefix(PROMPT[:8] + [60, 61, 62, 63], pool, groups)
         assert reader.blocks.num_referenced() == mine and len(reader.blocks.snapshots) == 0
-        assert reader.load_prefix(PREFIX, pool, groups) > 0
-        assert len(reader.runner._io._import) == warmed  # the transfer layer's import programs, as warmed
+        # one pass: 3 blocks (and the snapshot at their end), nothing staged
+        block = sum(a[0].nbytes for g, gl in zip(pool.arrays, reader.layout.groups) if gl.kind == "full"
+                    for a in jax.tree.leaves(g))
+        got = reader.load_prefix(PREFIX, pool, groups)
+        assert got >= 3 * block and (got > 3 * block) == reader.layout.has_request_state, (got, block)
+        assert reader._load_buf.nbytes == 0 and len(reader.runner._io._import) == warmed  # nothing compiled
+        assert len(reader.runner.copies) == 1
         assert store.blocks.num_referenced() == held  # the store did nothing for the read
 
         seq = run(reader, "b", FOLLOWUP)
@@ -87,52 +96,69 @@ def test_a_prefix_read_from_the_stores_shared_pool_serves_the_next_request(check
 
 
 def test_the_shared_pool_carries_bfloat16_bits_exactly_and_refuses_another_model(checkpoint_dir):
-    """bfloat16 lives in the segment as its uint16 bits: the reader's blocks equal the computing engine's bit
-    for bit. A pool of another layout or dtype is refused by name."""
+    """bfloat16 lives in the segment as its uint16 bits: a reader's blocks equal the computing engine's bit for
+    bit, staged and in one pass. A pool of another layout or dtype is refused by name."""
     path = checkpoint_dir("llama")
     src, store = store_of(path, "bfloat16")
-    reader = LLMEngine(path, "bfloat16", CFG, progress=False)
-    reader.blocks.allocate([], 7 * CFG.block_size)
     desc = store.runner.shared.describe()
     assert {lf["dtype"] for lf in desc["leaves"]} == {"uint16"}
-    pool = SharedPool.attach(desc, reader.layout, "bfloat16")
+    pools = []
     try:
-        assert reader.load_prefix(PREFIX, pool) > 0
-        mine = reader.cached_prefix(PREFIX)[0]
-        theirs = src.cached_prefix(PREFIX)[0]
-        assert mine != theirs
-        for g in range(len(reader.layout.groups)):
-            a = np.asarray(jax.device_get(reader.runner.pool[g][np.asarray(mine)]))
-            b = np.asarray(jax.device_get(src.runner.pool[g][np.asarray(theirs)]))
-            assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+        for one_pass in (False, True):
+            reader = LLMEngine(path, "bfloat16", CFG, progress=False)
+            reader.blocks.allocate([], 7 * CFG.block_size)
+            pools.append(pool := SharedPool.attach(desc, reader.layout, "bfloat16"))
+            if one_pass:
+                assert reader.prepare_loads(pool) == 1
+            assert reader.load_prefix(PREFIX, pool) > 0
+            assert (reader._load_buf.nbytes == 0) == one_pass
+            mine = reader.cached_prefix(PREFIX)[0]
+            theirs = src.cached_prefix(PREFIX)[0]
+            assert mine != theirs
+            for g in range(len(reader.layout.groups)):
+                a = np.asarray(jax.device_get(reader.runner.pool[g][np.asarray(mine)]))
+                b = np.asarray(jax.device_get(src.runner.pool[g][np.asarray(theirs)]))
+                assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), one_pass
         with pytest.raises(ValueError, match="another model's KV"):
             SharedPool.attach(desc, reader.layout, "float32")
         with pytest.raises(ValueError, match="do not match"):
             SharedPool.attach({**desc, "leaves": desc["leaves"][:1] * 2}, reader.layout, "bfloat16")
+        with pytest.raises(ValueError, match="another model's KV"):
+            SharedPool.shapes(desc, reader.layout, "float32")
     finally:
-        pool.close()
+        for pool in pools:
+            pool.close()
         store.runner.shared.close()
 
 
-def test_a_read_that_a_store_write_races_is_refused_and_takes_nothing(checkpoint_dir):
-    """The store rewrites one of the prefix's blocks (its disk tier's write path) while the reader stages them:
-    the read is refused (the block's generation moved) and the reader keeps neither blocks nor hashes nor a
-    snapshot; while the block is unpublished it is not read at all; once the store publishes it again, the
-    same read succeeds."""
+@pytest.mark.parametrize("one_pass", [False, True], ids=["staged", "one_pass"])
+def test_a_read_that_a_store_write_races_is_refused_and_takes_nothing(checkpoint_dir, one_pass):
+    """The store rewrites one of the prefix's blocks (its disk tier's write path) while the reader copies them
+    (staged: as it stages them; in one pass: after the reader located them, before its copy read them): the read
+    is refused (the block's generation moved) and the reader keeps neither blocks nor hashes nor a snapshot row
+    (one pass takes the row before the copy and gives it back); while the block is unpublished it is not read at
+    all; once the store publishes it again, the same read succeeds."""
     path = checkpoint_dir("kimi_linear")  # blocks and a snapshot row
     src, store = store_of(path)
     reader = LLMEngine(path, "float32", CFG, progress=False)
     pool = SharedPool.attach(store.runner.shared.describe(), reader.layout, "float32")
+    if one_pass:
+        reader.prepare_loads(pool)
     blocks, row = store.cached_prefix(PREFIX)
     data = store.runner.read_blocks(blocks[1:2])
 
-    class Racing:  # the store's pool, with the store's write landing while the reader stages
+    class Racing:  # the store's pool, with the store's write landing while the reader copies
         def __getattr__(self, name):
             return getattr(pool, name)
 
         def stage(self, *a):
             store.runner.write_blocks(blocks[1:2], data)  # the same KV, even: a write is a write
             pool.stage(*a)
+
+        def views(self):
+            if one_pass:
+                store.runner.write_blocks(blocks[1:2], data)
+            return pool.views()
     try:
         mine = reader.blocks.num_referenced()
         with pytest.raises(Missed, match="while they were read"):
@@ -141,8 +167,10 @@ def test_a_read_that_a_store_write_races_is_refused_and_takes_nothing(checkpoint
             reader.load_prefix(PREFIX, pool)
         assert reader.blocks.num_referenced() == mine and not reader.blocks.hash_block
         assert len(reader.blocks.snapshots) == 0
+        assert len(reader.blocks.snapshots._free) == reader.blocks.snapshots.capacity
         store.cache_arrived(blocks, PREFIX, block_hashes(PREFIX, CFG.block_size), row)
         assert reader.load_prefix(PREFIX, pool) > 0
+        assert (reader._load_buf.nbytes == 0) == one_pass
         seq = run(reader, "b", FOLLOWUP)
         assert seq.num_cached == len(PREFIX)
         assert seq.output == LLM(path, progress=False, engine=CFG).generate([FOLLOWUP], GREEDY)[0].token_ids

@@ -325,6 +325,9 @@ def test_policies_store_and_controller_on_a_live_cluster(checkpoint_dir):
                 return bana.place(dataclasses.replace(snap, instances=tuple(
                     i for i in snap.instances if i.name != holder)))
         cluster.policy = Elsewhere()
+        # the prefill instances compiled their one-pass copy out of the store's pool once they learned of it
+        until(lambda: all(cluster.registry.get(p).stats.get("store_copies") == 1 for p in ("p0", "p1")),
+              "the prefill instances' copies out of the store's pool compiled", 60)
         got[1] = complete(client, prompts[1])
 
         class Claims:  # a prefix the store does not hold: its Export fails, the prefill computes it
@@ -346,6 +349,7 @@ def test_policies_store_and_controller_on_a_live_cluster(checkpoint_dir):
         # every process on this host: the prefill instance read the store's shared pool in place (its Load ran
         # beside the decode reservation), and the store took no part in it (none of its blocks is referenced)
         assert meta["prefix_move"]["overlapped"] and meta["prefix_move"]["via"] == "shared", meta
+        assert meta["prefix_move"]["one_pass"] is True, meta
         until(lambda: cluster.registry.get("s0").stats.get("blocks_used") == 0, "the store's blocks unreferenced", 10)
         assert meta["cached_tokens"] >= len(shared)
         # the controller: its flip is carried out, and requests keep succeeding
