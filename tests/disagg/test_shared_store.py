@@ -57,7 +57,7 @@ def test_a_prefix_read_from_the_stores_shared_pool_serves_the_next_request(check
     src, store = store_of(path)
     reader = LLMEngine(path, "float32", CFG, progress=False)
     reader.blocks.allocate([], 2 * CFG.block_size)
-    groups = layer_groups(reader.layout.num_layers, 1)  # a layer group per layer: staged group by group
+    groups = layer_groups(reader.layout.num_layers, 1)  # a layer group per layer (what a staged load would use)
     reader.runner.warmup_transfer("float32", groups, export=False, receive=True, progress=False)
     warmed = len(reader.runner._io._import)
     desc = store.runner.shared.describe()
