@@ -62,29 +62,33 @@ def signature(src: list) -> tuple:
 
 
 class PoolCopy:
-    def __init__(self, kinds: tuple[str, ...], max_blocks: int):
+    def __init__(self, kinds: tuple[str, ...], max_blocks: int, pool: list):
         """kinds: each cache group's kind (cache/layout.py: "full", "sliding", or linear state); max_blocks: the
-        most blocks one load copies (a sequence's)."""
+        most blocks one load copies (a sequence's); pool: the instance's pool (on one device), whose shapes and
+        device the programs take."""
         self.kinds, self.max_blocks = kinds, max_blocks
+        self._dev = next(iter(jax.tree.leaves(pool)[0].sharding.device_set))
+        self._pool = jax.tree.map(self._like, pool)  # its shapes: compiling reads no pool
         self._programs: dict[tuple, object] = {}  # store signature -> compiled program
         self._lock = threading.Lock()  # one compile of a signature at a time
+
+    def _like(self, a) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=jax.sharding.SingleDeviceSharding(self._dev))
 
     def __len__(self) -> int:
         """How many store pools (by shape) a load copies from in one pass."""
         return len(self._programs)
 
-    def compile(self, pool: list, src: list) -> int:
-        """Compile the program copying from a store pool shaped as `src` (arrays, or ShapeDtypeStructs) into
-        `pool` (the same), where neither is read -> the programs compiled now (0 or 1)."""
+    def compile(self, src: list) -> int:
+        """Compile the program copying from a store pool shaped as `src` (arrays, or ShapeDtypeStructs) into the
+        pool; any thread -> the programs compiled now (0 or 1)."""
         key = signature(src)
-        dev = jax.sharding.SingleDeviceSharding(next(iter(jax.tree.leaves(pool)[0].sharding.device_set)))
-        like = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=dev)  # noqa: E731
-        where = jax.ShapeDtypeStruct((2 * self.max_blocks + 3,), jnp.int32, sharding=dev)
+        where = self._like(jax.ShapeDtypeStruct((2 * self.max_blocks + 3,), jnp.int32))
         with self._lock:
             if key in self._programs:
                 return 0
             fn = jax.jit(lambda *a: _copy(self.kinds, *a), donate_argnums=(0,))
-            self._programs[key] = fn.lower(jax.tree.map(like, pool), jax.tree.map(like, src), where).compile()
+            self._programs[key] = fn.lower(self._pool, jax.tree.map(self._like, src), where).compile()
         return 1
 
     def ready(self, src: list, n: int) -> bool:
@@ -105,5 +109,4 @@ class PoolCopy:
         where = np.zeros(2 * M + 3, np.int32)
         where[:n], where[M:M + n] = src_blocks, blocks
         where[2 * M:] = n, src_row or 0, row or 0
-        dev = next(iter(jax.tree.leaves(pool)[0].sharding.device_set))
-        return self._programs[signature(src)](pool, src, jax.device_put(where, dev))  # takes placed arguments
+        return self._programs[signature(src)](pool, src, jax.device_put(where, self._dev))  # placed arguments

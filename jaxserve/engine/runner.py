@@ -159,11 +159,8 @@ class ModelRunner:
         sharding = (jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None
                     else jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
         self.pool = init_pool(layout, dtype, sharding if mesh is None else pool_shardings(layout, mesh))
-        # the pool's shapes and placement, for programs compiled off the engine thread (`prepare_copies`)
-        self._pool_like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-                                       self.pool)
         # one-pass copies out of a store's shared pool on this host (cache/pool_copy.py): a pool on one CPU device
-        self.copies = PoolCopy(tuple(gl.kind for gl in layout.groups), max_blocks_per_seq) \
+        self.copies = PoolCopy(tuple(gl.kind for gl in layout.groups), max_blocks_per_seq, self.pool) \
             if mesh is None and jax.local_devices()[0].platform == "cpu" else None
         self.head_parts = head_parts(layout, mesh)  # how a transfer from this pool splits each group's heads
         # per-slot penalty state, one more row for the padding rows of a decode batch to write to
@@ -570,7 +567,7 @@ class ModelRunner:
         """Compile the one-pass copy out of a store pool shaped as `src` (arrays or ShapeDtypeStructs), for any
         block count (any thread: the pool is not read) -> the programs compiled (0: none, as for a pool off the
         CPU, or compiled before)."""
-        return 0 if self.copies is None else self.copies.compile(self._pool_like, src)
+        return 0 if self.copies is None else self.copies.compile(src)
 
     def can_copy(self, src: list, n: int) -> bool:
         """Whether n blocks copy from a store pool shaped as `src` (SharedPool.arrays) in one pass (`copy_from`)."""

@@ -31,9 +31,9 @@ def test_only_the_named_blocks_and_row_change_for_every_length():
     rng = np.random.default_rng(0)
     mine = pools(rng, 10, 4, wire=False)
     store = pools(rng, 32, 7, wire=True)  # the store's pool: more blocks and rows, bfloat16 as its bits
-    copy = PoolCopy(KINDS, MAX_BLOCKS)
+    copy = PoolCopy(KINDS, MAX_BLOCKS, mine)
     assert not copy.ready(store, 1)
-    assert copy.compile(mine, store) == 1 and copy.compile(mine, store) == 0
+    assert copy.compile(store) == 1 and copy.compile(store) == 0
     assert copy.ready(store, MAX_BLOCKS) and not copy.ready(store, MAX_BLOCKS + 1)
     bits = lambda x: np.array(jax.lax.bitcast_convert_type(x, jnp.uint16))  # noqa: E731 - a writable copy
     for n in (1, 3, MAX_BLOCKS):
@@ -62,8 +62,8 @@ def test_only_the_named_blocks_and_row_change_for_every_length():
 def test_a_store_of_other_shapes_needs_its_own_program():
     rng = np.random.default_rng(1)
     mine, store = pools(rng, 10, 4, wire=False), pools(rng, 32, 7, wire=True)
-    copy = PoolCopy(KINDS, MAX_BLOCKS)
-    copy.compile(mine, store)
+    copy = PoolCopy(KINDS, MAX_BLOCKS, mine)
+    copy.compile(store)
     other = pools(rng, 48, 7, wire=True)
     assert not copy.ready(other, 1)
     with pytest.raises(KeyError):
