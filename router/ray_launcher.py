@@ -29,6 +29,7 @@ class WorkerHost:
 
     def __init__(self):
         self.proc = None
+        self.path: str | None = None  # the worker's config file, removed once it has exited
         self.tail: list[str] = []
 
     def node_ip(self) -> str:
@@ -46,10 +47,10 @@ class WorkerHost:
         import threading
 
         import ray
-        fd, path = tempfile.mkstemp(prefix=f"jaxserve-{name}-", suffix=".yaml")
+        fd, self.path = tempfile.mkstemp(prefix=f"jaxserve-{name}-", suffix=".yaml")
         with os.fdopen(fd, "w") as f:
             f.write(config_text)
-        argv = [sys.executable, "-m", "jaxserve.cli", "worker", "--config", path, "--instance", name,
+        argv = [sys.executable, "-m", "jaxserve.cli", "worker", "--config", self.path, "--instance", name,
                 "--router", router, "--parent-pid", str(os.getpid())]
         node_ip = ray.util.get_node_ip_address()
         if wildcard:
@@ -83,6 +84,9 @@ class WorkerHost:
             self.proc.kill()
             rc = self.proc.wait(10)
         remove_segments_of(self.proc.pid)  # what a killed worker could not remove itself, on this node
+        if self.path is not None:
+            os.unlink(self.path)
+            self.path = None
         return rc
 
 

@@ -3,10 +3,13 @@
 bundle per host, and in each bundle an actor whose worker process runs there; p0 is a multi-host instance of two
 processes (worker/group.py), placed on the two nodes. The cluster serves 1P1D with the answers of the local
 launcher (the colocated engine's), a killed instance is restarted in place through the launcher (both of p0's
-processes), and stopping leaves no placement group (and so no actor) behind."""
+processes), and stopping leaves no placement group (and so no actor) and no worker's config file behind."""
 
 from __future__ import annotations
 
+import glob
+import os
+import tempfile
 import time
 
 import pytest
@@ -27,6 +30,8 @@ def test_a_ray_cluster_places_the_workers_and_serves(checkpoint_dir):
     path = checkpoint_dir("llama")
     cfg = disagg_config(path)
     cfg["clusters"][0]["instances"][0].update(hosts=2, tp=2)  # p0: two processes, one CPU device each
+    configs = os.path.join(tempfile.gettempdir(), "jaxserve-[pd]0-*.yaml")  # the workers' config files
+    before = set(glob.glob(configs))
     rc = Cluster(initialize_head=True, head_node_args=NODE)
     rc.add_node(**NODE)
     rc.wait_for_nodes()
@@ -51,6 +56,7 @@ def test_a_ray_cluster_places_the_workers_and_serves(checkpoint_dir):
             again = [tokens(complete(client, p)["choices"][0]) for p in PROMPTS]
         # stopped: every instance's placement group (and with it its actor) is gone
         groups = {g["name"]: g["state"] for g in ray.util.placement_group_table().values()}
+        left = set(glob.glob(configs)) - before
     finally:
         ray.shutdown()
         rc.shutdown()
@@ -60,3 +66,4 @@ def test_a_ray_cluster_places_the_workers_and_serves(checkpoint_dir):
         PROMPTS, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))]
     assert got == want and again == want
     assert set(groups) == {"jaxserve-p0", "jaxserve-d0"} and set(groups.values()) == {"REMOVED"}, groups
+    assert not left, left  # the killed p0's too
