@@ -109,4 +109,4 @@ class PoolCopy:
         where = np.zeros(2 * M + 3, np.int32)
         where[:n], where[M:M + n] = src_blocks, blocks
         where[2 * M:] = n, src_row or 0, row or 0
-        return self._programs[signature(src)](pool, src, jax.device_put(where, self._dev))  # placed arguments
+        return self._programs[signature(src)](pool, src, where)  # a host array: its transfer is the call's
