@@ -6,7 +6,8 @@ tests start inherit it through the environment), so the many engines the suite b
 models compile each program once. On a machine without a GPU the suite's programs compile with XLA's backend
 optimisation off (`jax_disable_most_optimizations`, inherited by the worker processes through the environment as
 well): for the tiny models here compiling costs more than running, and this cuts the time of the tests that
-compile most by about a quarter. Serving and the benchmarks compile at XLA's defaults.
+compile most by about a quarter. The tests of the real model (those using `smollm2_dir`) run long enough to
+compile as served, as do serving and the benchmarks.
 """
 
 import os
@@ -23,8 +24,10 @@ if _XLA_CACHE is not None:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-if shutil.which("nvidia-smi") is None:  # on a GPU the suite compiles as served (the kernels, their self-test)
-    os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+# on a GPU the suite compiles as served (the kernels, their self-test)
+_LIGHT = "JAX_DISABLE_MOST_OPTIMIZATIONS" not in os.environ and shutil.which("nvidia-smi") is None
+if _LIGHT:
+    os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
 
 import jax  # noqa: E402
 
@@ -71,6 +74,16 @@ def pytest_unconfigure(config):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(_exit["status"])
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Before the test's fixtures: a test of the real model compiles with XLA's optimisation, in this process and
+    in the workers it starts (it runs its programs for long; the others compile more than they run)."""
+    if _LIGHT:
+        light = "smollm2_dir" not in item.fixturenames
+        os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = str(int(light))
+        jax.config.update("jax_disable_most_optimizations", light)
 
 
 FIRST = ("tests/test_soak.py",)  # the longest: under make test's two workers it runs beside the rest, not after
