@@ -16,6 +16,7 @@ Concurrency: the caller's thread; each actor is a process on its node (Ray calls
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -85,7 +86,8 @@ class WorkerHost:
             rc = self.proc.wait(10)
         remove_segments_of(self.proc.pid)  # what a killed worker could not remove itself, on this node
         if self.path is not None:
-            os.unlink(self.path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
             self.path = None
         return rc
 
