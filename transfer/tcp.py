@@ -457,12 +457,13 @@ class TcpLink:
             if conn is None or conn.dead:
                 if conn is not None:
                     conn.release(self.metrics)
+                tried_at = time.monotonic()
                 try:
                     conn = _Conn(self._connect())
                 except ConnectionError as e:
                     conn = None
                     out.sender.link_failed(str(e))
-                    self._fail_queued(str(e))
+                    self._fail_queued(str(e), tried_at)
                     continue
                 threading.Thread(target=self._reader, args=(conn,), name="kv-link-reader", daemon=True).start()
             out.attempts += 1
@@ -507,17 +508,28 @@ class TcpLink:
             send(f.payload)
             send(wire.tail(len(f.payload)))
 
-    def _fail_queued(self, reason: str) -> None:
+    def _fail_queued(self, reason: str, before: float) -> None:
+        """A connection attempt that began at `before` failed: the frames queued before it began fail with it
+        (each would wait out connect_s in turn against the same receiver). Frames queued since stay: the
+        receiver may have come back meanwhile (a healed partition), and the next writer tries afresh for them."""
+        kept, stop = [], False
         while True:
             try:
                 out = self._queue.get_nowait()
             except queue.Empty:
-                return
+                break
             if out is None:
-                self._queue.put(None)
-                return
+                stop = True
+                break
+            if out.queued_at >= before:
+                kept.append(out)
+                continue
             self.metrics.queued(-1, -len(out.frame.payload))
             out.sender.link_failed(reason)
+        for out in kept:
+            self._queue.put(out)
+        if stop:
+            self._queue.put(None)
 
     def _reader(self, conn: "_Conn") -> None:
         ack_s = self.timeouts.ack_s

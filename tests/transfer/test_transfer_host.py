@@ -548,6 +548,39 @@ def test_silent_partition_fails_the_transfer_frees_everything_and_the_link_recov
         p.server.close()
 
 
+def test_a_failed_connection_attempt_fails_only_what_was_queued_before_it():
+    """A writer's connection attempt into a partition fails the transfers queued before it began, not one queued
+    while it ran: when the partition heals meanwhile, that transfer goes through on the next attempt."""
+    from bench.faultproxy import FaultProxy
+    t = Timeouts(io_s=1.0, ack_s=2.0, connect_s=1.0, idle_s=3.0)
+    p = Pair(connections=1, chunk_bytes=1 << 20, timeouts=t)
+    proxy = FaultProxy(p.server.address)
+    p.link.close()
+    p.link = TcpLink(proxy.address, TOKEN, connections=1, chunk_bytes=1 << 20, timeouts=t)
+    try:
+        proxy.set("blackhole")  # connections are accepted and never answered: the attempt waits out connect_s
+        r = p.receiver("early", [7, 8, 9, 20])
+        s, _, _ = p.send("early", [3, 4, 9, 10], [7, 8, 9, 20])
+        deadline = time.monotonic() + 10
+        while proxy.accepted == 0:  # the writer's attempt has begun (its HELLO now goes unanswered)
+            assert time.monotonic() < deadline, "the link never tried to connect"
+            time.sleep(0.005)
+        proxy.set("pass")  # heals while that attempt still waits
+        r2 = p.receiver("late", [7, 8, 9, 20])
+        s2, st2, arrays2 = p.send("late", [3, 4, 9, 10], [7, 8, 9, 20])
+        assert s.wait(15) is KVPoll.FAILED and "unreachable" in s.state.reason
+        assert s2.wait(15) is KVPoll.DONE, s2.state.reason
+        assert r2.state.wait(15) is KVPoll.DONE
+        _assert_same(st2, r2.arrays(), arrays2)
+        r2.release()
+        r.state.wait(15)
+        r.release()
+    finally:
+        p.link.close()
+        proxy.close()
+        p.server.close()
+
+
 def test_frames_of_the_wrong_shape_are_refused_and_the_connection_goes_on():
     """Well-formed JSON of the wrong shape in any frame's meta is NACKed (final) with a reason naming the field;
     the same connection then carries a valid transfer. A header that cannot be a frame closes the connection,
