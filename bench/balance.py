@@ -99,7 +99,7 @@ def shift() -> dict:
     return out
 
 
-def live(rate: float, duration: float, models: str) -> dict:
+def live(rate: float, duration: float, models: str, only: list[str] | None = None) -> dict:
     import asyncio
     import time
 
@@ -124,6 +124,11 @@ def live(rate: float, duration: float, models: str) -> dict:
     runs = {"cache_aware_sglang": ({"name": "cache_aware"}, True),
             "cache_aware_dynamo": ({"name": "cache_aware", "rule": "dynamo"}, True),
             "banaserve_store": ({"name": "banaserve"}, True), "banaserve_store_tcp": ({"name": "banaserve"}, False)}
+    if only:
+        unknown = set(only) - set(runs)
+        if unknown:
+            raise ValueError(f"--live-policies: unknown {sorted(unknown)}; known: {sorted(runs)}")
+        runs = {n: r for n, r in runs.items() if n in only}
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     w = 1.0 / np.arange(1, 9) ** 1.1
     cum = np.cumsum(w / w.sum())
@@ -252,6 +257,7 @@ def main(argv=None):
     ap.add_argument("--traffic-s", type=float, default=600.0, help="hot, scale: seconds of traffic")
     ap.add_argument("--live-rate", type=float, default=8.0, help="live: requests per second")
     ap.add_argument("--live-s", type=float, default=60.0, help="live: seconds of arrivals per policy")
+    ap.add_argument("--live-policies", default="", help="live: a comma-separated subset of its runs (default: all)")
     ap.add_argument("--models", default="bench/.models", help="where bench-size checkpoints are built")
     a = ap.parse_args(argv)
     parts = a.parts.split(",")
@@ -265,7 +271,7 @@ def main(argv=None):
                    "(simulated, router/sim, with the live policy objects)"}
     jobs = {"hot": lambda: hot(4, 2, 8, [8.0, 16.0, 24.0], a.traffic_s),
             "scale": lambda: hot(32, 16, 64, [128.0], a.traffic_s), "shift": shift,
-            "live": lambda: live(a.live_rate, a.live_s, a.models)}
+            "live": lambda: live(a.live_rate, a.live_s, a.models, [p for p in a.live_policies.split(",") if p])}
     for part in tqdm(parts, desc="parts", unit="part"):
         out[part] = jobs[part]()
     from bench.stamp import write

@@ -10,19 +10,25 @@ prefix move: from the global KV store, or between clusters; any instance may rec
 over such a prefix while it arrives (`IncomingPrefix`, BanaServe 4.2's three-stage pipeline): it is admitted
 once the first layer group has landed, and before each of its layer groups runs, the engine waits until that
 group's part of the prefix has landed and imports it, so the fetch of layer group k+1 overlaps the compute of
-group k while the finished groups' KV leaves for decode.
-Concurrency: `reserve`, `reserve_prefix`, `IncomingPrefix` and the arrivals run on the engine thread; the
-server's threads only call `post` and feed the receivers.
+group k while the finished groups' KV leaves for decode. A prefix that finds no room (blocks, receive region)
+waits for it (`reserve_prefix_when_room`): the waiting ones are tried again, oldest first, each time the engine
+thread may have freed some (`retry_waiting`, after every step and batch of commands), ahead of the requests
+queued for prefill, up to their deadline; refusing it would make its prefill compute the prefix instead, the
+work that fills an instance's queue further when it is already short of room.
+Concurrency: `reserve`, `reserve_prefix`, the waiting prefixes, `IncomingPrefix` and the arrivals run on the
+engine thread; the server's threads only call `post` and feed the receivers.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from dataclasses import dataclass, field
 
 from transfer.bufpool import PoolFull, RecvPool
 from transfer.receiver import KVReceiver, region_bytes
+from transfer.segments import OutOfBlocks
 from transfer.state import KVPoll
 from transfer.tcp import KVServer
 
@@ -42,6 +48,7 @@ class KVIntake:
         self.pool = RecvPool(pool_bytes, shared=shared)
         self.receivers: dict[str, KVReceiver] = {}
         self.prefixes: dict[str, IncomingPrefix] = {}  # reserve_prefix's, until they arrive or fail
+        self.waiting: collections.deque[_Waiting] = collections.deque()  # prefixes waiting for room, oldest first
 
     @property
     def address(self) -> tuple[str, int]:
@@ -118,6 +125,52 @@ class KVIntake:
         self.server.expect(inc.recv)
         return list(blocks), skip
 
+    def reserve_prefix_when_room(self, request_id: str, tokens: list[int], on_done, on_reserved, wait_s: float,
+                                 groups: list[tuple[int, int]] | None = None) -> None:
+        """`reserve_prefix` now, or once this instance has room for it: a prefix refused only for room now
+        (OutOfBlocks / PoolFull) waits behind those already waiting, up to `wait_s`, and `retry_waiting` tries
+        it again. on_reserved((dst block ids, skip)) once reserved (its transfer then has what is left of
+        wait_s), or on_reserved(the exception) when it cannot be (RequestError; OutOfBlocks for a prefix bigger
+        than the whole cache); `withdraw` ends the wait. Engine thread."""
+        need = self.llm.blocks.blocks_for(len(tokens))
+        if need > self.llm.blocks.num_blocks:
+            on_reserved(OutOfBlocks(f"the prefix needs {need} blocks; this instance has "
+                                    f"{self.llm.blocks.num_blocks} in all"))
+            return
+        w = _Waiting(request_id, list(tokens), on_done, on_reserved, time.monotonic() + wait_s, groups)
+        if self.waiting or not self._try(w):
+            self.waiting.append(w)
+
+    def retry_waiting(self) -> None:
+        """Engine thread, whenever blocks or receive regions may have been freed: reserve the waiting prefixes
+        that fit now, oldest first (one that does not fit holds back those behind it)."""
+        while self.waiting and self._try(self.waiting[0]):
+            self.waiting.popleft()
+
+    def withdraw(self, request_id: str) -> None:
+        """Engine thread: the caller gave up on the prefix (its wait ran out, or it went away): no longer waiting,
+        or its reservation, if it was made meanwhile, released."""
+        kept = [w for w in self.waiting if w.request_id != request_id]
+        if len(kept) == len(self.waiting):
+            self.cancel(request_id)
+        self.waiting = collections.deque(kept)
+
+    def _try(self, w: "_Waiting") -> bool:
+        """Reserve w now -> True once it is settled (reserved, or refused for a cause other than room)."""
+        left = w.until - time.monotonic()
+        if left <= 0:
+            w.on_reserved(OutOfBlocks("no room for the prefix before its deadline"))
+            return True
+        try:
+            reserved = self.reserve_prefix(w.request_id, w.tokens, w.on_done, left, w.groups)
+        except (OutOfBlocks, PoolFull):
+            return False
+        except Exception as e:  # noqa: BLE001 - RequestError, ValueError: handed to the caller
+            w.on_reserved(e)
+            return True
+        w.on_reserved(reserved)
+        return True
+
     def cancel(self, request_id: str) -> None:
         """The request was aborted: stop expecting its KV."""
         recv = self.receivers.pop(request_id, None)
@@ -132,7 +185,8 @@ class KVIntake:
         now = time.monotonic()
         recvs = list(self.receivers.values())
         return {"reservations": len(recvs), "pool_used_bytes": self.pool.capacity - self.pool.free_bytes,
-                "oldest_reservation_s": max((now - r.created for r in recvs), default=0.0)}
+                "oldest_reservation_s": max((now - r.created for r in recvs), default=0.0),
+                "prefixes_waiting": len(self.waiting)}
 
     def shm_base(self, request_id: str) -> int | None:
         """The request's region offset in this instance's shared-memory pool (None: TCP only), where a sender
@@ -143,6 +197,17 @@ class KVIntake:
     def close(self) -> None:
         self.server.close()
         self.pool.close()
+
+
+@dataclass(eq=False)
+class _Waiting:
+    """A cached prefix waiting for room to be reserved (`KVIntake.reserve_prefix_when_room`)."""
+    request_id: str
+    tokens: list[int]
+    on_done: object
+    on_reserved: object
+    until: float  # time.monotonic() by which it must be reserved and have arrived
+    groups: list[tuple[int, int]] | None
 
 
 @dataclass(eq=False)

@@ -42,6 +42,8 @@ class AsyncEngine:
         self._requests: dict[str, _Request] = {}  # engine thread only
         self._owner: dict[str, str] = {}  # sequence id -> request id (n > 1 gives several sequences)
         self._stop = False
+        # run on the engine thread after each step and each batch of commands (what may free blocks); cheap
+        self.hooks: list = []
         self.error: str | None = None
         self._stats: dict = engine.stats()  # refreshed by the engine thread each iteration (readable anywhere)
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
@@ -150,6 +152,7 @@ class AsyncEngine:
             except queue.Empty:
                 pass
             if self._stop or not eng.has_work:
+                self._run_hooks()
                 self._stats = eng.stats()
                 continue
             try:
@@ -160,7 +163,15 @@ class AsyncEngine:
                 self._fail_all(self.error)
                 continue
             self._publish(changed)
+            self._run_hooks()
             self._stats = eng.stats()
+
+    def _run_hooks(self) -> None:
+        for hook in self.hooks:
+            try:
+                hook()
+            except Exception:  # noqa: BLE001 - a hook's failure is its own, never the engine's
+                log.exception("engine hook %s failed", getattr(hook, "__name__", hook))
 
     def _publish(self, changed: list[Sequence]) -> None:
         by_req: dict[str, list[Sequence]] = {}

@@ -192,6 +192,7 @@ class Worker:
                                t.recv_pool_mb << 20, t.deadline_s, shared=t.shared_memory,
                                puller=self.pull_server, timeouts=t.timeouts(), pull_from=self._pull_source,
                                tls=self.tls.server_context() if self.tls else None)
+        self.engine.hooks.append(self.intake.retry_waiting)  # prefixes waiting for room, once some may be free
         if inst.role in ("prefill", "both", "store"):  # a store exports prefixes as a prefill instance does
             from ..disagg.prefill_side import Feeder
             self.feeder = Feeder()
@@ -575,7 +576,9 @@ class Worker:
     async def import_prefix(self, req, ctx):
         """Import (stream): reserve blocks for a cached prefix another instance exports to this one (the router's
         prefix move), answer the reservation, then {"imported": {"tokens", "skip"}} once its KV is cached here;
-        ABORTED when the transfer failed. Closing the stream early releases the reservation."""
+        ABORTED when the transfer failed. Closing the stream early releases the reservation. With no room now,
+        the reservation waits for it, ahead of the requests queued here (KVIntake.reserve_prefix_when_room):
+        RESOURCE_EXHAUSTED when none came within the deadline, whose remainder the transfer then has."""
         import grpc
         from transfer.bufpool import PoolFull
         from transfer.plan import layer_groups
@@ -591,13 +594,25 @@ class Worker:
         # a prefix shorter than transfer.stream_min_tokens lands whole before that prefill runs, unstaged: its
         # per-group programs and imports would cost more than the fetch they hide
         groups = layer_groups(self.llm.layout.num_layers, self.cfg.transfer.groups_of(len(tokens)))
+        wait_s = req.deadline_s or self.cfg.transfer.deadline_s
+        reserved = loop.create_future()
+
+        def on_reserved(result):  # engine thread: (blocks, skip), or why not
+            loop.call_soon_threadsafe(lambda: reserved.done() or reserved.set_result(result))
+        self.engine.post(lambda: self.intake.reserve_prefix_when_room(
+            rid, tokens, on_done, on_reserved, wait_s, groups if len(groups) > 1 else None) or [])
         try:
-            blocks, skip = await self.engine.call(lambda eng: self.intake.reserve_prefix(
-                rid, tokens, on_done, req.deadline_s, groups if len(groups) > 1 else None))
-        except (RequestError, ValueError) as e:
-            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except (OutOfBlocks, PoolFull) as e:
-            await ctx.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{type(e).__name__}: {e}")
+            result = await asyncio.wait_for(asyncio.shield(reserved), wait_s)
+        except BaseException as e:  # its wait ran out, or the caller went away: withdrawn (released if reserved)
+            self.engine.post(lambda: self.intake.withdraw(rid) or [])
+            if not isinstance(e, TimeoutError):
+                raise
+            result = OutOfBlocks(f"no room for the {len(tokens)}-token prefix within {wait_s:g}s")
+        if isinstance(result, (RequestError, ValueError)):
+            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(result))
+        if isinstance(result, (OutOfBlocks, PoolFull)):
+            await ctx.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{type(result).__name__}: {result}")
+        blocks, skip = result
         try:
             yield {"reserved": {"blocks": blocks, "skip": skip, "shm_base": self.intake.shm_base(rid),
                                 "pull": self.intake.server.puller is not None}}

@@ -121,6 +121,56 @@ def test_a_move_that_never_arrives_releases_its_blocks(checkpoint_dir):
         mover.close()
 
 
+def test_a_prefix_without_room_waits_for_it_in_arrival_order(checkpoint_dir):
+    """An Import that finds no free blocks waits (not refused: its prefill would compute the prefix, more work on
+    an instance already short of room), is reserved once blocks are freed, oldest first, and its transfer then
+    lands; one withdrawn while waiting is gone; one whose wait ran out is refused; one bigger than the whole
+    cache is refused at once."""
+    src = LLMEngine(checkpoint_dir("llama"), "float32", CFG, progress=False)
+    dst = LLMEngine(checkpoint_dir("llama"), "float32", CFG, progress=False)
+    run(src, "a", PROMPT)
+    mover = Mover(dst)
+    try:
+        held = dst.blocks.allocate([], (CFG.num_blocks - 1) * CFG.block_size)  # 1 block left: a prefix needs 3
+        got: dict[str, object] = {}
+        outcomes = []
+
+        def when_room(rid, tokens, wait_s=600.0):
+            mover.intake.reserve_prefix_when_room(rid, tokens, outcomes.append,
+                                                  lambda r, rid=rid: got.setdefault(rid, r), wait_s)
+        when_room("first", PREFIX)
+        when_room("second", PREFIX)
+        when_room("gone", PREFIX)
+        when_room("late", PREFIX, wait_s=0.0)  # it runs out before it is tried (it waits behind the others)
+        when_room("huge", [1] * (CFG.num_blocks + 1) * CFG.block_size)
+        assert list(got) == ["huge"] and "in all" in str(got["huge"])
+        assert mover.intake.stats()["prefixes_waiting"] == 4
+        mover.intake.retry_waiting()
+        assert list(got) == ["huge"]  # still no room: nothing reserved, nothing overtook
+        mover.intake.withdraw("gone")
+        dst.blocks.free(held[:4])  # room for one prefix (3 blocks) and not two
+        mover.intake.retry_waiting()
+        assert list(got) == ["huge", "first"] and got["first"][1] == 0 and len(got["first"][0]) == 3
+        found = src.cached_prefix(PREFIX)
+        h = Handoff(mover.link, mover.feeder, got["first"][0], 0, len(PREFIX), False, 2, request_id="first")
+        h.send_cached(src, *found)
+        assert h.sender.wait(30) is KVPoll.DONE, h.sender.state.reason
+        mover.arrive(outcomes)
+        assert outcomes == [None]  # cached: its blocks are evictable now, room for the next
+        mover.intake.retry_waiting()
+        assert list(got) == ["huge", "first", "second", "late"]
+        assert got["second"][1] == len(PREFIX) // CFG.block_size - 1  # the blocks just cached are skipped
+        assert "before its deadline" in str(got["late"]) and mover.intake.stats()["prefixes_waiting"] == 0
+        mover.intake.withdraw("second")  # the caller gave up after its reservation: released
+        mover.arrive(outcomes)
+        assert outcomes == [None, "request aborted"] and "gone" not in got
+        dst.blocks.free(held[4:])
+        assert dst.blocks.num_referenced() == 0 and mover.intake.pool.free_bytes == mover.intake.pool.capacity
+        dst.blocks.check()
+    finally:
+        mover.close()
+
+
 class Stepper:
     """One `dst.step()` on a thread of its own (the engine thread), which the test feeds the prefix to."""
 
