@@ -256,6 +256,53 @@ def test_reservation_without_prefill_fails_after_deadline_and_frees(cluster):
     assert h["stats"]["blocks_used"] == 0
 
 
+def test_an_import_without_room_waits_for_it_or_is_refused_at_its_deadline(cluster):
+    """Two Imports take all but 2 of p0's 64 blocks: a third (3 blocks) is not refused at once but waits; with a
+    short deadline it is refused when that passes (RESOURCE_EXHAUSTED, nothing held); with a long one it is
+    reserved as soon as one of the two is released; one whose caller goes away while it waits is withdrawn."""
+    _, procs, _ = cluster
+    p_addr = procs["p0"][1]["address"]
+
+    async def run():
+        p = Client(p_addr)
+        try:
+            big = [p.stream("Import", {"request_id": f"big{i}", "prompt": [40 + i] * 124, "deadline_s": 60})
+                   for i in range(2)]
+            for s in big:
+                assert "reserved" in await s.read()
+            t0 = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await p.stream("Import", {"request_id": "short", "prompt": [50] * 12, "deadline_s": 0.5}).read()
+            short = (e.value.code(), e.value.details(), time.monotonic() - t0)
+            gone = p.stream("Import", {"request_id": "gone", "prompt": [51] * 12, "deadline_s": 60})
+            gone_read = asyncio.ensure_future(gone.read())  # (it would be reserved too, and held, if not withdrawn)
+            waiting = p.stream("Import", {"request_id": "wait", "prompt": [52] * 12, "deadline_s": 60})
+            first = asyncio.ensure_future(waiting.read())
+            for _ in range(200):  # both are waiting on p0 (its Health says so)
+                if (await p.call("Health", {}))["stats"]["prefixes_waiting"] == 2:
+                    break
+                await asyncio.sleep(0.02)
+            waited = (await p.call("Health", {}))["stats"]["prefixes_waiting"]
+            gone.cancel()  # its caller goes away: withdrawn
+            gone_read.cancel()
+            big[0].cancel()  # 31 blocks free again: "wait" is reserved
+            reserved = await asyncio.wait_for(first, 30)
+            for s in (waiting, big[1]):
+                s.cancel()
+            for _ in range(200):
+                h = (await p.call("Health", {}))["stats"]
+                if not h["blocks_used"] and not h["prefixes_waiting"] and not h["reservations"]:
+                    break
+                await asyncio.sleep(0.05)
+            return short, waited, reserved, h
+        finally:
+            await p.close()
+    short, waited, reserved, h = asyncio.run(run())
+    assert short[0] == grpc.StatusCode.RESOURCE_EXHAUSTED and "no room" in short[1] and short[2] >= 0.5, short
+    assert waited == 2 and "reserved" in reserved
+    assert h["blocks_used"] == 0 and h["prefixes_waiting"] == 0 and h["reservations"] == 0, h
+
+
 def test_prefill_worker_killed_mid_request_frees_decode_blocks(cluster):
     """A second prefill worker is killed (SIGKILL) while it serves Prefill: the decode side's request fails
     with a clear error at its deadline, nothing hangs, and no block stays held on the decode worker."""
