@@ -101,6 +101,20 @@ class _Load:
     error: str | None = None
 
 
+@dataclass(eq=False)
+class _Put:
+    """The prompt's whole blocks going to the global KV store as the prefill computes them (BanaServe 4.2's
+    write-back, layer group by layer group beside decode's KV): an Import on the store, opened with the placement
+    beside the decode reservation (`reserved`: its reservation, None when none was made). The Prefill call names
+    it when it is reserved by then; else the prompt is put after the prefill (an Export from the prefill
+    instance), as it is for a model with request-level state. `task` ends once the store has cached it."""
+    store: str
+    tokens: int
+    import_id: str
+    reserved: asyncio.Future
+    task: asyncio.Future | None = None
+
+
 @dataclass
 class _Sub:
     """One sequence of a request, and where it runs now."""
@@ -126,6 +140,7 @@ class _Sub:
     placement: Placement | None = None  # the policy's latest answer
     moved: dict | None = None  # the cached prefix moved to its prefill instance: {"src", "tokens", "kv_bytes", ...}
     load: _Load | None = None  # the placement's pipelined load of a cached prefix
+    put: _Put | None = None  # the placement's write-back of the prompt to the store, until the Prefill names it
     ttft_s: float | None = None
     arrival: float = 0.0  # time.monotonic() when the request came
     placed_s: float | None = None  # from the arrival to the placement's stream opened (Decode: its reservation)
@@ -185,7 +200,8 @@ class Router:
         self.mover = (MigrationPlanner(MigrationParams(pol.migrate_delta_up, pol.migrate_delta_down,
                                                        budget_s=pol.migrate_budget_s)) if pol.migrate else None)
         self.prefix_moves = {"done": 0, "failed": 0, "bytes": 0}  # cached prefixes moved between instances
-        self.store_puts = {"done": 0, "failed": 0, "bytes": 0}  # prefixes written to the global KV store
+        # prompts written to the global KV store (streamed: those of done written as the prefill computed them)
+        self.store_puts = {"done": 0, "failed": 0, "bytes": 0, "streamed": 0}
         self._store_tasks: set[asyncio.Task] = set()
         # a prefix the store holds is read from its shared pool where the prefill instance runs on its host
         # (cache/shared_pool.py), else sent over the transfer layer; False: always sent (bench/store compares them)
@@ -606,6 +622,7 @@ class Router:
                 self.replanner.observe(pl.uncached_tokens, time.monotonic())
             log.debug("%s: %s", s.rid, pl)
             self._start_load(s, pl)
+            self._start_put(s, pl)
             try:
                 await self._open(s, w, method)
                 return
@@ -657,6 +674,7 @@ class Router:
 
     def _close(self, s: _Sub) -> None:
         self._drop_load(s)
+        self._drop_put(s)
         if s.call is not None:
             s.call.cancel()  # the worker's stream ends: it aborts the request and frees its blocks
             s.worker.inflight -= 1
@@ -707,6 +725,56 @@ class Router:
         if not ld.reserved.done():  # a task cancelled before it ran sets nothing
             ld.reserved.set_result(None)
 
+    def _start_put(self, s: _Sub, pl: Placement) -> None:
+        """Open the store's Import for the prompt's whole blocks beside the decode reservation (`s.put`), unless
+        the store holds them already; an earlier placement's is dropped."""
+        self._drop_put(s)
+        store = next((w for w in self.registry.up() if w.role == "store"), None)
+        tokens = s.prompt + s.output
+        n = min(len(tokens), s.kv()) // self.cfg.engine.block_size * self.cfg.engine.block_size
+        if pl.prefill is None or store is None or n == 0 or self.index.match(
+                tokens[:n], {store.name}, whole=True).get(store.name, 0) >= n:
+            return
+        put = _Put(store.name, n, f"{s.rid}.{s.serial + 1}.put", asyncio.get_running_loop().create_future())
+
+        async def run():
+            try:
+                _, got = await self._import(store, tokens[:n], put.import_id, put.reserved)
+                self.store_puts["done"] += 1
+                self.store_puts["streamed"] += 1
+                self.store_puts["bytes"] += int(got.get("kv_bytes", 0))
+            except (grpc.aio.AioRpcError, _Silent, StopAsyncIteration, KeyError, TypeError, ValueError) as e:
+                self.store_puts["failed"] += 1
+                log.info("%s: writing %d tokens to the store %s as they were computed failed (%s)", s.rid, n,
+                         store.name, _why(e))
+            finally:
+                self._store_tasks.discard(put.task)
+                if not put.reserved.done():
+                    put.reserved.set_result(None)
+        put.task = asyncio.ensure_future(run())
+        self._store_tasks.add(put.task)
+        s.put = put
+
+    def _drop_put(self, s: _Sub) -> None:
+        """Stop the sequence's write-back to the store, if the Prefill has not named it (its Import closes: the
+        store releases the blocks)."""
+        put, s.put = s.put, None
+        if put is None:
+            return
+        put.task.cancel()
+        if not put.reserved.done():
+            put.reserved.set_result(None)
+
+    def _name_put(self, s: _Sub) -> dict | None:
+        """The Prefill's `store`: the write-back's reservation, when the store has made it by now (the Prefill
+        does not wait for it: without it the prompt is put after the prefill)."""
+        put = s.put
+        if put is None or not put.reserved.done() or put.reserved.result() is None:
+            self._drop_put(s)
+            return None
+        return {"import_id": put.import_id, "tokens": put.tokens,
+                "dst": {"instance": put.store, **put.reserved.result()}}
+
     async def _move_prefix(self, s: _Sub, p: WorkerInfo) -> dict | None:
         """Copy the cached prefix the placement names (`move_prefix`: PrfaaS 3.4.3's longer prefix held in the
         other cluster, or BanaServe's global KV store) from its holder into prefill instance p's prefix cache: an
@@ -753,6 +821,18 @@ class Router:
         """Copy the KV of a cached prefix (whole blocks) from src's prefix cache into dst's: an Import stream on
         dst reserves the blocks (`reserved` gets the reservation), an Export call on src sends the KV into them,
         and dst's answer says they are cached -> Export's transfer numbers. Raises what the calls raise."""
+        async def export(reservation: dict) -> dict:
+            return await self._watch(src, self._client(src).call(
+                "Export", {"request_id": rid, "prompt": tokens, "dst": {"instance": dst.name, **reservation}},
+                timeout=self.cfg.transfer.deadline_s))
+        sent, _ = await self._import(dst, tokens, rid, reserved, export)
+        return sent
+
+    async def _import(self, dst: WorkerInfo, tokens: list[int], rid: str, reserved: asyncio.Future | None = None,
+                      fill=None) -> tuple[dict, dict]:
+        """An Import stream on dst for a prefix (whole blocks): `reserved` gets its reservation, `fill(it)` (an
+        Export on the holder) or a Prefill naming it sends the KV into it -> (fill's answer, dst's "imported"
+        once the prefix is cached there). Raises what the calls raise."""
         deadline = self.cfg.transfer.deadline_s
         imp = self._client(dst).stream("Import", {"request_id": rid, "prompt": tokens, "deadline_s": deadline})
         try:
@@ -760,13 +840,11 @@ class Router:
             first = await self._watch(dst, it.__anext__())
             if reserved is not None:
                 reserved.set_result(first["reserved"])
-            sent = await self._watch(src, self._client(src).call(
-                "Export", {"request_id": rid, "prompt": tokens, "dst": {"instance": dst.name, **first["reserved"]}},
-                timeout=deadline))
+            sent = await fill(first["reserved"]) if fill is not None else {}
             done = await self._watch(dst, it.__anext__())
             if "imported" not in done:
                 raise ValueError(f"Import answered {str(done)[:200]}")
-            return sent
+            return sent, done["imported"]
         finally:
             imp.cancel()
 
@@ -807,10 +885,11 @@ class Router:
         s.prefilling = p.name
         n, t0, computed = max(1, s.placement.uncached_tokens or len(tokens)), time.monotonic(), False
         p.prefill.start(n)
+        store = self._name_put(s)
         call = self._client(p).stream("Prefill", {
             "request_id": s.xid, "prompt": tokens, "params": params, "kv_tokens": s.kv(),
-            "sample": s.kv() == len(tokens), "dst": s.reserved, **({"prefix_from": load} if load else {})},
-            timeout=self.cfg.server.request_timeout_s)
+            "sample": s.kv() == len(tokens), "dst": s.reserved, **({"prefix_from": load} if load else {}),
+            **({"store": store} if store else {})}, timeout=self.cfg.server.request_timeout_s)
         try:
             it = call.__aiter__()
             while True:
@@ -859,7 +938,11 @@ class Router:
         if sent > 0 and s.kv_bytes > 0:  # the policies' bytes per token (a moving average over transfers)
             x, old = s.kv_bytes / sent, self.kv_bytes_per_token
             self.kv_bytes_per_token = x if old is None else 0.8 * old + 0.2 * x
-        self._store_put(s, p, tokens, force=missed)
+        if store and (res.get("store") or {}).get("streamed"):
+            s.put = None  # the store is taking it as it was computed: its Import ends by itself
+        else:
+            self._drop_put(s)
+            self._store_put(s, p, tokens, force=missed)
 
     async def _next(self, s: _Sub, pre: asyncio.Future | None, kv_pending: bool) -> dict:
         """The open stream's next message. While the request's prefill call (`pre`) runs and decode has not yet

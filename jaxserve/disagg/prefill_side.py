@@ -77,6 +77,9 @@ class Handoff:
     layers_per_group: int | None = None  # streaming granularity (None: one group, sent after the step)
     request_id: str | None = None  # the id decode knows the request by (default: the sequence's)
     shm_base: int | None = None  # link is a transfer.shm.ShmLink: the region's offset in decode's segment
+    # the same KV (its first whole blocks) into other reservations too, group by group as it is computed: the
+    # global KV store's write-back (BanaServe 4.2's third stage); sample False, the same layers_per_group
+    copies: list["Handoff"] = field(default_factory=list)
     sender: KVSender | None = field(default=None, init=False)
     ends: bool = field(default=False, init=False)  # the first token ends the request (set by the engine)
 
@@ -88,6 +91,8 @@ class Handoff:
     def begin(self, llm, seq) -> None:
         """Plan the transfer and send the plan."""
         self._start(llm, seq.block_ids, seq.slot, self.request_id or seq.request_id)
+        for c in self.copies:
+            c.begin(llm, seq)
 
     @property
     def begun(self) -> bool:
@@ -124,6 +129,8 @@ class Handoff:
         self._exported.add(k)
         items = self._runner.export_kv(self._staging, k, self._blocks, self._row)
         self.feeder.put(self.sender, items, None)
+        for c in self.copies:
+            c.export(k)
 
     def finish(self, prefix) -> None:
         for k in range(len(self._groups)):
@@ -131,7 +138,11 @@ class Handoff:
         record = ({"token": prefix.token, "logprob": prefix.logprob, "top": [list(t) for t in prefix.top]}
                   if self.sample else {"token": None})
         self.feeder.put(self.sender, [], record)
+        for c in self.copies:
+            c.finish(prefix)
 
     def abort(self, reason: str) -> None:
         if self.sender is not None:
             self.sender.abort(reason)
+        for c in self.copies:
+            c.abort(reason)

@@ -53,7 +53,8 @@ class Metrics:
             "prefix_move_bytes": Gauge("jaxserve_prefix_move_bytes", "KV bytes of the cached prefixes moved so far",
                                        registry=r),
             "store_puts": Gauge("jaxserve_store_puts", "prompts written to the global KV store so far (outcome done "
-                                "/ failed)", ["outcome"], registry=r),
+                                "/ failed; streamed: those done as the prefill computed them)", ["outcome"],
+                                registry=r),
             "store_put_bytes": Gauge("jaxserve_store_put_bytes", "KV bytes written to the global KV store so far",
                                      registry=r),
             "index": Gauge("jaxserve_kv_index", "the global KV index: instances synced, blocks, snapshots, "
@@ -106,7 +107,7 @@ class Metrics:
                 self.cluster["index"].labels(what).set(n)
             for key, bytes_key in (("prefix_moves", "prefix_move_bytes"), ("store_puts", "store_put_bytes")):
                 got = c.get(key, {})
-                for outcome in ("done", "failed"):
+                for outcome in ("done", "failed", "streamed"):
                     if outcome in got:
                         self.cluster[key].labels(outcome).set(got[outcome])
                 if "bytes" in got:

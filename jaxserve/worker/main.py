@@ -13,7 +13,8 @@ schema in messages.py before a handler sees it):
             shared-memory pool, or None), "pull"}}, then one {"update": ...} per engine step that changed the
             request. Closing the stream aborts the request (frees its slot and blocks).
   Prefill   (prefill, stream) {"request_id", "prompt", "params", "kv_tokens", "sample", "dst": {"instance" (the
-            decode instance), "blocks", "skip", "shm_base", "pull"}, "prefix_from"? {"import_id", "tokens"}} ->
+            decode instance), "blocks", "skip", "shm_base", "pull"}, "prefix_from"? {"import_id", "tokens"},
+            "store"? {"import_id", "tokens", "dst"}} ->
             {"first": Update} as soon as the first token is sampled (with sample, unless that token ends the
             request: decode reports it then), while the KV travels; then {"kv_bytes", "frames", "sends",
             "resends", "token", "ttft_s", "backend" (tcp / shm / device), "prefix" (with prefix_from: {"tokens",
@@ -23,7 +24,11 @@ schema in messages.py before a handler sees it):
             decode reservation): the prefill runs over them as they land, each layer group once its part has
             landed (BanaServe's pipelined load). Or `import_id` names a Load call here (the prefix copied from the
             store's shared pool on this host): the prefill runs after its copy. If that Import or Load has ended,
-            the prefix is in the prefix cache or, when it failed, computed. The decode instance's KV address and
+            the prefix is in the prefix cache or, when it failed, computed. store: the prompt's first `tokens`
+            (whole blocks) go into that Import reservation on the global KV store as well, each layer group as
+            soon as it is computed, beside decode's (BanaServe's write-back); the answer's "store": {"streamed"}
+            is False for a model with request-level state, whose copy the router makes after the prefill (Export).
+            The decode instance's KV address and
             segment come from the router's peer table, never from the caller: an instance the router has not
             registered is INVALID_ARGUMENT.
   Generate  (any role, stream) {"request_id", "prompt", "params", "output"?, "logprobs"?} -> one {"update": ...}
@@ -32,7 +37,8 @@ schema in messages.py before a handler sees it):
   SetLink   {"dst", "bandwidth_gbps"} -> {"links"}: the emulated bandwidth of this instance's links to cluster
             dst, open and future (the router's admin endpoint).
   Import    (any role, stream) {"request_id", "prompt" (a prefix: whole blocks), "deadline_s"?} -> first
-            {"reserved": {...}} as Decode's, then {"imported": {"tokens", "skip"}} once another instance's Export
+            {"reserved": {...}} as Decode's, then {"imported": {"tokens", "skip", "kv_bytes"}} once another
+            instance's Export (or a Prefill naming it, into the store)
             filled it and the prefix is in this instance's cache (the router's prefix moves: between clusters,
             and from the global KV store, where a Prefill naming the Import runs over the prefix as it lands).
   Export    (prefill, store) {"request_id", "prompt" (the prefix), "dst": reservation} -> {"kv_bytes", "frames",
@@ -492,6 +498,10 @@ class Worker:
         pf = req.prefix_from
         if why is None and pf is not None:
             why = self._check_prefix_from(pf, kv)
+        sc, store_peer = req.store, None
+        if why is None and sc is not None:
+            store_peer = await self._peer(sc.dst.instance)
+            why = self._check_store_copy(store_peer, sc, kv)
         if why is not None:
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
         prompt = list(req.prompt)[:kv]
@@ -502,8 +512,15 @@ class Worker:
         try:
             params = req.params.sampling()
             link, shm_base = self._link_to(peer, dst)
+            copies = []
+            # the store's copy leaves group by group beside decode's; a model with request-level state would
+            # need the state at the copy's end, a snapshot the step does not export: the router puts it after
+            if sc is not None and not self.llm.layout.has_request_state:
+                store_link, store_base = self._link_to(store_peer, sc.dst)
+                copies.append(Handoff(store_link, self.feeder, list(sc.dst.blocks), sc.dst.skip, sc.tokens, False,
+                                      t.groups_of(kv), request_id=sc.import_id, shm_base=store_base))
             handoff = Handoff(link, self.feeder, list(dst.blocks), dst.skip, kv, req.sample, t.groups_of(kv),
-                              request_id=rid, shm_base=shm_base)
+                              request_id=rid, shm_base=shm_base, copies=copies)
 
             def add(eng):
                 inc = self.intake.prefixes.get(pf.import_id) if pf is not None else None
@@ -539,8 +556,19 @@ class Worker:
         elif pf is not None:  # what arrived while the prefill ran (none: the Import had ended before it began)
             prefix = {"tokens": pf.tokens, "streamed_groups": len(over[0].imported) if over else 0,
                       "error": over[0].error if over else None, "via": "transfer"}
+        store = None if sc is None else {"streamed": bool(copies)}  # False: the router puts it after the prefill
         yield {**sent, "token": u.token_ids[0] if u.token_ids and handoff.sample else None, "ttft_s": u.ttft_s,
-               **({"prefix": prefix} if prefix is not None else {})}
+               **({"prefix": prefix} if prefix is not None else {}), **({"store": store} if store else {})}
+
+    def _check_store_copy(self, peer: dict | None, sc, kv: int) -> str | None:
+        """Why the prompt's KV cannot also go to the store's reservation `sc` (None: it can)."""
+        bs = self.llm.layout.block_size
+        if sc.tokens % bs or sc.tokens > kv:
+            return f"store.tokens: {sc.tokens} is not whole blocks of {bs} tokens within the {kv} tokens prefilled"
+        if peer is not None and peer.get("role") != "store":
+            return f"store.dst.instance: {sc.dst.instance!r} is a {peer.get('role')} instance, not the store"
+        why = self._check_dst(peer, sc.dst, sc.tokens, decode=False)
+        return None if why is None else "store." + why
 
     def _check_prefix_from(self, pf, kv: int) -> str | None:
         """Why the prompt cannot run over the prefix pf names (None: it can)."""
@@ -613,6 +641,7 @@ class Worker:
         if isinstance(result, (OutOfBlocks, PoolFull)):
             await ctx.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{type(result).__name__}: {result}")
         blocks, skip = result
+        recv = self.intake.receivers.get(rid)  # (its bytes, once arrived; nothing is sent before the answer below)
         try:
             yield {"reserved": {"blocks": blocks, "skip": skip, "shm_base": self.intake.shm_base(rid),
                                 "pull": self.intake.server.puller is not None}}
@@ -622,7 +651,7 @@ class Worker:
                 self.intake.cancel(rid)  # its arrival (failed) releases the blocks on the engine thread
         if error is not None:
             await ctx.abort(grpc.StatusCode.ABORTED, f"prefix import failed: {error}")
-        yield {"imported": {"tokens": len(tokens), "skip": skip}}
+        yield {"imported": {"tokens": len(tokens), "skip": skip, "kv_bytes": recv.received if recv else 0}}
 
     async def export_prefix(self, req, ctx):
         """Export: send the KV of a prefix this instance holds in its prefix cache (whole blocks; with

@@ -116,11 +116,20 @@ class PrefixFrom(_Msg):
     tokens: StrictInt = Field(ge=1, le=MAX_TOKENS)
 
 
+class StoreCopy(_Msg):
+    """The prompt's first `tokens` (whole blocks) go into this Import reservation on the global KV store too,
+    layer group by layer group as the prefill computes them (`import_id`: that Import's request id)."""
+    import_id: Name
+    tokens: StrictInt = Field(ge=1, le=MAX_TOKENS)
+    dst: Reservation
+
+
 class Prefill(_Request):
     kv_tokens: StrictInt = Field(ge=1, le=MAX_TOKENS)
     sample: StrictBool = True
     dst: Reservation
     prefix_from: PrefixFrom | None = None
+    store: StoreCopy | None = None
 
 
 class Import(_Msg):

@@ -373,6 +373,13 @@ def test_worker_methods_refuse_callers_without_the_token_and_forged_destinations
                     await p.stream("Prefill", {"request_id": "forged", "prompt": BASE[:9], "params": GREEDY,
                                                "kv_tokens": 9, "dst": dst}).read()
                 out[dst["instance"], len(dst["blocks"])] = (e.value.code(), e.value.details())
+            for sc in ({"import_id": "put", "tokens": 8, "dst": {"instance": "d0", "blocks": [0, 1], "skip": 0}},
+                       {"import_id": "put", "tokens": 6, "dst": {"instance": "d0", "blocks": [0, 1], "skip": 0}}):
+                with pytest.raises(grpc.aio.AioRpcError) as e:  # the store's copy: only into the store, whole blocks
+                    await p.stream("Prefill", {"request_id": "forged", "prompt": BASE[:9], "params": GREEDY,
+                                               "kv_tokens": 9, "dst": {"instance": "d0", "blocks": [0, 1, 2],
+                                                                       "skip": 0}, "store": sc}).read()
+                out["store", sc["tokens"]] = (e.value.code(), e.value.details())
             imp = p.stream("Import", {"request_id": "imp", "prompt": [7] * 4})  # a prefix arriving, not BASE's
             assert "reserved" in await imp.read()
             for pf in ({"import_id": "imp", "tokens": 4}, {"import_id": "imp", "tokens": 6},
@@ -413,6 +420,8 @@ def test_worker_methods_refuse_callers_without_the_token_and_forged_destinations
                      (("from", 8, "import_id", "shared", "tokens"),
                       "prefix_from.shared: Extra inputs are not permitted")):
         assert out[key][0] == grpc.StatusCode.INVALID_ARGUMENT and why in out[key][1], (key, out[key])
+    assert out["store", 8][0] == grpc.StatusCode.INVALID_ARGUMENT and "not the store" in out["store", 8][1]
+    assert out["store", 6][0] == grpc.StatusCode.INVALID_ARGUMENT and "store.tokens: 6" in out["store", 6][1]
     for store in ("d0", "nowhere"):
         assert out["load", store] == (grpc.StatusCode.FAILED_PRECONDITION,
                                       f"store: {store!r} is not a store with a shared pool"), out["load", store]

@@ -25,13 +25,16 @@ class Fake:
     """A worker whose answers are scripted: `prefill` in ok | abort | hang | hold (the first token goes out, the
     KV waits for `release`), `decode` in ok | full | invalid | garbage (a malformed update after the KV arrived)
     | die (the stream breaks after the first token) | hang (no reservation, no heartbeat: a stopped process)
-    | after_import (the reservation waits until an Import was opened on any instance); `export` in ok | fail (a
+    | after_import (the reservation waits until an Import was opened on any instance) | after_store (the first
+    reservation waits until s0 answered an Import's); `export` in ok | fail (a
     store no longer holding the prefix; a prefill instance's read of the store's shared pool too). Import answers
-    its reservation, then `imported` once an Export filled it. `shared`: a store advertises a shared KV pool, a
+    its reservation, then `imported` once an Export filled it (or a Prefill naming it, with `streams`: a prefill
+    instance that writes the store's copy as it computes). `shared`: a store advertises a shared KV pool, a
     prefill instance reads such pools (both on this host)."""
 
-    def __init__(self, name, role, board, prefill="ok", decode="ok", export="ok", shared=False):
+    def __init__(self, name, role, board, prefill="ok", decode="ok", export="ok", shared=False, streams=False):
         self.name, self.role, self.board = name, role, board
+        self.streams = streams
         self.prefill_mode, self.decode_mode, self.export_mode = prefill, decode, export
         self.shared = shared
         self.opened, self.closed, self.prefills, self.generated = [], [], [], []
@@ -77,6 +80,8 @@ class Fake:
             await asyncio.Event().wait()
         if self.decode_mode == "after_import":
             await asyncio.wait_for(self.board.setdefault("import opened", asyncio.Event()).wait(), 5)
+        if self.decode_mode == "after_store" and not self.opened:
+            await asyncio.wait_for(self.board.setdefault(("import reserved", "s0"), asyncio.Event()).wait(), 5)
         req = req.model_dump()
         xid = req["request_id"]
         self.opened.append(xid)
@@ -111,7 +116,11 @@ class Fake:
         if self.prefill_mode == "hold":
             await self.release.wait()
         self.board.setdefault(req["request_id"], asyncio.Event()).set()
-        yield {"kv_bytes": 100, "frames": 1, "sends": 1, "resends": 0, "token": 0, "ttft_s": 0.0, "backend": "tcp"}
+        store = req["store"]
+        if store is not None and self.streams:  # the KV went to the store's reservation too
+            self.board.setdefault(("exported", store["import_id"]), asyncio.Event()).set()
+        yield {"kv_bytes": 100, "frames": 1, "sends": 1, "resends": 0, "token": 0, "ttft_s": 0.0, "backend": "tcp",
+               **({"store": {"streamed": self.streams}} if store is not None else {})}
 
     async def import_(self, req, ctx):
         rid = req.request_id
@@ -119,8 +128,9 @@ class Fake:
         self.board.setdefault("import opened", asyncio.Event()).set()
         try:
             yield {"reserved": {"blocks": [5], "skip": 0, "shm_base": None, "pull": False}}
+            self.board.setdefault(("import reserved", self.name), asyncio.Event()).set()
             await self.board.setdefault(("exported", rid), asyncio.Event()).wait()
-            yield {"imported": {"tokens": len(req.prompt), "skip": 0}}
+            yield {"imported": {"tokens": len(req.prompt), "skip": 0, "kv_bytes": 512}}
         finally:
             self.imports_closed.append(rid)
 
@@ -420,6 +430,39 @@ def test_a_pipelined_load_from_the_store_starts_beside_the_decode_reservation(ex
                 assert u.route["prefix_move"]["kv_bytes"] == 4096 and ce.prefix_moves["done"] == 1
             else:
                 assert u.route["prefix_move"] is None and ce.prefix_moves["failed"] == 1
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("streams", [True, False])
+def test_the_prompt_goes_to_the_store_as_it_is_computed(streams):
+    """BanaServe's write-back: beside the decode reservation the router opens an Import on the store for the
+    prompt's whole blocks, and the Prefill call names it (`store`): the prefill instance sends each layer group
+    there as well as to decode, and nothing is put after the prefill. A prefill instance that did not stream it
+    (a model with request-level state) says so: the router closes that Import and puts the prompt after the
+    prefill (Import on the store, Export on the prefill instance). A prompt the store holds goes nowhere."""
+    from router.kv_index import KVIndex
+
+    async def go():
+        async with cluster({"p0": ("prefill", {"streams": streams}), "d0": ("decode", {"decode": "after_store"}),
+                            "s0": ("store", {})}) as (ce, w):
+            u, = await result(await ce.add("r", list(range(1, 21)), GREEDY))  # 16 tokens in whole blocks
+            assert u.error is None and u.token_ids == [20, 0]
+            await asyncio.gather(*list(ce._store_tasks))
+            assert w["p0"].requests[-1]["store"] == {"import_id": "r.1.put", "tokens": 16, "dst": {
+                "instance": "s0", "blocks": [5], "skip": 0, "shm_base": None, "pull": False}}
+            if streams:
+                assert w["s0"].imports == ["r.1.put"] and w["p0"].exports == []
+                assert ce.store_puts == {"done": 1, "failed": 0, "bytes": 512, "streamed": 1}
+            else:
+                assert w["s0"].imports == ["r.1.put", "r.1.store"] and w["p0"].exports == [("r.1.store", "s0", [5])]
+                assert ce.store_puts == {"done": 1, "failed": 0, "bytes": 4096, "streamed": 0}
+            assert "r.1.put" in w["s0"].imports_closed
+            ce.index.apply("s0", {"epoch": "e", "full": {"blocks": KVIndex(16).hashes(list(range(1, 17))),
+                                                         "snaps": []}, "next": 0})
+            u, = await result(await ce.add("q", list(range(1, 21)), GREEDY))
+            assert u.error is None and w["p0"].requests[-1]["store"] is None  # the store holds it: no put
+            await asyncio.gather(*list(ce._store_tasks))
+            assert ce.store_puts["done"] == 1 and len(w["s0"].imports) == (1 if streams else 2)
     asyncio.run(go())
 
 
