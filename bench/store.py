@@ -5,7 +5,7 @@ Cluster (real worker processes, the bench-size llama of bench/families.py): pref
 decode d0 and the store s0 on core 1. Per prefix share r (`--hits`: BanaServe's evaluation assumes r = 0.5;
 0.97 leaves the prefill almost nothing to compute), prompt length L and repetition, a fresh prefix S of r x L
 tokens (whole blocks) and three requests of S plus L - |S| fresh tokens, one output token each:
-  cold   on p0, nothing cached (its prompt then goes to the store: the router writes it back after the prefill)
+  cold   on p0, nothing cached (its prompt goes to the store too, each layer group as the prefill computes it)
 then, in an order that rotates with the repetition (an instance that ran last runs faster on a shared core):
   local  on p0 again, once the store holds S: the prefix is in p0's own cache
   store  on p1, which has never seen S: beside d0's reservation the router asks p1 to load S (Load), and p1

@@ -203,6 +203,9 @@ class Router:
         # prompts written to the global KV store (streamed: those of done written as the prefill computed them)
         self.store_puts = {"done": 0, "failed": 0, "bytes": 0, "streamed": 0}
         self._store_tasks: set[asyncio.Task] = set()
+        # whether the prefill instances write the store's copy as they compute (False once one said it does not:
+        # a model with request-level state; the router then puts prompts after their prefill only)
+        self.puts_stream = True
         # a prefix the store holds is read from its shared pool where the prefill instance runs on its host
         # (cache/shared_pool.py), else sent over the transfer layer; False: always sent (bench/store compares them)
         self.shared_loads = cfg.transfer.shared_memory
@@ -727,12 +730,16 @@ class Router:
 
     def _start_put(self, s: _Sub, pl: Placement) -> None:
         """Open the store's Import for the prompt's whole blocks beside the decode reservation (`s.put`), unless
-        the store holds them already; an earlier placement's is dropped."""
-        self._drop_put(s)
+        the store holds them already; an earlier placement's is kept (the same prompt to the same store) or
+        dropped."""
         store = next((w for w in self.registry.up() if w.role == "store"), None)
         tokens = s.prompt + s.output
         n = min(len(tokens), s.kv()) // self.cfg.engine.block_size * self.cfg.engine.block_size
-        if pl.prefill is None or store is None or n == 0 or self.index.match(
+        if s.put is not None and store is not None and s.put.store == store.name and s.put.tokens == n \
+                and pl.prefill is not None and not s.put.task.done():
+            return
+        self._drop_put(s)
+        if not self.puts_stream or pl.prefill is None or store is None or n == 0 or self.index.match(
                 tokens[:n], {store.name}, whole=True).get(store.name, 0) >= n:
             return
         put = _Put(store.name, n, f"{s.rid}.{s.serial + 1}.put", asyncio.get_running_loop().create_future())
@@ -941,6 +948,8 @@ class Router:
         if store and (res.get("store") or {}).get("streamed"):
             s.put = None  # the store is taking it as it was computed: its Import ends by itself
         else:
+            if store:
+                self.puts_stream = False
             self._drop_put(s)
             self._store_put(s, p, tokens, force=missed)
 

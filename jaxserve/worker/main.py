@@ -603,10 +603,11 @@ class Worker:
 
     async def import_prefix(self, req, ctx):
         """Import (stream): reserve blocks for a cached prefix another instance exports to this one (the router's
-        prefix move), answer the reservation, then {"imported": {"tokens", "skip"}} once its KV is cached here;
-        ABORTED when the transfer failed. Closing the stream early releases the reservation. With no room now,
-        the reservation waits for it, ahead of the requests queued here (KVIntake.reserve_prefix_when_room):
-        RESOURCE_EXHAUSTED when none came within the deadline, whose remainder the transfer then has."""
+        prefix move), answer the reservation, then {"imported": {"tokens", "skip", "kv_bytes"}} once its KV is
+        cached here; ABORTED when the transfer failed. Closing the stream early releases the reservation. With no
+        room now, the reservation waits for it, ahead of the requests queued here (KVIntake.
+        reserve_prefix_when_room): RESOURCE_EXHAUSTED when none came within the deadline, whose remainder the
+        transfer then has."""
         import grpc
         from transfer.bufpool import PoolFull
         from transfer.plan import layer_groups
@@ -640,6 +641,8 @@ class Worker:
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(result))
         if isinstance(result, (OutOfBlocks, PoolFull)):
             await ctx.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{type(result).__name__}: {result}")
+        if isinstance(result, Exception):
+            await ctx.abort(grpc.StatusCode.INTERNAL, f"reserving the prefix failed: {type(result).__name__}: {result}")
         blocks, skip = result
         recv = self.intake.receivers.get(rid)  # (its bytes, once arrived; nothing is sent before the answer below)
         try:

@@ -25,8 +25,8 @@ class Fake:
     """A worker whose answers are scripted: `prefill` in ok | abort | hang | hold (the first token goes out, the
     KV waits for `release`), `decode` in ok | full | invalid | garbage (a malformed update after the KV arrived)
     | die (the stream breaks after the first token) | hang (no reservation, no heartbeat: a stopped process)
-    | after_import (the reservation waits until an Import was opened on any instance) | after_store (the first
-    reservation waits until s0 answered an Import's); `export` in ok | fail (a
+    | after_import (the reservation waits until an Import was opened on any instance); `await_put`: the request
+    ids whose reservation waits until the store answered their write-back's Import; `export` in ok | fail (a
     store no longer holding the prefix; a prefill instance's read of the store's shared pool too). Import answers
     its reservation, then `imported` once an Export filled it (or a Prefill naming it, with `streams`: a prefill
     instance that writes the store's copy as it computes). `shared`: a store advertises a shared KV pool, a
@@ -35,6 +35,7 @@ class Fake:
     def __init__(self, name, role, board, prefill="ok", decode="ok", export="ok", shared=False, streams=False):
         self.name, self.role, self.board = name, role, board
         self.streams = streams
+        self.await_put: set = set()
         self.prefill_mode, self.decode_mode, self.export_mode = prefill, decode, export
         self.shared = shared
         self.opened, self.closed, self.prefills, self.generated = [], [], [], []
@@ -80,10 +81,10 @@ class Fake:
             await asyncio.Event().wait()
         if self.decode_mode == "after_import":
             await asyncio.wait_for(self.board.setdefault("import opened", asyncio.Event()).wait(), 5)
-        if self.decode_mode == "after_store" and not self.opened:
-            await asyncio.wait_for(self.board.setdefault(("import reserved", "s0"), asyncio.Event()).wait(), 5)
         req = req.model_dump()
         xid = req["request_id"]
+        if xid in self.await_put:  # answered once the store answered the write-back's Import (`xid`.put)
+            await asyncio.wait_for(self.board.setdefault(("import reserved", f"{xid}.put"), asyncio.Event()).wait(), 5)
         self.opened.append(xid)
         self.requests.append(req)
         arrived = self.board.setdefault(xid, asyncio.Event())
@@ -128,7 +129,7 @@ class Fake:
         self.board.setdefault("import opened", asyncio.Event()).set()
         try:
             yield {"reserved": {"blocks": [5], "skip": 0, "shm_base": None, "pull": False}}
-            self.board.setdefault(("import reserved", self.name), asyncio.Event()).set()
+            self.board.setdefault(("import reserved", rid), asyncio.Event()).set()
             await self.board.setdefault(("exported", rid), asyncio.Event()).wait()
             yield {"imported": {"tokens": len(req.prompt), "skip": 0, "kv_bytes": 512}}
         finally:
@@ -443,8 +444,9 @@ def test_the_prompt_goes_to_the_store_as_it_is_computed(streams):
     from router.kv_index import KVIndex
 
     async def go():
-        async with cluster({"p0": ("prefill", {"streams": streams}), "d0": ("decode", {"decode": "after_store"}),
+        async with cluster({"p0": ("prefill", {"streams": streams}), "d0": ("decode", {}),
                             "s0": ("store", {})}) as (ce, w):
+            w["d0"].await_put = {"r.1", "z.1"} if streams else {"r.1"}
             u, = await result(await ce.add("r", list(range(1, 21)), GREEDY))  # 16 tokens in whole blocks
             assert u.error is None and u.token_ids == [20, 0]
             await asyncio.gather(*list(ce._store_tasks))
@@ -457,12 +459,17 @@ def test_the_prompt_goes_to_the_store_as_it_is_computed(streams):
                 assert w["s0"].imports == ["r.1.put", "r.1.store"] and w["p0"].exports == [("r.1.store", "s0", [5])]
                 assert ce.store_puts == {"done": 1, "failed": 0, "bytes": 4096, "streamed": 0}
             assert "r.1.put" in w["s0"].imports_closed
+            assert ce.puts_stream is streams  # told once it does not stream, the router asks no more
             ce.index.apply("s0", {"epoch": "e", "full": {"blocks": KVIndex(16).hashes(list(range(1, 17))),
                                                          "snaps": []}, "next": 0})
             u, = await result(await ce.add("q", list(range(1, 21)), GREEDY))
             assert u.error is None and w["p0"].requests[-1]["store"] is None  # the store holds it: no put
             await asyncio.gather(*list(ce._store_tasks))
             assert ce.store_puts["done"] == 1 and len(w["s0"].imports) == (1 if streams else 2)
+            u, = await result(await ce.add("z", list(range(31, 51)), GREEDY))  # a prompt the store does not hold
+            await asyncio.gather(*list(ce._store_tasks))
+            assert u.error is None and (w["p0"].requests[-1]["store"] is None) is not streams
+            assert w["s0"].imports[-1] == ("z.1.put" if streams else "z.1.store") and ce.store_puts["done"] == 2
     asyncio.run(go())
 
 
