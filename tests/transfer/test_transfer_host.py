@@ -503,17 +503,23 @@ def test_checksum_incremental_equals_whole_and_detects_corruption():
     assert wire.checksum(data[:-1]) != base  # truncation
 
 
+def _proxied_pair(t: Timeouts, connections: int):
+    """A Pair whose link reaches the server through a fault proxy (bench/faultproxy.py) -> (pair, proxy)."""
+    from bench.faultproxy import FaultProxy
+    p = Pair(connections=connections, chunk_bytes=1 << 20, timeouts=t)
+    proxy = FaultProxy(p.server.address)
+    p.link.close()
+    p.link = TcpLink(proxy.address, TOKEN, connections=connections, chunk_bytes=1 << 20, timeouts=t)
+    return p, proxy
+
+
 def test_silent_partition_fails_the_transfer_frees_everything_and_the_link_recovers():
     """A partition with no reset (a proxy that stops forwarding and closes nothing) in the middle of a
     transfer: the sender fails within the acknowledgement timeout plus a reconnect attempt, the receiver's
     reservation fails at its deadline and its region is freed, the link's connections are rebuilt and the next
     transfer through it succeeds, and no thread is left behind."""
-    from bench.faultproxy import FaultProxy
     t = Timeouts(io_s=1.0, ack_s=2.0, connect_s=1.0, idle_s=3.0)
-    p = Pair(connections=2, chunk_bytes=1 << 20, timeouts=t)
-    proxy = FaultProxy(p.server.address)
-    p.link.close()
-    p.link = TcpLink(proxy.address, TOKEN, connections=2, chunk_bytes=1 << 20, timeouts=t)
+    p, proxy = _proxied_pair(t, connections=2)
     try:
         r = p.receiver("cut", [7, 8, 9, 20], deadline=4.0)
         orig = p.link.shaper.send
@@ -551,12 +557,7 @@ def test_silent_partition_fails_the_transfer_frees_everything_and_the_link_recov
 def test_a_failed_connection_attempt_fails_only_what_was_queued_before_it():
     """A writer's connection attempt into a partition fails the transfers queued before it began, not one queued
     while it ran: when the partition heals meanwhile, that transfer goes through on the next attempt."""
-    from bench.faultproxy import FaultProxy
-    t = Timeouts(io_s=1.0, ack_s=2.0, connect_s=1.0, idle_s=3.0)
-    p = Pair(connections=1, chunk_bytes=1 << 20, timeouts=t)
-    proxy = FaultProxy(p.server.address)
-    p.link.close()
-    p.link = TcpLink(proxy.address, TOKEN, connections=1, chunk_bytes=1 << 20, timeouts=t)
+    p, proxy = _proxied_pair(Timeouts(io_s=1.0, ack_s=2.0, connect_s=1.0, idle_s=3.0), connections=1)
     try:
         proxy.set("blackhole")  # connections are accepted and never answered: the attempt waits out connect_s
         r = p.receiver("early", [7, 8, 9, 20])
