@@ -235,6 +235,10 @@ class RouterSection(_Strict):
                                                    "one instance rather than failing it")
     role_change_timeout_s: float = Field(600.0, gt=0, description="how long a role change may take (the instance "
                                          "drains what it has in flight, then compiles its new role's programs)")
+    store_write: Literal["streamed", "after"] = Field(
+        "streamed", description="how a prompt's KV reaches the global KV store: streamed (each layer group as the "
+        "prefill computes it, beside decode's: BanaServe's pipeline; on CPUs its copy shares the prefill's cores "
+        "and time) or after (copied from the prefill instance once its prefill is done)")
 
     @model_validator(mode="after")
     def _beat(self):

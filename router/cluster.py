@@ -12,7 +12,9 @@ engine does). A placement without a prefill instance runs the request whole on t
 cached prefix to move (`move_prefix`) copies it into the prefill instance (`Import` there, `Export` on its
 holder): before the Prefill call, or, for a pipelined load (BanaServe's global KV store), from the placement
 on, beside the decode reservation, with the Prefill call running over the prefix as it lands (`_Load`); a
-failed move only means the prefill computes those tokens.
+failed move only means the prefill computes those tokens. With a store up, the prompt's whole blocks go to it as
+the prefill computes them (`_Put`: an Import on the store, opened beside the decode reservation, that the
+Prefill call names), or after the prefill (`_store_put`) when that could not be.
 
 Faults: a prefill that fails (its worker died, or the transfer failed) before decode has the KV closes the
 reservation (decode frees its blocks at once) and the request is placed again, on another prefill instance,
@@ -203,9 +205,9 @@ class Router:
         # prompts written to the global KV store (streamed: those of done written as the prefill computed them)
         self.store_puts = {"done": 0, "failed": 0, "bytes": 0, "streamed": 0}
         self._store_tasks: set[asyncio.Task] = set()
-        # whether the prefill instances write the store's copy as they compute (False once one said it does not:
-        # a model with request-level state; the router then puts prompts after their prefill only)
-        self.puts_stream = True
+        # whether the prefill instances write the store's copy as they compute (router.store_write; False once one
+        # said it does not: a model with request-level state; the router then puts prompts after their prefill)
+        self.puts_stream = cfg.router.store_write == "streamed"
         # a prefix the store holds is read from its shared pool where the prefill instance runs on its host
         # (cache/shared_pool.py), else sent over the transfer layer; False: always sent (bench/store compares them)
         self.shared_loads = cfg.transfer.shared_memory
@@ -856,8 +858,8 @@ class Router:
             imp.cancel()
 
     def _store_put(self, s: _Sub, p: WorkerInfo, tokens: list[int], force: bool = False) -> None:
-        """After a prefill on p: its prompt's whole blocks go to the global KV store (BanaServe 4.2), in the
-        background, unless the store holds them already (force: even then; a read of the store's shared pool
+        """After a prefill on p that did not stream them there (`_Put`): its prompt's whole blocks go to the global
+        KV store (BanaServe 4.2), in the background, unless the store holds them already (force: even then; a read of the store's shared pool
         missed them, so they are on its disk tier only, or were being rewritten). A failed write is logged and
         counted; nothing waits for it."""
         store = next((w for w in self.registry.up() if w.role == "store"), None)

@@ -473,6 +473,20 @@ def test_the_prompt_goes_to_the_store_as_it_is_computed(streams):
     asyncio.run(go())
 
 
+def test_store_write_after_puts_the_prompt_once_the_prefill_is_done():
+    """`router.store_write: after`: no Import on the store beside the reservation, the Prefill names none, and the
+    prompt is copied from the prefill instance once its prefill answered."""
+    async def go():
+        async with cluster({"p0": ("prefill", {"streams": True}), "d0": ("decode", {}), "s0": ("store", {})},
+                           store_write="after") as (ce, w):
+            u, = await result(await ce.add("r", list(range(1, 21)), GREEDY))
+            await asyncio.gather(*list(ce._store_tasks))
+            assert u.error is None and w["p0"].requests[-1]["store"] is None
+            assert w["s0"].imports == ["r.1.store"] and w["p0"].exports == [("r.1.store", "s0", [5])]
+            assert ce.store_puts == {"done": 1, "failed": 0, "bytes": 4096, "streamed": 0}
+    asyncio.run(go())
+
+
 @pytest.mark.parametrize("held", [True, False])
 def test_a_load_from_the_stores_shared_pool_is_a_load_call_beside_the_reservation(held):
     """The store's shared pool on the prefill instance's host: the router calls nothing on the store (no Import,
