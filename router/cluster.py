@@ -734,35 +734,56 @@ class Router:
         """Open the store's Import for the prompt's whole blocks beside the decode reservation (`s.put`), unless
         the store holds them already; an earlier placement's is kept (the same prompt to the same store) or
         dropped."""
-        store = next((w for w in self.registry.up() if w.role == "store"), None)
         tokens = s.prompt + s.output
-        n = min(len(tokens), s.kv()) // self.cfg.engine.block_size * self.cfg.engine.block_size
-        if s.put is not None and store is not None and s.put.store == store.name and s.put.tokens == n \
-                and pl.prefill is not None and not s.put.task.done():
+        target = self._put_target(tokens, s.kv()) if pl.prefill is not None else None
+        put = s.put
+        if put is not None and target is not None and (put.store, put.tokens) == (target[0].name, target[1]) \
+                and not put.task.done():
             return
         self._drop_put(s)
-        if not self.puts_stream or pl.prefill is None or store is None or n == 0 or self.index.match(
-                tokens[:n], {store.name}, whole=True).get(store.name, 0) >= n:
+        if not self.puts_stream or target is None:
             return
+        store, n = target
         put = _Put(store.name, n, f"{s.rid}.{s.serial + 1}.put", asyncio.get_running_loop().create_future())
 
-        async def run():
+        async def write() -> int:
             try:
                 _, got = await self._import(store, tokens[:n], put.import_id, put.reserved)
-                self.store_puts["done"] += 1
-                self.store_puts["streamed"] += 1
-                self.store_puts["bytes"] += int(got.get("kv_bytes", 0))
-            except (grpc.aio.AioRpcError, _Silent, StopAsyncIteration, KeyError, TypeError, ValueError) as e:
-                self.store_puts["failed"] += 1
-                log.info("%s: writing %d tokens to the store %s as they were computed failed (%s)", s.rid, n,
-                         store.name, _why(e))
+                return int(got.get("kv_bytes", 0))
             finally:
-                self._store_tasks.discard(put.task)
                 if not put.reserved.done():
                     put.reserved.set_result(None)
-        put.task = asyncio.ensure_future(run())
-        self._store_tasks.add(put.task)
+        put.task = self._put_task(s, store, n, write, streamed=True)
         s.put = put
+
+    def _put_target(self, tokens: list[int], limit: int, force: bool = False) -> tuple[WorkerInfo, int] | None:
+        """(the store, the whole-block tokens of `tokens[:limit]` to write to it), or None: no store is up, no
+        whole block, or the store holds them already (force: even then)."""
+        store = next((w for w in self.registry.up() if w.role == "store"), None)
+        bs = self.cfg.engine.block_size
+        n = min(len(tokens), limit) // bs * bs
+        if store is None or n == 0 or not force and self.index.match(
+                tokens[:n], {store.name}, whole=True).get(store.name, 0) >= n:
+            return None
+        return store, n
+
+    def _put_task(self, s: _Sub, store: WorkerInfo, n: int, write, streamed: bool) -> asyncio.Task:
+        """Run write() (-> KV bytes written) in the background, counted in `store_puts` (a failure is logged)."""
+        async def run():
+            try:
+                written = await write()
+                self.store_puts["done"] += 1
+                self.store_puts["streamed"] += int(streamed)
+                self.store_puts["bytes"] += written
+            except (grpc.aio.AioRpcError, _Silent, StopAsyncIteration, KeyError, TypeError, ValueError) as e:
+                self.store_puts["failed"] += 1
+                log.info("%s: writing %d tokens to the store %s %sfailed (%s)", s.rid, n, store.name,
+                         "as they were computed " if streamed else "", _why(e))
+            finally:
+                self._store_tasks.discard(task)
+        task = asyncio.ensure_future(run())
+        self._store_tasks.add(task)
+        return task
 
     def _drop_put(self, s: _Sub) -> None:
         """Stop the sequence's write-back to the store, if the Prefill has not named it (its Import closes: the
@@ -858,29 +879,19 @@ class Router:
             imp.cancel()
 
     def _store_put(self, s: _Sub, p: WorkerInfo, tokens: list[int], force: bool = False) -> None:
-        """After a prefill on p that did not stream them there (`_Put`): its prompt's whole blocks go to the global
-        KV store (BanaServe 4.2), in the background, unless the store holds them already (force: even then; a read of the store's shared pool
-        missed them, so they are on its disk tier only, or were being rewritten). A failed write is logged and
-        counted; nothing waits for it."""
-        store = next((w for w in self.registry.up() if w.role == "store"), None)
-        bs = self.cfg.engine.block_size
-        n = len(tokens) // bs * bs
-        if store is None or n == 0 or not force and self.index.match(
-                tokens[:n], {store.name}, whole=True).get(store.name, 0) >= n:
+        """After a prefill on p that did not stream them there (`_Put`): its prompt's whole blocks go to the
+        global KV store (BanaServe 4.2), in the background, unless the store holds them already (force: even then;
+        a read of the store's shared pool missed them, so they are on its disk tier only, or were being
+        rewritten). A failed write is logged and counted; nothing waits for it."""
+        target = self._put_target(tokens, len(tokens), force)
+        if target is None:
             return
+        store, n = target
 
-        async def put():
-            try:
-                sent = await self._copy_prefix(p, store, tokens[:n], f"{s.xid}.store")
-                self.store_puts["done"] += 1
-                self.store_puts["bytes"] += int(sent.get("kv_bytes", 0))
-            except (grpc.aio.AioRpcError, _Silent, StopAsyncIteration, KeyError, TypeError, ValueError) as e:
-                self.store_puts["failed"] += 1
-                log.info("%s: writing %d tokens to the store %s failed (%s)", s.rid, n, store.name, _why(e))
-            finally:
-                self._store_tasks.discard(task)
-        task = asyncio.ensure_future(put())
-        self._store_tasks.add(task)
+        async def write() -> int:
+            sent = await self._copy_prefix(p, store, tokens[:n], f"{s.xid}.store")
+            return int(sent.get("kv_bytes", 0))
+        self._put_task(s, store, n, write, streamed=False)
 
     async def _prefill(self, s: _Sub, p: WorkerInfo, on_first) -> None:
         """Run the prompt on prefill instance p into the reservation (after moving a cached prefix to p when

@@ -512,14 +512,14 @@ class Worker:
         try:
             params = req.params.sampling()
             link, shm_base = self._link_to(peer, dst)
-            copies = []
+            copies, per_group = [], t.groups_of(kv)
             # the store's copy leaves group by group beside decode's; a model with request-level state would
             # need the state at the copy's end, a snapshot the step does not export: the router puts it after
             if sc is not None and not self.llm.layout.has_request_state:
                 store_link, store_base = self._link_to(store_peer, sc.dst)
                 copies.append(Handoff(store_link, self.feeder, list(sc.dst.blocks), sc.dst.skip, sc.tokens, False,
-                                      t.groups_of(kv), request_id=sc.import_id, shm_base=store_base))
-            handoff = Handoff(link, self.feeder, list(dst.blocks), dst.skip, kv, req.sample, t.groups_of(kv),
+                                      per_group, request_id=sc.import_id, shm_base=store_base))
+            handoff = Handoff(link, self.feeder, list(dst.blocks), dst.skip, kv, req.sample, per_group,
                               request_id=rid, shm_base=shm_base, copies=copies)
 
             def add(eng):
@@ -630,13 +630,17 @@ class Worker:
             loop.call_soon_threadsafe(lambda: reserved.done() or reserved.set_result(result))
         self.engine.post(lambda: self.intake.reserve_prefix_when_room(
             rid, tokens, on_done, on_reserved, wait_s, groups if len(groups) > 1 else None) or [])
+
+        def withdraw():  # no longer waiting (released, if it was reserved meanwhile)
+            self.engine.post(lambda: self.intake.withdraw(rid) or [])
         try:
             result = await asyncio.wait_for(asyncio.shield(reserved), wait_s)
-        except BaseException as e:  # its wait ran out, or the caller went away: withdrawn (released if reserved)
-            self.engine.post(lambda: self.intake.withdraw(rid) or [])
-            if not isinstance(e, TimeoutError):
-                raise
+        except TimeoutError:
+            withdraw()
             result = OutOfBlocks(f"no room for the {len(tokens)}-token prefix within {wait_s:g}s")
+        except BaseException:  # the caller went away
+            withdraw()
+            raise
         if isinstance(result, (RequestError, ValueError)):
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(result))
         if isinstance(result, (OutOfBlocks, PoolFull)):
