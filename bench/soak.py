@@ -1,7 +1,10 @@
 """Soak: Poisson load at a fraction of measured capacity on a real disaggregated deployment, and what grows.
 
 Deployment: `jaxserve serve` (router + HTTP server, one process) with a prefill worker (core 0) and a decode
-worker (core 1) as its children, KV over TCP, the bench-size Llama (bench/families.py) or `--model`.
+worker (core 1) as its children, KV over TCP, the bench-size Llama (bench/families.py) or `--model`. With
+`--cores`, the whole soak runs on those cores: the router and locust pinned to them, the prefill worker on the
+first, the decode worker on the last (`--cores 0`: one core for everything, as `make test` runs it beside the
+rest of the suite).
 1. Capacity: closed-loop requests at `--calibrate-concurrency` for `--calibrate-s` seconds: completed
    requests per second (the same prompt-length and output-length distribution as the load).
 2. Load: locust, headless (bench/soak_locust.py), Poisson arrivals at `--utilisation` x capacity for
@@ -55,6 +58,17 @@ def proc_sample(pid: int) -> dict | None:
     return {"rss_mb": rss, "threads": threads, "fds": fds}
 
 
+# argv: cores, program, its arguments: the program runs with its CPU affinity set before it starts (a Python
+# program's threads, JAX's among them, inherit it)
+_PIN = ("import os, sys; os.sched_setaffinity(0, {int(c) for c in sys.argv[1].split(',')}); "
+        "os.execv(sys.argv[2], sys.argv[2:])")
+
+
+def pinned(cmd: list[str], cores: list[int] | None) -> list[str]:
+    """cmd (its program an absolute path) run on `cores`; as it is where cores is None."""
+    return cmd if cores is None else [sys.executable, "-c", _PIN, ",".join(map(str, cores)), *cmd]
+
+
 def metrics(client) -> dict:
     """The cluster's gauges from /metrics (blocks_free, blocks_used, running, waiting)."""
     out = {}
@@ -66,24 +80,26 @@ def metrics(client) -> dict:
 
 
 class Deployment:
-    """`jaxserve serve` on a free port with a 1P1D config; its processes by name."""
+    """`jaxserve serve` on a free port with a 1P1D config; its processes by name. cores: where the router and its
+    workers run (prefill on the first, decode on the last); None: prefill on core 0, decode on core 1, the router
+    anywhere."""
 
-    def __init__(self, model: str, tmp: str, name: str):
+    def __init__(self, model: str, tmp: str, name: str, cores: list[int] | None = None):
         self.port = free_ports("127.0.0.1")
         cfg = {"model": {"path": model, "name": name}, "engine": ENGINE,
                "transfer": {"token": "soak-" + os.urandom(8).hex(), "connections": 2, "shared_memory": False},
                "router": {"heartbeat_s": 0.5, "down_after_s": 5.0},
                "server": {"host": "127.0.0.1", "port": self.port, "max_waiting": 256, "max_tokens_limit": 256},
                "clusters": [{"name": "main", "instances": [
-                   {"name": "prefill-0", "role": "prefill", "cpus": [0]},
-                   {"name": "decode-0", "role": "decode", "cpus": [1 % os.cpu_count()]}]}]}
+                   {"name": "prefill-0", "role": "prefill", "cpus": [cores[0] if cores else 0]},
+                   {"name": "decode-0", "role": "decode", "cpus": [cores[-1] if cores else 1 % os.cpu_count()]}]}]}
         self.config = os.path.join(tmp, "soak.yaml")
         import yaml
         with open(self.config, "w") as f:
             yaml.safe_dump(cfg, f)
         self.log = open(os.path.join(tmp, "serve.log"), "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "router.cli", "serve", "--config", self.config],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(pinned([sys.executable, "-m", "router.cli", "serve", "--config", self.config],
+                                            cores), stdout=self.log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.port}"
 
     def wait_ready(self, timeout: float) -> None:
@@ -162,6 +178,7 @@ class Sampler(threading.Thread):
         import httpx
         self.dep, self.every = dep, every
         self.pids = dep.processes()
+        self.affinity = {n: sorted(os.sched_getaffinity(p)) for n, p in self.pids.items()}  # cores each may run on
         self.client = httpx.Client(base_url=dep.url, timeout=10)
         self.t0 = time.monotonic()
         self._halt = threading.Event()
@@ -265,14 +282,19 @@ def main(argv=None):
     ap.add_argument("--prompt-max", type=int, default=128)
     ap.add_argument("--model", default=None, help="checkpoint directory (default: the bench-size Llama)")
     ap.add_argument("--models", default="bench/.models")
+    ap.add_argument("--cores", default=None, type=lambda v: [int(c) for c in v.split(",")],
+                    help="comma-separated cores the whole soak runs on (router, workers, locust); default: prefill "
+                         "on core 0, decode on core 1, the rest unpinned")
     args = ap.parse_args(argv)
+    if args.cores is not None and not set(args.cores) <= os.sched_getaffinity(0):
+        ap.error(f"--cores {args.cores}: this process may run only on cores {sorted(os.sched_getaffinity(0))}")
     if args.model is None:
         from bench.families import checkpoint
         args.model = checkpoint("llama", args.models)
     with open(os.path.join(args.model, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
     tmp = tempfile.mkdtemp(prefix="jaxserve-soak-")
-    dep = Deployment(os.path.abspath(args.model), tmp, "soak")
+    dep = Deployment(os.path.abspath(args.model), tmp, "soak", args.cores)
     sampler = None
     try:
         print("soak: starting the deployment (router + 2 workers, compiling)", flush=True)
@@ -288,14 +310,16 @@ def main(argv=None):
               f"{args.duration:.0f}s", flush=True)
         prefix = os.path.join(tmp, "locust")
         load0 = time.monotonic() - sampler.t0
-        lc = subprocess.run([shutil.which("locust", path=os.path.dirname(sys.executable)) or "locust",
-                             "-f", os.path.join(os.path.dirname(__file__), "soak_locust.py"), "--headless",
-                             "--host", dep.url, "-u", str(args.users), "-r", str(args.users),
-                             "--run-time", f"{int(args.duration)}s", "--stop-timeout", "120", "--csv", prefix,
-                             "--only-summary", "--loglevel", "WARNING", "--rate", str(rate),
-                             "--max-tokens", str(args.max_tokens), "--prompt-min", str(args.prompt_min),
-                             "--prompt-max", str(args.prompt_max), "--vocab", str(vocab), "--model-name", "soak"],
-                            capture_output=True, text=True, timeout=args.duration + 600)
+        locust = shutil.which("locust", path=os.path.dirname(sys.executable)) or shutil.which("locust")
+        if locust is None:
+            raise RuntimeError("locust is not installed (the `test` extra)")
+        cmd = [locust, "-f", os.path.join(os.path.dirname(__file__), "soak_locust.py"), "--headless",
+               "--host", dep.url, "-u", str(args.users), "-r", str(args.users),
+               "--run-time", f"{int(args.duration)}s", "--stop-timeout", "120", "--csv", prefix,
+               "--only-summary", "--loglevel", "WARNING", "--rate", str(rate),
+               "--max-tokens", str(args.max_tokens), "--prompt-min", str(args.prompt_min),
+               "--prompt-max", str(args.prompt_max), "--vocab", str(vocab), "--model-name", "soak"]
+        lc = subprocess.run(pinned(cmd, args.cores), capture_output=True, text=True, timeout=args.duration + 600)
         load1 = time.monotonic() - sampler.t0
         if not os.path.exists(prefix + "_stats.csv"):
             raise RuntimeError(f"locust wrote no stats (exit {lc.returncode}):\n{lc.stdout[-2000:]}\n{lc.stderr[-2000:]}")
@@ -307,12 +331,12 @@ def main(argv=None):
                "what": "jaxserve serve (router + HTTP) with a prefill and a decode worker; Poisson completions "
                        "(locust) at a fraction of the capacity measured closed-loop in the same run; RSS, threads, "
                        "fds of each process from /proc, cluster blocks from /metrics",
-               "capacity": cap, "utilisation": args.utilisation, "rate_requests_per_s": rate,
+               "cores": args.cores, "capacity": cap, "utilisation": args.utilisation, "rate_requests_per_s": rate,
                "duration_s": args.duration, "settle": args.settle, "locust": stats,
                "blocks": {"baseline_free": baseline.get("blocks_free"), "end_free": end.get("blocks_free"),
                           "end_used": end.get("blocks_used"), "idle_after_s": idle_after_s},
                "slopes": analyse(sampler.samples, (load0, load1), args.settle),
-               "load_window_s": [load0, load1], "samples": sampler.samples}
+               "load_window_s": [load0, load1], "affinity": sampler.affinity, "samples": sampler.samples}
         from bench.stamp import write
         write(args.json, out, indent=1)
         if args.png:

@@ -172,15 +172,17 @@ def test_later_turns_reuse_the_conversations_cached_prefix():
 @pytest.mark.slow
 def test_ten_thousand_accelerators():
     """104 cells of the case study (1,248 instances of 8 GPUs: 9,984 accelerators) at 90% of their planned
-    capacity for ten minutes of traffic (bench/prfaas_sim.py runs the hour): every request served at the
+    capacity for two minutes of traffic (bench/prfaas_sim.py runs the hour): every request served at the
     offered rate, in well under the traffic's own duration."""
+    DURATION_S = 120
     P, D = Profile.from_json(_load("prfaas_h200.json")), Profile.from_json(_load("pd_h20.json"))
     wl = Workload.from_json(_load("workload_case_study.json"))
     dep = case_study(P, D, "prfaas_pd", lambda: PrfaaS(ThresholdParams(19400, adaptive=False)))
-    res = Simulation(dep, Traffic(0.9 * 3.19, wl.lengths, 1024, duration_s=600), cells=104, seed=5).run(drain_s=600)
+    res = Simulation(dep, Traffic(0.9 * 3.19, wl.lengths, 1024, duration_s=DURATION_S), cells=104,
+                     seed=5).run(drain_s=600)
     assert res["instances"] * 8 == 9984 and res["failed"] == 0
-    assert res["requests"] / 600 == pytest.approx(104 * 0.9 * 3.19, rel=0.05)
-    assert res["wall_s"] < 300, res["wall_s"]
+    assert res["requests"] / DURATION_S == pytest.approx(104 * 0.9 * 3.19, rel=0.05)
+    assert res["wall_s"] < DURATION_S / 2, res["wall_s"]
 
 
 def test_the_long_term_loop_follows_a_traffic_shift():
