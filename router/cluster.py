@@ -734,6 +734,8 @@ class Router:
         """Open the store's Import for the prompt's whole blocks beside the decode reservation (`s.put`), unless
         the store holds them already; an earlier placement's is kept (the same prompt to the same store) or
         dropped."""
+        if s.put is None and (not self.puts_stream or pl.prefill is None):
+            return  # nothing to keep or drop, nothing to open (no index lookup)
         tokens = s.prompt + s.output
         target = self._put_target(tokens, s.kv()) if pl.prefill is not None else None
         put = s.put
