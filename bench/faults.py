@@ -103,7 +103,8 @@ class Topology:
         self.victim_ip = {n: addr[n] for n in self.ns}
         kv_ports = {d: free_ports(host) if d not in self.ns else 7300 for d in ("d0", "d1")}
         self.proxies = {d: FaultProxy((addr[d], kv_ports[d]), host=host) for d in ("d0", "d1")}
-        inst = lambda name, role, cpu, **kw: {"name": name, "role": role, "cpus": [cpu], "host": addr[name],  # noqa
+        pin = (lambda cpu: []) if args.unpinned else (lambda cpu: [cpu])
+        inst = lambda name, role, cpu, **kw: {"name": name, "role": role, "cpus": pin(cpu), "host": addr[name],  # noqa
                                               "launch": False, **kw}
         self.config = {
             "model": {"path": model, "name": "m"}, "engine": {**ENGINE, "warmup": not args.no_warmup},
@@ -448,6 +449,8 @@ def main(argv=None):
     ap.add_argument("--no-warmup", action="store_true", help="workers compile on first use, not at start (a "
                     "compile then adds to recovery times)")
     ap.add_argument("--storm", type=int, default=200, help="requests in the cancellation storm (0: none)")
+    ap.add_argument("--unpinned", action="store_true", help="the workers on any core (default: the prefill "
+                    "instances pinned to core 0, the decode instances to core 1)")
     args = ap.parse_args(argv)
     roles, faults, phases = (args.roles.split(","), args.faults.split(","), args.phases.split(","))
     for got, allowed, what in ((roles, ROLES, "roles"), (faults, FAULTS, "faults"), (phases, PHASES, "phases")):

@@ -276,9 +276,9 @@ def test_policies_store_and_controller_on_a_live_cluster(checkpoint_dir):
 
     from router.balance import Action
     from tests.router.test_cluster_http import BS, complete, disagg_config, serving, tokens
-    cfg = disagg_config(checkpoint_dir("llama"), [{"name": "p1", "role": "prefill", "cpus": [0]},
-                                                  {"name": "p2", "role": "prefill", "cpus": [0], "standby": True},
-                                                  {"name": "s0", "role": "store", "cpus": [1], "kv_blocks": 128}],
+    cfg = disagg_config(checkpoint_dir("llama"), [{"name": "p1", "role": "prefill"},
+                                                  {"name": "p2", "role": "prefill", "standby": True},
+                                                  {"name": "s0", "role": "store", "kv_blocks": 128}],
                         policy={"name": "flowkv", "control_s": 0.3})
     short = [[5 + i, 7, 9, 11, 13, 2, 3, 4 + i] for i in range(4)]
     shared = [(7 * j) % 50 + 3 for j in range(4 * BS)]

@@ -1,5 +1,5 @@
 """End to end over real processes: `jaxserve serve` of a disaggregated config (router in this process, a
-prefill and a decode worker as child processes pinned to cores 0 and 1, KV over TCP) returns exactly the
+prefill and a decode worker as child processes, KV over TCP) returns exactly the
 tokens the colocated config returns, over HTTP, for a dense, an MLA and a hybrid model; the `jaxserve`
 object names the prefill and the decode instance and the KV bytes the model's cache groups say the prompt
 needs; no worker holds a block afterwards."""
@@ -33,12 +33,23 @@ def config(path: str, instances: list[dict], **sections) -> dict:
             "clusters": [{"name": "c", "instances": instances}], **sections}
 
 
+def unpinned(cfg: dict) -> dict:
+    """cfg with none of its instances pinned to cores (`cpus` left out: each may run on any). The suite's workers
+    run unpinned: under `make test` the soak holds the first core (tests/test_soak.py), and a worker pinned beside
+    it gets a fraction of that core while the other has room. The tests of pinning pin on their own."""
+    for cluster in cfg["clusters"]:
+        for inst in cluster["instances"]:
+            inst.pop("cpus", None)
+    return cfg
+
+
 def disagg_config(path: str, extra_instances=(), **sections) -> dict:
-    return config(path, [{"name": "p0", "role": "prefill", "cpus": [0]}, *extra_instances,
-                         {"name": "d0", "role": "decode", "cpus": [1]}],
-                  transfer={"token": "tok", "connections": 2, "chunk_mb": 0.01, "layers_per_group": 2,
-                            "stream_min_tokens": 0, "deadline_s": 20.0},
-                  router={"heartbeat_s": 0.5, "down_after_s": 3.0}, **sections)
+    """p0 (prefill), the extra instances, d0 (decode): unpinned (`unpinned`)."""
+    return unpinned(config(path, [{"name": "p0", "role": "prefill"}, *extra_instances,
+                                  {"name": "d0", "role": "decode"}],
+                           transfer={"token": "tok", "connections": 2, "chunk_mb": 0.01, "layers_per_group": 2,
+                                     "stream_min_tokens": 0, "deadline_s": 20.0},
+                           router={"heartbeat_s": 0.5, "down_after_s": 3.0}, **sections))
 
 
 @contextlib.contextmanager

@@ -3,7 +3,8 @@ the tiny Llama; while requests are mid-stream, the decode victim SIGKILLed, and 
 (its network namespace's link down; without root, where no namespace can be made, SIGKILLed instead); then a
 cancellation storm. Every request ends token-exact or with a clean error, none hangs, nothing is held after.
 32 tokens a request keep each request's stream phase long enough for the injector to catch (with 8, a cell's
-requests could all finish in a fraction of a second, before it saw one on the victim)."""
+requests could all finish in a fraction of a second, before it saw one on the victim). The workers run
+unpinned, as the suite's others do (tests/router/test_cluster_http.py `unpinned`)."""
 
 import json
 
@@ -19,7 +20,7 @@ def test_fault_matrix_slice_nothing_hangs_nothing_leaks(tmp_path, checkpoint_dir
     out = faults.main(["--json", str(tmp_path / "faults.json"), "--model", checkpoint_dir("llama"),
                        "--cells", f"decode:sigkill:stream,prefill:{prefill_fault}:stream", "--requests", "12",
                        "--warm", "4", "--storm", "12", "--max-tokens", "32", "--prompt-len", "16,48",
-                       "--hang-s", "60", "--deadline-s", "10", "--no-warmup"])
+                       "--hang-s", "60", "--deadline-s", "10", "--no-warmup", "--unpinned"])
     assert json.loads((tmp_path / "faults.json").read_text())["totals"] == out["totals"]
     assert [(c["role"], c["fault"]) for c in out["cells"]] == [("decode", "sigkill"), ("prefill", prefill_fault)]
     for c in out["cells"]:

@@ -59,7 +59,7 @@ def join(cfg: dict, tmp_path, name: str, router: str) -> subprocess.Popen:
 @pytest.fixture(scope="module")
 def faulty(checkpoint_dir, tmp_path_factory):
     path = checkpoint_dir("llama")
-    cfg = disagg_config(path, [{"name": "p1", "role": "prefill", "cpus": [0], "launch": False}])
+    cfg = disagg_config(path, [{"name": "p1", "role": "prefill", "launch": False}])
     tmp = tmp_path_factory.mktemp("join")
     with serving(cfg) as (client, cluster):
         assert "p1" not in cluster.registry.workers  # serve waited only for the workers it launched

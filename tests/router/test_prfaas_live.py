@@ -1,6 +1,6 @@
 """PrfaaS end to end on `configs/prfaas.yaml` over real processes (the bundled hybrid KDA + MLA model; the
-engine section shrunk for test time): a PrfaaS cluster (one prefill worker on core 0) and a PD cluster (a
-prefill and a decode worker sharing core 1) joined by an emulated link, served by `jaxserve serve`'s router
+engine section shrunk for test time, the workers unpinned): a PrfaaS cluster (one prefill worker) and a PD
+cluster (a prefill and a decode worker) joined by an emulated link, served by `jaxserve serve`'s router
 with the `prfaas` policy. A short prompt stays on the PD cluster; a long unique one is prefilled in PrfaaS and
 its KV crosses the link; the conversation's next turn (that prompt + the answer + a short message) stays in
 the PD cluster with the history served from the decode instance's cache (blocks and the linear state saved at
@@ -20,7 +20,7 @@ import yaml
 from jaxserve import bundled
 from router.snapshot import link_states
 from tests.router.test_cluster_http import complete as _complete
-from tests.router.test_cluster_http import serving
+from tests.router.test_cluster_http import serving, unpinned
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +44,7 @@ def tokens(choice) -> list[int]:
 
 def prfaas_config(path: str) -> dict:
     with open("configs/prfaas.yaml") as f:
-        cfg = yaml.safe_load(f)
+        cfg = unpinned(yaml.safe_load(f))
     cfg["model"].update(path=path, name="m")
     cfg["engine"].update(ENGINE)
     cfg["router"].update(heartbeat_s=0.3)

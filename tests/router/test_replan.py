@@ -144,7 +144,7 @@ def test_the_router_flips_an_instance_when_decode_is_the_bottleneck(checkpoint_d
     from tests.router.test_cluster_http import complete, disagg_config, serving
     prof = tmp_path / "pd.json"
     prof.write_text(json.dumps(FAST_PREFILL_SLOW_DECODE.to_json()))
-    cfg = disagg_config(checkpoint_dir("llama"), [{"name": "p1", "role": "prefill", "cpus": [0]}],
+    cfg = disagg_config(checkpoint_dir("llama"), [{"name": "p1", "role": "prefill"}],
                         policy={"name": "prfaas", "replan_s": 0.3, "prfaas_profile": str(prof),
                                 "pd_profile": str(prof), "replan_min_samples": 6, "replan_min_interval_s": 0})
     with serving(cfg) as (client, cluster):

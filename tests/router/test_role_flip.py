@@ -30,7 +30,7 @@ def flip(client, instance, role):
 
 
 def test_a_prefill_instance_turns_decode_and_back_under_load(checkpoint_dir):
-    cfg = disagg_config(checkpoint_dir("llama"), [{"name": "p1", "role": "prefill", "cpus": [0]}])
+    cfg = disagg_config(checkpoint_dir("llama"), [{"name": "p1", "role": "prefill"}])
     cfg["engine"] = WARM
     with serving(cfg) as (client, cluster):
         want = answers(client, PROMPTS)  # before any flip

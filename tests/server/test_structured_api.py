@@ -199,15 +199,15 @@ def test_tool_call_parsers_and_the_streaming_split():
 
 @pytest.mark.slow
 def test_disaggregated_answers_equal_colocated(api, smollm2_dir):
-    from tests.router.test_cluster_http import serving
+    from tests.router.test_cluster_http import serving, unpinned
     c, _ = api
     want = constrained_answers(c)
     import importlib.resources
 
     import yaml
-    # the embedded default: one prefill and one decode worker on their own cores, KV over TCP, layer-wise; the
+    # the embedded default: one prefill and one decode worker (unpinned here), KV over TCP, layer-wise; the
     # engine sized as the colocated server's (no warm-up: the programs compile as the requests need them)
-    cfg = yaml.safe_load(importlib.resources.files("jaxserve").joinpath("configs/local.yaml").read_text())
+    cfg = unpinned(yaml.safe_load(importlib.resources.files("jaxserve").joinpath("configs/local.yaml").read_text()))
     cfg["model"].update(path=smollm2_dir, name="m")
     cfg["engine"] = {**cfg["engine"], **ENGINE}
     with serving(cfg) as (client, _):
