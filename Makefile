@@ -16,8 +16,10 @@ CHECK_GPU = $(PY) -c "import jax, sys; sys.exit(None if jax.default_backend() ==
 	'ACCEL=cuda: JAX has its CUDA build but finds no GPU, devices: %s' % jax.devices())"
 
 SOAK_S ?= 3600
-# pytest workers for make test (pytest-xdist); the suite is sized for 2 cores
+# pytest workers for make test (pytest-xdist); the suite is sized for 2 cores. worksteal: a worker that runs out
+# of tests takes queued ones from the other (those queued behind the ten-minute soak, which runs first)
 TEST_JOBS ?= 2
+PYTEST_XDIST := -n $(TEST_JOBS) --dist worksteal
 
 .PHONY: test test-fast serve soak bench bench-status install clean
 
@@ -47,10 +49,10 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n $(TEST_JOBS) tests
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q $(PYTEST_XDIST) tests
 
 test-fast: $(STAMP)
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n $(TEST_JOBS) -m "not slow" tests
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q $(PYTEST_XDIST) -m "not slow" tests
 
 # make soak: an hour (SOAK_S seconds) of Poisson load at 80% of capacity on `jaxserve serve`, RSS / threads / fds /
 # free blocks sampled (bench/soak.py); JSON and PNG into bench/results/

@@ -6,10 +6,20 @@ from __future__ import annotations
 import asyncio
 
 
-def run(config: dict, fn):
-    """Start the workers of `config` (a config mapping), run `await fn(cluster)` against the router once every
-    worker has registered, stop everything; returns fn's result."""
+def unpinned(config: dict) -> dict:
+    """A copy of `config` (a config mapping) with none of its instances pinned to cores (`cpus` left out: each
+    runs where there is room). Benchmarks pin; their smoke runs in the test suite do not: under `make test` the
+    soak holds the first core (tests/test_soak.py), and a worker pinned beside it would get a fraction of it."""
+    return {**config, "clusters": [{**c, "instances": [{k: v for k, v in i.items() if k != "cpus"}
+                                                       for i in c["instances"]]} for c in config["clusters"]]}
+
+
+def run(config: dict, fn, pinned: bool = True):
+    """Start the workers of `config` (a config mapping; with pinned False, `unpinned`), run `await fn(cluster)`
+    against the router once every worker has registered, stop everything; returns fn's result."""
     from jaxserve.config import parse
+    if not pinned:
+        config = unpinned(config)
     from router.cluster import Router
     from router.launcher import workers
     cfg = parse(config)

@@ -91,7 +91,7 @@ class Topology:
     """The config, the namespaces and proxies, and the worker processes (started, restarted, stopped here)."""
 
     def __init__(self, model: str, args, tmp: str):
-        from bench import netns
+        from bench import clusters, netns
         from bench.faultproxy import FaultProxy
         self.ns, self.why_no_ns = {}, netns.available()
         if self.why_no_ns is None:  # KV from p0 to d0 goes through d0's proxy on the host: no forwarding needed
@@ -103,8 +103,7 @@ class Topology:
         self.victim_ip = {n: addr[n] for n in self.ns}
         kv_ports = {d: free_ports(host) if d not in self.ns else 7300 for d in ("d0", "d1")}
         self.proxies = {d: FaultProxy((addr[d], kv_ports[d]), host=host) for d in ("d0", "d1")}
-        pin = (lambda cpu: []) if args.unpinned else (lambda cpu: [cpu])
-        inst = lambda name, role, cpu, **kw: {"name": name, "role": role, "cpus": pin(cpu), "host": addr[name],  # noqa
+        inst = lambda name, role, cpu, **kw: {"name": name, "role": role, "cpus": [cpu], "host": addr[name],  # noqa
                                               "launch": False, **kw}
         self.config = {
             "model": {"path": model, "name": "m"}, "engine": {**ENGINE, "warmup": not args.no_warmup},
@@ -118,6 +117,8 @@ class Topology:
             "router": {"host": host, "port": 0, "heartbeat_s": 0.5, "down_after_s": 3.0, "max_attempts": 4},
             "server": {"request_timeout_s": args.hang_s},
         }
+        if args.unpinned:
+            self.config = clusters.unpinned(self.config)
         import yaml
         self.path = os.path.join(tmp, "faults.yaml")
         with open(self.path, "w") as f:

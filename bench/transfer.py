@@ -345,8 +345,10 @@ TTFT_SETUPS = {  # name -> (instances, transfer.layers_per_group, emulated link 
 }
 
 
-def ttft(path: str, lengths: list[int], reps: int, connections: int, setups: list[str], seed: int = 0) -> dict:
-    """Median router-measured TTFT per prompt length for each of `setups` (TTFT_SETUPS; real worker processes)."""
+def ttft(path: str, lengths: list[int], reps: int, connections: int, setups: list[str], seed: int = 0,
+         pinned: bool = True) -> dict:
+    """Median router-measured TTFT per prompt length for each of `setups` (TTFT_SETUPS; real worker processes,
+    pinned as listed there, or on any core)."""
     from bench import clusters
     from jaxserve.config import TransferSection
     from jaxserve.models.config import load_config
@@ -376,7 +378,7 @@ def ttft(path: str, lengths: list[int], reps: int, connections: int, setups: lis
                     route = u.route
                 out[L], second[L] = times, t2
             return out, second, route
-        return clusters.run(config, measure)
+        return clusters.run(config, measure, pinned)
 
     res = {}
     for name in tqdm(setups, desc="ttft setups", unit="setup"):
@@ -392,7 +394,7 @@ def ttft(path: str, lengths: list[int], reps: int, connections: int, setups: lis
         res[name]["second_token_overhead"] = {L: res[name]["second_token_s_median"][L] / co2[L] - 1
                                               for L in lengths}
     return {"model": os.path.basename(path), "lengths": lengths, "reps": reps, "goal_overhead": 0.10,
-            "setups": res}
+            "pinned": pinned, "setups": res}
 
 
 def phi_kv(families: list[str], root: str, lengths: list[int], reps: int, link_bytes_per_s: float | None) -> dict:
@@ -447,6 +449,8 @@ def main(argv=None):
     ap.add_argument("--phi-families", default="llama,qwen3,deepseek_v3,kimi_linear,qwen3_next,gpt_oss,mimo_v2_flash")
     ap.add_argument("--phi-lengths", default="256,1024,2048")
     ap.add_argument("--phi-reps", type=int, default=3)
+    ap.add_argument("--unpinned", action="store_true", help="(c) the workers on any core (default: as TTFT_SETUPS "
+                    "pins them)")
     args = ap.parse_args(argv)
     parts = set(args.parts.split(","))
     if not parts <= {"a", "b", "c", "d"}:
@@ -464,7 +468,7 @@ def main(argv=None):
         if unknown:
             ap.error(f"--ttft-setups: unknown {sorted(unknown)}; have {list(TTFT_SETUPS)}")
         out["ttft"] = ttft(checkpoint(args.ttft_family, args.models), ints(args.ttft_lengths), args.ttft_reps,
-                           args.connections, setups)
+                           args.connections, setups, pinned=not args.unpinned)
     if "d" in parts:
         link = out.get("efficiency", {}).get("kv_bytes_per_s_median")
         out["phi_kv"] = phi_kv(args.phi_families.split(","), args.models, ints(args.phi_lengths), args.phi_reps, link)

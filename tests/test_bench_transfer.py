@@ -31,17 +31,18 @@ def test_transfer_bench_smoke(tmp_path):
 
 @pytest.mark.slow
 def test_ttft_phi_and_interference_benches_smoke(tmp_path, checkpoint_dir):
-    """(c) and (d) with the tests' tiny llama standing in for the bench-size checkpoints; interference likewise."""
+    """(c) and (d) with the tests' tiny llama standing in for the bench-size checkpoints; interference likewise.
+    Their workers unpinned, as the suite's others (bench/clusters.py `unpinned`)."""
     models = tmp_path / "models"
     os.makedirs(models)
     os.symlink(checkpoint_dir("llama"), models / "bench-llama")  # bench/families.py finds it built
     out = tmp_path / "t.json"
     transfer.main(["--json", str(out), "--parts", "c,d", "--models", str(models), "--ttft-lengths", "32",
                    "--ttft-reps", "1", "--ttft-setups", "disagg_link_layerwise", "--phi-families", "llama",
-                   "--phi-lengths", "16,32", "--phi-reps", "1", "--connections", "2"])
+                   "--phi-lengths", "16,32", "--phi-reps", "1", "--connections", "2", "--unpinned"])
     r = json.loads(out.read_text())
     c = r["ttft"]["setups"]
-    assert set(c) == {"colocated", "disagg_link_layerwise"}
+    assert set(c) == {"colocated", "disagg_link_layerwise"} and r["ttft"]["pinned"] is False
     assert c["colocated"]["route"]["prefill_instance"] == "c0"
     assert c["disagg_link_layerwise"]["route"]["prefill_instance"] == "p0"
     assert c["disagg_link_layerwise"]["route"]["kv_bytes_transferred"] > 0
@@ -51,7 +52,7 @@ def test_ttft_phi_and_interference_benches_smoke(tmp_path, checkpoint_dir):
     out = tmp_path / "i.json"
     interference.main(["--json", str(out), "--models", str(models), "--decodes", "2", "--decode-tokens", "6",
                        "--decode-prompt", "8", "--prefills", "1", "--prefill-len", "48", "--chunk", "16",
-                       "--gap", "0"])
+                       "--gap", "0", "--unpinned"])
     r = json.loads(out.read_text())
     assert r["setups"]["colocated"]["tpot_samples"] == r["setups"]["disaggregated"]["tpot_samples"] == 10
     assert r["p99_tpot_ratio"] > 0

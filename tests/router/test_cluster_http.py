@@ -12,6 +12,7 @@ import json
 
 import pytest
 
+from bench.clusters import unpinned
 from jaxserve.config import parse
 from jaxserve.models.cache_spec import cache_spec
 from jaxserve.models.config import load_config
@@ -33,18 +34,9 @@ def config(path: str, instances: list[dict], **sections) -> dict:
             "clusters": [{"name": "c", "instances": instances}], **sections}
 
 
-def unpinned(cfg: dict) -> dict:
-    """cfg with none of its instances pinned to cores (`cpus` left out: each may run on any). The suite's workers
-    run unpinned: under `make test` the soak holds the first core (tests/test_soak.py), and a worker pinned beside
-    it gets a fraction of that core while the other has room. The tests of pinning pin on their own."""
-    for cluster in cfg["clusters"]:
-        for inst in cluster["instances"]:
-            inst.pop("cpus", None)
-    return cfg
-
-
 def disagg_config(path: str, extra_instances=(), **sections) -> dict:
-    """p0 (prefill), the extra instances, d0 (decode): unpinned (`unpinned`)."""
+    """p0 (prefill), the extra instances, d0 (decode), unpinned as every worker of the suite is but those of the
+    tests of pinning (bench/clusters.py `unpinned`)."""
     return unpinned(config(path, [{"name": "p0", "role": "prefill"}, *extra_instances,
                                   {"name": "d0", "role": "decode"}],
                            transfer={"token": "tok", "connections": 2, "chunk_mb": 0.01, "layers_per_group": 2,

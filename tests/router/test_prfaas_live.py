@@ -17,10 +17,12 @@ import time
 import pytest
 import yaml
 
+from bench.clusters import unpinned
 from jaxserve import bundled
 from router.snapshot import link_states
 from tests.router.test_cluster_http import complete as _complete
-from tests.router.test_cluster_http import serving, unpinned
+from tests.router.test_cluster_http import serving
+
 
 pytestmark = pytest.mark.slow
 

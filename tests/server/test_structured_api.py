@@ -199,7 +199,8 @@ def test_tool_call_parsers_and_the_streaming_split():
 
 @pytest.mark.slow
 def test_disaggregated_answers_equal_colocated(api, smollm2_dir):
-    from tests.router.test_cluster_http import serving, unpinned
+    from bench.clusters import unpinned
+    from tests.router.test_cluster_http import serving
     c, _ = api
     want = constrained_answers(c)
     import importlib.resources
