@@ -18,11 +18,9 @@ def run(config: dict, fn, pinned: bool = True):
     """Start the workers of `config` (a config mapping; with pinned False, `unpinned`), run `await fn(cluster)`
     against the router once every worker has registered, stop everything; returns fn's result."""
     from jaxserve.config import parse
-    if not pinned:
-        config = unpinned(config)
     from router.cluster import Router
     from router.launcher import workers
-    cfg = parse(config)
+    cfg = parse(config if pinned else unpinned(config))
 
     async def go():
         cluster = Router(cfg, None)

@@ -4,7 +4,7 @@ the tiny Llama; while requests are mid-stream, the decode victim SIGKILLed, and 
 cancellation storm. Every request ends token-exact or with a clean error, none hangs, nothing is held after.
 32 tokens a request keep each request's stream phase long enough for the injector to catch (with 8, a cell's
 requests could all finish in a fraction of a second, before it saw one on the victim). The workers run
-unpinned, as the suite's others do (tests/router/test_cluster_http.py `unpinned`)."""
+unpinned, as the suite's others do (bench/clusters.py `unpinned`)."""
 
 import json
 

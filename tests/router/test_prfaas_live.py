@@ -23,7 +23,6 @@ from router.snapshot import link_states
 from tests.router.test_cluster_http import complete as _complete
 from tests.router.test_cluster_http import serving
 
-
 pytestmark = pytest.mark.slow
 
 SHORT = [5, 7, 9, 11, 13, 2, 3, 4]
