@@ -184,6 +184,42 @@ async def settle(cluster, limit_s: float = 120.0) -> float:
     return time.monotonic() - t0
 
 
+def offered_rate(capacity_rps: float, load: float, turns: float) -> float:
+    """New conversations per second that offer `load` x `capacity_rps` requests per second, a conversation being
+    1 + `turns` requests on average."""
+    return load * capacity_rps / (1 + turns)
+
+
+async def calibrate(cluster, args) -> dict:
+    """The PD cluster's capacity for this workload, measured on it: first turns of the workload's lengths (fresh
+    token ids), closed loop at `--calibrate-concurrency` for `--calibrate-s` seconds under the never policy
+    (every prefill on the PD cluster); -> its completed requests per second and the conversation rate that
+    offers `--load` times it. The PD cluster's capacity scales with the machine's cores, so the offered load
+    puts it past saturation by the same factor on any machine, where the policies differ."""
+    from jaxserve.sampling import SamplingParams
+    cluster.policy = policy(args, "never")
+    params = SamplingParams(max_tokens=1024 // args.scale, temperature=0, ignore_eos=True)
+    rng = np.random.default_rng(7)
+    lens = iter(lengths(rng, 100_000, args.scale))
+    done: list[int] = []
+    t0 = time.monotonic()
+
+    async def client(c: int):
+        k = 0
+        while time.monotonic() - t0 < args.calibrate_s:
+            prompt = [int(x) for x in rng.integers(1, 1000, next(lens))]
+            await finish(await cluster.add(f"calibrate-{c}-{k}", prompt, params))
+            done.append(len(prompt))
+            k += 1
+    await asyncio.gather(*(client(c) for c in range(args.calibrate_concurrency)))
+    wall = time.monotonic() - t0
+    capacity = len(done) / wall
+    return {"what": "the PD cluster alone (never policy), first turns of the workload's lengths, closed loop",
+            "concurrency": args.calibrate_concurrency, "requests": len(done), "wall_s": wall,
+            "mean_prompt_tokens": float(np.mean(done)) if done else None, "capacity_rps": capacity,
+            "load": args.load, "rate": offered_rate(capacity, args.load, args.turns)}
+
+
 async def warm(cluster, args):
     """Untimed: every prefill bucket once through each route, then `--warm-s` of the workload with each route
     (batched shapes, table widths, transfer programs), so the runs measure serving, not compiling."""
@@ -200,12 +236,13 @@ async def warm(cluster, args):
         await workload(cluster, args, 10 + k, args.warm_s)
 
 
-def workload_args(ap: argparse.ArgumentParser, rate: float, duration: float, warm_s: float) -> None:
+def workload_args(ap: argparse.ArgumentParser, rate: float | None, duration: float, warm_s: float) -> None:
     """The cluster and workload options (also bench/sim_validate.py's)."""
     ap.add_argument("--json", required=True)
     ap.add_argument("--models", default="bench/.models", help="where bench-size checkpoints are built")
     ap.add_argument("--scale", type=int, default=64, help="input lengths divided by this")
-    ap.add_argument("--rate", type=float, default=rate, help="new conversations per second")
+    ap.add_argument("--rate", type=float, default=rate, help="new conversations per second" + (
+        "" if rate is not None else " (default: measured, see --load)"))
     ap.add_argument("--turns", type=float, default=0.3, help="probability of a conversation's second turn")
     ap.add_argument("--think-s", type=float, default=0.5)
     ap.add_argument("--duration", type=float, default=duration, help="seconds of arrivals per run")
@@ -219,7 +256,12 @@ def workload_args(ap: argparse.ArgumentParser, rate: float, duration: float, war
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    workload_args(ap, rate=0.6, duration=90, warm_s=30)
+    workload_args(ap, rate=None, duration=90, warm_s=30)
+    ap.add_argument("--load", type=float, default=1.5,
+                    help="without --rate: the requests offered per second, as a multiple of the PD cluster's "
+                         "capacity measured first in the same run")
+    ap.add_argument("--calibrate-s", type=float, default=30.0, help="seconds of the capacity measurement")
+    ap.add_argument("--calibrate-concurrency", type=int, default=8)
     ap.add_argument("--png", default=None)
     ap.add_argument("--window", type=float, default=10.0, help="seconds per p90 window in (b)")
     ap.add_argument("--repeats", type=int, default=2, help="runs of each threshold in (b), in ABBA order")
@@ -232,10 +274,15 @@ def main(argv=None):
 
     async def go(cluster):
         out: dict = {}
-        bar = tqdm(total=1 + 3 * ("a" in parts) + 2 * args.repeats * ("b" in parts), desc="prfaas_live",
-                   unit="run")
+        bar = tqdm(total=1 + (args.rate is None) + 3 * ("a" in parts) + 2 * args.repeats * ("b" in parts),
+                   desc="prfaas_live", unit="run")
         await warm(cluster, args)
         bar.update()
+        if args.rate is None:
+            await settle(cluster)
+            out["calibration"] = await calibrate(cluster, args)
+            args.rate = out["calibration"]["rate"]
+            bar.update()
         if "a" in parts:
             out["policies"] = {}
             for k, name in enumerate(("never", "always", "selective")):

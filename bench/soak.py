@@ -8,7 +8,10 @@ rest of the suite).
 1. Capacity: closed-loop requests at `--calibrate-concurrency` for `--calibrate-s` seconds: completed
    requests per second (the same prompt-length and output-length distribution as the load).
 2. Load: locust, headless (bench/soak_locust.py), Poisson arrivals at `--utilisation` x capacity for
-   `--duration` seconds (it stops by itself).
+   `--duration` seconds (it stops by itself), at most `--users` in flight; `--arrivals think` instead lets the
+   load back off as latency grows (each user waits after each answer), as `make test`'s soak runs it beside the
+   rest of the suite, whose share of the cores changes under it. The rate locust achieved is reported beside the
+   rate asked for.
 3. Every `--sample-s`, for the router process and each worker: resident memory (VmRSS), threads and open file
    descriptors (/proc); and the cluster's free and used cache blocks (/metrics, from the workers' heartbeats).
 4. After the load: the time until no block is used, and free blocks against the baseline taken before it.
@@ -272,7 +275,10 @@ def main(argv=None):
     ap.add_argument("--png", default=None, help="plot of the series over time")
     ap.add_argument("--duration", type=float, default=600, help="seconds of load")
     ap.add_argument("--utilisation", type=float, default=0.8, help="load as a fraction of measured capacity")
-    ap.add_argument("--users", type=int, default=16)
+    ap.add_argument("--users", type=int, default=16, help="locust users: at most this many requests in flight")
+    ap.add_argument("--arrivals", choices=["paced", "think"], default="paced",
+                    help="paced: Poisson arrivals at the rate whatever the latency; think: each user waits after "
+                         "each answer, so the load backs off as latency grows (bench/soak_locust.py)")
     ap.add_argument("--calibrate-s", type=float, default=40)
     ap.add_argument("--calibrate-concurrency", type=int, default=8)
     ap.add_argument("--sample-s", type=float, default=2.0)
@@ -318,7 +324,8 @@ def main(argv=None):
                "--run-time", f"{int(args.duration)}s", "--stop-timeout", "120", "--csv", prefix,
                "--only-summary", "--loglevel", "WARNING", "--rate", str(rate),
                "--max-tokens", str(args.max_tokens), "--prompt-min", str(args.prompt_min),
-               "--prompt-max", str(args.prompt_max), "--vocab", str(vocab), "--model-name", "soak"]
+               "--prompt-max", str(args.prompt_max), "--vocab", str(vocab), "--model-name", "soak",
+               "--arrivals", args.arrivals]
         lc = subprocess.run(pinned(cmd, args.cores), capture_output=True, text=True, timeout=args.duration + 600)
         load1 = time.monotonic() - sampler.t0
         if not os.path.exists(prefix + "_stats.csv"):
@@ -332,6 +339,7 @@ def main(argv=None):
                        "(locust) at a fraction of the capacity measured closed-loop in the same run; RSS, threads, "
                        "fds of each process from /proc, cluster blocks from /metrics",
                "cores": args.cores, "capacity": cap, "utilisation": args.utilisation, "rate_requests_per_s": rate,
+               "arrivals": args.arrivals, "users": args.users,
                "duration_s": args.duration, "settle": args.settle, "locust": stats,
                "blocks": {"baseline_free": baseline.get("blocks_free"), "end_free": end.get("blocks_free"),
                           "end_used": end.get("blocks_used"), "idle_after_s": idle_after_s},

@@ -1,14 +1,19 @@
-"""Locust user for bench/soak.py: open-loop-like Poisson load of greedy completions.
+"""Locust user for bench/soak.py: Poisson load of greedy completions.
 
-Each user waits an exponentially distributed time (mean users / rate) between requests, so the users together
-send about `--rate` requests per second as a Poisson stream. Prompts are random token ids (lengths uniform in
-[--prompt-min, --prompt-max]), `--max-tokens` greedy tokens each (ignore_eos). Run by bench/soak.py as its own
-process (locust patches the standard library with gevent on import).
+`--arrivals paced` (the default): each user keeps a schedule of its own, a Poisson process of rate `--rate` /
+users, and sends each request at its scheduled time (at once, when the one before it ended late), so the users
+together send `--rate` requests per second as a Poisson stream whatever the latency, as long as fewer than
+`users` are in flight. `--arrivals think`: each user waits an exponentially distributed time (mean users /
+rate) after each answer, so the rate falls as latency grows: the load backs off on a server that slows down.
+Prompts are random token ids (lengths uniform in [--prompt-min, --prompt-max]), `--max-tokens` greedy tokens
+each (ignore_eos). Run by bench/soak.py as its own process (locust patches the standard library with gevent on
+import).
 """
 
 from __future__ import annotations
 
 import random
+import time
 
 from locust import HttpUser, events, task
 
@@ -21,12 +26,20 @@ def _args(parser):
     parser.add_argument("--prompt-max", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=1000)
     parser.add_argument("--model-name", default="soak")
+    parser.add_argument("--arrivals", choices=["paced", "think"], default="paced")
 
 
 class Completions(HttpUser):
+    def on_start(self):
+        self.next_at = time.monotonic()  # this user's schedule: its first request goes at once
+
     def wait_time(self):
         o = self.environment.parsed_options
-        return random.expovariate(o.rate / max(self.environment.runner.user_count, 1))
+        gap = random.expovariate(o.rate / max(self.environment.runner.user_count, 1))
+        if o.arrivals == "think":
+            return gap
+        self.next_at += gap
+        return max(0.0, self.next_at - time.monotonic())
 
     @task
     def complete(self):

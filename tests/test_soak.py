@@ -2,7 +2,8 @@
 Poisson load at 80% of the capacity measured in the same run. Nothing fails, the cache's free blocks return to
 their baseline, and no process grows: threads and file descriptors after the load are back where they were
 once the load had settled, resident memory grows by less than RSS_GROWTH_MB over the settled load. Ten minutes
-here, the whole soak (router, workers, locust) on one core, so that the rest of the suite has the other;
+here, the whole soak (router, workers, locust) on one core, so that the rest of the suite has the other, the
+load backing off as latency grows (`--arrivals think`: the suite's share of that core changes under it);
 `make soak` runs it for an hour on the bench-size model over two cores and reports the slopes."""
 
 import json
@@ -21,7 +22,8 @@ def test_soak_nothing_fails_nothing_grows(tmp_path, checkpoint_dir):
     core = min(os.sched_getaffinity(0))
     out = soak.main(["--json", str(tmp_path / "soak.json"), "--png", str(tmp_path / "soak.png"),
                      "--model", checkpoint_dir("llama"), "--duration", str(DURATION_S), "--calibrate-s", "10",
-                     "--sample-s", "1", "--max-tokens", "8", "--prompt-max", "48", "--cores", str(core)])
+                     "--sample-s", "1", "--max-tokens", "8", "--prompt-max", "48", "--cores", str(core),
+                     "--arrivals", "think"])
     assert json.loads((tmp_path / "soak.json").read_text())["locust"] == out["locust"]
     assert (tmp_path / "soak.png").stat().st_size > 10_000
     s, b = out["locust"], out["blocks"]

@@ -1,0 +1,60 @@
+#!/bin/bash
+# Issue 19's GPU checks in one run, for a lent GPU machine that reaches no package index: the Pallas kernels
+# compiled and timed against their references (bench.kernels: decode attention's share of HBM bandwidth, prefill
+# attention's of bf16 peak), the kernel tests compiled for the GPU (tests/pallas_kernels), the device transfer
+# backend's tests and its bytes/s beside raw sockets (tests/transfer/test_pull.py, bench.transfer part a),
+# LLM.generate end to end (bench.offline, no peer), and with the time left the launch-parameter sweep
+# (bench.kernel_tune).
+#
+# Here, once: bash bench/gpu_wheels.sh (the packages the machine's image lacks, as wheels in .whl/). Then the
+# device tool's run, with carry [".whl"] and timeout_s 600:
+#     bash bench/gpu_check.sh
+# It uses the machine's own python3 and JAX (CUDA), the wheels installed beside them in /tmp/site. Every step
+# has its share of BUDGET_S (default 480 s) and is cut at it; what each wrote, its log and a summary go to $OUT
+# (results named after the GPU: kernels_h100.json, kernels_h200.json, ...), to be copied into bench/results/.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+BUDGET_S=${BUDGET_S:-480}
+START=$(date +%s)
+PY=${PY:-python3}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 XLA_PYTHON_CLIENT_PREALLOCATE=false  # several processes share the GPU
+if [ -d .whl ]; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || { echo "gpu_check: the wheels in .whl/ did not install" >&2; exit 1; }
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+[ -n "$GPU" ] || { echo "gpu_check: nvidia-smi finds no GPU" >&2; exit 1; }
+TAG=$(echo "$GPU" | grep -o -i -E 'H100|H200|A100|L40S|B200' | head -1 | tr 'A-Z' 'a-z')
+TAG=${TAG:-gpu}
+{
+    echo "gpu: $GPU (tag $TAG)"
+    nvidia-smi --query-gpu=driver_version,memory.total --format=csv,noheader
+    $PY -c "import jax, jaxlib, flax; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__version__); print(jax.devices())"
+} 2>&1 | tee "$OUT/summary.txt"
+
+# step NAME SHARE_S COMMAND...: runs COMMAND for at most SHARE_S seconds and what is left of BUDGET_S
+step() {
+    local name=$1 share=$2; shift 2
+    local left=$(( BUDGET_S - ($(date +%s) - START) ))
+    local limit=$(( share < left ? share : left ))
+    if [ "$limit" -lt 20 ]; then echo "$name: skipped, $left s of the budget left" | tee -a "$OUT/summary.txt"; return; fi
+    local t0=$(date +%s)
+    timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "$name: rc $rc in $(( $(date +%s) - t0 )) s (limit $limit s)$([ $rc = 124 ] && echo ', cut at its limit')" \
+        | tee -a "$OUT/summary.txt"
+    tail -n 4 "$OUT/$name.log" | sed 's/^/    /' | tee -a "$OUT/summary.txt"
+}
+
+step kernels 120 $PY -m bench.kernels --iters 20 --json "$OUT/kernels_$TAG.json"
+step pallas_tests 150 $PY -m pytest -q -p no:cacheprovider tests/pallas_kernels
+step pull_tests 60 $PY -m pytest -q -p no:cacheprovider tests/transfer/test_pull.py
+step transfer 60 $PY -m bench.transfer --parts a --reps 3 --json "$OUT/transfer_$TAG.json"
+step offline 120 $PY -m bench.offline --no-baseline --reps 2 --json "$OUT/offline_$TAG.json"
+step kernel_tune 200 $PY -m bench.kernel_tune --iters 10 --json "$OUT/kernel_tune_$TAG.json"
+echo "total $(( $(date +%s) - START )) s" | tee -a "$OUT/summary.txt"

@@ -1,0 +1,21 @@
+#!/bin/bash
+# The Python packages jaxserve needs that the lent GPU machines' image lacks (or holds at another version), as
+# x86-64 CPython 3.12 wheels in .whl/ (ignored by git), for bench/gpu_check.sh to install there (it can fetch
+# nothing). Versions are this checkout's .venv's, so the GPU run uses the library versions the suite tests here.
+# Run here, in the repository root: bash bench/gpu_wheels.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+PKGS="flax pydantic pydantic_core annotated-types typing-inspection gguf fastapi starlette uvicorn llguidance
+      cryptography cffi pycparser"
+grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+rm -rf .whl && mkdir -p .whl
+for p in $PKGS; do
+    v=$($PY -m pip show "$p" 2>/dev/null | sed -n 's/^Version: //p')
+    [ -n "$v" ] || { echo "gpu_wheels: $p is not installed in $PY's environment (make install first)" >&2; exit 1; }
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 --platform manylinux_2_34_x86_64 --platform manylinux_2_31_x86_64 \
+        -d .whl "$p==$v"
+done
+du -sh .whl && ls .whl
