@@ -41,6 +41,7 @@ from bench.faults import pct
 
 MU, SIGMA, LO, HI = 9.90, 1.00, 128, 128 * 1024
 MESSAGE = 32
+WARM_RATE = 0.6  # conversations per second of the untimed warm-up when the rate is still to be measured
 
 
 def lengths(rng: np.random.Generator, n: int, scale: int) -> list[int]:
@@ -80,17 +81,18 @@ def policy(args, name: str):
     return policies.make(PolicySection(name="prfaas", local_prefill_tokens=MESSAGE + 16, **kw))
 
 
-async def workload(cluster, args, seed: int, duration: float, on_tick=None, salt: int = 0) -> list[dict]:
-    """Open-loop conversations for `duration` s; -> one record per request. `seed` draws the arrivals, lengths
-    and second turns, `salt` the token ids: two runs with one seed and different salts offer the same load
-    with prompts neither has cached."""
+async def workload(cluster, args, seed: int, duration: float, on_tick=None, salt: int = 0,
+                   rate: float | None = None) -> list[dict]:
+    """Open-loop conversations for `duration` s at `rate` (default `--rate`) per second; -> one record per
+    request. `seed` draws the arrivals, lengths and second turns, `salt` the token ids: two runs with one seed
+    and different salts offer the same load with prompts neither has cached."""
     from jaxserve.sampling import SamplingParams
+    rate = rate or args.rate
     rng = np.random.default_rng(seed)
     ids = np.random.default_rng([seed, salt])
     vocab = 1000
     params = SamplingParams(max_tokens=1024 // args.scale, temperature=0, ignore_eos=True)
     records: list[dict] = []
-    t0 = time.monotonic()
 
     async def one(rid: str, conv: int, prompt: list[int], turn: int) -> list[int] | None:
         arrival = time.monotonic() - t0
@@ -121,8 +123,9 @@ async def workload(cluster, args, seed: int, duration: float, on_tick=None, salt
             await one(f"s{seed}.{salt}-c{i}-t2", i, first + ans + message, 2)
 
     tasks, i = [], 0
-    lens = iter(lengths(rng, 100_000, args.scale))
-    next_at = rng.exponential(1 / args.rate)
+    lens = iter(lengths(rng, 100_000, args.scale))  # drawn before the clock starts (a fraction of a second)
+    t0 = time.monotonic()
+    next_at = rng.exponential(1 / rate)
     while (now := time.monotonic() - t0) < duration:
         if on_tick is not None:
             on_tick(now)
@@ -131,7 +134,7 @@ async def workload(cluster, args, seed: int, duration: float, on_tick=None, salt
             turn2, message = rng.random() < args.turns, [int(x) for x in ids.integers(1, vocab, MESSAGE)]
             tasks.append(asyncio.ensure_future(conversation(i, next(lens), turn2, message)))
             i += 1
-            next_at += rng.exponential(1 / args.rate)
+            next_at += rng.exponential(1 / rate)
         await asyncio.sleep(min(0.05, max(0.0, next_at - now)))
     await asyncio.gather(*tasks)
     return records
@@ -233,7 +236,7 @@ async def warm(cluster, args):
         cluster.policy = policy(args, name)
         for j, n in enumerate(sizes + [sizes[-1] + MESSAGE]):
             await finish(await cluster.add(f"warm-{name}-{j}", [(7 * i + j) % 999 + 1 for i in range(n)], params))
-        await workload(cluster, args, 10 + k, args.warm_s)
+        await workload(cluster, args, 10 + k, args.warm_s, rate=args.rate or WARM_RATE)
 
 
 def workload_args(ap: argparse.ArgumentParser, rate: float | None, duration: float, warm_s: float) -> None:

@@ -33,7 +33,8 @@ class Stand:
         assert params.max_tokens == 16 and params.temperature == 0
         q: asyncio.Queue = asyncio.Queue()
         await asyncio.sleep(0.001)
-        q.put_nowait(types.SimpleNamespace(finished=True, error=None))
+        q.put_nowait(types.SimpleNamespace(finished=True, error=None, token_ids=[1] * params.max_tokens,
+                                           route={"route": "pd"}, ttft_s=0.001, cached_tokens=0))
         return q
 
 
@@ -51,3 +52,16 @@ def test_calibration_runs_the_workload_on_the_pd_cluster_alone_and_reports_its_r
     assert [n for _, n, _ in stand.sent] == want
     assert cal["capacity_rps"] == pytest.approx(cal["requests"] / cal["wall_s"])
     assert cal["rate"] == pytest.approx(prfaas_live.offered_rate(cal["capacity_rps"], 1.5, 0.3))
+
+
+def test_the_warm_up_runs_before_the_rate_is_measured(monkeypatch):
+    """Without --rate the warm-up's workload runs at WARM_RATE (the rate is measured after it), both routes."""
+    monkeypatch.setattr(prfaas_live, "WARM_RATE", 200.0)  # arrivals within the 0.3 s of each route's workload
+    args = types.SimpleNamespace(scale=64, threshold=256, turns=0.3, think_s=0.0, warm_s=0.3, rate=None)
+    stand = Stand()
+    asyncio.run(prfaas_live.warm(stand, args))
+    assert args.rate is None
+    thresholds = [t for _, _, t in stand.sent]
+    assert {10**9, 0} <= set(thresholds)  # never, then always
+    assert any(rid.startswith("s10.") for rid, _, _ in stand.sent) and any(rid.startswith("s11.") for rid, _, _ in
+                                                                           stand.sent)
