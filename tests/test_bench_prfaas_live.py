@@ -26,7 +26,7 @@ class Stand:
 
     def __init__(self):
         self.policy = None
-        self.sent: list[tuple[str, int, str]] = []
+        self.sent: list[tuple[str, int, float]] = []  # request id, prompt length, the threshold it met
 
     async def add(self, rid, prompt, params):
         self.sent.append((rid, len(prompt), self.policy.state().get("threshold_tokens")))
