@@ -48,7 +48,7 @@ step() {
     local rc=$?
     echo "$name: rc $rc in $(( $(date +%s) - t0 )) s (limit $limit s)$([ $rc = 124 ] && echo ', cut at its limit')" \
         | tee -a "$OUT/summary.txt"
-    tail -n 4 "$OUT/$name.log" | sed 's/^/    /' | tee -a "$OUT/summary.txt"
+    tail -n 4 "$OUT/$name.log" | awk '{print "    " $0}' | tee -a "$OUT/summary.txt"  # awk ends every line
 }
 
 step kernels 120 $PY -m bench.kernels --iters 20 --json "$OUT/kernels_$TAG.json"
