@@ -250,8 +250,7 @@ def workload_args(ap: argparse.ArgumentParser, rate: float | None, duration: flo
     ap.add_argument("--think-s", type=float, default=0.5)
     ap.add_argument("--duration", type=float, default=duration, help="seconds of arrivals per run")
     ap.add_argument("--threshold", type=int, default=256, help="the selective policy's threshold (tokens)")
-    ap.add_argument("--bandwidth-gbps", type=float, default=0.048,
-                    help="the PrfaaS -> PD link (scaled with the compute: about the KV rate of offloading all)")
+    ap.add_argument("--bandwidth-gbps", type=float, default=0.048, help="the PrfaaS -> PD link (Gbit/s)")
     ap.add_argument("--latency-ms", type=float, default=5.0)
     ap.add_argument("--slo-ttft", type=float, default=3.0, help="TTFT SLO (s) for goodput")
     ap.add_argument("--warm-s", type=float, default=warm_s, help="untimed workload per route before the runs")
@@ -260,7 +259,10 @@ def workload_args(ap: argparse.ArgumentParser, rate: float | None, duration: flo
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     workload_args(ap, rate=None, duration=90, warm_s=30)
-    ap.add_argument("--load", type=float, default=1.5,
+    # at the default load the selective split's KV fills about 70% of this link; offloading every prefill needs
+    # all of it (and more than the one PrfaaS prefill worker computes)
+    ap.set_defaults(bandwidth_gbps=0.12)
+    ap.add_argument("--load", type=float, default=1.25,
                     help="without --rate: the requests offered per second, as a multiple of the PD cluster's "
                          "capacity measured first in the same run")
     ap.add_argument("--calibrate-s", type=float, default=30.0, help="seconds of the capacity measurement")
