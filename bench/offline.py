@@ -94,6 +94,9 @@ class Transformers:
         self.torch, self.max_tokens, self.batch = torch, max_tokens, batch
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                           attn_implementation="eager").eval()
+        # ignore_eos, as jaxserve and vLLM run: the EOS token is chosen like any other and generation goes on
+        # (`min_new_tokens` would instead forbid it, and a greedy EOS would become the runner-up token)
+        self.model.generation_config.eos_token_id = None
 
     def run(self, prompts: list[list[int]]) -> dict:
         torch, toks = self.torch, [None] * len(prompts)
@@ -108,7 +111,7 @@ class Transformers:
                 mask[i, L - len(p):] = 1
             with torch.no_grad():
                 g = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=self.max_tokens,
-                                        min_new_tokens=self.max_tokens, do_sample=False, pad_token_id=0)
+                                        do_sample=False, pad_token_id=0)
             for i in range(len(chunk)):
                 toks[s + i] = g[i, L:].tolist()
         return {"seconds": time.perf_counter() - t0, "tokens": toks}
@@ -181,6 +184,14 @@ class VLLM:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def parting(request: int, ours: list[int], theirs: list[int], peer: str) -> dict:
+    """Where two token sequences of one request part: the first differing position and each side's token there
+    (None past a sequence's end)."""
+    at = next((j for j, (u, v) in enumerate(zip(ours, theirs)) if u != v), min(len(ours), len(theirs)))
+    return {"request": request, "at": at, "jaxserve": ours[at] if at < len(ours) else None,
+            peer: theirs[at] if at < len(theirs) else None}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", required=True)
@@ -247,8 +258,9 @@ def main(argv=None):
                       for j, p in zip(out["jaxserve"]["passes"], o["passes"])]
             res[f"ratio_vs_{name}"] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
                                        "per_round": ratios}
-            same = sum(x == y for x, y in zip(out["jaxserve"]["tokens"], o.pop("tokens")))
-            res[f"same_tokens_{name}"] = f"{same}/{len(timed)}"
+            pairs = list(zip(out["jaxserve"]["tokens"], o.pop("tokens")))
+            res[f"same_tokens_{name}"] = f"{sum(x == y for x, y in pairs)}/{len(timed)}"
+            res[f"differ_{name}"] = [parting(i, x, y, name) for i, (x, y) in enumerate(pairs) if x != y]
     out["jaxserve"].pop("tokens")
     res.update(out)
     for name, o in out.items():
