@@ -3,13 +3,15 @@
 Every benchmark writes its JSON through `write(path, result)`, which adds a "stamp": the commit (and whether
 tracked files differed from it), the UTC date, the machine (platform, cores, JAX backend and devices) and the
 exact command line. `python -m bench.stamp` lists bench/results/*.json with their stamps and marks a result
-stale when a commit after its own changed the code it measures (CODE and the benchmark's own module);
-`--check` exits 1 when any result is stale or unstamped. `make bench` regenerates them all from one commit.
+stale when a commit after its own changed the code it measures (CODE, the benchmark's own module and the bench
+modules it imports); `--check` exits 1 when any result is stale or unstamped. `make bench` regenerates them all
+from one commit.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import datetime
 import glob
 import json
@@ -24,12 +26,34 @@ RESULTS = os.path.join(ROOT, "bench", "results")
 CODE = ("jaxserve", "pallas_kernels", "transfer", "router", "pyproject.toml")  # what every result describes
 
 
+def bench_imports(module: str) -> list[str]:
+    """The bench modules `module` (bench.NAME) imports, directly or through each other, itself first (its
+    source in this tree, read statically; bench.stamp, which only writes the stamp, left out)."""
+    seen, todo = [], [module]
+    while todo:
+        mod = todo.pop(0)
+        path = os.path.join(ROOT, *mod.split(".")) + ".py"
+        if mod in seen or mod == "bench.stamp" or not os.path.isfile(path):
+            continue
+        seen.append(mod)
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                todo += [a.name for a in node.names if a.name.startswith("bench.")]
+            elif isinstance(node, ast.ImportFrom) and node.module == "bench":
+                todo += [f"bench.{a.name}" for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("bench."):
+                todo.append(node.module)
+    return seen
+
+
 def measured_paths(command: str | None) -> tuple[str, ...]:
-    """The code a result describes: CODE and the benchmark's own module (`python -m bench.NAME ...`; every
-    benchmark when the command names none)."""
+    """The code a result describes: CODE, the benchmark's own module (`python -m bench.NAME ...`; every
+    benchmark when the command names none) and the bench modules it imports."""
     parts = shlex.split(command or "")
     mods = [parts[i + 1] for i, p in enumerate(parts[:-1]) if p == "-m" and parts[i + 1].startswith("bench.")]
-    own = tuple(os.path.join(*m.split(".")) + ".py" for m in mods[:1]) or ("bench",)
+    own = tuple(os.path.join(*m.split(".")) + ".py" for m in bench_imports(mods[0])) if mods else ("bench",)
     return CODE + own
 
 

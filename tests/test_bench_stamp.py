@@ -40,10 +40,24 @@ def test_staleness(tmp_path):
     assert "not in this repository" in stamp.staleness(write_with(tmp_path, {"commit": "0" * 40}))
     assert stamp.staleness(write_with(tmp_path, {"commit": head, "dirty": False})) is None
     assert stamp.staleness(write_with(tmp_path, {"commit": head, "dirty": True})) == "measured with uncommitted changes"
-    assert stamp.measured_paths("python -m bench.offline --json x") == stamp.CODE + ("bench/offline.py",)
+    # the benchmark's own module, then the bench modules it imports (bench/offline.py runs bench/vllm_offline.py)
+    assert stamp.measured_paths("python -m bench.offline --json x") == stamp.CODE + ("bench/offline.py",
+                                                                                    "bench/vllm_offline.py")
     assert stamp.measured_paths(None) == stamp.CODE + ("bench",)
     last = git("log", "-n", "1", "--format=%H", "--", *stamp.CODE)  # the newest commit that changed measured code
     parent = git("rev-parse", "--verify", "-q", f"{last}^")
     if not parent:
         pytest.skip("shallow history: no commit before the last code change")
     assert "later commits changed the code" in stamp.staleness(write_with(tmp_path, {"commit": parent}))
+
+
+def test_a_result_describes_the_bench_modules_its_benchmark_imports():
+    # bench/sim_validate.py runs bench/prfaas_live.py's workload on bench/clusters.py's cluster: a change to
+    # either changes its result. bench/stamp.py only writes the stamp.
+    got = stamp.bench_imports("bench.sim_validate")
+    assert got[0] == "bench.sim_validate"
+    assert {"bench.prfaas_live", "bench.clusters", "bench.families"} <= set(got)
+    assert "bench.stamp" not in got
+    assert len(got) == len(set(got))
+    # transitive: bench/online.py imports bench/offline.py, which runs bench/vllm_offline.py
+    assert "bench/vllm_offline.py" in stamp.measured_paths("python -m bench.online --json x")
