@@ -114,6 +114,12 @@ def _delta(r, *, H, Dk, Dv, dtype, per_channel, T, B=2):
                       use_qk_l2norm_in_kernel=True)
 
 
+def _matmul(r, *, K, N, dtype, transposed=False, rows=3):
+    """rows rows of x [rows, K] against a weight [K, N] ([N, K] transposed), the weight at 1/sqrt(K)."""
+    w = _rand(r, (N, K) if transposed else (K, N), dtype, K ** -0.5)
+    return (_rand(r, (rows, K), dtype), w), dict(transposed=transposed)
+
+
 _BUILD = {
     "batched_attention": _attention,
     "paged_attention": _paged,
@@ -121,13 +127,14 @@ _BUILD = {
     "paged_prefill_attention": _paged_prefill,
     "chunk_gated_delta_rule": functools.partial(_delta, T=37),
     "recurrent_gated_delta_rule": functools.partial(_delta, T=1),
+    "matmul": _matmul,
 }
 
 
 def inputs(kernel: str, r: np.random.RandomState, **dims) -> tuple[tuple, dict]:
     """(args, keyword args) of seeded random inputs for `kernel` with a Case's dims; the sizes default to the
     self-test's small case (a few tokens, two sequences) and can be raised (bench/kernels.py): B rows, ctx tokens
-    of context (paged; full: every row that long), T tokens (delta rule)."""
+    of context (paged; full: every row that long), T tokens (delta rule), rows (matmul)."""
     return _BUILD[kernel](r, **dims)
 
 

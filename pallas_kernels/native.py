@@ -2,13 +2,16 @@
 
 On a CPU the Pallas kernels run only in interpret mode, and the jnp reference of paged decode attention gathers
 every block the batch holds into a dense copy before its products. `native/paged_attention.cc` reads the blocks
-in place instead (its header says how). It is compiled once per machine with the system's C++ compiler
-(g++, else c++) against the FFI headers jaxlib ships, into `~/.cache/jaxserve/native/` (named by a hash of
-the source, the flags and the CPU), and registered with XLA on first use.
+in place instead, and `native/matmul.cc` runs a decode step's few rows against a layer's weights, which XLA's CPU
+dot does at full memory bandwidth only for one row (their headers say how). They are compiled once per machine
+with the system's C++ compiler (g++, else c++) against the FFI headers jaxlib ships, into one library in
+`~/.cache/jaxserve/native/` (named by a hash of the sources, the flags and the CPU), and registered with XLA on
+first use.
 
-`available()` says whether it built (and why not); `paged_attention` / `paged_mla_attention` have the
-signatures of their references in paged_attention.py. A float32 pool runs the kernel; another dtype runs the
-reference, as does every call where the library is not available. select.py routes "native" mode here;
+`available()` says whether it built (and why not); `paged_attention` / `paged_mla_attention` /
+`paged_prefill_attention` have the signatures of their references in paged_attention.py, `matmul` that of
+matmul.py's. float32 runs the kernels; another dtype runs the reference (as do products of more than MATMUL_ROWS
+rows), as does every call where the library is not available. select.py routes "native" mode here;
 check.py compares each kernel with its reference on the model's own dims before an engine uses it.
 
 Thread-safety: the build runs under a lock, once per process; the kernels are pure functions.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -29,11 +33,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .matmul import check_matmul, ref_matmul
 from .paged_attention import (_check_mla, _views, gqa_args, prefill_args, ref_paged_attention, ref_paged_mla_attention,
                               ref_paged_prefill_attention)
 
-SOURCE = os.path.join(os.path.dirname(__file__), "native", "paged_attention.cc")
-TARGETS = {"jaxserve_paged_decode": "JaxservePagedDecode", "jaxserve_paged_prefill": "JaxservePagedPrefill"}
+NATIVE_DIR = os.path.join(os.path.dirname(__file__), "native")
+SOURCES = tuple(os.path.join(NATIVE_DIR, f) for f in ("paged_attention.cc", "matmul.cc"))
+HEADERS = tuple(os.path.join(NATIVE_DIR, f) for f in ("run_items.h",))
+TARGETS = {"jaxserve_paged_decode": "JaxservePagedDecode", "jaxserve_paged_prefill": "JaxservePagedPrefill",
+           "jaxserve_matmul": "JaxserveMatmul", "jaxserve_matmul_t": "JaxserveMatmulT"}
+MATMUL_ROWS = 8  # the most rows a native product takes (a decode step's few); more run as XLA's dot
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-fopenmp-simd")
 CACHE_DIR = os.path.expanduser("~/.cache/jaxserve/native")
 
@@ -52,10 +61,12 @@ def _cpu_key() -> str:
 
 
 def library_path(cache_dir: str = CACHE_DIR) -> str:
-    with open(SOURCE, "rb") as f:
-        src = f.read()
+    src = b""
+    for path in SOURCES + HEADERS:
+        with open(path, "rb") as f:
+            src += f.read()
     key = hashlib.sha256(src + " ".join(FLAGS).encode() + _cpu_key().encode() + jax.__version__.encode())
-    return os.path.join(cache_dir, f"paged_attention-{key.hexdigest()[:16]}.so")
+    return os.path.join(cache_dir, f"jaxserve_native-{key.hexdigest()[:16]}.so")
 
 
 def build(cache_dir: str = CACHE_DIR, compiler: str | None = None) -> str:
@@ -71,10 +82,10 @@ def build(cache_dir: str = CACHE_DIR, compiler: str | None = None) -> str:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
     os.close(fd)
     try:
-        r = subprocess.run([cxx, *FLAGS, "-I", jax.ffi.include_dir(), SOURCE, "-o", tmp], capture_output=True,
+        r = subprocess.run([cxx, *FLAGS, "-I", jax.ffi.include_dir(), *SOURCES, "-o", tmp], capture_output=True,
                            text=True, timeout=300)
         if r.returncode != 0:
-            raise RuntimeError(f"{cxx} failed to build {SOURCE}:\n{(r.stderr or r.stdout)[-2000:]}")
+            raise RuntimeError(f"{cxx} failed to build {', '.join(SOURCES)}:\n{(r.stderr or r.stdout)[-2000:]}")
         os.replace(tmp, path)  # atomic: a concurrent builder's file is as good as this one
     finally:
         if os.path.exists(tmp):
@@ -154,5 +165,20 @@ def paged_prefill_attention(q, pool, block_tables, rows, positions, *, layer, sl
                  v_hi=v_hi, window=sliding_window, scale=Dk ** -0.5 if scale is None else float(scale))
 
 
+def matmul(x, w, *, transposed: bool = False):
+    """`ref_matmul`'s arguments and result (x [..., K] times w [K, N], or w [N, K] transposed -> [..., N]),
+    computed by the native kernel when x has at most MATMUL_ROWS rows and both are float32. A single row against
+    an [in, out] weight stays XLA's (its matrix-vector product reads such a weight at full bandwidth already)."""
+    rows = math.prod(x.shape[:-1])
+    if not (x.dtype == w.dtype == jnp.float32 and (1 if transposed else 2) <= rows <= MATMUL_ROWS
+            and available()[0]):
+        return ref_matmul(x, w, transposed=transposed)
+    check_matmul(x, w, transposed)
+    N = w.shape[0] if transposed else w.shape[1]
+    call = jax.ffi.ffi_call("jaxserve_matmul_t" if transposed else "jaxserve_matmul",
+                            jax.ShapeDtypeStruct((rows, N), jnp.float32), vmap_method="sequential")
+    return call(x.reshape(rows, x.shape[-1]), w).reshape(*x.shape[:-1], N)
+
+
 KERNELS = {"paged_attention": paged_attention, "paged_mla_attention": paged_mla_attention,  # for select.py
-           "paged_prefill_attention": paged_prefill_attention}
+           "paged_prefill_attention": paged_prefill_attention, "matmul": matmul}

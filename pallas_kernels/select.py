@@ -26,6 +26,7 @@ from . import native
 from .flash_attention import batched_attention, flash_attention, ref_batched_attention, ref_flash_attention
 from .gated_delta_rule import (chunk_gated_delta_rule, recurrent_gated_delta_rule, ref_chunk_gated_delta_rule,
                                ref_recurrent_gated_delta_rule)
+from .matmul import ref_matmul
 from .paged_attention import (paged_attention, paged_mla_attention, ref_paged_attention, ref_paged_mla_attention,
                               ref_paged_prefill_attention)
 
@@ -40,6 +41,7 @@ KERNELS = {  # name -> (reference, Pallas kernel or None: native only)
     "paged_prefill_attention": (ref_paged_prefill_attention, None),
     "chunk_gated_delta_rule": (ref_chunk_gated_delta_rule, chunk_gated_delta_rule),
     "recurrent_gated_delta_rule": (ref_recurrent_gated_delta_rule, recurrent_gated_delta_rule),
+    "matmul": (ref_matmul, None),
 }
 
 

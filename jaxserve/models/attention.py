@@ -128,10 +128,14 @@ class GQAAttention(nnx.Module):
         self.spec, self.kernels = spec, kernels
         H, Hkv, D, Dv = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.v_head_dim
         q_out = H * D * (2 if spec.output_gate else 1)
-        self.q_proj = Linear(f"{prefix}.q_proj", hidden, q_out, dtype, spec.qkv_bias, tp="col")
-        self.k_proj = Linear(f"{prefix}.k_proj", hidden, Hkv * D, dtype, spec.qkv_bias, tp="col")
-        self.v_proj = Linear(f"{prefix}.v_proj", hidden, Hkv * Dv, dtype, spec.qkv_bias, tp="col")
-        self.o_proj = Linear(f"{prefix}.o_proj", H * Dv, hidden, dtype, spec.o_bias, tp="row")
+        self.q_proj = Linear(f"{prefix}.q_proj", hidden, q_out, dtype, spec.qkv_bias, tp="col",
+                             kernels=kernels)
+        self.k_proj = Linear(f"{prefix}.k_proj", hidden, Hkv * D, dtype, spec.qkv_bias, tp="col",
+                             kernels=kernels)
+        self.v_proj = Linear(f"{prefix}.v_proj", hidden, Hkv * Dv, dtype, spec.qkv_bias, tp="col",
+                             kernels=kernels)
+        self.o_proj = Linear(f"{prefix}.o_proj", H * Dv, hidden, dtype, spec.o_bias, tp="row",
+                             kernels=kernels)
         if spec.qk_norm:
             self.q_norm = RMSNorm(f"{prefix}.q_norm", D, eps, dtype, norm_plus_one)
             self.k_norm = RMSNorm(f"{prefix}.k_norm", D, eps, dtype, norm_plus_one)

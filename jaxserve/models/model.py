@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_kernels.check import Case
-from pallas_kernels.select import resolve
+from pallas_kernels.select import resolve, select
 
 from .attention import GQAAttention, MLAAttention
 from .batch import Batch
@@ -59,7 +59,7 @@ class DecoderLayer(nnx.Module):
                                                 cfg.norm_plus_one)
         self.mixer = _mixer(f"{p}.{spec.mixer_name}", H, spec.mixer, cfg, dtype, kernels)
         if isinstance(spec.mlp, MLPSpec):
-            self.mlp = MLP(f"{p}.mlp", H, spec.mlp, dtype)
+            self.mlp = MLP(f"{p}.mlp", H, spec.mlp, dtype, kernels=kernels)
         else:
             gpt = cfg.model_type == "gpt_oss"
             self.mlp = MoE(f"{p}.mlp", H, spec.mlp, dtype, router_name="router" if gpt else "gate",
@@ -82,13 +82,13 @@ class CausalLM(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, kernels: str = "reference"):
         """kernels: "reference", "pallas", "interpret" or "auto" (pallas_kernels/select.py)."""
         self.cfg = cfg
-        kernels = resolve(kernels)
+        self.kernels = kernels = resolve(kernels)
         V, H = cfg.vocab_size, cfg.hidden_size
         declare(self, "embed_tokens", (V, H), dtype, ParamInfo((("model.embed_tokens.weight",),)))
         self.layers = nnx.List([DecoderLayer(cfg, i, dtype, kernels) for i in range(cfg.num_layers)])
         self.norm = RMSNorm("model.norm", H, cfg.rms_norm_eps, dtype, cfg.norm_plus_one)
         if not cfg.tie_word_embeddings:
-            self.lm_head = Linear("lm_head", H, V, dtype, tp="col")
+            self.lm_head = Linear("lm_head", H, V, dtype, tp="col", kernels=kernels)
 
     def __call__(self, batch: Batch, cache: list[dict], logits_idx, stacks=None):
         """batch: B sequences of T new tokens; cache: per-layer dicts (or PagedKV views of the engine's pool, in
@@ -136,7 +136,7 @@ class CausalLM(nnx.Module):
         x = self.norm(x)
         x = jnp.take_along_axis(x, logits_idx[..., None], axis=1)
         if self.cfg.tie_word_embeddings:
-            logits = jnp.einsum("bph,vh->bpv", x, self.embed_tokens[...])
+            logits = select("matmul", self.kernels)(x, self.embed_tokens[...], transposed=True)
         else:
             logits = self.lm_head(x)
         return logits.astype(jnp.float32)
@@ -191,8 +191,13 @@ def model_graphdef(cfg: ModelConfig, dtype, kernels: str):
 def kernel_cases(cfg: ModelConfig, dtype, block_size: int) -> list[Case]:
     """The kernels the model calls, each with the dims of its layers, for the self-test (pallas_kernels/check.py):
     attention over dense caches and over the paged pool, MLA over the latent pool, the delta rule chunked
-    (prefill) and recurrent (decode)."""
-    cases = set()
+    (prefill) and recurrent (decode); the products of GQA layers' projections, dense MLPs and the LM head."""
+    hidden = cfg.hidden_size  # the LM head's product on part of the vocabulary: its lowering is the same
+    cases = {Case.of("matmul", K=hidden, N=min(cfg.vocab_size, 4096), transposed=cfg.tie_word_embeddings, dtype=dtype)}
+    for spec in (layer.mlp for layer in cfg.layers):
+        if isinstance(spec, MLPSpec):
+            cases |= {Case.of("matmul", K=hidden, N=spec.intermediate_size, transposed=False, dtype=dtype),
+                      Case.of("matmul", K=spec.intermediate_size, N=hidden, transposed=False, dtype=dtype)}
     for spec in (layer.mixer for layer in cfg.layers):
         if isinstance(spec, GQASpec):
             dims = dict(Hq=spec.num_heads, Hkv=spec.num_kv_heads, Dk=spec.head_dim, Dv=spec.v_head_dim, dtype=dtype,

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.select import select
+
 from .config import MLPSpec, MoESpec
 from .params import ParamInfo, declare
 
@@ -19,20 +21,22 @@ from .params import ParamInfo, declare
 class Linear(nnx.Module):
     """y = x @ W (+ b) with W [in, out] (checkpoints store W.T: ParamInfo.perm transposes it at load).
 
-    tp: "col" shards the output features, "row" the input features, None replicates.
+    tp: "col" shards the output features, "row" the input features, None replicates. kernels: the model's kernel
+    mode (pallas_kernels/select.py): the product is its "matmul" (natively on a CPU for a decode step's few rows).
     """
 
-    def __init__(self, prefix: str, d_in: int, d_out: int, dtype, bias: bool = False, tp: str | None = None):
+    def __init__(self, prefix: str, d_in: int, d_out: int, dtype, bias: bool = False, tp: str | None = None,
+                 kernels="reference"):
         tp_axis = {"col": 1, "row": 0, None: None}[tp]
         declare(self, "weight", (d_in, d_out), dtype,
                 ParamInfo(((f"{prefix}.weight",),), perm=(1, 0), tp_axis=tp_axis))
-        self.has_bias = bias
+        self.has_bias, self.kernels = bias, kernels
         if bias:
             declare(self, "bias", (d_out,), dtype,
                     ParamInfo(((f"{prefix}.bias",),), tp_axis=0 if tp == "col" else None))
 
     def __call__(self, x):  # x [..., in] -> [..., out]
-        y = jnp.einsum("...i,io->...o", x, self.weight[...])
+        y = select("matmul", self.kernels)(x, self.weight[...])
         return y + self.bias[...] if self.has_bias else y
 
 
@@ -71,11 +75,13 @@ def gated_rms_norm(x, gate, weight, eps: float, activation: str):
 class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, prefix: str, hidden: int, spec: MLPSpec, dtype, names=("gate_proj", "up_proj", "down_proj")):
+    def __init__(self, prefix: str, hidden: int, spec: MLPSpec, dtype, names=("gate_proj", "up_proj", "down_proj"),
+                 kernels="reference"):
         g, u, d = names
-        self.gate_proj = Linear(f"{prefix}.{g}", hidden, spec.intermediate_size, dtype, spec.bias, tp="col")
-        self.up_proj = Linear(f"{prefix}.{u}", hidden, spec.intermediate_size, dtype, spec.bias, tp="col")
-        self.down_proj = Linear(f"{prefix}.{d}", spec.intermediate_size, hidden, dtype, spec.bias, tp="row")
+        I = spec.intermediate_size
+        self.gate_proj = Linear(f"{prefix}.{g}", hidden, I, dtype, spec.bias, tp="col", kernels=kernels)
+        self.up_proj = Linear(f"{prefix}.{u}", hidden, I, dtype, spec.bias, tp="col", kernels=kernels)
+        self.down_proj = Linear(f"{prefix}.{d}", I, hidden, dtype, spec.bias, tp="row", kernels=kernels)
 
     def __call__(self, x):  # [..., H] -> [..., H]
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))

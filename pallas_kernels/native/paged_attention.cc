@@ -40,6 +40,7 @@
 #include <thread>
 #include <vector>
 
+#include "run_items.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -129,33 +130,6 @@ void Attend(const Job& j, int64_t b, int64_t h) {
   }
 }
 
-// Items 0..items-1 of a call, run by the calling thread and by helpers on XLA's intra-op pool.
-struct Shared {
-  std::function<void(int64_t)> run;
-  int64_t items;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
-void Drain(Shared& sh) {
-  for (int64_t i; (i = sh.next.fetch_add(1)) < sh.items;) {
-    sh.run(i);
-    sh.done.fetch_add(1, std::memory_order_release);
-  }
-}
-
-void RunItems(ffi::ThreadPool& threads, int64_t items, std::function<void(int64_t)> run) {
-  auto shared = std::make_shared<Shared>();
-  shared->run = std::move(run);
-  shared->items = items;
-  const int64_t helpers = std::min<int64_t>(threads.num_threads(), items - 1);
-  for (int64_t i = 0; i < helpers; ++i) {
-    threads.Schedule([shared] { Drain(*shared); });
-  }
-  Drain(*shared);
-  while (shared->done.load(std::memory_order_acquire) < items) std::this_thread::yield();
-}
-
 // A call's job from its buffers and attributes (per_query: decode's lengths; null for prefill), or why the shapes
 // or attributes do not fit the pool.
 ffi::Error MakeJob(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& pool, ffi::Buffer<ffi::S32>& table,
@@ -184,7 +158,7 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> q
   ffi::Error err = MakeJob(q, pool, table, lengths.typed_data(), layer, sinks, out, k_dim, v_entry, v_lo, v_hi,
                            window, scale, has_sinks, &j);
   if (err.failure()) return err;
-  RunItems(pool_threads, q.dimensions()[0] * j.Hkv, [j](int64_t i) { Attend(j, i / j.Hkv, i % j.Hkv); });
+  jaxserve::RunItems(pool_threads, q.dimensions()[0] * j.Hkv, [j](int64_t i) { Attend(j, i / j.Hkv, i % j.Hkv); });
   return ffi::Error::Success();
 }
 
@@ -375,7 +349,7 @@ ffi::Error PagedPrefillImpl(ffi::ThreadPool pool_threads, ffi::Buffer<ffi::F32> 
   auto tiles = std::make_shared<std::vector<Tile>>(Tiles(pj, N, table.dimensions()[0]));
   if (tiles->empty()) return ffi::Error::Success();
   const bool bs16 = pj.base.bs == 16;
-  RunItems(pool_threads, static_cast<int64_t>(tiles->size()) * pj.base.Hkv, [pj, tiles, bs16](int64_t i) {
+  jaxserve::RunItems(pool_threads, static_cast<int64_t>(tiles->size()) * pj.base.Hkv, [pj, tiles, bs16](int64_t i) {
     const Tile& t = (*tiles)[i / pj.base.Hkv];
     if (bs16) {
       AttendTile<16>(pj, t, i % pj.base.Hkv);

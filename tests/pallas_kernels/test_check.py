@@ -8,7 +8,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.llm_engine import EngineConfig
-from jaxserve.models.config import load_config
+from jaxserve.models.config import MLPSpec, load_config
 from jaxserve.models.model import kernel_cases
 from pallas_kernels import check, select
 from pallas_kernels.select import KernelPlan
@@ -27,11 +27,17 @@ def _tokens(path, kernels):
 
 
 def test_cases_follow_the_model_and_pass_in_interpret_mode(checkpoint_dir):
-    cases = kernel_cases(load_config(checkpoint_dir("kimi_linear")), jnp.float32, 4)
-    assert [c.kernel for c in cases] == ["batched_attention", "chunk_gated_delta_rule", "paged_mla_attention",
-                                         "recurrent_gated_delta_rule"]
-    assert dict(cases[2].dims)["L"] == 16 and dict(cases[1].dims)["per_channel"] is True
-    assert check.self_test(cases, "interpret") == {}
+    cfg = load_config(checkpoint_dir("kimi_linear"))
+    cases = kernel_cases(cfg, jnp.float32, 4)
+    assert sorted({c.kernel for c in cases}) == ["batched_attention", "chunk_gated_delta_rule", "matmul",
+                                                 "paged_mla_attention", "recurrent_gated_delta_rule"]
+    by = {c.kernel: dict(c.dims) for c in cases}
+    assert by["paged_mla_attention"]["L"] == 16 and by["chunk_gated_delta_rule"]["per_channel"] is True
+    # the products of the dense MLP layers and of the LM head (no Pallas kernel: XLA's dot on a GPU)
+    H, I = cfg.hidden_size, next(s.mlp.intermediate_size for s in cfg.layers if isinstance(s.mlp, MLPSpec))
+    assert {(d["K"], d["N"], d["transposed"]) for c in cases if c.kernel == "matmul" for d in [dict(c.dims)]} == \
+        {(H, I, False), (I, H, False), (H, min(cfg.vocab_size, 4096), cfg.tie_word_embeddings)}
+    assert check.self_test([c for c in cases if c.kernel != "matmul"], "interpret") == {}
 
 
 def test_a_kernel_that_gives_wrong_numbers_fails_its_case(monkeypatch):

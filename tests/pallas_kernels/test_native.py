@@ -3,6 +3,7 @@ layer index traced inside a scan as the engine runs them, and what happens where
 
 import dataclasses
 import functools
+import re
 import shutil
 
 import jax
@@ -12,6 +13,7 @@ import pytest
 
 from jaxserve import LLM
 from pallas_kernels import check, native, select
+from pallas_kernels.matmul import ref_matmul
 from pallas_kernels.paged_attention import ref_paged_attention, ref_paged_mla_attention, ref_paged_prefill_attention
 from pallas_kernels.select import KernelPlan
 from tests.pallas_kernels.conftest import close, randn
@@ -100,6 +102,50 @@ def test_native_reads_the_layer_a_scan_gives_it():
     assert not np.allclose(np.asarray(got[0]), np.asarray(got[1]))
 
 
+def _native_calls(f, *args) -> list[str]:
+    """The native custom calls in f's program."""
+    text = str(jax.make_jaxpr(f)(*args))
+    return re.findall(r"target_name=(jaxserve_\w+)", text)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("K,N", [(576, 192), (64, 1000), (37, 53), (1536, 17)])
+def test_native_matmul_matches_a_float64_product(K, N, transposed):
+    """A decode step's rows (1-8, odd ones and padding-free tails of K and N included) against [K, N] and [N, K]
+    weights, inside a scan over stacked weights as the engine's layers run: the float64 product's values. The
+    native call is in the program where it should run (2-8 rows; 1-8 transposed) and not elsewhere."""
+    r = np.random.RandomState(K + N)
+    w64 = r.randn(3, K, N) / np.sqrt(K)
+    ws = jnp.asarray(np.swapaxes(w64, 1, 2) if transposed else w64, jnp.float32)
+    for rows in (1, 2, 3, 5, 8, 9):
+        x64 = r.randn(rows, 1, K)
+
+        def f(x, ws):  # the layers' weights sliced by a scan, each product's result fed to nothing else
+            return jax.lax.scan(lambda c, w: (c, native.matmul(x, w, transposed=transposed)), 0, ws)[1]
+
+        got = np.asarray(jax.jit(f)(jnp.asarray(x64, jnp.float32), ws))
+        want = np.einsum("rtk,lkn->lrtn", x64, w64)
+        assert got.shape == (3, rows, 1, N)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+        native_rows = (1 if transposed else 2) <= rows <= native.MATMUL_ROWS
+        target = "jaxserve_matmul_t" if transposed else "jaxserve_matmul"
+        assert _native_calls(f, jnp.asarray(x64, jnp.float32), ws) == ([target] if native_rows else []), rows
+
+
+def test_matmul_modes_and_bad_shapes():
+    """bfloat16 runs the reference; mismatched shapes are refused naming both; the self-test catches a wrong
+    product."""
+    r = np.random.RandomState(4)
+    x, w = randn(r, (3, 16), jnp.bfloat16), randn(r, (16, 8), jnp.bfloat16)
+    assert not _native_calls(native.matmul, x, w)
+    close(native.matmul(x, w), ref_matmul(x, w), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"x \[..., K\] and w \[K, N\]; got \(3, 16\) and \(8, 16\)"):
+        native.matmul(x.astype(jnp.float32), w.T.astype(jnp.float32))
+    case = check.Case.of("matmul", K=40, N=24, dtype=jnp.float32)
+    assert check.run_case(case, "native") is None
+    assert select.select("matmul", "native") is native.matmul and select.mode_of("matmul", "pallas") == "reference"
+
+
 def test_other_dtypes_and_rejected_inputs():
     """A bfloat16 pool runs the reference (the library takes float32); bad shapes fail as the reference's do."""
     r = np.random.RandomState(2)
@@ -124,6 +170,9 @@ def test_modes_route_to_the_native_kernels(monkeypatch):
     assert check.run_case(case, "native") is None
     monkeypatch.setitem(native.KERNELS, "paged_attention", lambda *a, **kw: native.paged_attention(*a, **kw) * 1.1)
     assert "differs from its reference" in check.run_case(case, "native")
+    monkeypatch.setitem(native.KERNELS, "matmul", lambda *a, **kw: native.matmul(*a, **kw) * 1.1)
+    assert "differs from its reference" in check.run_case(check.Case.of("matmul", K=40, N=24, dtype=jnp.float32),
+                                                          "native")
 
 
 @pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
