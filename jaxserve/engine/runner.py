@@ -16,8 +16,8 @@ host once the model's program is dispatched, so it runs while the device compute
 The model's kernel mode (engine.kernels) picks Pallas kernels or jnp references for both programs.
 Shapes are bucketed so that a workload compiles a bounded set of programs, all of which warm-up can compile
 ahead (`warmup`): prefill in the three families of `prefill_groups` (chunk lengths and block-table widths in
-powers of two, a batch's real tokens packed into a power-of-two bucket), decode in `decode_batch` rows (4 for up
-to 4 requests, else doublings up to the slots: from 8 with full tables, else from max(16, slots / 4)) times
+powers of two, a batch's real tokens packed into a power-of-two bucket), decode in `decode_batch` rows (with
+full tables every power of two up to the slots; else 4 for up to 4 requests, then from max(16, slots / 4)) times
 the block-table widths (ragged attention: the buckets of the blocks in use). With the native kernels the tables are always max_blocks_per_seq
 wide (the kernels read only the blocks in use): decode programs are keyed by their rows alone, and a model of
 full-attention GQA layers only prefills in one packed program per step over the pool (`paged_prefill`), keyed
@@ -56,7 +56,7 @@ from .sampler import MAX_LOGPROBS, SamplingTensors, sample
 from .steptimer import StepTimer
 
 _IDLE = SamplingParams(temperature=0.0, seed=0)  # sampling parameters of the warm-up's requests
-SMALL_DECODE_ROWS = 4  # the smallest decode batch bucket: up to this many running requests
+SMALL_DECODE_ROWS = 4  # without full tables, the smallest decode batch bucket: up to this many running requests
 
 
 def token_buckets(lo: int, hi: int) -> list[int]:
@@ -398,13 +398,15 @@ class ModelRunner:
                                                          jnp.asarray(mask), jnp.int32(prefix.token))
 
     def decode_batch(self, n: int) -> int:
-        """Rows of the decode program for n running requests: SMALL_DECODE_ROWS for a few (a light load's
-        steps), else a power of two, at most num_slots. With full tables (one decode program per row bucket)
-        every power of two from SMALL_DECODE_ROWS; otherwise from max(16, num_slots / 4): at most four buckets,
-        each compiled at warm-up for every table width. (SmolLM2 on 2 CPU cores: 3 requests decoding, 70 ms a
-        step in 16 rows, 52 ms in 4; padding rows cost their share of the matrix products there.)"""
+        """Rows of the decode program for n running requests, a power of two, at most num_slots. With full tables
+        (one decode program per row bucket) every power of two: 1, 2, 4, 8, ...; otherwise SMALL_DECODE_ROWS for
+        up to that many (a light load's steps), then from max(16, num_slots / 4): at most four buckets, each
+        compiled at warm-up for every table width. Padding rows cost their share of the products on a CPU
+        (SmolLM2 on 2 cores: 3 requests decoding, 70 ms a step in 16 rows, 52 ms in 4; one request 33 ms in 1
+        row, 40 ms in 4)."""
         if n <= SMALL_DECODE_ROWS:
-            return min(SMALL_DECODE_ROWS, self.num_slots)
+            return min(pow2_bucket(n, 1 if self.full_tables else SMALL_DECODE_ROWS, SMALL_DECODE_ROWS),
+                       self.num_slots)
         lo = SMALL_DECODE_ROWS * 2 if self.full_tables else max(16, self.num_slots // 4)
         return pow2_bucket(n, min(lo, self.num_slots), self.num_slots)
 
