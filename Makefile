@@ -77,6 +77,11 @@ bench: $(STAMP)
 	$(BENCH) bench.steps --baseline 0ab36c4 --json $(R)/steps.json
 	$(BENCH) bench.steps --baseline b49a0f5 --json $(R)/steps_prefill.json
 	$(BENCH) bench.steps --baseline 48665a0 --json $(R)/steps_migration.json
+	$(BENCH) bench.steps --baseline 9028eb7 \
+		--cases decode:1x150,decode:2x150,decode:3x150,decode:4x150,decode:6x150,decode:16x150,decode:48x150,prefill:1x256 \
+		--json $(R)/steps_matmul.json
+	$(BENCH) bench.steps --baseline 9028eb7 --model /tmp/jaxserve-bench/bench-llama-32m \
+		--cases decode:48x150,decode:48x300,decode:16x300,decode:4x150,prefill:4x128 --json $(R)/steps_matmul_32m.json
 	$(BENCH) bench.serving --json $(R)/serving.json
 	$(BENCH) bench.startup --json $(R)/startup.json
 	$(BENCH) bench.kernels --json $(R)/kernels.json
