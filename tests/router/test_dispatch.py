@@ -26,8 +26,9 @@ class Fake:
     KV waits for `release`), `decode` in ok | full | invalid | garbage (a malformed update after the KV arrived)
     | die (the stream breaks after the first token) | hang (no reservation, no heartbeat: a stopped process)
     | after_import (the reservation waits until an Import was opened on any instance); `await_put`: the request
-    ids whose reservation waits until the store answered their write-back's Import; `export` in ok | fail (a
-    store no longer holding the prefix; a prefill instance's read of the store's shared pool too). Import answers
+    ids whose reservation waits until the router holds the store's answer to their write-back's Import (an event
+    the test sets); `export` in ok | fail (a store no longer holding the prefix; a prefill instance's read of the
+    store's shared pool too). Import answers
     its reservation, then `imported` once an Export filled it (or a Prefill naming it, with `streams`: a prefill
     instance that writes the store's copy as it computes). `shared`: a store advertises a shared KV pool, a
     prefill instance reads such pools (both on this host)."""
@@ -83,8 +84,8 @@ class Fake:
             await asyncio.wait_for(self.board.setdefault("import opened", asyncio.Event()).wait(), 5)
         req = req.model_dump()
         xid = req["request_id"]
-        if xid in self.await_put:  # answered once the store answered the write-back's Import (`xid`.put)
-            await asyncio.wait_for(self.board.setdefault(("import reserved", f"{xid}.put"), asyncio.Event()).wait(), 5)
+        if xid in self.await_put:  # answered once the router holds the store's answer to the write-back's Import
+            await asyncio.wait_for(self.board.setdefault(("router reserved", f"{xid}.put"), asyncio.Event()).wait(), 5)
         self.opened.append(xid)
         self.requests.append(req)
         arrived = self.board.setdefault(xid, asyncio.Event())
@@ -447,6 +448,16 @@ def test_the_prompt_goes_to_the_store_as_it_is_computed(streams):
         async with cluster({"p0": ("prefill", {"streams": streams}), "d0": ("decode", {}),
                             "s0": ("store", {})}) as (ce, w):
             w["d0"].await_put = {"r.1", "z.1"} if streams else {"r.1"}
+            imp = ce._import
+
+            async def traced_import(dst, tokens, rid, reserved=None, fill=None):
+                # the router names the put in the Prefill only once it holds the store's reservation; the fake
+                # decode answers after that (the store answering first does not order the router's two reads)
+                if reserved is not None:
+                    reserved.add_done_callback(lambda _: w["d0"].board.setdefault(("router reserved", rid),
+                                                                                  asyncio.Event()).set())
+                return await imp(dst, tokens, rid, reserved, fill)
+            ce._import = traced_import
             u, = await result(await ce.add("r", list(range(1, 21)), GREEDY))  # 16 tokens in whole blocks
             assert u.error is None and u.token_ids == [20, 0]
             await asyncio.gather(*list(ce._store_tasks))
