@@ -1,22 +1,22 @@
 #!/bin/bash
 # Issue 19's GPU checks in one run, for a lent GPU machine that reaches no package index: the Pallas kernels
 # compiled and timed against their references (bench.kernels: decode attention's share of HBM bandwidth, prefill
-# attention's of bf16 peak), the kernel tests compiled for the GPU (tests/pallas_kernels), the device transfer
-# backend's tests and its bytes/s beside raw sockets (tests/transfer/test_pull.py, bench.transfer part a),
-# LLM.generate end to end (bench.offline, no peer), and with the time left the launch-parameter sweep
-# (bench.kernel_tune).
+# attention's of bf16 peak), the launch-parameter sweep (bench.kernel_tune: the Hopper flash kernel and paged
+# decode), the kernel tests compiled for the GPU (tests/pallas_kernels), LLM.generate end to end (bench.offline,
+# no peer), and with the time left the device transfer backend's tests and its bytes/s beside raw sockets
+# (tests/transfer/test_pull.py, bench.transfer part a).
 #
 # Here, once: bash bench/gpu_wheels.sh (the packages the machine's image lacks, as wheels in .whl/). Then the
 # device tool's run, with carry [".whl"] and timeout_s 600:
 #     bash bench/gpu_check.sh
 # It uses the machine's own python3 and JAX (CUDA), the wheels installed beside them in /tmp/site. Every step
-# has its share of BUDGET_S (default 480 s) and is cut at it; what each wrote, its log and a summary go to $OUT
+# has its share of BUDGET_S (default 560 s) and is cut at it; what each wrote, its log and a summary go to $OUT
 # (results named after the GPU: kernels_h100.json, kernels_h200.json, ...), to be copied into bench/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
-BUDGET_S=${BUDGET_S:-480}
+BUDGET_S=${BUDGET_S:-560}
 START=$(date +%s)
 PY=${PY:-python3}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 XLA_PYTHON_CLIENT_PREALLOCATE=false  # several processes share the GPU
@@ -51,10 +51,15 @@ step() {
     tail -n 4 "$OUT/$name.log" | awk '{print "    " $0}' | tee -a "$OUT/summary.txt"  # awk ends every line
 }
 
-step kernels 120 $PY -m bench.kernels --iters 20 --json "$OUT/kernels_$TAG.json"
-step pallas_tests 150 $PY -m pytest -q -p no:cacheprovider tests/pallas_kernels
-step pull_tests 60 $PY -m pytest -q -p no:cacheprovider tests/transfer/test_pull.py
-step transfer 60 $PY -m bench.transfer --parts a --reps 3 --json "$OUT/transfer_$TAG.json"
-step offline 120 $PY -m bench.offline --no-baseline --reps 2 --json "$OUT/offline_$TAG.json"
-step kernel_tune 200 $PY -m bench.kernel_tune --iters 10 --json "$OUT/kernel_tune_$TAG.json"
+# in order of what a cut-short run must not lose: the kernels' rates, the sweep, the kernel tests (the Hopper
+# kernel's first), generation end to end, the device transfer backend
+step kernels 100 $PY -m bench.kernels --iters 20 --json "$OUT/kernels_$TAG.json"
+step kernel_tune 190 $PY -m bench.kernel_tune --iters 10 --budget-s 150 --sweeps hopper,paged \
+    --json "$OUT/kernel_tune_$TAG.json"
+step pallas_tests 130 $PY -m pytest -v -p no:cacheprovider tests/pallas_kernels/test_flash_attention_hopper.py \
+    tests/pallas_kernels/test_paged_attention.py tests/pallas_kernels/test_check.py tests/pallas_kernels
+step offline 100 $PY -m bench.offline --no-baseline --reps 2 --json "$OUT/offline_$TAG.json"
+step pull_tests 40 $PY -m pytest -q -p no:cacheprovider tests/transfer/test_pull.py
+step transfer 40 $PY -m bench.transfer --parts a --reps 3 --json "$OUT/transfer_$TAG.json"
 echo "total $(( $(date +%s) - START )) s" | tee -a "$OUT/summary.txt"
+(cd "$OUT" && tar -czf logs.tgz ./*.log && rm -f ./*.log)  # the logs as one file: summary, logs and results

@@ -1,11 +1,16 @@
-"""Launch-parameter sweep of the attention kernels on a GPU: tile sizes, Triton warps and pipeline stages.
+"""Launch-parameter sweep of the attention kernels on a GPU: tiles, ring depth, launch order, warps, stages.
 
-For the production shapes of bench/kernels.py, flash attention's Triton kernel over (block_q, block_k, num_warps,
-num_stages) and paged decode attention over (pages_per_tile, pages_per_partition, num_warps, num_stages): the
-time per call (bench.kernels._time) of each configuration (compile and warm-up excluded), the configurations
-that fail to compile or disagree with the reference (max |diff| over the bf16 tolerance) marked as such, the
-best configuration and its rate against the kernels' current defaults (`params` {}) measured in the same run.
-Needs a GPU.
+For the production shapes of bench/kernels.py, per sweep (`--sweeps`, run in the order given):
+  hopper  prefill flash attention's Mosaic GPU kernel (flash_attention_hopper.py) over key tile (block_kv),
+          K/V ring slots (steps) and program launch order (order);
+  paged   paged decode attention's Triton kernel over pages_per_tile, pages_per_partition and num_warps, then
+          num_stages 2 and 3 on the three best of that pass;
+  flash   prefill flash attention's Triton kernel over (block_q, block_k, num_warps, num_stages).
+The time per call (bench.kernels._time) of each configuration (compile and warm-up excluded); configurations
+that fail to compile or disagree with the reference (max |diff| over the bf16 tolerance) are marked as such;
+the best configuration and its rate against the kernel's current defaults (`params` {}) measured in the same
+run. The JSON is rewritten after every configuration, and no configuration starts once `--budget-s` has
+passed, so a run cut short keeps what it measured. Needs a GPU.
 """
 
 from __future__ import annotations
@@ -14,46 +19,86 @@ import argparse
 import functools
 import itertools
 import platform
+import time
 
 from bench.kernels import PEAKS, SHAPES, _cases, _time
 
-FLASH_GRID = dict(block_q=[64, 128, 256], block_k=[32, 64, 128], num_warps=[4, 8], num_stages=[2, 3])
-PAGED_GRID = dict(pages_per_tile=[2, 4, 8], pages_per_partition=[8, 16, 32], num_warps=[2, 4, 8], num_stages=[1, 2])
+HOPPER_GRID = [dict(block_kv=b, steps=s, order=o) for o in ("lpt", "grid") for b, s in
+               [(128, 2), (128, 3), (64, 2), (64, 3), (64, 4)]]  # 128 keys x 4 slots exceed shared memory
+PAGED_GRID = [dict(pages_per_tile=t, pages_per_partition=p, num_warps=w) for t, p, w in
+              itertools.product([2, 4, 8, 16], [8, 16, 32, 64], [1, 2, 4]) if p % t == 0]
+FLASH_GRID = [dict(zip(("block_q", "block_k", "num_warps", "num_stages"), v)) for v in
+              itertools.product([64, 128], [32, 64, 128], [4, 8], [2, 3])]
 
 
-def sweep(name: str, grid: dict, iters: int) -> dict:
+def _case(name: str):
+    import jax.numpy as jnp
+    return next(c for c in _cases(SHAPES["gpu"], jnp.bfloat16) if c[0] == name)
+
+
+def _kernel(sweep_name: str):
+    """(case name, kernel callable taking the case's args and kwargs plus a configuration, the reference)."""
+    from pallas_kernels.select import KERNELS
+    if sweep_name == "hopper":
+        from pallas_kernels import flash_attention_hopper as fh
+        ref, _ = KERNELS["flash_attention"]
+
+        def hopper(q, k, v, *, cu_seqlens, **params):
+            return fh.hopper_flash_attention(q, k, v, cu_seqlens, scale=q.shape[-1] ** -0.5, **params)
+        return "flash_attention", hopper, ref
+    if sweep_name == "flash":  # the Triton kernel (on a Hopper GPU the default is Mosaic GPU's)
+        ref, kernel = KERNELS["flash_attention"]
+        return "flash_attention", functools.partial(kernel, hopper=False), ref
+    ref, kernel = KERNELS["paged_attention"]
+    return "paged_attention", kernel, ref
+
+
+def sweep(sweep_name: str, configs: list, iters: int, deadline: float, emit) -> dict:
+    """Time `configs` (and the defaults, first); `emit(result)` after each; stops at `deadline`."""
     import jax
     import jax.numpy as jnp
     from tqdm import tqdm
 
-    from pallas_kernels.select import KERNELS
-    case = next(c for c in _cases(SHAPES["gpu"], jnp.bfloat16) if c[0] == name)
-    _, shape, kname, args, kw, nbytes, flops, bound = case
-    if name == "flash_attention":  # the Triton kernel's parameters (on a Hopper GPU the default is Mosaic GPU's)
-        kw = dict(kw, hopper=False)
-    ref, kernel = KERNELS[kname]
+    case_name, kernel, ref = _kernel(sweep_name)
+    _, shape, _, args, kw, nbytes, flops, bound = _case(case_name)
     want = jax.jit(functools.partial(ref, **kw))(*args)
-    rows = []
-    configs = [dict(zip(grid, v)) for v in itertools.product(*grid.values())]
-    for params in [{}] + configs:
-        if params.get("pages_per_partition", 0) % params.get("pages_per_tile", 1):
-            continue
+    result = dict(sweep=sweep_name, kernel=case_name, shape=shape, bound=bound, bytes=nbytes, flops=flops,
+                  configurations=[], best=None, speedup_best_vs_defaults=None, cut_at_budget=False)
+    rows = result["configurations"]
+
+    def measure(params):
+        if time.monotonic() > deadline:
+            result["cut_at_budget"] = True
+            return None
         fn = jax.jit(functools.partial(kernel, **kw, **params))
         try:
             got = fn(*args)
             err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
-        except Exception as e:  # a configuration Triton cannot compile (shared memory, registers)
-            rows.append(dict(params=params, error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
-            continue
-        t = _time(fn, args, iters)
-        rows.append(dict(params=params, seconds=t, max_abs_diff=err, GBps=nbytes / t / 1e9,
-                         TFLOPs=flops / t / 1e12, ok=err < 3e-2))
-        tqdm.write(f"{name} {params or 'defaults'}: {t * 1e3:.3f} ms, diff {err:.2e}")
-    good = [r for r in rows if r.get("ok")]
-    best = min(good, key=lambda r: r["seconds"]) if good else None
-    default = rows[0] if "seconds" in rows[0] else None
-    return dict(kernel=name, shape=shape, bound=bound, bytes=nbytes, flops=flops, configurations=rows, best=best,
-                speedup_best_vs_defaults=(default["seconds"] / best["seconds"]) if best and default else None)
+            t = _time(fn, args, iters)
+            row = dict(params=params, seconds=t, max_abs_diff=err, GBps=nbytes / t / 1e9, TFLOPs=flops / t / 1e12,
+                       ok=err < 3e-2)
+            tqdm.write(f"{sweep_name} {params or 'defaults'}: {t * 1e6:.1f} us, diff {err:.2e}")
+        except Exception as e:  # a configuration that does not compile (shared memory, registers)
+            row = dict(params=params, error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            tqdm.write(f"{sweep_name} {params}: {row['error']}")
+        rows.append(row)
+        good = [r for r in rows if r.get("ok")]
+        result["best"] = min(good, key=lambda r: r["seconds"]) if good else None
+        default = rows[0] if "seconds" in rows[0] else None
+        if result["best"] and default:
+            result["speedup_best_vs_defaults"] = default["seconds"] / result["best"]["seconds"]
+        emit(result)
+        return row
+
+    for params in tqdm([{}] + configs, desc=sweep_name, unit="config"):
+        if measure(params) is None:
+            break
+    if sweep_name == "paged" and not result["cut_at_budget"]:  # pipeline stages on the three best
+        top = sorted((r for r in rows[1:] if r.get("ok")), key=lambda r: r["seconds"])[:3]
+        for r, stages in itertools.product(top, (2, 3)):
+            if measure(dict(r["params"], num_stages=stages)) is None:
+                break
+    return result
 
 
 def main(argv=None):
@@ -61,21 +106,39 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default="bench/results/kernel_tune.json")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--sweeps", default="hopper,paged,flash", help="comma-separated, run in this order")
+    ap.add_argument("--budget-s", type=float, default=None, help="start no configuration after this many seconds")
     args = ap.parse_args(argv)
+    grids = {"hopper": HOPPER_GRID, "paged": PAGED_GRID, "flash": FLASH_GRID}
+    names = [s for s in args.sweeps.split(",") if s]
+    unknown = [s for s in names if s not in grids]
+    if unknown:
+        raise SystemExit(f"--sweeps: unknown {', '.join(unknown)}; known: {', '.join(grids)}")
     if jax.default_backend() != "gpu":
-        raise SystemExit("bench.kernel_tune needs a GPU (the sweep times compiled Triton kernels)")
+        raise SystemExit("bench.kernel_tune needs a GPU (the sweep times compiled kernels)")
     kind = jax.devices()[0].device_kind
     peak = next((v for k, v in PEAKS.items() if k in kind), None)
+    deadline = time.monotonic() + (args.budget_s if args.budget_s is not None else float("inf"))
     out = dict(benchmark="kernel_tune", device=kind, host=platform.node(), iters=args.iters, dtype="bfloat16",
-               results=[sweep("flash_attention", FLASH_GRID, args.iters),
-                        sweep("paged_attention", PAGED_GRID, args.iters)])
-    for r in out["results"]:
-        if r["best"] and peak:
-            r["best_fraction_of_hbm_peak"] = r["bytes"] / r["best"]["seconds"] / peak[0]
-            r["best_fraction_of_bf16_peak"] = r["flops"] / r["best"]["seconds"] / peak[1]
-        print(r["kernel"], "best", r["best"], "x defaults", r["speedup_best_vs_defaults"])
+               jax=jax.__version__, results=[])
     from bench.stamp import write
-    write(args.json, out, indent=1)
+
+    def emit(result):
+        if result not in out["results"]:
+            out["results"].append(result)
+        if result["best"] and peak:
+            result["best_fraction_of_hbm_peak"] = result["bytes"] / result["best"]["seconds"] / peak[0]
+            result["best_fraction_of_bf16_peak"] = result["flops"] / result["best"]["seconds"] / peak[1]
+        write(args.json, out, indent=1)
+
+    for name in names:
+        if name == "hopper":
+            from pallas_kernels import flash_attention_hopper as fh
+            if not fh.is_hopper():
+                print("hopper: skipped, not a Hopper GPU")
+                continue
+        r = sweep(name, grids[name], args.iters, deadline, emit)
+        print(name, "best", r["best"], "x defaults", r["speedup_best_vs_defaults"])
     print(f"wrote {args.json}")
 
 

@@ -97,6 +97,9 @@ def available(cache_dir: str = CACHE_DIR, compiler: str | None = None) -> tuple[
     """(True, "") once the library is built and registered with XLA's CPU backend, else (False, why).
     The first call builds; later calls return the first answer."""
     with _lock:
+        if "ok" not in _state and jax.default_backend() != "cpu":  # registered for XLA's CPU backend only
+            _state.update(ok=False, why=f"the native kernels run on XLA's CPU backend; this process computes on "
+                                        f"{jax.default_backend()}", path=None)
         if "ok" not in _state:
             try:
                 path = build(cache_dir, compiler)
