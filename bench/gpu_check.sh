@@ -9,7 +9,8 @@
 # Here, once: bash bench/gpu_wheels.sh (the packages the machine's image lacks, as wheels in .whl/). Then the
 # device tool's run, with carry [".whl"] and timeout_s 600:
 #     bash bench/gpu_check.sh
-# It uses the machine's own python3 and JAX (CUDA), the wheels installed beside them in /tmp/site. Every step
+# It uses the machine's own python3, JAX (CUDA) and Flax, the wheels installed beside them in /tmp/site;
+# TUNE_SWEEPS picks bench.kernel_tune's sweeps (default hopper,paged). Every step
 # has its share of BUDGET_S (default 560 s) and is cut at it; what each wrote, its log and a summary go to $OUT
 # (results named after the GPU: kernels_h100.json, kernels_h200.json, ...), to be copied into bench/results/.
 set -uo pipefail
@@ -53,13 +54,13 @@ step() {
 
 # in order of what a cut-short run must not lose: the kernels' rates, the sweep, the kernel tests (the Hopper
 # kernel's first), generation end to end, the device transfer backend
-step kernels 100 $PY -m bench.kernels --iters 20 --json "$OUT/kernels_$TAG.json"
-step kernel_tune 190 $PY -m bench.kernel_tune --iters 10 --budget-s 150 --sweeps hopper,paged \
+step kernels 70 $PY -m bench.kernels --iters 20 --json "$OUT/kernels_$TAG.json"
+step kernel_tune 110 $PY -m bench.kernel_tune --iters 10 --budget-s 80 --sweeps "${TUNE_SWEEPS:-hopper,paged}" \
     --json "$OUT/kernel_tune_$TAG.json"
-step pallas_tests 130 $PY -m pytest -v -p no:cacheprovider tests/pallas_kernels/test_flash_attention_hopper.py \
+step pallas_tests 150 $PY -m pytest -v -p no:cacheprovider tests/pallas_kernels/test_flash_attention_hopper.py \
     tests/pallas_kernels/test_paged_attention.py tests/pallas_kernels/test_check.py tests/pallas_kernels
 step offline 100 $PY -m bench.offline --no-baseline --reps 2 --json "$OUT/offline_$TAG.json"
-step pull_tests 40 $PY -m pytest -q -p no:cacheprovider tests/transfer/test_pull.py
-step transfer 40 $PY -m bench.transfer --parts a --reps 3 --json "$OUT/transfer_$TAG.json"
+step pull_tests 30 $PY -m pytest -q -p no:cacheprovider tests/transfer/test_pull.py
+step transfer 30 $PY -m bench.transfer --parts a --reps 3 --json "$OUT/transfer_$TAG.json"
 echo "total $(( $(date +%s) - START )) s" | tee -a "$OUT/summary.txt"
 (cd "$OUT" && tar -czf logs.tgz ./*.log && rm -f ./*.log)  # the logs as one file: summary, logs and results

@@ -1,12 +1,14 @@
 #!/bin/bash
 # The Python packages jaxserve needs that the lent GPU machines' image lacks (or holds at another version), as
 # x86-64 CPython 3.12 wheels in .whl/ (ignored by git), for bench/gpu_check.sh to install there (it can fetch
-# nothing). Versions are this checkout's .venv's, so the GPU run uses the library versions the suite tests here.
+# nothing). Versions are this checkout's .venv's, so the GPU run uses the library versions the suite tests here,
+# but for JAX and Flax, which are the image's.
 # Run here, in the repository root: bash bench/gpu_wheels.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-PKGS="flax pydantic pydantic_core annotated-types typing-inspection gguf fastapi starlette uvicorn llguidance
+# Not flax: the image's Flax matches its JAX (this checkout's Flax needs a JAX API the image's JAX lacks).
+PKGS="pydantic pydantic_core annotated-types typing-inspection gguf fastapi starlette uvicorn llguidance
       cryptography cffi pycparser"
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 rm -rf .whl && mkdir -p .whl

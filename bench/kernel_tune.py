@@ -1,10 +1,11 @@
-"""Launch-parameter sweep of the attention kernels on a GPU: tiles, ring depth, launch order, warps, stages.
+"""Launch-parameter sweep of the attention kernels on a GPU: tiles, ring depth, grid order, warps, stages.
 
 For the production shapes of bench/kernels.py, per sweep (`--sweeps`, run in the order given):
-  hopper  prefill flash attention's Mosaic GPU kernel (flash_attention_hopper.py) over key tile (block_kv),
-          K/V ring slots (steps) and program launch order (order);
-  paged   paged decode attention's Triton kernel over pages_per_tile, pages_per_partition and num_warps, then
-          num_stages 2 and 3 on the three best of that pass;
+  hopper  prefill flash attention's Mosaic GPU kernel (flash_attention_hopper.py) over key tile (block_kv) and
+          K/V ring slots (steps);
+  paged   paged decode attention's Triton kernel: the six orders of its grid's axes on three tilings, then in
+          the best order over pages_per_tile, pages_per_partition and num_warps, then num_stages 2 and 3 on the
+          three best of that pass;
   flash   prefill flash attention's Triton kernel over (block_q, block_k, num_warps, num_stages).
 The time per call (bench.kernels._time) of each configuration (compile and warm-up excluded); configurations
 that fail to compile or disagree with the reference (max |diff| over the bf16 tolerance) are marked as such;
@@ -21,10 +22,13 @@ import itertools
 import platform
 import time
 
-from bench.kernels import PEAKS, SHAPES, _cases, _time
+from bench.kernels import PEAKS, SHAPES, _cases, _time, warm_gpu
 
-HOPPER_GRID = [dict(block_kv=b, steps=s, order=o) for o in ("lpt", "grid") for b, s in
+HOPPER_GRID = [dict(block_kv=b, steps=s) for b, s in
                [(128, 2), (128, 3), (64, 2), (64, 3), (64, 4)]]  # 128 keys x 4 slots exceed shared memory
+PAGED_ORDERS = [dict(grid_order="".join(o), **t) for t in ({}, dict(pages_per_tile=4, pages_per_partition=64,
+                num_warps=4), dict(pages_per_tile=2, pages_per_partition=16, num_warps=1))
+                for o in itertools.permutations("bhp")]
 PAGED_GRID = [dict(pages_per_tile=t, pages_per_partition=p, num_warps=w) for t, p, w in
               itertools.product([2, 4, 8, 16], [8, 16, 32, 64], [1, 2, 4]) if p % t == 0]
 FLASH_GRID = [dict(zip(("block_q", "block_k", "num_warps", "num_stages"), v)) for v in
@@ -90,12 +94,23 @@ def sweep(sweep_name: str, configs: list, iters: int, deadline: float, emit) -> 
         emit(result)
         return row
 
-    for params in tqdm([{}] + configs, desc=sweep_name, unit="config"):
+    def best(among):
+        return sorted((r for r in among if r.get("ok")), key=lambda r: r["seconds"])
+
+    if measure({}) is None:  # the defaults, first
+        return result
+    if sweep_name == "paged":  # the grid's axis orders; the tiles in the best of them
+        for params in tqdm(PAGED_ORDERS, desc="paged orders", unit="config"):
+            if measure(params) is None:
+                return result
+        top = best(rows[1:])
+        order = dict(grid_order=top[0]["params"]["grid_order"]) if top else {}
+        configs = [dict(c, **order) for c in configs]
+    for params in tqdm(configs, desc=sweep_name, unit="config"):
         if measure(params) is None:
             break
     if sweep_name == "paged" and not result["cut_at_budget"]:  # pipeline stages on the three best
-        top = sorted((r for r in rows[1:] if r.get("ok")), key=lambda r: r["seconds"])[:3]
-        for r, stages in itertools.product(top, (2, 3)):
+        for r, stages in itertools.product(best(rows[1:])[:3], (2, 3)):
             if measure(dict(r["params"], num_stages=stages)) is None:
                 break
     return result
@@ -122,6 +137,7 @@ def main(argv=None):
     out = dict(benchmark="kernel_tune", device=kind, host=platform.node(), iters=args.iters, dtype="bfloat16",
                jax=jax.__version__, results=[])
     from bench.stamp import write
+    warm_gpu()
 
     def emit(result):
         if result not in out["results"]:

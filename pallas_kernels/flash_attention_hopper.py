@@ -37,7 +37,6 @@ from jax.experimental import pallas as pl
 BLOCK_Q = 64  # rows of one compute warpgroup's tile (a wgmma's M)
 BLOCK_KV = 128  # keys per streamed tile (64 for head dim 256: shared memory)
 STEPS = 2  # slots in the K/V ring
-ORDER = "lpt"  # launch order of the programs (_launch_order)
 _NEG = -1e30  # floor of a masked step's running max (see the module docstring)
 _NO_ROW = 1 << 30  # segment start of a padding row: it sees no key
 _LOG2E = math.log2(math.e)
@@ -100,22 +99,6 @@ def _ranges(cu_seqlens, Tp: int, bq: int, bkv: int):
     return rng, jnp.stack([plo, phi], 1).astype(jnp.int32), start
 
 
-def _launch_order(prg, heads: int, order: str):
-    """The program of every launch slot, as [heads * n, 3] int32 rows (program, plo, phi), slot i being launch
-    index i of a one-dimensional grid whose query heads vary fastest (head = i % heads). prg [n, 2] (plo, phi)
-    per program. order "lpt": programs by the key tiles they stream, most first (longest processing time
-    first: the last wave holds the shortest programs, not a diagonal tile of the longest sequence); "grid":
-    program order."""
-    n = prg.shape[0]
-    ids = jnp.arange(n, dtype=jnp.int32)
-    if order == "lpt":
-        ids = jnp.argsort(prg[:, 0] - prg[:, 1], stable=True).astype(jnp.int32)
-    elif order != "grid":
-        raise ValueError(f"order must be 'lpt' or 'grid', got {order!r}")
-    rows = jnp.concatenate([ids[:, None], prg[ids]], axis=1)  # [n, 3]
-    return jnp.repeat(rows, heads, axis=0)
-
-
 def _transposed(ref):
     """ref's last two dims swapped, as wgmma's B operand (the API moved between JAX releases)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -141,13 +124,12 @@ def _kernel_fn(Hq: int, Hkv: int, D: int, dtype, scale: float, bq: int, bkv: int
     wgmma_rows = plgpu.Layout.WGMMA.reduce(1)
 
     def kernel(q_ref, k_ref, v_ref, rng_ref, prg_ref, start_ref, out_ref, scoped):
-        # q_ref [Tp, Hq, D]; k_ref, v_ref [Tp, Hkv, D]; rng_ref [Tp // bq, 4]; prg_ref [Hq * Tp // (2 bq), 3];
+        # q_ref [Tp, Hq, D]; k_ref, v_ref [Tp, Hkv, D]; rng_ref [Tp // bq, 4]; prg_ref [Tp // (2 bq), 2];
         # start_ref [Tp] int32; out_ref [Tp, Hq, D]
-        launch = jax.lax.axis_index("launch")
-        head = jax.lax.rem(launch, jnp.int32(Hq))
+        head, prog = jax.lax.axis_index("heads"), jax.lax.axis_index("q_seq")
         wg = jax.lax.axis_index("wg")
         (qo_smem2, k_smem, v_smem), (k_bar, v_bar, q_bar), (k_free, v_free), sched = scoped
-        prog, plo, phi = prg_ref[launch, 0], prg_ref[launch, 1], prg_ref[launch, 2]
+        plo, phi = prg_ref[prog, 0], prg_ref[prog, 1]
         n_steps = phi - plo
 
         def slot(step):  # ring slot of absolute key tile `step`
@@ -278,13 +260,13 @@ def _kernel_fn(Hq: int, Hkv: int, D: int, dtype, scale: float, bq: int, bkv: int
     return entry
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_kv", "steps", "order"))
+@functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_kv", "steps"))
 def hopper_flash_attention(q, k, v, cu_seqlens, *, scale: float, block_q: int = BLOCK_Q, block_kv: int | None = None,
-                           steps: int = STEPS, order: str = ORDER):
+                           steps: int = STEPS):
     """Causal attention over sequences packed along T (the `flash_attention` contract, without window or sinks).
 
-    q [T, Hq, D]; k, v [T, Hkv, D] (bfloat16 or float16, D a multiple of 64 up to 256); cu_seqlens [N+1] int32;
-    order: the programs' launch order (`_launch_order`) -> [T, Hq, D] (zeros past cu_seqlens[-1])"""
+    q [T, Hq, D]; k, v [T, Hkv, D] (bfloat16 or float16, D a multiple of 64 up to 256); cu_seqlens [N+1] int32
+    -> [T, Hq, D] (zeros past cu_seqlens[-1])"""
     from jax.experimental.pallas import mosaic_gpu as plgpu
     T, Hq, D = q.shape
     Hkv = k.shape[1]
@@ -297,12 +279,12 @@ def hopper_flash_attention(q, k, v, cu_seqlens, *, scale: float, block_q: int = 
     out = plgpu.kernel(
         _kernel_fn(Hq, Hkv, D, q.dtype, float(scale), bq, bkv, steps),
         out_type=jax.ShapeDtypeStruct((Tp, Hq, D), q.dtype),
-        grid=(Hq * Tp // (2 * bq),),
-        grid_names=("launch",),
+        grid=(Hq, Tp // (2 * bq)),
+        grid_names=("heads", "q_seq"),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(q, k, v, rng, _launch_order(prg, Hq, order), start)
+    )(q, k, v, rng, prg, start)
     return out[:T]
 
 

@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .matmul import check_matmul, ref_matmul
-from .paged_attention import (_check_mla, _views, gqa_args, prefill_args, ref_paged_attention, ref_paged_mla_attention,
-                              ref_paged_prefill_attention)
+from .paged_attention import (GRID_ORDER, _check_mla, _views, gqa_args, prefill_args, ref_paged_attention,
+                              ref_paged_mla_attention, ref_paged_prefill_attention)
 
 NATIVE_DIR = os.path.join(os.path.dirname(__file__), "native")
 SOURCES = tuple(os.path.join(NATIVE_DIR, f) for f in ("paged_attention.cc", "matmul.cc"))
@@ -132,7 +132,7 @@ def _runs(pool) -> bool:
 
 def paged_attention(q, pool, block_tables, lengths, *, layer, sliding_window=None, sinks=None, scale=None,
                     interpret=False, pages_per_tile=None, pages_per_partition=None, num_warps=None, num_stages=None,
-                    total_blocks=None):
+                    total_blocks=None, grid_order=GRID_ORDER):
     """`ref_paged_attention`'s arguments and result (GQA decode over the pool, one query token per request),
     computed by the native kernel; the tiling arguments are the GPU kernel's and are ignored."""
     if not _runs(pool):

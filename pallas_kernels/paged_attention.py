@@ -34,13 +34,14 @@ from .merge import add_sinks, merge_partials, normalize
 TILE_TOKENS = 64  # keys per tile: pages_per_tile = max(1, TILE_TOKENS // block_size)
 MAX_PARTITIONS = 4
 GPU_LAUNCH = (2, 1)  # Triton warps and pipeline stages (tiles, partitions and these: bench/kernel_tune.py)
+GRID_ORDER = "bhp"  # the grid's axes: b requests, h KV heads, p partitions, the first launched fastest
 
 
 def _paged_kernel(len_ref, tbl_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block_size: int, ppt: int,
-                  ppp: int, k_dim: int, v_lo: int, v_hi: int, scale: float, window: int | None):
+                  ppp: int, k_dim: int, v_lo: int, v_hi: int, scale: float, window: int | None, grid_order: str):
     # len_ref [B] int32; tbl_ref [Wp] int32; q_ref [G, Dk]; k_ref, v_ref [NB, bs, D];
     # o_ref [G, Dv] float32; m_ref, l_ref [G] float32
-    b, p = pl.program_id(0), pl.program_id(2)
+    b, p = pl.program_id(grid_order.index("b")), pl.program_id(grid_order.index("p"))
     n = len_ref[b]
     q = q_ref[...]
     G, Dv = o_ref.shape
@@ -77,10 +78,10 @@ def _pages(block_size: int, W: int, pages_per_tile: int | None, pages_per_partit
 
 
 @functools.partial(jax.jit, static_argnames=("layer", "k_dim", "v_entry", "v_lo", "v_hi", "scale", "window", "ppt",
-                                             "ppp", "interpret", "num_warps", "num_stages"))
+                                             "ppp", "interpret", "num_warps", "num_stages", "grid_order"))
 def _paged(q, pool, block_tables, lengths, sinks, *, layer: int, k_dim: int, v_entry: int, v_lo: int, v_hi: int,
            scale: float, window: int | None, ppt: int, ppp: int, interpret: bool, num_warps: int | None = None,
-           num_stages: int | None = None):
+           num_stages: int | None = None, grid_order: str = GRID_ORDER):
     """q [B, Hq, Dk]; pool [NB, L, E, bs, Hkv, D]; block_tables [B, W]; lengths [B]; sinks [Hq] or None
     -> [B, Hq, v_hi - v_lo] in q's dtype"""
     B, Hq, Dk = q.shape
@@ -94,22 +95,27 @@ def _paged(q, pool, block_tables, lengths, sinks, *, layer: int, k_dim: int, v_e
                              f"and the MLA latent layout are not supported (K {k_dim}, V {v_hi - v_lo}, D {D})")
         require_gpu_dims("paged attention", head_dim=D, tile_tokens=ppt * bs)
     table = jnp.pad(block_tables.astype(jnp.int32), [(0, 0), (0, P * ppp - W)])
+    if sorted(grid_order) != ["b", "h", "p"]:
+        raise ValueError(f"grid_order must order the letters b, h and p, got {grid_order!r}")
     kernel = functools.partial(_paged_kernel, block_size=bs, ppt=ppt, ppp=ppp, k_dim=k_dim, v_lo=v_lo, v_hi=v_hi,
-                               scale=scale, window=window)
+                               scale=scale, window=window, grid_order=grid_order)
+
+    def at(f):  # an index map over (b, h, p) as one over the grid's axes
+        return lambda *ids: f(*(ids[grid_order.index(c)] for c in "bhp"))
     o, m, l = pl.pallas_call(
         kernel,
-        grid=(B, Hkv, P),
+        grid=tuple({"b": B, "h": Hkv, "p": P}[c] for c in grid_order),
         in_specs=[
-            pl.BlockSpec((B,), lambda b, h, p: (0,)),
-            pl.BlockSpec((None, P * ppp), lambda b, h, p: (b, 0)),
-            pl.BlockSpec((None, None, G, Dk), lambda b, h, p: (b, h, 0, 0)),
-            pl.BlockSpec((NB, None, None, bs, None, D), lambda b, h, p: (0, layer, 0, 0, h, 0)),
-            pl.BlockSpec((NB, None, None, bs, None, D), lambda b, h, p: (0, layer, v_entry, 0, h, 0)),
+            pl.BlockSpec((B,), at(lambda b, h, p: (0,))),
+            pl.BlockSpec((None, P * ppp), at(lambda b, h, p: (b, 0))),
+            pl.BlockSpec((None, None, G, Dk), at(lambda b, h, p: (b, h, 0, 0))),
+            pl.BlockSpec((NB, None, None, bs, None, D), at(lambda b, h, p: (0, layer, 0, 0, h, 0))),
+            pl.BlockSpec((NB, None, None, bs, None, D), at(lambda b, h, p: (0, layer, v_entry, 0, h, 0))),
         ],
         out_specs=[
-            pl.BlockSpec((None, None, None, G, Dv), lambda b, h, p: (b, h, p, 0, 0)),
-            pl.BlockSpec((None, None, None, G), lambda b, h, p: (b, h, p, 0)),
-            pl.BlockSpec((None, None, None, G), lambda b, h, p: (b, h, p, 0)),
+            pl.BlockSpec((None, None, None, G, Dv), at(lambda b, h, p: (b, h, p, 0, 0))),
+            pl.BlockSpec((None, None, None, G), at(lambda b, h, p: (b, h, p, 0))),
+            pl.BlockSpec((None, None, None, G), at(lambda b, h, p: (b, h, p, 0))),
         ],
         out_shape=[jax.ShapeDtypeStruct((B, Hkv, P, G, Dv), jnp.float32),
                    jax.ShapeDtypeStruct((B, Hkv, P, G), jnp.float32),
@@ -165,7 +171,7 @@ def gqa_args(q, pool, block_tables, lengths, layer, sliding_window, sinks):
 
 def paged_attention(q, pool, block_tables, lengths, *, layer, sliding_window=None, sinks=None, scale=None,
                     interpret=False, pages_per_tile=None, pages_per_partition=None, num_warps=None, num_stages=None,
-                    total_blocks=None):
+                    total_blocks=None, grid_order=GRID_ORDER):
     """Decode attention, one query token per request, K/V read through block tables.
 
     q [B, Hq, Dk]; pool [NB, L, E, block_size, Hkv, D] one full group of the engine's pool; block_tables [B, W]
@@ -173,7 +179,8 @@ def paged_attention(q, pool, block_tables, lengths, *, layer, sliding_window=Non
     0 marks an empty slot); layer: index within the group; sliding_window: the query sees the last
     `sliding_window` positions including itself; sinks [Hq] float32; scale defaults to Dk**-0.5;
     num_warps, num_stages: the Triton launch parameters on a GPU (None: GPU_LAUNCH, tuned on an H100);
-    total_blocks: read by the reference only (see the module docstring)
+    grid_order: the order of the launch grid's axes (GRID_ORDER); total_blocks: read by the reference only (see
+    the module docstring)
     -> [B, Hq, Dv] in q's dtype
     """
     del total_blocks
@@ -182,7 +189,7 @@ def paged_attention(q, pool, block_tables, lengths, *, layer, sliding_window=Non
     return _paged(q, pool, block_tables, lengths, sinks, layer=int(layer), k_dim=Dk, v_entry=v_entry, v_lo=v_lo,
                   v_hi=v_hi, scale=Dk ** -0.5 if scale is None else float(scale),
                   window=None if sliding_window is None else int(sliding_window), ppt=ppt, ppp=ppp,
-                  interpret=bool(interpret), num_warps=num_warps, num_stages=num_stages)
+                  interpret=bool(interpret), num_warps=num_warps, num_stages=num_stages, grid_order=grid_order)
 
 
 def _dense_view(pool, block_tables, lengths, layer):
@@ -245,9 +252,9 @@ def _ragged_attend(q, k, v, row, k_pos, k_valid, lengths, *, scale, window, sink
 
 def ref_paged_attention(q, pool, block_tables, lengths, *, layer, sliding_window=None, sinks=None, scale=None,
                         interpret=False, pages_per_tile=None, pages_per_partition=None, num_warps=None,
-                        num_stages=None, total_blocks=None):
+                        num_stages=None, total_blocks=None, grid_order=GRID_ORDER):
     """Gather-then-attend reference of `paged_attention`, same arguments and result (ragged with total_blocks)."""
-    del interpret, pages_per_tile, pages_per_partition, num_warps, num_stages
+    del interpret, pages_per_tile, pages_per_partition, num_warps, num_stages, grid_order
     E, Dk, D = _views(q, pool, block_tables, lengths, layer)
     v_entry, v_lo, v_hi = _gqa_layout(E, Dk, D)
     scale = Dk ** -0.5 if scale is None else scale

@@ -53,33 +53,6 @@ def test_ranges_match_a_brute_force_count(lens, T, bkv):
             assert tuple(prg[p]) == (min(r[0] for r in real), max(r[3] for r in real))
 
 
-@pytest.mark.parametrize("order", ["lpt", "grid"])
-def test_launch_order_runs_every_program_once_per_head(order):
-    """Launch slot i runs query head i % Hq of one program; every (program, head) pair runs exactly once, with
-    the program's own stream range; "lpt" launches programs by streamed key tiles, most first (ties in program
-    order), "grid" in program order."""
-    lens, Hq = [1024, 2048, 512, 512], 4
-    _, prg, _ = fh._ranges(_cu(lens), 4096, 64, 128)
-    rows = np.asarray(fh._launch_order(prg, Hq, order))
-    prg = np.asarray(prg)
-    n = prg.shape[0]
-    assert rows.shape == (Hq * n, 3)
-    progs = rows[::Hq, 0]
-    assert sorted(progs) == list(range(n))
-    for h in range(Hq):  # the heads of one program are launched side by side
-        np.testing.assert_array_equal(rows[h::Hq], rows[::Hq])
-    np.testing.assert_array_equal(rows[::Hq, 1:], prg[progs])
-    work = prg[progs, 1] - prg[progs, 0]
-    if order == "lpt":
-        assert (np.diff(work) <= 0).all() and work[0] > work[-1]
-        ties = [(a, b) for a, b, wa, wb in zip(progs, progs[1:], work, work[1:]) if wa == wb]
-        assert all(a < b for a, b in ties)
-    else:
-        np.testing.assert_array_equal(progs, np.arange(n))
-    with pytest.raises(ValueError, match="order"):
-        fh._launch_order(prg, Hq, "random")
-
-
 @pytest.mark.parametrize("D,Hq,Hkv,dtype", [(128, 8, 2, jnp.bfloat16), (64, 16, 2, jnp.bfloat16),
                                             (256, 4, 1, jnp.float16)])
 def test_lowers_for_cuda(D, Hq, Hkv, dtype):
@@ -117,8 +90,7 @@ def test_asking_for_it_elsewhere_is_refused():
     ([128, 128, 128], 0, 8, 8, 128, jnp.float16)])
 def test_matches_the_reference_on_hopper(lens, pad, Hq, Hkv, D, dtype):
     """Segments starting inside a key tile (rows whose first tiles are all masked), padding rows, GQA groups
-    of 1 to 8, head dims 64 / 128 / 256: the same numbers as the reference, zeros past the last sequence; in
-    program launch order too."""
+    of 1 to 8, head dims 64 / 128 / 256: the same numbers as the reference, zeros past the last sequence."""
     r = np.random.RandomState(1)
     T = sum(lens) + pad
     q, k, v = (randn(r, (T, h, D), dtype) * 0.5 for h in (Hq, Hkv, Hkv))
@@ -126,6 +98,3 @@ def test_matches_the_reference_on_hopper(lens, pad, Hq, Hkv, D, dtype):
     want = ref_flash_attention(q, k, v, cu_seqlens=_cu(lens))
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=3e-2, rtol=0)
     assert not np.asarray(got[sum(lens):], np.float32).any()
-    if len(lens) > 2:
-        grid = fh.hopper_flash_attention(q, k, v, _cu(lens), scale=D ** -0.5, order="grid")
-        np.testing.assert_array_equal(np.asarray(grid, np.float32), np.asarray(got, np.float32))

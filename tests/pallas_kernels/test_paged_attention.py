@@ -54,6 +54,24 @@ def test_paged_attention_matches_reference(case):
         close(ragged, want, dtype)
 
 
+@pytest.mark.parametrize("order", ["hpb", "phb", "pbh"])
+def test_paged_attention_grid_orders_give_the_same_numbers(order):
+    """The launch grid's axes in another order: every (request, KV head, partition) program still runs once,
+    on its own inputs and outputs (the same numbers as the default order); a bad order is refused."""
+    r = np.random.RandomState(7)
+    B, Hq, Hkv, D, bs, NB = 5, 8, 2, 64, 16, 40
+    lengths = [1, 70, 0, 33, 128]
+    pool, q = randn(r, (NB, 2, 2, bs, Hkv, D), jnp.bfloat16), randn(r, (B, Hq, D), jnp.bfloat16)
+    table, lens = _tables(r, B, 8, NB), jnp.asarray(lengths, jnp.int32)
+    kw = dict(layer=1, pages_per_tile=2, pages_per_partition=2, interpret=INTERPRET)
+    want = jax.jit(functools.partial(paged_attention, **kw))(q, pool, table, lens)
+    got = jax.jit(functools.partial(paged_attention, grid_order=order, **kw))(q, pool, table, lens)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    close(got, ref_paged_attention(q, pool, table, lens, layer=1), jnp.bfloat16)
+    with pytest.raises(ValueError, match="grid_order"):
+        paged_attention(q, pool, table, lens, grid_order="bhh", **kw)
+
+
 def test_paged_reference_reads_the_right_tokens():
     """Write a dense K/V sequence into scattered blocks by hand; the paged reference equals dense attention."""
     r = np.random.RandomState(0)
