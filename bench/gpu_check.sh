@@ -10,9 +10,10 @@
 # device tool's run, with carry [".whl"] and timeout_s 600:
 #     bash bench/gpu_check.sh
 # It uses the machine's own python3, JAX (CUDA) and Flax, the wheels installed beside them in /tmp/site;
-# TUNE_SWEEPS picks bench.kernel_tune's sweeps (default hopper,paged). Every step
-# has its share of BUDGET_S (default 560 s) and is cut at it; what each wrote, its log and a summary go to $OUT
-# (results named after the GPU: kernels_h100.json, kernels_h200.json, ...), to be copied into bench/results/.
+# TUNE_SWEEPS picks bench.kernel_tune's sweeps (default hopper,paged). Every step has its share of BUDGET_S
+# (default 560 s; the shares scale with it) and is cut at it; what each wrote, a summary and its log (in
+# logs.tgz) go to $OUT (results named after the GPU: kernels_h100.json, kernels_h200.json, ...), to be copied
+# into bench/results/ (make bench does).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check}
@@ -40,7 +41,7 @@ TAG=${TAG:-gpu}
 
 # step NAME SHARE_S COMMAND...: runs COMMAND for at most SHARE_S seconds and what is left of BUDGET_S
 step() {
-    local name=$1 share=$2; shift 2
+    local name=$1 share=$(( $2 * BUDGET_S / 560 )); shift 2  # the shares are of the default budget, scaled
     local left=$(( BUDGET_S - ($(date +%s) - START) ))
     local limit=$(( share < left ? share : left ))
     if [ "$limit" -lt 20 ]; then echo "$name: skipped, $left s of the budget left" | tee -a "$OUT/summary.txt"; return; fi
@@ -52,13 +53,15 @@ step() {
     tail -n 4 "$OUT/$name.log" | awk '{print "    " $0}' | tee -a "$OUT/summary.txt"  # awk ends every line
 }
 
-# in order of what a cut-short run must not lose: the kernels' rates, the sweep, the kernel tests (the Hopper
-# kernel's first), generation end to end, the device transfer backend
+# in order of what a cut-short run must not lose: the kernels' rates, the sweep, the attention kernels' tests,
+# the other kernel tests, generation end to end, the device transfer backend
 step kernels 70 $PY -m bench.kernels --iters 20 --json "$OUT/kernels_$TAG.json"
-step kernel_tune 110 $PY -m bench.kernel_tune --iters 10 --budget-s 80 --sweeps "${TUNE_SWEEPS:-hopper,paged}" \
+step kernel_tune 110 $PY -m bench.kernel_tune --iters 10 --budget-s $(( 80 * BUDGET_S / 560 )) --sweeps "${TUNE_SWEEPS:-hopper,paged}" \
     --json "$OUT/kernel_tune_$TAG.json"
-step pallas_tests 150 $PY -m pytest -v -p no:cacheprovider tests/pallas_kernels/test_flash_attention_hopper.py \
-    tests/pallas_kernels/test_paged_attention.py tests/pallas_kernels/test_check.py tests/pallas_kernels
+K=tests/pallas_kernels
+step attention_tests 60 $PY -m pytest -v -p no:cacheprovider $K/test_flash_attention_hopper.py $K/test_paged_attention.py
+step pallas_tests 120 $PY -m pytest -v -p no:cacheprovider $K --ignore $K/test_flash_attention_hopper.py \
+    --ignore $K/test_paged_attention.py  # the engine on each model family first (tests/conftest.py's order)
 step offline 100 $PY -m bench.offline --no-baseline --reps 2 --json "$OUT/offline_$TAG.json"
 step pull_tests 30 $PY -m pytest -q -p no:cacheprovider tests/transfer/test_pull.py
 step transfer 30 $PY -m bench.transfer --parts a --reps 3 --json "$OUT/transfer_$TAG.json"

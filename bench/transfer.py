@@ -218,6 +218,7 @@ def efficiency(mb: int, conns: int, reps: int) -> dict:
     proc.start()
     addrs, raw_port = q.get(timeout=120)
     addr = addrs["plain"]
+    import jax
     import jax.numpy as jnp
 
     from transfer.pull import PullLink, PullServer
@@ -280,7 +281,9 @@ def efficiency(mb: int, conns: int, reps: int) -> dict:
                              "kv_vs_this": statistics.median(kv) / med_cs, "bytes_per_s": raw_cs},
             "device_backend": {"what": "the same bytes as one device array pulled by the receiver through JAX's "
                                        "transfer server (transfer/pull.py), its transport on the same number of "
-                                       "connections; CPU here, so host memory to host memory",
+                                       "connections; the arrays on JAX's default backend, here "
+                                       f"{jax.default_backend()} (cpu: host memory to host memory; gpu: from "
+                                       "one GPU's memory to the same GPU's, both processes sharing it)",
                                "bytes_per_s_median": statistics.median(dev),
                                "vs_raw": statistics.median(dev) / statistics.median(raw), "bytes_per_s": dev},
             "tls": {"what": "the same KV link (same frames, checksums, connections) over mutual TLS (transfer/tls.py: "
