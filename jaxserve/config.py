@@ -32,6 +32,9 @@ class EngineSection(_Strict):
     max_num_seqs: int | None = Field(None, ge=1, description="concurrent requests (default: as many as the "
                                      "cache holds at 256 tokens each, 8 to 256)")
     max_num_batched_tokens: int = Field(512, ge=1)
+    mixed_batched_tokens: int | None = Field(None, ge=1, description="prefill tokens in a step that also decodes: "
+                                             "the running requests wait for that step's prefill, so this bounds "
+                                             "the gap between their tokens (default: max_num_batched_tokens)")
     chunk_size: int | None = Field(None, ge=1, description="prefill tokens per request per step, a multiple of "
                                    "block_size (default: max_num_batched_tokens where the model prefills over the "
                                    "paged cache in one packed program, every full-attention GQA model on the "

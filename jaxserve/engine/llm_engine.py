@@ -86,6 +86,7 @@ class EngineConfig:
     num_blocks: int = 512
     max_num_seqs: int | None = None  # default: sized from the cache (default_max_num_seqs)
     max_num_batched_tokens: int = 512
+    mixed_batched_tokens: int | None = None  # prefill tokens in a step that also decodes (None: the step budget)
     chunk_size: int | None = None  # default: sized from the model and budget (default_chunk_size)
     max_prefill_seqs: int = 4
     max_waiting: int = 256
@@ -163,7 +164,7 @@ class LLMEngine:
                 paged_prefill, cfg.max_num_batched_tokens, bs))
         self.scheduler = Scheduler(SchedulerConfig(
             cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.chunk_size, cfg.max_prefill_seqs, cfg.max_waiting, bs,
-            self.layout.has_request_state), self.blocks)
+            self.layout.has_request_state, cfg.mixed_batched_tokens), self.blocks)
         self.timer = StepTimer()  # where each step's time goes (bench/offline.py)
         self.runner = ModelRunner(self.graphdef, state, self.layout, self.model_config.vocab_size, self.dtype,
                                   num_slots=cfg.max_num_seqs, max_prefill_seqs=cfg.max_prefill_seqs,

@@ -7,9 +7,10 @@ step; `complete_prefill()` / `complete_decode()` apply its results.
 - Decode first: every decoding request needs room for one more token. When the pool is out of blocks the
   most recently admitted request is preempted: its blocks and slot are released and it goes back to the
   front of the queue to be recomputed (prompt + tokens generated so far) later, instead of crashing.
-- Prefill under a token budget (`max_num_batched_tokens`) and at most `chunk_size` tokens per request per
-  step: partially prefilled requests continue first, then waiting requests are admitted in arrival order
-  while a decode slot and blocks for the whole prompt are available. A request's prefix cache hit is
+- Prefill under a token budget (`max_num_batched_tokens`; `mixed_batched_tokens` in a step that also
+  decodes, so a long prompt's prefill delays the running requests' next tokens by at most that much work) and
+  at most `chunk_size` tokens per request per step: partially prefilled requests continue first, then waiting
+  requests are admitted in arrival order while a decode slot and blocks for the whole prompt are available. A request's prefix cache hit is
   taken at admission.
 - Disaggregated decode: `reserve()` admits a request whose KV another instance computes (decode reserves
   cache first). It holds its slot and blocks but is skipped by planning and never preempted until
@@ -52,6 +53,7 @@ class SchedulerConfig:
     max_waiting: int = 256  # requests queued beyond the free decode slots before new ones are refused
     block_size: int = 16
     has_request_state: bool = False  # linear / sliding layers: snapshots needed for prefix reuse
+    mixed_batched_tokens: int | None = None  # prefill tokens in a step that also decodes (None: the step budget)
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "max_prefill_seqs", "block_size"):
@@ -60,6 +62,8 @@ class SchedulerConfig:
         if self.chunk_size % self.block_size:
             raise ValueError(f"SchedulerConfig.chunk_size ({self.chunk_size}) must be a multiple of block_size "
                              f"({self.block_size})")
+        if self.mixed_batched_tokens is not None and self.mixed_batched_tokens < 1:
+            raise ValueError(f"SchedulerConfig.mixed_batched_tokens must be >= 1, got {self.mixed_batched_tokens}")
 
 
 @dataclass
@@ -179,6 +183,8 @@ class Scheduler:
                     if victim is seq:
                         break
         budget = self.cfg.max_num_batched_tokens
+        if plan.decodes and self.cfg.mixed_batched_tokens is not None:  # the decodes wait for the prefill's work
+            budget = min(budget, self.cfg.mixed_batched_tokens)
         pinned: set[int] = set()
         for seq in plan.decodes:
             self._decode_snapshot(seq, pinned)

@@ -43,6 +43,34 @@ def seq(rid, n, max_tokens=4, start=0):
     return Sequence(rid, list(range(start, start + n)), SamplingParams(max_tokens=max_tokens))
 
 
+def test_a_step_that_decodes_takes_the_mixed_budget():
+    """While requests decode, a step's prefill takes at most mixed_batched_tokens (block-aligned chunks, several
+    prompts sharing it); a step with nothing to decode takes the whole budget; nothing leaks."""
+    s = make(chunk_size=32, max_num_batched_tokens=32, mixed_batched_tokens=8)
+    first = seq("first", 6, max_tokens=20)
+    s.add(first)
+    plan = s.schedule()
+    assert [(c.start, c.length) for c in plan.prefills] == [(0, 6)] and not plan.decodes
+    run_step(s, plan)
+    s.add(seq("long", 30, start=100))  # no prefix shared with "first"
+    s.add(seq("short", 3, start=200))
+    lengths = []
+    for _ in range(4):
+        plan = s.schedule()
+        assert [q.request_id for q in plan.decodes] == ["first"]
+        lengths.append([(c.seq.request_id, c.length) for c in plan.prefills])
+        run_step(s, plan)
+    assert lengths[:4] == [[("long", 8)], [("long", 8)], [("long", 8)], [("long", 6), ("short", 2)]]
+    assert all(sum(n for _, n in step) <= 8 for step in lengths)
+    s2 = make(chunk_size=32, max_num_batched_tokens=32, mixed_batched_tokens=8)
+    s2.add(seq("long", 30))
+    assert [c.length for c in s2.schedule().prefills] == [30]  # nothing decodes: the whole budget
+    drain(s)
+    s.blocks.check()
+    with pytest.raises(ValueError, match="mixed_batched_tokens"):
+        SchedulerConfig(mixed_batched_tokens=0)
+
+
 def test_chunked_prefill_budget_and_alignment():
     s = make(chunk_size=8, max_num_batched_tokens=12)
     a, b = seq("a", 21), seq("b", 6)
