@@ -12,8 +12,10 @@ own virtual environment (bench/offline.ensure_vllm: vLLM's CPU build), both on t
 workload of the same shape (other tokens: compilation and first-use costs excluded, reported), then `--reps`
 rounds time every system once, the order reversed every other round, so a round's ratios compare passes run
 side by side on a noisy machine. Per request: TTFT (sent to the first streamed chunk) and TPOT ((last chunk -
-first chunk) / (tokens - 1)); per pass their p50 and p99; per round the ratio jaxserve / vLLM of each figure
-(below 1: jaxserve faster); the median and range of the ratios.
+first chunk) / (tokens - 1)); per pass their p50 and p99, and those of ITL, the gaps between consecutive
+streamed chunks of every request pooled (a request's longest wait for its next token: what a prefill running
+beside it costs it); per round the ratio jaxserve / vLLM of each figure (below 1: jaxserve faster); the median
+and range of the ratios.
 
     python -m bench.online --model smollm2 --json bench/results/online_smollm2.json --vllm-venv bench/.vllm-venv
 """
@@ -94,7 +96,7 @@ async def one(client, url: str, prompt: list[int], max_tokens: int) -> dict:
             "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.monotonic()
     first = last = None
-    tokens = 0
+    tokens, gaps = 0, []
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
             return {"ok": False, "error": f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"}
@@ -103,13 +105,17 @@ async def one(client, url: str, prompt: list[int], max_tokens: int) -> dict:
                 continue
             chunk = json.loads(line[6:])
             if chunk.get("choices"):
-                last = time.monotonic()
+                now = time.monotonic()
+                if last is not None:
+                    gaps.append(now - last)
+                last = now
                 first = first or last
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
     if first is None or tokens != max_tokens:
         return {"ok": False, "error": f"{tokens} of {max_tokens} tokens"}
-    return {"ok": True, "ttft_s": first - t0, "tpot_s": (last - first) / max(1, tokens - 1), "e2e_s": last - t0}
+    return {"ok": True, "ttft_s": first - t0, "tpot_s": (last - first) / max(1, tokens - 1), "e2e_s": last - t0,
+            "gaps": gaps}
 
 
 async def workload(url: str, reqs: list[dict], max_tokens: int) -> list[dict]:
@@ -134,6 +140,9 @@ def figures(recs: list[dict], seconds: float) -> dict:
     for key in ("ttft_s", "tpot_s", "e2e_s"):
         xs = [r[key] for r in ok]
         out[key] = {"p50": pct(xs, 50), "p99": pct(xs, 99), "mean": float(np.mean(xs)) if xs else None}
+    gaps = [g for r in ok for g in r["gaps"]]  # every gap between two streamed chunks of a request, pooled
+    out["itl_s"] = {"p50": pct(gaps, 50), "p99": pct(gaps, 99), "max": max(gaps) if gaps else None,
+                    "mean": float(np.mean(gaps)) if gaps else None}
     return out
 
 
@@ -206,7 +215,7 @@ def main(argv=None):
             s.close()
     js, vl = out["jaxserve"]["passes"], out["vllm"]["passes"]
     ratios = {f"{k}_{q}": spread([j[k][q] / v[k][q] for j, v in zip(js, vl) if j[k][q] and v[k][q]])
-              for k in ("ttft_s", "tpot_s") for q in ("p50", "p99")}
+              for k in ("ttft_s", "tpot_s", "itl_s") for q in ("p50", "p99")}
     res.update(systems=out, ratio_jaxserve_over_vllm=ratios,
                failed={name: sum(p["failed"] for p in v["passes"]) for name, v in out.items()})
     from bench.stamp import write
