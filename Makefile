@@ -74,6 +74,8 @@ bench: $(STAMP)
 	$(BENCH) bench.offline --model smollm2 --json $(R)/offline_smollm2.json --max-num-seqs 48 --reps 3 $(VLLM)
 	$(if $(filter none,$(VLLM_PYTHON)),,$(BENCH) bench.online --json $(R)/online_smollm2.json --requests 32 \
 		--rate 0.5 --reps 3 $(VLLM))
+	$(if $(filter none,$(VLLM_PYTHON)),,$(BENCH) bench.online --json $(R)/online_smollm2_mixed128.json \
+		--requests 32 --rate 0.5 --reps 3 $(VLLM) --engine mixed_batched_tokens=128)
 	$(BENCH) bench.steps --baseline 0ab36c4 --json $(R)/steps.json
 	$(BENCH) bench.steps --baseline b49a0f5 --json $(R)/steps_prefill.json
 	$(BENCH) bench.steps --baseline 48665a0 --json $(R)/steps_migration.json
