@@ -34,7 +34,7 @@ from .merge import add_sinks, merge_partials, normalize
 TILE_TOKENS = 64  # keys per tile: pages_per_tile = max(1, TILE_TOKENS // block_size)
 MAX_PARTITIONS = 4
 GPU_LAUNCH = (2, 1)  # Triton warps and pipeline stages (tiles, partitions and these: bench/kernel_tune.py)
-GRID_ORDER = "bhp"  # the grid's axes: b requests, h KV heads, p partitions, the first launched fastest
+GRID_ORDER = "bhp"  # the grid's axes in order (b requests, h KV heads, p partitions); the first varies fastest
 
 
 def _paged_kernel(len_ref, tbl_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block_size: int, ppt: int,

@@ -10,8 +10,8 @@ step; `complete_prefill()` / `complete_decode()` apply its results.
 - Prefill under a token budget (`max_num_batched_tokens`; `mixed_batched_tokens` in a step that also
   decodes, so a long prompt's prefill delays the running requests' next tokens by at most that much work) and
   at most `chunk_size` tokens per request per step: partially prefilled requests continue first, then waiting
-  requests are admitted in arrival order while a decode slot and blocks for the whole prompt are available. A request's prefix cache hit is
-  taken at admission.
+  requests are admitted in arrival order while a decode slot and blocks for the whole prompt are available.
+  A request's prefix cache hit is taken at admission.
 - Disaggregated decode: `reserve()` admits a request whose KV another instance computes (decode reserves
   cache first). It holds its slot and blocks but is skipped by planning and never preempted until
   `kv_arrived()`; the transfer writes into those blocks meanwhile.
