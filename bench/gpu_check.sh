@@ -18,7 +18,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
-BUDGET_S=${BUDGET_S:-560}
+DEFAULT_BUDGET_S=560  # the step shares below are of this budget
+BUDGET_S=${BUDGET_S:-$DEFAULT_BUDGET_S}
 START=$(date +%s)
 PY=${PY:-python3}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 XLA_PYTHON_CLIENT_PREALLOCATE=false  # several processes share the GPU
@@ -41,7 +42,7 @@ TAG=${TAG:-gpu}
 
 # step NAME SHARE_S COMMAND...: runs COMMAND for at most SHARE_S seconds and what is left of BUDGET_S
 step() {
-    local name=$1 share=$(( $2 * BUDGET_S / 560 )); shift 2  # the shares are of the default budget, scaled
+    local name=$1 share=$(( $2 * BUDGET_S / DEFAULT_BUDGET_S )); shift 2  # shares scale with the budget
     local left=$(( BUDGET_S - ($(date +%s) - START) ))
     local limit=$(( share < left ? share : left ))
     if [ "$limit" -lt 20 ]; then echo "$name: skipped, $left s of the budget left" | tee -a "$OUT/summary.txt"; return; fi
@@ -56,14 +57,15 @@ step() {
 # in order of what a cut-short run must not lose: the kernels' rates, the sweep, the attention kernels' tests,
 # the other kernel tests, generation end to end, the device transfer backend
 step kernels 70 $PY -m bench.kernels --iters 20 --json "$OUT/kernels_$TAG.json"
-step kernel_tune 110 $PY -m bench.kernel_tune --iters 10 --budget-s $(( 80 * BUDGET_S / 560 )) --sweeps "${TUNE_SWEEPS:-hopper,paged}" \
-    --json "$OUT/kernel_tune_$TAG.json"
+step kernel_tune 110 $PY -m bench.kernel_tune --iters 10 --budget-s $(( 80 * BUDGET_S / DEFAULT_BUDGET_S )) \
+    --sweeps "${TUNE_SWEEPS:-hopper,paged}" --json "$OUT/kernel_tune_$TAG.json"
 K=tests/pallas_kernels
-step attention_tests 60 $PY -m pytest -v -p no:cacheprovider $K/test_flash_attention_hopper.py $K/test_paged_attention.py
+step attention_tests 60 $PY -m pytest -v -p no:cacheprovider $K/test_flash_attention_hopper.py \
+    $K/test_paged_attention.py
 step pallas_tests 120 $PY -m pytest -v -p no:cacheprovider $K --ignore $K/test_flash_attention_hopper.py \
     --ignore $K/test_paged_attention.py  # the engine on each model family first (tests/conftest.py's order)
 step offline 100 $PY -m bench.offline --no-baseline --reps 2 --json "$OUT/offline_$TAG.json"
 step pull_tests 30 $PY -m pytest -q -p no:cacheprovider tests/transfer/test_pull.py
 step transfer 30 $PY -m bench.transfer --parts a --reps 3 --json "$OUT/transfer_$TAG.json"
 echo "total $(( $(date +%s) - START )) s" | tee -a "$OUT/summary.txt"
-(cd "$OUT" && tar -czf logs.tgz ./*.log && rm -f ./*.log)  # the logs as one file: summary, logs and results
+(cd "$OUT" && tar -czf logs.tgz ./*.log && rm -f ./*.log)  # the logs in one file, beside the summary and results

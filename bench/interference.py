@@ -9,7 +9,8 @@ arrive every `--gap` seconds (1 output token each). Every instance warms up (com
 run) before it serves, as `jaxserve serve` does, and a first untimed pass of the same shape runs before the
 timed one: a pass alone does not reach every decode batch bucket, and a program compiled inside the timed pass
 would be measured as a stall. Measured at the router: TPOT samples = the time between consecutive tokens of
-the decoding requests (every gap of every request); reported p50 / p90 / p99 and per-request mean TPOT, and the prefills' TTFT.
+the decoding requests (every gap of every request); reported p50 / p90 / p99 and per-request mean TPOT, and the
+prefills' TTFT.
 Headline: p99 TPOT colocated / disaggregated (goal >= 2). CPU timings: compare the ratio.
 
 `python -m bench.interference --json bench/results/interference.json`

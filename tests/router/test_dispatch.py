@@ -28,10 +28,9 @@ class Fake:
     | after_import (the reservation waits until an Import was opened on any instance); `await_put`: the request
     ids whose reservation waits until the router holds the store's answer to their write-back's Import (an event
     the test sets); `export` in ok | fail (a store no longer holding the prefix; a prefill instance's read of the
-    store's shared pool too). Import answers
-    its reservation, then `imported` once an Export filled it (or a Prefill naming it, with `streams`: a prefill
-    instance that writes the store's copy as it computes). `shared`: a store advertises a shared KV pool, a
-    prefill instance reads such pools (both on this host)."""
+    store's shared pool too). Import answers its reservation, then `imported` once an Export filled it (or a
+    Prefill naming it, with `streams`: a prefill instance that writes the store's copy as it computes). `shared`:
+    a store advertises a shared KV pool, a prefill instance reads such pools (both on this host)."""
 
     def __init__(self, name, role, board, prefill="ok", decode="ok", export="ok", shared=False, streams=False):
         self.name, self.role, self.board = name, role, board
@@ -133,8 +132,9 @@ class Fake:
             self.board.setdefault(("import reserved", rid), asyncio.Event()).set()
             await self.board.setdefault(("exported", rid), asyncio.Event()).wait()
             yield {"imported": {"tokens": len(req.prompt), "skip": 0, "kv_bytes": 512}}
-        finally:
+        finally:  # also where the router cancels the call: the server runs this after the router has moved on
             self.imports_closed.append(rid)
+            self.board.setdefault(("import closed", rid), asyncio.Event()).set()
 
     async def export(self, req, ctx):
         self.exports.append((req.request_id, req.dst.instance, list(req.dst.blocks)))
@@ -426,7 +426,9 @@ def test_a_pipelined_load_from_the_store_starts_beside_the_decode_reservation(ex
             pre = w["p0"].requests[-1]
             assert pre["prefix_from"] == {"import_id": "r.1.prefix", "tokens": 4}
             assert u.route["prefix_move"] is None or u.route["prefix_move"]["via"] == "transfer"
-            assert w["p0"].imports_closed == ["r.1.prefix"]  # ended (imported), or closed by the router
+            # ended (imported), or closed by the router: the fake sees a closing call's cancellation in its own time
+            await asyncio.wait_for(w["p0"].board.setdefault(("import closed", "r.1.prefix"), asyncio.Event()).wait(), 5)
+            assert w["p0"].imports_closed == ["r.1.prefix"]
             if export == "ok":
                 assert u.route["prefix_move"]["tokens"] == 4 and u.route["prefix_move"]["overlapped"]
                 assert u.route["prefix_move"]["kv_bytes"] == 4096 and ce.prefix_moves["done"] == 1
