@@ -14,8 +14,10 @@ rounds time every system once, the order reversed every other round, so a round'
 side by side on a noisy machine. Per request: TTFT (sent to the first streamed chunk) and TPOT ((last chunk -
 first chunk) / (tokens - 1)); per pass their p50 and p99, and those of ITL, the gaps between consecutive
 streamed chunks of every request pooled (a request's longest wait for its next token: what a prefill running
-beside it costs it); per round the ratio jaxserve / vLLM of each figure (below 1: jaxserve faster); the median
-and range of the ratios.
+beside it costs it), and each request's TTFT and TPOT (which requests make the tail); per round the ratio
+jaxserve / vLLM of each figure (below 1: jaxserve faster); the median and range of the ratios. With `--control`,
+a second jaxserve server configured identically joins every round, and the same ratios of it to the first say
+how far this machine's noise alone moves each figure (a p99 of a few dozen requests is about their slowest one).
 
     python -m bench.online --model smollm2 --json bench/results/online_smollm2.json --vllm-venv bench/.vllm-venv
 """
@@ -70,17 +72,17 @@ def engine_overrides(items: list[str]) -> dict:
     return out
 
 
-def jaxserve(path: str, port: int, args, log_dir: str) -> Server:
+def jaxserve(path: str, port: int, args, log_dir: str, name: str = "jaxserve") -> Server:
     import yaml
     cfg = {"model": {"path": path, "name": "bench"},
            "engine": {"num_blocks": 2048, "max_num_seqs": args.max_num_seqs, "max_model_len": 2048,
                       "prefix_caching": False, "warmup": True, **engine_overrides(args.engine)},
            "clusters": [{"name": "main", "instances": [{"name": "main-0", "role": "both"}]}],
            "server": {"host": "127.0.0.1", "port": port, "max_waiting": 1024}}
-    config = os.path.join(log_dir, "jaxserve.yaml")
+    config = os.path.join(log_dir, f"{name}.yaml")
     with open(config, "w") as f:
         yaml.safe_dump(cfg, f)
-    return Server("jaxserve", [sys.executable, "-m", "router.cli", "serve", "--config", config], port, log_dir)
+    return Server(name, [sys.executable, "-m", "router.cli", "serve", "--config", config], port, log_dir)
 
 
 def vllm(python: str, path: str, port: int, args, log_dir: str) -> Server:
@@ -143,11 +145,19 @@ def figures(recs: list[dict], seconds: float) -> dict:
     gaps = [g for r in ok for g in r["gaps"]]  # every gap between two streamed chunks of a request, pooled
     out["itl_s"] = {"p50": pct(gaps, 50), "p99": pct(gaps, 99), "max": max(gaps) if gaps else None,
                     "mean": float(np.mean(gaps)) if gaps else None}
+    # each request's [TTFT, TPOT] in arrival order (null: failed): which requests make the tail
+    out["per_request"] = [[round(r["ttft_s"], 5), round(r["tpot_s"], 5)] if r["ok"] else None for r in recs]
     return out
 
 
 def spread(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)} if xs else {}
+
+
+def paired_ratios(num: list[dict], den: list[dict]) -> dict:
+    """Per figure, the ratios num / den of the passes of the same rounds: their median and range."""
+    return {f"{k}_{q}": spread([a[k][q] / b[k][q] for a, b in zip(num, den) if a[k][q] and b[k][q]])
+            for k in ("ttft_s", "tpot_s", "itl_s") for q in ("p50", "p99")}
 
 
 def main(argv=None):
@@ -166,6 +176,9 @@ def main(argv=None):
     ap.add_argument("--ready-timeout", type=float, default=1800, help="seconds a server may take to start")
     ap.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
                     help="a setting of jaxserve's engine section on top of the benchmark's (repeatable)")
+    ap.add_argument("--control", action="store_true",
+                    help="a second jaxserve server, configured identically, in every round: its ratios to the "
+                         "first are what this machine's noise alone gives")
     a = ap.parse_args(argv)
     from tqdm import tqdm
 
@@ -186,6 +199,8 @@ def main(argv=None):
     # started one at a time, each once the one before has warmed up: each starts (and compiles) on an idle machine
     starts = [lambda: jaxserve(path, free_ports("127.0.0.1"), a, log_dir),
               lambda: vllm(python, path, free_ports("127.0.0.1"), a, log_dir)]
+    if a.control:
+        starts.append(lambda: jaxserve(path, free_ports("127.0.0.1"), a, log_dir, name="control"))
     servers: list[Server] = []
     res = {"what": "online serving over HTTP: streamed completions at Poisson arrivals, jaxserve serve (one "
                    "colocated instance) against vLLM's OpenAI server (CPU build), same checkpoint, prompts and "
@@ -213,14 +228,15 @@ def main(argv=None):
         bar.close()
         for s in servers:
             s.close()
-    js, vl = out["jaxserve"]["passes"], out["vllm"]["passes"]
-    ratios = {f"{k}_{q}": spread([j[k][q] / v[k][q] for j, v in zip(js, vl) if j[k][q] and v[k][q]])
-              for k in ("ttft_s", "tpot_s", "itl_s") for q in ("p50", "p99")}
+    ratios = paired_ratios(out["jaxserve"]["passes"], out["vllm"]["passes"])
     res.update(systems=out, ratio_jaxserve_over_vllm=ratios,
                failed={name: sum(p["failed"] for p in v["passes"]) for name, v in out.items()})
+    if a.control:
+        res["ratio_control_over_jaxserve"] = paired_ratios(out["control"]["passes"], out["jaxserve"]["passes"])
     from bench.stamp import write
     write(a.json, res, indent=1)
-    print(json.dumps({"ratio_jaxserve_over_vllm": ratios, "failed": res["failed"]}, indent=1))
+    print(json.dumps({k: res[k] for k in ("ratio_jaxserve_over_vllm", "ratio_control_over_jaxserve", "failed")
+                      if k in res}, indent=1))
     return res
 
 

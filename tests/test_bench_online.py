@@ -21,3 +21,21 @@ def test_engine_overrides_read_yaml_values():
         "mixed_batched_tokens": 128, "chunk_size": None, "prefix_caching": True}
     with pytest.raises(SystemExit, match="KEY=VALUE"):
         online.engine_overrides(["mixed_batched_tokens"])
+
+
+def test_figures_keep_each_requests_latencies_in_order():
+    recs = [{"ok": True, "ttft_s": 0.123456789, "tpot_s": 0.05, "e2e_s": 1.0, "gaps": [0.05]},
+            {"ok": False, "error": "timeout"},
+            {"ok": True, "ttft_s": 0.3, "tpot_s": 0.07, "e2e_s": 2.0, "gaps": [0.07]}]
+    assert online.figures(recs, 3.0)["per_request"] == [[0.12346, 0.05], None, [0.3, 0.07]]
+
+
+def test_paired_ratios_pair_passes_of_the_same_round():
+    def p(ttft, tpot, itl):
+        return {"ttft_s": {"p50": ttft, "p99": 2 * ttft}, "tpot_s": {"p50": tpot, "p99": tpot},
+                "itl_s": {"p50": itl, "p99": None}}
+    r = online.paired_ratios([p(1.0, 2.0, 1.0), p(3.0, 2.0, 1.0), p(2.0, 4.0, 1.0)],
+                             [p(2.0, 1.0, 1.0), p(1.0, 4.0, 1.0), p(2.0, 2.0, 1.0)])
+    assert r["ttft_s_p50"] == {"median": 1.0, "min": 0.5, "max": 3.0}
+    assert r["tpot_s_p99"] == {"median": 2.0, "min": 0.5, "max": 2.0}
+    assert r["itl_s_p99"] == {}  # no pass had the figure
