@@ -73,7 +73,7 @@ bench: $(STAMP)
 	$(BENCH) bench.offline --json $(R)/offline.json --max-num-seqs 48 --reps 5 $(VLLM)
 	$(BENCH) bench.offline --model smollm2 --json $(R)/offline_smollm2.json --max-num-seqs 48 --reps 3 $(VLLM)
 	$(if $(filter none,$(VLLM_PYTHON)),,$(BENCH) bench.online --json $(R)/online_smollm2.json --requests 32 \
-		--rate 0.5 --reps 3 $(VLLM))
+		--rate 0.5 --reps 5 --control $(VLLM))
 	$(if $(filter none,$(VLLM_PYTHON)),,$(BENCH) bench.online --json $(R)/online_smollm2_mixed128.json \
 		--requests 32 --rate 0.5 --reps 3 $(VLLM) --engine mixed_batched_tokens=128)
 	$(BENCH) bench.steps --baseline 0ab36c4 --json $(R)/steps.json
