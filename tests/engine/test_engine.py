@@ -247,8 +247,8 @@ def test_a_varied_workload_compiles_nothing_after_warmup(engines, kernels):
     assert runner.programs <= warmed, sorted(runner.programs - warmed)
     ran = runner.programs
     prefills = [k for k in ran if k[0] == "prefill"]
-    # decode batch buckets: with the native kernels' full tables every power of two
-    assert {k[1] for k in ran if k[0] == "decode"} == ({4, 8} if kernels == "reference" else {1, 2, 4, 8})
+    # decode batch buckets: with the native kernels' full tables the powers of two and the midpoints between them
+    assert {k[1] for k in ran if k[0] == "decode"} == ({4, 8} if kernels == "reference" else {1, 2, 3, 4, 8})
     if kernels == "reference":
         assert not runner.paged_prefill and not runner.full_tables
         assert {k[1] for k in prefills} == {1, 3}  # alone and batched
@@ -260,7 +260,7 @@ def test_a_varied_workload_compiles_nothing_after_warmup(engines, kernels):
         assert {k[3] for k in ran if k[0] == "decode"} == {20}
         assert {k for k in ran if k[0] == "sample" and k[2] == 3}  # a mixed step's decode rows, after the 3
         assert "decode.device" not in llm.engine.timer.summary()["mixed"]["phases_ms"]
-        assert len(warmed) < 20  # 4 decode + 3 token-bucket prefill programs, their samplers, not widths x buckets
+        assert len(warmed) < 26  # 6 decode + 3 token-bucket prefill programs, their samplers, not widths x buckets
 
 
 def paged_defaults(kernels):
@@ -269,18 +269,18 @@ def paged_defaults(kernels):
 
 
 @pytest.mark.parametrize("kernels", ["reference", "native"])
-def test_decode_row_buckets_are_the_powers_of_two_where_tables_are_full(engines, kernels):
-    """With full tables (native kernels: one decode program per row bucket) every power of two is a bucket, so
-    one request decodes in 1 row and 5 in 8, not 16; otherwise (a program per bucket and table width) at most
-    four buckets: 4, then from max(16, num_slots / 4)."""
+def test_decode_row_buckets_where_tables_are_full(engines, kernels):
+    """With full tables (native kernels: one decode program per row bucket) the powers of two and the midpoints
+    between them are buckets, so one request decodes in 1 row and 5 in 6, not 8 or 16; otherwise (a program per
+    bucket and table width) at most four buckets: 4, then from max(16, num_slots / 4)."""
     runner = engines("llama", paged_defaults(kernels)).engine.runner
     got = {n: runner.decode_batch(n) for n in range(1, 33)}
-    assert got[3] == got[4] == 4 and got[32] == 32
+    assert got[4] == 4 and got[32] == 32 and all(got[n] >= n for n in got)
     if kernels == "native":
-        assert got[1] == 1 and got[2] == 2 and got[5] == got[8] == 8 and got[9] == 16
-        assert set(got.values()) == {1, 2, 4, 8, 16, 32}
+        assert [got[n] for n in (1, 2, 3, 5, 6, 7, 9, 13, 17, 25)] == [1, 2, 3, 6, 6, 8, 12, 16, 24, 32]
+        assert set(got.values()) == {1, 2, 3, 4, 6, 8, 12, 16, 24, 32}
     else:
-        assert got[1] == 4 and got[5] == got[16] == 16 and set(got.values()) == {4, 16, 32}
+        assert got[1] == got[3] == 4 and got[5] == got[16] == 16 and set(got.values()) == {4, 16, 32}
 
 
 @pytest.mark.parametrize("kernels", ["reference", "native"])
