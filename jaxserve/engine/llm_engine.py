@@ -162,9 +162,6 @@ class LLMEngine:
         if cfg.chunk_size is None:
             self.cfg = cfg = dataclasses.replace(cfg, chunk_size=default_chunk_size(
                 paged_prefill, cfg.max_num_batched_tokens, bs))
-        self.scheduler = Scheduler(SchedulerConfig(
-            cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.chunk_size, cfg.max_prefill_seqs, cfg.max_waiting, bs,
-            self.layout.has_request_state, cfg.mixed_batched_tokens), self.blocks)
         self.timer = StepTimer()  # where each step's time goes (bench/offline.py)
         self.runner = ModelRunner(self.graphdef, state, self.layout, self.model_config.vocab_size, self.dtype,
                                   num_slots=cfg.max_num_seqs, max_prefill_seqs=cfg.max_prefill_seqs,
@@ -175,6 +172,10 @@ class LLMEngine:
                                   stack=LayerStack(layer_runs(self.model_config)
                                                    if paged <= {"reference", "native"} else ()))
         del state  # the runner's params hold the weights (stacked runs: their only copy)
+        self.scheduler = Scheduler(SchedulerConfig(
+            cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.chunk_size, cfg.max_prefill_seqs, cfg.max_waiting, bs,
+            self.layout.has_request_state, cfg.mixed_batched_tokens,
+            tuple(self.runner.buckets) if paged_prefill else ()), self.blocks)
         if cfg.spill_dir is not None:
             from ..cache.disk_tier import DiskTier
             shapes = [(s.shape[1:], s.dtype) for gl, s in zip(self.layout.groups, self.layout.shapes(self.dtype))

@@ -71,6 +71,39 @@ def test_a_step_that_decodes_takes_the_mixed_budget():
         SchedulerConfig(mixed_batched_tokens=0)
 
 
+def test_a_step_beside_decodes_keeps_its_tokens_in_the_bucket_they_just_pass():
+    """Packed steps (token_buckets): where a step's prefill and decode tokens pass a bucket by a few, the last
+    chunk leaves them to the next step (a block-aligned end); where moving them would save little padding, or
+    nothing decodes, the chunk stays whole. Every prompt token is still computed once and nothing leaks."""
+    buckets = (16, 32, 64, 96, 128, 192, 256, 384, 512)
+    s = make(num_blocks=256, bs=16, chunk_size=512, max_num_batched_tokens=512, token_buckets=buckets)
+    a, b = seq("a", 5, max_tokens=40), seq("b", 7, max_tokens=40, start=50)
+    s.add(a)
+    s.add(b)
+    run_step(s, s.schedule())  # both prefilled alone: nothing decodes yet, nothing moved
+    assert a.num_computed == 5 and b.num_computed == 7
+    s.add(seq("long", 256, start=1000))
+    plan = s.schedule()  # 256 + 2 decode tokens would pad to 384: 240 + 2 run in 256
+    assert len(plan.decodes) == 2 and [(c.start, c.length) for c in plan.prefills] == [(0, 240)]
+    run_step(s, plan)
+    plan = s.schedule()
+    assert [(c.start, c.length, c.last) for c in plan.prefills] == [(240, 16, True)]
+    run_step(s, plan)
+    s.add(seq("mid", 200, start=3000))  # 200 + 3 -> 256: moving 24 tokens to save 64 of padding is not worth it
+    assert [c.length for c in s.schedule().prefills] == [200]
+    s2 = make(num_blocks=256, bs=16, chunk_size=512, max_num_batched_tokens=512, token_buckets=buckets)
+    s2.add(seq("alone", 258))
+    assert [c.length for c in s2.schedule().prefills] == [258]  # nothing decodes: one step, no step added
+    s3 = make(num_blocks=256, bs=16, chunk_size=512, max_num_batched_tokens=512)
+    s3.add(seq("a", 5, max_tokens=40))
+    run_step(s3, s3.schedule())
+    s3.add(seq("long", 256, start=1000))
+    assert [c.length for c in s3.schedule().prefills] == [256]  # steps not packed: chunks as the budget gives
+    drain(s)
+    s.blocks.check()
+    assert s.blocks.num_free == 256
+
+
 def test_chunked_prefill_budget_and_alignment():
     s = make(chunk_size=8, max_num_batched_tokens=12)
     a, b = seq("a", 21), seq("b", 6)
