@@ -4,7 +4,8 @@ Every benchmark writes its JSON through `write(path, result)`, which adds a "sta
 tracked files differed from it), the UTC date, the machine (platform, cores, JAX backend and devices) and the
 exact command line. `python -m bench.stamp` lists bench/results/*.json with their stamps and marks a result
 stale when a commit after its own changed the code it measures (CODE, the benchmark's own module and the bench
-modules it imports); `--check` exits 1 when any result is stale or unstamped. `make bench` regenerates them all
+modules it imports; a Python file changed only in comments and docstrings has not changed); `--check` exits 1
+when any result is stale or unstamped. `make bench` regenerates them all
 from one commit.
 """
 
@@ -105,6 +106,36 @@ def write(path: str, result: dict, indent: int = 1) -> None:
         json.dump({**result, "stamp": stamp()}, f, indent=indent)
 
 
+def _program(source: str) -> str | None:
+    """A Python source's syntax tree with its docstrings left out (comments and line breaks never reach it), as
+    text; None where it does not parse."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
+
+
+def changed_code(since: str, paths) -> list[str]:
+    """The files under `paths` whose code differs between commit `since` and HEAD. A Python file whose syntax
+    tree is the same but for docstrings (a comment, a docstring, a rewrapped line) has not changed; any other
+    file that differs has."""
+    out = []
+    for name in _git("diff", "--name-only", since, "HEAD", "--", *paths).splitlines():
+        if name.endswith(".py"):
+            before, after = _git("show", f"{since}:{name}"), _git("show", f"HEAD:{name}")
+            if before and after and _program(before) is not None and _program(before) == _program(after):
+                continue
+        out.append(name)
+    return out
+
+
 def staleness(path: str) -> str | None:
     """Why the result at `path` no longer describes the code (None: it does)."""
     try:
@@ -116,9 +147,10 @@ def staleness(path: str) -> str | None:
         return "no stamp"
     if not _git("rev-parse", "--verify", "-q", f"{st['commit']}^{{commit}}"):
         return f"commit {st['commit'][:10]} is not in this repository"
-    changed = _git("rev-list", "--count", f"{st['commit']}..HEAD", "--", *measured_paths(st.get("command")))
-    if changed and int(changed):
-        return f"{changed} later commits changed the code it measures"
+    changed = changed_code(st["commit"], measured_paths(st.get("command")))
+    if changed:
+        return f"later commits changed the code it measures: {', '.join(changed[:3])}" + (
+            f" and {len(changed) - 3} more" if len(changed) > 3 else "")
     return "measured with uncommitted changes" if st.get("dirty") else None
 
 

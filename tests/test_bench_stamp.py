@@ -48,7 +48,45 @@ def test_staleness(tmp_path):
     parent = git("rev-parse", "--verify", "-q", f"{last}^")
     if not parent:
         pytest.skip("shallow history: no commit before the last code change")
-    assert "later commits changed the code" in stamp.staleness(write_with(tmp_path, {"commit": parent}))
+    why = stamp.staleness(write_with(tmp_path, {"commit": parent}))
+    changed = stamp.changed_code(parent, stamp.measured_paths(None))  # a result without a command: all of bench
+    assert (why is None) == (not changed)
+    if changed:
+        assert "later commits changed the code it measures: " + changed[0] in why
+
+
+def test_a_change_to_comments_and_docstrings_leaves_a_result_current(tmp_path, monkeypatch):
+    """In a repository of its own: a result measured before a commit that only rewords docstrings and comments
+    and rewraps lines stays current; one before a commit that changes what the code does, or a file that is not
+    Python, is stale, naming the file."""
+    repo = tmp_path / "repo"
+    (repo / "jaxserve").mkdir(parents=True)
+    run = lambda *a: subprocess.run(["git", "-C", str(repo), *a], check=True, capture_output=True)  # noqa: E731
+    run("init", "-q")
+    run("config", "user.email", "t@t")
+    run("config", "user.name", "t")
+    mod = repo / "jaxserve" / "m.py"
+
+    def commit(text, name="jaxserve/m.py"):
+        (repo / name).write_text(text)
+        run("add", "-A")
+        run("commit", "-qm", "c")
+        return subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True,
+                              text=True).stdout.strip()
+
+    first = commit('"""A module."""\n\n\ndef f(x):\n    """Twice x."""\n    return 2 * x  # doubled\n')
+    commit('"""A module, reworded."""\n\n\ndef f(x):\n    """Twice x,\n    reworded."""\n    return (2 *\n'
+           '            x)  # a comment\n')
+    monkeypatch.setattr(stamp, "ROOT", str(repo))
+    assert stamp.changed_code(first, stamp.CODE) == []
+    assert stamp.staleness(write_with(tmp_path, {"commit": first, "command": "python -m bench.x"})) is None
+    mod.write_text(mod.read_text().replace("2 *", "3 *"))
+    run("commit", "-qam", "c")
+    assert stamp.changed_code(first, stamp.CODE) == ["jaxserve/m.py"]
+    assert "changed the code it measures: jaxserve/m.py" in stamp.staleness(write_with(tmp_path, {"commit": first}))
+    second = commit('"""A module, reworded."""\n\n\ndef f(x):\n    return 3 * x\n')
+    commit("[project]\nname = 'x'\n", "pyproject.toml")
+    assert stamp.changed_code(second, stamp.CODE) == ["pyproject.toml"]
 
 
 def test_a_result_describes_the_bench_modules_its_benchmark_imports():
