@@ -130,7 +130,8 @@ def changed_code(since: str, paths) -> list[str]:
     for name in _git("diff", "--name-only", since, "HEAD", "--", *paths).splitlines():
         if name.endswith(".py"):
             before, after = _git("show", f"{since}:{name}"), _git("show", f"HEAD:{name}")
-            if before and after and _program(before) is not None and _program(before) == _program(after):
+            tree = _program(before) if before and after else None  # added or deleted: changed
+            if tree is not None and tree == _program(after):
                 continue
         out.append(name)
     return out
