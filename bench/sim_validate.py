@@ -17,7 +17,8 @@ llama, a shaped PrfaaS -> PD link), run live and simulated from profiles measure
      whether its second turn came), so both serve the very same requests; the comparison the bar is on;
    - drawn: `--sim-s` of traffic drawn from the same arrival rate, length distribution, output length and
      turns, the population the live run's ~100 requests sample (its share of long prompts is one draw).
-Throughput and TTFT p50 / p90, per route too, and their ratios simulated / live (the issue's bar: within 15%).
+Throughput and TTFT p50 / p90, per route too, and their ratios simulated / live (the issue's bar: within 15%);
+every request's route and TTFT live and replayed side by side (`per_request`), to trace a gap to its requests.
 `python -m bench.sim_validate --json bench/results/sim_validate.json`
 """
 
@@ -42,6 +43,25 @@ def _profile(cfg_path: str, instance: str, out: str, args) -> subprocess.Popen:
                              instance, "--json", out, "--lengths", args.lengths, "--batches", args.batches,
                              "--tpot-slo-ms", str(args.tpot_slo_ms), "--reps", "5"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+PER_REQUEST = ("arrival_s", "prompt_tokens", "turn", "route_live", "route_sim", "ttft_live_s", "ttft_sim_s",
+               "cached_live", "cached_sim")
+
+
+def pairs(recs: list[dict], finished) -> list[list]:
+    """Each request served both live and replayed, side by side (PER_REQUEST), in arrival order: the simulator
+    numbers the traced conversations 1, 2, ... in arrival order and its turns from 0, the live run by its own
+    conversation index and from 1."""
+    order = [r["conv"] for r in sorted((r for r in recs if r["turn"] == 1), key=lambda r: r["t"])]
+    sim = {(order[q.conv - 1], q.turn + 1): q for q in finished}
+    out = []
+    for r in sorted(recs, key=lambda r: r["t"]):
+        q = sim.get((r["conv"], r["turn"]))
+        if r.get("ok") and q is not None:
+            out.append([round(r["t"], 4), r["len"], r["turn"], r["route"], q.route, round(r["ttft_s"], 5),
+                        round(q.first - q.arrival, 5), r["cached"], q.prompt - q.uncached])
+    return out
 
 
 def main(argv=None):
@@ -108,9 +128,8 @@ def main(argv=None):
     seconds = {r["conv"] for r in recs if r["turn"] == 2}
     trace = tuple(sorted((r["t"], r["len"], r["conv"] in seconds) for r in recs if r["turn"] == 1))
     keep = ("throughput_rps", "ttft_s", "routes", "ttft_by_route", "requests", "egress_gbps")
-    sims = {"replayed": Simulation(dep, dataclasses.replace(tr, duration_s=args.duration, trace=trace),
-                                   seed=7).run(),
-            "drawn": Simulation(dep, tr, seed=7).run()}
+    replay = Simulation(dep, dataclasses.replace(tr, duration_s=args.duration, trace=trace), seed=7)
+    sims = {"replayed": replay.run(), "drawn": Simulation(dep, tr, seed=7).run()}
     bar.update()
     bar.close()
     sim = sims["replayed"]
@@ -129,7 +148,8 @@ def main(argv=None):
            "simulated": {k: sim[k] for k in keep},
            "simulated_drawn": {k: sims["drawn"][k] for k in keep},
            "ratio_sim_over_live": ratio, "within_15_percent": {k: abs(v - 1) <= 0.15 for k, v in ratio.items()},
-           "ratio_drawn_over_live": ratios(sims["drawn"]), "offloaded_share": long_share}
+           "ratio_drawn_over_live": ratios(sims["drawn"]), "offloaded_share": long_share,
+           "per_request_fields": PER_REQUEST, "per_request": pairs(recs, replay.finished)}
     from bench.stamp import write
     write(args.json, out, indent=1)
     print(json.dumps({"live": {k: live[k] for k in ("throughput_rps", "ttft_p50_s", "ttft_p90_s", "routes")},

@@ -4,9 +4,9 @@ Every benchmark writes its JSON through `write(path, result)`, which adds a "sta
 tracked files differed from it), the UTC date, the machine (platform, cores, JAX backend and devices) and the
 exact command line. `python -m bench.stamp` lists bench/results/*.json with their stamps and marks a result
 stale when a commit after its own changed the code it measures (CODE, the benchmark's own module and the bench
-modules it imports; a Python file changed only in comments and docstrings has not changed); `--check` exits 1
-when any result is stale or unstamped. `make bench` regenerates them all
-from one commit.
+modules it imports; the simulator, router/sim, only where those import it; a Python file changed only in
+comments and docstrings has not changed); `--check` exits 1 when any result is stale or unstamped. `make bench`
+regenerates them all from one commit.
 """
 
 from __future__ import annotations
@@ -25,12 +25,15 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results")
 CODE = ("jaxserve", "pallas_kernels", "transfer", "router", "pyproject.toml")  # what every result describes
+SIMULATOR = "router/sim"  # ...but for the simulator: only results of benchmarks that import it describe it
 
 
-def bench_imports(module: str) -> list[str]:
+def bench_imports(module: str, others: set | None = None) -> list[str]:
     """The bench modules `module` (bench.NAME) imports, directly or through each other, itself first (its
-    source in this tree, read statically; bench.stamp, which only writes the stamp, left out)."""
+    source in this tree, read statically; bench.stamp, which only writes the stamp, left out). `others`, when
+    given, collects the names of the other modules they import."""
     seen, todo = [], [module]
+    others = set() if others is None else others
     while todo:
         mod = todo.pop(0)
         path = os.path.join(ROOT, *mod.split(".")) + ".py"
@@ -42,20 +45,30 @@ def bench_imports(module: str) -> list[str]:
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 todo += [a.name for a in node.names if a.name.startswith("bench.")]
+                others.update(a.name for a in node.names)
             elif isinstance(node, ast.ImportFrom) and node.module == "bench":
                 todo += [f"bench.{a.name}" for a in node.names]
             elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("bench."):
                 todo.append(node.module)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                others.add(node.module)
+                others.update(f"{node.module}.{a.name}" for a in node.names)
     return seen
 
 
 def measured_paths(command: str | None) -> tuple[str, ...]:
     """The code a result describes: CODE, the benchmark's own module (`python -m bench.NAME ...`; every
-    benchmark when the command names none) and the bench modules it imports."""
+    benchmark when the command names none) and the bench modules it imports, and the simulator (SIMULATOR)
+    where one of those imports it (nothing that serves does)."""
     parts = shlex.split(command or "")
     mods = [parts[i + 1] for i, p in enumerate(parts[:-1]) if p == "-m" and parts[i + 1].startswith("bench.")]
-    own = tuple(os.path.join(*m.split(".")) + ".py" for m in bench_imports(mods[0])) if mods else ("bench",)
-    return CODE + own
+    if not mods:
+        return CODE + ("bench",)
+    others: set = set()
+    own = tuple(os.path.join(*m.split(".")) + ".py" for m in bench_imports(mods[0], others))
+    sim = SIMULATOR.replace("/", ".")
+    uses = any(m == sim or m.startswith(sim + ".") for m in others)
+    return CODE + own + (() if uses else (f":(exclude){SIMULATOR}",))  # a git pathspec
 
 
 def _git(*args: str) -> str:

@@ -41,8 +41,8 @@ def test_staleness(tmp_path):
     assert stamp.staleness(write_with(tmp_path, {"commit": head, "dirty": False})) is None
     assert stamp.staleness(write_with(tmp_path, {"commit": head, "dirty": True})) == "measured with uncommitted changes"
     # the benchmark's own module, then the bench modules it imports (bench/offline.py runs bench/vllm_offline.py)
-    assert stamp.measured_paths("python -m bench.offline --json x") == stamp.CODE + ("bench/offline.py",
-                                                                                    "bench/vllm_offline.py")
+    assert stamp.measured_paths("python -m bench.offline --json x") == stamp.CODE + (
+        "bench/offline.py", "bench/vllm_offline.py", ":(exclude)router/sim")  # it does not run the simulator
     assert stamp.measured_paths(None) == stamp.CODE + ("bench",)
     last = git("log", "-n", "1", "--format=%H", "--", *stamp.CODE)  # the newest commit that changed measured code
     parent = git("rev-parse", "--verify", "-q", f"{last}^")
@@ -99,3 +99,35 @@ def test_a_result_describes_the_bench_modules_its_benchmark_imports():
     assert len(got) == len(set(got))
     # transitive: bench/online.py imports bench/offline.py, which runs bench/vllm_offline.py
     assert "bench/vllm_offline.py" in stamp.measured_paths("python -m bench.online --json x")
+
+
+def test_the_simulator_is_code_only_for_the_benchmarks_that_run_it(tmp_path, monkeypatch):
+    """In a repository of its own: a commit to router/sim leaves current a result whose benchmark does not
+    import the simulator, and makes stale one whose benchmark imports it through another bench module."""
+    repo = tmp_path / "repo"
+    for d in ("router/sim", "bench"):
+        (repo / d).mkdir(parents=True)
+    run = lambda *a: subprocess.run(["git", "-C", str(repo), *a], check=True, capture_output=True)  # noqa: E731
+    run("init", "-q")
+    run("config", "user.email", "t@t")
+    run("config", "user.name", "t")
+    (repo / "router" / "sim" / "run.py").write_text("STEP = 1\n")
+    (repo / "router" / "policy.py").write_text("RULE = 1\n")
+    (repo / "bench" / "live.py").write_text("from router import policy\n")
+    (repo / "bench" / "simmed.py").write_text("from bench import helper\n")
+    (repo / "bench" / "helper.py").write_text("from router.sim.run import STEP\n")
+    run("add", "-A")
+    run("commit", "-qm", "c")
+    first = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    monkeypatch.setattr(stamp, "ROOT", str(repo))
+    (repo / "router" / "sim" / "run.py").write_text("STEP = 2\n")
+    run("commit", "-qam", "c")
+    (tmp_path / "live").mkdir()
+    (tmp_path / "simmed").mkdir()
+    live = write_with(tmp_path / "live", {"commit": first, "command": "python -m bench.live --json x"})
+    simmed = write_with(tmp_path / "simmed", {"commit": first, "command": "python -m bench.simmed --json x"})
+    assert stamp.staleness(live) is None
+    assert "changed the code it measures: router/sim/run.py" in stamp.staleness(simmed)
+    (repo / "router" / "policy.py").write_text("RULE = 2\n")  # the rest of router/ is code for every result
+    run("commit", "-qam", "c")
+    assert "router/policy.py" in stamp.staleness(live)

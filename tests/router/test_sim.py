@@ -99,6 +99,19 @@ def test_a_trace_replays_exactly_its_conversations():
     assert [t for t, turn, _ in got if turn == 1] == [pytest.approx(first.done + 3.0)]
     assert res["requests"] == 3
 
+    # bench/sim_validate.py pairs each live request with its replayed self: conversation by arrival order
+    from bench.sim_validate import PER_REQUEST, pairs
+    rec = lambda t, conv, turn, n, ttft: {"t": t, "ok": True, "conv": conv, "turn": turn, "len": n,  # noqa: E731
+                                          "route": "pd", "ttft_s": ttft, "cached": 0}
+    live = [rec(2.5, 1, 1, 40, 0.2), rec(1.0, 0, 1, 300, 0.7), rec(first.done + 3.0, 0, 2, 315, 0.3),
+            {"t": 95.0, "ok": False, "conv": 2, "turn": 1, "len": 7}]
+    got = [dict(zip(PER_REQUEST, row)) for row in pairs(live, sim.finished)]
+    assert [(g["prompt_tokens"], g["turn"], g["ttft_live_s"]) for g in got] == [(300, 1, 0.7), (40, 1, 0.2),
+                                                                               (315, 2, 0.3)]
+    by_len = {r.prompt: r for r in sim.finished}
+    assert [g["ttft_sim_s"] for g in got] == [pytest.approx(by_len[n].first - by_len[n].arrival, abs=1e-5)
+                                             for n in (300, 40, 315)]
+
 
 def test_the_live_policy_routes_by_the_threshold():
     """A fixed threshold: the share sent to PrfaaS is P(L > t) of the length distribution."""
