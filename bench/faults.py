@@ -87,6 +87,16 @@ def stop_process(proc, timeout: float = 60.0) -> None:
         proc.wait()
 
 
+def wrong_tokens(rec: dict, want: list[int]) -> dict:
+    """What a request answered with the wrong tokens got, against the reference: where they part and the tokens
+    around it."""
+    got = rec["tokens"]
+    k = next((j for j, (x, y) in enumerate(zip(got, want)) if x != y), min(len(got), len(want)))
+    return {"request": rec["rid"], "attempts": rec.get("attempts"), "prefill_decode": rec.get("where"),
+            "tokens": len(got), "want_tokens": len(want),
+            "first_difference": k, "got": got[max(0, k - 2):k + 3], "want": want[max(0, k - 2):k + 3]}
+
+
 class Topology:
     """The config, the namespaces and proxies, and the worker processes (started, restarted, stopped here)."""
 
@@ -283,7 +293,7 @@ class Matrix:
             r = recs[i]
             prompt = self.prompts[i % len(self.prompts)]
             r["start"] = time.monotonic()
-            rid = f"{role}-{fault}-{phase}-{i}"
+            rid = r["rid"] = f"{role}-{fault}-{phase}-{i}"
             try:
                 q = await self.cluster.add(rid, prompt, SamplingParams(max_tokens=a.max_tokens, temperature=0,
                                                                        ignore_eos=True))
@@ -297,6 +307,7 @@ class Matrix:
                 r["error"] = u.error
                 r["tokens"] = list(u.token_ids)
                 r["attempts"] = (u.route or {}).get("attempts")
+                r["where"] = [(u.route or {}).get(k) for k in ("prefill_instance", "decode_instance")]
             except asyncio.TimeoutError:
                 r["hung"] = True
                 self.cluster.abort(rid)
@@ -355,6 +366,8 @@ class Matrix:
         errors = collections.Counter((r.get("error") or "")[:160] for r in recs if r.get("error"))
         ok = [i for i, r in enumerate(recs) if not r.get("error") and not r.get("hung")]
         exact = sum(recs[i]["tokens"] == self.want[i % len(self.want)] for i in ok)
+        wrong = [wrong_tokens(recs[i], self.want[i % len(self.want)]) for i in ok
+                 if recs[i]["tokens"] != self.want[i % len(self.want)]]
         leaked = total(held)
         out.update(requests=n, token_exact=exact, wrong_tokens=len(ok) - exact,
                    failed=sum(bool(r.get("error")) for r in recs), hung=sum(bool(r.get("hung")) for r in recs),
@@ -363,6 +376,8 @@ class Matrix:
                    leaked_pool_bytes=leaked["pool_used_bytes"], leaked_requests=leaked["running"] + leaked["waiting"],
                    unreachable_after=[k for k, h in held.items() if "error" in h],
                    compiled_during_cell=compiled, run_s=round(run_s, 2), quiesce_s=round(time.monotonic() - q0, 2))
+        if wrong:
+            out["wrong"] = wrong[:5]
         return out
 
 

@@ -4,8 +4,8 @@ Every benchmark writes its JSON through `write(path, result)`, which adds a "sta
 tracked files differed from it), the UTC date, the machine (platform, cores, JAX backend and devices) and the
 exact command line. `python -m bench.stamp` lists bench/results/*.json with their stamps and marks a result
 stale when a commit after its own changed the code it measures (CODE, the benchmark's own module and the bench
-modules it imports; the simulator, router/sim, only where those import it; a Python file changed only in
-comments and docstrings has not changed); `--check` exits 1 when any result is stale or unstamped. `make bench`
+modules it imports, of one it takes definitions from by name only those and what they use; the simulator,
+router/sim, only where those import it; a Python file changed only in comments and docstrings has not changed); `--check` exits 1 when any result is stale or unstamped. `make bench`
 regenerates them all from one commit.
 """
 
@@ -28,47 +28,74 @@ CODE = ("jaxserve", "pallas_kernels", "transfer", "router", "pyproject.toml")  #
 SIMULATOR = "router/sim"  # ...but for the simulator: only results of benchmarks that import it describe it
 
 
-def bench_imports(module: str, others: set | None = None) -> list[str]:
+def bench_uses(module: str, others: set | None = None) -> dict[str, set | None]:
     """The bench modules `module` (bench.NAME) imports, directly or through each other, itself first (its
-    source in this tree, read statically; bench.stamp, which only writes the stamp, left out). `others`, when
-    given, collects the names of the other modules they import."""
-    seen, todo = [], [module]
+    source in this tree, read statically; bench.stamp, which only writes the stamp, left out), each with the
+    names taken from it where only `from bench.X import a, b` reach it (None: all of it). `others`, when given,
+    collects the names of the other modules they import."""
+    uses: dict[str, set | None] = {}
+    todo: list = [(module, None)]
     others = set() if others is None else others
     while todo:
-        mod = todo.pop(0)
+        mod, names = todo.pop(0)
         path = os.path.join(ROOT, *mod.split(".")) + ".py"
-        if mod in seen or mod == "bench.stamp" or not os.path.isfile(path):
+        if mod == "bench.stamp" or not os.path.isfile(path):
             continue
-        seen.append(mod)
+        if mod in uses:
+            had = uses[mod]
+            uses[mod] = None if had is None or names is None else had | names
+            continue
+        uses[mod] = None if names is None else set(names)
         with open(path) as f:
             tree = ast.parse(f.read(), path)
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
-                todo += [a.name for a in node.names if a.name.startswith("bench.")]
+                todo += [(a.name, None) for a in node.names if a.name.startswith("bench.")]
                 others.update(a.name for a in node.names)
             elif isinstance(node, ast.ImportFrom) and node.module == "bench":
-                todo += [f"bench.{a.name}" for a in node.names]
+                todo += [(f"bench.{a.name}", None) for a in node.names]
             elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("bench."):
-                todo.append(node.module)
+                todo.append((node.module, {a.name for a in node.names}))
             elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
                 others.add(node.module)
                 others.update(f"{node.module}.{a.name}" for a in node.names)
-    return seen
+    return uses
+
+
+def bench_imports(module: str, others: set | None = None) -> list[str]:
+    """bench_uses' modules, in order."""
+    return list(bench_uses(module, others))
+
+
+def _module(command: str | None) -> str | None:
+    parts = shlex.split(command or "")
+    mods = [parts[i + 1] for i, p in enumerate(parts[:-1]) if p == "-m" and parts[i + 1].startswith("bench.")]
+    return mods[0] if mods else None
+
+
+def _path(mod: str) -> str:
+    return os.path.join(*mod.split(".")) + ".py"
 
 
 def measured_paths(command: str | None) -> tuple[str, ...]:
     """The code a result describes: CODE, the benchmark's own module (`python -m bench.NAME ...`; every
     benchmark when the command names none) and the bench modules it imports, and the simulator (SIMULATOR)
     where one of those imports it (nothing that serves does)."""
-    parts = shlex.split(command or "")
-    mods = [parts[i + 1] for i, p in enumerate(parts[:-1]) if p == "-m" and parts[i + 1].startswith("bench.")]
-    if not mods:
+    mod = _module(command)
+    if mod is None:
         return CODE + ("bench",)
     others: set = set()
-    own = tuple(os.path.join(*m.split(".")) + ".py" for m in bench_imports(mods[0], others))
+    own = tuple(_path(m) for m in bench_uses(mod, others))
     sim = SIMULATOR.replace("/", ".")
     uses = any(m == sim or m.startswith(sim + ".") for m in others)
     return CODE + own + (() if uses else (f":(exclude){SIMULATOR}",))  # a git pathspec
+
+
+def measured_names(command: str | None) -> dict[str, set]:
+    """The bench files of measured_paths whose result depends on some of their definitions only -> those
+    names (a file reached only through `from bench.X import a, b`)."""
+    mod = _module(command)
+    return {} if mod is None else {_path(m): n for m, n in bench_uses(mod).items() if n is not None}
 
 
 def _git(*args: str) -> str:
@@ -119,9 +146,11 @@ def write(path: str, result: dict, indent: int = 1) -> None:
         json.dump({**result, "stamp": stamp()}, f, indent=indent)
 
 
-def _program(source: str) -> str | None:
+def _program(source: str, names: set | None = None) -> str | None:
     """A Python source's syntax tree with its docstrings left out (comments and line breaks never reach it), as
-    text; None where it does not parse."""
+    text; None where it does not parse. names: only what importing those names from it runs: its module-level
+    statements (but `if __name__ == "__main__"`), and of its top-level functions and classes those named and
+    those they or the module-level statements refer to, and so on."""
     try:
         tree = ast.parse(source)
     except SyntaxError:
@@ -132,19 +161,33 @@ def _program(source: str) -> str | None:
                 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
                 and isinstance(body[0].value.value, str)):
             node.body = body[1:] or [ast.Pass()]
+    if names is not None:
+        is_def = lambda n: isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))  # noqa: E731
+        defs = {n.name: n for n in tree.body if is_def(n)}
+        rest = [n for n in tree.body if not is_def(n)
+                and not (isinstance(n, ast.If) and "'__main__'" in ast.dump(n.test))]
+        keep, todo = set(), list(names) + [x.id for n in rest for x in ast.walk(n) if isinstance(x, ast.Name)]
+        while todo:
+            name = todo.pop()
+            if name in defs and name not in keep:
+                keep.add(name)
+                todo += [x.id for x in ast.walk(defs[name]) if isinstance(x, ast.Name)]
+        tree.body = [n for n in tree.body if n in rest or (is_def(n) and n.name in keep)]
     return ast.dump(tree)
 
 
-def changed_code(since: str, paths) -> list[str]:
+def changed_code(since: str, paths, names: dict[str, set] | None = None) -> list[str]:
     """The files under `paths` whose code differs between commit `since` and HEAD. A Python file whose syntax
-    tree is the same but for docstrings (a comment, a docstring, a rewrapped line) has not changed; any other
-    file that differs has."""
+    tree is the same but for docstrings (a comment, a docstring, a rewrapped line) has not changed; nor has one
+    in `names` whose named definitions (and what they use: _program) are the same. Any other file that differs
+    has."""
     out = []
     for name in _git("diff", "--name-only", since, "HEAD", "--", *paths).splitlines():
         if name.endswith(".py"):
             before, after = _git("show", f"{since}:{name}"), _git("show", f"HEAD:{name}")
-            tree = _program(before) if before and after else None  # added or deleted: changed
-            if tree is not None and tree == _program(after):
+            keep = (names or {}).get(name)
+            tree = _program(before, keep) if before and after else None  # added or deleted: changed
+            if tree is not None and tree == _program(after, keep):
                 continue
         out.append(name)
     return out
@@ -161,7 +204,7 @@ def staleness(path: str) -> str | None:
         return "no stamp"
     if not _git("rev-parse", "--verify", "-q", f"{st['commit']}^{{commit}}"):
         return f"commit {st['commit'][:10]} is not in this repository"
-    changed = changed_code(st["commit"], measured_paths(st.get("command")))
+    changed = changed_code(st["commit"], measured_paths(st.get("command")), measured_names(st.get("command")))
     if changed:
         return f"later commits changed the code it measures: {', '.join(changed[:3])}" + (
             f" and {len(changed) - 3} more" if len(changed) > 3 else "")

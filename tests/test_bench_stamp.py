@@ -131,3 +131,41 @@ def test_the_simulator_is_code_only_for_the_benchmarks_that_run_it(tmp_path, mon
     (repo / "router" / "policy.py").write_text("RULE = 2\n")  # the rest of router/ is code for every result
     run("commit", "-qam", "c")
     assert "router/policy.py" in stamp.staleness(live)
+
+
+def test_a_result_describes_only_the_definitions_its_benchmark_takes_from_another(tmp_path, monkeypatch):
+    """In a repository of its own: bench/a.py takes f from bench/helper.py (`from bench.helper import f`). A
+    commit to helper's g, which f does not use, leaves a's result current and makes helper's own stale; one to
+    what f uses (g2, a module constant) makes a's stale too."""
+    repo = tmp_path / "repo"
+    (repo / "bench").mkdir(parents=True)
+    run = lambda *a: subprocess.run(["git", "-C", str(repo), *a], check=True, capture_output=True)  # noqa: E731
+    run("init", "-q")
+    run("config", "user.email", "t@t")
+    run("config", "user.name", "t")
+    helper = repo / "bench" / "helper.py"
+    (repo / "bench" / "a.py").write_text("from bench.helper import f\n")
+    helper.write_text("K = 1\n\n\ndef f():\n    return g2() + K\n\n\ndef g2():\n    return 2\n\n\n"
+                      "def g():\n    return 3\n\n\nif __name__ == '__main__':\n    g()\n")
+    run("add", "-A")
+    run("commit", "-qm", "c")
+    first = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    monkeypatch.setattr(stamp, "ROOT", str(repo))
+    assert stamp.measured_names("python -m bench.a --json x") == {"bench/helper.py": {"f"}}
+
+    def stale(module):
+        (tmp_path / module).mkdir(exist_ok=True)
+        return stamp.staleness(write_with(tmp_path / module, {"commit": first,
+                                                               "command": f"python -m bench.{module} --json x"}))
+
+    helper.write_text(helper.read_text().replace("return 3", "return 4").replace("    g()", "    g(1)"))
+    run("commit", "-qam", "c")
+    assert stale("a") is None
+    assert "bench/helper.py" in stale("helper")
+    helper.write_text(helper.read_text().replace("return 2", "return 5"))
+    run("commit", "-qam", "c")
+    assert "bench/helper.py" in stale("a")
+    first = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    helper.write_text(helper.read_text().replace("K = 1", "K = 2"))
+    run("commit", "-qam", "c")
+    assert "bench/helper.py" in stale("a")
