@@ -5,8 +5,9 @@ tracked files differed from it), the UTC date, the machine (platform, cores, JAX
 exact command line. `python -m bench.stamp` lists bench/results/*.json with their stamps and marks a result
 stale when a commit after its own changed the code it measures (CODE, the benchmark's own module and the bench
 modules it imports, of one it takes definitions from by name only those and what they use; the simulator,
-router/sim, only where those import it; a Python file changed only in comments and docstrings has not changed); `--check` exits 1 when any result is stale or unstamped. `make bench`
-regenerates them all from one commit.
+router/sim, only where those import it; a Python file changed only in comments and docstrings has not
+changed); `--check` exits 1 when any result is stale or unstamped. `make bench` regenerates them all from one
+commit.
 """
 
 from __future__ import annotations
