@@ -25,7 +25,9 @@ def test_fault_matrix_slice_nothing_hangs_nothing_leaks(tmp_path, checkpoint_dir
     assert [(c["role"], c["fault"]) for c in out["cells"]] == [("decode", "sigkill"), ("prefill", prefill_fault)]
     for c in out["cells"]:
         assert "skipped" not in c and c["fault_injected"], c
-        assert c["hung"] == 0 and c["wrong_tokens"] == 0 and c["token_exact"] + c["failed"] == c["requests"], c
+        # a near tie (bench/faults.py Reference) is rounding, not a fault-handling error; a wrong token is
+        assert c["hung"] == 0 and c["wrong_tokens"] == 0, c
+        assert c["token_exact"] + c["near_ties"] + c["failed"] == c["requests"], c
         assert c["leaked_blocks"] == 0 and c["leaked_pool_bytes"] == 0, c
     storm = out["cancellation_storm"]
     assert storm["requests"] == 12 and not any(storm["leaked"].values()), storm
