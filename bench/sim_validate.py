@@ -5,13 +5,17 @@ llama, a shaped PrfaaS -> PD link), run live and simulated from profiles measure
 1. `jaxserve profile` of prfaas-p0 and of pd-p0 (one after the other, each on its core): prefill time and S_kv over
    lengths, decode step over batch sizes, max_batch at `--tpot-slo-ms`.
 2. Live: the router in this process, the workers as processes (bench/clusters.py), warm-up untimed; then a
-   calibration, apart from the workload: `--calibrate` requests of 2 tokens one at a time on the idle cluster,
-   whose median TTFT less the profile's prefill time of 2 tokens is the serving path's fixed cost per request
-   (the router's RPCs and the engine's scheduling around a step: the profiles measure the engine alone); then
+   calibration, apart from the workload, of what the profiles leave out (they time the engine alone; live, the
+   router's RPCs, the engine's scheduling around a step, a prefill instance's KV hand-off): one at a time on the
+   idle cluster, `--calibrate` conversations of each of CALIBRATE_TOKENS tokens (2-256 go to the PD cluster,
+   512 and 1,024 to PrfaaS) and each one's next turn (served colocated on the PD decode instance, which holds
+   the conversation); per route and prompt length, the median TTFT less the route's profile prefill time of
+   the uncached tokens behind the cached ones is that route's serving path cost (`serving_path`); then
    `--duration` seconds of prfaas_live's workload (Poisson conversations, truncated log-normal lengths / 64,
    16 output tokens, second turns) under the `prfaas` policy at a fixed threshold.
 3. Simulated: router/sim with the same policy class and settings, the engine's chunked prefill (chunk_size,
-   max_num_batched_tokens, max_prefill_seqs), the profiles, that fixed cost and the link;
+   max_num_batched_tokens, max_prefill_seqs), the profiles, those serving path costs (`Deployment.path_s`,
+   interpolated by prompt length) and the link;
    pd-p0 and pd-d0 share a core there as they do live (the profiles are measured alone). Twice:
    - replayed: the live run's own conversations (`Traffic.trace`: each one's arrival, first-turn length and
      whether its second turn came), so both serve the very same requests; the comparison the bar is on;
@@ -45,6 +49,26 @@ def _profile(cfg_path: str, instance: str, out: str, args) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+CALIBRATE_TOKENS = (2, 64, 256, 512, 1024)  # first turns: PD up to the threshold (256), PrfaaS above it
+
+
+def serving_path(calibration: list, profiles: dict) -> tuple[dict, float | None]:
+    """The serving path's cost per request beyond its prefill, by route and prompt length, from the calibration's
+    (route, prompt tokens, cached tokens, TTFT): TTFT less the route's profile prefill time of the uncached
+    tokens (behind the cached ones: prefill.prefix), the median per length -> ({route: ((tokens, ...),
+    (seconds, ...))}, the shortest PD prompt's cost: the fixed cost per request)."""
+    by: dict = {}
+    for route, n, cached, ttft in calibration:
+        prof = profiles.get(route)
+        if prof is None or ttft is None:
+            continue
+        extra = ttft - prof.prefill_seconds(n - cached) - prof.prefix_seconds(cached)
+        by.setdefault(route, {}).setdefault(n, []).append(extra)
+    path = {route: (tuple(sorted(ns)), tuple(max(0.0, float(np.median(ns[n]))) for n in sorted(ns)))
+            for route, ns in by.items()}
+    return path, (path["pd"][1][0] if "pd" in path else None)
+
+
 PER_REQUEST = ("arrival_s", "prompt_tokens", "turn", "route_live", "route_sim", "ttft_live_s", "ttft_sim_s",
                "cached_live", "cached_sim")
 
@@ -72,7 +96,8 @@ def main(argv=None):
     ap.add_argument("--batches", default="1,2,4,8,16")
     ap.add_argument("--tpot-slo-ms", type=float, default=1000.0)
     ap.add_argument("--sim-s", type=float, default=3600.0)
-    ap.add_argument("--calibrate", type=int, default=20, help="2-token requests that measure the fixed cost")
+    ap.add_argument("--calibrate", type=int, default=10,
+                    help="conversations per calibration length (CALIBRATE_TOKENS) that measure the serving path")
     args = ap.parse_args(argv)
     from tqdm import tqdm
 
@@ -103,25 +128,30 @@ def main(argv=None):
         from jaxserve.sampling import SamplingParams
         await warm(cluster, args)
         cluster.policy = policy(args, "fixed")
-        fixed = []
-        for i in range(args.calibrate):
-            u = await finish(await cluster.add(f"cal-{i}", [900 + i, 901 + i],
-                                               SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)))
-            fixed.append(u.ttft_s)
-        return fixed, await workload(cluster, args, 300, args.duration)
+        params, rng, cal = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), np.random.default_rng(9), []
+        for n in CALIBRATE_TOKENS:  # one request at a time: each one's conversation, then its next turn
+            for i in range(args.calibrate):
+                first = [int(x) for x in rng.integers(1, 1000, n)]
+                u = await finish(await cluster.add(f"cal-{n}-{i}", first, params))
+                nxt = first + list(u.token_ids) + [int(x) for x in rng.integers(1, 1000, MESSAGE)]
+                u2 = await finish(await cluster.add(f"cal-{n}-{i}-2", nxt, params))
+                cal += [((x.route or {}).get("route"), len(p), x.cached_tokens, x.ttft_s) for x, p in
+                        ((u, first), (u2, nxt))]
+        return cal, await workload(cluster, args, 300, args.duration)
     calibration, recs = run(cfg, go)
     live = summary(recs, args.duration, args.slo_ttft)
     bar.update()
 
     # 3. simulated, the same policy and traffic
     P, D = Profile.from_json(profiles["prfaas-p0"]), Profile.from_json(profiles["pd-p0"])
-    dispatch_s = max(0.0, float(np.median(calibration)) - D.prefill_seconds(2))
+    path_s, dispatch_s = serving_path(calibration, {"pd": D, "prfaas": P, "colocated": D})
+    dispatch_s = dispatch_s or 0.0
     dep = Deployment([InstanceSpec("prfaas-p0", "prfaas", "prfaas", "prefill", P),
                       InstanceSpec("pd-p0", "pd", "pd", "prefill", D), InstanceSpec("pd-d0", "pd", "pd", "decode", D)],
                      lambda: policy(args, "fixed"), link_gbps=args.bandwidth_gbps,
                      link_latency_s=args.latency_ms / 1e3, chunk_tokens=cfg["engine"]["max_num_batched_tokens"],
                      chunk_size=cfg["engine"]["chunk_size"], max_prefill_seqs=cfg["engine"]["max_prefill_seqs"],
-                     kv_bytes=D, dispatch_s=dispatch_s, shared_cores=(("pd-p0", "pd-d0"),))
+                     kv_bytes=D, dispatch_s=dispatch_s, path_s=path_s, shared_cores=(("pd-p0", "pd-d0"),))
     lengths = LogNormal(MU - math.log(args.scale), SIGMA, max(2, LO // args.scale), HI // args.scale)
     tr = Traffic(args.rate, lengths, 1024 // args.scale, duration_s=args.sim_s, turn_p=args.turns,
                  think_s=args.think_s, followup_tokens=MESSAGE)
@@ -144,7 +174,8 @@ def main(argv=None):
     out = {"benchmark": "sim_validate", "host": platform.node(), "cpus": os.cpu_count(), "args": vars(args),
            "what": "one workload live (real workers) and simulated from profiles measured by jaxserve profile: "
                    "throughput and TTFT p50 / p90; ratios simulated / live",
-           "profiles": profiles, "calibration_ttft_s": calibration, "dispatch_s": dispatch_s, "live": live,
+           "profiles": profiles, "calibration_fields": ("route", "prompt_tokens", "cached", "ttft_s"),
+           "calibration": calibration, "dispatch_s": dispatch_s, "path_s": path_s, "live": live,
            "simulated": {k: sim[k] for k in keep},
            "simulated_drawn": {k: sims["drawn"][k] for k in keep},
            "ratio_sim_over_live": ratio, "within_15_percent": {k: abs(v - 1) <= 0.15 for k, v in ratio.items()},

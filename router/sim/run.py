@@ -68,6 +68,9 @@ class Deployment:
     cache_tokens: int = 1 << 22  # prefix cache per instance
     kv_bytes: object = None  # Profile whose S_kv gives the KV bytes (default: the first instance's)
     dispatch_s: float = 0.0  # the serving path's fixed cost per request (router, RPCs), added to every TTFT
+    # the serving path's cost per request by route, measured: {route: ((prompt tokens, ...), (seconds, ...))},
+    # interpolated (held at the ends) and added to that route's TTFTs in place of dispatch_s
+    path_s: dict = dataclasses.field(default_factory=dict)
     store_tokens: int = 0  # the global KV store's capacity (0: no store)
     store_bytes_s: float = 20e9  # its read bandwidth into a prefill instance
     shared_cores: tuple = ()  # groups of instance names that share one core (profiles measured alone)
@@ -344,7 +347,7 @@ class Simulation:
 
             def local_done():
                 r.prefill_end = self.clock.now
-                r.first = r.prefill_end + self.dep.dispatch_s
+                r.first = r.prefill_end + self._path(r)
                 self._to_decode(r)
             d.local.submit(r.uncached, lambda dt: None, local_done, cached=r.prompt - r.uncached)
             return
@@ -368,13 +371,18 @@ class Simulation:
 
         def done():
             r.prefill_end = self.clock.now
-            r.first = r.prefill_end + self.dep.dispatch_s
+            r.first = r.prefill_end + self._path(r)
             p.inflight -= 1
             cell.remember(p.cache, r, r.prompt)
             if cell.store is not None:
                 cell.remember(cell.store, r, r.prompt)
             self._kv(r)
         p.submit(r.uncached, started, done, fetch_s, cached=r.prompt - r.uncached)
+
+    def _path(self, r: _Request) -> float:
+        """The serving path's cost for r beyond its prefill (Deployment.path_s, else dispatch_s)."""
+        pts = self.dep.path_s.get(r.route)
+        return float(np.interp(r.prompt, *pts)) if pts else self.dep.dispatch_s
 
     def _kv(self, r: _Request) -> None:
         r.kv_ready += 1

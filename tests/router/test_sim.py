@@ -113,6 +113,35 @@ def test_a_trace_replays_exactly_its_conversations():
                                              for n in (300, 40, 315)]
 
 
+def test_the_serving_path_cost_is_added_per_route_and_prompt_length():
+    """Deployment.path_s: a route's measured cost beyond the prefill, interpolated by prompt length (held at the
+    ends), added to its TTFTs; a route without one pays dispatch_s. bench/sim_validate.py measures it: TTFT less
+    the profile's prefill time of the uncached tokens behind the cached ones, the median per length."""
+    from bench.sim_validate import serving_path
+    prof = flat(0.5, step_s=0.01)
+    trace = ((1.0, 50, False), (30.0, 400, False))
+
+    def ttfts(**kw):
+        dep = Deployment([InstanceSpec("p0", "pd", "pd", "prefill", prof),
+                          InstanceSpec("d0", "pd", "pd", "decode", prof)], LeastLoaded, **kw)
+        sim = Simulation(dep, Traffic(1.0, LogNormal(4.0, 1.0, 1, 1000), output_tokens=10, duration_s=60,
+                                      trace=trace))
+        sim.run()
+        return {r.prompt: r.first - r.arrival for r in sim.finished}, {r.route for r in sim.finished}
+    got, routes = ttfts(dispatch_s=0.002, path_s={"pd": ((0, 100), (0.01, 0.03))})
+    assert routes == {"pd"}
+    assert got == {50: pytest.approx(0.5 + 0.02), 400: pytest.approx(0.5 + 0.03)}
+    got, _ = ttfts(dispatch_s=0.002, path_s={"prfaas": ((0, 100), (0.01, 0.03))})
+    assert got == {50: pytest.approx(0.502), 400: pytest.approx(0.502)}
+    lin = Profile.from_json({"prefill": {"tokens": [1, 1001], "seconds": [0.001, 0.101], "kv_bytes": [1, 2]},
+                             "decode": {"step_seconds": 0.01, "max_batch": 4}})
+    cal = [("pd", 2, 0, 0.0072), ("pd", 2, 0, 0.0092), ("pd", 2, 0, 0.0082), ("pd", 201, 0, 0.021 + 0.012),
+           ("colocated", 300, 200, 0.0109 + 0.005), (None, 3, 0, 1.0)]
+    path, fixed = serving_path(cal, {"pd": lin, "colocated": lin})
+    assert path["pd"][0] == (2, 201) and path["pd"][1] == pytest.approx((0.0082 - 0.0011, 0.012))
+    assert path["colocated"] == ((300,), (pytest.approx(0.005),)) and fixed == pytest.approx(0.0071)
+
+
 def test_the_live_policy_routes_by_the_threshold():
     """A fixed threshold: the share sent to PrfaaS is P(L > t) of the length distribution."""
     P, D = Profile.from_json(_load("prfaas_h200.json")), Profile.from_json(_load("pd_h20.json"))
