@@ -37,17 +37,21 @@ def compiled_transfer_programs(pre, dec) -> tuple[int, int]:
 
 
 def run_disagg(path, prompts, params, *, sample=True, layers_per_group=None, warm_decode=None, tp=(1, 1),
-               shm=False, pull=False, warm_transfer=False, exported=None, failing_imports=0, seqs=None):
+               shm=False, pull=False, warm_transfer=False, exported=None, failing_imports=0, seqs=None,
+               resumed=None, cfg=CFG):
     """tp: (prefill, decode) tensor parallelism, over the two fake CPU devices; shm: the local backend; pull:
     the device backend (each side its own JAX transfer server); warm_transfer: compile the export / import
     programs first, and check the transfers compile no more; exported: a list that collects every
     (staged array index, device array) prefill's exports hand the sender; failing_imports: decode's first
-    that many imports raise; seqs: a list that collects decode's sequences."""
+    that many imports raise; seqs: a list that collects decode's sequences; resumed: per prompt the output a
+    failed first placement streamed, resumed as the router resumes it (router/cluster.py): prefill gets prompt +
+    output and sends the KV of all but the last token, unsampled, and decode gets the output; cfg: both engines'
+    settings."""
     def mesh(n):
         return None if n == 1 else jax.make_mesh((n,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,),
                                                  devices=jax.devices()[:n])
-    pre = LLMEngine(path, "float32", CFG, mesh(tp[0]), progress=False)
-    dec = LLMEngine(path, "float32", CFG, mesh(tp[1]), progress=False)
+    pre = LLMEngine(path, "float32", cfg, mesh(tp[0]), progress=False)
+    dec = LLMEngine(path, "float32", cfg, mesh(tp[1]), progress=False)
     posted: queue.Queue = queue.Queue()
     # the deadline is not under test here: long enough for a loaded machine to compile the prefill programs
     intake = KVIntake(dec, "t0k", posted.put, deadline_s=600, shared=shm,
@@ -56,7 +60,7 @@ def run_disagg(path, prompts, params, *, sample=True, layers_per_group=None, war
             else PullLink(intake.address, "t0k", PullServer(connections=2), connections=2) if pull
             else TcpLink(intake.address, "t0k", connections=2, chunk_bytes=4096))
     feeder = Feeder()
-    pre.blocks.allocate([], 5 * CFG.block_size)  # shift prefill's block ids so the two pools differ
+    pre.blocks.allocate([], 5 * cfg.block_size)  # shift prefill's block ids so the two pools differ
     if exported is not None:
         export_kv = pre.runner.export_kv
 
@@ -86,11 +90,12 @@ def run_disagg(path, prompts, params, *, sample=True, layers_per_group=None, war
                 dec.step()
         dseqs, handoffs, skips = [], [], []
         for i, p in enumerate(prompts):
-            kv = len(p) if sample else len(p) - 1
-            seq, dst, skip = intake.reserve(f"r{i}", p, params, kv)
-            h = Handoff(link, feeder, dst, skip, kv, sample, layers_per_group,
+            out = list(resumed[i]) if resumed else []
+            kv = len(p) + len(out) - 1 if out else len(p) if sample else len(p) - 1
+            seq, dst, skip = intake.reserve(f"r{i}", p, params, kv, **({"output": out} if out else {}))
+            h = Handoff(link, feeder, dst, skip, kv, sample and not out, layers_per_group,
                         shm_base=intake.shm_base(f"r{i}") if shm else None)
-            (pseq,) = pre.add_request(f"r{i}", p[:kv], params)
+            (pseq,) = pre.add_request(f"r{i}", (p + out)[:kv], params)
             pseq.handoff = h
             dseqs.append(seq)
             if seqs is not None:
@@ -187,6 +192,17 @@ def test_last_prompt_token_left_to_decode(checkpoint_dir):
     got, handoffs, _, _ = run_disagg(path, PROMPTS, GREEDY, sample=False)
     assert got == want
     assert all(h.sender.plan.num_tokens == len(p) - 1 for p, h in zip(PROMPTS, handoffs))
+
+
+def test_a_request_resumed_after_its_first_tokens_ends_as_colocated(checkpoint_dir):
+    """The router's resume of a request whose placement failed after streaming k tokens: prefill computes the
+    prompt and all but the last of those tokens, decode computes the last and goes on: the answer is the
+    colocated engine's, whatever k."""
+    path = checkpoint_dir("llama")
+    want = [o.token_ids for o in LLM(path, progress=False, engine=CFG).generate(PROMPTS, GREEDY)]
+    got, handoffs, _, _ = run_disagg(path, PROMPTS, GREEDY, resumed=[w[:k] for w, k in zip(want, (1, 2, 5, 1, 3))])
+    assert got == want
+    assert [h.sender.plan.num_tokens for h in handoffs] == [len(p) + k - 1 for p, k in zip(PROMPTS, (1, 2, 5, 1, 3))]
 
 
 def test_seeded_sampling_matches_colocated(checkpoint_dir):
