@@ -24,9 +24,10 @@ Per cell: requests token-exact against the colocated engine, parted from it only
 token that differs was within `--tie` in logprob of the reference's own choice there: float32 sums that run in
 another batch round differently, a cluster's batches are not the reference's, and greedy decoding then follows
 the other branch; vLLM's tests accept the same), failed with an error (and the distinct errors), wrong tokens
-(where and what, for the first few), hung (no answer within `--hang-s`: must be 0), time from the fault to the end of each request in
-flight at that moment (p50/p99), time until a request submitted after the fault finished, and blocks,
-reservations and receive-pool bytes still held after quiesce (must be 0). Writes JSON (`--json`).
+(where and what, for the first few), hung (no answer within `--hang-s`: must be 0), time from the fault to the
+end of each request in flight at that moment (p50/p99), time until a request submitted after the fault
+finished, and blocks, reservations and receive-pool bytes still held after quiesce (must be 0). Writes JSON
+(`--json`).
 
     python -m bench.faults --json bench/results/faults.json
 """
