@@ -55,37 +55,55 @@ def test_staleness(tmp_path):
         assert "later commits changed the code it measures: " + changed[0] in why
 
 
+class Repo:
+    """A git repository of its own under tmp_path, which bench.stamp reads (stamp.ROOT points at it)."""
+
+    def __init__(self, tmp_path, monkeypatch):
+        self.root, self.results = tmp_path / "repo", tmp_path
+        self.root.mkdir()
+        for args in (("init", "-q"), ("config", "user.email", "t@t"), ("config", "user.name", "t")):
+            self.git(*args)
+        monkeypatch.setattr(stamp, "ROOT", str(self.root))
+
+    def git(self, *args) -> str:
+        return subprocess.run(["git", "-C", str(self.root), *args], check=True, capture_output=True,
+                              text=True).stdout.strip()
+
+    def commit(self, files: dict) -> str:
+        """Write {path: text}, commit everything -> the commit."""
+        for name, text in files.items():
+            (self.root / name).parent.mkdir(parents=True, exist_ok=True)
+            (self.root / name).write_text(text)
+        self.git("add", "-A")
+        self.git("commit", "-qm", "c")
+        return self.git("rev-parse", "HEAD")
+
+    def read(self, name: str) -> str:
+        return (self.root / name).read_text()
+
+    def staleness(self, commit: str, module: str | None = None) -> str | None:
+        """stamp.staleness of a result measured at `commit` by `python -m bench.MODULE` (None: no command)."""
+        d = self.results / f"result-{module}"
+        d.mkdir(exist_ok=True)
+        cmd = {"command": f"python -m bench.{module} --json x"} if module else {}
+        return stamp.staleness(write_with(d, {"commit": commit, **cmd}))
+
+
 def test_a_change_to_comments_and_docstrings_leaves_a_result_current(tmp_path, monkeypatch):
     """In a repository of its own: a result measured before a commit that only rewords docstrings and comments
     and rewraps lines stays current; one before a commit that changes what the code does, or a file that is not
     Python, is stale, naming the file."""
-    repo = tmp_path / "repo"
-    (repo / "jaxserve").mkdir(parents=True)
-    run = lambda *a: subprocess.run(["git", "-C", str(repo), *a], check=True, capture_output=True)  # noqa: E731
-    run("init", "-q")
-    run("config", "user.email", "t@t")
-    run("config", "user.name", "t")
-    mod = repo / "jaxserve" / "m.py"
-
-    def commit(text, name="jaxserve/m.py"):
-        (repo / name).write_text(text)
-        run("add", "-A")
-        run("commit", "-qm", "c")
-        return subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True,
-                              text=True).stdout.strip()
-
-    first = commit('"""A module."""\n\n\ndef f(x):\n    """Twice x."""\n    return 2 * x  # doubled\n')
-    commit('"""A module, reworded."""\n\n\ndef f(x):\n    """Twice x,\n    reworded."""\n    return (2 *\n'
-           '            x)  # a comment\n')
-    monkeypatch.setattr(stamp, "ROOT", str(repo))
+    repo, m = Repo(tmp_path, monkeypatch), "jaxserve/m.py"
+    first = repo.commit({m: '"""A module."""\n\n\ndef f(x):\n    """Twice x."""\n    return 2 * x  # doubled\n'})
+    repo.commit({m: '"""A module, reworded."""\n\n\ndef f(x):\n    """Twice x,\n    reworded."""\n    return (2 *\n'
+                    '            x)  # a comment\n'})
     assert stamp.changed_code(first, stamp.CODE) == []
-    assert stamp.staleness(write_with(tmp_path, {"commit": first, "command": "python -m bench.x"})) is None
-    mod.write_text(mod.read_text().replace("2 *", "3 *"))
-    run("commit", "-qam", "c")
-    assert stamp.changed_code(first, stamp.CODE) == ["jaxserve/m.py"]
-    assert "changed the code it measures: jaxserve/m.py" in stamp.staleness(write_with(tmp_path, {"commit": first}))
-    second = commit('"""A module, reworded."""\n\n\ndef f(x):\n    return 3 * x\n')
-    commit("[project]\nname = 'x'\n", "pyproject.toml")
+    assert repo.staleness(first, "x") is None
+    repo.commit({m: repo.read(m).replace("2 *", "3 *")})
+    assert stamp.changed_code(first, stamp.CODE) == [m]
+    assert "changed the code it measures: jaxserve/m.py" in repo.staleness(first)
+    second = repo.commit({m: '"""A module, reworded."""\n\n\ndef f(x):\n    return 3 * x\n'})
+    repo.commit({"pyproject.toml": "[project]\nname = 'x'\n"})
     assert stamp.changed_code(second, stamp.CODE) == ["pyproject.toml"]
 
 
@@ -104,68 +122,31 @@ def test_a_result_describes_the_bench_modules_its_benchmark_imports():
 def test_the_simulator_is_code_only_for_the_benchmarks_that_run_it(tmp_path, monkeypatch):
     """In a repository of its own: a commit to router/sim leaves current a result whose benchmark does not
     import the simulator, and makes stale one whose benchmark imports it through another bench module."""
-    repo = tmp_path / "repo"
-    for d in ("router/sim", "bench"):
-        (repo / d).mkdir(parents=True)
-    run = lambda *a: subprocess.run(["git", "-C", str(repo), *a], check=True, capture_output=True)  # noqa: E731
-    run("init", "-q")
-    run("config", "user.email", "t@t")
-    run("config", "user.name", "t")
-    (repo / "router" / "sim" / "run.py").write_text("STEP = 1\n")
-    (repo / "router" / "policy.py").write_text("RULE = 1\n")
-    (repo / "bench" / "live.py").write_text("from router import policy\n")
-    (repo / "bench" / "simmed.py").write_text("from bench import helper\n")
-    (repo / "bench" / "helper.py").write_text("from router.sim.run import STEP\n")
-    run("add", "-A")
-    run("commit", "-qm", "c")
-    first = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    monkeypatch.setattr(stamp, "ROOT", str(repo))
-    (repo / "router" / "sim" / "run.py").write_text("STEP = 2\n")
-    run("commit", "-qam", "c")
-    (tmp_path / "live").mkdir()
-    (tmp_path / "simmed").mkdir()
-    live = write_with(tmp_path / "live", {"commit": first, "command": "python -m bench.live --json x"})
-    simmed = write_with(tmp_path / "simmed", {"commit": first, "command": "python -m bench.simmed --json x"})
-    assert stamp.staleness(live) is None
-    assert "changed the code it measures: router/sim/run.py" in stamp.staleness(simmed)
-    (repo / "router" / "policy.py").write_text("RULE = 2\n")  # the rest of router/ is code for every result
-    run("commit", "-qam", "c")
-    assert "router/policy.py" in stamp.staleness(live)
+    repo = Repo(tmp_path, monkeypatch)
+    first = repo.commit({"router/sim/run.py": "STEP = 1\n", "router/policy.py": "RULE = 1\n",
+                         "bench/live.py": "from router import policy\n",
+                         "bench/simmed.py": "from bench import helper\n",
+                         "bench/helper.py": "from router.sim.run import STEP\n"})
+    repo.commit({"router/sim/run.py": "STEP = 2\n"})
+    assert repo.staleness(first, "live") is None
+    assert "changed the code it measures: router/sim/run.py" in repo.staleness(first, "simmed")
+    repo.commit({"router/policy.py": "RULE = 2\n"})  # the rest of router/ is code for every result
+    assert "router/policy.py" in repo.staleness(first, "live")
 
 
 def test_a_result_describes_only_the_definitions_its_benchmark_takes_from_another(tmp_path, monkeypatch):
     """In a repository of its own: bench/a.py takes f from bench/helper.py (`from bench.helper import f`). A
     commit to helper's g, which f does not use, leaves a's result current and makes helper's own stale; one to
     what f uses (g2, a module constant) makes a's stale too."""
-    repo = tmp_path / "repo"
-    (repo / "bench").mkdir(parents=True)
-    run = lambda *a: subprocess.run(["git", "-C", str(repo), *a], check=True, capture_output=True)  # noqa: E731
-    run("init", "-q")
-    run("config", "user.email", "t@t")
-    run("config", "user.name", "t")
-    helper = repo / "bench" / "helper.py"
-    (repo / "bench" / "a.py").write_text("from bench.helper import f\n")
-    helper.write_text("K = 1\n\n\ndef f():\n    return g2() + K\n\n\ndef g2():\n    return 2\n\n\n"
-                      "def g():\n    return 3\n\n\nif __name__ == '__main__':\n    g()\n")
-    run("add", "-A")
-    run("commit", "-qm", "c")
-    first = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    monkeypatch.setattr(stamp, "ROOT", str(repo))
-    assert stamp.measured_names("python -m bench.a --json x") == {"bench/helper.py": {"f"}}
-
-    def stale(module):
-        (tmp_path / module).mkdir(exist_ok=True)
-        return stamp.staleness(write_with(tmp_path / module, {"commit": first,
-                                                               "command": f"python -m bench.{module} --json x"}))
-
-    helper.write_text(helper.read_text().replace("return 3", "return 4").replace("    g()", "    g(1)"))
-    run("commit", "-qam", "c")
-    assert stale("a") is None
-    assert "bench/helper.py" in stale("helper")
-    helper.write_text(helper.read_text().replace("return 2", "return 5"))
-    run("commit", "-qam", "c")
-    assert "bench/helper.py" in stale("a")
-    first = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    helper.write_text(helper.read_text().replace("K = 1", "K = 2"))
-    run("commit", "-qam", "c")
-    assert "bench/helper.py" in stale("a")
+    repo, h = Repo(tmp_path, monkeypatch), "bench/helper.py"
+    first = repo.commit({"bench/a.py": "from bench.helper import f\n",
+                         h: "K = 1\n\n\ndef f():\n    return g2() + K\n\n\ndef g2():\n    return 2\n\n\n"
+                            "def g():\n    return 3\n\n\nif __name__ == '__main__':\n    g()\n"})
+    assert stamp.measured_names("python -m bench.a --json x") == {h: {"f"}}
+    repo.commit({h: repo.read(h).replace("return 3", "return 4").replace("    g()", "    g(1)")})
+    assert repo.staleness(first, "a") is None
+    assert h in repo.staleness(first, "helper")
+    second = repo.commit({h: repo.read(h).replace("return 2", "return 5")})
+    assert h in repo.staleness(first, "a")
+    repo.commit({h: repo.read(h).replace("K = 1", "K = 2")})
+    assert h in repo.staleness(second, "a")
