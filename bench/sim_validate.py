@@ -8,9 +8,10 @@ llama, a shaped PrfaaS -> PD link), run live and simulated from profiles measure
    calibration, apart from the workload, of what the profiles leave out (they time the engine alone; live, the
    router's RPCs, the engine's scheduling around a step, a prefill instance's KV hand-off): one at a time on the
    idle cluster, `--calibrate` conversations of each of CALIBRATE_TOKENS tokens (2-256 go to the PD cluster,
-   512 and 1,024 to PrfaaS) and each one's next turn (served colocated on the PD decode instance, which holds
-   the conversation); per route and prompt length, the median TTFT less the route's profile prefill time of
-   the uncached tokens behind the cached ones is that route's serving path cost (`serving_path`); then
+   512 and 1,024 to PrfaaS) and each one's next turn `--think-s` later (served colocated on the PD decode
+   instance, which holds the conversation); per route and prompt length, the median TTFT less the route's
+   profile prefill time of the uncached tokens behind the cached ones is that route's serving path cost
+   (`serving_path`); then
    `--duration` seconds of prfaas_live's workload (Poisson conversations, truncated log-normal lengths / 64,
    16 output tokens, second turns) under the `prfaas` policy at a fixed threshold.
 3. Simulated: router/sim with the same policy class and settings, the engine's chunked prefill (chunk_size,
@@ -29,6 +30,7 @@ every request's route and TTFT live and replayed side by side (`per_request`), t
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import json
 import math
@@ -52,20 +54,23 @@ def _profile(cfg_path: str, instance: str, out: str, args) -> subprocess.Popen:
 CALIBRATE_TOKENS = (2, 64, 256, 512, 1024)  # first turns: PD up to the threshold (256), PrfaaS above it
 
 
-def serving_path(calibration: list, profiles: dict) -> tuple[dict, float | None]:
+def serving_path(calibration: list, profiles: dict, least: int = 3) -> tuple[dict, float | None]:
     """The serving path's cost per request beyond its prefill, by route and prompt length, from the calibration's
-    (route, prompt tokens, cached tokens, TTFT): TTFT less the route's profile prefill time of the uncached
-    tokens (behind the cached ones: prefill.prefix), the median per length -> ({route: ((tokens, ...),
-    (seconds, ...))}, the shortest PD prompt's cost: the fixed cost per request)."""
+    (turn, route, prompt tokens, cached tokens, TTFT): TTFT less the route's profile prefill time of the uncached
+    tokens (behind the cached ones: prefill.prefix), the median per length of at least `least` requests; first
+    turns for the routes that prefill elsewhere, next turns for the colocated one (the others go where the
+    policy sends them) -> ({route: ((tokens, ...), (seconds, ...))}, the shortest PD prompt's cost: the fixed
+    cost per request)."""
     by: dict = {}
-    for route, n, cached, ttft in calibration:
+    for turn, route, n, cached, ttft in calibration:
         prof = profiles.get(route)
-        if prof is None or ttft is None:
+        if prof is None or ttft is None or (turn == 2) != (route == "colocated"):
             continue
         extra = ttft - prof.prefill_seconds(n - cached) - prof.prefix_seconds(cached)
         by.setdefault(route, {}).setdefault(n, []).append(extra)
+    by = {route: {n: xs for n, xs in ns.items() if len(xs) >= least} for route, ns in by.items()}
     path = {route: (tuple(sorted(ns)), tuple(max(0.0, float(np.median(ns[n]))) for n in sorted(ns)))
-            for route, ns in by.items()}
+            for route, ns in by.items() if ns}
     return path, (path["pd"][1][0] if "pd" in path else None)
 
 
@@ -133,10 +138,11 @@ def main(argv=None):
             for i in range(args.calibrate):
                 first = [int(x) for x in rng.integers(1, 1000, n)]
                 u = await finish(await cluster.add(f"cal-{n}-{i}", first, params))
+                await asyncio.sleep(args.think_s)  # as the workload's next turns: the router learns what is cached
                 nxt = first + list(u.token_ids) + [int(x) for x in rng.integers(1, 1000, MESSAGE)]
                 u2 = await finish(await cluster.add(f"cal-{n}-{i}-2", nxt, params))
-                cal += [((x.route or {}).get("route"), len(p), x.cached_tokens, x.ttft_s) for x, p in
-                        ((u, first), (u2, nxt))]
+                cal += [(turn, (x.route or {}).get("route"), len(p), x.cached_tokens, x.ttft_s) for turn, x, p in
+                        ((1, u, first), (2, u2, nxt))]
         return cal, await workload(cluster, args, 300, args.duration)
     calibration, recs = run(cfg, go)
     live = summary(recs, args.duration, args.slo_ttft)
@@ -174,7 +180,7 @@ def main(argv=None):
     out = {"benchmark": "sim_validate", "host": platform.node(), "cpus": os.cpu_count(), "args": vars(args),
            "what": "one workload live (real workers) and simulated from profiles measured by jaxserve profile: "
                    "throughput and TTFT p50 / p90; ratios simulated / live",
-           "profiles": profiles, "calibration_fields": ("route", "prompt_tokens", "cached", "ttft_s"),
+           "profiles": profiles, "calibration_fields": ("turn", "route", "prompt_tokens", "cached", "ttft_s"),
            "calibration": calibration, "dispatch_s": dispatch_s, "path_s": path_s, "live": live,
            "simulated": {k: sim[k] for k in keep},
            "simulated_drawn": {k: sims["drawn"][k] for k in keep},

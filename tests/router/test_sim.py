@@ -135,11 +135,16 @@ def test_the_serving_path_cost_is_added_per_route_and_prompt_length():
     assert got == {50: pytest.approx(0.502), 400: pytest.approx(0.502)}
     lin = Profile.from_json({"prefill": {"tokens": [1, 1001], "seconds": [0.001, 0.101], "kv_bytes": [1, 2]},
                              "decode": {"step_seconds": 0.01, "max_batch": 4}})
-    cal = [("pd", 2, 0, 0.0072), ("pd", 2, 0, 0.0092), ("pd", 2, 0, 0.0082), ("pd", 201, 0, 0.021 + 0.012),
-           ("colocated", 300, 200, 0.0109 + 0.005), (None, 3, 0, 1.0)]
-    path, fixed = serving_path(cal, {"pd": lin, "colocated": lin})
-    assert path["pd"][0] == (2, 201) and path["pd"][1] == pytest.approx((0.0082 - 0.0011, 0.012))
+    # (turn, route, prompt tokens, cached, TTFT): first turns make the PD curve and next turns the colocated
+    # one; a next turn the policy sent elsewhere, a length with fewer than `least` requests, count for nothing
+    cal = [(1, "pd", 2, 0, 0.0072), (1, "pd", 2, 0, 0.0092), (1, "pd", 2, 0, 0.0082), (1, "pd", 201, 0, 0.033),
+           (2, "colocated", 300, 200, 0.0109 + 0.005), (2, "pd", 201, 100, 9.0), (1, "pd", 700, 0, 9.0),
+           (1, None, 3, 0, 1.0)]
+    path, fixed = serving_path(cal, {"pd": lin, "colocated": lin}, least=1)
+    assert path["pd"][0] == (2, 201, 700) and path["pd"][1][:2] == pytest.approx((0.0082 - 0.0011, 0.012))
     assert path["colocated"] == ((300,), (pytest.approx(0.005),)) and fixed == pytest.approx(0.0071)
+    path, _ = serving_path(cal, {"pd": lin, "colocated": lin})
+    assert path == {"pd": ((2,), (pytest.approx(0.0071),))}
 
 
 def test_the_live_policy_routes_by_the_threshold():
