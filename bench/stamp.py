@@ -78,25 +78,29 @@ def _path(mod: str) -> str:
     return os.path.join(*mod.split(".")) + ".py"
 
 
-def measured_paths(command: str | None) -> tuple[str, ...]:
-    """The code a result describes: CODE, the benchmark's own module (`python -m bench.NAME ...`; every
-    benchmark when the command names none) and the bench modules it imports, and the simulator (SIMULATOR)
-    where one of those imports it (nothing that serves does)."""
+def measured(command: str | None) -> tuple[tuple[str, ...], dict[str, set]]:
+    """The code a result describes, from one read of its benchmark's imports -> (paths: CODE, the benchmark's own
+    module (`python -m bench.NAME ...`; every benchmark when the command names none) and the bench modules it
+    imports, and the simulator (SIMULATOR) where one of those imports it (nothing that serves does); names: the
+    bench files among them whose result depends on some of their definitions only -> those names (a file reached
+    only through `from bench.X import a, b`))."""
     mod = _module(command)
     if mod is None:
-        return CODE + ("bench",)
+        return CODE + ("bench",), {}
     others: set = set()
-    own = tuple(_path(m) for m in bench_uses(mod, others))
+    uses = bench_uses(mod, others)
     sim = SIMULATOR.replace("/", ".")
-    uses = any(m == sim or m.startswith(sim + ".") for m in others)
-    return CODE + own + (() if uses else (f":(exclude){SIMULATOR}",))  # a git pathspec
+    runs_sim = any(m == sim or m.startswith(sim + ".") for m in others)
+    paths = CODE + tuple(_path(m) for m in uses) + (() if runs_sim else (f":(exclude){SIMULATOR}",))  # pathspec
+    return paths, {_path(m): n for m, n in uses.items() if n is not None}
+
+
+def measured_paths(command: str | None) -> tuple[str, ...]:
+    return measured(command)[0]
 
 
 def measured_names(command: str | None) -> dict[str, set]:
-    """The bench files of measured_paths whose result depends on some of their definitions only -> those
-    names (a file reached only through `from bench.X import a, b`)."""
-    mod = _module(command)
-    return {} if mod is None else {_path(m): n for m, n in bench_uses(mod).items() if n is not None}
+    return measured(command)[1]
 
 
 def _git(*args: str) -> str:
@@ -205,7 +209,7 @@ def staleness(path: str) -> str | None:
         return "no stamp"
     if not _git("rev-parse", "--verify", "-q", f"{st['commit']}^{{commit}}"):
         return f"commit {st['commit'][:10]} is not in this repository"
-    changed = changed_code(st["commit"], measured_paths(st.get("command")), measured_names(st.get("command")))
+    changed = changed_code(st["commit"], *measured(st.get("command")))
     if changed:
         return f"later commits changed the code it measures: {', '.join(changed[:3])}" + (
             f" and {len(changed) - 3} more" if len(changed) > 3 else "")
