@@ -34,12 +34,13 @@ PEAKS = {  # device_kind substring -> (HBM bytes/s, dense bf16 FLOP/s)
 
 SHAPES = {
     "gpu": dict(flash=dict(lens=[1024, 2048, 512, 512], Hq=32, Hkv=8, D=128),
-                paged=dict(B=32, ctx=2048, Hq=32, Hkv=8, D=128, bs=16),
+                paged=[dict(B=32, ctx=2048, Hq=32, Hkv=8, D=128, bs=16),  # 269 MB of K/V: ~60 us on an H200
+                       dict(B=64, ctx=8192, Hq=32, Hkv=8, D=128, bs=16)],  # 2.1 GB: launch and tail costs amortised
                 mla=dict(B=32, ctx=2048, H=16, L=512, R=64, bs=16),
                 gdn=dict(B=1, T=4096, H=16, Dk=128, Dv=128, C=64),
                 rec=dict(B=64, H=16, Dk=128, Dv=128)),
     "cpu": dict(flash=dict(lens=[96, 160], Hq=8, Hkv=2, D=64),
-                paged=dict(B=8, ctx=256, Hq=8, Hkv=2, D=64, bs=16),
+                paged=[dict(B=8, ctx=256, Hq=8, Hkv=2, D=64, bs=16)],
                 mla=dict(B=8, ctx=256, H=8, L=64, R=16, bs=16),
                 gdn=dict(B=1, T=256, H=4, Dk=64, Dv=64, C=64),
                 rec=dict(B=8, H=4, Dk=64, Dv=64)),
@@ -69,6 +70,7 @@ def _cases(shapes: dict, dtype, triton: bool = False):
     import jax.numpy as jnp
 
     from pallas_kernels.check import inputs
+    from pallas_kernels.gated_delta_rule import SUB
     r = np.random.RandomState(0)
     it = jnp.dtype(dtype).itemsize
     rnd = lambda *s: jnp.asarray(r.randn(*s) * 0.5, dtype)  # noqa: E731
@@ -81,13 +83,13 @@ def _cases(shapes: dict, dtype, triton: bool = False):
     for name, kw in [("flash_attention", {})] + ([("flash_attention_triton", dict(hopper=False))] if triton else []):
         out.append((name, f"T={T} seqs={f['lens']} Hq={Hq} Hkv={Hkv} D={D} causal", "flash_attention", qkv,
                     dict(cu_seqlens=cu, **kw), it * T * D * (2 * Hq + 2 * Hkv), 4 * pairs * Hq * D, "compute"))
-    p = shapes["paged"]
-    B, ctx, bs = p["B"], p["ctx"], p["bs"]
-    args, kw = inputs("paged_attention", r, Hq=p["Hq"], Hkv=p["Hkv"], Dk=p["D"], Dv=p["D"], dtype=dtype,
-                      block_size=bs, B=B, ctx=ctx, full=True)
-    out.append(("paged_attention", f"B={B} ctx={ctx} Hq={p['Hq']} Hkv={p['Hkv']} D={p['D']} block={bs}",
-                "paged_attention", args, kw, it * (B * ctx * 2 * p["Hkv"] * p["D"] + 2 * B * p["Hq"] * p["D"]),
-                4 * B * ctx * p["Hq"] * p["D"], "memory"))
+    for p in shapes["paged"]:
+        B, ctx, bs = p["B"], p["ctx"], p["bs"]
+        args, kw = inputs("paged_attention", r, Hq=p["Hq"], Hkv=p["Hkv"], Dk=p["D"], Dv=p["D"], dtype=dtype,
+                          block_size=bs, B=B, ctx=ctx, full=True)
+        out.append(("paged_attention", f"B={B} ctx={ctx} Hq={p['Hq']} Hkv={p['Hkv']} D={p['D']} block={bs}",
+                    "paged_attention", args, kw, it * (B * ctx * 2 * p["Hkv"] * p["D"] + 2 * B * p["Hq"] * p["D"]),
+                    4 * B * ctx * p["Hq"] * p["D"], "memory"))
     m = shapes["mla"]
     Dm = m["L"] + m["R"]
     args, kw = inputs("paged_mla_attention", r, H=m["H"], L=m["L"], R=m["R"], dtype=dtype, block_size=m["bs"],
@@ -102,13 +104,15 @@ def _cases(shapes: dict, dtype, triton: bool = False):
     for per_channel in (False, True):
         args, kw = inputs("chunk_gated_delta_rule", r, H=H, Dk=Dk, Dv=Dv, dtype=dtype, per_channel=per_channel,
                           T=Tg, B=Bg)
+        Ck = min(C, SUB) if per_channel else C  # the kernel's chunk: per-channel decay runs in chunks of SUB
         # per chunk: KK, QK (C^2 Dk each), T inverse (log2 C matmuls C^3), U/W (C^2 (Dv + Dk)), state terms (3 C Dk Dv)
-        per_chunk = 2 * (2 * C * C * Dk + np.log2(C) * 2 * C ** 3 + C * C * (Dv + Dk) + 3 * C * Dk * Dv + C * C * Dv)
+        per_chunk = 2 * (2 * Ck * Ck * Dk + np.log2(Ck) * 2 * Ck ** 3 + Ck * Ck * (Dv + Dk) + 3 * Ck * Dk * Dv
+                         + Ck * Ck * Dv)
         out.append(("chunk_gated_delta_rule", f"B={Bg} T={Tg} H={H} Dk={Dk} Dv={Dv} C={C} "
                     + ("per-channel decay (KDA)" if per_channel else "scalar decay (GDN)"), "chunk_gated_delta_rule",
                     args, dict(kw, chunk_size=C),
                     it * Bg * Tg * H * (2 * Dk + 2 * Dv + 1) + 4 * Bg * Tg * H * (Dk if per_channel else 1)
-                    + 2 * state, float(Bg * H * (Tg // C) * per_chunk), "compute"))
+                    + 2 * state, float(Bg * H * (Tg // Ck) * per_chunk), "compute"))
     q = shapes["rec"]
     Br, H, Dk, Dv = q["B"], q["H"], q["Dk"], q["Dv"]
     args, kw = inputs("recurrent_gated_delta_rule", r, H=H, Dk=Dk, Dv=Dv, dtype=dtype, per_channel=True, B=Br)

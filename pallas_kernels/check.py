@@ -165,6 +165,28 @@ def run_case(case: Case, mode: str) -> str | None:
     return None if worst <= tol else f"differs from its reference by {worst:.3g} (tolerance {tol:g})"
 
 
+def gpu_lowering(case: Case) -> str | None:
+    """None when the Pallas kernel of `case` lowers for an NVIDIA GPU to one Triton kernel call, else why not.
+    Runs on any machine, a CPU one included: JAX lowers for the "cuda" platform without a GPU, through Pallas'
+    Triton lowering, where the tile rules are enforced (power-of-two arrays, the kernels' require_gpu_dims).
+    What it cannot see is Triton's own compilation to PTX, which a GPU's self-test does."""
+    ref, kernel = KERNELS[case.kernel]
+    if kernel is None:
+        return "has no Pallas kernel"
+    args, kw = inputs(case.kernel, np.random.RandomState(0), **dict(case.dims))
+    shaped = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, jax.Array) else x  # noqa: E731
+    arrays = {k: shaped(v) for k, v in kw.items() if isinstance(v, jax.Array)}
+    static = {k: v for k, v in kw.items() if k not in arrays}
+    call = jax.jit(lambda args, arrays: kernel(*args, interpret=False, **static, **arrays))
+    try:
+        text = call.trace(jax.tree.map(shaped, args), arrays).lower(lowering_platforms=("cuda",)).as_text()
+    except Exception as e:  # the lowering's refusal: a Pallas or Triton tile rule, or the kernel's own check
+        return f"does not lower: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+    # jaxlib <= 0.10.2 leaves the Triton module for XLA to compile; later ones compile it here (a GPU machine)
+    calls = sum(text.count(f"@{target}(") for target in ("__gpu$xla.gpu.triton", "triton_kernel_call_ffi"))
+    return None if calls == 1 else f"lowers to {calls} Triton kernel calls, not one"
+
+
 def self_test(cases, mode: str, progress: bool = False) -> dict[str, str]:
     """{kernel name: reason} for the kernels that fail any of `cases` in `mode`."""
     failed: dict[str, str] = {}

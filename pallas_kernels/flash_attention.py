@@ -43,6 +43,16 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def pad_group(x, axis: int):
+    """x with a GQA group axis (the query heads of one KV head) at `axis` -> (x with that axis padded with zeros
+    to a power of two, the group's size). Triton tiles have power-of-two dims, so a group of 3 (SmolLM2's 9
+    query heads over 3 KV heads) runs as 4 rows, the fourth a zero query whose output is dropped."""
+    G = x.shape[axis]
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, _pow2(G) - G)
+    return jnp.pad(x, pad), G
+
+
 def require_gpu_dims(what: str, **dims: int) -> None:
     """Compiled (not interpreted) kernels lower through Pallas' Triton backend: every array a kernel body
     touches has power-of-two dims, and a matmul's dims are at least GPU_MIN_DIM (smaller ones give wrong
@@ -140,12 +150,15 @@ def _flash(q, k, v, q_pos, q_seg, k_pos, k_seg, sinks, *, scale: float, causal: 
     -> [B, T, Hq, Dv] (zeros for queries that see no key)"""
     B, T, Hq, Dk = q.shape
     S, Hkv, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    Dv_out, G = Dv, Hq // Hkv
+    q, G_out = pad_group(q.reshape(B, T, Hkv, Hq // Hkv, Dk), 3)  # query rows of a power-of-two group
+    Dv_out, G = Dv, q.shape[3]
+    q = q.reshape(B, T, Hkv * G, Dk)
+    if sinks is not None:
+        sinks = pad_group(sinks.reshape(Hkv, G_out), 1)[0].reshape(Hkv * G)
     bq, bk = min(block_q, _pow2(T)), min(block_k, _pow2(S))
     if not interpret:  # Triton: power-of-two tiles of at least 16 rows and keys, head dims padded with zeros
-        if G & (G - 1):
-            raise ValueError(f"flash attention compiled for the GPU needs a power-of-two GQA group, got {G}")
-        bq, bk = max(bq, -(-GPU_MIN_DIM // G)), max(bk, GPU_MIN_DIM)
+        floor2 = lambda n: 1 << (n.bit_length() - 1)  # noqa: E731  (a block_q or block_k not a power of two)
+        bq, bk = max(floor2(bq), -(-GPU_MIN_DIM // G)), max(floor2(bk), GPU_MIN_DIM)
         Dkp, Dvp = max(GPU_MIN_DIM, _pow2(Dk)), max(GPU_MIN_DIM, _pow2(Dv))
         q, k = (jnp.pad(x, [(0, 0)] * 3 + [(0, Dkp - Dk)]) for x in (q, k))
         v = jnp.pad(v, [(0, 0)] * 3 + [(0, Dvp - Dv)])
@@ -187,8 +200,8 @@ def _flash(q, k, v, q_pos, q_seg, k_pos, k_seg, sinks, *, scale: float, causal: 
         compiler_params=triton_params(interpret, num_warps, num_stages, GPU_LAUNCH),
         name="flash_attention",
     )(lo, hi, qr, k, v, qpos_r, qseg_r, k_pos, k_seg, sink_r)
-    out = out.reshape(B, Hkv, Tp, G, Dv).transpose(0, 2, 1, 3, 4).reshape(B, Tp, Hq, Dv)
-    return out[:, :T, :, :Dv_out]
+    out = out.reshape(B, Hkv, Tp, G, Dv)[:, :, :T, :G_out, :Dv_out]
+    return out.transpose(0, 2, 1, 3, 4).reshape(B, T, Hq, Dv_out)
 
 
 # ------------------------------------------------------------------------------------------------ checks
@@ -261,7 +274,7 @@ def flash_attention(q, k, v, *, cu_seqlens, causal=True, sliding_window=None, si
     scale = Dk ** -0.5 if scale is None else float(scale)
     out = _flash(q[None], k[None], v[None], pos[None], q_seg[None], pos[None], seg[None], sinks, scale=scale,
                  causal=bool(causal), window=None if sliding_window is None else int(sliding_window),
-                 block_q=max(1, block_q // G), block_k=block_k, interpret=bool(interpret), num_warps=num_warps,
+                 block_q=max(1, block_q // _pow2(G)), block_k=block_k, interpret=bool(interpret), num_warps=num_warps,
                  num_stages=num_stages)
     return out[0]
 
@@ -317,7 +330,7 @@ def batched_attention(q, k, v, q_pos, k_pos, k_valid, *, scale: float, window: i
     k_seg = jnp.where(k_valid, 0, -1).astype(jnp.int32)
     return _flash(q, k, v, q_pos.astype(jnp.int32), jnp.zeros((B, T), jnp.int32), k_pos.astype(jnp.int32), k_seg,
                   sinks, scale=float(scale), causal=True, window=None if window is None else int(window),
-                  block_q=max(1, block_q // G), block_k=block_k, interpret=bool(interpret), num_warps=num_warps,
+                  block_q=max(1, block_q // _pow2(G)), block_k=block_k, interpret=bool(interpret), num_warps=num_warps,
                   num_stages=num_stages)
 
 

@@ -17,10 +17,9 @@ G the in-chunk cumulative log decay:
     KK_ij = sum_d (beta_i k_id) k_jd exp(G_id - G_jd)   (j < i),   QK_ij likewise with q_i (j <= i)
     T = (I + KK)^-1  (nilpotent product),  U = T (beta v),  W = T (beta k exp(G))
     v' = U - W S,  o = (q exp(G)) S + QK v',  S <- exp(G_C) S + (k exp(G_C - G))^T v'
-Per-channel decay (KDA) computes KK and QK in sub-chunks of SUB tokens: within a sub-chunk directly from
-the [SUB, SUB, Dk] exponent differences, across sub-chunks through the last row r of the earlier one,
-exp(G_i - G_r) exp(G_r - G_j), both factors <= 1 since the decay is non-increasing. Nothing overflows for
-any decay strength.
+Per-channel decay (KDA) runs in chunks of SUB tokens and computes KK and QK directly from the
+[SUB, SUB, Dk] exponent differences G_i - G_j, each <= 0 where it is kept (the decay is non-increasing), so
+nothing overflows for any decay strength.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ from jax.experimental import pallas as pl
 
 from .flash_attention import require_gpu_dims, triton_params
 
-SUB = 16  # sub-chunk of the per-channel decay products
+SUB = 16  # chunk of the per-channel decay kernel (Triton's smallest matmul dimension)
 GPU_LAUNCH = (4, 1)  # Triton warps and pipeline stages: one stage keeps a chunk's tiles within shared memory
 _HI = jax.lax.Precision.HIGHEST
 
@@ -146,28 +145,13 @@ def _dot(a, b, trans_b=False):
 
 def _decayed_products(x, k, G):
     """sum_d x_id k_jd exp(G_id - G_jd) for j <= i (zero above): x, k [C, Dk]; G [C, Dk] non-increasing
-    -> [C, C], in sub-chunks so every exponent is <= 0."""
+    -> [C, C], from the [C, C, Dk] exponent differences, each <= 0 where it is kept. The kernel takes
+    per-channel decay in chunks of SUB tokens, so this is [SUB, SUB, Dk] and no chunk is sliced (a slice of
+    a value does not lower to Triton)."""
     C = x.shape[0]
-    c = min(SUB, C)
-    rows = []
-    for a in range(C // c):
-        xa, Ga = x[a * c:(a + 1) * c], G[a * c:(a + 1) * c]
-        blocks = []
-        for b in range(C // c):
-            kb_, Gb = k[b * c:(b + 1) * c], G[b * c:(b + 1) * c]
-            if b < a:
-                Gr = Gb[c - 1:c]  # [1, Dk]
-                blocks.append(_dot(xa * jnp.exp(Ga - Gr), kb_ * jnp.exp(Gr - Gb), trans_b=True))
-            elif b == a:
-                diff = Ga[:, None, :] - Gb[None, :, :]  # [c, c, Dk]
-                incl = (jax.lax.broadcasted_iota(jnp.int32, (c, c), 0) >= jax.lax.broadcasted_iota(
-                    jnp.int32, (c, c), 1))
-                e = jnp.exp(jnp.where(incl[:, :, None], diff, 0.0))
-                blocks.append(jnp.where(incl, jnp.sum(xa[:, None, :] * kb_[None, :, :] * e, axis=-1), 0.0))
-            else:
-                blocks.append(jnp.zeros((c, c), jnp.float32))
-        rows.append(jnp.concatenate(blocks, axis=1))
-    return jnp.concatenate(rows, axis=0)
+    incl = jax.lax.broadcasted_iota(jnp.int32, (C, C), 0) >= jax.lax.broadcasted_iota(jnp.int32, (C, C), 1)
+    e = jnp.exp(jnp.where(incl[:, :, None], G[:, None, :] - G[None, :, :], 0.0))
+    return jnp.where(incl, jnp.sum(x[:, None, :] * k[None, :, :] * e, axis=-1), 0.0)
 
 
 def _chunk_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, s0_ref, o_ref, s_ref, *, chunk: int):
@@ -239,11 +223,10 @@ def _run(q, k, v, g, beta, S0, *, chunk: int | None, out_dtype, interpret: bool)
     """Prepared float32 inputs -> (out [B, T, H, Dv], final state [B, H, Dk, Dv]); chunk None: recurrent."""
     B, T, H, Dk = q.shape
     Dv, Dg = v.shape[-1], g.shape[-1]
+    if chunk is not None and Dg > 1:
+        chunk = min(chunk, SUB)  # per-channel decay: chunks of SUB tokens (_decayed_products)
     if not interpret:
         require_gpu_dims("the gated delta rule", Dk=Dk, Dv=Dv, **({} if chunk is None else {"chunk_size": chunk}))
-        if chunk is not None and Dg > 1:  # _decayed_products slices sub-chunks of values: no Triton lowering
-            raise ValueError("the chunked gated delta rule with per-channel decay (KDA) cannot be compiled for the GPU "
-                             "(its sub-chunk slices do not lower)")
     if chunk is not None:
         pad = (-T) % chunk
         q, k, v, g = (jnp.pad(x, [(0, 0), (0, pad), (0, 0), (0, 0)]) for x in (q, k, v, g))

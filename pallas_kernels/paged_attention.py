@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from .flash_attention import NEG, online_softmax_step, ref_batched_attention, require_gpu_dims, triton_params
+from .flash_attention import NEG, online_softmax_step, pad_group, ref_batched_attention, require_gpu_dims, triton_params
 from .merge import add_sinks, merge_partials, normalize
 
 TILE_TOKENS = 64  # keys per tile: pages_per_tile = max(1, TILE_TOKENS // block_size)
@@ -37,14 +37,33 @@ GPU_LAUNCH = (2, 1)  # Triton warps and pipeline stages (tiles, partitions and t
 GRID_ORDER = "bhp"  # the grid's axes in order (b requests, h KV heads, p partitions); the first varies fastest
 
 
+def _pow2_parts(n: int) -> tuple:
+    """[0, n) as runs of power-of-two widths, widest first: ((lo, width), ...). Triton tiles have power-of-two
+    dims, so a key of 576 columns (MLA: latent 512 + rope 64) is read and multiplied as 512 + 64."""
+    parts, lo = [], 0
+    for bit in reversed(range(n.bit_length())):
+        if n >> bit & 1:
+            parts.append((lo, 1 << bit))
+            lo += 1 << bit
+    return tuple(parts)
+
+
+def _columns(ref, ids, lo: int, width: int, tk: int):
+    """Columns [lo, lo + width) of the blocks `ids` of a [NB, bs, D] ref, as [tk, width]: read through the ref
+    (a column slice of a loaded tile does not lower to Triton)."""
+    if lo == 0 and width == ref.shape[-1]:
+        return ref[ids].reshape(tk, width)
+    return ref[ids, :, pl.ds(lo, width)].reshape(tk, width)
+
+
 def _paged_kernel(len_ref, tbl_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block_size: int, ppt: int,
-                  ppp: int, k_dim: int, v_lo: int, v_hi: int, scale: float, window: int | None, grid_order: str):
+                  ppp: int, k_parts: tuple, v_lo: int, v_hi: int, scale: float, window: int | None, grid_order: str):
     # len_ref [B] int32; tbl_ref [Wp] int32; q_ref [G, Dk]; k_ref, v_ref [NB, bs, D];
     # o_ref [G, Dv] float32; m_ref, l_ref [G] float32
     b, p = pl.program_id(grid_order.index("b")), pl.program_id(grid_order.index("p"))
     n = len_ref[b]
-    q = q_ref[...]
     G, Dv = o_ref.shape
+    qs = [q_ref[:, pl.ds(lo, w)] for lo, w in k_parts]
     tok_lo = 0 if window is None else jnp.maximum(n - window, 0)
     page_lo = jnp.maximum(p * ppp, tok_lo // block_size)
     page_hi = jnp.minimum((p + 1) * ppp, (n + block_size - 1) // block_size)
@@ -55,12 +74,11 @@ def _paged_kernel(len_ref, tbl_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
     def body(j, carry):
         m, l, acc = carry
         ids = tbl_ref[pl.ds(j * ppt, ppt)]
-        k = k_ref[ids].reshape(tk, -1)[:, :k_dim]
-        v = v_ref[ids].reshape(tk, -1)[:, v_lo:v_hi]
+        s = sum(jax.lax.dot_general(q, _columns(k_ref, ids, lo, w, tk), (((1,), (1,)), ((), ())),
+                                    preferred_element_type=jnp.float32) for q, (lo, w) in zip(qs, k_parts)) * scale
         pos = j * tk + jax.lax.broadcasted_iota(jnp.int32, (1, tk), 1)
         mask = (pos < n) & (pos >= tok_lo)  # [1, tk]
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
-        return online_softmax_step(m, l, acc, s, mask, v)
+        return online_softmax_step(m, l, acc, s, mask, _columns(v_ref, ids, v_lo, v_hi - v_lo, tk))
 
     init = (jnp.full((G,), NEG, jnp.float32), jnp.zeros((G,), jnp.float32), jnp.zeros((G, Dv), jnp.float32))
     m, l, acc = jax.lax.fori_loop(tile_lo, tile_hi, body, init)
@@ -86,18 +104,18 @@ def _paged(q, pool, block_tables, lengths, sinks, *, layer: int, k_dim: int, v_e
     -> [B, Hq, v_hi - v_lo] in q's dtype"""
     B, Hq, Dk = q.shape
     NB, _, _, bs, Hkv, D = pool.shape
-    G, Dv = Hq // Hkv, v_hi - v_lo
+    qg, G_out = pad_group(q.reshape(B, Hkv, Hq // Hkv, Dk), 2)  # [B, Hkv, G, Dk], G a power of two
+    G, Dv = qg.shape[2], v_hi - v_lo
     W = block_tables.shape[1]
     P = -(-W // ppp)
+    k_parts = _pow2_parts(k_dim)
     if not interpret:
-        if k_dim != D or v_hi - v_lo != D:  # a column slice of a loaded tile does not lower (Triton)
-            raise ValueError("paged attention compiled for the GPU reads whole head rows: K|V concatenated on D "
-                             f"and the MLA latent layout are not supported (K {k_dim}, V {v_hi - v_lo}, D {D})")
-        require_gpu_dims("paged attention", head_dim=D, tile_tokens=ppt * bs)
+        require_gpu_dims("paged attention", tile_tokens=ppt * bs, value_width=Dv,
+                         **{f"key_columns_{lo}_{lo + w}": w for lo, w in k_parts})
     table = jnp.pad(block_tables.astype(jnp.int32), [(0, 0), (0, P * ppp - W)])
     if sorted(grid_order) != ["b", "h", "p"]:
         raise ValueError(f"grid_order must order the letters b, h and p, got {grid_order!r}")
-    kernel = functools.partial(_paged_kernel, block_size=bs, ppt=ppt, ppp=ppp, k_dim=k_dim, v_lo=v_lo, v_hi=v_hi,
+    kernel = functools.partial(_paged_kernel, block_size=bs, ppt=ppt, ppp=ppp, k_parts=k_parts, v_lo=v_lo, v_hi=v_hi,
                                scale=scale, window=window, grid_order=grid_order)
 
     def at(f):  # an index map over (b, h, p) as one over the grid's axes
@@ -123,10 +141,10 @@ def _paged(q, pool, block_tables, lengths, sinks, *, layer: int, k_dim: int, v_e
         interpret=interpret,
         compiler_params=triton_params(interpret, num_warps, num_stages, GPU_LAUNCH),
         name="paged_attention",
-    )(lengths.astype(jnp.int32), table, q.reshape(B, Hkv, G, Dk), pool, pool)
-    o, m, l = merge_partials(o, m, l, axis=2)  # [B, Hkv, G, Dv], [B, Hkv, G]
+    )(lengths.astype(jnp.int32), table, qg, pool, pool)
+    o, m, l = merge_partials(o[..., :G_out, :], m[..., :G_out], l[..., :G_out], axis=2)  # [B, Hkv, G_out, (Dv)]
     if sinks is not None:
-        o, m, l = add_sinks(o, m, l, sinks.reshape(1, Hkv, G))
+        o, m, l = add_sinks(o, m, l, sinks.reshape(1, Hkv, G_out))
     return normalize(o, l).reshape(B, Hq, Dv).astype(q.dtype)
 
 

@@ -41,6 +41,7 @@ CASES = [  # dtype, Hq, Hkv, Dk, Dv, lens, causal, window, sinks, block_q (rows)
     (jnp.float32, 4, 1, 8, 8, [7, 12], False, None, False, 16, 8),
     (jnp.float32, 6, 3, 24, 16, [17, 4], True, 5, True, 8, 16),  # Dv != Dk (MiMo-V2-Flash)
     (jnp.float32, 4, 2, 16, 16, [40], True, None, False, 128, 128),  # default-size tiles
+    (jnp.float32, 6, 2, 16, 16, [11, 5, 20], True, 6, True, 24, 8),  # a group of 3: run as 4 rows
 ]
 
 
@@ -64,7 +65,8 @@ def test_flash_attention_matches_reference(case):
         np.testing.assert_allclose(np.asarray(want[:sum(lens)]), naive, atol=2e-5)
 
 
-@pytest.mark.parametrize("dtype,G,window", [(jnp.float32, 2, None), (jnp.bfloat16, 4, 3), (jnp.float32, 1, 6)])
+@pytest.mark.parametrize("dtype,G,window", [(jnp.float32, 2, None), (jnp.bfloat16, 4, 3), (jnp.float32, 1, 6),
+                                            (jnp.float32, 3, None)])
 def test_batched_attention_matches_reference(dtype, G, window):
     """Keys at scattered positions (a sliding-window ring), invalid keys, and a row with no valid key."""
     r = np.random.RandomState(G)

@@ -26,6 +26,7 @@ CASES = [  # dtype, E, Hq, Hkv, Dk, D, block_size, lengths, window, sinks, pages
     (jnp.bfloat16, 2, 2, 2, 16, 16, 8, [3, 17, 48, 8], 9, True, 2, 2),
     (jnp.float32, 1, 4, 1, 12, 20, 4, [24, 5, 9], None, True, 2, 4),  # K|V concatenated (Dv = 8 != Dk)
     (jnp.float32, 2, 4, 4, 8, 8, 16, [1, 16, 33, 96], 20, False, 1, 1),  # MHA, one block per partition
+    (jnp.float32, 2, 9, 3, 8, 8, 4, [5, 17, 24], 7, True, 2, 2),  # a group of 3 (9 / 3 heads): run as 4 rows
 ]
 
 
