@@ -34,7 +34,7 @@ PEAKS = {  # device_kind substring -> (HBM bytes/s, dense bf16 FLOP/s)
 
 SHAPES = {
     "gpu": dict(flash=dict(lens=[1024, 2048, 512, 512], Hq=32, Hkv=8, D=128),
-                paged=[dict(B=32, ctx=2048, Hq=32, Hkv=8, D=128, bs=16),  # 269 MB of K/V: ~60 us on an H200
+                paged=[dict(B=32, ctx=2048, Hq=32, Hkv=8, D=128, bs=16),  # 269 MB of K/V: ~95 us on an H200
                        dict(B=64, ctx=8192, Hq=32, Hkv=8, D=128, bs=16)],  # 2.1 GB: launch and tail costs amortised
                 mla=dict(B=32, ctx=2048, H=16, L=512, R=64, bs=16),
                 gdn=dict(B=1, T=4096, H=16, Dk=128, Dv=128, C=64),
