@@ -95,14 +95,6 @@ def measured(command: str | None) -> tuple[tuple[str, ...], dict[str, set]]:
     return paths, {_path(m): n for m, n in uses.items() if n is not None}
 
 
-def measured_paths(command: str | None) -> tuple[str, ...]:
-    return measured(command)[0]
-
-
-def measured_names(command: str | None) -> dict[str, set]:
-    return measured(command)[1]
-
-
 def _git(*args: str) -> str:
     try:
         return subprocess.run(["git", "-C", ROOT, *args], capture_output=True, text=True, check=True).stdout.strip()

@@ -41,15 +41,15 @@ def test_staleness(tmp_path):
     assert stamp.staleness(write_with(tmp_path, {"commit": head, "dirty": False})) is None
     assert stamp.staleness(write_with(tmp_path, {"commit": head, "dirty": True})) == "measured with uncommitted changes"
     # the benchmark's own module, then the bench modules it imports (bench/offline.py runs bench/vllm_offline.py)
-    assert stamp.measured_paths("python -m bench.offline --json x") == stamp.CODE + (
+    assert stamp.measured("python -m bench.offline --json x")[0] == stamp.CODE + (
         "bench/offline.py", "bench/vllm_offline.py", ":(exclude)router/sim")  # it does not run the simulator
-    assert stamp.measured_paths(None) == stamp.CODE + ("bench",)
+    assert stamp.measured(None)[0] == stamp.CODE + ("bench",)
     last = git("log", "-n", "1", "--format=%H", "--", *stamp.CODE)  # the newest commit that changed measured code
     parent = git("rev-parse", "--verify", "-q", f"{last}^")
     if not parent:
         pytest.skip("shallow history: no commit before the last code change")
     why = stamp.staleness(write_with(tmp_path, {"commit": parent}))
-    changed = stamp.changed_code(parent, stamp.measured_paths(None))  # a result without a command: all of bench
+    changed = stamp.changed_code(parent, stamp.measured(None)[0])  # a result without a command: all of bench
     assert (why is None) == (not changed)
     if changed:
         assert "later commits changed the code it measures: " + changed[0] in why
@@ -116,7 +116,7 @@ def test_a_result_describes_the_bench_modules_its_benchmark_imports():
     assert "bench.stamp" not in got
     assert len(got) == len(set(got))
     # transitive: bench/online.py imports bench/offline.py, which runs bench/vllm_offline.py
-    assert "bench/vllm_offline.py" in stamp.measured_paths("python -m bench.online --json x")
+    assert "bench/vllm_offline.py" in stamp.measured("python -m bench.online --json x")[0]
 
 
 def test_the_simulator_is_code_only_for_the_benchmarks_that_run_it(tmp_path, monkeypatch):
@@ -142,7 +142,7 @@ def test_a_result_describes_only_the_definitions_its_benchmark_takes_from_anothe
     first = repo.commit({"bench/a.py": "from bench.helper import f\n",
                          h: "K = 1\n\n\ndef f():\n    return g2() + K\n\n\ndef g2():\n    return 2\n\n\n"
                             "def g():\n    return 3\n\n\nif __name__ == '__main__':\n    g()\n"})
-    assert stamp.measured_names("python -m bench.a --json x") == {h: {"f"}}
+    assert stamp.measured("python -m bench.a --json x")[1] == {h: {"f"}}
     repo.commit({h: repo.read(h).replace("return 3", "return 4").replace("    g()", "    g(1)")})
     assert repo.staleness(first, "a") is None
     assert h in repo.staleness(first, "helper")
