@@ -170,7 +170,7 @@ def gpu_lowering(case: Case) -> str | None:
     Runs on any machine, a CPU one included: JAX lowers for the "cuda" platform without a GPU, through Pallas'
     Triton lowering, where the tile rules are enforced (power-of-two arrays, the kernels' require_gpu_dims).
     What it cannot see is Triton's own compilation to PTX, which a GPU's self-test does."""
-    kernel = KERNELS[case.kernel][1]
+    ref, kernel = KERNELS[case.kernel]
     if kernel is None:
         return "has no Pallas kernel"
     args, kw = inputs(case.kernel, np.random.RandomState(0), **dict(case.dims))
