@@ -26,8 +26,11 @@ another batch round differently, a cluster's batches are not the reference's, an
 the other branch; vLLM's tests accept the same), failed with an error (and the distinct errors), wrong tokens
 (where and what, for the first few), hung (no answer within `--hang-s`: must be 0), time from the fault to the
 end of each request in flight at that moment (p50/p99), time until a request submitted after the fault
-finished, and blocks, reservations and receive-pool bytes still held after quiesce (must be 0). Writes JSON
-(`--json`).
+finished, and blocks, reservations and receive-pool bytes still held after quiesce (must be 0). Also per cell:
+the programs the surviving instances compiled during it, named (the workers run with JAX's compile log on, and
+each line "Compiling <program> with global shapes ..." they print during the cell is kept, shortened), and how
+many requests ended up served whole on a decode instance (a decode instance's prefill is a role fallback that
+its warm-up does not compile: jaxserve/worker/main.py). Writes JSON (`--json`).
 
     python -m bench.faults --json bench/results/faults.json
 """
@@ -40,6 +43,7 @@ import collections
 import json
 import os
 import platform
+import re
 import secrets
 import signal
 import sys
@@ -54,6 +58,7 @@ ROLES = ("prefill", "decode")
 FAULTS = ("sigkill", "sigstop_10s", "sigstop", "partition", "corrupt")
 PHASES = ("first_token", "transfer", "stream")
 VICTIM = {"prefill": "p0", "decode": "d0"}
+DECODE = ("d0", "d1")
 HELD = ("blocks_used", "running", "waiting", "reservations", "pool_used_bytes")  # all 0 on an idle instance
 ENGINE = dict(block_size=16, num_blocks=256, max_num_seqs=8, max_num_batched_tokens=256, chunk_size=256,
               max_prefill_seqs=2, max_model_len=512, num_snapshots=16, prefix_caching=False, warmup=True)
@@ -61,6 +66,42 @@ ENGINE = dict(block_size=16, num_blocks=256, max_num_seqs=8, max_num_batched_tok
 
 def pct(xs, q):
     return float(np.percentile(xs, q)) if xs else None
+
+
+class CompileLog:
+    """The "Compiling ..." lines the workers print (JAX's compile log), with when they arrived: the Launcher's
+    echo, called from its reader threads (a lock guards the lists)."""
+
+    def __init__(self, keep: int = 20000):
+        import threading
+        self.lines: collections.deque = collections.deque(maxlen=keep)
+        self.lock = threading.Lock()
+
+    def echo(self, line: str) -> None:  # "[name] text", from router/launcher.py
+        if "Compiling " not in line or not line.startswith("["):
+            return
+        name, _, text = line[1:].partition("] ")
+        program, _, shapes = text[text.index("Compiling ") + len("Compiling "):].partition(" with global shapes "
+                                                                                          "and types ")
+        # the arguments' shapes, the last ones kept (a step program's first are the weights; its batch is last)
+        shapes = re.sub(r"ShapedArray\(([^()]*)\)", r"\1", shapes.split(". Argument mapping")[0])
+        shapes = shapes if len(shapes) <= 160 else "..." + shapes[-160:]
+        with self.lock:
+            self.lines.append((time.monotonic(), name, f"{program} {shapes}"))
+
+    def counts(self) -> dict[str, int]:
+        """worker -> the compile lines kept from it."""
+        with self.lock:
+            return dict(collections.Counter(name for _, name, _ in self.lines))
+
+    def since(self, t: float, exclude: str) -> dict[str, list[str]]:
+        """worker -> what it compiled after monotonic time t (all but `exclude`)."""
+        out: dict[str, list[str]] = {}
+        with self.lock:
+            for at, name, what in self.lines:
+                if at >= t and name != exclude:
+                    out.setdefault(name, []).append(what)
+        return out
 
 
 def wait_ready(proc, ready, what: str, log: str, timeout: float, every: float = 0.5) -> float:
@@ -169,12 +210,16 @@ class Topology:
         with open(self.path, "w") as f:
             yaml.safe_dump(self.config, f)
         self.launcher = None  # router/launcher.py, once the router's address is known (`launch`)
+        self.compiles = CompileLog()
 
     def launch(self, router_address: str):
         """Start every worker (the victims inside their namespaces); returns the Launcher."""
         from router.launcher import Launcher
-        wrap = lambda name, argv: self.ns[name].argv(argv) if name in self.ns else argv  # noqa: E731
-        self.launcher = Launcher(self.path, ["p0", "p1", "d0", "d1"], router_address, wrap=wrap)
+        def wrap(name: str, argv: list[str]) -> list[str]:
+            argv = ["env", "JAX_LOG_COMPILES=1", *argv]  # `env` execs the worker: the pid stays the worker's
+            return self.ns[name].argv(argv) if name in self.ns else argv
+        self.launcher = Launcher(self.path, ["p0", "p1", "d0", "d1"], router_address, wrap=wrap,
+                                 echo=self.compiles.echo)
         self.launcher.start()
         return self.launcher
 
@@ -344,6 +389,7 @@ class Matrix:
                 r["tokens"] = list(u.token_ids)
                 r["attempts"] = (u.route or {}).get("attempts")
                 r["where"] = [(u.route or {}).get(k) for k in ("prefill_instance", "decode_instance")]
+                r["whole_on_decode"] = (u.route or {}).get("route") == "colocated" and r["where"][1] in DECODE
             except asyncio.TimeoutError:
                 r["hung"] = True
                 self.cluster.abort(rid)
@@ -383,6 +429,7 @@ class Matrix:
         after = await self.holdings(("compiled_programs",))
         compiled = {n: after[n]["compiled_programs"] - programs[n]["compiled_programs"] for n in after
                     if n != VICTIM[role] and "error" not in after[n] and "error" not in programs.get(n, {"error": 1})}
+        compiled_names = self.topo.compiles.since(t0, exclude=VICTIM[role])
         if repair is not None:
             await repair()
         # quiesce: every instance up and idle, then ask what each still holds
@@ -414,7 +461,9 @@ class Matrix:
                    leaked_blocks=leaked["blocks_used"], leaked_reservations=leaked["reservations"],
                    leaked_pool_bytes=leaked["pool_used_bytes"], leaked_requests=leaked["running"] + leaked["waiting"],
                    unreachable_after=[k for k, h in held.items() if "error" in h],
-                   compiled_during_cell=compiled, run_s=round(run_s, 2), quiesce_s=round(time.monotonic() - q0, 2))
+                   compiled_during_cell=compiled, compiled_during_cell_names=compiled_names,
+                   served_whole_on_decode=sum(bool(r.get("whole_on_decode")) for r in recs),
+                   run_s=round(run_s, 2), quiesce_s=round(time.monotonic() - q0, 2))
         if wrong:
             out["wrong"] = wrong[:5]
         if ties:
@@ -568,6 +617,7 @@ def main(argv=None):
             asyncio.run(go())
         finally:
             topo.close()
+    compiles_logged = topo.compiles.counts()  # worker -> compile lines seen from it (kept: the last 20,000)
     ran = [c for c in results if "skipped" not in c]
     out = {"benchmark": "faults", "device": f"cpu ({platform.processor() or platform.machine()}, "
            f"{os.cpu_count()} cores)", "model": model,
@@ -585,8 +635,10 @@ def main(argv=None):
                       "hung": sum(c["hung"] for c in ran),
                       "leaked_blocks": sum(c["leaked_blocks"] for c in ran),
                       "leaked_pool_bytes": sum(c["leaked_pool_bytes"] for c in ran),
-                      "recover_p99_s_max": max((c.get("recover_p99_s") or 0 for c in ran), default=None)},
-           "cancellation_storm": storm_out or None, "cells": results}
+                      "recover_p99_s_max": max((c.get("recover_p99_s") or 0 for c in ran), default=None),
+                      "compiled_during_cells": sum(sum(c["compiled_during_cell"].values()) for c in ran),
+                      "served_whole_on_decode": sum(c["served_whole_on_decode"] for c in ran)},
+           "cancellation_storm": storm_out or None, "compiles_logged": compiles_logged, "cells": results}
     out["config"]["transfer"] = {k: v for k, v in out["config"]["transfer"].items() if k != "token"}
     from bench.stamp import write
     write(args.json, out, indent=1)
@@ -601,8 +653,12 @@ def summary(c: dict) -> str:
     rec = "-" if c.get("recover_p50_s") is None else f"{c['recover_p50_s']:.1f}/{c['recover_p99_s']:.1f}s"
     ties = f" near ties {c['near_ties']}" if c["near_ties"] else ""
     wrong = f" WRONG {c['wrong_tokens']}" if c["wrong_tokens"] else ""
+    built = "; ".join(f"{n}: " + ", ".join(p + (f" x{k}" if k > 1 else "") for p, k in collections.Counter(
+        w.split(" ")[0] for w in ws).items()) for n, ws in c["compiled_during_cell_names"].items())
     return (f"{head} exact {c['token_exact']}/{c['requests']}{ties}{wrong} failed {c['failed']} hung {c['hung']} "
             f"recover p50/p99 {rec} leaked blocks {c['leaked_blocks']} bytes {c['leaked_pool_bytes']}"
+            + (f" whole on decode {c['served_whole_on_decode']}" if c["served_whole_on_decode"] else "")
+            + (f" compiled {built}" if built else "")
             + ("" if c.get("fault_injected") else f" ({c.get('note')})"))
 
 

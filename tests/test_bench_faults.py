@@ -28,3 +28,26 @@ def test_a_reference_tells_a_near_tie_from_a_wrong_token():
     w = wrong_tokens({"rid": "r", "tokens": [6, 7, 9]}, ref, 0)
     assert (w["first_difference"], w["got"], w["want"]) == (0, [6, 7, 9], [5, 7, 9])
     assert abs(w["logprob_gap"] - 2.9) < 1e-9
+
+
+def test_compile_log_keeps_what_each_worker_compiled_and_when(monkeypatch):
+    from bench import faults
+    clock = iter([10.0, 20.0, 30.0, 40.0])
+    monkeypatch.setattr(faults.time, "monotonic", lambda: next(clock))
+    log = faults.CompileLog()
+    # lines as router/launcher.py echoes a worker's output, JAX's compile log among them
+    line = ("[{}] 2026-11-28 00:31:06,427 {} WARNING jax._src.interpreters.pxla: Compiling jit({}) with global "
+            "shapes and types (ShapedArray(int32[{}]),). Argument mapping: (UnspecifiedValue,).")
+    log.echo(line.format("d1", "d1", "prefill_fn", 384))  # at 10
+    log.echo("[d1] 2026-11-28 00:31:06,500 d1 INFO jaxserve.worker: serving")  # not a compile: not kept
+    log.echo("Compiling jit(x) with global shapes and types ()")  # not a worker's line: not kept
+    log.echo(line.format("d0", "d0", "decode_fn", 8))  # at 20
+    log.echo(line.format("d1", "d1", "sample_fn", 8))  # at 30
+    assert log.counts() == {"d1": 2, "d0": 1}
+    assert log.since(0, exclude="d0") == {"d1": ["jit(prefill_fn) (int32[384],)", "jit(sample_fn) (int32[8],)"]}
+    assert log.since(15, exclude="p0") == {"d0": ["jit(decode_fn) (int32[8],)"], "d1": ["jit(sample_fn) (int32[8],)"]}
+    # a long argument list keeps its end (a step program's weights come first, its batch last)
+    log.echo(line.format("d1", "d1", "decode_fn", ",".join(["7"] * 100)).replace("int32", "float32[9], int32"))
+    got = log.since(35, exclude="p0")["d1"][0]
+    assert got.startswith("jit(decode_fn) ...") and got.endswith(",7,7,7],)") and len(got) < 200
+    assert "ShapedArray" not in got

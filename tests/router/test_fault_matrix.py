@@ -23,8 +23,14 @@ def test_fault_matrix_slice_nothing_hangs_nothing_leaks(tmp_path, checkpoint_dir
                        "--hang-s", "60", "--deadline-s", "10", "--no-warmup", "--unpinned"])
     assert json.loads((tmp_path / "faults.json").read_text())["totals"] == out["totals"]
     assert [(c["role"], c["fault"]) for c in out["cells"]] == [("decode", "sigkill"), ("prefill", prefill_fault)]
+    # every worker's compiles reach the matrix (JAX's compile log, one line per program), so a program compiled
+    # during a cell is named: each surviving instance that compiled one lists what
+    assert set(out["compiles_logged"]) == {"p0", "p1", "d0", "d1"}, out["compiles_logged"]
+    assert all(n > 0 for n in out["compiles_logged"].values()), out["compiles_logged"]
     for c in out["cells"]:
         assert "skipped" not in c and c["fault_injected"], c
+        for name, n in c["compiled_during_cell"].items():
+            assert n == 0 or any("_fn" in w for w in c["compiled_during_cell_names"].get(name, [])), c
         # a near tie (bench/faults.py Reference) is rounding, not a fault-handling error; a wrong token is
         assert c["hung"] == 0 and c["wrong_tokens"] == 0, c
         assert c["token_exact"] + c["near_ties"] + c["failed"] == c["requests"], c
