@@ -43,7 +43,6 @@ import collections
 import json
 import os
 import platform
-import re
 import secrets
 import signal
 import sys
@@ -58,7 +57,6 @@ ROLES = ("prefill", "decode")
 FAULTS = ("sigkill", "sigstop_10s", "sigstop", "partition", "corrupt")
 PHASES = ("first_token", "transfer", "stream")
 VICTIM = {"prefill": "p0", "decode": "d0"}
-DECODE = ("d0", "d1")
 HELD = ("blocks_used", "running", "waiting", "reservations", "pool_used_bytes")  # all 0 on an idle instance
 ENGINE = dict(block_size=16, num_blocks=256, max_num_seqs=8, max_num_batched_tokens=256, chunk_size=256,
               max_prefill_seqs=2, max_model_len=512, num_snapshots=16, prefix_caching=False, warmup=True)
@@ -78,6 +76,7 @@ class CompileLog:
         self.lock = threading.Lock()
 
     def echo(self, line: str) -> None:  # "[name] text", from router/launcher.py
+        import re
         if "Compiling " not in line or not line.startswith("["):
             return
         name, _, text = line[1:].partition("] ")
@@ -389,7 +388,7 @@ class Matrix:
                 r["tokens"] = list(u.token_ids)
                 r["attempts"] = (u.route or {}).get("attempts")
                 r["where"] = [(u.route or {}).get(k) for k in ("prefill_instance", "decode_instance")]
-                r["whole_on_decode"] = (u.route or {}).get("route") == "colocated" and r["where"][1] in DECODE
+                r["whole_on_decode"] = (u.route or {}).get("route") == "colocated" and r["where"][1] in ("d0", "d1")
             except asyncio.TimeoutError:
                 r["hung"] = True
                 self.cluster.abort(rid)
