@@ -1,19 +1,20 @@
 #!/bin/bash
 # Issue 19's GPU checks in one run, for a lent GPU machine that reaches no package index: the Pallas kernels
 # compiled and timed against their references (bench.kernels: decode attention's share of HBM bandwidth, prefill
-# attention's of bf16 peak), the launch-parameter sweep (bench.kernel_tune: the Hopper flash kernel and paged
-# decode), the kernel tests compiled for the GPU (tests/pallas_kernels), LLM.generate end to end (bench.offline,
-# no peer), and with the time left the device transfer backend's tests and its bytes/s beside raw sockets
-# (tests/transfer/test_pull.py, bench.transfer part a).
+# attention's of bf16 peak), the launch-parameter sweep (bench.kernel_tune: by default the candidate designs of
+# paged decode, bench/paged_candidates.py, beside the product's), the kernel tests compiled for the GPU
+# (tests/pallas_kernels), LLM.generate end to end (bench.offline, no peer), and with the time left the device
+# transfer backend's tests and its bytes/s beside raw sockets (tests/transfer/test_pull.py, bench.transfer part a).
 #
 # Here, once: bash bench/gpu_wheels.sh (the packages the machine's image lacks, as wheels in .whl/). Then the
 # device tool's run, with carry [".whl"] and timeout_s 600:
 #     bash bench/gpu_check.sh
 # It uses the machine's own python3, JAX (CUDA) and Flax, the wheels installed beside them in /tmp/site;
-# TUNE_SWEEPS picks bench.kernel_tune's sweeps (default hopper,paged). Every step has its share of BUDGET_S
-# (default 560 s; the shares scale with it) and is cut at it; what each wrote, a summary and its log (in
-# logs.tgz) go to $OUT (results named after the GPU: kernels_h100.json, kernels_h200.json, ...), to be copied
-# into bench/results/ (make bench does).
+# TUNE_SWEEPS picks bench.kernel_tune's sweeps (default candidates; hopper,paged were swept on the H100 and
+# H200, bench/results/kernel_tune_*.json), its JSON named after them (kernel_tune_candidates_h200.json, ...).
+# Every step has its share of BUDGET_S (default 560 s; the shares scale with it) and is cut at it; what each
+# wrote, a summary and its log (in logs.tgz) go to $OUT (results named after the GPU: kernels_h100.json,
+# kernels_h200.json, ...), to be copied into bench/results/ (make bench does).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check}
@@ -57,13 +58,14 @@ step() {
 # in order of what a cut-short run must not lose: the kernels' rates, the sweep, the attention kernels' tests,
 # the other kernel tests, generation end to end, the device transfer backend
 step kernels 70 $PY -m bench.kernels --iters 20 --json "$OUT/kernels_$TAG.json"
+SWEEPS=${TUNE_SWEEPS:-candidates}
 step kernel_tune 110 $PY -m bench.kernel_tune --iters 10 --budget-s $(( 80 * BUDGET_S / DEFAULT_BUDGET_S )) \
-    --sweeps "${TUNE_SWEEPS:-hopper,paged}" --json "$OUT/kernel_tune_$TAG.json"
+    --sweeps "$SWEEPS" --json "$OUT/kernel_tune_$(echo "$SWEEPS" | tr , _)_$TAG.json"
 K=tests/pallas_kernels
-step attention_tests 60 $PY -m pytest -v -p no:cacheprovider $K/test_flash_attention_hopper.py \
-    $K/test_paged_attention.py
-step pallas_tests 120 $PY -m pytest -v -p no:cacheprovider $K --ignore $K/test_flash_attention_hopper.py \
-    --ignore $K/test_paged_attention.py --ignore $K/test_gpu_lowering.py  # the engine on each model family first
+ATTENTION="$K/test_flash_attention_hopper.py $K/test_paged_attention.py $K/test_paged_candidates.py"
+step attention_tests 60 $PY -m pytest -v -p no:cacheprovider $ATTENTION
+step pallas_tests 120 $PY -m pytest -v -p no:cacheprovider $K $(for f in $ATTENTION; do echo --ignore $f; done) \
+    --ignore $K/test_gpu_lowering.py  # the engine on each model family first
 # (tests/conftest.py's order); test_gpu_lowering.py checks on a CPU what the GPU's own compiles show here
 step offline 100 $PY -m bench.offline --no-baseline --reps 2 --json "$OUT/offline_$TAG.json"
 step pull_tests 30 $PY -m pytest -q -p no:cacheprovider tests/transfer/test_pull.py

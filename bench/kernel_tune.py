@@ -6,7 +6,10 @@ For the production shapes of bench/kernels.py, per sweep (`--sweeps`, run in the
   paged   paged decode attention's Triton kernel: the six orders of its grid's axes on three tilings, then in
           the best order over pages_per_tile, pages_per_partition and num_warps, then num_stages 2 and 3 on the
           three best of that pass;
-  flash   prefill flash attention's Triton kernel over (block_q, block_k, num_warps, num_stages).
+  flash   prefill flash attention's Triton kernel over (block_q, block_k, num_warps, num_stages);
+  candidates  paged decode attention's candidate designs (bench/paged_candidates.py: prefetch, fused, both) over
+          pages_per_tile and num_warps, on each of bench.kernels' paged shapes; the defaults are the product
+          kernel's design, in the same run.
 The time per call (bench.kernels._time) of each configuration (compile and warm-up excluded); configurations
 that fail to compile or disagree with the reference (max |diff| over the bf16 tolerance) are marked as such;
 the best configuration and its rate against the kernel's current defaults (`params` {}) measured in the same
@@ -31,13 +34,17 @@ PAGED_ORDERS = [dict(grid_order="".join(o), **t) for t in ({}, dict(pages_per_ti
                 for o in itertools.permutations("bhp")]
 PAGED_GRID = [dict(pages_per_tile=t, pages_per_partition=p, num_warps=w) for t, p, w in
               itertools.product([2, 4, 8, 16], [8, 16, 32, 64], [1, 2, 4]) if p % t == 0]
+CANDIDATE_GRID = [dict(design, pages_per_tile=t, num_warps=w, grid_order="bph") for design in
+                  (dict(prefetch=True), dict(fused=True), dict(prefetch=True, fused=True))
+                  for t, w in [(1, 1), (2, 1), (2, 2), (2, 4), (4, 2), (4, 4)]]
 FLASH_GRID = [dict(zip(("block_q", "block_k", "num_warps", "num_stages"), v)) for v in
               itertools.product([64, 128], [32, 64, 128], [4, 8], [2, 3])]
 
 
-def _case(name: str):
+def _case(name: str, index: int = 0, shapes: str = "gpu"):
+    """The `index`-th of bench.kernels' cases of kernel `name` (`shapes`: its "gpu" or "cpu" set)."""
     import jax.numpy as jnp
-    return next(c for c in _cases(SHAPES["gpu"], jnp.bfloat16) if c[0] == name)
+    return [c for c in _cases(SHAPES[shapes], jnp.bfloat16) if c[0] == name][index]
 
 
 def _kernel(sweep_name: str):
@@ -54,17 +61,25 @@ def _kernel(sweep_name: str):
         ref, kernel = KERNELS["flash_attention"]
         return "flash_attention", functools.partial(kernel, hopper=False), ref
     ref, kernel = KERNELS["paged_attention"]
+    if sweep_name == "candidates":
+        from bench import paged_candidates
+        kernel = paged_candidates.paged_attention
     return "paged_attention", kernel, ref
 
 
-def sweep(sweep_name: str, configs: list, iters: int, deadline: float, emit) -> dict:
-    """Time `configs` (and the defaults, first); `emit(result)` after each; stops at `deadline`."""
+def sweep(sweep_name: str, configs: list, iters: int, deadline: float, emit, case_index: int = 0,
+          interpret: bool = False) -> dict:
+    """Time `configs` (and the defaults, first) on the kernel's `case_index`-th shape; `emit(result)` after each;
+    stops at `deadline`. interpret: the Triton kernels' bodies interpreted on bench.kernels' CPU shapes (a test
+    of the sweep on a machine without a GPU; the times are the interpreter's)."""
     import jax
     import jax.numpy as jnp
     from tqdm import tqdm
 
     case_name, kernel, ref = _kernel(sweep_name)
-    _, shape, _, args, kw, nbytes, flops, bound = _case(case_name)
+    _, shape, _, args, kw, nbytes, flops, bound = _case(case_name, case_index, "cpu" if interpret else "gpu")
+    if interpret:
+        kw = dict(kw, interpret=True)
     want = jax.jit(functools.partial(ref, **kw))(*args)
     result = dict(sweep=sweep_name, kernel=case_name, shape=shape, bound=bound, bytes=nbytes, flops=flops,
                   configurations=[], best=None, speedup_best_vs_defaults=None, cut_at_budget=False)
@@ -124,7 +139,7 @@ def main(argv=None):
     ap.add_argument("--sweeps", default="hopper,paged,flash", help="comma-separated, run in this order")
     ap.add_argument("--budget-s", type=float, default=None, help="start no configuration after this many seconds")
     args = ap.parse_args(argv)
-    grids = {"hopper": HOPPER_GRID, "paged": PAGED_GRID, "flash": FLASH_GRID}
+    grids = {"hopper": HOPPER_GRID, "paged": PAGED_GRID, "flash": FLASH_GRID, "candidates": CANDIDATE_GRID}
     names = [s for s in args.sweeps.split(",") if s]
     unknown = [s for s in names if s not in grids]
     if unknown:
@@ -153,8 +168,9 @@ def main(argv=None):
             if not fh.is_hopper():
                 print("hopper: skipped, not a Hopper GPU")
                 continue
-        r = sweep(name, grids[name], args.iters, deadline, emit)
-        print(name, "best", r["best"], "x defaults", r["speedup_best_vs_defaults"])
+        for index in range(len(SHAPES["gpu"]["paged"]) if name == "candidates" else 1):  # candidates: every shape
+            r = sweep(name, grids[name], args.iters, deadline, emit, index)
+            print(name, r["shape"], "best", r["best"], "x defaults", r["speedup_best_vs_defaults"])
     print(f"wrote {args.json}")
 
 

@@ -4,7 +4,8 @@ Per kernel and shape: the time per call at steady state (`_time`: groups of `--i
 back, the median group; compile and warm-up excluded), the bytes a kernel must at least move (inputs read
 once, outputs written once; for paged attention the K/V of every token in context), the FLOPs of the useful
 work (visible query-key pairs only), the achieved GB/s and TFLOP/s, the reference / kernel time ratio, and the
-largest difference between the two outputs. On a GPU flash attention is measured twice: as `flash_attention`
+largest difference between the two outputs (flash attention's reference runs one sequence at a time where the
+packed sequences are of one length: `per_sequence`). On a GPU flash attention is measured twice: as `flash_attention`
 runs it (the Mosaic GPU kernel on a Hopper GPU) and through its Triton kernel (`flash_attention_triton`).
 
 Modes: `pallas` compiles the kernels for the device (GPU), `interpret` runs the kernel bodies in Pallas
@@ -33,13 +34,14 @@ PEAKS = {  # device_kind substring -> (HBM bytes/s, dense bf16 FLOP/s)
 }
 
 SHAPES = {
-    "gpu": dict(flash=dict(lens=[1024, 2048, 512, 512], Hq=32, Hkv=8, D=128),
+    "gpu": dict(flash=[dict(lens=[1024, 2048, 512, 512], Hq=32, Hkv=8, D=128),
+                       dict(lens=[8192, 8192], Hq=32, Hkv=8, D=128)],  # 1.1 TFLOP: launch and tail costs amortised
                 paged=[dict(B=32, ctx=2048, Hq=32, Hkv=8, D=128, bs=16),  # 269 MB of K/V: ~95 us on an H200
                        dict(B=64, ctx=8192, Hq=32, Hkv=8, D=128, bs=16)],  # 2.1 GB: launch and tail costs amortised
                 mla=dict(B=32, ctx=2048, H=16, L=512, R=64, bs=16),
                 gdn=dict(B=1, T=4096, H=16, Dk=128, Dv=128, C=64),
                 rec=dict(B=64, H=16, Dk=128, Dv=128)),
-    "cpu": dict(flash=dict(lens=[96, 160], Hq=8, Hkv=2, D=64),
+    "cpu": dict(flash=[dict(lens=[96, 160], Hq=8, Hkv=2, D=64)],
                 paged=[dict(B=8, ctx=256, Hq=8, Hkv=2, D=64, bs=16)],
                 mla=dict(B=8, ctx=256, H=8, L=64, R=16, bs=16),
                 gdn=dict(B=1, T=256, H=4, Dk=64, Dv=64, C=64),
@@ -75,14 +77,15 @@ def _cases(shapes: dict, dtype, triton: bool = False):
     it = jnp.dtype(dtype).itemsize
     rnd = lambda *s: jnp.asarray(r.randn(*s) * 0.5, dtype)  # noqa: E731
     out = []
-    f = shapes["flash"]
-    T, Hq, Hkv, D = sum(f["lens"]), f["Hq"], f["Hkv"], f["D"]
-    pairs = sum(n * (n + 1) // 2 for n in f["lens"])
-    cu = jnp.asarray(np.concatenate([[0], np.cumsum(f["lens"])]), jnp.int32)
-    qkv = (rnd(T, Hq, D), rnd(T, Hkv, D), rnd(T, Hkv, D))
-    for name, kw in [("flash_attention", {})] + ([("flash_attention_triton", dict(hopper=False))] if triton else []):
-        out.append((name, f"T={T} seqs={f['lens']} Hq={Hq} Hkv={Hkv} D={D} causal", "flash_attention", qkv,
-                    dict(cu_seqlens=cu, **kw), it * T * D * (2 * Hq + 2 * Hkv), 4 * pairs * Hq * D, "compute"))
+    for f in shapes["flash"]:
+        T, Hq, Hkv, D = sum(f["lens"]), f["Hq"], f["Hkv"], f["D"]
+        pairs = sum(n * (n + 1) // 2 for n in f["lens"])
+        cu = jnp.asarray(np.concatenate([[0], np.cumsum(f["lens"])]), jnp.int32)
+        qkv = (rnd(T, Hq, D), rnd(T, Hkv, D), rnd(T, Hkv, D))
+        for name, kw in [("flash_attention", {})] + ([("flash_attention_triton", dict(hopper=False))] if triton
+                                                     else []):
+            out.append((name, f"T={T} seqs={f['lens']} Hq={Hq} Hkv={Hkv} D={D} causal", "flash_attention", qkv,
+                        dict(cu_seqlens=cu, **kw), it * T * D * (2 * Hq + 2 * Hkv), 4 * pairs * Hq * D, "compute"))
     for p in shapes["paged"]:
         B, ctx, bs = p["B"], p["ctx"], p["bs"]
         args, kw = inputs("paged_attention", r, Hq=p["Hq"], Hkv=p["Hkv"], Dk=p["D"], Dv=p["D"], dtype=dtype,
@@ -120,6 +123,25 @@ def _cases(shapes: dict, dtype, triton: bool = False):
                 "recurrent_gated_delta_rule", args, kw,
                 2 * 4 * Br * H * Dk * Dv + it * Br * H * (2 * Dk + 2 * Dv), 6 * Br * H * Dk * Dv, "memory"))
     return out
+
+
+def per_sequence(ref, cu_seqlens):
+    """flash attention's dense reference `ref` run one sequence at a time where the packed sequences are all of
+    one length (its [Hq, T, T] scores for 16K packed tokens would take 34 GB), else `ref` itself."""
+    import jax
+    import jax.numpy as jnp
+    lens = np.diff(np.asarray(cu_seqlens))
+    if len(lens) < 2 or (lens != lens[0]).any():
+        return ref
+    L, N = int(lens[0]), len(lens)
+
+    def one_by_one(q, k, v, *, cu_seqlens, **kw):
+        del cu_seqlens
+        one = jnp.asarray([0, L], jnp.int32)
+        split = lambda x: x.reshape((N, L) + x.shape[1:])  # noqa: E731
+        out = jax.lax.map(lambda x: ref(*x, cu_seqlens=one, **kw), (split(q), split(k), split(v)))
+        return out.reshape((N * L,) + out.shape[2:])
+    return one_by_one
 
 
 def warm_gpu(seconds: float = 2.0) -> None:
@@ -162,6 +184,8 @@ def run(mode: str | None, iters: int, dtype_name: str, emit=None) -> dict:
         if emit is not None and results:
             emit(out)
         ref, kernel = KERNELS[kname]
+        if kname == "flash_attention":
+            ref = per_sequence(ref, kw["cu_seqlens"])
         kfn = jax.jit(functools.partial(kernel, interpret=mode == "interpret", **kw))
         rfn = jax.jit(functools.partial(ref, **kw))
         ro = rfn(*args)

@@ -1,0 +1,154 @@
+"""Candidate designs of paged decode attention's Triton kernel, timed against the product's on a GPU.
+
+On an H200 the product kernel (pallas_kernels/paged_attention.py) reads K/V at 59-62% of HBM bandwidth and no
+launch parameter moves it (bench/results/kernel_tune_h200.json); the goal is 80%. Two changes of design, each
+alone and together, for `python -m bench.kernel_tune --sweeps candidates` to time in one run beside the
+product's design (the defaults: both off, the product kernel's body and grid):
+
+  prefetch  each program loads the next key tile's K and V before it attends over the current one (they ride
+            in the loop's carry), so a tile's loads are in flight while the previous tile is computed. Triton's
+            own pipelining (num_stages > 1) goes through shared memory and was slower for these gathered
+            pages. The last iteration reloads its own tile (clamped index; read from L2);
+  fused     one partition per (request, KV head) and the output normalised in the kernel, in q's dtype: no
+            merge of partials, so the call is one kernel launch instead of the kernel and the merge's XLA
+            fusions (a few microseconds each beside a ~90 us call). Fewer programs (B x Hkv).
+
+The function takes `paged_attention`'s arguments (and returns its result) so the sweep and the tests use the
+product's reference, cases and tolerance. Sinks are not supported with `fused` (a ValueError). The winner, if
+any, replaces the product kernel's body; until then nothing in the product imports this module.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.flash_attention import NEG, online_softmax_step, pad_group, require_gpu_dims, triton_params
+from pallas_kernels.merge import add_sinks, merge_partials, normalize
+from pallas_kernels.paged_attention import GPU_LAUNCH, GRID_ORDER, _columns, _pages, _pow2_parts, gqa_args
+
+
+def _kernel(len_ref, tbl_ref, q_ref, k_ref, v_ref, *out_refs, block_size: int, ppt: int, ppp: int, k_parts: tuple,
+            v_lo: int, v_hi: int, scale: float, window: int | None, grid_order: str, prefetch: bool, fused: bool):
+    # len_ref [B] int32; tbl_ref [Wp] int32; q_ref [G, Dk]; k_ref, v_ref [NB, bs, D];
+    # out_refs: fused, o_ref [G, Dv] in q's dtype; else o_ref [G, Dv], m_ref [G], l_ref [G] float32
+    b, p = pl.program_id(grid_order.index("b")), pl.program_id(grid_order.index("p"))
+    n = len_ref[b]
+    G, Dv = out_refs[0].shape
+    qs = [q_ref[:, pl.ds(lo, w)] for lo, w in k_parts]
+    tok_lo = 0 if window is None else jnp.maximum(n - window, 0)
+    page_lo = jnp.maximum(p * ppp, tok_lo // block_size)
+    page_hi = jnp.minimum((p + 1) * ppp, (n + block_size - 1) // block_size)
+    tile_lo = page_lo // ppt
+    tile_hi = jnp.where(page_hi > page_lo, (page_hi + ppt - 1) // ppt, tile_lo)
+    tk = ppt * block_size
+
+    def load(j):  # tile j's key column parts and values
+        ids = tbl_ref[pl.ds(j * ppt, ppt)]
+        return tuple(_columns(k_ref, ids, lo, w, tk) for lo, w in k_parts), _columns(v_ref, ids, v_lo, Dv, tk)
+
+    def attend(j, carry, tile):
+        ks, v = tile
+        s = sum(jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+                for q, k in zip(qs, ks)) * scale
+        pos = j * tk + jax.lax.broadcasted_iota(jnp.int32, (1, tk), 1)
+        return online_softmax_step(*carry, s, (pos < n) & (pos >= tok_lo), v)
+
+    init = (jnp.full((G,), NEG, jnp.float32), jnp.zeros((G,), jnp.float32), jnp.zeros((G, Dv), jnp.float32))
+    if prefetch:
+        def body(j, carry):
+            ahead = load(jnp.minimum(j + 1, tile_hi - 1))  # issued before this tile's products
+            return attend(j, carry[:3], carry[3]) + (ahead,)
+        m, l, acc, _ = jax.lax.fori_loop(tile_lo, tile_hi, body, init + (load(tile_lo),))
+    else:
+        m, l, acc = jax.lax.fori_loop(tile_lo, tile_hi, lambda j, c: attend(j, c, load(j)), init)
+    if fused:
+        inv = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
+        out_refs[0][...] = (acc * inv[:, None]).astype(out_refs[0].dtype)
+    else:
+        out_refs[0][...], out_refs[1][...], out_refs[2][...] = acc, m, l
+
+
+@functools.partial(jax.jit, static_argnames=("layer", "k_dim", "v_entry", "v_lo", "v_hi", "scale", "window", "ppt",
+                                             "ppp", "interpret", "num_warps", "num_stages", "grid_order", "prefetch",
+                                             "fused"))
+def _call(q, pool, block_tables, lengths, sinks, *, layer: int, k_dim: int, v_entry: int, v_lo: int, v_hi: int,
+          scale: float, window: int | None, ppt: int, ppp: int, interpret: bool, num_warps: int | None,
+          num_stages: int | None, grid_order: str, prefetch: bool, fused: bool):
+    """q [B, Hq, Dk]; pool [NB, L, E, bs, Hkv, D]; block_tables [B, W]; lengths [B]; sinks [Hq] or None
+    -> [B, Hq, v_hi - v_lo] in q's dtype"""
+    B, Hq, Dk = q.shape
+    NB, _, _, bs, Hkv, D = pool.shape
+    qg, G_out = pad_group(q.reshape(B, Hkv, Hq // Hkv, Dk), 2)  # [B, Hkv, G, Dk]
+    G, Dv = qg.shape[2], v_hi - v_lo
+    P = -(-block_tables.shape[1] // ppp)
+    k_parts = _pow2_parts(k_dim)
+    if not interpret:
+        require_gpu_dims("paged attention", tile_tokens=ppt * bs, value_width=Dv,
+                         **{f"key_columns_{lo}_{lo + w}": w for lo, w in k_parts})
+    table = jnp.pad(block_tables.astype(jnp.int32), [(0, 0), (0, P * ppp - block_tables.shape[1])])
+    kernel = functools.partial(_kernel, block_size=bs, ppt=ppt, ppp=ppp, k_parts=k_parts, v_lo=v_lo, v_hi=v_hi,
+                               scale=scale, window=window, grid_order=grid_order, prefetch=prefetch, fused=fused)
+
+    def at(f):  # an index map over (b, h, p) as one over the grid's axes
+        return lambda *ids: f(*(ids[grid_order.index(c)] for c in "bhp"))
+    if fused:
+        out_specs = [pl.BlockSpec((None, None, G, Dv), at(lambda b, h, p: (b, h, 0, 0)))]
+        out_shape = [jax.ShapeDtypeStruct((B, Hkv, G, Dv), q.dtype)]
+    else:
+        out_specs = [pl.BlockSpec((None, None, None, G, Dv), at(lambda b, h, p: (b, h, p, 0, 0))),
+                     pl.BlockSpec((None, None, None, G), at(lambda b, h, p: (b, h, p, 0))),
+                     pl.BlockSpec((None, None, None, G), at(lambda b, h, p: (b, h, p, 0)))]
+        out_shape = [jax.ShapeDtypeStruct((B, Hkv, P, G, Dv), jnp.float32),
+                     jax.ShapeDtypeStruct((B, Hkv, P, G), jnp.float32),
+                     jax.ShapeDtypeStruct((B, Hkv, P, G), jnp.float32)]
+    outs = pl.pallas_call(
+        kernel,
+        grid=tuple({"b": B, "h": Hkv, "p": P}[c] for c in grid_order),
+        in_specs=[
+            pl.BlockSpec((B,), at(lambda b, h, p: (0,))),
+            pl.BlockSpec((None, P * ppp), at(lambda b, h, p: (b, 0))),
+            pl.BlockSpec((None, None, G, Dk), at(lambda b, h, p: (b, h, 0, 0))),
+            pl.BlockSpec((NB, None, None, bs, None, D), at(lambda b, h, p: (0, layer, 0, 0, h, 0))),
+            pl.BlockSpec((NB, None, None, bs, None, D), at(lambda b, h, p: (0, layer, v_entry, 0, h, 0))),
+        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        interpret=interpret,
+        compiler_params=triton_params(interpret, num_warps, num_stages, GPU_LAUNCH),
+        name="paged_attention_candidate",
+    )(lengths.astype(jnp.int32), table, qg, pool, pool)
+    if fused:
+        return outs[0][:, :, :G_out].reshape(B, Hq, Dv)
+    o, m, l = merge_partials(outs[0][..., :G_out, :], outs[1][..., :G_out], outs[2][..., :G_out], axis=2)
+    if sinks is not None:
+        o, m, l = add_sinks(o, m, l, sinks.reshape(1, Hkv, G_out))
+    return normalize(o, l).reshape(B, Hq, Dv).astype(q.dtype)
+
+
+def paged_attention(q, pool, block_tables, lengths, *, layer, sliding_window=None, sinks=None, scale=None,
+                    interpret=False, pages_per_tile=None, pages_per_partition=None, num_warps=None, num_stages=None,
+                    total_blocks=None, grid_order=GRID_ORDER, prefetch=False, fused=False):
+    """`pallas_kernels.paged_attention.paged_attention` with the candidate designs (module docstring): prefetch,
+    fused (one partition: pages_per_partition, if given, must cover the table)."""
+    del total_blocks
+    Dk, v_entry, v_lo, v_hi = gqa_args(q, pool, block_tables, lengths, layer, sliding_window, sinks)
+    W = block_tables.shape[1]
+    if fused:
+        if sinks is not None:
+            raise ValueError("fused: sinks are not supported")
+        if pages_per_partition is not None and pages_per_partition < W:
+            raise ValueError(f"fused: pages_per_partition {pages_per_partition} must cover the table's {W} blocks")
+        ppt = _pages(pool.shape[3], W, pages_per_tile, None)[0]
+        pages_per_partition = -(-W // ppt) * ppt
+    ppt, ppp = _pages(pool.shape[3], W, pages_per_tile, pages_per_partition)
+    if sorted(grid_order) != ["b", "h", "p"]:
+        raise ValueError(f"grid_order must order the letters b, h and p, got {grid_order!r}")
+    return _call(q, pool, block_tables, lengths, sinks, layer=int(layer), k_dim=Dk, v_entry=v_entry, v_lo=v_lo,
+                 v_hi=v_hi, scale=Dk ** -0.5 if scale is None else float(scale),
+                 window=None if sliding_window is None else int(sliding_window), ppt=ppt, ppp=ppp,
+                 interpret=bool(interpret), num_warps=num_warps, num_stages=num_stages, grid_order=grid_order,
+                 prefetch=bool(prefetch), fused=bool(fused))
