@@ -59,15 +59,15 @@ step() {
 # the other kernel tests, generation end to end, the device transfer backend
 step kernels 70 $PY -m bench.kernels --iters 20 --json "$OUT/kernels_$TAG.json"
 SWEEPS=${TUNE_SWEEPS:-candidates}
-step kernel_tune 110 $PY -m bench.kernel_tune --iters 10 --budget-s $(( 80 * BUDGET_S / DEFAULT_BUDGET_S )) \
+step kernel_tune 150 $PY -m bench.kernel_tune --iters 10 --budget-s $(( 120 * BUDGET_S / DEFAULT_BUDGET_S )) \
     --sweeps "$SWEEPS" --json "$OUT/kernel_tune_$(echo "$SWEEPS" | tr , _)_$TAG.json"
 K=tests/pallas_kernels
 ATTENTION="$K/test_flash_attention_hopper.py $K/test_paged_attention.py $K/test_paged_candidates.py"
 step attention_tests 60 $PY -m pytest -v -p no:cacheprovider $ATTENTION
-step pallas_tests 120 $PY -m pytest -v -p no:cacheprovider $K $(for f in $ATTENTION; do echo --ignore $f; done) \
+step pallas_tests 100 $PY -m pytest -v -p no:cacheprovider $K $(for f in $ATTENTION; do echo --ignore $f; done) \
     --ignore $K/test_gpu_lowering.py  # the engine on each model family first
 # (tests/conftest.py's order); test_gpu_lowering.py checks on a CPU what the GPU's own compiles show here
-step offline 100 $PY -m bench.offline --no-baseline --reps 2 --json "$OUT/offline_$TAG.json"
+step offline 80 $PY -m bench.offline --no-baseline --reps 2 --json "$OUT/offline_$TAG.json"
 step pull_tests 30 $PY -m pytest -q -p no:cacheprovider tests/transfer/test_pull.py
 step transfer 30 $PY -m bench.transfer --parts a --reps 3 --json "$OUT/transfer_$TAG.json"
 echo "total $(( $(date +%s) - START )) s" | tee -a "$OUT/summary.txt"

@@ -14,7 +14,8 @@ from pallas_kernels.paged_attention import ref_paged_attention
 from tests.pallas_kernels.conftest import INTERPRET, close, randn
 from tests.pallas_kernels.test_paged_attention import CASES, _tables
 
-DESIGNS = [dict(prefetch=True), dict(fused=True), dict(prefetch=True, fused=True)]
+DESIGNS = [dict(prefetch=True), dict(fused=True), dict(prefetch=True, fused=True), dict(heads=True),
+           dict(heads=True, prefetch=True), dict(heads=True, fused=True)]
 
 
 @pytest.mark.parametrize("design", DESIGNS, ids=lambda d: "+".join(d))
