@@ -46,7 +46,10 @@ step() {
     local name=$1 share=$(( $2 * BUDGET_S / DEFAULT_BUDGET_S )); shift 2  # shares scale with the budget
     local left=$(( BUDGET_S - ($(date +%s) - START) ))
     local limit=$(( share < left ? share : left ))
-    if [ "$limit" -lt 20 ]; then echo "$name: skipped, $left s of the budget left" | tee -a "$OUT/summary.txt"; return; fi
+    if [ "$limit" -lt 20 ]; then
+        echo "$name: skipped, under 20 s for it (its share $share s, $left s of the budget left)" | tee -a "$OUT/summary.txt"
+        return
+    fi
     local t0=$(date +%s)
     timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
