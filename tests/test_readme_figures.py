@@ -2,9 +2,9 @@
 gives it, rounded as printed: offline throughput against vLLM and transformers and where a step's time goes
 (offline.json, offline_smollm2.json), online serving against vLLM's server (online_smollm2.json), the step
 benchmarks (steps*.json), PrfaaS live and its bandwidth drop, the KV footprint, the serving benchmark, the
-global store, migration, load balancing, the simulator's validation and the grammar engines. A benchmark re-run
-without its README table, or a figure copied wrong, fails here. (The GPU table, whose shape cells hold numbers,
-and the figures in running text are not checked.)"""
+global store, migration, load balancing, the simulator's case study and validation, and the grammar engines. A
+benchmark re-run without its README table, or a figure copied wrong, fails here. (Not checked: the GPU table,
+whose shape cells hold numbers, the planner's table, printed by `jaxserve plan`, and figures in running text.)"""
 
 import json
 import os
@@ -288,3 +288,17 @@ def test_grammar_engine_table_is_the_file(cell, schema):
         compile_ms = 1e3 * g[engine]["compile_s"]
         assert _agrees(quoted[2 * i:2 * i + 1], [compile_ms], 0 if compile_ms >= 100 else 1), (cell, engine, quoted)
         assert _agrees(quoted[2 * i + 1:2 * i + 2], [g[engine]["mask_ms"]], 3), (cell, engine, quoted)
+
+
+@pytest.mark.parametrize("cell,key", [("PrfaaS-PD (t 19.4K, 4 / 3 / 5)", "prfaas_pd"),
+                                      ("homogeneous PD (9 / 3)", "homogeneous"),
+                                      ("naive heterogeneous (4 / - / 8)", "naive")])
+def test_case_study_table_is_the_file(cell, key):
+    """The document's, the planner's and the simulated capacity (req/s, two decimals); simulated TTFT mean / p90
+    at 1.5 req/s with the document's (s, two decimals)."""
+    c = _result("prfaas_sim.json")["case"][key]
+    quoted = _row(_readme(), "| case study (4 PrfaaS + 8 PD, 100 Gbit/s) |", cell)
+    sim = c["sim_ttft_at_1_5_rps"]
+    exact = [c["paper"]["lambda_max"], c["planner_lambda_max"], c["sim_throughput_rps"], sim["mean"], sim["p90"],
+             c["paper"]["ttft_mean_s"], c["paper"]["ttft_p90_s"]]
+    assert _agrees(quoted, exact, 2), (cell, quoted)
