@@ -2,9 +2,9 @@
 gives it, rounded as printed: offline throughput against vLLM and transformers and where a step's time goes
 (offline.json, offline_smollm2.json), online serving against vLLM's server (online_smollm2.json), the step
 benchmarks (steps*.json), PrfaaS live and its bandwidth drop, the KV footprint, the serving benchmark, the
-global store, migration, load balancing, the simulator's case study and validation, and the grammar engines. A
-benchmark re-run without its README table, or a figure copied wrong, fails here. (Not checked: the GPU table,
-whose shape cells hold numbers, the planner's table, printed by `jaxserve plan`, and figures in running text.)"""
+global store, migration, load balancing, the simulator's case study and validation, the grammar engines and the
+kernels on an H200 (kernels_h200.json). A benchmark re-run without its README table, or a figure copied wrong,
+fails here. (Not checked: the planner's table, printed by `jaxserve plan`, and figures in running text.)"""
 
 import json
 import os
@@ -302,3 +302,24 @@ def test_case_study_table_is_the_file(cell, key):
     exact = [c["paper"]["lambda_max"], c["planner_lambda_max"], c["sim_throughput_rps"], sim["mean"], sim["p90"],
              c["paper"]["ttft_mean_s"], c["paper"]["ttft_p90_s"]]
     assert _agrees(quoted, exact, 2), (cell, quoted)
+
+
+@pytest.mark.parametrize("cell,kernel", [("flash attention (prefill), Mosaic GPU", "flash_attention"),
+                                         ("flash attention (prefill), Triton", "flash_attention_triton"),
+                                         ("paged attention (decode)", "paged_attention"),
+                                         ("recurrent gated delta rule (decode)", "recurrent_gated_delta_rule")])
+def test_gpu_kernel_table_is_the_file(cell, kernel):
+    """The H200 table, from its third cell (the second describes the shape): times faster than the reference (one
+    decimal), then TFLOP/s (whole) or TB/s (two decimals) and the share of the peak (whole %)."""
+    r = next(x for x in _result("kernels_h200.json")["results"] if x["kernel"] == kernel)
+    text = _readme()
+    line = next(ln for ln in text[text.index("| kernel | shape | kernel vs jnp reference |"):].splitlines()
+                if ln.startswith(f"| {cell} |"))
+    quoted = [float(x) for x in re.findall(r"\d+(?:\.\d+)?", "|".join(line.split("|")[3:5]).replace("bf16", ""))]
+    assert _agrees(quoted[:1], [r["speedup_vs_reference"]], 1), (cell, quoted)
+    if r["bound"] == "compute":
+        rate = [r["kernel_TFLOPs"], 100 * r["fraction_of_bf16_peak"]]
+        assert _agrees(quoted[1:], rate, 0), (cell, quoted, rate)
+    else:
+        assert _agrees(quoted[1:2], [r["kernel_GBps"] / 1e3], 2), (cell, quoted)
+        assert _agrees(quoted[2:], [100 * r["fraction_of_hbm_peak"]], 0), (cell, quoted)
