@@ -5,8 +5,9 @@ back, the median group; compile and warm-up excluded), the bytes a kernel must a
 once, outputs written once; for paged attention the K/V of every token in context), the FLOPs of the useful
 work (visible query-key pairs only), the achieved GB/s and TFLOP/s, the reference / kernel time ratio, and the
 largest difference between the two outputs (flash attention's reference runs one sequence at a time where the
-packed sequences are of one length: `per_sequence`). On a GPU flash attention is measured twice: as `flash_attention`
-runs it (the Mosaic GPU kernel on a Hopper GPU) and through its Triton kernel (`flash_attention_triton`).
+packed sequences are of one length: `per_sequence`). On a GPU flash attention is measured twice: as
+`flash_attention` runs it (the Mosaic GPU kernel on a Hopper GPU) and through its Triton kernel
+(`flash_attention_triton`).
 
 Modes: `pallas` compiles the kernels for the device (GPU), `interpret` runs the kernel bodies in Pallas
 interpret mode (CPU; that times the interpreter, not the kernel: only the correctness columns and the

@@ -19,8 +19,8 @@ design (the defaults: all off, the product kernel's body and grid):
 
 The function takes `paged_attention`'s arguments (and returns its result) so the sweep and the tests use the
 product's reference, cases and tolerance. Sinks are not supported with `fused` (a ValueError); compiled, `heads`
-needs KV heads x the (padded) group a power of two. The winner, if
-any, replaces the product kernel's body; until then nothing in the product imports this module.
+needs KV heads x the (padded) group a power of two. The winner, if any, replaces the product kernel's body; until
+then nothing in the product imports this module.
 """
 
 from __future__ import annotations

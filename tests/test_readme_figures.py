@@ -103,7 +103,8 @@ STEPS = {  # result file: (the text before its table, {row: case})
         "prefill, 4 first chunks of 128 tokens": "prefill:4x128",
         "prefill, one first chunk of 256 tokens": "prefill:1x256"}),
     "steps_prefill.json": ("Prefill, then:", {
-        "prefill, 4 first chunks of 128 tokens": "prefill:4x128", "prefill, 3 first chunks of 100 tokens": "prefill:3x100",
+        "prefill, 4 first chunks of 128 tokens": "prefill:4x128",
+        "prefill, 3 first chunks of 100 tokens": "prefill:3x100",
         "prefill, one first chunk of 256 tokens": "prefill:1x256",
         "prefill, 256 tokens after 768 cached": "prefill:1x256@768",
         "prefill, 2 chunks of 132 tokens after 508 cached": "prefill:2x132@508",
