@@ -27,8 +27,8 @@ def _result(name: str) -> dict:
 
 
 def _row(text: str, after: str, first_cell: str, prefix: bool = False) -> list[float]:
-    """The numbers in the cells after the first of the first table row beginning `| first_cell |` (prefix: whose
-    first cell begins with `first_cell`) that follows the text `after` (thousands separators dropped)."""
+    """The numbers (thousands separators dropped) in all but the first cell of the first table row after the text
+    `after` that begins `| first_cell |` (prefix: whose first cell begins with `first_cell`)."""
     start = text.index(after)
     head = f"| {first_cell}" if prefix else f"| {first_cell} |"
     line = next(ln for ln in text[start:].splitlines() if ln.startswith(head))
