@@ -1,0 +1,73 @@
+"""bench/gpu_check.sh's plumbing, without a GPU: a stand-in `nvidia-smi` names one, a stand-in python records each
+step's command and succeeds. The steps run in order, each within its share of the budget, with the result files
+named after the GPU; a lent GPU machine's few minutes are not the place to find a broken line of the script."""
+
+import os
+import shlex
+import subprocess
+import tarfile
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = ["kernels", "kernel_tune", "attention_tests", "pallas_tests", "offline", "pull_tests", "transfer"]
+
+
+def _executable(path, text: str) -> None:
+    path.write_text(text)
+    path.chmod(0o755)
+
+
+def _run(tmp_path, **env) -> tuple[list[list[str]], str, object]:
+    """Run the script with the stand-ins (and `env` over the defaults) -> (the python command lines it ran, its
+    summary.txt, its output folder)."""
+    bin_dir, out = tmp_path / "bin", tmp_path / "out"
+    bin_dir.mkdir(exist_ok=True)
+    _executable(bin_dir / "nvidia-smi", '#!/bin/sh\necho "NVIDIA H100 80GB HBM3"\n')
+    calls = tmp_path / "calls.txt"
+    _executable(bin_dir / "fakepy", f'#!/bin/sh\nprintf "%s\\n" "$*" >> {shlex.quote(str(calls))}\necho "ran $*"\n')
+    base = {k: v for k, v in os.environ.items() if k not in ("TUNE_SWEEPS", "BUDGET_S")}
+    env = dict(base, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(out), PY=str(bin_dir / "fakepy"), **env)
+    done = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = [ln.split() for ln in calls.read_text().splitlines()]
+    return lines, (out / "summary.txt").read_text(), out
+
+
+def test_every_step_runs_in_order_with_the_results_named_after_the_gpu(tmp_path):
+    calls, summary, out_dir = _run(tmp_path)
+    out = str(out_dir)
+    assert "gpu: NVIDIA H100 80GB HBM3 (tag h100)" in summary
+    steps = [c for c in calls if c[0] == "-m" and c[1] != "pip"]  # the version print (-c), a wheel install aside
+    assert [c[1] for c in steps] == ["bench.kernels", "bench.kernel_tune", "pytest", "pytest", "bench.offline",
+                                     "pytest", "bench.transfer"]
+    assert steps[0][-1] == f"{out}/kernels_h100.json"
+    tune = steps[1]
+    assert tune[tune.index("--sweeps") + 1] == "candidates"
+    assert tune[tune.index("--json") + 1] == f"{out}/kernel_tune_candidates_h100.json"
+    assert float(tune[tune.index("--budget-s") + 1]) < 150  # the sweep stops starting configurations in its share
+    attention, others = steps[2], steps[3]
+    assert "tests/pallas_kernels/test_paged_candidates.py" in attention
+    ignored = {others[i + 1] for i, a in enumerate(others) if a == "--ignore"}
+    assert {a for a in attention if a.startswith("tests/")} | {"tests/pallas_kernels/test_gpu_lowering.py"} == ignored
+    assert steps[4][-1] == f"{out}/offline_h100.json" and steps[6][-1] == f"{out}/transfer_h100.json"
+    for name in STEPS:
+        assert f"{name}: rc 0" in summary, summary
+    with tarfile.open(out_dir / "logs.tgz") as tar:
+        assert sorted(os.path.basename(n) for n in tar.getnames() if n.endswith(".log")) == sorted(
+            f"{s}.log" for s in STEPS)
+
+
+@pytest.mark.parametrize("sweeps,name", [("hopper,paged", "kernel_tune_hopper_paged_h100.json")])
+def test_the_sweeps_chosen_name_the_sweep_file(tmp_path, sweeps, name):
+    calls, _, out_dir = _run(tmp_path, TUNE_SWEEPS=sweeps)
+    tune = next(c for c in calls if c[:2] == ["-m", "bench.kernel_tune"])
+    assert tune[tune.index("--sweeps") + 1] == sweeps and tune[-1] == f"{out_dir}/{name}"
+
+
+def test_a_small_budget_skips_the_steps_it_cannot_fit_and_says_so(tmp_path):
+    calls, summary, _ = _run(tmp_path, BUDGET_S="100")
+    assert "kernels: skipped, under 20 s for it (its share 12 s" in summary
+    assert "kernel_tune: rc 0" in summary  # its share, 26 s, still fits
+    assert not any(c[:2] == ["-m", "bench.kernels"] for c in calls)
