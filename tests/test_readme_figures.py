@@ -1,7 +1,8 @@
 """The README's tables of measured figures quote their result files in bench/results/, every figure as the file
 gives it, rounded as printed: offline throughput against vLLM and transformers and where a step's time goes
 (offline.json, offline_smollm2.json), online serving against vLLM's server (online_smollm2.json), the step
-benchmarks (steps*.json), PrfaaS live and its bandwidth drop, the KV footprint, the serving benchmark, the
+benchmarks (steps*.json), the KV transfer (CPU per GB, TTFT disaggregated vs colocated, Phi_kv), the fault matrix, the
+soak, PrfaaS live and its bandwidth drop, the KV footprint, the serving benchmark, the
 global store, migration, load balancing, the simulator's case study and validation, the grammar engines and the
 kernels on an H200 (kernels_h200.json). A benchmark re-run without its README table, or a figure copied wrong,
 fails here. (Not checked: the planner's table, printed by `jaxserve plan`, and figures in running text.)"""
@@ -26,13 +27,13 @@ def _result(name: str) -> dict:
         return json.load(f)
 
 
-def _row(text: str, after: str, first_cell: str, prefix: bool = False) -> list[float]:
-    """The numbers (thousands separators dropped) in all but the first cell of the first table row after the text
-    `after` that begins `| first_cell |` (prefix: whose first cell begins with `first_cell`)."""
+def _row(text: str, after: str, first_cell: str, prefix: bool = False, labels: int = 1) -> list[float]:
+    """The numbers (thousands separators dropped) in all but the first `labels` cells of the first table row after
+    the text `after` that begins `| first_cell |` (prefix: whose first cell begins with `first_cell`)."""
     start = text.index(after)
     head = f"| {first_cell}" if prefix else f"| {first_cell} |"
-    line = next(ln for ln in text[start:].splitlines() if ln.startswith(head))
-    cells = line.split("|")[2:]
+    line = next(ln for ln in (x.lstrip() for x in text[start:].splitlines()) if ln.startswith(head))  # or in a list
+    cells = line.split("|")[1 + labels:]
     return [float(x) for x in re.findall(r"\d+(?:\.\d+)?", "|".join(cells).replace(",", ""))]
 
 
@@ -324,3 +325,74 @@ def test_gpu_kernel_table_is_the_file(cell, kernel):
     else:
         assert _agrees(quoted[1:2], [r["kernel_GBps"] / 1e3], 2), (cell, quoted)
         assert _agrees(quoted[2:], [100 * r["fraction_of_hbm_peak"]], 0), (cell, quoted)
+
+
+TRANSFER_CPU = [("raw sockets", "raw"), ("raw sockets + the link's checksum", "raw_checksum"), ("KV link (TCP)", "kv"),
+                ("KV link over mutual TLS", "kv_tls"), ("device backend (JAX transfer server)", "device")]
+TRANSFER_TTFT = [("colocated", "colocated"), ("disaggregated, shared memory, sent after prefill", "disagg"),
+                 ("disaggregated, shared memory, layer groups of 2", "disagg_layerwise"),
+                 ("emulated 0.2 Gb/s link, sent after prefill", "disagg_link"),
+                 ("emulated 0.2 Gb/s link, layer groups of 2", "disagg_link_layerwise")]
+
+
+def test_transfer_tables_are_the_file():
+    """transfer.json: CPU seconds per GB moved (three decimals); TTFT and the second token's time per prompt length
+    (whole ms), each with its overhead over colocated (whole % from 10%, else one decimal); Phi_kv per family
+    (MB/s, one decimal)."""
+    r = _result("transfer.json")
+    text = _readme()
+    for cell, key in TRANSFER_CPU:
+        c = r["efficiency"]["cpu_s_per_gb"][key]
+        quoted = _row(text, "| transfer | sender | receiver | total |", cell)
+        assert _agrees(quoted, [c["sender"], c["receiver"], c["total"]], 3), (cell, quoted)
+    lengths = [str(n) for n in r["ttft"]["lengths"]]
+    for cell, key in TRANSFER_TTFT:
+        c = r["ttft"]["setups"][key]
+        quoted = _row(text, "| setup | TTFT 256 tokens |", cell)
+        ms = [1e3 * c[f][n] for f in ("ttft_s_median", "second_token_s_median") for n in lengths]
+        if key == "colocated":
+            assert _agrees(quoted, ms, 0), (cell, quoted)
+            continue
+        assert _agrees(quoted[::2], ms, 0), (cell, quoted)
+        for q, x in zip(quoted[1::2], [100 * c[f][n] for f in ("overhead", "second_token_overhead") for n in lengths]):
+            assert _agrees([q], [x], 0 if x >= 10 else 1), (cell, quoted, x)
+    for family, f in r["phi_kv"]["families"].items():
+        quoted = _row(text, "| family | 256 | 1024 | 2048 |", family, prefix=True)
+        assert _agrees(quoted, [f["by_length"][n]["phi_kv_bytes_per_s"] / 1e6 for n in lengths], 1), (family, quoted)
+
+
+FAULTS = {"sigkill": "SIGKILL", "sigstop_10s": "SIGSTOP 10 s", "sigstop": "SIGSTOP forever",
+          "partition": "partition (veth down)", "corrupt": "corrupting link (10 s)"}
+
+
+def test_fault_matrix_table_is_the_file():
+    """Per victim and fault, its three phases: token-exact answers, failed, hung, recovery p50 / p99 (s, one
+    decimal), leaked blocks and pool bytes."""
+    cells = _result("faults.json")["cells"]
+    phases = ("first_token", "transfer", "stream")
+    rows = {(c["role"], c["fault"]) for c in cells}
+    assert len(rows) == len(FAULTS) * 2
+    for role, fault in sorted(rows):
+        by = {c["phase"]: c for c in cells if (c["role"], c["fault"]) == (role, fault)}
+        quoted = _row(_readme(), "| victim | fault | token-exact", f"{role} | {FAULTS[fault]}", labels=2)
+        assert quoted[:3] == [by[p]["token_exact"] for p in phases], (role, fault, quoted)
+        assert quoted[3:5] == [sum(by[p][k] for p in phases) for k in ("failed", "hung")], (role, fault, quoted)
+        recovery = [by[p][f"recover_{q}_s"] for p in phases for q in ("p50", "p99")]
+        assert _agrees(quoted[5:11], recovery, 1), (role, fault, quoted, recovery)
+        assert quoted[11:] == [sum(by[p][k] for p in phases) for k in ("leaked_blocks", "leaked_pool_bytes")], quoted
+
+
+def test_soak_table_is_the_file():
+    """Per process: resident MB over the settled load, start -> end (whole), its slope (MB/h, whole), threads (flat:
+    one figure), file descriptors (with the count after the load where it differs)."""
+    r = _result("soak.json")
+    for cell, key in [("router (HTTP + router)", "router"), ("prefill worker", "prefill-0"),
+                      ("decode worker", "decode-0")]:
+        s = r["slopes"][key]
+        quoted = _row(_readme(), "| process | resident MB", cell)
+        assert _agrees(quoted[:3], [s["rss_mb"]["start"], s["rss_mb"]["end"], s["rss_mb"]["slope_per_hour"]], 0), \
+            (cell, quoted)
+        t = s["threads"]
+        assert t["start"] == t["end"] == t["after"] and quoted[3] == t["end"], (cell, quoted)
+        fds = s["fds"]
+        assert quoted[4:] == ([fds["end"]] if fds["after"] == fds["end"] else [fds["end"], fds["after"]]), (cell, quoted)
