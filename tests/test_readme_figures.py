@@ -5,7 +5,9 @@ benchmarks (steps*.json), the KV transfer (CPU per GB, TTFT disaggregated vs col
 soak, PrfaaS live and its bandwidth drop, the KV footprint, the serving benchmark, the
 global store, migration, load balancing, the simulator's case study and validation, the grammar engines and the
 kernels on an H200 (kernels_h200.json). A benchmark re-run without its README table, or a figure copied wrong,
-fails here. (Not checked: the planner's table, printed by `jaxserve plan`, and figures in running text.)"""
+fails here. So do the goal-bearing figures of the running text: transfer efficiency, interference, structured
+outputs, start-up and the soak's totals. (Not checked: the planner's table, printed by `jaxserve plan`, and the
+rest of the running text.)"""
 
 import json
 import os
@@ -396,3 +398,43 @@ def test_soak_table_is_the_file():
         assert t["start"] == t["end"] == t["after"] and quoted[3] == t["end"], (cell, quoted)
         fds = s["fds"]
         assert quoted[4:] == ([fds["end"]] if fds["after"] == fds["end"] else [fds["end"], fds["after"]]), (cell, quoted)
+
+
+def _prose() -> str:
+    return " ".join(_readme().split())  # the README's lines wrap anywhere
+
+
+def test_running_text_figures_are_the_files():
+    t = _result("transfer.json")["efficiency"]
+    ratios = [k / r for k, r in zip(t["kv_bytes_per_s"], t["raw_bytes_per_s"])]
+    i = _result("interference.json")
+    co, dis = i["setups"]["colocated"], i["setups"]["disaggregated"]
+    st = _result("structured.json")
+    free = [run["tokens_per_s"] for run in st["runs"]["free"]]
+    constrained = [run["tokens_per_s"] for run in st["runs"]["constrained"]]
+    up = _result("startup.json")["runs"]
+    soak = _result("soak.json")
+    expected = [
+        f"ran at {t['kv_bytes_per_s_median'] / 1e9:.2f} GB/s, against {t['raw_bytes_per_s_median'] / 1e9:.2f} GB/s",
+        f"**{t['efficiency']:.2f}** of raw (medians of {t['reps']}; the per-repetition ratios "
+        f"{min(ratios):.2f}-{max(ratios):.2f}, median {statistics.median(ratios):.2f}; goal {t['goal']:.2f})",
+        f"p99 TPOT was {1e3 * co['tpot_p99_s']:.1f} ms colocated and {1e3 * dis['tpot_p99_s']:.1f} ms disaggregated: "
+        f"**{i['p99_tpot_ratio']:.1f}x lower** (goal {i['goal']:.0f}x)",
+        f"p50 TPOT was {1e3 * co['tpot_p50_s']:.1f} vs {1e3 * dis['tpot_p50_s']:.1f} ms",
+        f"prefill TTFT, {1e3 * co['prefill_ttft_median_s']:.0f} ms vs {1e3 * dis['prefill_ttft_median_s']:.0f} ms",
+        f"at {st['constrained_tokens_per_s']:.0f} tokens/s, against {st['free_tokens_per_s']:.0f} for free decoding: "
+        f"a ratio of {st['ratio']:.2f}",
+        f"free {min(free):.0f}-{max(free):.0f} and constrained {min(constrained):.0f}-{max(constrained):.0f} tokens/s",
+        f"Filling the bitmasks cost {st['mask_ms_per_step']:.2f} ms per step, {100 * st['mask_share']:.1f}% of the run",
+        f"the first start takes {up[0]['ready_s']:.0f} s to be ready, a restart {up[1]['ready_s']:.0f} s",
+        f"The prefill instance warms {up[0]['programs_warmed']['local-p0']} programs",
+        f"The decode instance warms {up[0]['programs_warmed']['local-d0']}:",
+        f"{soak['locust']['requests']:,} requests, {soak['locust']['failures']} failed, latency p50 / p99 "
+        f"{soak['locust']['latency_s']['50']:.2f} / {soak['locust']['latency_s']['99']:.2f} s; free blocks "
+        f"{soak['blocks']['baseline_free']:,.0f} before and after",
+        f"{soak['capacity']['requests_per_s']:.1f} requests/s), then locust",
+        f"{soak['locust']['requests_per_s']:.1f} requests/s sent of the {soak['rate_requests_per_s']:.1f} asked",
+    ]
+    text = _prose()
+    missing = [e for e in expected if e not in text]
+    assert not missing, missing
