@@ -8,8 +8,9 @@ For the production shapes of bench/kernels.py, per sweep (`--sweeps`, run in the
           three best of that pass;
   flash   prefill flash attention's Triton kernel over (block_q, block_k, num_warps, num_stages);
   candidates  paged decode attention's candidate designs (bench/paged_candidates.py: prefetch, fused, heads and
-          pairs of them) over pages_per_tile, num_warps (and for heads pages_per_partition), on each of
-          bench.kernels' paged shapes; the defaults are the product kernel's design, in the same run.
+          pairs of them) over pages_per_tile, num_warps (and for heads pages_per_partition), and the product's
+          design in one partition (beside fused: the merge's cost), on each of bench.kernels' paged shapes; the
+          defaults are the product kernel's design, in the same run.
 The time per call (bench.kernels._time) of each configuration (compile and warm-up excluded); configurations
 that fail to compile or disagree with the reference (max |diff| over the bf16 tolerance) are marked as such;
 the best configuration and its rate against the kernel's current defaults (`params` {}) measured in the same
@@ -39,7 +40,9 @@ CANDIDATE_GRID = ([dict(design, pages_per_tile=t, num_warps=w, grid_order="bph")
                    for t, w in [(1, 1), (2, 1), (2, 2), (2, 4), (4, 2), (4, 4)]]
                   + [dict(design, pages_per_tile=t, pages_per_partition=p, num_warps=w, grid_order="bph")
                      for design in (dict(heads=True), dict(heads=True, prefetch=True))  # a block: 32 KB of K
-                     for t, p, w in [(1, 8, 4), (1, 16, 4), (1, 8, 8), (2, 16, 8)]])
+                     for t, p, w in [(1, 8, 4), (1, 16, 4), (1, 8, 8), (2, 16, 8)]]
+                  # the product's design in one partition, merged outside: beside `fused`, what the merge costs
+                  + [dict(pages_per_tile=2, pages_per_partition=1024, num_warps=w, grid_order="bph") for w in (1, 2)])
 FLASH_GRID = [dict(zip(("block_q", "block_k", "num_warps", "num_stages"), v)) for v in
               itertools.product([64, 128], [32, 64, 128], [4, 8], [2, 3])]
 

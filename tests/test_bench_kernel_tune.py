@@ -9,7 +9,7 @@ from bench import kernel_tune
 def test_candidate_sweep_times_each_design_beside_the_defaults():
     designs = [c for c in kernel_tune.CANDIDATE_GRID if (c["pages_per_tile"], c["num_warps"]) == (2, 1)]
     designs += [c for c in kernel_tune.CANDIDATE_GRID if c.get("heads")][:2]
-    assert len(designs) == 5
+    assert len(designs) == 6  # prefetch, fused, both; the product's design in one partition; heads twice
     bad = dict(fused=True, pages_per_partition=2)  # one partition cannot cover the 16-block table
     emitted = []
     result = kernel_tune.sweep("candidates", designs + [bad], iters=1, deadline=math.inf, emit=emitted.append,
