@@ -48,9 +48,13 @@ FLASH_GRID = [dict(zip(("block_q", "block_k", "num_warps", "num_stages"), v)) fo
 
 
 def _case(name: str, index: int = 0, shapes: str = "gpu"):
-    """The `index`-th of bench.kernels' cases of kernel `name` (`shapes`: its "gpu" or "cpu" set)."""
+    """The `index`-th of bench.kernels' cases of kernel `name` (`shapes`: its "gpu" or "cpu" set), drawn without the
+    other attention shapes (the long ones take seconds each: 2.1 GB of paged K/V)."""
     import jax.numpy as jnp
-    return [c for c in _cases(SHAPES[shapes], jnp.bfloat16) if c[0] == name][index]
+    key = {"flash_attention": "flash", "paged_attention": "paged"}[name]
+    only = dict(SHAPES[shapes], flash=[], paged=[])
+    only[key] = [SHAPES[shapes][key][index]]
+    return next(c for c in _cases(only, jnp.bfloat16) if c[0] == name)
 
 
 def _kernel(sweep_name: str):

@@ -170,9 +170,9 @@ def paged_attention(q, pool, block_tables, lengths, *, layer, sliding_window=Non
             raise ValueError("fused: sinks are not supported")
         if pages_per_partition is not None and pages_per_partition < W:
             raise ValueError(f"fused: pages_per_partition {pages_per_partition} must cover the table's {W} blocks")
-        ppt = _pages(pool.shape[3], W, pages_per_tile, None)[0]
-        pages_per_partition = -(-W // ppt) * ppt
-    ppt, ppp = _pages(pool.shape[3], W, pages_per_tile, pages_per_partition)
+    ppt, ppp = _pages(pool.shape[3], W, pages_per_tile, None if fused else pages_per_partition)
+    if fused:  # one partition: the table's tiles
+        ppp = -(-W // ppt) * ppt
     if sorted(grid_order) != ["b", "h", "p"]:
         raise ValueError(f"grid_order must order the letters b, h and p, got {grid_order!r}")
     return _call(q, pool, block_tables, lengths, sinks, layer=int(layer), k_dim=Dk, v_entry=v_entry, v_lo=v_lo,
