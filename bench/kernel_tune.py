@@ -48,8 +48,8 @@ FLASH_GRID = [dict(zip(("block_q", "block_k", "num_warps", "num_stages"), v)) fo
 
 
 def _case(name: str, index: int = 0, shapes: str = "gpu"):
-    """The `index`-th of bench.kernels' cases of kernel `name` (`shapes`: its "gpu" or "cpu" set), drawn without the
-    other attention shapes (the long ones take seconds each: 2.1 GB of paged K/V)."""
+    """The `index`-th of bench.kernels' cases of kernel `name` (`shapes`: its "gpu" or "cpu" set), drawn alone (the
+    cases are drawn as they are reached, and the long ones take seconds each: 2.1 GB of paged K/V)."""
     import jax.numpy as jnp
     key = {"flash_attention": "flash", "paged_attention": "paged"}[name]
     only = dict(SHAPES[shapes], flash=[], paged=[])

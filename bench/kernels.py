@@ -68,8 +68,10 @@ def _time(fn, args, iters: int, groups: int = 5) -> float:
 
 
 def _cases(shapes: dict, dtype, triton: bool = False):
-    """(name, shape description, kernel name, args, kwargs, bytes, flops, kind) per benchmark; triton: flash
-    attention also through its Triton kernel (on a Hopper GPU the default is the Mosaic GPU kernel)."""
+    """(name, shape description, kernel name, args, kwargs, bytes, flops, kind) per benchmark, each case's inputs
+    drawn when it is reached (the long shapes take seconds each), the chunked delta rule, slowest to compile, last;
+    triton: flash attention also through its Triton kernel (on a Hopper GPU the default is the Mosaic GPU
+    kernel)."""
     import jax.numpy as jnp
 
     from pallas_kernels.check import inputs
@@ -77,7 +79,6 @@ def _cases(shapes: dict, dtype, triton: bool = False):
     r = np.random.RandomState(0)
     it = jnp.dtype(dtype).itemsize
     rnd = lambda *s: jnp.asarray(r.randn(*s) * 0.5, dtype)  # noqa: E731
-    out = []
     for f in shapes["flash"]:
         T, Hq, Hkv, D = sum(f["lens"]), f["Hq"], f["Hkv"], f["D"]
         pairs = sum(n * (n + 1) // 2 for n in f["lens"])
@@ -85,23 +86,29 @@ def _cases(shapes: dict, dtype, triton: bool = False):
         qkv = (rnd(T, Hq, D), rnd(T, Hkv, D), rnd(T, Hkv, D))
         for name, kw in [("flash_attention", {})] + ([("flash_attention_triton", dict(hopper=False))] if triton
                                                      else []):
-            out.append((name, f"T={T} seqs={f['lens']} Hq={Hq} Hkv={Hkv} D={D} causal", "flash_attention", qkv,
-                        dict(cu_seqlens=cu, **kw), it * T * D * (2 * Hq + 2 * Hkv), 4 * pairs * Hq * D, "compute"))
+            yield (name, f"T={T} seqs={f['lens']} Hq={Hq} Hkv={Hkv} D={D} causal", "flash_attention", qkv,
+                   dict(cu_seqlens=cu, **kw), it * T * D * (2 * Hq + 2 * Hkv), 4 * pairs * Hq * D, "compute")
     for p in shapes["paged"]:
         B, ctx, bs = p["B"], p["ctx"], p["bs"]
         args, kw = inputs("paged_attention", r, Hq=p["Hq"], Hkv=p["Hkv"], Dk=p["D"], Dv=p["D"], dtype=dtype,
                           block_size=bs, B=B, ctx=ctx, full=True)
-        out.append(("paged_attention", f"B={B} ctx={ctx} Hq={p['Hq']} Hkv={p['Hkv']} D={p['D']} block={bs}",
-                    "paged_attention", args, kw, it * (B * ctx * 2 * p["Hkv"] * p["D"] + 2 * B * p["Hq"] * p["D"]),
-                    4 * B * ctx * p["Hq"] * p["D"], "memory"))
+        yield ("paged_attention", f"B={B} ctx={ctx} Hq={p['Hq']} Hkv={p['Hkv']} D={p['D']} block={bs}",
+               "paged_attention", args, kw, it * (B * ctx * 2 * p["Hkv"] * p["D"] + 2 * B * p["Hq"] * p["D"]),
+               4 * B * ctx * p["Hq"] * p["D"], "memory")
     m = shapes["mla"]
     Dm = m["L"] + m["R"]
     args, kw = inputs("paged_mla_attention", r, H=m["H"], L=m["L"], R=m["R"], dtype=dtype, block_size=m["bs"],
                       scale=0.1, B=m["B"], ctx=m["ctx"], full=True)
-    out.append(("paged_mla_attention", f"B={m['B']} ctx={m['ctx']} H={m['H']} latent={m['L']} rope={m['R']} "
-                f"block={m['bs']}", "paged_mla_attention", args, kw,
-                it * (m["B"] * m["ctx"] * Dm + m["B"] * m["H"] * (Dm + m["L"])),
-                2 * m["B"] * m["ctx"] * m["H"] * (Dm + m["L"]), "memory"))
+    yield ("paged_mla_attention", f"B={m['B']} ctx={m['ctx']} H={m['H']} latent={m['L']} rope={m['R']} "
+           f"block={m['bs']}", "paged_mla_attention", args, kw,
+           it * (m["B"] * m["ctx"] * Dm + m["B"] * m["H"] * (Dm + m["L"])),
+           2 * m["B"] * m["ctx"] * m["H"] * (Dm + m["L"]), "memory")
+    q = shapes["rec"]
+    Br, H, Dk, Dv = q["B"], q["H"], q["Dk"], q["Dv"]
+    args, kw = inputs("recurrent_gated_delta_rule", r, H=H, Dk=Dk, Dv=Dv, dtype=dtype, per_channel=True, B=Br)
+    yield ("recurrent_gated_delta_rule", f"B={Br} H={H} Dk={Dk} Dv={Dv} one decode step, per-channel decay",
+           "recurrent_gated_delta_rule", args, kw,
+           2 * 4 * Br * H * Dk * Dv + it * Br * H * (2 * Dk + 2 * Dv), 6 * Br * H * Dk * Dv, "memory")
     g = shapes["gdn"]
     Bg, Tg, H, Dk, Dv, C = g["B"], g["T"], g["H"], g["Dk"], g["Dv"], g["C"]
     state = 4 * Bg * H * Dk * Dv  # float32 state, read at the start and written at the end
@@ -112,18 +119,11 @@ def _cases(shapes: dict, dtype, triton: bool = False):
         # per chunk: KK, QK (C^2 Dk each), T inverse (log2 C matmuls C^3), U/W (C^2 (Dv + Dk)), state terms (3 C Dk Dv)
         per_chunk = 2 * (2 * Ck * Ck * Dk + np.log2(Ck) * 2 * Ck ** 3 + Ck * Ck * (Dv + Dk) + 3 * Ck * Dk * Dv
                          + Ck * Ck * Dv)
-        out.append(("chunk_gated_delta_rule", f"B={Bg} T={Tg} H={H} Dk={Dk} Dv={Dv} C={C} "
-                    + ("per-channel decay (KDA)" if per_channel else "scalar decay (GDN)"), "chunk_gated_delta_rule",
-                    args, dict(kw, chunk_size=C),
-                    it * Bg * Tg * H * (2 * Dk + 2 * Dv + 1) + 4 * Bg * Tg * H * (Dk if per_channel else 1)
-                    + 2 * state, float(Bg * H * (Tg // Ck) * per_chunk), "compute"))
-    q = shapes["rec"]
-    Br, H, Dk, Dv = q["B"], q["H"], q["Dk"], q["Dv"]
-    args, kw = inputs("recurrent_gated_delta_rule", r, H=H, Dk=Dk, Dv=Dv, dtype=dtype, per_channel=True, B=Br)
-    out.append(("recurrent_gated_delta_rule", f"B={Br} H={H} Dk={Dk} Dv={Dv} one decode step, per-channel decay",
-                "recurrent_gated_delta_rule", args, kw,
-                2 * 4 * Br * H * Dk * Dv + it * Br * H * (2 * Dk + 2 * Dv), 6 * Br * H * Dk * Dv, "memory"))
-    return out
+        yield ("chunk_gated_delta_rule", f"B={Bg} T={Tg} H={H} Dk={Dk} Dv={Dv} C={C} "
+               + ("per-channel decay (KDA)" if per_channel else "scalar decay (GDN)"), "chunk_gated_delta_rule",
+               args, dict(kw, chunk_size=C),
+               it * Bg * Tg * H * (2 * Dk + 2 * Dv + 1) + 4 * Bg * Tg * H * (Dk if per_channel else 1)
+               + 2 * state, float(Bg * H * (Tg // Ck) * per_chunk), "compute")
 
 
 def per_sequence(ref, cu_seqlens):
@@ -178,7 +178,6 @@ def run(mode: str | None, iters: int, dtype_name: str, emit=None) -> dict:
                      "No GPU: kernels ran in Pallas interpret mode, which times the interpreter, not the kernel. "
                      "Only max_abs_diff (kernel vs reference) and the reference rates are meaningful here."))
     cases = _cases(SHAPES["gpu" if on_gpu else "cpu"], dtype, triton=on_gpu)
-    cases.sort(key=lambda c: c[0] == "chunk_gated_delta_rule")  # the slowest to compile last (stable sort)
     if on_gpu:
         warm_gpu()
     for name, shape, kname, args, kw, nbytes, flops, bound in tqdm(cases, desc="kernels", unit="case"):
