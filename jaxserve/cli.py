@@ -1,4 +1,5 @@
-"""The `jaxserve` command line's engine-level commands; router/cli.py adds `serve` (the console script)."""
+"""The `jaxserve` command line's engine-level commands and `validate` (a config checked, nothing started);
+router/cli.py adds `serve` (the console script)."""
 
 from __future__ import annotations
 
@@ -108,6 +109,31 @@ def profile(config: str = typer.Option(None, "--config", "-c", help="cluster YAM
     typer.echo(f"prefill {dict(zip(out['prefill']['tokens'], (round(s, 4) for s in out['prefill']['seconds'])))} s; "
                f"decode max_batch {d['max_batch']} at {d['step_seconds'] * 1e3:.1f} ms a step "
                f"(SLO {tpot_slo_ms:g} ms); wrote {json_out}")
+
+
+@app.command()
+def validate(config: str = typer.Option(None, "--config", "-c",
+                                        help="cluster YAML (default: the embedded local.yaml)")):
+    """Check a config without starting anything: every key, the rules between keys and the cluster token's exposure;
+    print what it describes."""
+    from .config import ConfigFileError, load
+    try:
+        cfg = load(config)
+        cfg.check_exposure()
+    except ConfigFileError as e:
+        typer.echo(f"config error: {e}", err=True)
+        raise typer.Exit(2)
+    typer.echo(f"{config or 'local.yaml (embedded)'}: valid")
+    typer.echo(f"model: {cfg.model.path} ({cfg.model.dtype})")
+    for c in cfg.clusters:
+        insts = ", ".join(f"{i.name} ({i.role}{'' if i.launch else ', joins'}{', standby' if i.standby else ''})"
+                          for i in c.instances)
+        typer.echo(f"cluster {c.name} ({c.kind}): {insts}")
+    for lk in cfg.links:
+        typer.echo(f"link {lk.src} -> {lk.dst}: {lk.bandwidth_gbps:g} Gbit/s, {lk.latency_ms:g} ms, "
+                   f"{lk.connections} connections")
+    how = "the router and worker processes" if cfg.disaggregated else "one colocated instance in the server process"
+    typer.echo(f"policy: {cfg.policy.name}; served by {how} on http://{cfg.server.host}:{cfg.server.port}/v1")
 
 
 @app.command()

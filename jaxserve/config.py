@@ -22,16 +22,17 @@ class _Strict(BaseModel):
 class ModelSection(_Strict):
     path: str = Field("bundled", description="checkpoint directory, a .gguf file, 'smollm2' (SmolLM2-135M-Instruct, "
                       "GGUF) or 'bundled' (a small random Kimi Linear)")
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="the weights' and KV cache's dtype")
     name: str | None = Field(None, description="served model name (default: the directory name)")
 
 
 class EngineSection(_Strict):
-    block_size: int = Field(16, ge=1, le=1024)
-    num_blocks: int = Field(512, ge=1)
+    block_size: int = Field(16, ge=1, le=1024, description="tokens per KV cache block")
+    num_blocks: int = Field(512, ge=1, description="KV cache blocks in the pool (full-attention layers)")
     max_num_seqs: int | None = Field(None, ge=1, description="concurrent requests (default: as many as the "
                                      "cache holds at 256 tokens each, 8 to 256)")
-    max_num_batched_tokens: int = Field(512, ge=1)
+    max_num_batched_tokens: int = Field(512, ge=1, description="tokens one engine step runs, prefill and decode "
+                                        "together")
     mixed_batched_tokens: int | None = Field(None, ge=1, description="prefill tokens in a step that also decodes: "
                                              "the running requests wait for that step's prefill, so this bounds "
                                              "the gap between their tokens (default: max_num_batched_tokens)")
@@ -39,10 +40,13 @@ class EngineSection(_Strict):
                                    "block_size (default: max_num_batched_tokens where the model prefills over the "
                                    "paged cache in one packed program, every full-attention GQA model on the "
                                    "native CPU kernels; 256 otherwise)")
-    max_prefill_seqs: int = Field(4, ge=1)
-    max_model_len: int | None = Field(None, ge=1)
-    prefix_caching: bool = True
-    num_snapshots: int = Field(32, ge=0)
+    max_prefill_seqs: int = Field(4, ge=1, description="first chunks packed into one prefill program where the "
+                                  "model's prefill programs are dense [rows, chunk] shapes")
+    max_model_len: int | None = Field(None, ge=1, description="the longest prompt + output (default: the model's "
+                                      "context, capped by what the pool holds)")
+    prefix_caching: bool = Field(True, description="reuse the KV of full prompt blocks seen before (chain hashes)")
+    num_snapshots: int = Field(32, ge=0, description="request-level state snapshots (linear and sliding-window "
+                               "layers) kept for prefix reuse")
     kernels: Literal["auto", "reference", "pallas", "interpret", "native"] = Field(
         "auto", description="Pallas kernels (GPU), native C++ kernels (CPU) or jnp references; auto: pallas on a "
         "GPU, native elsewhere, each kernel the model uses checked against its reference at start-up and one that "
@@ -67,7 +71,7 @@ class EngineSection(_Strict):
 
 
 class InstanceSection(_Strict):
-    name: str
+    name: str = Field(description="unique in the config: workers, the router's logs and /health use it")
     role: Literal["prefill", "decode", "both", "store"] = Field("both", description="store: the global KV cache "
                                                                 "store (prefix KV shared by every prefill instance)")
     kv_blocks: int | None = Field(None, ge=1, description="cache blocks of this instance (default engine.num_blocks): "
@@ -126,21 +130,23 @@ class InstanceSection(_Strict):
 
 
 class ClusterSection(_Strict):
-    name: str
-    kind: Literal["pd", "prfaas"] = "pd"
-    instances: list[InstanceSection] = Field(min_length=1)
+    name: str = Field(description="the cluster's name (links name their ends by it)")
+    kind: Literal["pd", "prfaas"] = Field("pd", description="pd: prefill and decode instances; prfaas: prefill "
+                                          "instances only, whose KV goes to a pd cluster's decode instances")
+    instances: list[InstanceSection] = Field(min_length=1, description="its instances, at least one")
 
 
 class LinkSection(_Strict):
     """The network from cluster `src`'s prefill instances to cluster `dst`'s decode instances (src == dst: inside
     one cluster). The TCP backend enforces bandwidth (token bucket), latency and loss, so a cross-datacenter
     link can be modelled on one machine."""
-    src: str
-    dst: str
-    bandwidth_gbps: float = Field(10.0, gt=0)
-    latency_ms: float = Field(0.0, ge=0)
-    loss: float = Field(0.0, ge=0, lt=1)
-    connections: int = Field(4, ge=1)
+    src: str = Field(description="the cluster whose prefill instances send")
+    dst: str = Field(description="the cluster whose decode instances receive")
+    bandwidth_gbps: float = Field(10.0, gt=0, description="emulated bandwidth, Gbit/s (a token bucket)")
+    latency_ms: float = Field(0.0, ge=0, description="emulated one-way latency")
+    loss: float = Field(0.0, ge=0, lt=1, description="emulated loss: the fraction of frames that arrive corrupted "
+                        "and are sent again")
+    connections: int = Field(4, ge=1, description="parallel TCP connections of each of its links")
 
 
 class TlsSection(_Strict):
@@ -256,7 +262,8 @@ class PolicySection(_Strict):
     cache-aware. `round_robin`: in turn. `cache_aware`: SGLang's or Dynamo's cache-affine rule (`rule`).
     `banaserve`: load-aware dispatch over the global KV store (BanaServe Algorithm 2). `flowkv`: load scores,
     normal / imbalanced / extreme scenarios (FlowKV Appendix B)."""
-    name: Literal["least_loaded", "prfaas", "round_robin", "cache_aware", "banaserve", "flowkv"] = "least_loaded"
+    name: Literal["least_loaded", "prfaas", "round_robin", "cache_aware", "banaserve", "flowkv"] = Field(
+        "least_loaded", description="the placement policy (docs/05-policies.md)")
     rule: Literal["sglang", "dynamo"] = Field("sglang", description="cache_aware: whose rule")
     cache_threshold: float = Field(0.5, ge=0, le=1, description="cache_aware (sglang): a prefix match ratio above "
                                    "this routes to the instance holding it")
@@ -353,14 +360,15 @@ class PolicySection(_Strict):
 
 
 class ServerSection(_Strict):
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    api_keys: list[str] = Field(default_factory=list)
+    host: str = Field("127.0.0.1", description="address the HTTP server listens on")
+    port: int = Field(8000, ge=0, le=65535, description="the HTTP port (the OpenAI API, /health, /metrics)")
+    api_keys: list[str] = Field(default_factory=list, description="keys a client must send as `Authorization: "
+                                "Bearer KEY` (empty: none needed)")
     max_waiting: int = Field(64, ge=1, description="queued requests beyond which new ones get 429")
     max_tokens_limit: int = Field(4096, ge=1, description="largest max_tokens a request may ask for")
-    max_n: int = Field(8, ge=1)
-    request_timeout_s: float = Field(600.0, gt=0)
-    profile_dir: str = "profiles"
+    max_n: int = Field(8, ge=1, description="the largest n (choices per request)")
+    request_timeout_s: float = Field(600.0, gt=0, description="a request not done by then ends with 408")
+    profile_dir: str = Field("profiles", description="where POST /debug/profile writes its traces")
     max_request_mb: float = Field(8.0, gt=0, description="largest request body; larger ones get 413 before they "
                                   "are read")
     rate_limit_rps: float | None = Field(None, gt=0, description="requests per second per API key (per client "

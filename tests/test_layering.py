@@ -54,8 +54,8 @@ def test_the_check_sees_lazy_and_relative_imports(tmp_path):
 
 
 def test_the_console_script_has_every_command():
-    """`jaxserve` (pyproject's console script) is router/cli.py: the engine-level commands, `serve`, `deploy` and
-    `plan`."""
+    """`jaxserve` (pyproject's console script) is router/cli.py: the engine-level commands, `validate`, `serve`,
+    `deploy` and `plan`."""
     import tomllib
 
     from typer.main import get_command
@@ -64,4 +64,4 @@ def test_the_console_script_has_every_command():
     module, _, attr = target.partition(":")
     app = getattr(__import__(module, fromlist=[attr]), attr)
     assert set(get_command(app).commands) == {"convert", "generate", "worker", "certs", "bench", "profile",
-                                                   "serve", "deploy", "plan"}
+                                                   "validate", "serve", "deploy", "plan"}

@@ -4,74 +4,9 @@ Start-up order matters: the process pins itself to the instance's `cpus` (os.sch
 number of (CPU) devices *before* JAX is imported, since JAX sizes its thread pools and devices at import;
 only then does it build the engine on a mesh over its own devices, warm it up, and serve.
 
-Methods (rpc.py: JSON over gRPC; every call presents the cluster token, every request is checked against its
-schema in messages.py before a handler sees it):
-  Health    {} -> {"name", "role", "address", "kv_address", "max_model_len", "pid", "stats", "links", "shm"
-            (its shared-memory receive pool), "pull" (takes device pulls), "pull_address"}
-  Decode    (decode, stream) {"request_id", "prompt", "params", "kv_tokens", "deadline_s"?, "output"?, "logprobs"?}
-            -> first {"reserved": {"blocks", "skip", "shm_base" (the region's offset in this instance's
-            shared-memory pool, or None), "pull"}}, then one {"update": ...} per engine step that changed the
-            request. Closing the stream aborts the request (frees its slot and blocks).
-  Prefill   (prefill, stream) {"request_id", "prompt", "params", "kv_tokens", "sample", "dst": {"instance" (the
-            decode instance), "blocks", "skip", "shm_base", "pull"}, "prefix_from"? {"import_id", "tokens"},
-            "store"? {"import_id", "tokens", "dst"}} ->
-            {"first": Update} as soon as the first token is sampled (with sample, unless that token ends the
-            request: decode reports it then), while the KV travels; then {"kv_bytes", "frames", "sends",
-            "resends", "token", "ttft_s", "backend" (tcp / shm / device), "prefix" (with prefix_from: {"tokens",
-            "streamed_groups", "error", "via"})} once decode has acknowledged every byte; gRPC ABORTED (with the
-            reason) when the transfer failed. prefix_from: the prompt's first tokens are arriving into this instance
-            through the Import stream `import_id` (the router's load from the global KV store, started with the
-            decode reservation): the prefill runs over them as they land, each layer group once its part has
-            landed (BanaServe's pipelined load). Or `import_id` names a Load call here (the prefix copied from the
-            store's shared pool on this host): the prefill runs after its copy. If that Import or Load has ended,
-            the prefix is in the prefix cache or, when it failed, computed. store: the prompt's first `tokens`
-            (whole blocks) go into that Import reservation on the global KV store as well, each layer group as
-            soon as it is computed, beside decode's (BanaServe's write-back); the answer's "store": {"streamed"}
-            is False for a model with request-level state, whose copy the router makes after the prefill (Export).
-            The decode instance's KV address and
-            segment come from the router's peer table, never from the caller: an instance the router has not
-            registered is INVALID_ARGUMENT.
-  Generate  (any role, stream) {"request_id", "prompt", "params", "output"?, "logprobs"?} -> one {"update": ...}
-            per step: the whole request on this instance (a placement without prefill instance: this instance
-            holds most of the prompt already, or no prefill instance is up).
-  SetLink   {"dst", "bandwidth_gbps"} -> {"links"}: the emulated bandwidth of this instance's links to cluster
-            dst, open and future (the router's admin endpoint).
-  Import    (any role, stream) {"request_id", "prompt" (a prefix: whole blocks), "deadline_s"?} -> first
-            {"reserved": {...}} as Decode's, then {"imported": {"tokens", "skip", "kv_bytes"}} once another
-            instance's Export (or a Prefill naming it, into the store)
-            filled it and the prefix is in this instance's cache (the router's prefix moves: between clusters,
-            and from the global KV store, where a Prefill naming the Import runs over the prefix as it lands).
-  Export    (prefill, store) {"request_id", "prompt" (the prefix), "dst": reservation} -> {"kv_bytes", "frames",
-            "sends", "resends", "backend"}: sends the prefix's KV from this instance's prefix cache, no compute;
-            FAILED_PRECONDITION when it is no longer cached.
-  Load      (prefill) {"request_id", "prompt" (a prefix: whole blocks), "store"} -> {"kv_bytes", "seconds",
-            "one_pass" (copied by the program compiled for that store, cache/pool_copy.py; else staged)}: copies
-            the prefix from the shared pool of the global KV store `store` on this host into this instance's
-            prefix cache, found there by hash, with no call to the store (the router's load from the store,
-            started with the decode reservation, and named by the Prefill that follows it: that prefill runs
-            after the copy); FAILED_PRECONDITION when that pool does not hold it.
-  Migrate   (decode, both) {"kind": "heads" | "layers", "dst", "heads"? | "layers"? [lo, hi]} -> {"requests",
-            "bytes", "seconds"}: part of the decode work of the requests decoding here moves to instance dst
-            (engine/migration.py), looked up in the peer table; INVALID_ARGUMENT for an impossible move, its
-            details starting with the field at fault in brackets ("[heads] ...").
-  MigrateCall (raw bytes, any role but store) a migration's messages to its helper: the moved state, then each
-            step's queries or hidden states (engine/migration.py `Guests`), computed on a thread of their own.
-A worker of role `store` (the global KV cache store) runs no model step: it answers Import (the router writes
-prefill instances' prompts into it) and Export (the router loads a prefix from it into a prefill instance), and
-refuses Decode, Prefill and Generate.
-  SetRole   {"role"} -> {"role", "previous", "drained_s", "programs_compiled"}: the role changes in place (the
-            router's admin endpoint and its long-term re-planning; the router has stopped sending this instance
-            new work first). The worker waits until every request and transfer it has in flight is done (every
-            Decode, Prefill, Generate, Import and Export call has ended), compiles the programs the new role
-            runs that it lacks (engine.warmup), then reports the new role in its heartbeats. Weights, compiled
-            programs, the prefix cache and the KV receive pool are kept.
-"output" / "logprobs" resume a request whose first tokens were generated (and streamed to the client) before its
-instance failed: it continues from there (LLMEngine.add_request); its Updates count those tokens as output.
-With `--router HOST:PORT` the worker registers with the router and repeats the registration every
-`router.heartbeat_s` with its Health message (its heartbeat), on a thread of its own so that a busy request
-path cannot delay it, plus its prefix-cache events for the router's global KV index ("kv"); the answer carries
-the peer table and the next event the index wants ("kv_want"). The router refuses names and roles its config does not
-list, and workers that do not present the cluster token.
+The protocol (every method, its messages and who may call it: JSON over gRPC, rpc.py; every request checked
+against its schema in messages.py) is docs/08-worker-protocol.md.
+
 When ready it prints one line `JAXSERVE_WORKER_READY {json}` with its addresses. Concurrency: one asyncio loop
 (gRPC server and handlers), the heartbeat thread's loop, the engine thread (engine/async_engine.py), the
 transfer threads, and a thread compiling the copies out of each store pool on the host (`_prepare_loads`).
@@ -310,7 +245,7 @@ class Worker:
         return {"links": changed}
 
     async def set_role(self, req, ctx=None):
-        """SetRole (see the module docstring): drain, compile what the new role lacks, switch."""
+        """SetRole (docs/08-worker-protocol.md): drain, compile what the new role lacks, switch."""
         import grpc
         role, old = req.role, self.role
         if role == old:

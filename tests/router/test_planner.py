@@ -116,8 +116,8 @@ def test_the_search_finds_the_brute_force_optimum_and_balances_the_stages():
 
 
 def test_reproduces_table_6_of_the_prfaas_document():
-    """Table 5 as the PrfaaS profile, bench/profiles/pd_h20.json (derived from Table 6: see its README entry)
-    as the PD profile, the document's workload, 4 PrfaaS + 8 PD instances, 100 Gbit/s: within 5% of Table 6."""
+    """Table 5 as the PrfaaS profile, bench/profiles/pd_h20.json (derived from Table 6: docs/05-policies.md,
+    Planner) as the PD profile, the document's workload, 4 PrfaaS + 8 PD instances, 100 Gbit/s: within 5% of Table 6."""
     res = plan(Profile.from_json(_load("prfaas_h200.json")), Profile.from_json(_load("pd_h20.json")),
                Workload.from_json(_load("workload_case_study.json")), 4, 8, 100.0)
     b, h, n = res["prfaas_pd"], res["homogeneous"], res["naive"]

@@ -1,0 +1,214 @@
+"""bench.report's sections of one engine's figures: offline and online throughput against vLLM, serving, start-up,
+engine steps, structured outputs, and the kernels. Each renderer takes {result file: its dict} and returns
+markdown lines (bench/report_md.py); what a figure means is said once, in the table's header."""
+
+from __future__ import annotations
+
+import os
+import re
+
+from bench.report_md import Headline, Section, median, ms, num, pct, spread, table
+
+
+def model_name(path: str) -> str:
+    """A checkpoint path as a short name: its directory or file, less a conversion's quantisation and hash."""
+    return re.sub(r"(\.Q\d\w*)?-[0-9a-f]{16}$", "", os.path.basename(path.rstrip("/")))
+
+
+def offline(r: dict[str, dict]) -> list[str]:
+    cpu = [(n, d) for n, d in r.items() if "vllm" in d]
+    gpu = [(n, d) for n, d in r.items() if "vllm" not in d]
+    out = []
+    if cpu:
+        head = ["output tokens/s, median (range)"] + [model_name(d["model"]) for _, d in cpu]
+        rows = [[label] + [f"{num(d[k]['output_tokens_per_s']['median'])} ({num(d[k]['output_tokens_per_s']['min'])}"
+                           f"-{num(d[k]['output_tokens_per_s']['max'])})" for _, d in cpu]
+                for label, k in (("vLLM, CPU build", "vllm"), ("jaxserve `LLM.generate`", "jaxserve"),
+                                 ("transformers `generate`", "transformers"))]
+        rows += [["jaxserve / vLLM"] + [spread(d["ratio_vs_vllm"]) for _, d in cpu],
+                 ["jaxserve / transformers"] + [spread(d["ratio_vs_transformers"]) for _, d in cpu],
+                 ["requests with the same tokens as vLLM / transformers"] +
+                 [f"{d['same_tokens_vllm']}, {d['same_tokens_transformers']}" for _, d in cpu],
+                 ["programs compiled inside a timed pass"] +
+                 [str(sum(p["compiled_during"] for p in d["jaxserve"]["passes"])) for _, d in cpu]]
+        out += table(head, rows)
+        out += ["Where a step's time goes (the engine's step timer, the last timed pass; ms per step):", ""]
+        for name, d in cpu:
+            out += [f"`{name}` ({model_name(d['model'])}):", ""] + step_breakdown(d)
+    for name, d in gpu:
+        t = d["jaxserve"]["output_tokens_per_s"]
+        out += [f"`{name}` ({model_name(d['model'])}, no peer in this run): **{num(t['median'])}** output tokens/s, "
+                f"median of {len(d['jaxserve']['passes'])} passes ({num(t['min'])}-{num(t['max'])}).", ""]
+        out += step_breakdown(d)
+    return out
+
+
+def step_breakdown(d: dict) -> list[str]:
+    rows = []
+    for kind, step in d["jaxserve"]["passes"][-1]["steps"].items():
+        ph = step["phases_ms"]
+        part = lambda suffix: sum(v for k, v in ph.items() if k.endswith(suffix))  # noqa: E731
+        rows.append([kind, step["count"], num(step["mean_ms"], 1), num(ph.get("schedule", 0), 1),
+                     num(part(".prepare"), 1), num(part(".device"), 1), num(part(".output"), 1)])
+    return table(["step", "count", "wall", "scheduling", "input preparation", "device program", "output handling"],
+                 rows)
+
+
+# (label, figure, statistic, decimals, scale): TTFT in seconds, the gaps in milliseconds
+ONLINE = (("TTFT p50", "ttft_s", "p50", 2, 1), ("TTFT p99", "ttft_s", "p99", 2, 1),
+          ("TPOT p50", "tpot_s", "p50", 0, 1e3), ("TPOT p99", "tpot_s", "p99", 0, 1e3),
+          ("ITL p50", "itl_s", "p50", 0, 1e3), ("ITL p99", "itl_s", "p99", 0, 1e3))
+
+
+def online(r: dict[str, dict]) -> list[str]:
+    out = []
+    for name, d in r.items():
+        engine = ", ".join(f"{k}={v}" for k, v in (d.get("jaxserve_engine") or {}).items())
+        out += [f"`{name}`: {d['requests']} requests at {d['rate']}/s, {d['max_tokens']} greedy tokens each, "
+                f"{model_name(d['model'])}, {d['reps']} rounds" + (f", jaxserve with `{engine}`" if engine else "")
+                + f"; failed: {', '.join(f'{k} {v}' for k, v in d['failed'].items())}.", ""]
+        head = ["median of the passes"] + [f"{label} ({'s' if scale == 1 else 'ms'})" for label, *_, scale in ONLINE]
+        rows = []
+        for system in d["systems"]:
+            passes = d["systems"][system]["passes"]
+            rows.append([system] + [num(scale * median(p[f][s] for p in passes), digits)
+                                    for _, f, s, digits, scale in ONLINE])
+        for key, label in (("ratio_jaxserve_over_vllm", "jaxserve / vLLM, per round"),
+                           ("ratio_control_over_jaxserve", "control / jaxserve (the same server twice: the noise)")):
+            if key in d:
+                rows.append([label] + [spread(d[key][f"{f}_{s}"]) for _, f, s, *_ in ONLINE])
+        out += table(head, rows)
+    return out
+
+
+def serving(r: dict[str, dict]) -> list[str]:
+    d = r["serving.json"]
+    j, t, w = d["jaxserve"], d["transformers"], d["workload"]
+    return [f"{w['requests']} requests at {w['rate_per_s']}/s, prompts of {w['prompt_len']['min']}-"
+            f"{w['prompt_len']['max']} tokens (mean {num(w['prompt_len']['mean'])}), {w['output_len']} output tokens, "
+            f"{model_name(d['model'])}; programs compiled inside the timed pass: "
+            f"{d['programs_compiled_during_timed_pass']}.", ""] + table(
+        ["", "output tokens/s", "TTFT p50 / p90 / p99 (s)", "TPOT p50 / p90 / p99 (s)"],
+        [["jaxserve engine", num(j["output_tokens_per_s"], 1), " / ".join(num(j["ttft_s"][p], 2) for p in
+                                                                          ("p50", "p90", "p99")),
+          " / ".join(num(j["tpot_s"][p], 3) for p in ("p50", "p90", "p99"))],
+         ["transformers `generate`, one request at a time", num(t["output_tokens_per_s"], 1),
+          f"(end to end p50 {num(t['e2e_s']['p50'], 2)})", ""],
+         ["ratio", f"**{d['ratio_output_tokens_per_s']:.2f}x**", "", ""]])
+
+
+def startup(r: dict[str, dict]) -> list[str]:
+    d = r["startup.json"]
+    return table(["start", "ready after (s)", "programs warmed per worker"],
+                 [[run["cache"], num(run["ready_s"]), ", ".join(f"{k} {v}" for k, v in run["programs_warmed"].items())]
+                  for run in d["runs"]]) + [f"Cold over warm: {d['cold_over_warm']:.2f}x.", ""]
+
+
+def steps(r: dict[str, dict]) -> list[str]:
+    out = ["Cases: `decode:RxC`, one decode step of R requests with C tokens cached each; `prefill:RxT`, one step of R "
+           "first chunks of T tokens; `@C`, after C cached tokens. Before: the baseline commit's tree, in a process of "
+           "its own, stepped alternately with this one.", ""]
+    for name, d in r.items():
+        out += [f"`{name}`: {model_name(d['model'])} against commit `{d['baseline']}`, {d['reps']} paired steps per "
+                "case.", ""]
+        out += table(["case", "before (ms)", "now (ms)", "now / before, median (range)"],
+                     [[case, num(c["baseline_ms"], 1), num(c["this_ms"], 1), spread(c["ratio"])]
+                      for case, c in d["cases"].items()])
+    return out
+
+
+def structured(r: dict[str, dict]) -> list[str]:
+    d = r["structured.json"]
+    free = [run["tokens_per_s"] for run in d["runs"]["free"]]
+    con = [run["tokens_per_s"] for run in d["runs"]["constrained"]]
+    out = table(["", "tokens/s, median (range of the passes)"],
+                [["free decoding", f"{num(d['free_tokens_per_s'])} ({num(min(free))}-{num(max(free))})"],
+                 ["constrained (a JSON schema)", f"{num(d['constrained_tokens_per_s'])} ({num(min(con))}-"
+                                                 f"{num(max(con))})"],
+                 ["constrained / free", f"**{d['ratio']:.2f}**"]])
+    out += [f"{model_name(d['model'])}, batch {d['batch']}, {d['max_tokens']} tokens, {d['reps']} passes each. "
+            f"Filling the bitmasks: {d['mask_ms_per_step']:.2f} ms a step, {pct(d['mask_share'], 1)} of the run.", "",
+            "Grammar engines along the same answers:", ""]
+    eng = d["grammar_engines"]
+    names = [k for k in next(iter(eng.values())) if isinstance(next(iter(eng.values()))[k], dict)]
+    head = ["schema"] + [f"{e} {what}" for e in names for what in ("compile (ms)", "mask / token (ms)")]
+    rows = [[schema] + [x for e in names for x in (num(1e3 * g[e]["compile_s"], 1), num(g[e]["mask_ms"], 3))]
+            for schema, g in eng.items()]
+    return out + table(head, rows)
+
+
+def kernels(r: dict[str, dict]) -> list[str]:
+    out = []
+    for name, d in r.items():
+        out += [f"`{name}`: {d['device']}, {d['mode']}, {d['dtype']}. {d.get('note', '')}", ""]
+        rows = []
+        timed = d["mode"] != "interpret"  # interpret mode times the interpreter: only the differences mean anything
+        for k in d["results"]:
+            if "kernel_s" not in k:
+                rows.append([k["kernel"], k.get("shape", ""), "-", f"not run: {k.get('error', '')[:80]}", "-", "-"])
+                continue
+            if not timed:
+                rows.append([k["kernel"], k["shape"], "-", "-", "-", f"{k['max_abs_diff']:.1e}"])
+                continue
+            rate = (f"{num(k['kernel_TFLOPs'])} TFLOP/s" if k["bound"] == "compute"
+                    else f"{k['kernel_GBps'] / 1e3:.2f} TB/s")
+            peak = k.get("fraction_of_bf16_peak" if k["bound"] == "compute" else "fraction_of_hbm_peak")
+            rows.append([k["kernel"], k["shape"], f"{k['speedup_vs_reference']:.1f}x", rate,
+                         "-" if peak is None else pct(peak), f"{k['max_abs_diff']:.1e}"])
+        out += table(["kernel", "shape", "kernel vs jnp reference", "rate", "of the device's peak",
+                      "largest difference"], rows)
+    return out
+
+
+def kernel_tune(r: dict[str, dict]) -> list[str]:
+    out = []
+    for name, d in r.items():
+        rows = []
+        for s in d["results"]:
+            best, default = s.get("best") or {}, s["configurations"][0]
+            rows.append([s.get("sweep", "-"), s["kernel"], s["shape"], len(s["configurations"]),
+                         num(1e6 * default["seconds"]) if default.get("ok") else "failed",
+                         num(1e6 * best["seconds"]) if best else "-",
+                         ", ".join(f"{k}={v}" for k, v in best.get("params", {}).items()) or "the defaults",
+                         f"{s['speedup_best_vs_defaults']:.2f}x" if s.get("speedup_best_vs_defaults") else "-",
+                         pct(s["best_fraction_of_bf16_peak" if s["bound"] == "compute"
+                               else "best_fraction_of_hbm_peak"])])
+        out += [f"`{name}`: {d['device']}, {d['dtype']}, {d['iters']} calls per timing.", ""]
+        out += table(["sweep", "kernel", "shape", "configurations", "defaults (us)", "best (us)", "best's parameters",
+                      "defaults / best", "best, of the device's peak"], rows)
+    return out
+
+
+SECTIONS = [
+    Section("Offline throughput", "bench.offline", ("offline.json", "offline_smollm2.json", "offline_h100.json",
+                                                    "offline_h200.json"), offline),
+    Section("Online serving against vLLM's server", "bench.online", ("online_smollm2.json",
+                                                                     "online_smollm2_mixed128.json"), online),
+    Section("Serving under Poisson arrivals", "bench.serving", ("serving.json",), serving),
+    Section("Start-up", "bench.startup", ("startup.json",), startup),
+    Section("Engine steps against earlier commits", "bench.steps", ("steps.json", "steps_prefill.json",
+                                                                     "steps_matmul.json", "steps_matmul_32m.json",
+                                                                     "steps_migration.json"), steps),
+    Section("Structured outputs", "bench.structured", ("structured.json",), structured),
+    Section("Kernels", "bench.kernels", ("kernels_h200.json", "kernels_h100.json", "kernels.json"), kernels),
+    Section("Kernel launch parameters", "bench.kernel_tune", ("kernel_tune_h200.json", "kernel_tune_hopper_h200.json",
+                                                              "kernel_tune_h100.json"), kernel_tune),
+]
+
+HEADLINES = [
+    Headline("offline output tokens/s, jaxserve / vLLM's CPU build (32M Llama)", "offline.json",
+             lambda d: spread(d["ratio_vs_vllm"]), "Offline throughput"),
+    Headline("offline output tokens/s, jaxserve / vLLM's CPU build (SmolLM2-135M)", "offline_smollm2.json",
+             lambda d: spread(d["ratio_vs_vllm"]), "Offline throughput"),
+    Headline("online TTFT p50 / TPOT p50, jaxserve / vLLM's server (SmolLM2-135M)", "online_smollm2.json",
+             lambda d: f"{d['ratio_jaxserve_over_vllm']['ttft_s_p50']['median']:.2f}x / "
+                       f"{d['ratio_jaxserve_over_vllm']['tpot_s_p50']['median']:.2f}x",
+             "Online serving against vLLM's server"),
+    Headline("constrained decoding / free decoding", "structured.json", lambda d: f"{d['ratio']:.2f}",
+             "Structured outputs"),
+    Headline("paged decode attention (32 x 2K context)", "kernels_h200.json",
+             lambda d: next(f"{k['kernel_GBps'] / 1e3:.2f} TB/s, {pct(k['fraction_of_hbm_peak'])} of HBM"
+                            for k in d["results"] if k["kernel"] == "paged_attention"), "Kernels"),
+    Headline("offline output tokens/s (32M Llama)", "offline_h200.json",
+             lambda d: num(d["jaxserve"]["output_tokens_per_s"]["median"]), "Offline throughput"),
+]
