@@ -375,6 +375,10 @@ class ServerSection(_Strict):
                                          "address without keys); over it: 429 with Retry-After. None: no limit")
     rate_limit_burst: int = Field(10, ge=1, description="requests a key may send at once before rate_limit_rps "
                                   "applies")
+    json_whitespace: Literal["compact", "flexible"] = Field(
+        "compact", description="whitespace in JSON answers to a schema: compact (none: `,` and `:` between "
+        "items), or flexible (any JSON whitespace anywhere: a small model may fill it with newlines); a schema's own "
+        "`x-guidance` options win (jaxserve/schema.py)")
     tool_call_parser: Literal["hermes", "llama3_json"] = Field(
         "hermes", description="how tool calls are found in a chat answer with tool_choice auto "
         "(server/tools.py): hermes `<tool_call>{...}</tool_call>` blocks, or llama3_json (the answer one JSON call)")

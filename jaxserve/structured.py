@@ -5,9 +5,10 @@ The grammar engine is llguidance (Rust, on the package index as a wheel with no 
 other engine vLLM and SGLang use, requires torch, transformers and triton at run time, which a JAX server
 should not carry; bench/structured.py measures llguidance's compile and mask times on SmolLM2. Every constraint
 becomes an llguidance grammar: a JSON schema (`json_object`: any object), a regular expression, a choice among
-strings, or an EBNF / Lark grammar. `Grammars` checks a constraint when the request arrives (GuidedError, naming
-the request field, for the 400) and compiles each grammar once: a matcher built for it is kept (an LRU of
-MAX_GRAMMARS) and each sequence gets a copy of it (cheap).
+strings, or an EBNF / Lark grammar; a JSON schema's numbers are bounded and its separators compact (schema.py,
+which also closes the objects of a strict schema). `Grammars` checks a constraint when the request arrives
+(GuidedError, naming the request field, for the 400) and compiles each grammar once: a matcher built for it is
+kept (an LRU of MAX_GRAMMARS) and each sequence gets a copy of it (cheap).
 
 A Guide follows its sequence's output tokens: `fill` writes the tokens allowed next into one row of a
 [rows, ceil(V / 32)] int32 bitmask (bit t of word t // 32: token t), `advance` consumes the token sampled,
@@ -25,6 +26,8 @@ import threading
 from dataclasses import dataclass
 
 import numpy as np
+
+from . import schema
 
 KINDS = ("json", "regex", "choice", "grammar")
 MAX_GRAMMARS = 256  # compiled grammars kept
@@ -52,10 +55,15 @@ class Guided:
             raise GuidedError("a constraint's spec is a string", self.param)
 
     def grammar(self) -> str:
-        """The llguidance grammar (raises GuidedError when the spec cannot be one)."""
+        """The llguidance grammar (raises GuidedError when the spec cannot be one). A JSON schema's numbers are
+        bounded and its separators compact unless it says otherwise (schema.py)."""
         from llguidance import LLMatcher
         if self.kind == "json":
-            return LLMatcher.grammar_from_json_schema(self.spec)
+            try:
+                spec = json.dumps(schema.bounded(json.loads(self.spec)))
+            except json.JSONDecodeError as e:
+                raise GuidedError(f"a JSON schema is JSON: {e}", self.param) from None
+            return LLMatcher.grammar_from_json_schema(spec, defaults=schema.COMPACT)
         if self.kind == "regex":
             return LLMatcher.grammar_from_regex(self.spec)
         if self.kind == "choice":
@@ -71,8 +79,12 @@ class Guided:
 
 
 def json_object() -> Guided:
-    """`response_format: {"type": "json_object"}`: any JSON object."""
-    return Guided("json", json.dumps({"type": "object"}))
+    """`response_format: {"type": "json_object"}`: any JSON object, its numbers bounded at any depth (schema.py)."""
+    value = {"anyOf": [{"type": t} for t in ("null", "boolean", "number", "string")] + [
+        {"type": "array", "items": {"$ref": "#/$defs/value"}},
+        {"type": "object", "additionalProperties": {"$ref": "#/$defs/value"}}]}
+    return Guided("json", json.dumps({"$defs": {"value": value}, "type": "object",
+                                      "additionalProperties": {"$ref": "#/$defs/value"}}))
 
 
 def words(vocab_size: int) -> int:

@@ -142,12 +142,13 @@ def create_app(config: Config, engine: EngineClient, model_name: str, metrics: M
         if body.stream and body.n > 1:
             raise APIError(400, "stream with n > 1 is not supported", param="n")
         try:
-            params = body.params(max_tokens, logprobs)
+            params = body.params(max_tokens, logprobs, srv.json_whitespace == "flexible")
             if params.guided is not None:
                 grammars().check(params.guided)
-            for i, t in enumerate(getattr(body, "tools", None) or ()):  # every tool's schema, whichever is called
+            tools = getattr(body, "tools", None) or []
+            for i, t in enumerate(tools):  # every tool's schema, whichever is called
                 if t.function.parameters is not None:
-                    grammars().check(Guided("json", json.dumps(t.function.parameters),
+                    grammars().check(Guided("json", json.dumps(toolcalls.parameters(tools, i)),
                                             f"tools[{i}].function.parameters"))
             return params
         except GuidedError as e:

@@ -9,6 +9,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 
 from ..sampling import INT32_MAX, MAX_REPETITION_PENALTY, SamplingParams
+from ..schema import SchemaError, closed, flexible
 from ..structured import Guided, GuidedError, json_object
 
 
@@ -57,7 +58,8 @@ class StructuredOutputs(_Body):
     grammar: StrictStr | None = None
 
 
-def _schema_text(schema, param: str) -> str:
+def _schema_text(schema, param: str, strict: bool = False) -> str:
+    """A request's JSON schema as text; under strict, its objects closed (schema.closed)."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -65,6 +67,11 @@ def _schema_text(schema, param: str) -> str:
             raise GuidedError(f"{param}: not JSON: {e}", param) from None
     if not isinstance(schema, dict):
         raise GuidedError(f"{param}: a JSON schema is an object", param)
+    if strict:
+        try:
+            schema = closed(schema)
+        except SchemaError as e:
+            raise GuidedError(f"{param}: {e}", param) from None
     return json.dumps(schema)
 
 
@@ -105,8 +112,15 @@ class _Sampling(_Body):
             raise ValueError("stop takes up to 4 non-empty strings")
         return v
 
-    def guided(self) -> Guided | None:
-        """The request's output constraint (one at most; GuidedError naming the field otherwise)."""
+    def guided(self, flexible_json: bool = False) -> Guided | None:
+        """The request's output constraint (one at most; GuidedError naming the field otherwise); flexible_json: a
+        JSON schema's whitespace as JSON allows it rather than compact (server.json_whitespace)."""
+        g = self._guided()
+        if flexible_json and g is not None and g.kind == "json":
+            g = Guided("json", flexible(g.spec), g.param)
+        return g
+
+    def _guided(self) -> Guided | None:
         found = []
         rf = self.response_format
         if rf is not None and rf.type == "json_object":
@@ -114,7 +128,8 @@ class _Sampling(_Body):
         elif rf is not None and rf.type == "json_schema":
             if rf.json_schema is None or rf.json_schema.schema_ is None:
                 raise GuidedError("response_format: json_schema needs json_schema.schema", "response_format")
-            found.append(Guided("json", _schema_text(rf.json_schema.schema_, "response_format"), "response_format"))
+            found.append(Guided("json", _schema_text(rf.json_schema.schema_, "response_format",
+                                                     bool(rf.json_schema.strict)), "response_format"))
         so = self.structured_outputs
         for name, kind, value in (
                 ("structured_outputs", "json", so.json_ if so else None),
@@ -135,13 +150,14 @@ class _Sampling(_Body):
                               found[1].param)
         return found[0] if found else None
 
-    def params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def params(self, max_tokens: int, logprobs: int | None, flexible_json: bool = False) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=max(self.top_k, 0), min_p=self.min_p, repetition_penalty=self.repetition_penalty,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               seed=self.seed, stop=stop, stop_token_ids=tuple(self.stop_token_ids),
-                              ignore_eos=self.ignore_eos, n=self.n, logprobs=logprobs, guided=self.guided())
+                              ignore_eos=self.ignore_eos, n=self.n, logprobs=logprobs,
+                              guided=self.guided(flexible_json))
 
 
 class CompletionRequest(_Sampling):
@@ -236,9 +252,9 @@ class ChatRequest(_Sampling):
         """tool_choice in effect: as given, else auto with tools, else none."""
         return self.tool_choice if self.tool_choice is not None else ("auto" if self.tools else "none")
 
-    def guided(self) -> Guided | None:
+    def _guided(self) -> Guided | None:
         from .tools import constraint
-        own = super().guided()
+        own = super()._guided()
         if self.tool_choice not in (None, "none") and not self.tools:
             raise GuidedError("tool_choice needs tools", "tool_choice")
         calls = constraint(self.tools or [], self.choice)

@@ -10,7 +10,8 @@ OpenAI `tool_calls`.
             without parallel_tool_calls)
   named     {"type": "function", "function": {"name": N}}: the output is N's arguments, valid against its schema
 Every tool's parameters schema is checked by the grammar engine when the request arrives (a 400 naming
-`tools[i].function.parameters`). Plain functions, no state; `ToolStream` holds one streamed answer's state.
+`tools[i].function.parameters`); a function with `strict: true` has its objects closed (schema.closed), as OpenAI's
+strict function calling does. Plain functions, no state; `ToolStream` holds one streamed answer's state.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import json
 import re
 import uuid
 
+from ..schema import SchemaError, closed
 from ..structured import Guided, GuidedError
 
 START, END = "<tool_call>", "</tool_call>"
@@ -28,8 +30,17 @@ def call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _schema(tool) -> dict:
-    return tool.function.parameters or {"type": "object", "properties": {}}
+def parameters(tools: list, i: int) -> dict:
+    """Tool i's arguments schema: its parameters (none: no arguments), closed when the function is strict
+    (schema.closed; GuidedError naming tools[i].function.parameters when it cannot be)."""
+    fn = tools[i].function
+    schema = fn.parameters or {"type": "object", "properties": {}}
+    if not fn.strict:
+        return schema
+    try:
+        return closed(schema)
+    except SchemaError as e:
+        raise GuidedError(str(e), f"tools[{i}].function.parameters") from None
 
 
 def constraint(tools: list, choice) -> Guided | None:
@@ -38,10 +49,11 @@ def constraint(tools: list, choice) -> Guided | None:
         return None
     if choice == "required":
         one = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                "properties": {"name": {"const": t.function.name}, "arguments": _schema(t)}} for t in tools]
+                "properties": {"name": {"const": t.function.name}, "arguments": parameters(tools, i)}}
+               for i, t in enumerate(tools)]
         return Guided("json", json.dumps({"type": "array", "minItems": 1, "items": {"anyOf": one}}), "tool_choice")
     tool = named(tools, choice)
-    return Guided("json", json.dumps(_schema(tool)), "tool_choice")
+    return Guided("json", json.dumps(parameters(tools, tools.index(tool))), "tool_choice")
 
 
 def named(tools: list, choice):
@@ -72,7 +84,7 @@ def calls_of(text: str, tools: list, choice, parser: str, parallel: bool = True)
 
 
 def _call(name: str, arguments) -> dict:
-    args = arguments if isinstance(arguments, str) else json.dumps(arguments)
+    args = arguments if isinstance(arguments, str) else json.dumps(arguments, separators=(",", ":"))  # compact
     return {"id": call_id(), "type": "function", "function": {"name": name, "arguments": args}}
 
 

@@ -2,10 +2,12 @@
 SmolLM2-135M-Instruct, greedy: JSON schemas (nested objects, arrays, enums, bounded numbers, required fields)
 whose every answer parses and validates (jsonschema), json_object, a regex and a choice (vLLM's request fields),
 a named and a required tool call whose arguments validate against the tool's schema, the same streamed with the
-tool-call deltas reassembled, a tool's result sent back as a `role: tool` message; bad inputs are 400s naming
-the field; the OpenAPI schema lists the new fields. Then the same constrained answers from a disaggregated
-cluster (configs/local.yaml's one prefill and one decode worker): prefill samples the first token under the
-grammar, decode rebuilds the matcher from it. The tool-call parsers and the streaming split without a model."""
+tool-call deltas reassembled, a tool's result sent back as a `role: tool` message; under `strict: true` (response
+formats and functions) closed objects, compact JSON and answers that end (a bounded number, an integer bounded
+below only); bad inputs are 400s naming the field; the OpenAPI schema lists the new fields. Then the same
+constrained answers, strict ones included, from a disaggregated cluster (configs/local.yaml's one prefill and one
+decode worker): prefill samples the first token under the grammar, decode rebuilds the matcher from it. The
+tool-call parsers and the streaming split without a model."""
 
 from __future__ import annotations
 
@@ -48,6 +50,23 @@ CLOCK = {"type": "function", "function": {
     "name": "get_time", "parameters": {"type": "object", "required": ["timezone"],
                                        "properties": {"timezone": {"type": "string"}}}}}
 ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+# the schemas of the strict-outputs issue, as a user wrote them: no additionalProperties in the first, a population
+# bounded below only in the second (neither tuned to the model)
+STRICT = {
+    "verdict": ("Is the sky blue?", {"type": "object", "required": ["answer", "confidence"], "properties": {
+        "answer": {"type": "boolean"}, "confidence": {"type": "number", "minimum": 0, "maximum": 1}}}),
+    "place": ("Tell me about Paris.", {"type": "object", "additionalProperties": False,
+                                       "required": ["city", "country", "population"],
+                                       "properties": {"city": {"type": "string"}, "country": {"type": "string"},
+                                                      "population": {"type": "integer", "minimum": 0}}})}
+STRICT_CLOCK_PARAMS = {"type": "object", "required": ["timezone"], "properties": {
+    "timezone": {"type": "string"}, "format": {"type": "object", "properties": {"hours": {"enum": [12, 24]}}}}}
+STRICT_CLOCK = {"type": "function", "function": {"name": "get_time", "strict": True, "parameters": STRICT_CLOCK_PARAMS}}
+# the same, closed by hand: the answers' oracle, independent of jaxserve/schema.py
+CLOSED = {"verdict": {**STRICT["verdict"][1], "additionalProperties": False}, "place": STRICT["place"][1],
+          "get_time": {**STRICT_CLOCK_PARAMS, "additionalProperties": False, "properties": {
+              **STRICT_CLOCK_PARAMS["properties"], "format": {**STRICT_CLOCK_PARAMS["properties"]["format"],
+                                                              "additionalProperties": False}}}}
 
 
 def sdk(client) -> openai.OpenAI:
@@ -69,15 +88,28 @@ def ask(c, name: str, **kw):
                                                                 "strict": True}}, **kw)
 
 
+def ask_strict(c, name: str):
+    question, schema = STRICT[name]
+    return c.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": question}], temperature=0, max_tokens=120,
+        response_format={"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}})
+
+
 def constrained_answers(c) -> dict:
     """The answers the disaggregated cluster must reproduce: a JSON schema (the shortest answer: what crosses is
-    the first token and the matcher rebuilt from it, not the schema's features), a choice and a named tool call."""
-    out = {"city": ask(c, "city").choices[0].message.content}
+    the first token and the matcher rebuilt from it, not the schema's features), a strict one, a choice, a named
+    tool call and a strict one."""
+    out = {"city": ask(c, "city").choices[0].message.content,
+           "strict": ask_strict(c, "verdict").choices[0].message.content}
     out["choice"] = c.completions.create(model="m", prompt="The capital of Italy is", max_tokens=8, temperature=0,
                                          extra_body={"guided_choice": ["Rome", "Milan", "Naples"]}).choices[0].text
     call = c.chat.completions.create(model="m", messages=ASK, tools=[WEATHER, CLOCK], temperature=0, max_tokens=60,
                                      tool_choice={"type": "function", "function": {"name": "get_weather"}})
     out["tool"] = call.choices[0].message.tool_calls[0].function.arguments
+    call = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "What time is it in Tokyo?"}],
+                                     tools=[STRICT_CLOCK], temperature=0, max_tokens=60,
+                                     tool_choice={"type": "function", "function": {"name": "get_time"}})
+    out["strict_tool"] = call.choices[0].message.tool_calls[0].function.arguments
     return out
 
 
@@ -89,9 +121,11 @@ def test_json_schemas_regex_and_choice(api):
         assert r.choices[0].finish_reason == "stop"
         answers[name] = r.choices[0].message.content
         jsonschema.validate(json.loads(answers[name]), schema)
-    r = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "Describe a dog as JSON."}],
+    # any object: nothing but its numbers is bounded, so an answer of open-ended keys may run to max_tokens (as
+    # "Describe a dog" does, counting in an array); this one closes
+    r = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "Describe a cat as JSON."}],
                                   temperature=0, max_tokens=80, response_format={"type": "json_object"})
-    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].message.content), dict)
     r = c.completions.create(model="m", prompt="My phone number is", max_tokens=12, temperature=0,
                              extra_body={"structured_outputs": {"regex": "[0-9]{3}-[0-9]{4}"}})
     text = r.choices[0].text
@@ -108,6 +142,65 @@ def test_json_schemas_regex_and_choice(api):
     jsonschema.validate(json.loads(text), SCHEMAS["book"])
 
 
+def compact(text: str) -> bool:
+    """No whitespace outside string values."""
+    outside, in_string, escaped = [], False, False
+    for ch in text:
+        if in_string:
+            in_string = escaped or ch != '"'
+            escaped = not escaped and ch == "\\"
+        elif ch == '"':
+            in_string = True
+        else:
+            outside.append(ch)
+    return not any(ch.isspace() for ch in outside)
+
+
+def test_strict_schemas_answer_closed_compact_and_ended(api):
+    """strict: true closes the objects (no invented keys), the JSON is compact, and the answers end: the number
+    in [0, 1] and the integer bounded only below stop by themselves, within max_tokens 120."""
+    c, _ = api
+    for name in STRICT:
+        r = ask_strict(c, name)
+        text = r.choices[0].message.content
+        assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens < 120, (name, text)
+        jsonschema.validate(json.loads(text), CLOSED[name])
+        assert compact(text) and "\n" not in text, text
+    population = json.loads(ask_strict(c, "place").choices[0].message.content)["population"]
+    assert 0 <= population < 2 ** 63
+
+
+def test_a_strict_tool_has_its_arguments_closed(api):
+    c, _ = api
+    for choice in ({"type": "function", "function": {"name": "get_time"}}, "required"):
+        r = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "What time is it in Tokyo?"}],
+                                      tools=[STRICT_CLOCK, WEATHER], tool_choice=choice, temperature=0,
+                                      max_tokens=120)
+        assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
+        for call in r.choices[0].message.tool_calls:
+            args = json.loads(call.function.arguments)
+            if call.function.name == "get_time":
+                jsonschema.validate(args, CLOSED["get_time"])
+            assert compact(call.function.arguments)
+
+
+def test_flexible_whitespace_is_a_switch():
+    body = ChatRequest.model_validate({"model": "m", "messages": ASK, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "v", "schema": STRICT["verdict"][1], "strict": True}}})
+    tight, loose = body.params(8, None).guided, body.params(8, None, flexible_json=True).guided
+    assert "x-guidance" not in json.loads(tight.spec) and json.loads(tight.spec) == CLOSED["verdict"]
+    assert json.loads(loose.spec)["x-guidance"]["whitespace_flexible"] is True
+    assert json.loads(loose.spec)["additionalProperties"] is False  # still strict
+    assert parse({"server": {"json_whitespace": "flexible"}}).server.json_whitespace == "flexible"
+    # strict: false (or absent) keeps JSON Schema's own meaning; a strict function's parameters are closed
+    open_ = ChatRequest.model_validate({"model": "m", "messages": ASK, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "v", "schema": STRICT["verdict"][1]}}})
+    assert json.loads(open_.params(8, None).guided.spec) == STRICT["verdict"][1]
+    tools = ChatRequest.model_validate({"model": "m", "messages": ASK, "tools": [STRICT_CLOCK, CLOCK]}).tools
+    assert toolcalls.parameters(tools, 0) == CLOSED["get_time"] and toolcalls.parameters(tools, 1) == CLOCK[
+        "function"]["parameters"]
+
+
 def test_tool_calls_named_required_streamed_and_answered(api):
     c, _ = api
     named = {"type": "function", "function": {"name": "get_weather"}}
@@ -118,11 +211,12 @@ def test_tool_calls_named_required_streamed_and_answered(api):
     (call,) = choice.message.tool_calls
     assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
-    r = c.chat.completions.create(model="m", messages=ASK, tools=[WEATHER, CLOCK], tool_choice="required",
+    # required, among closed tools (an open one lets this model add keys until max_tokens)
+    r = c.chat.completions.create(model="m", messages=ASK, tools=[WEATHER, STRICT_CLOCK], tool_choice="required",
                                   temperature=0, max_tokens=120, parallel_tool_calls=False)
     (req,) = r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "tool_calls"
-    schema = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK)}[req.function.name]
+    schema = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, STRICT_CLOCK)}[req.function.name]
     jsonschema.validate(json.loads(req.function.arguments), schema)
     # streamed: the SDK's deltas reassemble into the same call
     calls: dict = {}
@@ -157,7 +251,13 @@ def test_bad_inputs_are_400_naming_the_field(api):
         (dict(tools=[WEATHER, {"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]),
          "tools[1].function.parameters"),
         (dict(tool_choice="required"), "tool_choice"),
-        (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}), "response_format")]
+        (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}), "response_format"),
+        # strict cannot close an allOf of objects exactly: refused, not served as something else
+        (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": {
+            "allOf": [{"type": "object", "properties": {"a": {"type": "string"}}}]}}}), "response_format"),
+        (dict(tools=[{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+            "allOf": [{"type": "object", "properties": {"a": {"type": "string"}}}]}}}]),
+         "tools[0].function.parameters")]
     for kw, param in cases:
         with pytest.raises(openai.BadRequestError) as e:
             c.chat.completions.create(model="m", messages=ASK, max_tokens=5, **kw)
