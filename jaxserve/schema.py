@@ -86,9 +86,10 @@ def _bound(node: dict) -> dict:
     if "enum" in node or "const" in node or not types & {"number", "integer"}:
         return node
     limit = NUMBER_LIMIT if "number" in types else INT_LIMIT
-    if "minimum" not in node and "exclusiveMinimum" not in node:
+    low, high = node.get("minimum", node.get("exclusiveMinimum")), node.get("maximum", node.get("exclusiveMaximum"))
+    if low is None and (high is None or high > -limit):  # a bound added never empties the range the schema gave
         node["minimum"] = -limit
-    if "maximum" not in node and "exclusiveMaximum" not in node:
+    if high is None and (low is None or low < limit):
         node["maximum"] = limit
     if "number" in types and "multipleOf" not in node:
         node["multipleOf"] = NUMBER_STEP

@@ -81,6 +81,9 @@ def test_numbers_are_bounded_unless_the_schema_bounds_them():
     assert p["opt"]["multipleOf"] == NUMBER_STEP and p["s"] == {"type": "string"}
     assert p["deep"]["items"]["anyOf"][0]["maximum"] == INT_LIMIT
     assert INT_LIMIT < 2 ** 63 - 1 and float(INT_LIMIT) == INT_LIMIT  # inside int64, exact as a float64
+    # a bound beyond the limit: the other side is left open rather than emptying the range
+    assert "maximum" not in bounded({"type": "number", "minimum": 1e17})
+    assert "minimum" not in bounded({"type": "integer", "exclusiveMaximum": -10 ** 19})
 
 
 def test_flexible_whitespace_unless_the_schema_says_otherwise():
