@@ -4,7 +4,7 @@ the fault matrix and the soak. Each renderer takes {result file: its dict} and r
 
 from __future__ import annotations
 
-from bench.report_md import Headline, Section, median, ms, num, pct, sig, table
+from bench.report_md import Headline, Section, median, ms, num, pct, sig, spread, table
 
 TRANSFER_CPU = (("raw sockets", "raw"), ("raw sockets + the link's checksum", "raw_checksum"), ("KV link (TCP)", "kv"),
                 ("KV link over mutual TLS", "kv_tls"), ("device backend (JAX transfer server)", "device"))
@@ -162,9 +162,10 @@ def sim_validate(r: dict[str, dict]) -> list[str]:
         rows.append([f"TTFT {p} (ms)", ms(live[f"ttft_{p}_s"]), ms(sim["ttft_s"][p]), f"{ratio[f'ttft_{p}']:.2f}",
                      ms(drawn["ttft_s"][p]), f"{ratio_drawn[f'ttft_{p}']:.2f}"])
     for route in live["ttft_by_route"]:
-        rows.append([f"TTFT p50 / p90, {route} (ms)", *(
-            f"{ms(s['ttft_by_route'][route]['p50_s'])} / {ms(s['ttft_by_route'][route]['p90_s'])}" if i != 2 else ""
-            for i, s in ((0, live), (1, sim), (2, None), (3, drawn))), ""])
+        def by_route(s: dict) -> str:
+            r = s["ttft_by_route"][route]
+            return f"{ms(r['p50_s'])} / {ms(r['p90_s'])}"
+        rows.append([f"TTFT p50 / p90, {route} (ms)", by_route(live), by_route(sim), "", by_route(drawn), ""])
     within = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in d["within_15_percent"].items())
     return table(["", "live", "replayed", "replayed / live", "drawn (an hour)", "drawn / live"], rows) + [
         f"Replayed within 15% of live: {within}.", ""]
@@ -212,7 +213,7 @@ def store(r: dict[str, dict]) -> list[str]:
     rows = []
     for c in d["by_hit_and_length"].values():
         m = c["median_s"]
-        cell = lambda k, rk: f"{ms(m[k])} ms, {c[rk]['median']:.2f}x ({c[rk]['p25']:.2f}-{c[rk]['p75']:.2f})"  # noqa
+        cell = lambda k, rk: f"{ms(m[k])} ms, {spread(c[rk], low='p25', high='p75')}"  # noqa: E731
         rows.append([f"{c['hit']} / {num(c['length'])}", f"{ms(m['local'])} ms", cell("store", "store_over_local"),
                      cell("store_tcp", "tcp_over_local"), cell("store_serial", "serial_over_local"),
                      f"{ms(m['cold'])} ms"])

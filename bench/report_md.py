@@ -61,9 +61,9 @@ def pct(fraction: float, digits: int = 0) -> str:
     return f"{100 * fraction:.{digits}f}%"
 
 
-def spread(d: dict, digits: int = 2, low: str = "min", high: str = "max", unit: str = "x") -> str:
-    """A {median, min, max} (or other bounds) dict as 'median (min-max)', e.g. '1.26x (1.02-1.33)'."""
-    return f"{d['median']:.{digits}f}{unit} ({d[low]:.{digits}f}-{d[high]:.{digits}f})"
+def spread(d: dict, digits: int = 2, low: str = "min", high: str = "max") -> str:
+    """A ratio's {median, min, max} (or other bounds) dict as 'median (min-max)', e.g. '1.26x (1.02-1.33)'."""
+    return f"{d['median']:.{digits}f}x ({d[low]:.{digits}f}-{d[high]:.{digits}f})"
 
 
 def median(xs) -> float:

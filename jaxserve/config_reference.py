@@ -16,32 +16,29 @@ import typing
 import annotated_types as at
 from pydantic import BaseModel
 
-from .config import (ClusterSection, Config, ConfigFileError, InstanceSection, LinkSection, TlsSection, _Strict,
-                     parse)
+from .config import ClusterSection, Config, ConfigFileError, InstanceSection, LinkSection, TlsSection, parse
 
-# where each model sits in a config, and a minimal config holding one value for one of its keys
 BASE_CLUSTER = {"name": "c", "instances": [{"name": "i"}]}
+# every section, by where it sits in a config
+PATHS = [(name, Config.model_fields[name].annotation) for name in ("model", "engine")] + [
+    ("clusters[]", ClusterSection), ("clusters[].instances[]", InstanceSection), ("links[]", LinkSection),
+    ("transfer", Config.model_fields["transfer"].annotation), ("transfer.tls", TlsSection)] + [
+    (name, Config.model_fields[name].annotation) for name in ("router", "policy", "server")]
 
 
-def _place(model: type, key: str, value, tls_files: dict) -> dict:
+def _place(path: str, key: str, value, tls_files: dict) -> dict:
+    """A minimal config holding `value` for `key` of the section at `path` (tls_files: the TLS section's files,
+    which must exist)."""
     item = {key: value}
-    if model is InstanceSection:
+    if path == "clusters[].instances[]":
         return {"clusters": [{"name": "c", "instances": [{"name": "i", **item}]}]}
-    if model is ClusterSection:
+    if path == "clusters[]":
         return {"clusters": [{**BASE_CLUSTER, **item}]}
-    if model is LinkSection:
+    if path == "links[]":
         return {"clusters": [BASE_CLUSTER], "links": [{"src": "c", "dst": "c", **item}]}
-    if model is TlsSection:
+    if path == "transfer.tls":
         return {"transfer": {"tls": {**tls_files, **item}}}
-    section = next(n for n, f in Config.model_fields.items() if f.annotation is model)
-    return {section: item}
-
-
-PATHS = [("model", Config.model_fields["model"].annotation), ("engine", Config.model_fields["engine"].annotation),
-         ("clusters[]", ClusterSection), ("clusters[].instances[]", InstanceSection), ("links[]", LinkSection),
-         ("transfer", Config.model_fields["transfer"].annotation), ("transfer.tls", TlsSection),
-         ("router", Config.model_fields["router"].annotation), ("policy", Config.model_fields["policy"].annotation),
-         ("server", Config.model_fields["server"].annotation)]
+    return {path: item}
 
 
 def _inner(ann):
@@ -138,18 +135,28 @@ def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
-def key_tables(tls_files: dict) -> list[str]:
+def key_errors() -> dict[tuple[str, str], str]:
+    """{(section path, key): the error a wrong value of the key gets ('' if one were taken)}."""
+    with tempfile.TemporaryDirectory() as d:
+        files = {k: os.path.join(d, k) for k in ("ca_file", "cert_file", "key_file")}
+        for f in files.values():
+            open(f, "w").close()
+        return {(path, key): error_of(_place(path, key, bad_value(field), files))
+                for path, model in PATHS for key, field in model.model_fields.items()}
+
+
+def key_tables() -> list[str]:
+    errors = key_errors()
     lines = []
     for path, model in PATHS:
         lines += [f"### `{path}`", ""]
-        if model.__doc__ and model.__doc__ is not _Strict.__doc__ and model.__doc__ is not BaseModel.__doc__:
+        if model.__doc__:
             lines += [" ".join(model.__doc__.split()), ""]
         lines += ["| key | type | default | meaning | a wrong value's error |", "|---|---|---|---|---|"]
         for key, field in model.model_fields.items():
             meaning = field.description or ("its keys: below" if _nested(field) else "")
-            err = error_of(_place(model, key, bad_value(field), tls_files))
             lines.append(f"| `{key}` | {_cell(type_name(field))} | {_cell(_default(field))} | {_cell(meaning)} | "
-                         f"{_cell(err)} |")
+                         f"{_cell(errors[path, key])} |")
         lines.append("")
     return lines
 
@@ -195,10 +202,4 @@ def rules_table() -> list[str]:
 
 def reference() -> str:
     """The markdown of every key and rule."""
-    with tempfile.TemporaryDirectory() as d:
-        files = {}
-        for k in ("ca_file", "cert_file", "key_file"):
-            files[k] = os.path.join(d, k)
-            open(files[k], "w").close()
-        keys = key_tables(files)
-    return "\n".join(["## Keys", ""] + keys + ["## Rules between keys", ""] + rules_table()).rstrip() + "\n"
+    return "\n".join(["## Keys", ""] + key_tables() + ["## Rules between keys", ""] + rules_table()).rstrip() + "\n"

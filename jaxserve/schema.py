@@ -27,6 +27,7 @@ INT_LIMIT = 9_200_000_000_000_000_000  # < 2^63 - 1, exact as a float64
 NUMBER_LIMIT = 2 ** 53  # the integers a float64 holds exactly
 NUMBER_STEP = 1e-10  # at most 10 decimals
 COMPACT = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+FLEXIBLE = {**COMPACT, "whitespace_flexible": True}
 
 # where a schema holds subschemas: a mapping of them, one, or a list of them
 _MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
@@ -106,5 +107,4 @@ def flexible(spec: str) -> str:
     schema = json.loads(spec)
     if not isinstance(schema, dict) or "x-guidance" in schema:
         return spec
-    return json.dumps({**schema, "x-guidance": {"whitespace_flexible": True, "item_separator": ",",
-                                                "key_separator": ":"}})
+    return json.dumps({**schema, "x-guidance": FLEXIBLE})

@@ -58,14 +58,13 @@ def test_a_result_without_a_stamp_says_so():
 
 
 def test_every_config_key_is_described_and_a_wrong_value_of_it_refused():
-    from jaxserve.config_reference import PATHS, RULES, bad_value, error_of
-    doc = read(report.CONFIG_DOC)
+    from jaxserve.config_reference import PATHS, RULES, error_of, key_errors
+    doc, errors = read(report.CONFIG_DOC), key_errors()
     for path, model in PATHS:
         for key, field in model.model_fields.items():
             assert field.description, f"{path}.{key} has no description"
             assert f"| `{key}` |" in doc, f"{path}.{key} is not in docs/03-configuration.md"
-            # error_of is checked on each key's own bad value by test_generated_docs: here that one exists
-            assert bad_value(field) is not None
+            assert errors[path, key], f"{path}.{key}: the value meant to be wrong was taken"
     for rule, data in RULES:
         assert error_of(data), f"the rule {rule!r}: its example config is valid"
 
