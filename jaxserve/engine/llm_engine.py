@@ -293,8 +293,8 @@ class LLMEngine:
             return False
         prefix = Prefix(seq.request_id, seq.slot, seq.block_ids, kv_tokens, int(first["token"]),
                         float(first.get("logprob", 0.0)), [tuple(t) for t in first.get("top", [])],
-                        self.runner._prompt_mask(seq.prompt))
-        self.runner.insert(prefix, seq.slot)
+                        self.runner._prompt_mask(seq.prompt, seq.params))
+        self.runner.insert([(prefix, seq.slot)])
         self._append(seq, prefix.token, prefix.logprob, prefix.top)
         return True
 
@@ -506,6 +506,7 @@ class LLMEngine:
                     for h, _ in due:
                         h.abort(f"prefill step failed: {type(e).__name__}: {e}")
                     raise
+            inserts = []
             for c, prefix in zip(plan.prefills, prefixes):
                 c.seq.incoming = None  # every layer of its prefix was waited for, or it failed
                 if c.seq in spoiled:
@@ -522,9 +523,10 @@ class LLMEngine:
                     self.scheduler.finish(c.seq, "handoff")
                     changed.append(c.seq)
                 elif prefix is not None:
-                    self.runner.insert(prefix, c.seq.slot)
+                    inserts.append((prefix, c.seq.slot))
                     self._append(c.seq, prefix.token, prefix.logprob, prefix.top)
                     changed.append(c.seq)
+            self.runner.insert(inserts)  # the step's new decoders' penalty state, in one program
             self.timer.mark("prefill.output")
         if plan.decodes:
             got = dict(zip(local, decoded if decoded is not None else

@@ -9,10 +9,13 @@ donated:
   generate  one token for each running request, the rows padded to a batch bucket; full-attention layers
             write into their blocks and read them with paged attention (no dense copy of the pool),
             request-level state (sliding rings, linear state) is gathered by slot
-and two small ones, keyed by the rows only, run the LM head and sampling after them: `first` (a prefill's first
-tokens) and `sample` (a decode step's, with the slots' penalty state), so no shape compiles the sampler again.
-Both take the rows' next-token bitmasks (structured outputs): the engine's `masks` callback fills them on the
-host once the model's program is dispatched, so it runs while the device computes.
+A decode step runs the model, the LM head and sampling (with the slots' penalty state) as one program (`step`),
+its rows' inputs packed into one upload and its sampled tokens into one read (engine/step_io.py); the weights
+are flattened once into the list every program takes. A prefill's first tokens are sampled by a small program
+keyed by the rows only (`first`), and a mixed step's decode tokens by another (`sample`), so no prefill shape
+compiles the sampler again. Samplers take the rows' next-token bitmasks (structured outputs) from the engine's
+`masks` callback: a prefill's are filled on the host once the model's program is dispatched, so they are
+computed while the device runs; a decode step's before it is dispatched.
 The model's kernel mode (engine.kernels) picks Pallas kernels or jnp references for both programs.
 Shapes are bucketed so that a workload compiles a bounded set of programs, all of which warm-up can compile
 ahead (`warmup`): prefill in the three families of `prefill_groups` (chunk lengths and block-table widths in
@@ -35,7 +38,6 @@ Not thread-safe: one thread (the engine loop) drives it.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass, field
 
 import jax
@@ -52,7 +54,8 @@ from ..models.stack import LayerStack
 from ..sampling import SamplingParams
 from ..structured import words
 from .migration import remote_hidden
-from .sampler import MAX_LOGPROBS, SamplingTensors, sample
+from .sampler import MAX_LOGPROBS, sample
+from .step_io import SLOT, pack_rows, pack_sampled, pack_sampling, read_sampled, sampling_tensors, unpack_decode
 from .steptimer import StepTimer
 
 _IDLE = SamplingParams(temperature=0.0, seed=0)  # sampling parameters of the warm-up's requests
@@ -159,7 +162,11 @@ class ModelRunner:
         most = self.most_prefill + num_slots
         self.buckets = sorted(set(token_buckets(16, most)) | {self.most_prefill})
         self.stack = stack or LayerStack(())
-        self.params = self.stack.stack(state)  # (rest, stacks): the model's weights as the programs take them
+        self.params = self.stack.stack(state)  # (rest, stacks): the model's weights
+        # the programs take the weights as a flat list, flattened here once: a Flax state is flattened in Python
+        # (every variable, each call), a list of arrays by jit's C++ path
+        tree = jax.tree.structure(self.params)
+        self._leaves = jax.tree.leaves(self.params)
         # committed from the start (as every program's outputs are), so a warmed program is not compiled again
         # for committed arguments after the first step
         sharding = (jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None
@@ -173,7 +180,7 @@ class ModelRunner:
         self.prompt_mask = jnp.zeros((num_slots + 1, vocab_size), bool, device=sharding)
         self.out_counts = jnp.zeros((num_slots + 1, vocab_size), jnp.int32, device=sharding)
         self.programs: set[tuple] = set()
-        merge = functools.partial(self.stack.merge, graphdef)
+        merge = lambda leaves: self.stack.merge(graphdef, jax.tree.unflatten(tree, leaves))  # noqa: E731
 
         def prefill_fn(params, pool, x, shift, batch, table, src, dst, snap, *, lo, hi, last):
             # layers lo..hi-1 of a prefill (embedding first; last: the hidden state of each row's last token
@@ -190,9 +197,11 @@ class ModelRunner:
                 x = batch.last_tokens(x)
             return pool, x
 
-        def decode_fn(params, pool, batch, table, rows, snap, mig, *, total_blocks, remote):
-            # the model over one token per row -> (pool, hidden states [B, 1, H]) for `sample_fn`. remote: part of
-            # the step runs on a helper instance (engine/migration.py), mig its per-row arrays
+        def decode_fn(params, pool, x, mig, *, total_blocks, remote):
+            # the model over one token per row (x [B, COLS + W]: step_io.pack_rows) -> (pool, hidden states
+            # [B, 1, H]) for `sample_fn`. remote: part of the step runs on a helper instance (engine/migration.py),
+            # mig its per-row arrays
+            batch, table, rows, snap = unpack_decode(x)
             cache = gather(layout, pool, table, rows, batch.start, total_blocks=total_blocks)
             m, stacks = merge(params)
             L = layout.num_layers
@@ -211,34 +220,50 @@ class ModelRunner:
                 cache = _latest_pools(cache, [*range(lo), *range(hi, L)])
             return scatter(layout, pool, cache, rows, snap), x
 
-        # the LM head and sampling are programs of their own, keyed by the rows only: every prefill and decode
-        # shape shares them (compiled once, not once per shape)
+        # a prefill's LM head and sampling are a program of its own, keyed by the rows only: every prefill shape
+        # shares it (compiled once, not once per shape); a decode step runs the model and sampling as one program
         def logits_of(params, h):  # h [B, 1, H] -> [B, V] float32
             return merge(params)[0].head(h, jnp.zeros((h.shape[0], 1), jnp.int32))[:, 0]
 
-        def first_fn(params, h, st, pmask, allowed):
-            # a prefill's first tokens: pmask [B, V] the prompts' tokens, no outputs yet (h: its first B rows);
-            # allowed [B, W] the rows' next-token bitmasks (structured outputs)
-            return sample(logits_of(params, h[:pmask.shape[0]]), st, pmask, jnp.zeros(pmask.shape, jnp.int32),
-                          allowed)
+        def first_fn(params, h, x, pmask, allowed):
+            # a prefill's first tokens -> step_io.pack_sampled: x [B, COLS] the rows' sampling (pack_sampling),
+            # pmask [B, V] the prompts' tokens, no outputs yet (h: its first B rows); allowed [B, W] the rows'
+            # next-token bitmasks (structured outputs)
+            B = x.shape[0]
+            return pack_sampled(*sample(logits_of(params, h[:B]), sampling_tensors(x), pmask,
+                                        jnp.zeros(pmask.shape, jnp.int32), allowed))
 
-        def sample_fn(params, h, prompt_mask, out_counts, slots, lengths, st, allowed, *, at=0):
-            # a decode step's tokens, with each slot's penalty state; counts the tokens drawn (h: rows at.. of it)
-            h = h[at:at + slots.shape[0]]
-            tok, lp, ids, tlp = sample(logits_of(params, h), st, prompt_mask[slots], out_counts[slots], allowed)
-            return out_counts.at[slots, tok].add(lengths), tok, lp, ids, tlp
+        def sample_fn(params, h, prompt_mask, out_counts, x, allowed, *, at=0):
+            # a decode step's tokens with each slot's penalty state (x [B, >= COLS]: the rows' slots and sampling;
+            # h: rows at.. of it) -> (counts of the tokens drawn, step_io.pack_sampled)
+            slots = x[:, SLOT]
+            tok, lp, ids, tlp = sample(logits_of(params, h[at:at + x.shape[0]]), sampling_tensors(x),
+                                       prompt_mask[slots], out_counts[slots], allowed)
+            return out_counts.at[slots, tok].add((slots < num_slots).astype(jnp.int32)), pack_sampled(tok, lp, ids,
+                                                                                                     tlp)
 
-        def insert_fn(prompt_mask, out_counts, slot, mask_row, token):
-            return prompt_mask.at[slot].set(mask_row), out_counts.at[slot].set(0).at[slot, token].set(1)
+        def step_fn(params, pool, prompt_mask, out_counts, x, allowed, *, total_blocks):
+            # a whole decode step: the model and sampling in one program -> (pool, counts, pack_sampled)
+            pool, h = decode_fn(params, pool, x, None, total_blocks=total_blocks, remote=None)
+            return (pool, *sample_fn(params, h, prompt_mask, out_counts, x, allowed))
+
+        def insert_fn(prompt_mask, out_counts, ids, masks):
+            # slots ids[0] [k] start decoding after their first tokens ids[1] [k]; masks [k, V] their prompts'
+            # tokens (None: no repetition penalty reads them). Padding rows name the spare row
+            slots, tokens = ids[0], ids[1]
+            pm = prompt_mask.at[slots].set(False if masks is None else masks)
+            return pm, out_counts.at[slots].set(0).at[slots, tokens].set(1)
 
         self._prefill = jax.jit(prefill_fn, donate_argnums=(1,), static_argnames=("lo", "hi", "last"))
         self._decode = jax.jit(decode_fn, donate_argnums=(1,), static_argnames=("total_blocks", "remote"))
+        self._step = jax.jit(step_fn, donate_argnums=(1, 3), static_argnames=("total_blocks",))
         self._first = jax.jit(first_fn)
         self._sample = jax.jit(sample_fn, donate_argnums=(3,), static_argnames=("at",))
         self._insert = jax.jit(insert_fn, donate_argnums=(0, 1))
         self._io = DeviceIO()
         self.mask_words = words(vocab_size)  # a row of a next-token bitmask
         self._free: dict[int, jax.Array] = {}  # rows -> every token allowed (no row constrained)
+        self._no_masks: dict[int, jax.Array] = {}  # rows -> no prompt tokens (no repetition penalty)
         full = self._full = [i for i, gl in enumerate(layout.groups) if gl.kind == "full"]
         self.shared = None  # cache/shared_pool.py SharedPool: the pool lives in it (`share_pool`)
         self._reads: list[jax.Array] = []  # with `shared`: export results not yet known computed
@@ -250,18 +275,33 @@ class ModelRunner:
             for i in range(len(pool))], donate_argnums=(0,))
 
     # ---- helpers
+    def _width(self, rows_blocks: list[list[int]], min_width: int) -> int:
+        return pow2_bucket(max([min_width] + [len(b) for b in rows_blocks]), 1, self.max_blocks_per_seq)
+
     def _table(self, rows_blocks: list[list[int]], B: int, min_width: int, W: int | None = None) -> np.ndarray:
-        W = W or pow2_bucket(max([min_width] + [len(b) for b in rows_blocks]), 1, self.max_blocks_per_seq)
-        table = np.zeros((B, W), np.int32)
+        table = np.zeros((B, W or self._width(rows_blocks, min_width)), np.int32)
         for i, blocks in enumerate(rows_blocks):
             table[i, :len(blocks)] = blocks
         return table
 
-    def _prompt_mask(self, prompt: list[int] | None) -> np.ndarray:
+    def _prompt_mask(self, prompt: list[int] | None, params=None) -> np.ndarray | None:
+        """[V] bool: the prompt's tokens, which the repetition penalty reads; None when `params` apply none."""
+        if params is not None and params.repetition_penalty == 1.0:
+            return None
         m = np.zeros(self.V, bool)
         if prompt:
             m[np.asarray(prompt)] = True
         return m
+
+    @staticmethod
+    def _upload(x: np.ndarray) -> jax.Array:
+        """The one host-to-device copy of a step's packed inputs."""
+        return jax.device_put(x)
+
+    @staticmethod
+    def _read(x: jax.Array) -> np.ndarray:
+        """The one device-to-host copy of a step's sampled tokens (step_io.pack_sampled)."""
+        return jax.device_get(x)
 
     # ---- protocol
     def prefill_groups(self, rows: list[PrefillRow]) -> list[list[PrefillRow]]:
@@ -306,12 +346,12 @@ class ModelRunner:
                 last = k == len(plans[gi]) - 1
                 lo, hi, shift = self._stage(*plans[gi][k], last)
                 self.programs.add(("prefill", B, T, W, lo, hi, N, fresh))
-                self.pool, xs[gi] = self._prefill(self.params, self.pool, xs[gi], shift, *args, lo=lo, hi=hi,
+                self.pool, xs[gi] = self._prefill(self._leaves, self.pool, xs[gi], shift, *args, lo=lo, hi=hi,
                                                   last=last)
                 if last:  # the first tokens: [B, 1, H] -> (tokens, logprobs, top ids, top logprobs)
                     S = sargs[1].shape[0]
                     self.programs.add(("first", S))
-                    xs[gi] = self._first(self.params, xs[gi], *sargs, self._allowed(S, masks, groups[gi][:S]))
+                    xs[gi] = self._first(self._leaves, xs[gi], *sargs, self._allowed(S, masks, groups[gi][:S]))
             if on_stage is not None:
                 on_stage(k)
         got = {}
@@ -320,10 +360,9 @@ class ModelRunner:
         self.timer.mark("prefill.device")
         return [self._prefix(r, got[id(r)]) if r.sample else None for r in rows]
 
-    @staticmethod
-    def _firsts(rows: list[PrefillRow | None], sampled, pmask) -> dict:
-        """{id(row): (token, logprob, top ids, top logprobs, prompt mask)} from `first_fn`'s device results."""
-        tok, lp, ids, tlp = (np.asarray(x) for x in sampled)
+    def _firsts(self, rows: list[PrefillRow | None], sampled, pmask) -> dict:
+        """{id(row): (token, logprob, top ids, top logprobs, prompt mask or None)} from `first_fn`'s result."""
+        tok, lp, ids, tlp = read_sampled(self._read(sampled))
         return {id(r): (int(tok[i]), float(lp[i]), ids[i], tlp[i], pmask[i]) for i, r in enumerate(rows)
                 if r is not None}
 
@@ -365,7 +404,7 @@ class ModelRunner:
         start, lengths = np.zeros(B, np.int32), np.zeros(B, np.int32)
         scratch = self.layout.scratch_row
         src, dst, snap = (np.full(B, scratch, np.int32) for _ in range(3))
-        pmask = np.zeros((S, self.V), bool)
+        pmask: list[np.ndarray | None] = [None] * S  # the prompts' tokens where a repetition penalty reads them
         blocks = [[] for _ in range(B)]
         for i, r in real:
             tokens[i, :len(r.tokens)] = r.tokens
@@ -373,15 +412,25 @@ class ModelRunner:
             src[i], dst[i] = r.src_row, r.dst_row
             snap[i] = scratch if r.snap_row is None else r.snap_row
             if r.sample:
-                pmask[i] = self._prompt_mask(r.prompt)
+                pmask[i] = self._prompt_mask(r.prompt, r.params)
             # the row's table up to the block holding its chunk's end (the blocks after it are not read)
             blocks[i] = r.block_ids[:-(-(r.start + len(r.tokens)) // bs)]
         # first chunks' tables as wide as T (their keys are the chunk's own): the width follows the chunk, not the
         # prompt; paged prefill's as wide as the longest sequence
         table = self._table(blocks, B, -(-T // bs) if fresh else max(map(len, blocks)),
                             self.max_blocks_per_seq if paged else None)
-        st = SamplingTensors.from_params([r.params if r else _IDLE for r in rows[:S]],
-                                         [r.step if r else 0 for r in rows[:S]], S)
+        st = pack_sampling([r.params if r else _IDLE for r in rows[:S]], [r.step if r else 0 for r in rows[:S]], S,
+                           spare=self.num_slots)
+        if any(m is not None for m in pmask):
+            masks = np.zeros((S, self.V), bool)
+            for i, m in enumerate(pmask):
+                if m is not None:
+                    masks[i] = m
+            masks = self._upload(masks)
+        else:  # no row's repetition penalty reads its prompt: no [S, V] upload
+            if S not in self._no_masks:
+                self._no_masks[S] = self._upload(np.zeros((S, self.V), bool))
+            masks = self._no_masks[S]
         # pack the real tokens so only attention itself sees the [B, T] padding (models/batch.py)
         if paged:
             N = self._bucket(int(lengths.sum()))
@@ -395,13 +444,24 @@ class ModelRunner:
             packed = jnp.asarray(packed)
         batch = Batch(jnp.asarray(tokens), jnp.asarray(start), jnp.asarray(lengths), packed, fresh)
         args = (batch, jnp.asarray(table), jnp.asarray(src), jnp.asarray(dst), jnp.asarray(snap))
-        return (B, T, table.shape[1], N, fresh), args, (st, jnp.asarray(pmask)), pmask
+        return (B, T, table.shape[1], N, fresh), args, (self._upload(st), masks), pmask
 
-    def insert(self, prefix: Prefix, slot: int) -> None:
-        """Make `slot` decode the request of `prefix` (colocated: its cache is already in place)."""
-        mask = prefix.prompt_mask if prefix.prompt_mask is not None else np.zeros(self.V, bool)
-        self.prompt_mask, self.out_counts = self._insert(self.prompt_mask, self.out_counts, jnp.int32(slot),
-                                                         jnp.asarray(mask), jnp.int32(prefix.token))
+    def insert(self, items: list[tuple[Prefix, int]]) -> None:
+        """Make each `slot` of items (prefix, slot) decode the request of `prefix` (colocated: its cache is already
+        in place): one program for a step's prefixes, its rows bucketed to powers of two."""
+        if not items:
+            return
+        k = pow2_bucket(len(items), 1, self.max_prefill_seqs)  # n itself past max_prefill_seqs
+        ids = np.full((2, k), self.num_slots, np.int32)  # padding: the spare row
+        ids[:, :len(items)] = [[slot for _, slot in items], [p.token for p, _ in items]]
+        masks = None
+        if any(p.prompt_mask is not None for p, _ in items):
+            masks = np.zeros((k, self.V), bool)
+            for i, (p, _) in enumerate(items):
+                if p.prompt_mask is not None:
+                    masks[i] = p.prompt_mask
+            masks = self._upload(masks)
+        self.prompt_mask, self.out_counts = self._insert(self.prompt_mask, self.out_counts, self._upload(ids), masks)
 
     def decode_batch(self, n: int) -> int:
         """Rows of the decode program for n running requests, at most num_slots. With full tables (one decode
@@ -422,19 +482,15 @@ class ModelRunner:
     def generate(self, rows: list[DecodeRow], remote=None,
                  masks=None) -> list[tuple[int, float, list[tuple[int, float]]]]:
         """One decode step for the given slots: per row (token, logprob, top logprobs). The program runs
-        `decode_batch(len(rows))` rows, the given ones first, the rest padding. remote: an engine/migration.py
-        `RemoteStep` when part of the rows' step runs on a helper instance; raises RemoteFailed (nothing sampled)
-        when the helper failed during the step. masks: as `prefill`'s, for the rows."""
+        `decode_batch(len(rows))` rows, the given ones first, the rest padding: one upload of the rows' packed
+        inputs (step_io.pack_rows), one program (the model and sampling), one read of the sampled tokens.
+        remote: an engine/migration.py `RemoteStep` when part of the rows' step runs on a helper instance (then
+        the model and sampling are two programs, the helper's answers checked between them); raises RemoteFailed
+        (nothing sampled) when the helper failed during the step. masks: as `prefill`'s, for the rows, called
+        before the step is dispatched (a row's mask follows its last token)."""
         if not 0 < len(rows) <= self.num_slots:
             raise ValueError(f"decode takes 1..{self.num_slots} rows, got {len(rows)}")
         B = self.decode_batch(len(rows))
-        tokens, start, lengths = np.zeros((B, 1), np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32)
-        state_rows = np.full(B, self.layout.scratch_row, np.int32)
-        snap_rows = np.full(B, self.layout.scratch_row, np.int32)
-        for i, r in enumerate(rows):
-            tokens[i, 0], start[i], lengths[i], state_rows[i] = r.token, r.position, 1, r.slot
-            if r.snap_row is not None:
-                snap_rows[i] = r.snap_row
         bs = self.layout.block_size
         used = [-(-(r.position + 1) // bs) for r in rows]  # blocks each row attends over
         M = W = None
@@ -445,20 +501,24 @@ class ModelRunner:
             W = min(M, self.max_blocks_per_seq)
         elif self.full_tables:
             W = self.max_blocks_per_seq
-        table = self._table([r.block_ids[:-(-(r.position + 1) // bs)] if remote is not None else r.block_ids
-                             for r in rows], B, max(used), W)
-        self.programs.add(("decode", B, 1, table.shape[1], M) + ((remote.spec,) if remote else ()))
-        batch = Batch(jnp.asarray(tokens), jnp.asarray(start), jnp.asarray(lengths))
+        tables = [r.block_ids[:u] for r, u in zip(rows, used)] if remote is not None else [r.block_ids for r in rows]
+        W = W or self._width(tables, max(used))
+        x = self._upload(pack_rows(rows, B, W, scratch=self.layout.scratch_row, spare=self.num_slots, tables=tables))
+        allowed = self._allowed(B, masks, rows)
+        self.programs.add(("decode", B, 1, W, M) + ((remote.spec,) if remote else ()))
         self.timer.mark("decode.prepare")
-        self.pool, h = self._decode(self.params, self.pool, batch, jnp.asarray(table), jnp.asarray(state_rows),
-                                    jnp.asarray(snap_rows), mig if remote else None, total_blocks=M,
-                                    remote=remote.spec if remote else None)
-        if remote is not None:
+        if remote is None:
+            self.pool, self.out_counts, out = self._step(self._leaves, self.pool, self.prompt_mask, self.out_counts,
+                                                         x, allowed, total_blocks=M)
+        else:
+            self.pool, h = self._decode(self._leaves, self.pool, x, mig, total_blocks=M, remote=remote.spec)
             jax.block_until_ready(h)
             remote.check()  # the helper answered every call of the step (else nothing is sampled)
-        out = self._sample_decode(rows, h, 0, masks)
+            self.programs.add(("sample", B, 0))
+            self.out_counts, out = self._sample(self._leaves, h, self.prompt_mask, self.out_counts, x, allowed)
+        got = self._sampled(rows, out)
         self.timer.mark("decode.device")
-        return out
+        return got
 
     def _allowed(self, B: int, masks, rows: list) -> jax.Array:
         """[B, mask_words] int32 next-token bitmasks for the B rows a sampler runs, the first len(rows) from
@@ -466,27 +526,27 @@ class ModelRunner:
         got = masks(rows) if masks is not None else None
         if got is None:
             if B not in self._free:
-                self._free[B] = jnp.asarray(np.full((B, self.mask_words), -1, np.int32))
+                self._free[B] = self._upload(np.full((B, self.mask_words), -1, np.int32))
             return self._free[B]
         out = np.full((B, self.mask_words), -1, np.int32)
         out[:len(got)] = got
-        return jnp.asarray(out)
+        return self._upload(out)
+
+    def _sampled(self, rows: list[DecodeRow], out: jax.Array) -> list[tuple[int, float, list[tuple[int, float]]]]:
+        """Per row (token, logprob, top logprobs) from a sampler's packed result (one read)."""
+        tok, lp, ids, tlp = read_sampled(self._read(out))
+        return [(int(tok[i]), float(lp[i]), self._top(r.params, ids[i], tlp[i])) for i, r in enumerate(rows)]
 
     def _sample_decode(self, rows: list[DecodeRow], h, at: int,
                        masks=None) -> list[tuple[int, float, list[tuple[int, float]]]]:
         """The decode rows' tokens from hidden states h (rows at.. of it), `decode_batch` rows sampled, with
         each slot's penalty state and `masks` (see `prefill`)."""
         B = self.decode_batch(len(rows))
-        slots = np.full(B, self.num_slots, np.int32)  # padding: the penalty state's spare row
-        slots[:len(rows)] = [r.slot for r in rows]
-        st = SamplingTensors.from_params([r.params for r in rows], [r.step for r in rows], B)
+        x = self._upload(pack_rows(rows, B, 0, scratch=self.layout.scratch_row, spare=self.num_slots))
         self.programs.add(("sample", B, at))
-        self.out_counts, tok, lp, ids, tlp = self._sample(self.params, h, self.prompt_mask, self.out_counts,
-                                                          jnp.asarray(slots), jnp.asarray(slots < self.num_slots,
-                                                                                          jnp.int32), st,
-                                                          self._allowed(B, masks, rows), at=at)
-        tok, lp, ids, tlp = (np.asarray(x) for x in (tok, lp, ids, tlp))
-        return [(int(tok[i]), float(lp[i]), self._top(r.params, ids[i], tlp[i])) for i, r in enumerate(rows)]
+        self.out_counts, out = self._sample(self._leaves, h, self.prompt_mask, self.out_counts, x,
+                                            self._allowed(B, masks, rows), at=at)
+        return self._sampled(rows, out)
 
     def mixed(self, prefills: list[PrefillRow], decodes: list[DecodeRow], masks=None):
         """A step's prefill chunks and decode tokens as one packed program (paged prefill only): each decode token
@@ -506,8 +566,8 @@ class ModelRunner:
         L = self.layout.num_layers
         self.programs.update({("prefill", B, T, W, 0, L, N, fresh), ("first", P)})
         self.timer.mark("mixed.prepare")
-        self.pool, h = self._prefill(self.params, self.pool, None, None, *args, lo=0, hi=L, last=True)
-        got = self._firsts(rows[:P], self._first(self.params, h, *sargs, self._allowed(P, masks, rows[:P])), pmask)
+        self.pool, h = self._prefill(self._leaves, self.pool, None, None, *args, lo=0, hi=L, last=True)
+        got = self._firsts(rows[:P], self._first(self._leaves, h, *sargs, self._allowed(P, masks, rows[:P])), pmask)
         out = self._sample_decode(decodes, h, P, masks)
         self.timer.mark("mixed.device")
         return [self._prefix(r, got[id(r)]) if r.sample else None for r in prefills], out
@@ -695,6 +755,10 @@ class ModelRunner:
             else:  # n: the rows' lengths
                 self.prefill([PrefillRow("warmup", [0] * t, 0, [0] * -(-t // bs), scratch, scratch, None, True,
                                          _IDLE, 0, [0]) for t in n], st)
+        if decode:  # the programs that start a step's new decoders (`insert`), every row bucket, on the spare row
+            for k in sorted({pow2_bucket(n, 1, self.max_prefill_seqs) for n in range(1, self.max_prefill_seqs + 1)}):
+                ids = self._upload(np.full((2, k), self.num_slots, np.int32))
+                self.prompt_mask, self.out_counts = self._insert(self.prompt_mask, self.out_counts, ids, None)
         return len(self.programs)
 
     def warmup_transfer(self, dtype_name: str, groups: list[tuple[int, int]], export: bool, receive: bool,

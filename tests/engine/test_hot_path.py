@@ -1,0 +1,126 @@
+"""The decode hot path: what a step costs the host, and the packed arrays it moves.
+
+A decode step of the engine makes one upload (its rows' packed inputs), one program (the model and sampling)
+and one read (the sampled tokens), whatever the batch, with nothing else crossing between host and device (run
+under `jax.transfer_guard("disallow")`, which refuses every implicit copy); a step with a constrained row adds
+one upload (its bitmask). A prefill step's new decoders enter the penalty state in one program. The packing
+(engine/step_io.py) against the sampler's own host-built tensors.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.engine import step_io
+from jaxserve.engine.llm_engine import EngineConfig
+from jaxserve.engine.runner import DecodeRow
+from jaxserve.engine.sampler import MAX_LOGPROBS, SamplingTensors
+
+CFG = EngineConfig(block_size=4, num_blocks=64, chunk_size=8, max_num_batched_tokens=16, max_prefill_seqs=2,
+                   max_num_seqs=4, num_snapshots=8)
+PROGRAMS = ("_step", "_decode", "_sample", "_first", "_insert", "_prefill")
+
+
+class Counts:
+    """Wraps a runner's programs, upload and read with counters."""
+
+    def __init__(self, runner, monkeypatch):
+        self.n = {}
+        for name in (*PROGRAMS, "_upload", "_read"):
+            monkeypatch.setattr(runner, name, self._counted(name, getattr(runner, name)))
+
+    def _counted(self, name, f):
+        def call(*a, **k):
+            self.n[name] = self.n.get(name, 0) + 1
+            return f(*a, **k)
+        return call
+
+    def take(self) -> dict:
+        out, self.n = self.n, {}
+        return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_next"])
+def test_a_decode_step_is_one_upload_one_program_one_read(checkpoint_dir, monkeypatch, family):
+    llm = LLM(checkpoint_dir(family), progress=False, engine=CFG)
+    eng = llm.engine
+    want = [o.token_ids for o in llm.generate([[5, 7, 9, 11, 13], [3, 4, 5]],
+                                              SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))]
+    counts = Counts(eng.runner, monkeypatch)
+    seqs = [eng.add_request(f"r{i}", p, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+            for i, p in enumerate([[5, 7, 9, 11, 13], [3, 4, 5]])]
+    while any(not s.output for s in seqs):  # prefill: the first tokens, their penalty state in one program
+        eng.step()
+    assert counts.take().get("_insert") == 1
+    steps = 0
+    with jax.transfer_guard("disallow"):
+        while eng.has_work:
+            eng.step()
+            assert counts.take() == {"_upload": 1, "_step": 1, "_read": 1}
+            steps += 1
+    assert steps == 5 and [s.output for s in seqs] == want
+
+
+def test_a_constrained_step_adds_its_bitmask(smollm2_dir, monkeypatch):
+    llm = LLM(smollm2_dir, progress=False, engine=EngineConfig(num_blocks=64, max_num_seqs=4, num_snapshots=0))
+    eng = llm.engine
+    from jaxserve.structured import Guided
+    seq, = eng.add_request("g", "Reply with JSON:", SamplingParams(max_tokens=4, temperature=0, guided=Guided(
+        "json", '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}')))
+    eng.step()
+    counts = Counts(eng.runner, monkeypatch)
+    with jax.transfer_guard("disallow"):
+        while eng.has_work:
+            eng.step()
+            assert counts.take() == {"_upload": 2, "_step": 1, "_read": 1}
+    assert llm.tokenizer.decode(seq.output).startswith("{")
+
+
+def _params(rng, i):
+    return SamplingParams(temperature=float(rng.uniform(0, 2)), top_p=float(rng.uniform(0.1, 1)),
+                          top_k=int(rng.integers(0, 50)), min_p=float(rng.uniform(0, 0.5)),
+                          repetition_penalty=float(rng.uniform(0.5, 2)), presence_penalty=float(rng.uniform(-1, 1)),
+                          frequency_penalty=float(rng.uniform(-1, 1)), seed=[None, 7, 2**32 - 3, 2**31][i % 4],
+                          logprobs=[None, 0, 5][i % 3])
+
+
+def test_packed_rows_carry_what_the_sampler_and_model_read():
+    rng = np.random.default_rng(0)
+    params = [_params(rng, i) for i in range(5)]
+    steps = [int(s) for s in rng.integers(0, 100, 5)]
+    rows = [DecodeRow(slot=i + 1, token=100 + i, position=10 * i + 3, block_ids=list(range(i, 2 * i + 1)),
+                      params=p, step=s, snap_row=None if i % 2 else 40 + i) for i, (p, s) in enumerate(zip(params, steps))]
+    B, W = 8, 6
+    x = step_io.pack_rows(rows, B, W, scratch=99, spare=4, tables=[r.block_ids for r in rows])
+    want = SamplingTensors.from_params(params, steps, B)
+    for got, ref in ((step_io.pack_sampling(params, steps, B, spare=4), want), (x, want)):
+        st = step_io.sampling_tensors(jax.numpy.asarray(got))
+        for f in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                  "frequency_penalty", "seed", "step", "top"):
+            np.testing.assert_array_equal(np.asarray(getattr(st, f)), getattr(ref, f), err_msg=f)
+            assert np.asarray(getattr(st, f)).dtype == getattr(ref, f).dtype, f
+    batch, table, state, snap = (np.asarray(a) if not hasattr(a, "tokens") else a
+                                 for a in step_io.unpack_decode(jax.numpy.asarray(x)))
+    assert np.asarray(batch.tokens)[:, 0].tolist() == [100, 101, 102, 103, 104, 0, 0, 0]
+    assert np.asarray(batch.start).tolist()[:5] == [3, 13, 23, 33, 43]
+    assert np.asarray(batch.lengths).tolist() == [1] * 5 + [0] * 3
+    assert state.tolist() == [1, 2, 3, 4, 5, 99, 99, 99] and snap.tolist() == [40, 99, 42, 99, 44, 99, 99, 99]
+    assert x[:, step_io.SLOT].tolist() == [1, 2, 3, 4, 5, 4, 4, 4]
+    for i, r in enumerate(rows):
+        assert table[i].tolist() == r.block_ids + [0] * (W - len(r.block_ids))
+    assert not table[5:].any()
+
+
+def test_sampled_results_come_back_in_one_array():
+    rng = np.random.default_rng(1)
+    B, K = 3, MAX_LOGPROBS
+    tok = rng.integers(0, 2**31 - 1, B).astype(np.int32)
+    lp, tlp = rng.normal(size=B).astype(np.float32), rng.normal(size=(B, K)).astype(np.float32)
+    ids = rng.integers(0, 200_000, (B, K)).astype(np.int32)
+    out = jax.device_get(jax.jit(step_io.pack_sampled)(tok, lp, ids, tlp))
+    assert out.shape == (B, 2 + 2 * K) and out.dtype == np.float32
+    for a, b in zip(step_io.read_sampled(out), (tok, lp, ids, tlp)):
+        np.testing.assert_array_equal(a, b)
