@@ -28,7 +28,14 @@ class ModelSection(_Strict):
 
 class EngineSection(_Strict):
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV cache block")
-    num_blocks: int = Field(512, ge=1, description="KV cache blocks in the pool (full-attention layers)")
+    num_blocks: int | None = Field(None, ge=1, description="KV cache blocks in the pool (full-attention layers; "
+                                   "default: as many as memory_fraction leaves after the weights and activations, "
+                                   "logged at start-up)")
+    memory_fraction: float | None = Field(None, gt=0, le=1, description="the memory the default cache is sized "
+                                          "from: the share of each accelerator's memory the instance may take, "
+                                          "weights, activations and cache (as vLLM's gpu_memory_utilization; "
+                                          "default 0.9), or on a CPU the share of the host's memory the cache "
+                                          "takes (default 0.05)")
     max_num_seqs: int | None = Field(None, ge=1, description="concurrent requests (default: as many as the "
                                      "cache holds at 256 tokens each, 8 to 256)")
     max_num_batched_tokens: int = Field(512, ge=1, description="tokens one engine step runs, prefill and decode "

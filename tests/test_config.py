@@ -127,11 +127,12 @@ def test_prfaas_preset_and_topology_rules():
 
 def test_max_num_seqs_is_sized_from_the_cache_unless_set():
     from jaxserve.engine.llm_engine import EngineConfig
-    assert EngineConfig().max_num_seqs == 512 * 16 // 256  # the default cache holds 32 slots of 256 tokens
+    assert EngineConfig().max_num_seqs is None  # the cache is sized from memory first (tests/engine/test_memory.py)
+    assert EngineConfig(num_blocks=512).max_num_seqs == 512 * 16 // 256  # 512 blocks hold 32 slots of 256 tokens
     assert EngineConfig(num_blocks=64).max_num_seqs == 8  # never fewer than 8
     assert EngineConfig(num_blocks=1 << 20).max_num_seqs == 256  # nor more than 256
     assert EngineConfig(num_blocks=64, max_num_seqs=3).max_num_seqs == 3
-    assert parse({}).engine.engine_config(16).max_num_seqs == 32
+    assert parse({"engine": {"num_blocks": 512}}).engine.engine_config(16).max_num_seqs == 32
     with pytest.raises(ConfigFileError, match=r"engine.max_num_seqs"):
         parse({"engine": {"max_num_seqs": 0}})
 

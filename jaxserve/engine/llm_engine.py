@@ -33,6 +33,7 @@ from ..sampling import SamplingParams
 from ..structured import GuidedError, Grammars
 from ..tokenizer import Tokenizer
 from .client import RequestError, encode
+from .memory import MAX_DEFAULT_SEQS, activation_bytes, size_cache
 from .migration import Guests, MigrationError, RemoteFailed, facts as migration_facts, plan_move, start_move
 from .runner import DecodeRow, ModelRunner, PrefillRow, Prefix
 from .scheduler import Scheduler, SchedulerConfig
@@ -83,7 +84,8 @@ def default_chunk_size(paged_prefill: bool, max_num_batched_tokens: int, block_s
 @dataclass(frozen=True)
 class EngineConfig:
     block_size: int = 16
-    num_blocks: int = 512
+    num_blocks: int | None = None  # default: sized from the memory the instance may use (engine/memory.py)
+    memory_fraction: float | None = None  # ... that memory: 0.9 of an accelerator's, 0.05 of a CPU host's
     max_num_seqs: int | None = None  # default: sized from the cache (default_max_num_seqs)
     max_num_batched_tokens: int = 512
     mixed_batched_tokens: int | None = None  # prefill tokens in a step that also decodes (None: the step budget)
@@ -99,7 +101,9 @@ class EngineConfig:
     compilation_cache: str | None = XLA_CACHE  # XLA's persistent compilation cache (None: off)
 
     def __post_init__(self):
-        if self.max_num_seqs is None:
+        if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"engine.memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.max_num_seqs is None and self.num_blocks is not None:
             object.__setattr__(self, "max_num_seqs", default_max_num_seqs(self.num_blocks, self.block_size))
         if (self.spill_dir is None) != (self.spill_mb is None):
             raise ValueError("engine.spill_dir and engine.spill_mb go together")
@@ -107,7 +111,7 @@ class EngineConfig:
             raise ValueError(f"engine.kernels must be one of {', '.join(MODES)}, got {self.kernels!r}")
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if isinstance(v, int) and not isinstance(v, bool) and v < (0 if f.name == "num_snapshots" else 1):
+            if type(v) is int and v < (0 if f.name == "num_snapshots" else 1):
                 raise ValueError(f"engine.{f.name} must be >= 1, got {v}")
 
 
@@ -126,6 +130,8 @@ class LLMEngine:
         self.model_config = load_config(model)
         self.cache_spec = cache_spec(self.model_config)
         _, state = load_any(model, self.model_config, dtype, mesh, progress)
+        if cfg.num_blocks is None:  # the cache takes what the weights leave of the memory the instance may use
+            self.cfg = cfg = self._sized(cfg, state, mesh)
         # kernels: auto compiles each kernel the model uses and runs any that fails as its reference. The native
         # CPU kernels are opaque to XLA's partitioner, which would gather the sharded pool for them: a mesh of
         # several devices runs the references (auto) or is refused (native)
@@ -190,6 +196,30 @@ class LLMEngine:
         self._move_facts: tuple | None = None  # (migration facts that do not change)
         self.moves = {"started": 0, "failed": 0, "calls": 0}  # moves from here, their helpers' calls, failures
         self._grammars: Grammars | None = None
+
+    def _sized(self, cfg: EngineConfig, state, mesh) -> EngineConfig:
+        """`cfg` with num_blocks (and max_num_seqs, when not configured) from memory (engine/memory.py)."""
+        bs, mc = cfg.block_size, self.model_config
+        slots = cfg.max_num_seqs or MAX_DEFAULT_SEQS
+
+        def pool_bytes(n: int) -> int:
+            layout = PoolLayout.build(self.cache_spec, bs, n, slots, cfg.num_snapshots)
+            return sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(layout.shapes(self.dtype)))
+        block = pool_bytes(2) - pool_bytes(1)
+        mlp = max(getattr(l.mlp, "top_k", 1) * l.mlp.intermediate_size + getattr(l.mlp, "shared_intermediate_size", 0)
+                  for l in mc.layers)
+        devices = ([d for d in mesh.devices.flat if d.process_index == jax.process_index()] if mesh is not None
+                   else jax.local_devices()[:1])
+        longest = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        size = size_cache(devices=devices, fraction=cfg.memory_fraction, block_bytes=block,
+                          fixed_bytes=pool_bytes(1) - block, weight_bytes=sum(x.nbytes for x in jax.tree.leaves(state)),
+                          activations=activation_bytes(mc.hidden_size, mlp, mc.vocab_size,
+                                                       cfg.max_num_batched_tokens + slots, slots + cfg.max_prefill_seqs),
+                          block_size=bs, max_blocks=slots * -(-longest // bs))
+        sized = dataclasses.replace(cfg, num_blocks=size.num_blocks)
+        log.info("%s; max_num_seqs %d%s", size.line, sized.max_num_seqs,
+                 "" if cfg.max_num_seqs else " (from the cache: engine.max_num_seqs sets it)")
+        return sized
 
     # ---- requests
     def encode(self, prompt) -> list[int]:
