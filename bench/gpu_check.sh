@@ -1,17 +1,18 @@
 #!/bin/bash
-# Issue 19's GPU checks in one run, for a lent GPU machine that reaches no package index: the Pallas kernels
-# compiled and timed against their references (bench.kernels: decode attention's share of HBM bandwidth, prefill
-# attention's of bf16 peak), the launch-parameter sweep (bench.kernel_tune: by default the candidate designs of
-# paged decode, bench/paged_candidates.py, beside the product's), the kernel tests compiled for the GPU
-# (tests/pallas_kernels), LLM.generate end to end (bench.offline, no peer), and with the time left the device
-# transfer backend's tests and its bytes/s beside raw sockets (tests/transfer/test_pull.py, bench.transfer part a).
+# The GPU checks in one run, for a lent GPU machine that reaches no package index: the Pallas kernels compiled
+# and timed against their references (bench.kernels: decode attention's share of HBM bandwidth, prefill
+# attention's of bf16 peak), the kernel tests compiled for the GPU (tests/pallas_kernels), the engine's decode
+# step against the memory floor on an 8B-shaped checkpoint with transformers beside it (bench.gpu_decode), and
+# with the time left the device transfer backend's tests and its bytes/s beside raw sockets
+# (tests/transfer/test_pull.py, bench.transfer part a). The launch-parameter sweep (bench.kernel_tune) runs when
+# TUNE_SWEEPS names sweeps (candidates, hopper, paged: swept on the H100 and H200, bench/results/kernel_tune_*).
 #
 # Here, once: bash bench/gpu_wheels.sh (the packages the machine's image lacks, as wheels in .whl/). Then the
 # device tool's run, with carry [".whl"] and timeout_s 600:
 #     bash bench/gpu_check.sh
 # It uses the machine's own python3, JAX (CUDA) and Flax, the wheels installed beside them in /tmp/site;
-# TUNE_SWEEPS picks bench.kernel_tune's sweeps (default candidates; hopper,paged were swept on the H100 and
-# H200, bench/results/kernel_tune_*.json), its JSON named after them (kernel_tune_candidates_h200.json, ...).
+# TUNE_SWEEPS picks bench.kernel_tune's sweeps (default none), its JSON named after them
+# (kernel_tune_candidates_h200.json, ...).
 # Every step has its share of BUDGET_S (default 560 s; the shares scale with it) and is cut at it; what each
 # wrote, a summary and its log (in logs.tgz) go to $OUT (results named after the GPU: kernels_h100.json,
 # kernels_h200.json, ...), to be copied into bench/results/ (make bench does).
@@ -58,19 +59,20 @@ step() {
     tail -n 4 "$OUT/$name.log" | awk '{print "    " $0}' | tee -a "$OUT/summary.txt"  # awk ends every line
 }
 
-# in order of what a cut-short run must not lose: the kernels' rates, the sweep, the attention kernels' tests,
-# the other kernel tests, generation end to end, the device transfer backend
-step kernels 70 $PY -m bench.kernels --iters 20 --json "$OUT/kernels_$TAG.json"
-SWEEPS=${TUNE_SWEEPS:-candidates}
-step kernel_tune 150 $PY -m bench.kernel_tune --iters 10 --budget-s $(( 120 * BUDGET_S / DEFAULT_BUDGET_S )) \
-    --sweeps "$SWEEPS" --json "$OUT/kernel_tune_$(echo "$SWEEPS" | tr , _)_$TAG.json"
+# in order of what a cut-short run must not lose: the kernels' rates, the engine against the memory floor, the
+# attention kernels' tests, the other kernel tests, the device transfer backend
+step kernels 60 $PY -m bench.kernels --iters 20 --json "$OUT/kernels_$TAG.json"
+step gpu_decode 270 $PY -m bench.gpu_decode --json "$OUT/gpu_decode_$TAG.json"
+if [ -n "${TUNE_SWEEPS:-}" ]; then
+    step kernel_tune 150 $PY -m bench.kernel_tune --iters 10 --budget-s $(( 120 * BUDGET_S / DEFAULT_BUDGET_S )) \
+        --sweeps "$TUNE_SWEEPS" --json "$OUT/kernel_tune_$(echo "$TUNE_SWEEPS" | tr , _)_$TAG.json"
+fi
 K=tests/pallas_kernels
 ATTENTION="$K/test_flash_attention_hopper.py $K/test_paged_attention.py $K/test_paged_candidates.py"
-step attention_tests 60 $PY -m pytest -v -p no:cacheprovider $ATTENTION
-step pallas_tests 100 $PY -m pytest -v -p no:cacheprovider $K $(for f in $ATTENTION; do echo --ignore $f; done) \
+step attention_tests 50 $PY -m pytest -v -p no:cacheprovider $ATTENTION
+step pallas_tests 90 $PY -m pytest -v -p no:cacheprovider $K $(for f in $ATTENTION; do echo --ignore $f; done) \
     --ignore $K/test_gpu_lowering.py  # the engine on each model family first
 # (tests/conftest.py's order); test_gpu_lowering.py checks on a CPU what the GPU's own compiles show here
-step offline 80 $PY -m bench.offline --no-baseline --reps 2 --json "$OUT/offline_$TAG.json"
 step pull_tests 30 $PY -m pytest -q -p no:cacheprovider tests/transfer/test_pull.py
 step transfer 30 $PY -m bench.transfer --parts a --reps 3 --json "$OUT/transfer_$TAG.json"
 echo "total $(( $(date +%s) - START )) s" | tee -a "$OUT/summary.txt"

@@ -1,0 +1,283 @@
+"""The engine on a GPU against the memory floor: decode step time over (weights + KV read) / measured copy rate.
+
+A random checkpoint of Llama-3.1-8B's shape (bf16) is built on the device and written as safetensors; then, in
+one engine with the default cache sizing (engine.memory_fraction), batches of 1, 16, 64 and 256 requests (where
+the cache holds them) decode at 256- and 2K-token contexts, greedy: per point the engine's decode step (its step
+timer, programs compiled before), the HBM floor of that step (weight bytes + the batch's KV bytes, over the
+device-to-device copy rate measured in the same run) and their ratio. Also: the GPU's busy fraction over decode
+steps from a profiler trace (the union of the GPU's kernel intervals over the steps' span), prefill's share of
+the bf16 matmul rate measured in the same run, and transformers' `generate` on the same checkpoint (sdpa, bf16)
+at batch 1 and 64. Each part runs in a process of its own (JAX and torch do not share the card); the parts' JSON
+is merged into one result, stamped.
+
+    python -m bench.gpu_decode --json bench/results/gpu_decode_h200.json            # on the GPU (bench/gpu_check.sh)
+    python -m bench.gpu_decode --shape tiny --batches 1,4 --contexts 32,64 --no-hf  # anywhere, to try it
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import os
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+
+SHAPES = {
+    "8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192),
+    "8b8": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=8,
+                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192),
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=1024),
+}
+
+
+def config_of(shape: str) -> dict:
+    s = SHAPES[shape]
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "bfloat16",
+            "head_dim": s["hidden_size"] // s["num_attention_heads"], "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+            "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+            "hidden_act": "silu", **s}
+
+
+def tensors(c: dict):
+    """(name, shape) of a Llama checkpoint's weights, Hugging Face names ([out, in] projections)."""
+    H, I, V, D = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["head_dim"]
+    q, kv = c["num_attention_heads"] * D, c["num_key_value_heads"] * D
+    yield "model.embed_tokens.weight", (V, H)
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        yield from ((p + "input_layernorm.weight", (H,)), (p + "post_attention_layernorm.weight", (H,)),
+                    (p + "self_attn.q_proj.weight", (q, H)), (p + "self_attn.k_proj.weight", (kv, H)),
+                    (p + "self_attn.v_proj.weight", (kv, H)), (p + "self_attn.o_proj.weight", (H, q)),
+                    (p + "mlp.gate_proj.weight", (I, H)), (p + "mlp.up_proj.weight", (I, H)),
+                    (p + "mlp.down_proj.weight", (H, I)))
+    yield "model.norm.weight", (H,)
+    yield "lm_head.weight", (V, H)
+
+
+def part_make(a) -> dict:
+    """Random bf16 weights drawn on the device (N(0, 0.02), norms 1), written tensor by tensor as safetensors."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    c = config_of(a.shape)
+    os.makedirs(a.dir, exist_ok=True)
+    with open(os.path.join(a.dir, "config.json"), "w") as f:
+        json.dump(c, f)
+    names = list(tensors(c))
+    header, off = {}, 0
+    for name, shape in names:
+        n = 2 * int(np.prod(shape))
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [off, off + n]}
+        off += n
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    t0 = time.perf_counter()
+    key = jax.random.key(0)
+    draw = jax.jit(lambda k, shape: (0.02 * jax.random.normal(k, shape, jnp.float32)).astype(jnp.bfloat16),
+                   static_argnums=1)
+    with open(os.path.join(a.dir, "model.safetensors"), "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head)
+        for i, (name, shape) in enumerate(names):
+            x = jnp.ones(shape, jnp.bfloat16) if len(shape) == 1 else draw(jax.random.fold_in(key, i), shape)
+            f.write(np.asarray(jax.device_get(x)).view(np.uint16).tobytes())
+    return {"shape": a.shape, "params": off // 2, "weight_bytes": off, "make_s": round(time.perf_counter() - t0, 2)}
+
+
+def part_floor(a) -> dict:
+    """The device's copy rate (bytes read + written) and bf16 matmul rate, with JAX."""
+    import jax
+    import jax.numpy as jnp
+    n = (2 << 30) if a.shape != "tiny" else (64 << 20)
+    x = jnp.zeros(n // 4, jnp.float32)
+    copy = jax.jit(lambda x: x + 1.0)
+    m = 8192 if a.shape != "tiny" else 512
+    w = jnp.ones((m, m), jnp.bfloat16)
+    mm = jax.jit(lambda w: w @ w)
+
+    def best(f, arg, reps=10):
+        jax.block_until_ready(f(arg))
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(arg))
+            ts.append(time.perf_counter() - t0)
+        return min(ts)
+    return {"device": str(jax.devices()[0].device_kind), "copy_GBps": round(2 * n / best(copy, x) / 1e9, 1),
+            "bf16_TFLOPs": round(2 * m ** 3 / best(mm, w) / 1e12, 1)}
+
+
+def busy_fraction(trace_dir: str) -> dict | None:
+    """The GPU's busy share of the traced span: the union of the device's kernel intervals over the span from its
+    first to its last (perfetto trace that jax.profiler writes)."""
+    files = glob.glob(os.path.join(trace_dir, "**", "*trace.json.gz"), recursive=True)
+    if not files:
+        return None
+    with gzip.open(files[0]) as f:
+        events = json.load(f)
+    events = events.get("traceEvents", events) if isinstance(events, dict) else events
+    names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpu = {p for p, n in names.items() if "GPU" in n or "gpu" in n}
+    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in events
+                   if e.get("ph") == "X" and e.get("pid") in gpu)
+    if not spans:
+        return None
+    busy, cur_lo, cur_hi = 0.0, *spans[0]
+    for lo, hi in spans[1:]:
+        if lo > cur_hi:
+            busy, cur_lo = busy + cur_hi - cur_lo, lo
+        cur_hi = max(cur_hi, hi)
+    busy += cur_hi - cur_lo
+    total = max(hi for _, hi in spans) - spans[0][0]
+    return {"busy_fraction": round(busy / total, 3), "span_ms": round(total / 1e3, 2), "kernels": len(spans)}
+
+
+def part_jax(a) -> dict:
+    import jax
+    import numpy as np
+    from jaxserve.engine.llm_engine import EngineConfig
+    from jaxserve.llm import LLM
+    from jaxserve.sampling import SamplingParams
+    c = config_of(a.shape)
+    kv_token = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * 2  # bf16 K and V, all layers
+    floor = json.load(open(os.path.join(a.work, "floor.json")))
+    weights = json.load(open(os.path.join(a.work, "make.json")))["weight_bytes"]
+    contexts, batches, new = a.contexts, a.batches, a.new
+    t0 = time.perf_counter()
+    llm = LLM(a.dir, dtype="bfloat16", progress=False, engine=EngineConfig(
+        max_num_batched_tokens=a.prefill_tokens, prefix_caching=False, compilation_cache=None,
+        max_model_len=max(contexts) + new + 16))
+    eng = llm.engine
+    out = {"load_s": round(time.perf_counter() - t0, 1), "num_blocks": eng.cfg.num_blocks,
+           "max_num_seqs": eng.cfg.max_num_seqs, "kernels": str(eng.kernels), "points": []}
+    rng = np.random.default_rng(0)
+    greedy = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
+    for C in contexts:
+        for B in batches:
+            blocks = B * -(-(C + new) // eng.cfg.block_size)
+            if B > eng.cfg.max_num_seqs or blocks > eng.cfg.num_blocks:
+                out["points"].append({"batch": B, "context": C, "skipped": f"the cache holds {eng.cfg.num_blocks} "
+                                      f"blocks, {eng.cfg.max_num_seqs} requests; this needs {blocks}, {B}"})
+                continue
+            prompts = [rng.integers(3, c["vocab_size"], C).tolist() for _ in range(B)]
+            llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # compiles
+            seqs = [eng.add_request(f"{C}-{B}-{i}", p, greedy)[0] for i, p in enumerate(prompts)]
+            eng.timer.reset()
+            t_pre = time.perf_counter()
+            while any(not s.output for s in seqs):
+                eng.step()
+            prefill_s = time.perf_counter() - t_pre
+            eng.timer.reset()
+            n, t1 = 0, time.perf_counter()
+            while eng.has_work:
+                eng.step()
+                n += 1
+            wall = (time.perf_counter() - t1) / max(n, 1)
+            st = eng.timer.summary().get("decode", {})
+            for s in seqs:
+                eng.release(s)
+            step = st.get("mean_ms", wall * 1e3)
+            kv = B * (C + new / 2) * kv_token
+            floor_ms = (weights + kv) / (floor["copy_GBps"] * 1e9) * 1e3
+            flops = 2 * (weights / 2 - 2 * c["vocab_size"] * c["hidden_size"]) * B * C  # the layers' matmuls
+            out["points"].append({
+                "batch": B, "context": C, "decode_step_ms": round(step, 3), "wall_step_ms": round(wall * 1e3, 3),
+                "floor_ms": round(floor_ms, 3), "step_over_floor": round(step / floor_ms, 2),
+                "phases_ms": st.get("phases_ms", {}), "output_tok_s": round(B / wall, 1),
+                "prefill_s": round(prefill_s, 3),
+                "prefill_share_of_bf16": round(flops / prefill_s / 1e12 / floor["bf16_TFLOPs"], 3)})
+            print(f"== B {B} C {C}: step {step:.2f} ms, floor {floor_ms:.2f} ms, {step / floor_ms:.2f}x", flush=True)
+    # the busy fraction over decode steps of the middle batch at the shortest context
+    B, C = (batches[len(batches) // 2], contexts[0])
+    prompts = [rng.integers(3, c["vocab_size"], C).tolist() for _ in range(B)]
+    seqs = [eng.add_request(f"trace-{i}", p, greedy)[0] for i, p in enumerate(prompts)]
+    while any(not s.output for s in seqs):
+        eng.step()
+    for _ in range(3):
+        eng.step()
+    trace = tempfile.mkdtemp(prefix="gpu_decode_trace_")
+    jax.profiler.start_trace(trace, create_perfetto_trace=True)
+    for _ in range(min(16, new - 8)):
+        eng.step()
+    jax.profiler.stop_trace()
+    while eng.has_work:
+        eng.step()
+    out["trace"] = {"batch": B, "context": C, **(busy_fraction(trace) or {"error": "no device events in the trace"})}
+    return out
+
+
+def part_hf(a) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(a.dir, dtype=torch.bfloat16, attn_implementation="sdpa").to(dev)
+    model.eval().generation_config.eos_token_id = None
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    out = []
+    for B in (1, 64):
+        ids = torch.randint(3, model.config.vocab_size, (B, a.contexts[0]), device=dev)
+
+        def gen(n):
+            sync()
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                               min_new_tokens=n, do_sample=False, pad_token_id=0)
+            sync()
+            return time.perf_counter() - t0
+        gen(2)
+        one, many = gen(1), gen(a.new)
+        out.append({"batch": B, "context": a.contexts[0], "decode_step_ms": round((many - one) / (a.new - 1) * 1e3, 3)})
+    return {"transformers": out}
+
+
+PARTS = {"make": part_make, "floor": part_floor, "jax": part_jax, "hf": part_hf}
+
+
+def main(argv=None) -> int:
+    from bench.stamp import arguments, write
+    ap = arguments(__doc__)
+    ap.add_argument("--shape", default="8b", choices=list(SHAPES))
+    ap.add_argument("--batches", default="1,16,64,256")
+    ap.add_argument("--contexts", default="256,2048")
+    ap.add_argument("--new", type=int, default=48, help="tokens decoded per point")
+    ap.add_argument("--prefill-tokens", type=int, default=8192, help="engine.max_num_batched_tokens")
+    ap.add_argument("--no-hf", action="store_true", help="skip transformers")
+    ap.add_argument("--part", choices=list(PARTS), help=argparse.SUPPRESS)  # one part, in this process
+    ap.add_argument("--dir", help=argparse.SUPPRESS)
+    ap.add_argument("--work", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    a.batches, a.contexts = [int(x) for x in a.batches.split(",")], [int(x) for x in a.contexts.split(",")]
+    if a.part:
+        with open(os.path.join(a.work, f"{a.part}.json"), "w") as f:
+            json.dump(PARTS[a.part](a), f)
+        return 0
+    work = tempfile.mkdtemp(prefix="gpu_decode_")
+    ck = os.path.join(work, "checkpoint")
+    result = {"shape": a.shape, "batches": a.batches, "contexts": a.contexts, "new": a.new}
+    for part in ["make", "floor", "jax"] + ([] if a.no_hf else ["hf"]):
+        cmd = [sys.executable, "-m", "bench.gpu_decode", "--part", part, "--dir", ck, "--work", work,
+               "--shape", a.shape, "--batches", ",".join(map(str, a.batches)),
+               "--contexts", ",".join(map(str, a.contexts)), "--new", str(a.new),
+               "--prefill-tokens", str(a.prefill_tokens), "--json", a.json]
+        t0 = time.perf_counter()
+        rc = subprocess.run(cmd).returncode
+        print(f"gpu_decode: {part}: rc {rc} in {time.perf_counter() - t0:.0f} s", flush=True)
+        path = os.path.join(work, f"{part}.json")
+        result[part] = json.load(open(path)) if rc == 0 and os.path.exists(path) else {"error": f"rc {rc}"}
+        if rc != 0 and part in ("make", "floor"):
+            break
+    write(a.json, result)
+    print(json.dumps(result)[:3000])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
