@@ -1,9 +1,11 @@
-"""Candidate designs of paged decode attention's Triton kernel, timed against the product's on a GPU.
+"""Candidate designs of paged decode attention's Triton kernel, timed against the former product design on a GPU.
 
-On an H200 the product kernel (pallas_kernels/paged_attention.py) reads K/V at 59-62% of HBM bandwidth and no
-launch parameter moves it (bench/results/kernel_tune_h200.json); the goal is 80%. Three changes of design, alone
-and in pairs, for `python -m bench.kernel_tune --sweeps candidates` to time in one run beside the product's
-design (the defaults: all off, the product kernel's body and grid):
+On an H200 the former product kernel (64-token tiles, two warps, grid b-h-p) read K/V at 59-62% of HBM bandwidth
+and no launch parameter moved it (bench/results/kernel_tune_h200.json). Three changes of design, alone and in
+pairs, for `python -m bench.kernel_tune --sweeps candidates` to time in one run beside that design (the
+defaults: all off). `prefetch` with one page per tile and one warp won on both of the sweep's shapes
+(`../shared/gpu/h200-2026-11-28/kernel_tune_candidates.json`) and is now the product kernel's design
+(pallas_kernels/paged_attention.py); the others stay here to be measured again:
 
   prefetch  each program loads the next key tile's K and V before it attends over the current one (they ride
             in the loop's carry), so a tile's loads are in flight while the previous tile is computed. Triton's
@@ -19,8 +21,7 @@ design (the defaults: all off, the product kernel's body and grid):
 
 The function takes `paged_attention`'s arguments (and returns its result) so the sweep and the tests use the
 product's reference, cases and tolerance. Sinks are not supported with `fused` (a ValueError); compiled, `heads`
-needs KV heads x the (padded) group a power of two. The winner, if any, replaces the product kernel's body; until
-then nothing in the product imports this module.
+needs KV heads x the (padded) group a power of two. Nothing in the product imports this module.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.flash_attention import NEG, online_softmax_step, pad_group, require_gpu_dims, triton_params
 from pallas_kernels.merge import add_sinks, merge_partials, normalize
-from pallas_kernels.paged_attention import GPU_LAUNCH, GRID_ORDER, _pages, _pow2_parts, gqa_args
+from pallas_kernels.paged_attention import _pages, _pow2_parts, gqa_args
+
+GPU_LAUNCH, GRID_ORDER, TILE_TOKENS = (2, 1), "bhp", 64  # the former product design, the sweep's baseline
 
 
 def _columns(ref, ids, lo: int, width: int):
@@ -170,7 +173,7 @@ def paged_attention(q, pool, block_tables, lengths, *, layer, sliding_window=Non
             raise ValueError("fused: sinks are not supported")
         if pages_per_partition is not None and pages_per_partition < W:
             raise ValueError(f"fused: pages_per_partition {pages_per_partition} must cover the table's {W} blocks")
-    ppt, ppp = _pages(pool.shape[3], W, pages_per_tile, None if fused else pages_per_partition)
+    ppt, ppp = _pages(pool.shape[3], W, pages_per_tile, None if fused else pages_per_partition, TILE_TOKENS)
     if fused:  # one partition: the table's tiles
         ppp = -(-W // ppt) * ppt
     if sorted(grid_order) != ["b", "h", "p"]:

@@ -8,7 +8,12 @@ latent itself. A request's tokens live in the blocks of its block-table row: tok
 table[t // block_size] at offset t % block_size. The kernels read blocks in place: no gather of the pool.
 
 Grid (B, Hkv, P): program (b, h, p) takes the G = Hq / Hkv query heads of KV head h as a [G, Dk] matrix and
-walks partition p of the block table in tiles of `pages_per_tile` blocks (online softmax in float32). The
+walks partition p of the block table in tiles of `pages_per_tile` blocks (online softmax in float32). GQA
+decode prefetches: each program loads the next tile's K and V before it attends over the current one (they ride
+in the loop's carry), with one page per tile and one warp (the design that won bench/paged_candidates.py's
+sweep on an H200: 2.84 against 2.57 TB/s at 32 requests x 2K, 3.65 against 3.44 at 64 x 8K,
+`../shared/gpu/h200-2026-11-28/kernel_tune_candidates.json`); MLA's wide latent keeps its 64-token tiles without
+the prefetch (its tile would not fit the carry's registers). The
 partitions are the split-KV ("flash decoding") form: each returns an unnormalised (O, m, l) triple and
 merge.py combines them (BanaServe eqs. 6-10); sinks join the merge as a part with no value. With a sliding
 window, tiles wholly before the window are skipped. Slots with length 0 give zeros.
@@ -31,10 +36,12 @@ from jax.experimental import pallas as pl
 from .flash_attention import NEG, online_softmax_step, pad_group, ref_batched_attention, require_gpu_dims, triton_params
 from .merge import add_sinks, merge_partials, normalize
 
-TILE_TOKENS = 64  # keys per tile: pages_per_tile = max(1, TILE_TOKENS // block_size)
+TILE_TOKENS = 16  # GQA decode's keys per tile: pages_per_tile = max(1, TILE_TOKENS // block_size)
+MLA_TILE_TOKENS = 64  # MLA's
 MAX_PARTITIONS = 4
-GPU_LAUNCH = (2, 1)  # Triton warps and pipeline stages (tiles, partitions and these: bench/kernel_tune.py)
-GRID_ORDER = "bhp"  # the grid's axes in order (b requests, h KV heads, p partitions); the first varies fastest
+GPU_LAUNCH = (1, 1)  # GQA decode's Triton warps and pipeline stages (bench/kernel_tune.py --sweeps candidates)
+MLA_LAUNCH = (2, 1)  # MLA's
+GRID_ORDER = "bph"  # the grid's axes in order (b requests, h KV heads, p partitions); the first varies fastest
 
 
 def _pow2_parts(n: int) -> tuple:
@@ -57,7 +64,8 @@ def _columns(ref, ids, lo: int, width: int, tk: int):
 
 
 def _paged_kernel(len_ref, tbl_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block_size: int, ppt: int,
-                  ppp: int, k_parts: tuple, v_lo: int, v_hi: int, scale: float, window: int | None, grid_order: str):
+                  ppp: int, k_parts: tuple, v_lo: int, v_hi: int, scale: float, window: int | None, grid_order: str,
+                  prefetch: bool):
     # len_ref [B] int32; tbl_ref [Wp] int32; q_ref [G, Dk]; k_ref, v_ref [NB, bs, D];
     # o_ref [G, Dv] float32; m_ref, l_ref [G] float32
     b, p = pl.program_id(grid_order.index("b")), pl.program_id(grid_order.index("p"))
@@ -71,22 +79,32 @@ def _paged_kernel(len_ref, tbl_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
     tile_hi = jnp.where(page_hi > page_lo, (page_hi + ppt - 1) // ppt, tile_lo)
     tk = ppt * block_size
 
-    def body(j, carry):
-        m, l, acc = carry
+    def load(j):  # tile j's key column parts [tk, w] and values [tk, Dv]
         ids = tbl_ref[pl.ds(j * ppt, ppt)]
-        s = sum(jax.lax.dot_general(q, _columns(k_ref, ids, lo, w, tk), (((1,), (1,)), ((), ())),
-                                    preferred_element_type=jnp.float32) for q, (lo, w) in zip(qs, k_parts)) * scale
+        return tuple(_columns(k_ref, ids, lo, w, tk) for lo, w in k_parts), _columns(v_ref, ids, v_lo, Dv, tk)
+
+    def attend(j, carry, tile):
+        ks, v = tile
+        s = sum(jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+                for q, k in zip(qs, ks)) * scale
         pos = j * tk + jax.lax.broadcasted_iota(jnp.int32, (1, tk), 1)
         mask = (pos < n) & (pos >= tok_lo)  # [1, tk]
-        return online_softmax_step(m, l, acc, s, mask, _columns(v_ref, ids, v_lo, v_hi - v_lo, tk))
+        return online_softmax_step(*carry, s, mask, v)
 
     init = (jnp.full((G,), NEG, jnp.float32), jnp.zeros((G,), jnp.float32), jnp.zeros((G, Dv), jnp.float32))
-    m, l, acc = jax.lax.fori_loop(tile_lo, tile_hi, body, init)
+    if prefetch:  # the next tile's loads issued before this tile's products (the last reloads its own: L2)
+        def body(j, carry):
+            ahead = load(jnp.minimum(j + 1, tile_hi - 1))
+            return attend(j, carry[:3], carry[3]) + (ahead,)
+        m, l, acc, _ = jax.lax.fori_loop(tile_lo, tile_hi, body, init + (load(tile_lo),))
+    else:
+        m, l, acc = jax.lax.fori_loop(tile_lo, tile_hi, lambda j, c: attend(j, c, load(j)), init)
     o_ref[...], m_ref[...], l_ref[...] = acc, m, l
 
 
-def _pages(block_size: int, W: int, pages_per_tile: int | None, pages_per_partition: int | None):
-    ppt = pages_per_tile or max(1, TILE_TOKENS // block_size)
+def _pages(block_size: int, W: int, pages_per_tile: int | None, pages_per_partition: int | None,
+           tile_tokens: int = TILE_TOKENS):
+    ppt = pages_per_tile or max(1, tile_tokens // block_size)
     if pages_per_partition is None:
         tiles = -(-W // ppt)
         pages_per_partition = -(-tiles // min(tiles, MAX_PARTITIONS)) * ppt
@@ -96,10 +114,12 @@ def _pages(block_size: int, W: int, pages_per_tile: int | None, pages_per_partit
 
 
 @functools.partial(jax.jit, static_argnames=("layer", "k_dim", "v_entry", "v_lo", "v_hi", "scale", "window", "ppt",
-                                             "ppp", "interpret", "num_warps", "num_stages", "grid_order"))
+                                             "ppp", "interpret", "num_warps", "num_stages", "grid_order", "prefetch",
+                                             "launch"))
 def _paged(q, pool, block_tables, lengths, sinks, *, layer: int, k_dim: int, v_entry: int, v_lo: int, v_hi: int,
            scale: float, window: int | None, ppt: int, ppp: int, interpret: bool, num_warps: int | None = None,
-           num_stages: int | None = None, grid_order: str = GRID_ORDER):
+           num_stages: int | None = None, grid_order: str = GRID_ORDER, prefetch: bool = True,
+           launch: tuple = GPU_LAUNCH):
     """q [B, Hq, Dk]; pool [NB, L, E, bs, Hkv, D]; block_tables [B, W]; lengths [B]; sinks [Hq] or None
     -> [B, Hq, v_hi - v_lo] in q's dtype"""
     B, Hq, Dk = q.shape
@@ -116,7 +136,7 @@ def _paged(q, pool, block_tables, lengths, sinks, *, layer: int, k_dim: int, v_e
     if sorted(grid_order) != ["b", "h", "p"]:
         raise ValueError(f"grid_order must order the letters b, h and p, got {grid_order!r}")
     kernel = functools.partial(_paged_kernel, block_size=bs, ppt=ppt, ppp=ppp, k_parts=k_parts, v_lo=v_lo, v_hi=v_hi,
-                               scale=scale, window=window, grid_order=grid_order)
+                               scale=scale, window=window, grid_order=grid_order, prefetch=prefetch)
 
     def at(f):  # an index map over (b, h, p) as one over the grid's axes
         return lambda *ids: f(*(ids[grid_order.index(c)] for c in "bhp"))
@@ -139,7 +159,7 @@ def _paged(q, pool, block_tables, lengths, sinks, *, layer: int, k_dim: int, v_e
                    jax.ShapeDtypeStruct((B, Hkv, P, G), jnp.float32),
                    jax.ShapeDtypeStruct((B, Hkv, P, G), jnp.float32)],
         interpret=interpret,
-        compiler_params=triton_params(interpret, num_warps, num_stages, GPU_LAUNCH),
+        compiler_params=triton_params(interpret, num_warps, num_stages, launch),
         name="paged_attention",
     )(lengths.astype(jnp.int32), table, qg, pool, pool)
     o, m, l = merge_partials(o[..., :G_out, :], m[..., :G_out], l[..., :G_out], axis=2)  # [B, Hkv, G_out, (Dv)]
@@ -196,7 +216,7 @@ def paged_attention(q, pool, block_tables, lengths, *, layer, sliding_window=Non
     int32; lengths [B] int32 tokens in the cache including the query's own (it sits at position lengths - 1;
     0 marks an empty slot); layer: index within the group; sliding_window: the query sees the last
     `sliding_window` positions including itself; sinks [Hq] float32; scale defaults to Dk**-0.5;
-    num_warps, num_stages: the Triton launch parameters on a GPU (None: GPU_LAUNCH, tuned on an H100);
+    num_warps, num_stages: the Triton launch parameters on a GPU (None: GPU_LAUNCH, swept on an H200);
     grid_order: the order of the launch grid's axes (GRID_ORDER); total_blocks: read by the reference only (see
     the module docstring)
     -> [B, Hq, Dv] in q's dtype
@@ -336,9 +356,10 @@ def paged_mla_attention(q, pool, block_tables, lengths, *, layer, kv_lora_rank, 
     del total_blocks
     _views(q, pool, block_tables, lengths, layer)
     _check_mla(q, pool, kv_lora_rank)
-    ppt, ppp = _pages(pool.shape[3], block_tables.shape[1], pages_per_tile, pages_per_partition)
+    ppt, ppp = _pages(pool.shape[3], block_tables.shape[1], pages_per_tile, pages_per_partition, MLA_TILE_TOKENS)
     return _paged(q, pool, block_tables, lengths, None, layer=int(layer), k_dim=q.shape[2], v_entry=0, v_lo=0,
-                  v_hi=int(kv_lora_rank), scale=float(scale), window=None, ppt=ppt, ppp=ppp, interpret=bool(interpret))
+                  v_hi=int(kv_lora_rank), scale=float(scale), window=None, ppt=ppt, ppp=ppp, interpret=bool(interpret),
+                  grid_order="bhp", prefetch=False, launch=MLA_LAUNCH)
 
 
 def ref_paged_mla_attention(q, pool, block_tables, lengths, *, layer, kv_lora_rank, scale, interpret=False,
