@@ -58,6 +58,9 @@ class EngineSection(_Strict):
         "auto", description="Pallas kernels (GPU), native C++ kernels (CPU) or jnp references; auto: pallas on a "
         "GPU, native elsewhere, each kernel the model uses checked against its reference at start-up and one that "
         "fails run as the reference; pallas, native: such a kernel stops the start")
+    overlap: bool = Field(True, description="while the device runs a steady decode step, dispatch the next one "
+                          "before reading its tokens (asynchronous scheduling: a request's extra token after its "
+                          "end is dropped); false: every step waits for its tokens")
     warmup: bool = Field(True, description="compile the decode programs before serving")
     compilation_cache: str | None = Field(
         "~/.cache/jaxserve/xla", description="XLA's persistent compilation cache directory: a restart compiles "

@@ -34,6 +34,7 @@ from ..structured import GuidedError, Grammars
 from ..tokenizer import Tokenizer
 from .client import RequestError, encode
 from .memory import MAX_DEFAULT_SEQS, activation_bytes, size_cache
+from . import overlap
 from .migration import Guests, MigrationError, RemoteFailed, facts as migration_facts, plan_move, start_move
 from .runner import DecodeRow, ModelRunner, PrefillRow, Prefix
 from .scheduler import Scheduler, SchedulerConfig
@@ -99,6 +100,7 @@ class EngineConfig:
     spill_dir: str | None = None  # a disk tier for cached blocks evicted from the pool (cache/disk_tier.py) ...
     spill_mb: int | None = None  # ... of at most this size
     compilation_cache: str | None = XLA_CACHE  # XLA's persistent compilation cache (None: off)
+    overlap: bool = True  # dispatch a steady decode step before reading the one in flight (engine/overlap.py)
 
     def __post_init__(self):
         if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
@@ -196,6 +198,9 @@ class LLMEngine:
         self._move_facts: tuple | None = None  # (migration facts that do not change)
         self.moves = {"started": 0, "failed": 0, "calls": 0}  # moves from here, their helpers' calls, failures
         self._grammars: Grammars | None = None
+        self._ahead: overlap.Ahead | None = None  # a decode step dispatched, not yet read (engine/overlap.py)
+        self._unreported: list[Sequence] = []  # requests changed outside a step (`_settle`): the next step's
+        self.overlapped = 0  # decode steps dispatched before the one in flight was read
 
     def _sized(self, cfg: EngineConfig, state, mesh) -> EngineConfig:
         """`cfg` with num_blocks (and max_num_seqs, when not configured) from memory (engine/memory.py)."""
@@ -477,14 +482,18 @@ class LLMEngine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._ahead is not None
 
     # ---- one iteration
     def step(self) -> list[Sequence]:
+        """One iteration -> the requests that changed (new tokens, finished). With a decode step in flight
+        (engine/overlap.py): the next one dispatched when the engine can step ahead, then the one in flight read."""
+        if self._ahead is not None:
+            return self._step_ahead()
         self.timer.begin()
         plan = self.scheduler.schedule()
         self.timer.mark("schedule")
-        changed: list[Sequence] = []
+        changed, self._unreported = self._unreported, []
         decoded = None  # the decode rows' tokens, when a mixed step computed them with the prefill chunks
         for seq in plan.preempted:  # recomputed from its tokens: whatever part of it ran on a helper ends
             seq.migration = None
@@ -558,7 +567,11 @@ class LLMEngine:
                     changed.append(c.seq)
             self.runner.insert(inserts)  # the step's new decoders' penalty state, in one program
             self.timer.mark("prefill.output")
-        if plan.decodes:
+        if plan.decodes and overlap.can_start(self, plan):  # left in flight: read at the next step
+            rows = self._decode_rows(local)
+            self._ahead = overlap.Ahead(local, rows, self.runner.dispatch(rows))
+            self.timer.mark("decode.prepare")
+        elif plan.decodes:
             got = dict(zip(local, decoded if decoded is not None else
                            self.runner.generate(self._decode_rows(local), masks=self._masks) if local else []))
             for out in {id(s.migration): s.migration for s in plan.decodes if s.migration is not None}.values():
@@ -573,6 +586,35 @@ class LLMEngine:
         self.timer.end("mixed" if plan.prefills and plan.decodes else "prefill" if plan.prefills
                        else "decode" if plan.decodes else "")
         return changed
+
+    def _step_ahead(self, go_on: bool = True) -> list[Sequence]:
+        """The step in flight read (and its tokens recorded) after the next one is dispatched, where the engine
+        can step ahead (and go_on); else it alone is read, and the next step runs synchronously."""
+        ahead, self._ahead = self._ahead, None
+        self.timer.begin()
+        nxt = overlap.next_rows(self, ahead) if go_on else None
+        self.timer.mark("schedule")
+        if nxt is not None:
+            seqs, rows = nxt
+            self._ahead = overlap.Ahead(seqs, rows, self.runner.dispatch(rows))
+            self.overlapped += 1
+            self.timer.mark("decode.prepare")
+        got = self.runner.collect(ahead.rows, ahead.out)
+        self.timer.mark("decode.device")
+        changed, self._unreported = self._unreported, []
+        for seq, g in zip(ahead.seqs, got):
+            if not seq.finished:  # (aborted meanwhile: its token is dropped)
+                self._append(seq, *g)
+                changed.append(seq)
+        self.timer.mark("decode.output")
+        self.timer.end("decode")
+        return changed
+
+    def _settle(self) -> None:
+        """Read the decode step in flight, if any, and record its tokens (the requests that changed are returned by
+        the next `step`): for what needs every running request's tokens on the host."""
+        if self._ahead is not None:
+            self._unreported = self._step_ahead(go_on=False)
 
     # ---- migration (engine/migration.py)
     def _fetch(self, seqs: list[Sequence], hi: int, k: int, deferred: set, spoiled: dict) -> None:
@@ -605,6 +647,7 @@ class LLMEngine:
         messages to it). Raises MigrationError for an impossible move (nothing decoding, heads or layers out of
         range, the helper refusing)."""
         spec = plan_move(self, kind, heads, layers)
+        self._settle()
         seqs = [s for s in self.scheduler.running if s.migration is None and s.handoff is None
                 and not s.awaiting_kv and not s.is_prefilling and s.output]
         if not seqs:

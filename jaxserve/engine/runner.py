@@ -55,7 +55,8 @@ from ..sampling import SamplingParams
 from ..structured import words
 from .migration import remote_hidden
 from .sampler import MAX_LOGPROBS, sample
-from .step_io import SLOT, pack_rows, pack_sampled, pack_sampling, read_sampled, sampling_tensors, unpack_decode
+from .step_io import (SLOT, pack_rows, pack_sampled, pack_sampling, read_sampled, sampled_tokens, sampling_tensors,
+                      unpack_decode, with_device_tokens)
 from .steptimer import StepTimer
 
 _IDLE = SamplingParams(temperature=0.0, seed=0)  # sampling parameters of the warm-up's requests
@@ -135,6 +136,7 @@ class DecodeRow:
     step: int
     snap_row: int | None = None  # also save the request-level state here (a block boundary during decode)
     request_id: str = ""
+    from_device: bool = False  # the input token is the one this slot's last decode step sampled, not yet read
 
 
 class ModelRunner:
@@ -179,6 +181,7 @@ class ModelRunner:
         # per-slot penalty state, one more row for the padding rows of a decode batch to write to
         self.prompt_mask = jnp.zeros((num_slots + 1, vocab_size), bool, device=sharding)
         self.out_counts = jnp.zeros((num_slots + 1, vocab_size), jnp.int32, device=sharding)
+        self.last_tokens = jnp.zeros((num_slots + 1,), jnp.int32, device=sharding)  # each slot's last decode token
         self.programs: set[tuple] = set()
         merge = lambda leaves: self.stack.merge(graphdef, jax.tree.unflatten(tree, leaves))  # noqa: E731
 
@@ -242,10 +245,13 @@ class ModelRunner:
             return out_counts.at[slots, tok].add((slots < num_slots).astype(jnp.int32)), pack_sampled(tok, lp, ids,
                                                                                                      tlp)
 
-        def step_fn(params, pool, prompt_mask, out_counts, x, allowed, *, total_blocks):
-            # a whole decode step: the model and sampling in one program -> (pool, counts, pack_sampled)
+        def step_fn(params, pool, prompt_mask, out_counts, last, x, allowed, *, total_blocks):
+            # a whole decode step: the model and sampling in one program -> (pool, counts, each slot's last
+            # sampled token [slots + 1], pack_sampled); rows marked FROM_DEVICE take their input token from `last`
+            x = with_device_tokens(x, last)
             pool, h = decode_fn(params, pool, x, None, total_blocks=total_blocks, remote=None)
-            return (pool, *sample_fn(params, h, prompt_mask, out_counts, x, allowed))
+            out_counts, out = sample_fn(params, h, prompt_mask, out_counts, x, allowed)
+            return pool, out_counts, last.at[x[:, SLOT]].set(sampled_tokens(out)), out
 
         def insert_fn(prompt_mask, out_counts, ids, masks):
             # slots ids[0] [k] start decoding after their first tokens ids[1] [k]; masks [k, V] their prompts'
@@ -256,7 +262,7 @@ class ModelRunner:
 
         self._prefill = jax.jit(prefill_fn, donate_argnums=(1,), static_argnames=("lo", "hi", "last"))
         self._decode = jax.jit(decode_fn, donate_argnums=(1,), static_argnames=("total_blocks", "remote"))
-        self._step = jax.jit(step_fn, donate_argnums=(1, 3), static_argnames=("total_blocks",))
+        self._step = jax.jit(step_fn, donate_argnums=(1, 3, 4), static_argnames=("total_blocks",))
         self._first = jax.jit(first_fn)
         self._sample = jax.jit(sample_fn, donate_argnums=(3,), static_argnames=("at",))
         self._insert = jax.jit(insert_fn, donate_argnums=(0, 1))
@@ -488,8 +494,19 @@ class ModelRunner:
         the model and sampling are two programs, the helper's answers checked between them); raises RemoteFailed
         (nothing sampled) when the helper failed during the step. masks: as `prefill`'s, for the rows, called
         before the step is dispatched (a row's mask follows its last token)."""
+        out = self.dispatch(rows, remote, masks)
+        got = self.collect(rows, out)
+        self.timer.mark("decode.device")
+        return got
+
+    def dispatch(self, rows: list[DecodeRow], remote=None, masks=None) -> jax.Array:
+        """`generate`'s step dispatched, not read: its sampled tokens on the device (`collect` reads them). A
+        row with from_device set takes as input the token its slot's previous decode step sampled (engine/
+        overlap.py: that step's result not yet read)."""
         if not 0 < len(rows) <= self.num_slots:
             raise ValueError(f"decode takes 1..{self.num_slots} rows, got {len(rows)}")
+        if remote is not None and any(r.from_device for r in rows):
+            raise ValueError("a decode step with a helper takes its input tokens from the host")
         B = self.decode_batch(len(rows))
         bs = self.layout.block_size
         used = [-(-(r.position + 1) // bs) for r in rows]  # blocks each row attends over
@@ -508,17 +525,20 @@ class ModelRunner:
         self.programs.add(("decode", B, 1, W, M) + ((remote.spec,) if remote else ()))
         self.timer.mark("decode.prepare")
         if remote is None:
-            self.pool, self.out_counts, out = self._step(self._leaves, self.pool, self.prompt_mask, self.out_counts,
-                                                         x, allowed, total_blocks=M)
+            self.pool, self.out_counts, self.last_tokens, out = self._step(
+                self._leaves, self.pool, self.prompt_mask, self.out_counts, self.last_tokens, x, allowed,
+                total_blocks=M)
         else:
             self.pool, h = self._decode(self._leaves, self.pool, x, mig, total_blocks=M, remote=remote.spec)
             jax.block_until_ready(h)
             remote.check()  # the helper answered every call of the step (else nothing is sampled)
             self.programs.add(("sample", B, 0))
             self.out_counts, out = self._sample(self._leaves, h, self.prompt_mask, self.out_counts, x, allowed)
-        got = self._sampled(rows, out)
-        self.timer.mark("decode.device")
-        return got
+        return out
+
+    def collect(self, rows: list[DecodeRow], out: jax.Array) -> list[tuple[int, float, list[tuple[int, float]]]]:
+        """Per row of a dispatched step (token, logprob, top logprobs): waits for it, one read."""
+        return self._sampled(rows, out)
 
     def _allowed(self, B: int, masks, rows: list) -> jax.Array:
         """[B, mask_words] int32 next-token bitmasks for the B rows a sampler runs, the first len(rows) from

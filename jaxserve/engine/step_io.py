@@ -23,7 +23,8 @@ from .sampler import MAX_LOGPROBS, SamplingTensors
 TOKEN, POSITION, LENGTH, STATE_ROW, SNAP_ROW, SLOT, STEP, TOP_K, SEED, TOP = range(10)
 # float32 columns, bit-cast
 TEMPERATURE, TOP_P, MIN_P, REPETITION, PRESENCE, FREQUENCY = range(10, 16)
-COLS = 16  # then the block table's W columns
+FROM_DEVICE = 16  # 1: the row's input token is the one its slot sampled last on the device (engine/overlap.py)
+COLS = 17  # then the block table's W columns
 _FLOAT_PADDING = (0.0, 1.0, 0.0, 1.0, 0.0, 0.0)  # a padding row samples greedily, no penalties
 
 
@@ -33,16 +34,18 @@ def _seed(p) -> int:
 
 
 def pack_rows(rows: list, B: int, W: int, *, scratch: int, spare: int, tables: list | None = None) -> np.ndarray:
-    """[B, COLS + W] int32 for rows with .token, .position, .slot, .params, .step and .snap_row (None: none):
-    row i of the first len(rows); the rest padding (state rows `scratch`, penalty slot `spare`, length 0).
+    """[B, COLS + W] int32 for rows with .token, .position, .slot, .params, .step, .snap_row (None: none) and
+    .from_device: row i of the first len(rows); the rest padding (state rows `scratch`, penalty slot `spare`,
+    length 0).
     tables: each row's block ids (at most W of them), written after the COLS columns."""
     out = np.zeros((B, COLS + W), np.int32)
     out[:, STATE_ROW:SLOT + 1] = (scratch, scratch, spare)
-    floats = out[:, TEMPERATURE:COLS].view(np.float32)
+    floats = out[:, TEMPERATURE:FREQUENCY + 1].view(np.float32)
     floats[:] = _FLOAT_PADDING
     n = len(rows)
     if n:
-        out[:n, :COLS - 6] = [(r.token, r.position, 1, r.slot, scratch if r.snap_row is None else r.snap_row, r.slot,
+        out[:n, FROM_DEVICE] = [r.from_device for r in rows]
+        out[:n, :TOP + 1] = [(r.token, r.position, 1, r.slot, scratch if r.snap_row is None else r.snap_row, r.slot,
                                r.step, r.params.top_k, _seed(r.params), r.params.logprobs or 0) for r in rows]
         floats[:n] = [(p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
                        p.frequency_penalty) for p in (r.params for r in rows)]
@@ -56,7 +59,7 @@ def pack_sampling(params: list, steps: list[int], B: int, *, spare: int) -> np.n
     len(params) sample with those parameters at output index steps[i], the rest are greedy padding."""
     out = np.zeros((B, COLS), np.int32)
     out[:, SLOT] = spare
-    floats = out[:, TEMPERATURE:COLS].view(np.float32)
+    floats = out[:, TEMPERATURE:FREQUENCY + 1].view(np.float32)
     floats[:] = _FLOAT_PADDING
     n = len(params)
     if n:
@@ -68,9 +71,20 @@ def pack_sampling(params: list, steps: list[int], B: int, *, spare: int) -> np.n
 
 def sampling_tensors(x: jax.Array) -> SamplingTensors:
     """The sampler's tensors from a packed [B, >= COLS] int32 array (inside a program)."""
-    f = jax.lax.bitcast_convert_type(x[:, TEMPERATURE:COLS], jnp.float32)
+    f = jax.lax.bitcast_convert_type(x[:, TEMPERATURE:FREQUENCY + 1], jnp.float32)
     return SamplingTensors(f[:, 0], f[:, 1], x[:, TOP_K], f[:, 2], f[:, 3], f[:, 4], f[:, 5],
                            jax.lax.bitcast_convert_type(x[:, SEED], jnp.uint32), x[:, STEP], x[:, TOP])
+
+
+def with_device_tokens(x: jax.Array, last: jax.Array) -> jax.Array:
+    """x [B, COLS + W] with the TOKEN of each FROM_DEVICE row taken from last [slots + 1], the token its slot
+    sampled last (inside a program)."""
+    return x.at[:, TOKEN].set(jnp.where(x[:, FROM_DEVICE] > 0, last[x[:, SLOT]], x[:, TOKEN]))
+
+
+def sampled_tokens(out: jax.Array) -> jax.Array:
+    """The tokens [B] int32 of `pack_sampled`'s array (inside a program)."""
+    return jax.lax.bitcast_convert_type(out[:, 0], jnp.int32)
 
 
 def unpack_decode(x: jax.Array):

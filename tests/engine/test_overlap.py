@@ -1,0 +1,127 @@
+"""The overlapped decode loop (engine/overlap.py) gives the synchronous loop's outputs: per family, with end-of-
+sequence and stop tokens, max_tokens of every length, seeded sampling with n > 1 and logprobs, a repetition
+penalty, prefix caching, a tight pool (preemption), an abort mid-stream, stop strings and a constrained request
+beside free ones; the next step is dispatched before the one in flight is read; no block is left referenced."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.engine.llm_engine import EngineConfig
+from jaxserve.structured import Guided
+
+CFG = EngineConfig(block_size=4, num_blocks=96, chunk_size=8, max_num_batched_tokens=16, max_prefill_seqs=2,
+                   max_num_seqs=6, num_snapshots=8, prefix_caching=True)
+BASE = [5, 7, 9, 11, 13, 2, 3, 4, 8, 10, 12, 14, 15, 6, 16, 17, 18, 19, 20, 21, 22]
+
+
+def workload(rng):
+    """(prompt, params) pairs: shared prefixes, every max_tokens from 1, EOS honoured or not, stop tokens,
+    seeded sampling with logprobs and n = 2, a repetition penalty."""
+    out = []
+    for i in range(14):
+        prompt = BASE[:3 + i] if i % 3 else rng.integers(3, 200, 5 + i).tolist()
+        p = dict(max_tokens=1 + i % 7 * 3, temperature=0.0, ignore_eos=i % 2 == 0)
+        if i % 4 == 1:
+            p.update(temperature=0.9, top_p=0.9, seed=i, logprobs=2, n=2 if i == 5 else 1)
+        if i % 5 == 2:
+            p.update(stop_token_ids=(int(rng.integers(3, 200)),), repetition_penalty=1.3)
+        out.append((prompt, SamplingParams(**p)))
+    return out
+
+
+def run(llm, items, abort_at: int | None = None) -> list:
+    """Every request added at once, stepped to the end (the third aborted once it has `abort_at` tokens) -> per
+    sequence (tokens, finish reason, logprobs)."""
+    eng = llm.engine
+    seqs = [s for i, (prompt, p) in enumerate(items) for s in eng.add_request(f"q{i}", prompt, p)]
+    while eng.has_work:
+        eng.step()
+        if abort_at is not None and len(seqs[2].output) >= abort_at and not seqs[2].finished:
+            eng.abort(seqs[2].request_id)
+    for s in seqs:
+        eng.release(s)
+    eng.blocks.check()
+    assert eng.blocks.num_referenced() == 0 and not eng.scheduler.running
+    return [(s.output, s.finish_reason, s.logprobs) for s in seqs]
+
+
+def same(a: list, b: list) -> bool:
+    """Equal tokens, finish reasons and top-logprob ids; logprobs within 1e-4 (a row's last bits follow the batch
+    it ran in, as in the synchronous loop)."""
+    for (ta, ra, la), (tb, rb, lb) in zip(a, b, strict=True):
+        assert (ta, ra) == (tb, rb) and len(la) == len(lb)
+        for (x, tops_a), (y, tops_b) in zip(la, lb):
+            assert [t for t, _ in tops_a] == [t for t, _ in tops_b]
+            np.testing.assert_allclose([x] + [v for _, v in tops_a], [y] + [v for _, v in tops_b], atol=1e-4)
+    return True
+
+
+def both(path, cfg, items, **kw):
+    sync = LLM(path, progress=False, engine=dataclasses.replace(cfg, overlap=False))
+    over = LLM(path, progress=False, engine=dataclasses.replace(cfg, overlap=True))
+    a, b = run(sync, items, **kw), run(over, items, **kw)
+    return a, b, sync.engine, over.engine
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "deepseek_v3"])
+def test_overlapped_outputs_are_the_synchronous_ones(checkpoint_dir, family):
+    items = workload(np.random.default_rng(0))
+    a, b, sync, over = both(checkpoint_dir(family), CFG, items)
+    assert same(a, b)
+    assert sync.overlapped == 0 and over.overlapped > 10  # the steady decode steps ran ahead
+    assert {r for _, r, _ in b} == {"stop", "length"}
+
+
+def test_preemption_and_an_abort_mid_stream(checkpoint_dir):
+    items = [(p, dataclasses.replace(sp, max_tokens=sp.max_tokens + 10)) for p, sp in
+             workload(np.random.default_rng(1))]
+    tight = dataclasses.replace(CFG, num_blocks=16, prefix_caching=False)
+    a, b, sync, over = both(checkpoint_dir("llama"), tight, items, abort_at=3)
+    assert same(a, b) and over.overlapped > 0
+    assert sync.scheduler.num_preemptions > 0 and over.scheduler.num_preemptions > 0
+    assert a[2][1] == "abort" and len(a[2][0]) == 3
+
+
+def test_a_hybrid_model_steps_synchronously(checkpoint_dir):
+    items = workload(np.random.default_rng(2))[:6]
+    a, b, _, over = both(checkpoint_dir("qwen3_next"), CFG, items)
+    assert same(a, b) and over.overlapped == 0  # request-level state: no step ahead
+
+
+def test_the_next_step_is_dispatched_before_the_one_in_flight_is_read(checkpoint_dir, monkeypatch):
+    llm = LLM(checkpoint_dir("llama"), progress=False, engine=CFG)
+    runner, log = llm.engine.runner, []
+    for name in ("dispatch", "collect"):
+        f = getattr(runner, name)
+        monkeypatch.setattr(runner, name, lambda *a, _f=f, _n=name, **k: (log.append(_n), _f(*a, **k))[1])
+    llm.generate([BASE[:5]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    # the first decode step is left in flight; each later one dispatched before its predecessor is read
+    assert "".join(x[0] for x in log) == "d" + "dc" * 4 + "c"
+
+
+def test_stop_strings_and_a_constrained_request_beside_free_ones(smollm2_dir):
+    cfg = EngineConfig(num_blocks=128, max_num_seqs=4, num_snapshots=0, compilation_cache=None)
+    sync = LLM(smollm2_dir, progress=False, engine=dataclasses.replace(cfg, overlap=False))
+    over = LLM(smollm2_dir, progress=False, engine=cfg)
+    schema = '{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}'
+    items = [("The capital of France is", SamplingParams(max_tokens=24, temperature=0, stop=(".", " and"))),
+             ("Count: one, two, three,", SamplingParams(max_tokens=20, temperature=0, stop=(" six",))),
+             ("Give a JSON number:", SamplingParams(max_tokens=12, temperature=0, guided=Guided("json", schema))),
+             ("Once upon a time", SamplingParams(max_tokens=16, temperature=0))]
+    outs = []
+    for llm in (sync, over):
+        eng = llm.engine
+        seqs = [eng.add_request(f"s{i}", p, sp)[0] for i, (p, sp) in enumerate(items)]
+        while eng.has_work:
+            eng.step()
+        outs.append([(s.output, s.detok.text, s.finish_reason) for s in seqs])
+        for s in seqs:
+            eng.release(s)
+    assert outs[0] == outs[1]
+    assert outs[1][0][2] == "stop" and not outs[1][0][1].endswith(".")  # cut before the stop string
+    assert over.engine.overlapped > 0  # steps ran ahead once the constrained request had finished
