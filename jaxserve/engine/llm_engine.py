@@ -2,7 +2,10 @@
 
 `LLMEngine` owns the model, the block manager, the scheduler and the device programs (`ModelRunner`);
 `step()` runs one iteration and returns the requests that changed. Detokenisation is incremental per
-request; stop strings are matched on the text and the text is cut before them. Single-threaded: the offline
+request, constant work per token (engine/detokenizer.py); stop strings are matched on the text and the text is cut
+before them. A steady decode step is left in flight and read after the next is dispatched (engine/overlap.py).
+The module is over 600 lines: the disaggregated and prefix-move entry points stay beside the loop they feed until
+the engine's KV connector takes them (the seams issue). Single-threaded: the offline
 `LLM` calls it directly, the server drives it from one engine thread (async_engine.py).
 """
 
@@ -33,6 +36,7 @@ from ..sampling import SamplingParams
 from ..structured import GuidedError, Grammars
 from ..tokenizer import Tokenizer
 from .client import RequestError, encode
+from .detokenizer import Detokenizer
 from .memory import MAX_DEFAULT_SEQS, activation_bytes, size_cache
 from . import overlap
 from .migration import Guests, MigrationError, RemoteFailed, facts as migration_facts, plan_move, start_move
@@ -763,41 +767,3 @@ class LLMEngine:
                 **{f"prefix_loads_{k}": v for k, v in self.prefix_loads.items()},
                 **migration_facts(self, used), **(b.spill.stats() if b.spill is not None else {})}
 
-
-class Detokenizer:
-    """Incremental text of one request: `text` is what may be shown now; stop strings end it.
-
-    Text that could still turn into a stop string, or that ends in an incomplete UTF-8 character, is held
-    back until it cannot."""
-
-    def __init__(self, tokenizer: Tokenizer | None, stop: tuple[str, ...]):
-        self.tok, self.stop = tokenizer, stop
-        self.ids: list[int] = []
-        self.full = ""
-        self.text = ""
-        self.stopped = False
-
-    def add(self, tok: int) -> bool:
-        """Append a token; True when a stop string was hit (the text is cut before it)."""
-        if self.tok is None:
-            return False
-        self.ids.append(tok)
-        self.full = self.tok.decode(self.ids)
-        for s in self.stop:
-            i = self.full.find(s)
-            if i >= 0:
-                self.text, self.stopped = self.full[:i], True
-                return True
-        hold = max((len(s) - 1 for s in self.stop), default=0)
-        visible = self.full[:len(self.full) - hold] if hold else self.full
-        if visible.endswith("\ufffd"):
-            visible = visible.rstrip("\ufffd")
-        if len(visible) > len(self.text):
-            self.text = visible
-        return False
-
-    def finish(self) -> None:
-        """The request ended: show everything held back (a stop token is never added, so no text of it)."""
-        if self.tok is None or self.stopped:
-            return
-        self.text = self.tok.decode(self.ids)

@@ -35,7 +35,7 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
-    detok: object = None  # llm_engine.Detokenizer
+    detok: object = None  # engine/detokenizer.py Detokenizer
     awaiting_kv: bool = False  # decode side of a disaggregated request: blocks reserved, KV not yet arrived
     handoff: object = None  # prefill side: disagg.prefill_side.Handoff, sends the KV instead of decoding here
     decode_snapshot: int | None = None  # this decode step also saves its request-level state in this row
