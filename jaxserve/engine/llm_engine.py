@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import jax
 import numpy as np
+from flax import nnx
 
 from pallas_kernels import check
 from pallas_kernels.select import MODES, mode_of, resolve as resolve_kernels
@@ -30,15 +31,16 @@ from ..cache.layout import PoolLayout
 from ..checkpoint import load_any
 from ..models.cache_spec import cache_spec
 from ..models.config import load_config
+from ..models.fuse import fuse
 from ..models.model import kernel_cases, model_graphdef
 from ..models.stack import LayerStack, layer_runs
 from ..sampling import SamplingParams
 from ..structured import GuidedError, Grammars
 from ..tokenizer import Tokenizer
+from . import overlap
 from .client import RequestError, encode
 from .detokenizer import Detokenizer
 from .memory import MAX_DEFAULT_SEQS, activation_bytes, size_cache
-from . import overlap
 from .migration import Guests, MigrationError, RemoteFailed, facts as migration_facts, plan_move, start_move
 from .runner import DecodeRow, ModelRunner, PrefillRow, Prefix
 from .scheduler import Scheduler, SchedulerConfig
@@ -151,7 +153,12 @@ class LLMEngine:
             kernels, kernel_cases(self.model_config, self.dtype, cfg.block_size), progress)
         for why in self.kernel_fallbacks.values():
             log.warning("kernel replaced by its jnp reference: %s", why)
-        self.graphdef = model_graphdef(self.model_config, self.dtype, self.kernels)
+        # Q/K/V and gate/up as one product each (models/fuse.py): the state loaded is the model's from here
+        net = nnx.merge(model_graphdef(self.model_config, self.dtype, self.kernels), state)
+        del state
+        self.fused = fuse(net, mesh.shape.get("tp", 1) if mesh is not None else 1)
+        self.graphdef, state = nnx.split(net)
+        del net
         self.tokenizer = Tokenizer.maybe_load(model)
         bs = cfg.block_size
         self.max_model_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,

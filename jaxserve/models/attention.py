@@ -147,14 +147,17 @@ class GQAAttention(nnx.Module):
     def __call__(self, x, batch: Batch, cache: dict):  # x [B, T, hidden], or [1, N, hidden] packed
         s = self.spec
         B, T, _ = x.shape
-        q = self.q_proj(x)
+        if hasattr(self, "qkv"):  # fused at load (models/fuse.py)
+            q, k, v = self.qkv(x)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         gate = None
         if s.output_gate:
             q, gate = jnp.split(q.reshape(B, T, s.num_heads, 2 * s.head_dim), 2, axis=-1)
             gate = gate.reshape(B, T, -1)
         q = q.reshape(B, T, s.num_heads, s.head_dim)
-        k = self.k_proj(x).reshape(B, T, s.num_kv_heads, s.head_dim)
-        v = self.v_proj(x).reshape(B, T, s.num_kv_heads, s.v_head_dim)
+        k = k.reshape(B, T, s.num_kv_heads, s.head_dim)
+        v = v.reshape(B, T, s.num_kv_heads, s.v_head_dim)
         if s.v_scale != 1.0:
             v = v * jnp.asarray(s.v_scale, v.dtype)
         if s.qk_norm:

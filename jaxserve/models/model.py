@@ -195,15 +195,18 @@ def kernel_cases(cfg: ModelConfig, dtype, block_size: int) -> list[Case]:
     hidden = cfg.hidden_size  # the LM head's product on part of the vocabulary: its lowering is the same
     cases = {Case.of("matmul", K=hidden, N=min(cfg.vocab_size, 4096), transposed=cfg.tie_word_embeddings, dtype=dtype)}
     for spec in (layer.mlp for layer in cfg.layers):
-        if isinstance(spec, MLPSpec):
-            cases |= {Case.of("matmul", K=hidden, N=spec.intermediate_size, transposed=False, dtype=dtype),
+        if isinstance(spec, MLPSpec):  # gate and up fused (models/fuse.py), and down
+            cases |= {Case.of("matmul", K=hidden, N=2 * spec.intermediate_size, transposed=False, dtype=dtype),
                       Case.of("matmul", K=spec.intermediate_size, N=hidden, transposed=False, dtype=dtype)}
     for spec in (layer.mixer for layer in cfg.layers):
         if isinstance(spec, GQASpec):
             dims = dict(Hq=spec.num_heads, Hkv=spec.num_kv_heads, Dk=spec.head_dim, Dv=spec.v_head_dim, dtype=dtype,
                         window=spec.window, sinks=spec.sinks, scale=spec.scale)
+            qkv = spec.num_heads * spec.head_dim * (2 if spec.output_gate else 1) + spec.num_kv_heads * (
+                spec.head_dim + spec.v_head_dim)  # Q, K and V fused (models/fuse.py)
             cases |= {Case.of("batched_attention", **dims), Case.of("paged_attention", block_size=block_size, **dims),
-                      Case.of("paged_prefill_attention", block_size=block_size, **dims)}
+                      Case.of("paged_prefill_attention", block_size=block_size, **dims),
+                      Case.of("matmul", K=hidden, N=qkv, transposed=False, dtype=dtype)}
         elif isinstance(spec, MLASpec):
             L, R = spec.kv_lora_rank, spec.qk_rope_head_dim
             cases |= {Case.of("batched_attention", Hq=spec.num_heads, Hkv=1, Dk=L + R, Dv=L, dtype=dtype,

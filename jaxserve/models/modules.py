@@ -84,7 +84,8 @@ class MLP(nnx.Module):
         self.down_proj = Linear(f"{prefix}.{d}", I, hidden, dtype, spec.bias, tp="row", kernels=kernels)
 
     def __call__(self, x):  # [..., H] -> [..., H]
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        g, u = self.gate_up(x) if hasattr(self, "gate_up") else (self.gate_proj(x), self.up_proj(x))  # models/fuse.py
+        return self.down_proj(jax.nn.silu(g) * u)
 
 
 class MoE(nnx.Module):

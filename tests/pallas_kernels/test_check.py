@@ -33,10 +33,11 @@ def test_cases_follow_the_model_and_pass_in_interpret_mode(checkpoint_dir):
                                                  "paged_mla_attention", "recurrent_gated_delta_rule"]
     by = {c.kernel: dict(c.dims) for c in cases}
     assert by["paged_mla_attention"]["L"] == 16 and by["chunk_gated_delta_rule"]["per_channel"] is True
-    # the products of the dense MLP layers and of the LM head (no Pallas kernel: XLA's dot on a GPU)
+    # the products of the dense MLP layers (gate and up fused: models/fuse.py) and of the LM head (no Pallas
+    # kernel: XLA's dot on a GPU)
     H, I = cfg.hidden_size, next(s.mlp.intermediate_size for s in cfg.layers if isinstance(s.mlp, MLPSpec))
     assert {(d["K"], d["N"], d["transposed"]) for c in cases if c.kernel == "matmul" for d in [dict(c.dims)]} == \
-        {(H, I, False), (I, H, False), (H, min(cfg.vocab_size, 4096), cfg.tie_word_embeddings)}
+        {(H, 2 * I, False), (I, H, False), (H, min(cfg.vocab_size, 4096), cfg.tie_word_embeddings)}
     assert check.self_test([c for c in cases if c.kernel != "matmul"], "interpret") == {}
 
 
