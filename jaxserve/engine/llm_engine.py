@@ -140,6 +140,9 @@ class LLMEngine:
         _, state = load_any(model, self.model_config, dtype, mesh, progress)
         if cfg.num_blocks is None:  # the cache takes what the weights leave of the memory the instance may use
             self.cfg = cfg = self._sized(cfg, state, mesh)
+        else:
+            self.cache_line = (f"KV cache: {cfg.num_blocks} blocks of {cfg.block_size} tokens (engine.num_blocks); "
+                               f"max_num_seqs {cfg.max_num_seqs}")
         # kernels: auto compiles each kernel the model uses and runs any that fails as its reference. The native
         # CPU kernels are opaque to XLA's partitioner, which would gather the sharded pool for them: a mesh of
         # several devices runs the references (auto) or is refused (native)
@@ -233,8 +236,9 @@ class LLMEngine:
                                                        cfg.max_num_batched_tokens + slots, slots + cfg.max_prefill_seqs),
                           block_size=bs, max_blocks=slots * -(-longest // bs))
         sized = dataclasses.replace(cfg, num_blocks=size.num_blocks)
-        log.info("%s; max_num_seqs %d%s", size.line, sized.max_num_seqs,
-                 "" if cfg.max_num_seqs else " (from the cache: engine.max_num_seqs sets it)")
+        self.cache_line = (f"{size.line}; max_num_seqs {sized.max_num_seqs}"
+                           + ("" if cfg.max_num_seqs else " (from the cache: engine.max_num_seqs sets it)"))
+        log.info("%s", self.cache_line)
         return sized
 
     # ---- requests

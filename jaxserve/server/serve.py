@@ -43,6 +43,8 @@ def build_colocated(cfg: Config, progress: bool = True, on_ready=None):
     mesh = make_mesh(inst)
     path = resolve(cfg.model.path, progress)
     llm = LLMEngine(path, cfg.model.dtype, cfg.engine.engine_config(cfg.server.max_waiting), mesh, progress)
+    if progress:
+        print(llm.cache_line, flush=True)
     if cfg.engine.warmup:
         llm.runner.warmup(progress)
     name = cfg.model.name or os.path.basename(os.path.normpath(path))

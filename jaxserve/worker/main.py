@@ -64,7 +64,9 @@ def build_engine(cfg: Config, inst: InstanceSection, progress: bool = False):
         ecfg = dataclasses.replace(ecfg, num_blocks=inst.kv_blocks)
     if inst.spill_mb is not None:
         ecfg = dataclasses.replace(ecfg, spill_dir=inst.spill_path(), spill_mb=inst.spill_mb)
-    return LLMEngine(path, cfg.model.dtype, ecfg, make_mesh(inst, local=True), progress)
+    engine = LLMEngine(path, cfg.model.dtype, ecfg, make_mesh(inst, local=True), progress)
+    print(f"{inst.name}: {engine.cache_line}", flush=True)
+    return engine
 
 
 class Worker:

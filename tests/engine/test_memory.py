@@ -64,9 +64,12 @@ def test_the_engine_sizes_its_cache_unless_told(checkpoint_dir, caplog):
     assert eng.cfg.num_blocks == 4 * 32 and eng.blocks.num_blocks == 128 and eng.cfg.max_num_seqs == 4
     assert any("KV cache: 128 blocks of 16 tokens" in r.message and "max_num_seqs 4" in r.message
                for r in caplog.records)
+    assert eng.cache_line.startswith("KV cache: 128 blocks of 16 tokens (2048 tokens") and "0.05 of the host" in \
+        eng.cache_line  # what the worker and the server print at start-up
     sized = LLMEngine(path, config=EngineConfig(compilation_cache=None), progress=False)
     assert sized.cfg.max_num_seqs == 256 and sized.cfg.num_blocks == 256 * 32  # 256 slots from the cache
     told = LLMEngine(path, config=EngineConfig(num_blocks=40, compilation_cache=None), progress=False)
     assert told.cfg.num_blocks == 40 and told.cfg.max_num_seqs == 8  # explicit wins; slots from its cache
+    assert told.cache_line == "KV cache: 40 blocks of 16 tokens (engine.num_blocks); max_num_seqs 8"
     with pytest.raises(ValueError, match="memory_fraction must be in"):
         EngineConfig(memory_fraction=1.5)
