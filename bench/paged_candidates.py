@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.flash_attention import NEG, online_softmax_step, pad_group, require_gpu_dims, triton_params
 from pallas_kernels.merge import add_sinks, merge_partials, normalize
-from pallas_kernels.paged_attention import _pages, _pow2_parts, gqa_args
+from pallas_kernels.paged_attention import _pages, _pow2_parts, gqa_args, program_tiles
 
 GPU_LAUNCH, GRID_ORDER, TILE_TOKENS = (2, 1), "bhp", 64  # the former product design, the sweep's baseline
 
@@ -54,15 +54,10 @@ def _kernel(len_ref, tbl_ref, q_ref, k_ref, v_ref, *out_refs, block_size: int, p
     # len_ref [B] int32; tbl_ref [Wp] int32; q_ref [R, Dk]; k_ref, v_ref [NB, bs, D], or [NB, bs, heads, D] with
     # heads > 1 (R = heads x G query rows, head-major); out_refs: fused, o_ref [R, Dv] in q's dtype; else
     # o_ref [R, Dv], m_ref [R], l_ref [R] float32
-    b, p = pl.program_id(grid_order.index("b")), pl.program_id(grid_order.index("p"))
-    n = len_ref[b]
+    n, tok_lo, tile_lo, tile_hi = program_tiles(len_ref, grid_order, block_size=block_size, ppt=ppt, ppp=ppp,
+                                                window=window)
     R, Dv = out_refs[0].shape
     qs = [q_ref[:, pl.ds(lo, w)] for lo, w in k_parts]
-    tok_lo = 0 if window is None else jnp.maximum(n - window, 0)
-    page_lo = jnp.maximum(p * ppp, tok_lo // block_size)
-    page_hi = jnp.minimum((p + 1) * ppp, (n + block_size - 1) // block_size)
-    tile_lo = page_lo // ppt
-    tile_hi = jnp.where(page_hi > page_lo, (page_hi + ppt - 1) // ppt, tile_lo)
     tk = ppt * block_size
     col = jax.lax.broadcasted_iota(jnp.int32, (1, tk * heads), 1)  # a tile's columns: token-major, heads inner
     if heads > 1:  # a query row keeps its own head's columns: [R, tk x heads]

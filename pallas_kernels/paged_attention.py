@@ -63,20 +63,27 @@ def _columns(ref, ids, lo: int, width: int, tk: int):
     return ref[ids, :, pl.ds(lo, width)].reshape(tk, width)
 
 
+def program_tiles(len_ref, grid_order: str, *, block_size: int, ppt: int, ppp: int, window: int | None):
+    """Inside a paged decode program: (its request's length, the first key position it sees, the first and
+    one-past-last tile of its partition that hold keys it sees)."""
+    b, p = pl.program_id(grid_order.index("b")), pl.program_id(grid_order.index("p"))
+    n = len_ref[b]
+    tok_lo = 0 if window is None else jnp.maximum(n - window, 0)
+    page_lo = jnp.maximum(p * ppp, tok_lo // block_size)
+    page_hi = jnp.minimum((p + 1) * ppp, (n + block_size - 1) // block_size)
+    tile_lo = page_lo // ppt
+    return n, tok_lo, tile_lo, jnp.where(page_hi > page_lo, (page_hi + ppt - 1) // ppt, tile_lo)
+
+
 def _paged_kernel(len_ref, tbl_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block_size: int, ppt: int,
                   ppp: int, k_parts: tuple, v_lo: int, v_hi: int, scale: float, window: int | None, grid_order: str,
                   prefetch: bool):
     # len_ref [B] int32; tbl_ref [Wp] int32; q_ref [G, Dk]; k_ref, v_ref [NB, bs, D];
     # o_ref [G, Dv] float32; m_ref, l_ref [G] float32
-    b, p = pl.program_id(grid_order.index("b")), pl.program_id(grid_order.index("p"))
-    n = len_ref[b]
+    n, tok_lo, tile_lo, tile_hi = program_tiles(len_ref, grid_order, block_size=block_size, ppt=ppt, ppp=ppp,
+                                                window=window)
     G, Dv = o_ref.shape
     qs = [q_ref[:, pl.ds(lo, w)] for lo, w in k_parts]
-    tok_lo = 0 if window is None else jnp.maximum(n - window, 0)
-    page_lo = jnp.maximum(p * ppp, tok_lo // block_size)
-    page_hi = jnp.minimum((p + 1) * ppp, (n + block_size - 1) // block_size)
-    tile_lo = page_lo // ppt
-    tile_hi = jnp.where(page_hi > page_lo, (page_hi + ppt - 1) // ppt, tile_lo)
     tk = ppt * block_size
 
     def load(j):  # tile j's key column parts [tk, w] and values [tk, Dv]
