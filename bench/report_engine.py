@@ -179,6 +179,36 @@ def kernel_tune(r: dict[str, dict]) -> list[str]:
     return out
 
 
+def gpu_decode(r: dict[str, dict]) -> list[str]:
+    out = []
+    for name, d in r.items():
+        f, j = d["floor"], d.get("jax", {})
+        if "points" not in j:
+            out += [f"`{name}`: the engine's part did not finish ({j.get('error', 'no result')}).", ""]
+            continue
+        gb = d["make"]["weight_bytes"] / 1e9
+        out += [f"`{name}`: {f['device']}, the {d['shape']} shape ({num(gb, 2)} GB of bf16 weights); measured there: "
+                f"device copy {num(f['copy_GBps'])} GB/s, bf16 matmul {num(f['bf16_TFLOPs'])} TFLOP/s. The default "
+                f"cache: {num(j['num_blocks'])} blocks, max_num_seqs {j['max_num_seqs']}.", ""]
+        rows = [[p["batch"], p["context"], num(p["decode_step_ms"], 2), num(p["floor_ms"], 2),
+                 f"{p['step_over_floor']:.2f}x", num(p["output_tok_s"]), pct(p["prefill_share_of_bf16"])]
+                for p in j["points"] if "skipped" not in p]
+        out += table(["requests", "context (tokens)", "decode step (ms)", "HBM floor (ms): weights + KV / copy rate",
+                      "step / floor", "output tokens/s", "prefill, of the bf16 rate"], rows)
+        skipped = [f"{p['batch']} x {p['context']}" for p in j["points"] if "skipped" in p]
+        if skipped:
+            out += [f"Not run (the cache holds too little): {', '.join(skipped)}.", ""]
+        t = j.get("trace", {})
+        if "busy_fraction" in t:
+            out += [f"The GPU was busy {pct(t['busy_fraction'])} of {num(t['span_ms'], 1)} ms of decode steps "
+                    f"({t['batch']} requests, {t['context']}-token context; profiler trace).", ""]
+        hf = d.get("hf", {}).get("transformers", [])
+        if hf:
+            out += ["transformers `generate` (sdpa, bf16) on the same checkpoint: " + ", ".join(
+                f"{num(x['decode_step_ms'], 1)} ms a step at {x['batch']} requests" for x in hf) + ".", ""]
+    return out
+
+
 SECTIONS = [
     Section("Offline throughput", "bench.offline", ("offline.json", "offline_smollm2.json", "offline_h100.json",
                                                     "offline_h200.json"), offline),
@@ -190,6 +220,8 @@ SECTIONS = [
                                                                      "steps_matmul.json", "steps_matmul_32m.json",
                                                                      "steps_migration.json"), steps),
     Section("Structured outputs", "bench.structured", ("structured.json",), structured),
+    Section("Decode against the memory floor on a GPU", "bench.gpu_decode", ("gpu_decode_h200.json",
+                                                                             "gpu_decode_h100.json"), gpu_decode),
     Section("Kernels", "bench.kernels", ("kernels_h200.json", "kernels_h100.json", "kernels.json"), kernels),
     Section("Kernel launch parameters", "bench.kernel_tune", ("kernel_tune_h200.json", "kernel_tune_hopper_h200.json",
                                                               "kernel_tune_h100.json"), kernel_tune),
@@ -209,6 +241,10 @@ HEADLINES = [
     Headline("paged decode attention (32 x 2K context)", "kernels_h200.json",
              lambda d: next(f"{k['kernel_GBps'] / 1e3:.2f} TB/s, {pct(k['fraction_of_hbm_peak'])} of HBM"
                             for k in d["results"] if k["kernel"] == "paged_attention"), "Kernels"),
+    Headline("decode step / HBM floor, 8B shape, 1 and 64 requests at 256 tokens", "gpu_decode_h200.json",
+             lambda d: " / ".join(f"{p['step_over_floor']:.2f}x" for p in d["jax"]["points"]
+                                  if p["context"] == 256 and p["batch"] in (1, 64) and "skipped" not in p),
+             "Decode against the memory floor on a GPU"),
     Headline("offline output tokens/s (32M Llama)", "offline_h200.json",
              lambda d: num(d["jaxserve"]["output_tokens_per_s"]["median"]), "Offline throughput"),
 ]

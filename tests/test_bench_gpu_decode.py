@@ -43,3 +43,19 @@ def test_the_busy_fraction_is_the_union_of_the_gpus_kernels_over_their_span(tmp_
     assert got == {"busy_fraction": round(25 / 30, 3), "span_ms": 0.03, "kernels": 4}
     _trace(str(tmp_path / "b"), host)
     assert gpu_decode.busy_fraction(str(tmp_path / "b")) is None
+
+
+def test_the_report_renders_a_result():
+    from bench.report_engine import gpu_decode as render
+    d = {"shape": "8b", "make": {"weight_bytes": 16.06e9}, "floor": {"device": "NVIDIA H200", "copy_GBps": 4178.5,
+         "bf16_TFLOPs": 799.5},
+         "jax": {"num_blocks": 53000, "max_num_seqs": 256, "points": [
+             {"batch": 1, "context": 256, "decode_step_ms": 4.9, "floor_ms": 3.85, "step_over_floor": 1.27,
+              "output_tok_s": 204, "prefill_share_of_bf16": 0.02},
+             {"batch": 256, "context": 2048, "skipped": "the cache holds ..."}],
+             "trace": {"busy_fraction": 0.91, "span_ms": 80.5, "batch": 16, "context": 256}},
+         "hf": {"transformers": [{"batch": 1, "decode_step_ms": 106.7}]}}
+    text = "\n".join(render({"gpu_decode_h200.json": d}))
+    assert "| 1 | 256 | 4.90 | 3.85 | 1.27x | 204 | 2% |" in text and "Not run (the cache holds too little): 256 x 2048" in text
+    assert "busy 91% of 80.5 ms" in text and "106.7 ms a step at 1 requests" in text
+    assert "did not finish (rc 1)" in "\n".join(render({"x.json": {**d, "jax": {"error": "rc 1"}}}))
