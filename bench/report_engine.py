@@ -241,10 +241,6 @@ HEADLINES = [
     Headline("paged decode attention (32 x 2K context)", "kernels_h200.json",
              lambda d: next(f"{k['kernel_GBps'] / 1e3:.2f} TB/s, {pct(k['fraction_of_hbm_peak'])} of HBM"
                             for k in d["results"] if k["kernel"] == "paged_attention"), "Kernels"),
-    Headline("decode step / HBM floor, 8B shape, 1 and 64 requests at 256 tokens", "gpu_decode_h200.json",
-             lambda d: " / ".join(f"{p['step_over_floor']:.2f}x" for p in d["jax"]["points"]
-                                  if p["context"] == 256 and p["batch"] in (1, 64) and "skipped" not in p),
-             "Decode against the memory floor on a GPU"),
     Headline("offline output tokens/s (32M Llama)", "offline_h200.json",
              lambda d: num(d["jaxserve"]["output_tokens_per_s"]["median"]), "Offline throughput"),
 ]
