@@ -60,14 +60,15 @@ def test_greedy_matches_reference_with_chunks_and_prefix_hits(engines, family):
 @pytest.mark.parametrize("family", ["llama", "qwen3", "deepseek_v3", "kimi_linear", "qwen3_next", "gpt_oss",
                                     "mimo_v2_flash"])
 def test_scanned_layer_runs_match_the_unrolled_model(engines, checkpoint_dir, family):
-    """Runs of identical layers run as one lax.scan over stacked weights (models/stack.py): the same logits as
-    the model with its own per-layer weights, every layer unrolled (a separate load of the checkpoint)."""
+    """Runs of identical layers run as one lax.scan over stacked weights (models/stack.py), their projections
+    fused (models/fuse.py): the same logits as the model with its own per-layer weights and separate projections,
+    every layer unrolled (a separate load of the checkpoint)."""
     import jax.numpy as jnp
 
     from jaxserve.checkpoint import load_any
     from jaxserve.models.batch import Batch
     from jaxserve.models.cache_spec import init_dense_cache
-    from jaxserve.models.model import jit_forward
+    from jaxserve.models.model import jit_forward, model_graphdef
     from jaxserve.models.stack import layer_runs
     llm = engines(family)
     cfg = llm.engine.model_config
@@ -78,8 +79,9 @@ def test_scanned_layer_runs_match_the_unrolled_model(engines, checkpoint_dir, fa
     ids = (BASE * 2)[:29]
     tokens = jnp.asarray([ids + [0] * 3], jnp.int32)
     batch = Batch(tokens, jnp.zeros(1, jnp.int32), jnp.asarray([len(ids)], jnp.int32))
-    logits, _ = jit_forward(llm.graphdef)(state, batch, init_dense_cache(cfg, 1, 32, llm.engine.dtype),
-                                          jnp.arange(len(ids), dtype=jnp.int32)[None])
+    unfused = model_graphdef(cfg, llm.engine.dtype, llm.engine.kernels)
+    logits, _ = jit_forward(unfused)(state, batch, init_dense_cache(cfg, 1, 32, llm.engine.dtype),
+                                     jnp.arange(len(ids), dtype=jnp.int32)[None])
     np.testing.assert_allclose(llm.score(ids), np.asarray(logits[0]), atol=2e-5, rtol=1e-5)
 
 
