@@ -179,6 +179,22 @@ def kernel_tune(r: dict[str, dict]) -> list[str]:
     return out
 
 
+def host_path(r: dict[str, dict]) -> list[str]:
+    out = []
+    for name, d in r.items():
+        runs = [("synchronous (the baseline)", d["synchronous"]), ("overlapped", d["overlapped"])]
+        out += [f"`{name}` ({model_name(d['model'])}, {d['overlapped']['batch']} requests, "
+                f"{d['overlapped']['steps']} steps):", ""]
+        out += table(["loop", "programs a step", "device executions a step", "uploads a step", "reads a step",
+                      "reads with the next step already dispatched", "host ms a step (outside the program)",
+                      "wall ms a step"],
+                     [[label, num(x["programs_per_step"], 2), num(x["executions_per_step"], 2),
+                       num(x["uploads_per_step"], 2), num(x["reads_per_step"], 2),
+                       pct(x["reads_with_the_next_step_dispatched"]), num(x["host_ms_per_step"], 2),
+                       num(x["wall_ms_per_step"], 1)] for label, x in runs])
+    return out
+
+
 def gpu_decode(r: dict[str, dict]) -> list[str]:
     out = []
     for name, d in r.items():
@@ -220,6 +236,7 @@ SECTIONS = [
                                                                      "steps_matmul.json", "steps_matmul_32m.json",
                                                                      "steps_migration.json"), steps),
     Section("Structured outputs", "bench.structured", ("structured.json",), structured),
+    Section("The host's part of a decode step", "bench.host_path", ("host_path.json",), host_path),
     Section("Decode against the memory floor on a GPU", "bench.gpu_decode", ("gpu_decode_h200.json",
                                                                              "gpu_decode_h100.json"), gpu_decode),
     Section("Kernels", "bench.kernels", ("kernels_h200.json", "kernels_h100.json", "kernels.json"), kernels),
