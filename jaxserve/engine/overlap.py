@@ -33,7 +33,7 @@ class Ahead:
     out: object  # the device array of its sampled tokens (runner.collect reads it)
 
 
-def _plain(engine, seq) -> bool:
+def _plain(seq) -> bool:
     """Whether `seq` decodes here with nothing but its tokens: no KV awaited, no constraint, no helper."""
     return (not seq.is_prefilling and not seq.awaiting_kv and seq.guide is None and seq.migration is None
             and seq.handoff is None and not seq.kv_partial)
@@ -42,7 +42,7 @@ def _plain(engine, seq) -> bool:
 def can_start(engine, plan) -> bool:
     """Whether a synchronous step's plan (decodes only) may be left in flight."""
     return (enabled(engine) and not plan.prefills and not plan.preempted and bool(plan.decodes)
-            and all(_plain(engine, s) and s.decode_snapshot is None for s in plan.decodes))
+            and all(_plain(s) and s.decode_snapshot is None for s in plan.decodes))
 
 
 def enabled(engine) -> bool:
@@ -56,7 +56,7 @@ def next_rows(engine, ahead: Ahead) -> tuple[list, list[DecodeRow]] | None:
     """(sequences, rows) of the step after `ahead`, their blocks grown for it; None when the engine cannot step
     ahead now (something waits to be admitted, or is not plain decoding, or the pool is short)."""
     sch = engine.scheduler
-    if not enabled(engine) or (sch.waiting and sch.free_slots) or not all(_plain(engine, s) for s in sch.running):
+    if not enabled(engine) or (sch.waiting and sch.free_slots) or not all(_plain(s) for s in sch.running):
         return None
     pending = {id(s) for s in ahead.seqs if not s.finished}
     bs, seqs, rows, grow = engine.cfg.block_size, [], [], []
