@@ -91,6 +91,11 @@ class InstanceSection(_Strict):
     spill_dir: str | None = Field(None, description="store: where spilled blocks go (default "
                                   "~/.cache/jaxserve/spill/<instance>; emptied at start)")
     devices: list[int] = Field(default_factory=lambda: [0], description="the devices of each of its hosts")
+    device_memory: float | None = Field(None, gt=0, le=1, description="the share of each of its devices' memory its "
+                                        "process may take (XLA_PYTHON_CLIENT_MEM_FRACTION; the KV cache is sized "
+                                        "inside it, engine.memory_fraction); default: 0.9 split evenly between the "
+                                        "launched instances on this machine (host loopback) that share a device, "
+                                        "JAX's own default (0.75) for an instance alone on its devices")
     tp: int = Field(1, ge=1, description="tensor parallelism over all its hosts' devices")
     hosts: int = Field(1, ge=1, description="processes (one per host) forming this instance: one JAX multi-controller "
                        "program, its mesh over every process's devices (worker/group.py); tp / hosts devices each")
@@ -394,6 +399,10 @@ class ServerSection(_Strict):
         "(server/tools.py): hermes `<tool_call>{...}</tool_call>` blocks, or llama3_json (the answer one JSON call)")
 
 
+SHARED_DEVICES = 0.9  # of a device the launched instances sharing it take by default, split evenly
+MIN_DEVICE_SHARE = 0.02
+
+
 class Config(_Strict):
     model: ModelSection = Field(default_factory=ModelSection)
     engine: EngineSection = Field(default_factory=EngineSection)
@@ -428,7 +437,34 @@ class Config(_Strict):
             for end in (link.src, link.dst):
                 if end not in clusters:
                     raise ValueError(f"link end {end!r} is not a cluster ({sorted(clusters)})")
+        for i in self.instances():
+            share = self.device_share(i.name)  # raises where the instances sharing a device ask for too much
+            if share is not None and share < MIN_DEVICE_SHARE:
+                raise ValueError(f"clusters.instances[{i.name}].device_memory: {share:.3f} of its devices is left for "
+                                 f"it beside the instances it shares them with; give each a device_memory")
         return self
+
+    def sharing(self, name: str) -> list[InstanceSection]:
+        """The launched instances on this machine (loopback host) that share a device with `name` (itself
+        included; just itself when it is alone, or not on this machine)."""
+        me = self.instance(name)
+        if not (me.launch and _loopback(me.host)):
+            return [me]
+        return [i for i in self.instances() if i.name == name or
+                (i.launch and _loopback(i.host) and set(i.devices) & set(me.devices))]
+
+    def device_share(self, name: str) -> float | None:
+        """The share of its devices' memory instance `name`'s process may take (its `device_memory`; default:
+        SHARED_DEVICES split evenly between the instances sharing them, None for one alone: JAX's default).
+        Raises ValueError naming the field when those instances' explicit shares exceed the device."""
+        me, group = self.instance(name), self.sharing(name)
+        fixed = [i.device_memory for i in group if i.device_memory is not None]
+        if sum(fixed) > 1 + 1e-9:
+            raise ValueError(f"clusters.instances[{name}].device_memory: the instances sharing its devices "
+                             f"({[i.name for i in group]}) take {sum(fixed):g} of them, more than all")
+        if me.device_memory is not None or len(group) == 1:
+            return me.device_memory
+        return max(0.0, SHARED_DEVICES - sum(fixed)) / (len(group) - len(fixed))
 
     @property
     def disaggregated(self) -> bool:

@@ -174,6 +174,9 @@ RULES = [
     ("only a store spills", {"clusters": [{"name": "c", "instances": [{"name": "i", "spill_mb": 64}]}]}),
     ("a standby instance is launched by the router", {"clusters": [{"name": "c", "instances": [
         {"name": "i"}, {"name": "j", "standby": True, "launch": False}]}]}),
+    ("launched instances sharing a device on this machine take at most all of it", {"clusters": [{
+        "name": "c", "instances": [{"name": "p", "role": "prefill", "device_memory": 0.6},
+                                   {"name": "d", "role": "decode", "device_memory": 0.6}]}]}),
     ("instance names are unique", {"clusters": [{"name": "c", "instances": [{"name": "i"}, {"name": "i"}]}]}),
     ("some instance decodes", {"clusters": [{"name": "c", "instances": [{"name": "i", "role": "prefill"}]}]}),
     ("one store at most", {"clusters": [{"name": "c", "instances": [{"name": "i"}, {"name": "s1", "role": "store"},

@@ -136,7 +136,7 @@ def profile(cfg, instance: str, lengths: list[int] | None = None, batches: list[
     """Profile instance `instance` of config `cfg` (see the module docstring) -> the profile dict."""
     from .worker.main import pin
     inst = cfg.instance(instance)
-    pin(inst)
+    pin(inst, cfg.device_share(instance))
     import jax.numpy as jnp
     import numpy as np
     from tqdm import tqdm

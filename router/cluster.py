@@ -65,6 +65,7 @@ Code = grpc.StatusCode
 # the only status that says the worker is gone (the call never reached it, or its connection broke): a bad
 # message is INVALID_ARGUMENT, a handler's bug INTERNAL (worker/rpc.py); those fail the placement, not the worker
 DEAD = (Code.UNAVAILABLE,)
+PROFILE_WRITE_S = 120.0  # a worker's Profile answers within its window plus this (writing its trace files)
 
 
 def _why(e: BaseException) -> str:
@@ -223,6 +224,30 @@ class Router:
         self._replan_task: asyncio.Task | None = None
         self.control_actions: list[dict] = []  # the policy's controller (flowkv): the last 64, newest last
         self.control_count = 0
+
+    async def profile(self, seconds: float, base: str) -> dict:
+        """POST /debug/profile on a cluster: this process and every worker up traced over the same window, each
+        into `<base>/<stamp>/<instance>` on its own host (the worker's Profile call) -> {"trace_dir" (the
+        router's), "seconds", "instances": {name: {"role", "trace_dir"} or {"role", "error"}}}. A worker that
+        fails its capture is named with its error; the others' traces stand."""
+        from jaxserve import trace
+        name = trace.stamp()
+        mine = trace.folder(base, name, "router")
+
+        async def one(w: WorkerInfo) -> dict:
+            try:
+                ans = await self._client(w).call("Profile", {"seconds": seconds, "stamp": name},
+                                                 timeout=seconds + PROFILE_WRITE_S)
+                return {"role": w.role, "trace_dir": ans["trace_dir"]}
+            except grpc.aio.AioRpcError as e:
+                return {"role": w.role, "error": f"{e.code().name}: {e.details()}"}
+        workers = self.registry.up()
+        trace.start(mine)  # raises Busy before any worker is asked
+        try:
+            *theirs, _ = await asyncio.gather(*(one(w) for w in workers), asyncio.sleep(seconds))
+        finally:
+            await trace.stop()
+        return {"trace_dir": mine, "seconds": seconds, "instances": {w.name: t for w, t in zip(workers, theirs)}}
 
     # ---- control port (worker registration, on a thread of its own: control.py)
     async def start(self) -> str:

@@ -187,3 +187,34 @@ def test_the_token_comes_from_a_file_when_named(tmp_path):
                           ({"token_file": str(tmp_path / "token"), "token": "x"}, "token_file: give the token or")):
         with pytest.raises(ConfigFileError, match=why):
             parse({"transfer": transfer})
+
+
+def test_instances_sharing_a_device_split_its_memory():
+    """Launched instances on this machine that share a device split SHARED_DEVICES of it evenly (an explicit
+    device_memory is taken first); one alone keeps JAX's default; too much asked is an error naming the field;
+    the worker's pin() hands the share to JAX's allocator."""
+    local = load(None)  # the embedded default: a prefill and a decode worker on device 0
+    assert [local.device_share(i.name) for i in local.instances()] == [pytest.approx(0.45)] * 2
+    inst = lambda name, role, **kw: {"name": name, "role": role, **kw}  # noqa: E731
+    cfg = lambda *insts: parse({"clusters": [{"name": "a", "instances": list(insts)}]})  # noqa: E731
+    c = cfg(inst("p", "prefill", devices=[0]), inst("d", "decode", devices=[1]))
+    assert c.device_share("p") is None and c.device_share("d") is None  # each alone on its device
+    c = cfg(inst("p", "prefill", device_memory=0.3), inst("q", "prefill"), inst("d", "decode"))
+    assert c.device_share("p") == 0.3 and c.device_share("q") == c.device_share("d") == pytest.approx(0.3)
+    c = cfg(inst("p", "prefill", launch=False),
+            inst("d", "decode"))
+    assert c.device_share("p") is None and c.device_share("d") is None  # p runs elsewhere
+    with pytest.raises(ConfigFileError, match=r"instances\[.\]\.device_memory: .* take 1.2 of them"):
+        cfg(inst("p", "prefill", device_memory=0.6), inst("d", "decode", device_memory=0.6))
+    with pytest.raises(ConfigFileError, match=r"instances\[d\]\.device_memory: 0.000 of its devices is left"):
+        cfg(inst("p", "prefill", device_memory=0.95), inst("d", "decode"))
+    with pytest.raises(ConfigFileError, match="device_memory"):
+        cfg(inst("p", "both", device_memory=0))
+    import subprocess
+    import sys
+    code = ("import os\nfrom jaxserve.config import load\nfrom jaxserve.worker.main import pin\ncfg = load(None)\n"
+            "pin(cfg.instance('local-p0'), cfg.device_share('local-p0'))\nimport jax\n"
+            "print(os.environ['XLA_PYTHON_CLIENT_MEM_FRACTION'], len(jax.devices()))")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "XLA_PYTHON_CLIENT_MEM_FRACTION"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["0.4500", "1"], out.stderr[-2000:]

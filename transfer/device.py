@@ -4,8 +4,10 @@ Export gathers, for one layer group, what the staging layout (plan.py) names fro
 request's blocks in request order (padded to the bucketed row count), the sliding rings and the linear state
 of its state row. The result is a fresh device array per staged array; `to_host` wraps it with
 `np.from_dlpack`, which on CPU aliases the device buffer (no copy), and the sender writes the socket straight
-from it. Import is the reverse: the receive region's views enter JAX with `jnp.from_dlpack` (the region is
-64-byte aligned, so again no copy) and one jitted program, with the pool donated, scatters them into the
+from it; on an accelerator it is one device-to-host copy of the whole array, started as the export is
+dispatched (`start_host_copy`), never a copy per block. Import is the reverse: the receive region's views enter
+JAX with `jnp.from_dlpack` on a CPU (the region is 64-byte aligned, so again no copy), with one host-to-device
+copy each onto an accelerator's pool, and one jitted program, with the pool donated, scatters them into the
 reserved blocks and the slot's state rows. bfloat16 crosses as uint16 bits.
 
 Sharded pools (tensor parallelism, KV heads split over the mesh's devices): prefill and decode may shard
@@ -155,8 +157,14 @@ def _place(x: np.ndarray, sharding) -> jax.Array:
     return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
-def _device_array(v) -> jax.Array:
-    return v if isinstance(v, jax.Array) else jnp.from_dlpack(v)  # region views: no copy (64-byte aligned)
+def _device_array(v, device=None) -> jax.Array:
+    """Region view or pulled array v as a jax.Array on `device` (None: where it is; a view: the CPU). A view
+    enters a CPU pool without a copy (64-byte aligned), an accelerator's with one host-to-device copy."""
+    if not isinstance(v, jax.Array):
+        if device is not None and device.platform != "cpu":
+            return jax.device_put(v, device)
+        v = jnp.from_dlpack(v)
+    return v if device is None or v.devices() == {device} else jax.device_put(v, device)
 
 
 def _assemble(w: ArraySpec, parts: list, pool_group, mesh) -> jax.Array:
@@ -167,8 +175,9 @@ def _assemble(w: ArraySpec, parts: list, pool_group, mesh) -> jax.Array:
               jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None else None)
     if target is not None and not target.is_fully_addressable:  # a multi-host instance: from the host's copy
         return _place(np.concatenate([np.asarray(p) for p in parts], axis=HEAD_AXIS), target)
+    home = None if target is not None else next(iter(jax.tree.leaves(pool_group)[0].devices()))
     if len(parts) == 1:
-        x = _device_array(parts[0])
+        x = _device_array(parts[0], home)
     else:
         homes = sorted(target.addressable_devices_indices_map(w.shape).items(),
                        key=lambda kv: kv[1][HEAD_AXIS].start or 0) if split else []
@@ -176,9 +185,10 @@ def _assemble(w: ArraySpec, parts: list, pool_group, mesh) -> jax.Array:
             return jax.make_array_from_single_device_arrays(
                 w.shape, target, [jax.device_put(_device_array(p), d) for p, (d, _) in zip(parts, homes)])
         if all(isinstance(p, jax.Array) for p in parts):  # rebuilt here: one copy
-            x = jnp.concatenate([jax.device_put(p, parts[0].device) for p in parts], axis=HEAD_AXIS)
+            at = home or next(iter(parts[0].devices()))
+            x = jnp.concatenate([jax.device_put(p, at) for p in parts], axis=HEAD_AXIS)
         else:
-            x = jnp.asarray(np.concatenate(parts, axis=HEAD_AXIS))
+            x = _device_array(np.concatenate(parts, axis=HEAD_AXIS), home)
     return x if target is None else jax.device_put(x, target)
 
 
@@ -212,6 +222,21 @@ def whole(x: jax.Array) -> jax.Array:
     return x
 
 
+def _on_cpu(x: jax.Array) -> bool:
+    return next(iter(x.devices())).platform == "cpu"
+
+
+def start_host_copy(items: list[tuple[int, jax.Array]]) -> None:
+    """Start the device-to-host copy of exported arrays on an accelerator as soon as they are dispatched, so it
+    runs while later layer groups compute (`to_host` then finds it done); nothing to do on a CPU."""
+    for _, x in items:
+        x = whole(x)
+        if not _on_cpu(x):
+            x.copy_to_host_async()
+
+
 def to_host(x: jax.Array) -> np.ndarray:
-    """A numpy view of `whole(x)` (waits until it is computed; no copy on CPU)."""
-    return np.from_dlpack(whole(x))
+    """`whole(x)` as numpy (waits until it is computed): on a CPU a view of the device buffer (no copy); on an
+    accelerator its one device-to-host copy (np.from_dlpack takes only host memory)."""
+    x = whole(x)
+    return np.from_dlpack(x) if _on_cpu(x) else np.asarray(x)

@@ -6,7 +6,8 @@ the request's last prompt chunk, the engine thread calls `begin`: it builds the 
 receiver blocks) and starts the sender (the plan frame goes out). With `layers_per_group` the step then runs as
 one program per layer group and, as each is dispatched, `export(k)` dispatches that group's export program: the
 device arrays go to the `Feeder` thread, which waits for each (JAX dispatch is asynchronous: group k's KV is sent
-while groups k+1.. still compute), wraps it with DLPack and queues its sends (on the device backend it offers the
+while groups k+1.. still compute; on an accelerator the group's copy to host memory is started as it is
+dispatched), wraps it with DLPack and queues its sends (on the device backend it offers the
 group's arrays for decode to pull instead: transfer/pull.py). `finish` sends what is left and the first-token
 record. Concurrency: the engine thread builds and dispatches; one feeder thread per instance blocks on device
 results and sockets.
@@ -19,7 +20,9 @@ import queue
 import threading
 from dataclasses import dataclass, field
 
-from transfer.device import to_host, whole
+from jax.profiler import TraceAnnotation
+
+from transfer.device import start_host_copy, to_host, whole
 from transfer.plan import TransferPlan, layer_groups
 from transfer.pull import PullLink
 from transfer.sender import KVSender
@@ -48,19 +51,24 @@ class Feeder:
                 return
             sender, items, record = job
             try:
-                if isinstance(sender.link, PullLink):  # the receiver pulls the group's arrays device to device
-                    if not sender.state.final:
-                        sender.offer_arrays([(index, whole(x)) for index, x in items])
-                else:
-                    for index, x in items:
-                        if sender.state.final:
-                            break
-                        sender.send_array(index, to_host(x))
-                if record is not None:
-                    sender.finish(record)
+                with TraceAnnotation("kv.send", request=sender.request_id, arrays=len(items)):
+                    self._feed(sender, items, record)
             except Exception as e:  # noqa: BLE001 - the transfer fails, the worker keeps serving
                 log.exception("feeding %s failed", sender.request_id)
                 sender.abort(f"prefill side error: {type(e).__name__}: {e}")
+
+    @staticmethod
+    def _feed(sender: KVSender, items: list, record: dict | None) -> None:
+        if isinstance(sender.link, PullLink):  # the receiver pulls the group's arrays device to device
+            if not sender.state.final:
+                sender.offer_arrays([(index, whole(x)) for index, x in items])
+        else:
+            for index, x in items:
+                if sender.state.final:
+                    break
+                sender.send_array(index, to_host(x))
+        if record is not None:
+            sender.finish(record)
 
 
 @dataclass
@@ -128,6 +136,8 @@ class Handoff:
             return
         self._exported.add(k)
         items = self._runner.export_kv(self._staging, k, self._blocks, self._row)
+        if not isinstance(self.link, PullLink):  # sent from host memory: its copy there starts now
+            start_host_copy(items)
         self.feeder.put(self.sender, items, None)
         for c in self.copies:
             c.export(k)

@@ -73,6 +73,11 @@ class AsyncEngine:
     async def migrate(self, kind: str, src: str, dst: str, heads=None, layers=None) -> dict:
         raise RequestError("a colocated deployment has one instance: there is nowhere to move work to", "dst")
 
+    async def profile(self, seconds: float, base: str) -> dict:
+        """This process runs the model: its trace alone."""
+        from .. import trace
+        return {"trace_dir": await trace.capture(trace.folder(base, trace.stamp()), seconds), "seconds": seconds}
+
     async def call(self, fn, *args):
         """Run fn(engine, *args) on the engine thread and await its result. Cancelled before the engine thread
         takes it, fn never runs; once it runs, it runs to the end (its result is dropped)."""

@@ -111,3 +111,7 @@ class EngineClient(Protocol):
     async def migrate(self, kind: str, src: str, dst: str, heads=None, layers=None) -> dict:
         """Move part of the decode work running on src to dst (the admin endpoint); RequestError for an
         impossible move, EngineUnavailable when src failed to."""
+
+    async def profile(self, seconds: float, base: str) -> dict:
+        """A JAX trace of every process that runs the model, over `seconds`, into folders under `base`
+        (jaxserve/trace.py) -> {"trace_dir", ...}; trace.Busy while a capture runs."""

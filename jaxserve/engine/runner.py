@@ -637,7 +637,8 @@ class ModelRunner:
 
     def export_kv(self, staging, layer_group: int, blocks: list[int], row: int) -> list[tuple[int, jax.Array]]:
         """A request's staged KV for one layer group (dispatched; read before any later step writes the pool)."""
-        items = self._io.export(self.pool, staging, layer_group, blocks, row)
+        with jax.profiler.TraceAnnotation("kv.export", layer_group=layer_group, blocks=len(blocks)):
+            items = self._io.export(self.pool, staging, layer_group, blocks, row)
         if self.shared is not None:
             self._reads = [x for x in self._reads if not x.is_ready()] + [x for _, x in items]
         return items
@@ -646,13 +647,15 @@ class ModelRunner:
                   wait: bool = True) -> None:
         """Write received staged KV into `blocks` and state row `row` (layer_groups: only those of these layer
         groups); returns once the views may be reused (wait False: once dispatched; `settle` waits)."""
-        if self.shared is not None:  # numpy stores: done when this returns
-            self._writable()
-            self.shared.import_(staging, views, blocks, row, layer_groups)
-            return
-        self.pool = self._io.import_(self.pool, staging, views, blocks, row, self.layout.num_blocks, layer_groups)
-        if wait:
-            self.settle()
+        with jax.profiler.TraceAnnotation("kv.import", blocks=len(blocks)):
+            if self.shared is not None:  # numpy stores: done when this returns
+                self._writable()
+                self.shared.import_(staging, views, blocks, row, layer_groups)
+                return
+            self.pool = self._io.import_(self.pool, staging, views, blocks, row, self.layout.num_blocks,
+                                         layer_groups)
+            if wait:
+                self.settle()
 
     def prepare_copies(self, src: list) -> int:
         """Compile the one-pass copy out of a store pool shaped as `src` (arrays or ShapeDtypeStructs), for any

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
-import os
 import time
 import uuid
 
@@ -26,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .. import trace
 from ..config import Config
 from ..engine.client import EngineClient, EngineUnavailable, QueueFull, RequestError, Update
 from ..structured import Grammars, Guided, GuidedError
@@ -78,7 +78,6 @@ def create_app(config: Config, engine: EngineClient, model_name: str, metrics: M
     app = FastAPI(title="jaxserve", version="0.1.0", lifespan=lifespan)
     tok = engine.tokenizer
     srv = config.server
-    app.state.profiling = False
     app.state.grammars = None
     instance = config.instances()[0].name
     cluster = config.cluster_of(instance)
@@ -410,6 +409,7 @@ def create_app(config: Config, engine: EngineClient, model_name: str, metrics: M
 
     @app.post("/debug/profile")
     async def profile(request: Request):
+        """A JAX profiler trace of every process that runs the model (jaxserve/trace.py)."""
         try:
             body = await request.json() if await request.body() else {}
         except json.JSONDecodeError:
@@ -417,17 +417,9 @@ def create_app(config: Config, engine: EngineClient, model_name: str, metrics: M
         seconds = body.get("seconds", 5) if isinstance(body, dict) else None
         if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not 0 < seconds <= 300:
             raise APIError(400, "seconds must be a number in (0, 300]", param="seconds")
-        if app.state.profiling:
-            raise APIError(409, "a profile is already being captured", code="busy")
-        import jax
-        out = os.path.abspath(os.path.join(srv.profile_dir, time.strftime("%Y%m%d-%H%M%S")))
-        app.state.profiling = True
         try:
-            jax.profiler.start_trace(out)
-            await asyncio.sleep(seconds)  # the capture window the caller asked for
-            jax.profiler.stop_trace()
-        finally:
-            app.state.profiling = False
-        return {"trace_dir": out, "seconds": seconds}
+            return await engine.profile(float(seconds), srv.profile_dir)
+        except trace.Busy as e:
+            raise APIError(409, str(e), code="busy") from None
 
     return app

@@ -34,8 +34,10 @@ class Refused(RuntimeError):
     """The router does not accept this worker (not in its config, wrong role or token)."""
 
 
-def pin(inst: InstanceSection) -> None:
-    """CPU affinity and device count for this process; must run before `import jax`."""
+def pin(inst: InstanceSection, device_share: float | None = None) -> None:
+    """CPU affinity, device count and the share of the devices' memory (Config.device_share; None: JAX's
+    default) for this process; must run before `import jax`. An XLA_PYTHON_CLIENT_MEM_FRACTION already in the
+    environment wins."""
     if "jax" in sys.modules:
         raise RuntimeError("pin() must run before JAX is imported")
     if inst.cpus:
@@ -46,6 +48,8 @@ def pin(inst: InstanceSection) -> None:
                                   f"only on cores {sorted(have)}")
         os.sched_setaffinity(0, set(inst.cpus))
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", ",".join(str(d) for d in inst.devices))
+    if device_share is not None:
+        os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{device_share:.4f}")
     n = max(len(inst.devices), inst.tp // inst.hosts)  # this host's devices
     if n > 1:
         flags = os.environ.get("XLA_FLAGS", "")
@@ -824,6 +828,18 @@ class Worker:
         finally:
             await self._router.close()
 
+    async def profile(self, req, ctx) -> dict:
+        """Profile: a JAX trace of this process over the window asked for (the router's POST /debug/profile
+        asks every worker for the same one) -> its folder, on this worker's host."""
+        import grpc
+        from .. import trace
+        out = trace.folder(self.cfg.server.profile_dir, req.stamp, self.inst.name)
+        try:
+            await trace.capture(out, req.seconds)
+        except trace.Busy as e:
+            await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.inst.name}: {e}")
+        return {"instance": self.inst.name, "trace_dir": out}
+
     async def start(self):
         """Serve the worker methods on instance.host:port (with the cluster token, TLS when configured);
         -> the started grpc.aio server. self.address is where it listens."""
@@ -833,7 +849,7 @@ class Worker:
         self._idle.set()
         unary = {"Health": self.health, "SetLink": self.set_link, "SetRole": self.set_role,
                  "Export": self._counted(self.export_prefix, False), "Migrate": self.migrate,
-                 "Load": self._counted(self.load_prefix, False)}
+                 "Load": self._counted(self.load_prefix, False), "Profile": self.profile}
         streams = {name: self._counted(fn, True) for name, fn in (
             ("Decode", self.decode), ("Generate", self.generate), ("Prefill", self.prefill),
             ("Import", self.import_prefix))}
@@ -918,7 +934,7 @@ def run(cfg: Config, name: str, router: str | None = None, parent_pid: int | Non
         die_with_parent(parent_pid)
     inst = cfg.instance(name)
     cfg.check_exposure()
-    pin(inst)
+    pin(inst, cfg.device_share(name))
     label = name if group is None else f"{name}[{group.index}]"
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {label} %(levelname)s %(name)s: %(message)s")
     if group is not None:

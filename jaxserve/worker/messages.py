@@ -238,6 +238,13 @@ class Migrate(_Msg):
                                                                                  max_length=2)] | None = None
 
 
+class Profile(_Msg):
+    """Trace this worker's process for `seconds` into `<server.profile_dir>/<stamp>/<instance>` (trace.py)."""
+    seconds: FiniteFloat = Field(gt=0, le=300)
+    stamp: Annotated[StrictStr, Field(pattern=r"^[0-9A-Za-z_.-]{1,64}$")]
+
+
 WORKER = {"Health": Health, "Decode": Decode, "Prefill": Prefill, "Generate": Generate, "SetLink": SetLink,
-          "SetRole": SetRole, "Import": Import, "Export": Export, "Migrate": Migrate, "Load": Load}
+          "SetRole": SetRole, "Import": Import, "Export": Export, "Migrate": Migrate, "Load": Load,
+          "Profile": Profile}
 ROUTER = {"Register": Register}

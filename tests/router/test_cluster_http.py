@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 
 import pytest
 
@@ -124,3 +125,45 @@ def test_disaggregated_http_equals_colocated(family, checkpoint_dir):
     assert "jaxserve_kv_bytes_transferred" in metrics and "jaxserve_link_throughput_bytes_s" in metrics
     for name, st in stats.items():  # nothing held once every request is done
         assert st["blocks_used"] == 0 and st["running"] == 0 and st["waiting"] == 0, (name, st)
+
+
+def _trace_names(folder: str) -> set[str]:
+    """The names of the events in a capture's Perfetto trace."""
+    import glob
+    import gzip
+    (path,) = glob.glob(f"{folder}/**/perfetto_trace.json.gz", recursive=True)
+    with gzip.open(path, "rt") as f:
+        events = json.load(f)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    return {e.get("name", "") for e in events}
+
+
+def test_profile_traces_every_worker_of_a_disaggregated_cluster(checkpoint_dir, tmp_path):
+    """POST /debug/profile on the router traces the router and each worker over the same window: the prefill
+    worker's trace holds the prefill program, the KV export and its send; the decode worker's the KV import and
+    the decode program; the router's holds neither (it runs no model). A second capture meanwhile is 409."""
+    import httpx
+    import threading
+    cfg = disagg_config(checkpoint_dir("llama"), server={"profile_dir": str(tmp_path)})
+    with serving(cfg) as (client, _):
+        complete(client, PROMPTS[1])  # every program this test runs is compiled before the window
+        got: dict = {}
+        t = threading.Thread(target=lambda: got.update(
+            r=httpx.post(f"{client.base_url}/debug/profile", json={"seconds": 3}, timeout=300)))
+        t.start()
+        time.sleep(0.5)
+        busy = client.post("/debug/profile", json={"seconds": 1})
+        meta = complete(client, [40 + i for i in range(15)])["jaxserve"]
+        t.join()
+    assert busy.status_code == 409 and busy.json()["error"]["code"] == "busy", busy.text
+    r = got["r"]
+    assert r.status_code == 200, r.text
+    ans = r.json()
+    assert meta["prefill_instance"] == "p0" and meta["kv_bytes_transferred"] > 0
+    assert set(ans["instances"]) == {"p0", "d0"}, ans
+    assert ans["trace_dir"].startswith(str(tmp_path)) and ans["trace_dir"].endswith("router")
+    names = {n: _trace_names(i["trace_dir"]) for n, i in ans["instances"].items()}
+    router = _trace_names(ans["trace_dir"])
+    assert {"kv.export", "kv.send"} <= names["p0"] and "kv.import" in names["d0"], names
+    assert "PjitFunction(prefill_fn)" in names["p0"] and "PjitFunction(step_fn)" in names["d0"], names
+    assert not any(n.startswith(("kv.", "PjitFunction(")) for n in router), router

@@ -196,3 +196,23 @@ async def _call(client, method, msg):
     if method == "Health":
         return await client.call(method, msg)
     return await _drain(client.stream(method, msg))
+
+
+@pytest.mark.parametrize("msg, field", [
+    ({"seconds": 1, "stamp": "../../etc"}, "stamp"), ({"seconds": 1, "stamp": "a/b"}, "stamp"),
+    ({"seconds": 1, "stamp": ""}, "stamp"), ({"seconds": 0, "stamp": "x"}, "seconds"),
+    ({"seconds": 301, "stamp": "x"}, "seconds"), ({"seconds": 1}, "stamp"),
+])
+def test_a_profile_call_writes_only_under_the_profile_dir(msg, field):
+    """A Profile call's folder is a name, never a path: the schema refuses anything else, naming the field, and
+    trace.folder refuses it again."""
+    from pydantic import ValidationError
+
+    from jaxserve import trace
+    with pytest.raises(ValidationError) as e:
+        messages.Profile.model_validate(msg)
+    assert rpc.describe(e.value).startswith(field), rpc.describe(e.value)
+    if field == "stamp" and msg.get("stamp"):
+        with pytest.raises(ValueError, match="name"):
+            trace.folder("/tmp/profiles", msg["stamp"], "p0")
+    assert trace.folder("/tmp/profiles", "20261128-120000", "p0") == "/tmp/profiles/20261128-120000/p0"
