@@ -32,6 +32,8 @@ SHAPES = {
                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192),
     "8b8": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=8,
                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192),
+    "small": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,  # SmolLM2-135M's
+                  num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192),
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=1024),
 }

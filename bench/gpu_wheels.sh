@@ -8,8 +8,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 # Not flax: the image's Flax matches its JAX (this checkout's Flax needs a JAX API the image's JAX lacks).
+# The second line: what `jaxserve serve` (typer's CLI, /metrics, prefix hashes) and the HTTP tests (httpx) need,
+# for bench.gpu_disagg and tests/router/test_cluster_http.py there.
 PKGS="pydantic pydantic_core annotated-types typing-inspection gguf fastapi starlette uvicorn llguidance
-      cryptography cffi pycparser"
+      cryptography cffi pycparser typer click rich shellingham markdown-it-py mdurl pygments prometheus_client
+      xxhash httpx httpcore h11 anyio sniffio certifi idna pyyaml tqdm"
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 rm -rf .whl && mkdir -p .whl
 for p in $PKGS; do

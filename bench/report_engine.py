@@ -99,9 +99,11 @@ def serving(r: dict[str, dict]) -> list[str]:
 
 def startup(r: dict[str, dict]) -> list[str]:
     d = r["startup.json"]
-    return table(["start", "ready after (s)", "programs warmed per worker"],
-                 [[run["cache"], num(run["ready_s"]), ", ".join(f"{k} {v}" for k, v in run["programs_warmed"].items())]
-                  for run in d["runs"]]) + [f"Cold over warm: {d['cold_over_warm']:.2f}x.", ""]
+    configs = d.get("configs") or {"local.yaml": d}  # one config before the shipped ones were all measured
+    return table(["config", "ready, empty cache (s)", "ready, cache filled (s)", "programs warmed per worker"],
+                 [[f"`{name}`", num(c["runs"][0]["ready_s"]), num(c["runs"][1]["ready_s"]),
+                   ", ".join(f"{k} {v}" for k, v in c["runs"][0]["programs_warmed"].items())]
+                  for name, c in configs.items()])
 
 
 def steps(r: dict[str, dict]) -> list[str]:
@@ -225,6 +227,22 @@ def gpu_decode(r: dict[str, dict]) -> list[str]:
     return out
 
 
+def gpu_disagg(r: dict[str, dict]) -> list[str]:
+    out = []
+    for name, d in r.items():
+        c, g = d["colocated"], d["disaggregated"]
+        out += [f"`{name}`: {d['model']}, greedy, {d['new']} tokens per request, medians of {d['reps']}; answers equal "
+                f"colocated for {d['answers_equal']} of {d['answers']} prompts; ready after {num(g['ready_s'])} s "
+                f"disaggregated, {num(c['ready_s'])} s colocated.", ""]
+        out += table(["prompt (tokens)", "TTFT colocated / disaggregated (s)", "TPOT colocated / disaggregated (ms)",
+                      "disaggregated / colocated: TTFT, TPOT", "KV per request (MB), backend"],
+                     [[n, f"{num(c['lengths'][n]['ttft_s'], 3)} / {num(g['lengths'][n]['ttft_s'], 3)}",
+                       f"{num(c['lengths'][n]['tpot_s'] * 1e3, 1)} / {num(g['lengths'][n]['tpot_s'] * 1e3, 1)}",
+                       f"{x['ttft']:.2f}x, {x['tpot']:.2f}x", f"{num(g['lengths'][n]['kv_bytes'] / 1e6, 1)}, "
+                       f"{', '.join(g['lengths'][n]['kv_backend'])}"] for n, x in d["ratios"].items()])
+    return out
+
+
 SECTIONS = [
     Section("Offline throughput", "bench.offline", ("offline.json", "offline_smollm2.json", "offline_h100.json",
                                                     "offline_h200.json"), offline),
@@ -239,6 +257,8 @@ SECTIONS = [
     Section("The host's part of a decode step", "bench.host_path", ("host_path.json",), host_path),
     Section("Decode against the memory floor on a GPU", "bench.gpu_decode", ("gpu_decode_h200.json",
                                                                              "gpu_decode_h100.json"), gpu_decode),
+    Section("Disaggregated against colocated on one GPU", "bench.gpu_disagg", ("gpu_disagg_h200.json",
+                                                                               "gpu_disagg_h100.json"), gpu_disagg),
     Section("Kernels", "bench.kernels", ("kernels_h200.json", "kernels_h100.json", "kernels.json"), kernels),
     Section("Kernel launch parameters", "bench.kernel_tune", ("kernel_tune_h200.json", "kernel_tune_hopper_h200.json",
                                                               "kernel_tune_h100.json"), kernel_tune),

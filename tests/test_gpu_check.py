@@ -10,7 +10,7 @@ import tarfile
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = ["kernels", "gpu_decode", "attention_tests", "pallas_tests", "pull_tests", "transfer"]
+STEPS = ["kernels", "gpu_decode", "gpu_disagg", "disagg_tests", "attention_tests", "pallas_tests", "pull_tests", "transfer"]
 
 
 def _executable(path, text: str) -> None:
@@ -40,14 +40,15 @@ def test_every_step_runs_in_order_with_the_results_named_after_the_gpu(tmp_path)
     out = str(out_dir)
     assert "gpu: NVIDIA H100 80GB HBM3 (tag h100)" in summary
     steps = [c for c in calls if c[0] == "-m" and c[1] != "pip"]  # the version print (-c), a wheel install aside
-    assert [c[1] for c in steps] == ["bench.kernels", "bench.gpu_decode", "pytest", "pytest", "pytest",
-                                     "bench.transfer"]  # no launch-parameter sweep unless TUNE_SWEEPS names one
+    assert [c[1] for c in steps] == ["bench.kernels", "bench.gpu_decode", "bench.gpu_disagg", "pytest", "pytest",
+                                     "pytest", "pytest", "bench.transfer"]  # no sweep unless TUNE_SWEEPS names one
     assert steps[0][-1] == f"{out}/kernels_h100.json" and steps[1][-1] == f"{out}/gpu_decode_h100.json"
-    attention, others = steps[2], steps[3]
+    assert steps[2][-1] == f"{out}/gpu_disagg_h100.json" and "tests/router/test_cluster_http.py" in steps[3]
+    attention, others = steps[4], steps[5]
     assert "tests/pallas_kernels/test_paged_candidates.py" in attention
     ignored = {others[i + 1] for i, a in enumerate(others) if a == "--ignore"}
     assert {a for a in attention if a.startswith("tests/")} | {"tests/pallas_kernels/test_gpu_lowering.py"} == ignored
-    assert steps[5][-1] == f"{out}/transfer_h100.json"
+    assert steps[7][-1] == f"{out}/transfer_h100.json"
     for name in STEPS:
         assert f"{name}: rc 0" in summary, summary
     with tarfile.open(out_dir / "logs.tgz") as tar:
@@ -59,7 +60,7 @@ def test_every_step_runs_in_order_with_the_results_named_after_the_gpu(tmp_path)
 def test_the_sweeps_chosen_name_the_sweep_file(tmp_path, sweeps, name):
     calls, _, out_dir = _run(tmp_path, TUNE_SWEEPS=sweeps)
     steps = [c[1] for c in calls if c[0] == "-m" and c[1] != "pip"]
-    assert steps[:3] == ["bench.kernels", "bench.gpu_decode", "bench.kernel_tune"]
+    assert steps[:5] == ["bench.kernels", "bench.gpu_decode", "bench.gpu_disagg", "pytest", "bench.kernel_tune"]
     tune = next(c for c in calls if c[:2] == ["-m", "bench.kernel_tune"])
     assert tune[tune.index("--sweeps") + 1] == sweeps and tune[-1] == f"{out_dir}/{name}"
     assert float(tune[tune.index("--budget-s") + 1]) < 150  # the sweep stops starting configurations in its share
@@ -67,6 +68,6 @@ def test_the_sweeps_chosen_name_the_sweep_file(tmp_path, sweeps, name):
 
 def test_a_small_budget_skips_the_steps_it_cannot_fit_and_says_so(tmp_path):
     calls, summary, _ = _run(tmp_path, BUDGET_S="100")
-    assert "kernels: skipped, under 20 s for it (its share 10 s" in summary
-    assert "gpu_decode: rc 0" in summary  # its share, 48 s, still fits
+    assert "kernels: skipped, under 20 s for it (its share 7 s" in summary
+    assert "gpu_decode: rc 0" in summary  # its share, 39 s, still fits
     assert not any(c[:2] == ["-m", "bench.kernels"] for c in calls)

@@ -76,6 +76,9 @@ def default_max_num_seqs(num_blocks: int, block_size: int) -> int:
     return max(8, min(256, num_blocks * block_size // SLOT_TOKENS))
 
 
+# a chunk after cached tokens gathers the whole context (one program per chunk bucket) where the full-attention
+# layers' KV of a longest context is at most this (a hybrid model's few such layers); else its width is bucketed
+WIDE_GATHER_BYTES = 16 << 20
 DENSE_CHUNK = 256  # the default chunk of a model that prefills in dense [B, T] programs
 
 
@@ -181,13 +184,20 @@ class LLMEngine:
         # full GQA attention prefills over the pool in one packed program per step (runner.paged_prefill)
         paged_prefill = (mode_of("paged_prefill_attention", self.kernels) == "native"
                          and not self.layout.has_request_state and not any(g.mla for g in self.layout.groups))
+        # where gathering a whole context of the full-attention layers is cheap (hybrid models: few such layers),
+        # a chunk after cached tokens reads the full table: one program per chunk bucket instead of one per width
+        max_blocks = -(-self.max_model_len // bs)
+        wide = not paged_prefill and max_blocks * sum(
+            int(np.prod(s.shape[1:])) * np.dtype(s.dtype).itemsize
+            for gl, s in zip(self.layout.groups, self.layout.shapes(self.dtype)) if gl.kind == "full") <= WIDE_GATHER_BYTES
+        self.stage_groups: list[tuple[int, int]] | None = None  # a layer-wise prefill instance's (stream_layers)
         if cfg.chunk_size is None:
             self.cfg = cfg = dataclasses.replace(cfg, chunk_size=default_chunk_size(
                 paged_prefill, cfg.max_num_batched_tokens, bs))
         self.timer = StepTimer()  # where each step's time goes (bench/offline.py)
         self.runner = ModelRunner(self.graphdef, state, self.layout, self.model_config.vocab_size, self.dtype,
                                   num_slots=cfg.max_num_seqs, max_prefill_seqs=cfg.max_prefill_seqs,
-                                  chunk_size=cfg.chunk_size, max_blocks_per_seq=-(-self.max_model_len // bs),
+                                  chunk_size=cfg.chunk_size, max_blocks_per_seq=max_blocks, wide_cached=wide,
                                   mesh=mesh, timer=self.timer, ragged=ragged, full_tables=paged == {"native"},
                                   paged_prefill=paged_prefill,
                                   max_batched_tokens=cfg.max_num_batched_tokens,
@@ -491,6 +501,13 @@ class LLMEngine:
             if self.outbound:
                 self._end_moves()
 
+    def stream_layers(self, groups: list[tuple[int, int]] | None, min_tokens: int | None = None) -> None:
+        """A layer-wise prefill instance: every prefill step gets these layer groups, and a program shape at least
+        min_tokens long (runner `_long`) always runs as them, so no shape needs both a whole and a staged program
+        (the hand-offs of requests that stream export each group as it is dispatched). None: no longer."""
+        self.stage_groups = list(groups) if groups else None
+        self.runner.stream_layers(min_tokens if groups else None)
+
     def release(self, seq: Sequence) -> None:
         """Forget a finished request (its caller has read the result)."""
         self.requests.pop(seq.request_id, None)
@@ -545,6 +562,7 @@ class LLMEngine:
                     staged.add(seq.request_id)
             if stages is None and fetching:
                 stages = next((s.incoming.groups for s in fetching if s.incoming.groups), None)
+            stages = stages or self.stage_groups
             spoiled: dict[Sequence, str] = {}  # fetching requests whose prefix did not arrive: why
             deferred = {seq for _, seq in due if seq.incoming is not None}  # hand-offs begun by _fetch
             before_stage = (lambda k: self._fetch(fetching, (stages or [(0, self.layout.num_layers)])[k][1], k,

@@ -143,7 +143,8 @@ class ModelRunner:
     def __init__(self, graphdef, state, layout: PoolLayout, vocab_size: int, dtype, *, num_slots: int,
                  max_prefill_seqs: int, chunk_size: int, max_blocks_per_seq: int, mesh=None,
                  timer: StepTimer | None = None, ragged: bool = False, stack: LayerStack | None = None,
-                 max_batched_tokens: int | None = None, full_tables: bool = False, paged_prefill: bool = False):
+                 max_batched_tokens: int | None = None, full_tables: bool = False, paged_prefill: bool = False,
+                 wide_cached: bool = False):
         """ragged: decode attention runs as the jnp reference, which then gathers only the blocks in use
         (the decode programs are keyed by the batch's total blocks instead of the table width). full_tables: the
         decode attention (the native kernel) reads only the blocks in use, so every decode table is
@@ -152,12 +153,19 @@ class ModelRunner:
         rows (first chunks and chunks after cached tokens together), keyed by its token bucket alone.
         stack: runs of identical layers to stack and scan (models/stack.py); the runner then holds the only copy
         of their weights (`params`): drop `state` after this. max_batched_tokens: the most prompt tokens of one
-        prefill step (the scheduler's budget; warm-up compiles the packed buckets up to it)."""
+        prefill step (the scheduler's budget; warm-up compiles the packed buckets up to it). wide_cached: a
+        chunk after cached tokens reads a table max_blocks_per_seq wide (one program per chunk bucket, not one
+        per chunk bucket and width), where gathering the whole context is cheap (LLMEngine: `WIDE_GATHER_BYTES`).
+        stage_min_tokens (set by a layer-wise prefill instance, `stream_layers`): prefill shapes at least this
+        long always run as layer groups when given them, shorter ones whole unless a row needs its groups, so
+        no shape is compiled both ways."""
         self.layout, self.V, self.dtype = layout, vocab_size, dtype
         self.ragged, self.full_tables, self.paged_prefill = ragged, full_tables, paged_prefill
         self.timer = timer or StepTimer()  # phases: input preparation, the device program (to results on host)
         self.num_slots, self.max_prefill_seqs, self.chunk_size = num_slots, max_prefill_seqs, chunk_size
         self.max_blocks_per_seq = max_blocks_per_seq
+        self.wide_cached = wide_cached
+        self.stage_min_tokens: int | None = None
         self.max_batched_tokens = max_batched_tokens or max_prefill_seqs * chunk_size
         # paged prefill's token buckets: up to a step's most prefill tokens, and a mixed step's decode tokens on top
         self.most_prefill = min(self.max_batched_tokens, max_prefill_seqs * chunk_size)
@@ -340,7 +348,8 @@ class ModelRunner:
             raise ValueError(f"prefill takes 1..{self.max_prefill_seqs} rows, got {len(rows)}")
         groups = self.prefill_groups(rows)
         preps = [self._prefill_inputs(g) for g in groups]
-        plans = [stages if staged is None or any(r.request_id in staged for r in g) else whole for g in groups]
+        plans = [stages if staged is None or any(r is not None and r.request_id in staged for r in g)
+                 or self._long(*shape) else whole for g, (shape, *_) in zip(groups, preps)]
         self.timer.mark("prefill.prepare")
         xs: list = [None] * len(groups)
         for k in range(len(stages)):
@@ -376,6 +385,22 @@ class ModelRunner:
         tok, lp, ids, tlp, mask = got
         return Prefix(r.request_id, r.dst_row, list(r.block_ids), r.start + len(r.tokens), tok, lp,
                       self._top(r.params, ids, tlp), mask)
+
+    def stream_layers(self, min_tokens: int | None) -> None:
+        """Prefill shapes at least min_tokens long run as layer groups whenever a step is given them (`_long`);
+        None: only where a row needs its groups."""
+        self.stage_min_tokens = min_tokens
+
+    def _long(self, B: int, T: int, W: int, N: int, fresh: bool) -> bool:
+        """Whether a prefill program of this shape runs as layer groups whatever its rows (stage_min_tokens): a
+        paged program's every bucket (any prompt's chunk shares it), a first chunk of at least that many tokens
+        (its bucket), a chunk after cached tokens whose table covers that many."""
+        if self.stage_min_tokens is None:
+            return False
+        if self.paged_prefill:
+            return True
+        return (T if B == 1 else N) >= self.stage_min_tokens if fresh else W * self.layout.block_size >= \
+            self.stage_min_tokens
 
     def _stage(self, lo: int, hi: int, last: bool) -> tuple[int, int, jax.Array | None]:
         """The program that runs layers lo..hi-1 of a prefill: (lo, hi) it is compiled for, and the shift to the
@@ -424,7 +449,7 @@ class ModelRunner:
         # first chunks' tables as wide as T (their keys are the chunk's own): the width follows the chunk, not the
         # prompt; paged prefill's as wide as the longest sequence
         table = self._table(blocks, B, -(-T // bs) if fresh else max(map(len, blocks)),
-                            self.max_blocks_per_seq if paged else None)
+                            self.max_blocks_per_seq if paged or (self.wide_cached and not fresh) else None)
         st = pack_sampling([r.params if r else _IDLE for r in rows[:S]], [r.step if r else 0 for r in rows[:S]], S,
                            spare=self.num_slots)
         if any(m is not None for m in pmask):
@@ -683,17 +708,18 @@ class ModelRunner:
         return list(zip(ids[:k].tolist(), tlp[:k].tolist()))
 
     def warmup(self, progress: bool = True, stages: list[tuple[int, int]] | None = None, tails: bool = False,
-               decode: bool = True, whole: bool = True, stage_min_tokens: int = 0, stage_cached: bool = False) -> int:
+               decode: bool = True, whole: bool = True, stage_cached: bool = False) -> int:
         """Compile what an instance runs (every shape of `prefill_groups` and `decode_batch`), so that traffic
         compiles nothing afterwards:
           decode  the decode program for every batch bucket and block-table width (ragged: every total-blocks
                   bucket; full tables: the one width)
           whole   the whole-model prefill programs: first chunks alone (every chunk bucket) and together (every
                   packed token bucket), and chunks after cached tokens (every chunk bucket and table width that
-                  can follow); paged prefill: every token bucket up to the step's token budget
-          stages  the layer-group programs of layer-wise prefill for the same shapes, those of prompts of at
-                  least stage_min_tokens (transfer.stream_min_tokens: shorter ones are sent whole), and with
-                  stage_cached every chunk after cached tokens (a prefill over a prefix loaded as it runs)
+                  can follow; wide_cached: the one width); paged prefill: every token bucket up to the step's
+                  token budget
+          stages  a layer-wise prefill instance's layer groups: the shapes at least stage_min_tokens long
+                  (`_long`) are compiled as layer groups instead of whole, and with stage_cached every chunk
+                  after cached tokens is compiled as layer groups too (a prefill over a prefix loaded as it runs)
           tails   (without whole) the one-token chunk at the end of a sequence of every table width: what a
                   decode instance runs when KV arrives for all but the last token, a resumed request's or one
                   prefill left with transfer.leave_last_token
@@ -740,8 +766,9 @@ class ModelRunner:
                 mixes = [("mixed", ([1], b), None) for b in batches]
         else:
             # a chunk after cached tokens: per chunk bucket T and width W, one of length in (previous T, T] ending
-            # at the last token of W blocks (none when no such chunk has a token before it)
-            cached = [(min(t, w * bs - 1), w) for i, t in enumerate(lengths) for w in widths
+            # at the last token of W blocks (none when no such chunk has a token before it); wide_cached: one width
+            cached = [(min(t, w * bs - 1), w) for i, t in enumerate(lengths)
+                      for w in ([self.max_blocks_per_seq] if self.wide_cached else widths)
                       if min(t, w * bs - 1) > (lengths[i - 1] if i else 0)]
             batched = []  # every packed token bucket N of several first chunks (up to the budget's), as rows
             n, top = 16, pow2_bucket(min(self.max_batched_tokens, BT), 16, BT)
@@ -754,18 +781,19 @@ class ModelRunner:
             prefills = ([("first", [t]) for t in lengths] + [("first", b) for b in batched]
                         + [("cached", c) for c in cached])
             short = [("cached", c) for c in cached if c[0] <= lengths[0]]
-        jobs = decodes if decode else []
+        # (kind, shape, stages, staged): with stages and staged empty the shape decides (`_long`); staged None
+        # runs every group of the shape's program as layer groups
+        if stages is not None and self.stage_min_tokens is None:
+            raise ValueError("warm-up with layer groups needs stage_min_tokens (LLMEngine.stream_layers)")
+        jobs = [(*d, None) for d in decodes] if decode else []
         if whole:
-            jobs += [(kind, n, None) for kind, n in prefills] + mixes
+            jobs += [(kind, n, stages, set()) for kind, n in prefills] + [(*m, None) for m in mixes]
         elif tails:
-            jobs += [(kind, n, None) for kind, n in short] + mixes
-        if stages is not None:  # a staged request's chunk: its whole prompt of at least stage_min_tokens (paged:
-            # any chunk of such a prompt shares its bucket's program with short ones)
-            long = lambda kind, n: (self.paged_prefill or (stage_cached and kind == "cached") or  # noqa: E731
-                                    (sum(n) if kind == "first" else n[1] * bs) >= stage_min_tokens)
-            jobs += [(kind, n, stages) for kind, n in prefills if kind != "mixed" and long(kind, n)]
+            jobs += [(kind, n, None, None) for kind, n in short] + [(*m, None) for m in mixes]
+        if stages is not None and stage_cached:  # a prefill over a prefix arriving layer group by layer group
+            jobs += [(kind, n, stages, None) for kind, n in prefills if kind == "cached"]
         scratch = self.layout.scratch_row
-        for kind, n, st in tqdm(jobs, desc="compiling", unit="program", disable=not progress):
+        for kind, n, st, staged in tqdm(jobs, desc="compiling", unit="program", disable=not progress):
             if kind == "decode":
                 self.generate([DecodeRow(0, 0, n * bs - 1, [0] * n, _IDLE, 0)] * st)  # n: blocks, st: rows
             elif kind == "mixed":  # n: (the prefill rows' lengths, decode rows)
@@ -774,10 +802,10 @@ class ModelRunner:
             elif kind == "cached":  # n: (tokens, blocks to the chunk's end)
                 t, w = n
                 self.prefill([PrefillRow("warmup", [0] * t, w * bs - t, [0] * w, scratch, scratch, None, True,
-                                         _IDLE, 0, [0])], st)
+                                         _IDLE, 0, [0])], st, staged=staged)
             else:  # n: the rows' lengths
                 self.prefill([PrefillRow("warmup", [0] * t, 0, [0] * -(-t // bs), scratch, scratch, None, True,
-                                         _IDLE, 0, [0]) for t in n], st)
+                                         _IDLE, 0, [0]) for t in n], st, staged=staged)
         if decode:  # the programs that start a step's new decoders (`insert`), every row bucket, on the spare row
             for k in sorted({pow2_bucket(n, 1, self.max_prefill_seqs) for n in range(1, self.max_prefill_seqs + 1)}):
                 ids = self._upload(np.full((2, k), self.num_slots, np.int32))

@@ -46,7 +46,9 @@ def build_colocated(cfg: Config, progress: bool = True, on_ready=None):
     if progress:
         print(llm.cache_line, flush=True)
     if cfg.engine.warmup:
-        llm.runner.warmup(progress)
+        n = llm.runner.warmup(progress)
+        if progress:
+            print(f"{inst.name}: {n} programs compiled", flush=True)
     name = cfg.model.name or os.path.basename(os.path.normpath(path))
     engine = AsyncEngine(llm)
     metrics = Metrics(engine.stats)

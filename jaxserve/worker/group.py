@@ -56,7 +56,7 @@ DEFAULT_PORT = 8476  # the coordinator's port where the config names none (Kuber
 JOIN_S = 300.0  # how long the group's processes may take to find each other (engines built, channel open)
 # the runner's calls that run programs or change its state: what a follower repeats
 CALLS = frozenset({"prefill", "generate", "mixed", "insert", "read_blocks", "write_blocks", "export_kv",
-                   "import_kv", "settle", "warmup", "warmup_transfer", "free"})
+                   "import_kv", "settle", "warmup", "warmup_transfer", "free", "stream_layers"})
 HOOKS = ("on_stage", "before_stage", "masks")  # callbacks a call runs between its programs
 
 

@@ -96,6 +96,7 @@ class Worker:
             print(f"{inst.name}: waiting for the group's {group.group.size - 1} other processes", flush=True)
             group.accept()
             self.llm.runner = Lockstep(self.llm.runner, group)
+        self._stream(inst.role)
         # the global KV store keeps its pool in shared memory, where prefill instances on its host read it in
         # place (cache/shared_pool.py); a prefill instance on one CPU device reads such pools (an accelerator's
         # pool would copy them over its host link: it takes them over the transfer layer)
@@ -150,6 +151,12 @@ class Worker:
         import concurrent.futures
         self._migrations = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="migration")  # as a helper
 
+    def _stream(self, role: str) -> None:
+        """Where `role` sends KV layer group by layer group, every prefill step runs its long shapes as the
+        groups (LLMEngine.stream_layers): warm-up then compiles each shape one way."""
+        sends = role in ("prefill", "both") and len(self.layer_groups) > 1
+        self.llm.stream_layers(self.layer_groups if sends else None, self.cfg.transfer.stream_min_tokens)
+
     def _warm(self, role: str, progress: bool = False) -> int:
         """Compile what `role` runs (engine thread, or before the engine thread starts) -> programs compiled.
         Every whole-model prefill shape where requests are prefilled, and on a layer-wise prefill instance the
@@ -166,8 +173,7 @@ class Worker:
         store = any(i.role == "store" for i in cfg.instances())  # prefills may run over prefixes it loads
         moves = store or any(c.kind == "prfaas" for c in cfg.clusters)  # prefixes moved between clusters
         n = self.llm.runner.warmup(progress, groups if sends and layerwise else None, tails=receives,
-                                   decode=receives, whole=sends, stage_min_tokens=cfg.transfer.stream_min_tokens,
-                                   stage_cached=sends and store)
+                                   decode=receives, whole=sends, stage_cached=sends and store)
         # a prefill instance receives cached prefixes too where there are any to receive (moved between clusters,
         # or loaded from the global KV store layer group by layer group while its prefill runs)
         return n + self.llm.runner.warmup_transfer(self.llm.dtype_name, groups, export=sends,
@@ -274,6 +280,7 @@ class Worker:
         """Engine thread: compile what `role` runs (engine.warmup), then take it -> programs compiled. The
         warm-up's programs write block 0, which the prefix cache may hold by now: it leaves the cache first (with
         a request holding it, which the drain rules out, the new role's programs compile when first needed)."""
+        self._stream(role)
         n = self._warm(role) if self.cfg.engine.warmup and self.llm.blocks.uncache(0) else 0
         if role in ("prefill", "both") and self.feeder is None:
             from ..disagg.prefill_side import Feeder

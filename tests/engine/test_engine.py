@@ -305,35 +305,50 @@ def test_the_default_chunk_is_the_step_budget_where_prefill_is_paged(engines, ke
     assert eng.timer.summary()["prefill"]["count"] == 1
 
 
-@pytest.mark.parametrize("chunk", [8, None])
-def test_layerwise_warmup_covers_a_streamed_prompts_chunks(engines, chunk):
-    """A layer-wise prefill instance runs a streamed prompt's chunks before the last whole and its last chunk
-    layer group by layer group (the groups of other requests in the step stay whole): warm-up with the stages
-    compiles both for prompts of at least stage_min_tokens, and the staged result is the dense path's. Also with
-    the default chunk (the step budget, 16)."""
+@pytest.mark.parametrize("family,chunk", [("llama", 8), ("llama", None), ("deepseek_v3", 8)])
+def test_layerwise_warmup_covers_a_streamed_prompts_chunks(engines, family, chunk):
+    """A layer-wise prefill instance (LLMEngine.stream_layers) gives every prefill step its layer groups: a
+    program shape at least stage_min_tokens long runs layer group by layer group whatever its rows, a shorter one
+    whole unless a row needs its groups (a streamed prompt's last chunk). Warm-up compiles each shape one way,
+    never both, and covers every chunk of streamed prompts; the staged result is the dense path's. Paged prefill
+    (llama) runs every shape as layer groups; dense programs (MLA) the short ones whole. Also with the default
+    chunk (the step budget, 16)."""
     from jaxserve.engine.runner import PrefillRow
     from transfer.plan import layer_groups
-    llm = engines("llama", dataclasses.replace(ENGINE, max_model_len=80, num_blocks=96, prefix_caching=False,
+    llm = engines(family, dataclasses.replace(ENGINE, max_model_len=80, num_blocks=96, prefix_caching=False,
                                               chunk_size=chunk))
     runner = llm.engine.runner
     C = runner.chunk_size
     assert C == (chunk or ENGINE.max_num_batched_tokens)
+    assert runner.paged_prefill == (family == "llama")
     stages = layer_groups(runner.layout.num_layers, 1)
-    runner.warmup(progress=False, stages=stages, decode=False, stage_min_tokens=24)
-    warmed, runner.programs = set(runner.programs), set()
-    params = SamplingParams(max_tokens=1, temperature=0)
-    for n in (26, 41, 77):
-        prompt = [int(t) for t in np.random.default_rng(n).integers(1, 100, n)]
-        blocks = list(range(1, -(-n // ENGINE.block_size) + 1))
-        for start in range(0, n, C):
-            end = min(start + C, n)
-            row = PrefillRow(f"r{n}", prompt[start:end], start, blocks, 0, 0, None, end == n, params, 0,
-                             prompt if end == n else None)
-            out, = runner.prefill([row], stages if end == n else None, None, {f"r{n}"})
-        assert out.token == int(llm.score(prompt)[-1].argmax())
+    llm.engine.stream_layers(stages, 24)
+    try:
+        runner.warmup(progress=False, stages=stages, decode=False)
+        warmed, runner.programs = set(runner.programs), set()
+        params = SamplingParams(max_tokens=1, temperature=0)
+        for n in (26, 41, 77):
+            prompt = [int(t) for t in np.random.default_rng(n).integers(1, 100, n)]
+            blocks = list(range(1, -(-n // ENGINE.block_size) + 1))
+            for start in range(0, n, C):
+                end = min(start + C, n)
+                row = PrefillRow(f"r{n}", prompt[start:end], start, blocks, 0, 0, None, end == n, params, 0,
+                                 prompt if end == n else None)
+                out, = runner.prefill([row], stages, None, {f"r{n}"} if end == n else set())
+            assert out.token == int(llm.score(prompt)[-1].argmax())
+    finally:
+        llm.engine.stream_layers(None)
     assert runner.programs <= warmed, sorted(runner.programs - warmed)
-    # one program per layer group, the middle groups (1, 2) and (2, 3) of the 4-layer run sharing one
-    assert {k[4:6] for k in runner.programs if k[0] == "prefill"} == {(0, 1), (1, 2), (3, 4), (0, 4)}
+    L = runner.layout.num_layers
+
+    def shapes(whole: bool) -> set:
+        return {k[1:4] + k[6:] for k in warmed if k[0] == "prefill" and (k[4:6] == (0, L)) == whole}
+    assert shapes(False) and not shapes(True) & shapes(False)  # each shape one way
+    if family == "llama":  # one program per layer group, the middle groups (1, 2) and (2, 3) of the run sharing one
+        assert {k[4:6] for k in runner.programs if k[0] == "prefill"} == {(0, 1), (1, 2), (3, 4)}
+        assert not shapes(True)
+    else:
+        assert shapes(True) and (0, L) in {k[4:6] for k in runner.programs if k[0] == "prefill"}
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "deepseek_v3", "kimi_linear", "qwen3_next", "gpt_oss",

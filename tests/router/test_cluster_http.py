@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import time
 
 import pytest
@@ -83,8 +84,8 @@ def worker_stats(workers) -> dict:
 
 
 # dense GQA, and Kimi Linear: MLA and KDA layers in one model (every family runs disaggregated in-process:
-# tests/disagg/test_inprocess.py)
-@pytest.mark.parametrize("family", ["llama", "kimi_linear"])
+# tests/disagg/test_inprocess.py); JAXSERVE_DISAGG_FAMILIES names others (bench/gpu_check.sh adds gpt-oss on a GPU)
+@pytest.mark.parametrize("family", os.environ.get("JAXSERVE_DISAGG_FAMILIES", "llama,kimi_linear").split(","))
 def test_disaggregated_http_equals_colocated(family, checkpoint_dir):
     path = checkpoint_dir(family)
     sampled = dict(temperature=0.8, top_k=20, seed=1234, n=2)

@@ -1,0 +1,153 @@
+"""Disaggregated serving against colocated serving on one GPU: `jaxserve serve` of a prefill and a decode worker
+sharing the device (each with its share of its memory, instance.device_memory) against one colocated instance of
+the same model and engine settings, over HTTP, greedy.
+
+- answers: a set of prompts decoded both ways, their tokens compared;
+- per prompt length (256, 2048 and 4000 tokens by default): TTFT and TPOT of streamed requests, the median over
+  `--reps` fresh prompts (no prefix hits), disaggregated and colocated, and their ratios; the KV bytes each
+  disaggregated request moved and its backend (shm, device or tcp). The backends' own rates beside the device
+  copy and raw sockets are bench.transfer's (gpu_check runs both);
+- the ready time of each deployment (launch to /health 200, the compilation cache shared, so the second start
+  finds the programs both build).
+
+The model is a random bf16 checkpoint of SmolLM2-135M's shape (`--shape small`, bench/gpu_decode.py writes it on
+the device; the GGUF package is larger than what travels to a lent GPU) or a checkpoint directory (`--model`).
+Warm-up is off: one untimed request per prompt length compiles what the timed ones run, so the few minutes of a
+lent GPU go to serving. Each deployment is its own `jaxserve serve` process; the result is one JSON, stamped.
+
+    python -m bench.gpu_disagg --json bench/results/gpu_disagg_h200.json     # on the GPU (bench/gpu_check.sh)
+    python -m bench.gpu_disagg --model DIR --lengths 24,40 --new 4 --reps 1  # anywhere, a tiny checkpoint
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import yaml
+
+from bench.startup import launch, stop
+from router.launcher import free_ports
+
+
+def configs(model: str, max_len: int, cache: str, cpus: bool = False) -> tuple[dict, dict]:
+    """(disaggregated, colocated) config mappings: the same model and engine section; the two workers share
+    device 0 (the default split of its memory)."""
+    engine = {"block_size": 16, "max_num_seqs": 16, "max_num_batched_tokens": 2048, "max_model_len": max_len,
+              "prefix_caching": False, "warmup": False, "compilation_cache": cache}
+    base = {"model": {"path": model, "name": "m", "dtype": "bfloat16"},
+            "engine": engine, "server": {"host": "127.0.0.1", "max_tokens_limit": 4096}}
+    disagg = {**base, "clusters": [{"name": "c", "instances": [
+        {"name": "p0", "role": "prefill", **({"cpus": [0]} if cpus else {})},
+        {"name": "d0", "role": "decode", **({"cpus": [1]} if cpus else {})}]}],
+        "transfer": {"token": "gpu-disagg", "layers_per_group": 4, "stream_min_tokens": 512}}
+    colocated = {**base, "clusters": [{"name": "c", "instances": [{"name": "solo", "role": "both"}]}]}
+    return disagg, colocated
+
+
+def complete(port: int, prompt: list[int], new: int) -> dict:
+    """One streamed greedy completion -> {"tokens", "ttft_s", "tpot_s", "jaxserve"}."""
+    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": new, "temperature": 0, "ignore_eos": True,
+                       "stream": True, "logprobs": 0}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                 {"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    stamps, tokens, meta = [], [], None
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for line in r:
+            line = line.decode().strip()
+            if not line.startswith("data: {"):
+                continue
+            ev = json.loads(line[6:])
+            got = (ev["choices"][0].get("logprobs") or {}).get("tokens") or []
+            if got:
+                stamps.append(time.perf_counter() - t0)
+                tokens += got
+            meta = ev.get("jaxserve", meta)
+    if not stamps:
+        raise RuntimeError(f"no tokens streamed for a prompt of {len(prompt)} tokens")
+    tpot = (stamps[-1] - stamps[0]) / (len(tokens) - 1) if len(tokens) > 1 else None
+    return {"tokens": tokens, "ttft_s": stamps[0], "tpot_s": tpot, "jaxserve": meta}
+
+
+def serve_and_measure(config: dict, work: str, name: str, answers: list[list[int]], lengths: list[int],
+                      reps: int, new: int, vocab: int, seed: int, timeout_s: float) -> dict:
+    import numpy as np
+    path = os.path.join(work, f"{name}.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(config, f)
+    port = free_ports("127.0.0.1")
+    proc, ready = launch(path, port, timeout_s)
+    try:
+        out = {"ready_s": ready, "answers": [complete(port, p, new)["tokens"] for p in answers], "lengths": {}}
+        rng = np.random.default_rng(seed)
+        for n in lengths:
+            complete(port, rng.integers(3, vocab, n).tolist(), new)  # compiles what this length runs
+            runs = [complete(port, rng.integers(3, vocab, n).tolist(), new) for _ in range(reps)]
+            metas = [r["jaxserve"] or {} for r in runs]
+            out["lengths"][str(n)] = {
+                "ttft_s": statistics.median(r["ttft_s"] for r in runs),
+                "tpot_s": statistics.median(r["tpot_s"] for r in runs if r["tpot_s"] is not None),
+                "kv_bytes": statistics.median(m.get("kv_bytes_transferred") or 0 for m in metas),
+                "kv_backend": sorted({m.get("kv_backend") for m in metas if m.get("kv_backend")}),
+                "prefill_instance": sorted({m.get("prefill_instance") for m in metas if m.get("prefill_instance")})}
+            print(f"{name}: {n} tokens: {out['lengths'][str(n)]}", flush=True)
+    finally:
+        stop(proc)
+    return out
+
+
+def main(argv=None) -> int:
+    from bench.stamp import arguments, write
+    ap = arguments(__doc__)
+    ap.add_argument("--model", help="a checkpoint directory (default: a random one of --shape)")
+    ap.add_argument("--shape", default="small", help="bench/gpu_decode.py's shapes")
+    ap.add_argument("--lengths", default="256,2048,4000")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--new", type=int, default=32, help="tokens decoded per request")
+    ap.add_argument("--answers", type=int, default=8, help="prompts whose answers are compared")
+    ap.add_argument("--timeout-s", type=float, default=300, help="per deployment's start")
+    ap.add_argument("--pin", action="store_true", help="pin the two workers to cores 0 and 1")
+    a = ap.parse_args(argv)
+    import numpy as np
+
+    from jaxserve.models.config import load_config
+    lengths = [int(x) for x in a.lengths.split(",")]
+    work = tempfile.mkdtemp(prefix="gpu_disagg_")
+    path = a.model
+    if path is None:  # written by a process of its own, which leaves the device when done
+        path = os.path.join(work, "checkpoint")
+        subprocess.run([sys.executable, "-m", "bench.gpu_decode", "--part", "make", "--dir", path, "--work", work,
+                        "--shape", a.shape, "--json", os.path.join(work, "unused.json")], check=True)
+    mc = load_config(path)
+    max_len = min(getattr(mc, "max_position_embeddings", 4096) or 4096, 8192)
+    lengths = [n for n in lengths if n + a.new < max_len]
+    rng = np.random.default_rng(0)
+    answers = [rng.integers(3, mc.vocab_size, int(rng.integers(8, 200))).tolist() for _ in range(a.answers)]
+    disagg, colocated = configs(path, max_len, os.path.join(work, "xla"), a.pin)
+    result = {"model": a.model or f"random, {a.shape} shape (bench/gpu_decode.py)", "max_model_len": max_len, "lengths": lengths, "reps": a.reps, "new": a.new}
+    for name, cfg in (("colocated", colocated), ("disaggregated", disagg)):
+        result[name] = serve_and_measure(cfg, work, name, answers, lengths, a.reps, a.new, mc.vocab_size, 1,
+                                         a.timeout_s)
+    c, d = result["colocated"], result["disaggregated"]
+    result["answers_equal"] = sum(x == y for x, y in zip(c["answers"], d["answers"]))
+    result["answers"] = len(answers)
+    for name in ("colocated", "disaggregated"):
+        result[name].pop("answers")
+    result["ratios"] = {}
+    for n in map(str, lengths):
+        dc, dd = c["lengths"][n], d["lengths"][n]
+        result["ratios"][n] = {"ttft": dd["ttft_s"] / dc["ttft_s"], "tpot": dd["tpot_s"] / dc["tpot_s"]}
+    write(a.json, result)
+    print(json.dumps({k: result[k] for k in ("answers_equal", "answers", "ratios")}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
