@@ -892,8 +892,7 @@ class Worker:
             await stop.wait()
         finally:
             if beat is not None:
-                beat.cancel()
-                self._beats.stop()
+                self._beats.stop()  # cancels the heartbeat, which closes its channel to the router, then the loop
             await server.stop(1.0)
             self.close()
         if beat is not None and beat.done() and not beat.cancelled() and beat.exception() is not None:

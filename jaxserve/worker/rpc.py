@@ -231,9 +231,22 @@ class LoopThread:
         """Run `coro` on the thread's loop and wait for its result here (not from that loop itself)."""
         return self.submit(coro).result(timeout)
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 10.0) -> None:
+        """Cancel the loop's tasks and let them finish (their `finally` blocks close their gRPC channels on this
+        loop), then stop and close it: a channel left open would be polled on a closed loop."""
         if self.loop.is_closed():
             return
+
+        async def drain():
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if self._thread.is_alive():
+            try:
+                self.run(drain(), timeout)
+            except (concurrent.futures.TimeoutError, RuntimeError):  # a task that would not end: stopped anyway
+                log.warning("%s: tasks still running after %.0fs; stopping its loop", self._thread.name, timeout)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
         if not self._thread.is_alive():

@@ -1,6 +1,8 @@
 """A clean stop: `jaxserve serve` of a disaggregated config, stopped as Ctrl-C stops it (SIGINT to the whole process
 group: the router and its workers) after it served a request, exits with no traceback in any process's output (the
-workers' lines reach the router's stderr), gRPC's `Event loop is closed` included, and leaves no worker behind."""
+workers' lines reach the router's stderr), gRPC's `Event loop is closed` included, and leaves no worker behind; a
+worker whose router is unreachable, stopped by SIGTERM or SIGINT while its heartbeat retries, stops as cleanly (its
+heartbeat task ends, closing its channel, before its loop closes: worker/rpc.py `LoopThread.stop`)."""
 
 from __future__ import annotations
 
@@ -19,19 +21,49 @@ from bench.clusters import unpinned
 from router.launcher import free_ports
 
 pytestmark = pytest.mark.slow
+UNCLEAN = ("Traceback", "Event loop is closed", "Task was destroyed", " ERROR ")
 
 
-def test_ctrl_c_stops_every_process_without_a_traceback(checkpoint_dir, tmp_path):
-    cfg = unpinned({"model": {"path": checkpoint_dir("llama"), "name": "m"},
+def _config(tmp_path, ckpt: str) -> str:
+    cfg = unpinned({"model": {"path": ckpt, "name": "m"},
                     "engine": {"block_size": 4, "num_blocks": 64, "max_num_seqs": 4, "max_model_len": 64,
                                "chunk_size": 8, "max_num_batched_tokens": 16, "warmup": False},
                     "clusters": [{"name": "c", "instances": [{"name": "p0", "role": "prefill"},
                                                              {"name": "d0", "role": "decode"}]}],
-                    "transfer": {"token": "tok"}, "router": {"heartbeat_s": 0.5, "down_after_s": 3.0}})
+                    "transfer": {"token": "tok"}, "router": {"heartbeat_s": 0.2, "down_after_s": 3.0}})
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_worker_whose_router_is_gone_stops_cleanly(checkpoint_dir, tmp_path, sig):
+    path = _config(tmp_path, checkpoint_dir("llama"))
+    nobody = f"127.0.0.1:{free_ports('127.0.0.1')}"  # no router listens there
+    proc = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "worker", "--config", path, "--instance", "d0",
+                             "--router", nobody], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("JAXSERVE_WORKER_READY"):
+                break
+        time.sleep(1.5)  # several heartbeats fail and retry meanwhile
+        proc.send_signal(sig)
+        out = "".join(lines) + proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert "unreachable" in out and proc.returncode == 0, out[-3000:]
+    assert not any(u in out for u in UNCLEAN), out[-3000:]
+
+
+def test_ctrl_c_stops_every_process_without_a_traceback(checkpoint_dir, tmp_path):
+    path = _config(tmp_path, checkpoint_dir("llama"))
     port = free_ports("127.0.0.1")
-    proc = subprocess.Popen([sys.executable, "-m", "router.cli", "serve", "--config", str(path), "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "router.cli", "serve", "--config", path, "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
@@ -56,7 +88,7 @@ def test_ctrl_c_stops_every_process_without_a_traceback(checkpoint_dir, tmp_path
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
-    assert "Traceback" not in out and "Event loop is closed" not in out, out[-4000:]
+    assert not any(u in out for u in UNCLEAN), out[-4000:]
     assert proc.returncode in (0, -signal.SIGINT), (proc.returncode, out[-2000:])
     left = subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True, text=True).stdout.split()
     assert not left, f"processes of the session still running: {left}"
