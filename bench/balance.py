@@ -1,5 +1,5 @@
 """Load balancing with hot shared prefixes, and role switching under a traffic shift, simulated (router/sim) with
-the live policy objects (router/policy.py, router/balance.py).
+the live policy objects (router/policies/).
 
 Parts:
   hot    4 prefill + 2 decode instances; every prompt starts with one of 8 shared 6,000-token prefixes
@@ -39,8 +39,10 @@ HOT_PROFILE = {"prefill": {"tokens": [100, 10000], "seconds": [0.01, 1.0], "kv_b
 
 
 def _policies():
-    from router.balance import BanaServe, BanaServeParams, CacheAware, CacheAwareParams, RoundRobin
-    from router.policy import LeastLoaded
+    from router.policies.banaserve import BanaServe, BanaServeParams
+    from router.policies.cache_aware import CacheAware, CacheAwareParams
+    from router.policies.round_robin import RoundRobin
+    from router.policies.least_loaded import LeastLoaded
     return {  # name -> (make_policy, with the global KV store)
         "cache_aware_sglang": (lambda: CacheAware(CacheAwareParams("sglang")), False),
         "cache_aware_dynamo": (lambda: CacheAware(CacheAwareParams("dynamo")), False),
@@ -81,9 +83,9 @@ def hot(n_p: int, n_d: int, groups: int, rates: list[float], traffic_s: float, s
 
 
 def shift() -> dict:
-    from router.balance import FlowKV, FlowKVParams
+    from router.policies.flowkv import FlowKV, FlowKVParams
     from router.planner import LogNormal, Profile
-    from router.policy import LeastLoaded
+    from router.policies.least_loaded import LeastLoaded
     from router.sim.run import Simulation, Traffic, case_study
     D = Profile.from_json(json.load(open(os.path.join(HERE, "pd_h20.json"))))
     phase2 = LogNormal(7.5, 0.5, 128, 32768)
@@ -108,7 +110,7 @@ def live(rate: float, duration: float, models: str, only: list[str] | None = Non
     from bench.prfaas_live import settle
     from jaxserve.config import parse
     from jaxserve.sampling import SamplingParams
-    from router import policy as policies
+    from router import policies
     cfg = {"model": {"path": checkpoint("llama", models), "name": "bench"},
            "engine": dict(block_size=16, num_blocks=128, max_num_seqs=8, max_num_batched_tokens=512, chunk_size=256,
                           max_prefill_seqs=4, max_model_len=640, num_snapshots=16, warmup=True),

@@ -19,7 +19,7 @@ def run(config: dict, fn, pinned: bool = True):
     against the router once every worker has registered, stop everything; returns fn's result."""
     from jaxserve.config import parse
     from router.cluster import Router
-    from router.launcher import workers
+    from router.start import workers
     cfg = parse(config if pinned else unpinned(config))
 
     async def go():

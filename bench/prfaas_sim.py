@@ -36,7 +36,7 @@ def _inputs():
 
 
 def _policy(threshold: int, adaptive: bool = False):
-    from router.policy import PrfaaS, ThresholdParams
+    from router.policies.prfaas import PrfaaS, ThresholdParams
     return lambda: PrfaaS(ThresholdParams(threshold, adaptive=adaptive, hold_s=10.0, window_s=60.0))
 
 
@@ -58,7 +58,7 @@ def grid(P, D, W) -> dict:
 
 def case(P, D, W) -> dict:
     from router.planner import plan
-    from router.policy import LeastLoaded
+    from router.policies.least_loaded import LeastLoaded
     from router.sim.run import Simulation, Traffic, case_study
     planned = plan(P, D, W, 4, 8, 100.0)
     setups = {"prfaas_pd": (_policy(19400), {}), "homogeneous": (LeastLoaded, dict(n_p=9, n_d=3)),
@@ -100,7 +100,7 @@ def drop(P, D, W) -> dict:
 
 def shift(P, D) -> dict:
     from router.planner import LogNormal
-    from router.policy import LeastLoaded
+    from router.policies.least_loaded import LeastLoaded
     from router.replan import ReplanParams
     from router.sim.run import Simulation, Traffic, case_study
     phase2 = LogNormal(7.5, 0.5, 128, 32768)

@@ -272,7 +272,7 @@ class RouterSection(_Strict):
 
 
 class PolicySection(_Strict):
-    """Where requests run (router/policy.py, router/balance.py). `least_loaded`: the least loaded prefill and
+    """Where requests run (router/policies/, one module each). `least_loaded`: the least loaded prefill and
     decode instances. `prfaas`: selective offload of long uncached prefills to a PrfaaS cluster, bandwidth- and
     cache-aware. `round_robin`: in turn. `cache_aware`: SGLang's or Dynamo's cache-affine rule (`rule`).
     `banaserve`: load-aware dispatch over the global KV store (BanaServe Algorithm 2). `flowkv`: load scores,

@@ -1,6 +1,6 @@
 """The router: the engine-client protocol (jaxserve/engine/client.py) the HTTP app uses, over worker processes.
 
-Per request (the KV Messenger flow): the placement policy (policy.py, `policy.name`) picks the decode and the
+Per request (the KV Messenger flow): the placement policy (policies/, `policy.name`) picks the decode and the
 prefill instance from a snapshot of the cluster (snapshot.py); open the decode instance's `Decode` stream,
 which reserves cache space and validates the request (a bad one is refused before any prefill work), then the
 prefill instance's `Prefill` call with the reservation, and relay both to the request's queue: the
@@ -52,11 +52,11 @@ from jaxserve.engine.client import QueueFull, RequestError, Update, encode
 from jaxserve.sampling import SamplingParams
 from jaxserve.worker import rpc
 
-from . import policy as policies
+from . import policies
 from .control import ControlServer
 from .kv_index import KVIndex
 from .migration import MigrationParams, MigrationPlanner, Unit
-from .policy import Placement
+from .policies.base import Placement, least_loaded
 from .registry import Registry, WorkerInfo
 from .snapshot import Topology
 
@@ -635,7 +635,7 @@ class Router:
                     raise Unavailable("no prefill instance is up")
                 w, method = self.registry.get(pl.decode), "Decode" if pl.prefill is not None else "Generate"
             elif not self.registry.up("decode", exclude=s.avoid) and r.local_fallback and snap.instances:
-                w = self.registry.get(policies.least_loaded(list(snap.instances)).name)
+                w = self.registry.get(least_loaded(list(snap.instances)).name)
                 method = "Generate"
                 pl = Placement(w.name, None, "colocated", "no decode instance is up: local fallback")
             elif busy and time.monotonic() < deadline:

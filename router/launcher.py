@@ -19,7 +19,6 @@ import contextlib
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -217,32 +216,3 @@ async def wait_ready(cluster, launcher: Launcher, names: list[str], timeout: flo
                                    "(router.ready_timeout_s)")
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(cluster.joined(), 0.5)
-
-
-@contextlib.asynccontextmanager
-async def workers(cluster, cfg, names: list[str], progress: bool = False, echo=None, ray_address: str | None = None):
-    """Open `cluster`'s control port, start `names` as child workers of exactly `cfg` (written to a temporary
-    file), or with ray_address on that Ray cluster (router/ray_launcher.py), wait until they have registered;
-    on exit close the cluster and stop them all."""
-    import yaml
-    address = await cluster.start()
-    path = None
-    if ray_address is not None:
-        from .ray_launcher import RayLauncher
-        launcher = RayLauncher(cfg, names, address, ray_address, echo)
-    else:
-        with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="jaxserve-", delete=False) as f:
-            yaml.safe_dump(cfg.model_dump(mode="json"), f)
-        path = f.name
-        launcher = Launcher(path, names, address, echo,
-                            hosts={i.name: (i.hosts, i.group_port) for i in cfg.instances() if i.hosts > 1})
-    cluster.launcher = launcher
-    try:
-        launcher.start()
-        await wait_ready(cluster, launcher, names, cfg.router.ready_timeout_s, progress)
-        yield cluster
-    finally:
-        await cluster.close()
-        launcher.stop()
-        if path is not None:
-            os.unlink(path)

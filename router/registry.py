@@ -4,7 +4,7 @@ Workers register themselves (the `Register` call, which doubles as their heartbe
 carrying their role, addresses and engine stats. A worker is *up* while it has been heard from within
 `down_after_s`; a call to it that fails at the transport level marks it down at once (`mark_down`), and its
 next heartbeat brings it back. The router's own count of requests in flight on each instance is the load
-signal for dispatch (policy.py), the heartbeat's stats break ties. The registry is also the one source of
+signal for dispatch (policies/), the heartbeat's stats break ties. The registry is also the one source of
 the instances' data addresses: `peers()` is the table every worker gets back from Register, and a prefill
 worker sends KV only to an address in it (worker/messages.py).
 

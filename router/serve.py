@@ -20,7 +20,7 @@ from jaxserve.server.serve import build_colocated
 from jaxserve.tokenizer import Tokenizer
 
 from .cluster import Router
-from .launcher import workers
+from .start import workers
 
 
 def _host_only() -> None:

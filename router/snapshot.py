@@ -1,4 +1,4 @@
-"""The router's view of its cluster, frozen into a policy `Snapshot` (policy.py) for one request.
+"""The router's view of its cluster, frozen into a policy `Snapshot` (policies/base.py) for one request.
 
 Instances come from the registry (registry.py: those up and not excluded for the request), with their
 cluster and its kind from the config, the router's own counts (requests in flight, uncached prefill tokens
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from jaxserve.config import Config
 
-from .policy import InstanceState, LinkState, RequestInfo, Snapshot
+from .policies.base import InstanceState, LinkState, RequestInfo, Snapshot
 from .registry import WorkerInfo
 
 

@@ -138,8 +138,8 @@ def test_max_num_seqs_is_sized_from_the_cache_unless_set():
 
 
 def test_banaserve_preset_and_the_store_role():
-    from router.balance import BanaServe
-    from router.policy import make
+    from router.policies.banaserve import BanaServe
+    from router.policies import make
     cfg = load("configs/banaserve.yaml")
     roles = sorted(i.role for i in cfg.instances())
     assert roles == ["decode", "decode", "prefill", "prefill", "store"]

@@ -1,4 +1,4 @@
-"""Simulate a PrfaaS-PD deployment with the live router's policy objects (router/policy.py).
+"""Simulate a PrfaaS-PD deployment with the live router's policy objects (router/policies/).
 
 A `Deployment` names its clusters' instances (role, profile), the PrfaaS -> PD link and the policy; `Traffic`
 gives arrivals (Poisson, or bursty: the rate multiplied by `burst_factor` for `burst_s` out of every
@@ -40,7 +40,7 @@ import time
 import numpy as np
 
 from ..planner import LogNormal, Profile
-from ..policy import InstanceState, LinkState, RequestInfo, Snapshot
+from ..policies.base import InstanceState, LinkState, RequestInfo, Snapshot
 from ..replan import Replanner
 from .models import Clock, Decode, Link, Prefill, PrefixCache
 
@@ -57,7 +57,7 @@ class InstanceSpec:
 @dataclasses.dataclass
 class Deployment:
     instances: list[InstanceSpec]
-    make_policy: object  # () -> a policy object (router/policy.py)
+    make_policy: object  # () -> a policy object (router/policies/)
     link_gbps: float = 100.0  # PrfaaS -> PD
     link_latency_s: float = 0.005
     link_fluctuation: float = 0.0  # relative standard deviation of each transfer's rate

@@ -1,4 +1,4 @@
-"""Decisions of the load-balancing policies (router/balance.py) and of BanaServe's migration planner
+"""Decisions of the load-balancing policies (router/policies/) and of BanaServe's migration planner
 (router/migration.py) on hand-built load states."""
 
 from __future__ import annotations
@@ -9,11 +9,13 @@ import re
 import pytest
 
 from jaxserve.config import ConfigFileError, parse
-from router import policy
-from router.balance import (BanaServe, BanaServeParams, CacheAware, CacheAwareParams, FlowKV, FlowKVParams,
-                            RoundRobin)
+from router import policies as policy
+from router.policies.banaserve import BanaServe, BanaServeParams
+from router.policies.cache_aware import CacheAware, CacheAwareParams
+from router.policies.flowkv import FlowKV, FlowKVParams
+from router.policies.round_robin import RoundRobin
 from router.migration import MigrationParams, MigrationPlanner, Unit
-from router.policy import InstanceState, LinkState, PrefixMove, RequestInfo, Snapshot
+from router.policies.base import InstanceState, LinkState, PrefixMove, RequestInfo, Snapshot
 
 
 def inst(name, role="prefill", cluster="a", **kw):
@@ -274,7 +276,7 @@ def test_policies_store_and_controller_on_a_live_cluster(checkpoint_dir):
       cluster without a store gives."""
     import time
 
-    from router.balance import Action
+    from router.policies.flowkv import Action
     from tests.router.test_cluster_http import BS, complete, disagg_config, serving, tokens
     cfg = disagg_config(checkpoint_dir("llama"), [{"name": "p1", "role": "prefill"},
                                                   {"name": "p2", "role": "prefill", "standby": True},

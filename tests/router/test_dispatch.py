@@ -403,7 +403,7 @@ class FromStore:
         return {}
 
     def place(self, snap):
-        from router.policy import Placement, PrefixMove
+        from router.policies.base import Placement, PrefixMove
         return Placement("d0", "p0", "pd", "test: from the store", PrefixMove("s0", self.tokens, overlap=True),
                          self.uncached, "s0")
 

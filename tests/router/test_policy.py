@@ -6,9 +6,10 @@ import dataclasses
 import pytest
 
 from jaxserve.config import ConfigFileError, parse
-from router import policy
-from router.policy import (InstanceState, LeastLoaded, LinkState, PrefixMove, PrfaaS, RequestInfo, Snapshot,
-                           ThresholdController, ThresholdParams)
+from router import policies as policy
+from router.policies.base import InstanceState, LinkState, PrefixMove, RequestInfo, Snapshot
+from router.policies.least_loaded import LeastLoaded
+from router.policies.prfaas import PrfaaS, ThresholdController, ThresholdParams
 
 GBPS = 1e9 / 8
 

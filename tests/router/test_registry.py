@@ -2,7 +2,7 @@
 
 import pytest
 
-from router.policy import least_loaded
+from router.policies.base import least_loaded
 from router.snapshot import instance_state
 from router.registry import Registry, RegistrationError
 

@@ -11,7 +11,7 @@ import pytest
 
 from jaxserve.config import ConfigFileError, parse
 from router.planner import Empirical, Profile, Workload, best_threshold
-from router.policy import ThresholdController, ThresholdParams
+from router.policies.prfaas import ThresholdController, ThresholdParams
 from router.replan import ReplanParams, Replanner
 
 

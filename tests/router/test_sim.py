@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from router.planner import LogNormal, Profile, Workload, plan
-from router.policy import LeastLoaded, PrfaaS, ThresholdParams
+from router.policies.least_loaded import LeastLoaded
+from router.policies.prfaas import PrfaaS, ThresholdParams
 from router.sim.models import Clock, Link, Prefill, PrefixCache
 from router.sim.run import Deployment, InstanceSpec, Simulation, Traffic, case_study
 
@@ -294,7 +295,8 @@ def _hot_prefix_run(policy, store_tokens=0):
 
 
 def test_hot_prefixes_pile_onto_some_instances_under_the_sglang_rule_but_not_over_the_store():
-    from router.balance import BanaServe, CacheAware
+    from router.policies.banaserve import BanaServe
+    from router.policies.cache_aware import CacheAware
     ca = _hot_prefix_run(CacheAware)
     bs = _hot_prefix_run(BanaServe, store_tokens=1 << 24)
     util = lambda r: [float(np.mean(v[:10])) for v in r["prefill_utilisation"].values()]  # noqa: E731
@@ -304,7 +306,7 @@ def test_hot_prefixes_pile_onto_some_instances_under_the_sglang_rule_but_not_ove
 
 
 def test_the_flowkv_controller_flips_an_idle_prefill_instance_when_decode_is_the_bottleneck():
-    from router.balance import FlowKV
+    from router.policies.flowkv import FlowKV
     prof = Profile.from_json({"prefill": {"tokens": [100, 10000], "seconds": [0.01, 1.0], "kv_bytes": [1e6, 1e8]},
                               "decode": {"step_seconds": 0.02, "max_batch": 8}})
     inst = [InstanceSpec(f"p{i}", "pd", "pd", "prefill", prof) for i in range(3)]
