@@ -1,7 +1,7 @@
 """jaxserve: JAX/XLA LLM serving with prefill/decode disaggregation.
 
 `LLM`, `SamplingParams`, `Output` and `Guided` are imported on first use, so that `import jaxserve.<module>` does not
-import JAX: a worker process must pin its CPUs before JAX loads (worker/main.py).
+import JAX: a worker process must pin its CPUs before JAX loads (worker/setup.py).
 """
 
 __all__ = ["LLM", "SamplingParams", "Output", "Guided"]

@@ -65,7 +65,7 @@ def worker(config: str = typer.Option(None, "--config", "-c", help="cluster YAML
     from transfer.bufpool import ShmFull
     from .config import ConfigFileError, load
     from .worker.group import resolve
-    from .worker.main import run
+    from .worker.process import run
     try:
         cfg = load(config)
         group = resolve(cfg.instance(instance), coordinator, num_processes, process_id)

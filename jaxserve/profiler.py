@@ -134,7 +134,7 @@ def profile(cfg, instance: str, lengths: list[int] | None = None, batches: list[
             tpot_slo_s: float = 0.1, reps: int = 3, decode_steps: int = 16, progress: bool = True,
             prefix_new_tokens: int = 32, min_seconds: float = 0.5) -> dict:
     """Profile instance `instance` of config `cfg` (see the module docstring) -> the profile dict."""
-    from .worker.main import pin
+    from .worker.setup import pin
     inst = cfg.instance(instance)
     pin(inst, cfg.device_share(instance))
     import jax.numpy as jnp

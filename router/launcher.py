@@ -4,7 +4,7 @@ Each child is `python -m jaxserve.cli worker --config FILE --instance NAME --rou
 builds its engine, and registers with the router (router/cluster.py), which is how readiness is known. A
 reader thread per child keeps its last output lines (shown when it dies before registering) and echoes them
 prefixed with the instance name. Children are started with `--parent-pid`: they ask the kernel for SIGTERM
-when this process dies (PR_SET_PDEATHSIG, worker/main.py), so a killed server leaves no orphan workers. A
+when this process dies (PR_SET_PDEATHSIG, worker/process.py), so a killed server leaves no orphan workers. A
 multi-host instance (instance.hosts > 1) is started as its group of processes on this machine (`GroupChild`:
 `--coordinator 127.0.0.1:PORT --num-processes N --process-id I`, worker/group.py), stopped, killed and restarted
 together.

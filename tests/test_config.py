@@ -212,7 +212,7 @@ def test_instances_sharing_a_device_split_its_memory():
         cfg(inst("p", "both", device_memory=0))
     import subprocess
     import sys
-    code = ("import os\nfrom jaxserve.config import load\nfrom jaxserve.worker.main import pin\ncfg = load(None)\n"
+    code = ("import os\nfrom jaxserve.config import load\nfrom jaxserve.worker.setup import pin\ncfg = load(None)\n"
             "pin(cfg.instance('local-p0'), cfg.device_share('local-p0'))\nimport jax\n"
             "print(os.environ['XLA_PYTHON_CLIENT_MEM_FRACTION'], len(jax.devices()))")
     env = {k: v for k, v in __import__("os").environ.items() if k != "XLA_PYTHON_CLIENT_MEM_FRACTION"}

@@ -205,9 +205,11 @@ class LLMEngine:
                                                    if paged <= {"reference", "native"} else ()))
         del state  # the runner's params hold the weights (stacked runs: their only copy)
         self.scheduler = Scheduler(SchedulerConfig(
-            cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.chunk_size, cfg.max_prefill_seqs, cfg.max_waiting, bs,
-            self.layout.has_request_state, cfg.mixed_batched_tokens,
-            tuple(self.runner.buckets) if paged_prefill else ()), self.blocks)
+            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            chunk_size=cfg.chunk_size, max_prefill_seqs=cfg.max_prefill_seqs, max_waiting=cfg.max_waiting,
+            block_size=bs, has_request_state=self.layout.has_request_state,
+            mixed_batched_tokens=cfg.mixed_batched_tokens,
+            token_buckets=tuple(self.runner.buckets) if paged_prefill else ()), self.blocks)
         if cfg.spill_dir is not None:
             from ..cache.disk_tier import DiskTier
             shapes = [(s.shape[1:], s.dtype) for gl, s in zip(self.layout.groups, self.layout.shapes(self.dtype))

@@ -1,8 +1,5 @@
-"""`jaxserve worker --config FILE --instance NAME`: one instance of a cluster as its own process.
-
-Start-up order matters: the process pins itself to the instance's `cpus` (os.sched_setaffinity) and sets the
-number of (CPU) devices *before* JAX is imported, since JAX sizes its thread pools and devices at import;
-only then does it build the engine on a mesh over its own devices, warm it up, and serve.
+"""A worker: one instance of a cluster serving the worker protocol over gRPC (the process around it, its
+pinning and lifetime, is process.py; what it does before JAX starts, setup.py).
 
 The protocol (every method, its messages and who may call it: JSON over gRPC, rpc.py; every request checked
 against its schema in messages.py) is docs/08-worker-protocol.md.
@@ -20,57 +17,14 @@ import json
 import logging
 import os
 import signal
-import sys
 import time
 
 from ..config import Config, InstanceSection
 
+from .setup import READY, Refused, build_engine
+
 log = logging.getLogger("jaxserve.worker")
-READY = "JAXSERVE_WORKER_READY"
 MIGRATE_CALL_S = 30.0  # a helper that does not answer a migration's call within this fails the step's move
-
-
-class Refused(RuntimeError):
-    """The router does not accept this worker (not in its config, wrong role or token)."""
-
-
-def pin(inst: InstanceSection, device_share: float | None = None) -> None:
-    """CPU affinity, device count and the share of the devices' memory (Config.device_share; None: JAX's
-    default) for this process; must run before `import jax`. An XLA_PYTHON_CLIENT_MEM_FRACTION already in the
-    environment wins."""
-    if "jax" in sys.modules:
-        raise RuntimeError("pin() must run before JAX is imported")
-    if inst.cpus:
-        have = os.sched_getaffinity(0)
-        if not set(inst.cpus) <= have:
-            from ..config import ConfigFileError
-            raise ConfigFileError(f"clusters.instances[{inst.name}].cpus: {inst.cpus} but this process may run "
-                                  f"only on cores {sorted(have)}")
-        os.sched_setaffinity(0, set(inst.cpus))
-    os.environ.setdefault("CUDA_VISIBLE_DEVICES", ",".join(str(d) for d in inst.devices))
-    if device_share is not None:
-        os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{device_share:.4f}")
-    n = max(len(inst.devices), inst.tp // inst.hosts)  # this host's devices
-    if n > 1:
-        flags = os.environ.get("XLA_FLAGS", "")
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-
-
-def build_engine(cfg: Config, inst: InstanceSection, progress: bool = False):
-    """The instance's LLMEngine on a mesh over its devices (a multi-host group's: every process's)."""
-    from ..bundled import resolve
-    from ..engine.llm_engine import LLMEngine
-    from ..server.serve import make_mesh
-    path = resolve(cfg.model.path, progress)
-    print(f"{inst.name}: loading {path} ({inst.role}, cores {sorted(os.sched_getaffinity(0))})", flush=True)
-    ecfg = cfg.engine.engine_config(cfg.server.max_waiting)
-    if inst.kv_blocks is not None:
-        ecfg = dataclasses.replace(ecfg, num_blocks=inst.kv_blocks)
-    if inst.spill_mb is not None:
-        ecfg = dataclasses.replace(ecfg, spill_dir=inst.spill_path(), spill_mb=inst.spill_mb)
-    engine = LLMEngine(path, cfg.model.dtype, ecfg, make_mesh(inst, local=True), progress)
-    print(f"{inst.name}: {engine.cache_line}", flush=True)
-    return engine
 
 
 class Worker:
@@ -918,46 +872,3 @@ def _one_cpu_device(pool) -> bool:
     import jax
     devices = jax.tree.leaves(pool)[0].sharding.device_set
     return len(devices) == 1 and next(iter(devices)).platform == "cpu"
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """SIGTERM this process when `parent_pid` (the router that launched it) dies (Linux PR_SET_PDEATHSIG)."""
-    import ctypes
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        log.warning("PR_SET_PDEATHSIG unavailable: this worker outlives its launcher")
-    if os.getppid() != parent_pid:  # it died before the request took effect
-        raise SystemExit(f"the launching process {parent_pid} is gone")
-
-
-def run(cfg: Config, name: str, router: str | None = None, parent_pid: int | None = None,
-        advertise: str | None = None, group=None) -> None:
-    """Run instance `name` of `cfg` in this process until SIGTERM / SIGINT; router: register there; advertise:
-    the host other processes dial for it (Worker); group: this process's place in a multi-host instance
-    (worker/group.py `resolve`): the leader serves, the others follow it."""
-    if parent_pid is not None:
-        die_with_parent(parent_pid)
-    inst = cfg.instance(name)
-    cfg.check_exposure()
-    pin(inst, cfg.device_share(name))
-    label = name if group is None else f"{name}[{group.index}]"
-    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {label} %(levelname)s %(name)s: %(message)s")
-    if group is not None:
-        from . import group as grp
-        channel = grp.LeaderChannel(group, inst.host, cfg.transfer.token) if group.leader else None
-        grp.join(group)
-        if not group.leader:  # a follower: the same engine, its runner driven by the leader's calls
-            llm = build_engine(cfg, inst)
-            print(f"{label}: following {group.host}:{group.port + 1}", flush=True)
-            grp.exit_now(grp.follow(llm.runner, grp.connect(group, cfg.transfer.token)))
-    try:
-        asyncio.run(Worker(cfg, inst, advertise=advertise, group=channel if group else None).serve(router))
-    except Refused as e:
-        log.error("%s", e)
-        if group is not None:
-            grp.exit_now(2)
-        raise SystemExit(2) from None
-    if group is not None:
-        channel.close()
-        grp.exit_now(0)

@@ -76,4 +76,5 @@ class BanaServe:
 
 def from_config(s) -> BanaServe:
     """The policy of a config's `policy` section (jaxserve/config.py PolicySection)."""
-    return BanaServe(BanaServeParams(s.load_threshold, s.token_budget, True if s.store is None else s.store))
+    return BanaServe(BanaServeParams(load_threshold=s.load_threshold, token_budget=s.token_budget,
+                                     store=True if s.store is None else s.store))

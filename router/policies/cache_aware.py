@@ -81,4 +81,5 @@ class CacheAware:
 
 def from_config(s) -> CacheAware:
     """The policy of a config's `policy` section (jaxserve/config.py PolicySection)."""
-    return CacheAware(CacheAwareParams(s.rule, s.cache_threshold, s.balance_abs, s.balance_rel, s.overlap_weight))
+    return CacheAware(CacheAwareParams(rule=s.rule, cache_threshold=s.cache_threshold, balance_abs=s.balance_abs,
+                                       balance_rel=s.balance_rel, overlap_weight=s.overlap_weight))

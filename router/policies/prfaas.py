@@ -239,6 +239,7 @@ class PrfaaS:
 def from_config(s) -> PrfaaS:
     """The policy of a config's `policy` section (jaxserve/config.py PolicySection)."""
     return PrfaaS(ThresholdParams(
-        s.threshold_tokens, s.adaptive, s.raise_utilisation, s.lower_utilisation, s.threshold_step,
-        s.max_threshold_tokens, s.hold_s, s.window_s, s.scarce_utilisation, s.affinity_slack,
-        s.local_prefill_tokens))
+        threshold_tokens=s.threshold_tokens, adaptive=s.adaptive, raise_utilisation=s.raise_utilisation,
+        lower_utilisation=s.lower_utilisation, step=s.threshold_step, max_threshold_tokens=s.max_threshold_tokens,
+        hold_s=s.hold_s, window_s=s.window_s, scarce_utilisation=s.scarce_utilisation,
+        affinity_slack=s.affinity_slack, local_prefill_tokens=s.local_prefill_tokens))

@@ -27,7 +27,7 @@ import yaml
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.llm_engine import EngineConfig
 from jaxserve.models.config import load_config
-from jaxserve.worker.main import READY
+from jaxserve.worker.setup import READY
 from jaxserve.config import parse
 from jaxserve.worker import rpc
 from router.control import ControlServer
