@@ -105,6 +105,42 @@ class SnapshotPool:
     def __len__(self) -> int:
         return len(self._rows)
 
+    def keys(self) -> list[bytes]:
+        """The chain hashes whose snapshots are held, oldest first."""
+        return list(self._rows)
+
+    def hold(self, old: bytes | None, pinned: set[int] = frozenset()) -> int | None:
+        """A row for a snapshot whose hash is not known yet (the overlapped loop: the token that completes its
+        block is still on the device): the row keyed by `old` when still held, else a free or evicted one; it
+        stays unkeyed, and out of eviction's reach, until `key` or `drop`. None when every row is pinned."""
+        if old is not None and old in self._rows:
+            row = self._rows.pop(old)
+            if self.events is not None:
+                self.events.emit("unsnap", [old])
+            return row
+        if self._free:
+            return self._free.pop()
+        victim = next((k for k, r in self._rows.items() if r not in pinned), None)
+        if victim is None:
+            return None
+        if self.events is not None:
+            self.events.emit("unsnap", [victim])
+        return self._rows.pop(victim)
+
+    def key(self, row: int, h: bytes) -> bool:
+        """Key a held row by `h`, as `rekey` would have; False (the row freed) when `h` is held already."""
+        if h in self._rows:
+            self._free.append(row)
+            return False
+        self._rows[h] = row
+        if self.events is not None:
+            self.events.emit("snap", [h])
+        return True
+
+    def drop(self, row: int) -> None:
+        """A held row that was never keyed is free again."""
+        self._free.append(row)
+
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, num_snapshots: int = 0, prefix_caching: bool = True,

@@ -630,8 +630,8 @@ class LLMEngine:
         nxt = overlap.next_rows(self, ahead) if go_on else None
         self.timer.mark("schedule")
         if nxt is not None:
-            seqs, rows = nxt
-            self._ahead = overlap.Ahead(seqs, rows, self.runner.dispatch(rows))
+            seqs, rows, held = nxt
+            self._ahead = overlap.Ahead(seqs, rows, self.runner.dispatch(rows), held)
             self.overlapped += 1
             self.timer.mark("decode.prepare")
         got = self.runner.collect(ahead.rows, ahead.out)
@@ -641,6 +641,7 @@ class LLMEngine:
             if not seq.finished:  # (aborted meanwhile: its token is dropped)
                 self._append(seq, *g)
                 changed.append(seq)
+        overlap.settle_snapshots(self, ahead.held)
         self.timer.mark("decode.output")
         self.timer.end("decode")
         return changed

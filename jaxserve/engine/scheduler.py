@@ -274,6 +274,10 @@ class Scheduler:
             seq.hashes = block_hashes(seq.tokens[:n], bs, seq.hashes)
         return seq.hashes[:n // bs]
 
+    def block_hash(self, seq: Sequence, n: int) -> bytes:
+        """The chain hash of the block ending at seq's token n (n a multiple of block_size)."""
+        return self._hashes(seq, n)[-1]
+
     def _decode_snapshot(self, seq: Sequence, pinned: set[int]) -> None:
         """A decode step whose token completes a block also saves the request-level state there, so the next
         turn of a conversation (prompt + answer + message) can reuse the answer too. One pool row per request,

@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .base import InstanceState, Snapshot, Placement, least_loaded
-from .shared import prefix_tokens, kv_used, Ttft, nearest_decode, _placement, _prefills
+from .base import InstanceState, Placement, Snapshot, least_loaded
+from .shared import Ttft, kv_used, nearest_decode, _placement, _prefills, prefix_tokens
 
 
 @dataclass(frozen=True)

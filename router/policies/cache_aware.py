@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .base import InstanceState, Snapshot, Placement, least_loaded
+from .base import InstanceState, Placement, Snapshot, least_loaded
 from .shared import _placement, _prefills
 
 

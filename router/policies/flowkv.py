@@ -17,8 +17,8 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from .base import InstanceState, Snapshot, Placement, least_loaded
-from .shared import kv_used, Ttft, nearest_decode, _placement, _prefills
+from .base import InstanceState, Placement, Snapshot, least_loaded
+from .shared import Ttft, kv_used, nearest_decode, _placement, _prefills
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ prefill on the least loaded prefill instance of any cluster.
 
 from __future__ import annotations
 
-from .base import Snapshot, Placement, least_loaded, _route
+from .base import Placement, Snapshot, least_loaded, _route
 
 
 class LeastLoaded:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from .base import LinkState, Snapshot, PrefixMove, Placement, affine, _route
+from .base import LinkState, Placement, PrefixMove, Snapshot, affine, _route
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from .base import Snapshot, Placement
+from .base import Placement, Snapshot
 from .shared import _placement, _prefills
 
 

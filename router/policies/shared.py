@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from .base import InstanceState, Snapshot, PrefixMove, Placement, least_loaded, _route
+from .base import InstanceState, Placement, PrefixMove, Snapshot, least_loaded, _route
 
 
 def prefix_tokens(i: InstanceState, snap: Snapshot, store: bool) -> int:
