@@ -61,7 +61,6 @@ def enabled(engine) -> bool:
             and not engine.outbound)
 
 
-
 def next_rows(engine, ahead: Ahead) -> tuple[list, list[DecodeRow], list] | None:
     """(sequences, rows, snapshot rows held) of the step after `ahead`, their blocks grown for it; None when the
     engine cannot step ahead now (something waits to be admitted, or is not plain decoding, or the pool is
