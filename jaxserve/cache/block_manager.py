@@ -67,19 +67,21 @@ class SnapshotPool:
         """A row to save the snapshot for `h` into (None when all rows are pinned or there are none)."""
         if h in self._rows:
             return None  # already held
-        if self._free:
-            row = self._free.pop()
-        else:
-            victim = next((k for k, r in self._rows.items() if r not in pinned), None)
-            if victim is None:
-                return None
-            row = self._rows.pop(victim)
-            if self.events is not None:
-                self.events.emit("unsnap", [victim])
-        self._rows[h] = row
-        if self.events is not None:
-            self.events.emit("snap", [h])
+        row = self._take(pinned)
+        if row is not None:
+            self.key(row, h)
         return row
+
+    def _take(self, pinned: set[int]) -> int | None:
+        """A free row, else the least recently used one not pinned (its snapshot forgotten); None if none."""
+        if self._free:
+            return self._free.pop()
+        victim = next((k for k, r in self._rows.items() if r not in pinned), None)
+        if victim is None:
+            return None
+        if self.events is not None:
+            self.events.emit("unsnap", [victim])
+        return self._rows.pop(victim)
 
     def rekey(self, old: bytes | None, h: bytes, pinned: set[int] = frozenset()) -> int | None:
         """A row for `h`, reusing the one keyed by `old` when it is still held (a decoding request moves its one
@@ -118,14 +120,7 @@ class SnapshotPool:
             if self.events is not None:
                 self.events.emit("unsnap", [old])
             return row
-        if self._free:
-            return self._free.pop()
-        victim = next((k for k, r in self._rows.items() if r not in pinned), None)
-        if victim is None:
-            return None
-        if self.events is not None:
-            self.events.emit("unsnap", [victim])
-        return self._rows.pop(victim)
+        return self._take(pinned)
 
     def key(self, row: int, h: bytes) -> bool:
         """Key a held row by `h`, as `rekey` would have; False (the row freed) when `h` is held already."""

@@ -348,8 +348,8 @@ class ModelRunner:
             raise ValueError(f"prefill takes 1..{self.max_prefill_seqs} rows, got {len(rows)}")
         groups = self.prefill_groups(rows)
         preps = [self._prefill_inputs(g) for g in groups]
-        plans = [stages if staged is None or any(r is not None and r.request_id in staged for r in g)
-                 or self._long(*shape) else whole for g, (shape, *_) in zip(groups, preps)]
+        plans = [stages if staged is None or any(r.request_id in staged for r in g) or self._long(*shape) else whole
+                 for g, (shape, *_) in zip(groups, preps)]
         self.timer.mark("prefill.prepare")
         xs: list = [None] * len(groups)
         for k in range(len(stages)):
