@@ -115,7 +115,7 @@ bench-status: $(STAMP)
 	$(PY) -m bench.report --list
 
 serve: $(SERVE_STAMP)
-	HF_HUB_OFFLINE=1 $(PY) -m router.cli serve $(if $(CONFIG),--config $(CONFIG))
+	HF_HUB_OFFLINE=1 $(PY) -m jaxserve.router.cli serve $(if $(CONFIG),--config $(CONFIG))
 
 clean:
 	rm -rf $(VENV)

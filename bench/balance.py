@@ -39,10 +39,10 @@ HOT_PROFILE = {"prefill": {"tokens": [100, 10000], "seconds": [0.01, 1.0], "kv_b
 
 
 def _policies():
-    from router.policies.banaserve import BanaServe, BanaServeParams
-    from router.policies.cache_aware import CacheAware, CacheAwareParams
-    from router.policies.round_robin import RoundRobin
-    from router.policies.least_loaded import LeastLoaded
+    from jaxserve.router.policies.banaserve import BanaServe, BanaServeParams
+    from jaxserve.router.policies.cache_aware import CacheAware, CacheAwareParams
+    from jaxserve.router.policies.round_robin import RoundRobin
+    from jaxserve.router.policies.least_loaded import LeastLoaded
     return {  # name -> (make_policy, with the global KV store)
         "cache_aware_sglang": (lambda: CacheAware(CacheAwareParams("sglang")), False),
         "cache_aware_dynamo": (lambda: CacheAware(CacheAwareParams("dynamo")), False),
@@ -64,8 +64,8 @@ def _summary(r: dict, traffic_s: float, timeline_s: float) -> dict:
 
 
 def hot(n_p: int, n_d: int, groups: int, rates: list[float], traffic_s: float, seed: int = 4) -> dict:
-    from router.planner import LogNormal, Profile
-    from router.sim.run import Deployment, InstanceSpec, Simulation, Traffic
+    from jaxserve.router.planner import LogNormal, Profile
+    from jaxserve.router.sim.run import Deployment, InstanceSpec, Simulation, Traffic
     prof = Profile.from_json(HOT_PROFILE)
     inst = [InstanceSpec(f"p{i}", "pd", "pd", "prefill", prof) for i in range(n_p)]
     inst += [InstanceSpec(f"d{i}", "pd", "pd", "decode", prof) for i in range(n_d)]
@@ -83,10 +83,10 @@ def hot(n_p: int, n_d: int, groups: int, rates: list[float], traffic_s: float, s
 
 
 def shift() -> dict:
-    from router.policies.flowkv import FlowKV, FlowKVParams
-    from router.planner import LogNormal, Profile
-    from router.policies.least_loaded import LeastLoaded
-    from router.sim.run import Simulation, Traffic, case_study
+    from jaxserve.router.policies.flowkv import FlowKV, FlowKVParams
+    from jaxserve.router.planner import LogNormal, Profile
+    from jaxserve.router.policies.least_loaded import LeastLoaded
+    from jaxserve.router.sim.run import Simulation, Traffic, case_study
     D = Profile.from_json(json.load(open(os.path.join(HERE, "pd_h20.json"))))
     phase2 = LogNormal(7.5, 0.5, 128, 32768)
     tr = Traffic(1.3, LogNormal(9.9, 1.0, 128, 131072), 256, duration_s=3600, phases=((1800, phase2, 2048),))
@@ -110,7 +110,7 @@ def live(rate: float, duration: float, models: str, only: list[str] | None = Non
     from bench.prfaas_live import settle
     from jaxserve.config import parse
     from jaxserve.sampling import SamplingParams
-    from router import policies
+    from jaxserve.router import policies
     cfg = {"model": {"path": checkpoint("llama", models), "name": "bench"},
            "engine": dict(block_size=16, num_blocks=128, max_num_seqs=8, max_num_batched_tokens=512, chunk_size=256,
                           max_prefill_seqs=4, max_model_len=640, num_snapshots=16, warmup=True),

@@ -18,8 +18,8 @@ def run(config: dict, fn, pinned: bool = True):
     """Start the workers of `config` (a config mapping; with pinned False, `unpinned`), run `await fn(cluster)`
     against the router once every worker has registered, stop everything; returns fn's result."""
     from jaxserve.config import parse
-    from router.cluster import Router
-    from router.start import workers
+    from jaxserve.router.cluster import Router
+    from jaxserve.router.start import workers
     cfg = parse(config if pinned else unpinned(config))
 
     async def go():

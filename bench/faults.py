@@ -51,7 +51,7 @@ import time
 
 import numpy as np
 
-from router.launcher import free_ports
+from jaxserve.router.launcher import free_ports
 
 ROLES = ("prefill", "decode")
 FAULTS = ("sigkill", "sigstop_10s", "sigstop", "partition", "corrupt")
@@ -213,7 +213,7 @@ class Topology:
 
     def launch(self, router_address: str):
         """Start every worker (the victims inside their namespaces); returns the Launcher."""
-        from router.launcher import Launcher
+        from jaxserve.router.launcher import Launcher
         def wrap(name: str, argv: list[str]) -> list[str]:
             argv = ["env", "JAX_LOG_COMPILES=1", *argv]  # `env` execs the worker: the pid stays the worker's
             return self.ns[name].argv(argv) if name in self.ns else argv
@@ -243,7 +243,7 @@ class Matrix:
 
     async def wait_up(self, timeout: float) -> None:
         """Until every worker is registered and up (raises WorkerExited with its output if one died)."""
-        from router.launcher import wait_ready
+        from jaxserve.router.launcher import wait_ready
         await wait_ready(self.cluster, self.topo.launcher, self.topo.launcher.names, timeout, progress=False)
 
     async def quiesce(self, limit_s: float) -> dict:
@@ -571,7 +571,7 @@ def main(argv=None):
     from jaxserve.bundled import resolve
     from jaxserve.config import parse
     from jaxserve.engine.llm_engine import EngineConfig
-    from router.cluster import Router
+    from jaxserve.router.cluster import Router
     from bench import families
     model = families.checkpoint(args.model, "models/bench") if args.model in families.NAMES else resolve(args.model)
     print("reference: the colocated engine's greedy tokens ...", flush=True)

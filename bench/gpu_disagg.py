@@ -33,7 +33,7 @@ import urllib.request
 import yaml
 
 from bench.startup import launch, stop
-from router.launcher import free_ports
+from jaxserve.router.launcher import free_ports
 
 
 def configs(model: str, max_len: int, cache: str, cpus: bool = False) -> tuple[dict, dict]:

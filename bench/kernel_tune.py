@@ -59,9 +59,9 @@ def _case(name: str, index: int = 0, shapes: str = "gpu"):
 
 def _kernel(sweep_name: str):
     """(case name, kernel callable taking the case's args and kwargs plus a configuration, the reference)."""
-    from pallas_kernels.select import KERNELS
+    from jaxserve.pallas_kernels.select import KERNELS
     if sweep_name == "hopper":
-        from pallas_kernels import flash_attention_hopper as fh
+        from jaxserve.pallas_kernels import flash_attention_hopper as fh
         ref, _ = KERNELS["flash_attention"]
 
         def hopper(q, k, v, *, cu_seqlens, **params):
@@ -174,7 +174,7 @@ def main(argv=None):
 
     for name in names:
         if name == "hopper":
-            from pallas_kernels import flash_attention_hopper as fh
+            from jaxserve.pallas_kernels import flash_attention_hopper as fh
             if not fh.is_hopper():
                 print("hopper: skipped, not a Hopper GPU")
                 continue

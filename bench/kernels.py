@@ -74,8 +74,8 @@ def _cases(shapes: dict, dtype, triton: bool = False):
     kernel)."""
     import jax.numpy as jnp
 
-    from pallas_kernels.check import inputs
-    from pallas_kernels.gated_delta_rule import SUB
+    from jaxserve.pallas_kernels.check import inputs
+    from jaxserve.pallas_kernels.gated_delta_rule import SUB
     r = np.random.RandomState(0)
     it = jnp.dtype(dtype).itemsize
     rnd = lambda *s: jnp.asarray(r.randn(*s) * 0.5, dtype)  # noqa: E731
@@ -164,7 +164,7 @@ def run(mode: str | None, iters: int, dtype_name: str, emit=None) -> dict:
     import jax.numpy as jnp
     from tqdm import tqdm
 
-    from pallas_kernels.select import KERNELS
+    from jaxserve.pallas_kernels.select import KERNELS
     on_gpu = jax.default_backend() == "gpu"
     mode = mode or ("pallas" if on_gpu else "interpret")
     dtype = jnp.dtype(dtype_name)

@@ -47,7 +47,7 @@ class Pinned:
         return {}
 
     def place(self, snap):
-        from router.policies.base import Placement
+        from jaxserve.router.policies.base import Placement
         return Placement("d0", "p0", "pd", "bench: pinned", None, snap.request.prompt_tokens, None)
 
 

@@ -38,7 +38,7 @@ import numpy as np
 
 from bench.faults import pct, stop_process, wait_ready
 from bench.offline import ensure_vllm, prompts
-from router.launcher import free_ports
+from jaxserve.router.launcher import free_ports
 
 
 class Server:
@@ -82,7 +82,7 @@ def jaxserve(path: str, port: int, args, log_dir: str, name: str = "jaxserve") -
     config = os.path.join(log_dir, f"{name}.yaml")
     with open(config, "w") as f:
         yaml.safe_dump(cfg, f)
-    return Server(name, [sys.executable, "-m", "router.cli", "serve", "--config", config], port, log_dir)
+    return Server(name, [sys.executable, "-m", "jaxserve.router.cli", "serve", "--config", config], port, log_dir)
 
 
 def vllm(python: str, path: str, port: int, args, log_dir: str) -> Server:

@@ -32,9 +32,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.flash_attention import NEG, online_softmax_step, pad_group, require_gpu_dims, triton_params
-from pallas_kernels.merge import add_sinks, merge_partials, normalize
-from pallas_kernels.paged_attention import _pages, _pow2_parts, gqa_args, program_tiles
+from jaxserve.pallas_kernels.flash_attention import NEG, online_softmax_step, pad_group, require_gpu_dims, triton_params
+from jaxserve.pallas_kernels.merge import add_sinks, merge_partials, normalize
+from jaxserve.pallas_kernels.paged_attention import _pages, _pow2_parts, gqa_args, program_tiles
 
 GPU_LAUNCH, GRID_ORDER, TILE_TOKENS = (2, 1), "bhp", 64  # the former product design, the sweep's baseline
 

@@ -74,7 +74,7 @@ def config(args, path: str) -> dict:
 
 def policy(args, name: str):
     from jaxserve.config import PolicySection
-    from router import policies
+    from jaxserve.router import policies
     kw = {"never": dict(threshold_tokens=10**9, adaptive=False), "always": dict(threshold_tokens=0, adaptive=False),
           "selective": dict(threshold_tokens=args.threshold), "fixed": dict(threshold_tokens=args.threshold,
                                                                               adaptive=False)}[name]

@@ -29,19 +29,19 @@ PAPER = {"prfaas_pd": {"lambda_max": 3.24, "ttft_mean_s": 2.22, "ttft_p90_s": 3.
 
 
 def _inputs():
-    from router.planner import Profile, Workload
+    from jaxserve.router.planner import Profile, Workload
     load = lambda n: json.load(open(os.path.join(HERE, n)))  # noqa: E731
     return (Profile.from_json(load("prfaas_h200.json")), Profile.from_json(load("pd_h20.json")),
             Workload.from_json(load("workload_case_study.json")))
 
 
 def _policy(threshold: int, adaptive: bool = False):
-    from router.policies.prfaas import PrfaaS, ThresholdParams
+    from jaxserve.router.policies.prfaas import PrfaaS, ThresholdParams
     return lambda: PrfaaS(ThresholdParams(threshold, adaptive=adaptive, hold_s=10.0, window_s=60.0))
 
 
 def grid(P, D, W) -> dict:
-    from router.planner import best_threshold, plan, stages, thresholds
+    from jaxserve.router.planner import best_threshold, plan, stages, thresholds
     best = plan(P, D, W, 4, 8, 100.0)["prfaas_pd"]
     t = best["threshold_tokens"]
     split = [stages(P, D, W, t, 4, n, 8 - n, 100.0) for n in range(9)]
@@ -57,9 +57,9 @@ def grid(P, D, W) -> dict:
 
 
 def case(P, D, W) -> dict:
-    from router.planner import plan
-    from router.policies.least_loaded import LeastLoaded
-    from router.sim.run import Simulation, Traffic, case_study
+    from jaxserve.router.planner import plan
+    from jaxserve.router.policies.least_loaded import LeastLoaded
+    from jaxserve.router.sim.run import Simulation, Traffic, case_study
     planned = plan(P, D, W, 4, 8, 100.0)
     setups = {"prfaas_pd": (_policy(19400), {}), "homogeneous": (LeastLoaded, dict(n_p=9, n_d=3)),
               "naive": (_policy(0), dict(n_p=0, n_d=8))}
@@ -78,7 +78,7 @@ def case(P, D, W) -> dict:
 
 
 def bursts(P, D, W) -> dict:
-    from router.sim.run import Simulation, Traffic, case_study
+    from jaxserve.router.sim.run import Simulation, Traffic, case_study
     dep = case_study(P, D, "prfaas_pd", _policy(19400, adaptive=True))
     r = Simulation(dep, Traffic(2.0, W.lengths, 1024, duration_s=3600, burst_factor=2.5, burst_s=120,
                                 burst_every_s=900), seed=2).run(timeline_s=60)
@@ -86,7 +86,7 @@ def bursts(P, D, W) -> dict:
 
 
 def drop(P, D, W) -> dict:
-    from router.sim.run import Simulation, Traffic, case_study
+    from jaxserve.router.sim.run import Simulation, Traffic, case_study
     out = {}
     for name, adaptive in (("fixed", False), ("adaptive", True)):
         dep = case_study(P, D, "prfaas_pd", _policy(19400, adaptive), link_gbps=12.0, link_schedule=((1800, 6.0),))
@@ -99,10 +99,10 @@ def drop(P, D, W) -> dict:
 
 
 def shift(P, D) -> dict:
-    from router.planner import LogNormal
-    from router.policies.least_loaded import LeastLoaded
-    from router.replan import ReplanParams
-    from router.sim.run import Simulation, Traffic, case_study
+    from jaxserve.router.planner import LogNormal
+    from jaxserve.router.policies.least_loaded import LeastLoaded
+    from jaxserve.router.replan import ReplanParams
+    from jaxserve.router.sim.run import Simulation, Traffic, case_study
     phase2 = LogNormal(7.5, 0.5, 128, 32768)
     tr = Traffic(1.3, LogNormal(9.9, 1.0, 128, 131072), 256, duration_s=3600, phases=((1800, phase2, 2048),))
     out = {}
@@ -117,8 +117,8 @@ def shift(P, D) -> dict:
 
 
 def scale(P, D, W, cells: int, duration_s: float) -> dict:
-    from router.planner import plan
-    from router.sim.run import Simulation, Traffic, case_study
+    from jaxserve.router.planner import plan
+    from jaxserve.router.sim.run import Simulation, Traffic, case_study
     lam = plan(P, D, W, 4, 8, 100.0)["prfaas_pd"]["lambda_max"]
     dep = case_study(P, D, "prfaas_pd", _policy(19400))
     r = Simulation(dep, Traffic(0.9 * lam, W.lengths, 1024, duration_s=duration_s), cells=cells, seed=5).run()

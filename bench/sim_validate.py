@@ -109,8 +109,8 @@ def main(argv=None):
     from bench.clusters import run
     from bench.families import checkpoint
     from bench.prfaas_live import HI, LO, MESSAGE, MU, SIGMA, config, policy, summary, warm, workload
-    from router.planner import LogNormal, Profile
-    from router.sim.run import Deployment, InstanceSpec, Simulation, Traffic
+    from jaxserve.router.planner import LogNormal, Profile
+    from jaxserve.router.sim.run import Deployment, InstanceSpec, Simulation, Traffic
     bar = tqdm(total=3, desc="sim_validate", unit="stage")
     path = checkpoint("llama", args.models)
     cfg = config(args, path)

@@ -41,7 +41,7 @@ import time
 import numpy as np
 
 from bench.faults import stop_process, wait_ready
-from router.launcher import free_ports
+from jaxserve.router.launcher import free_ports
 
 ENGINE = dict(block_size=16, num_blocks=512, max_num_seqs=16, max_num_batched_tokens=256, chunk_size=256,
               max_prefill_seqs=4, max_model_len=512, num_snapshots=16, prefix_caching=False, warmup=True)
@@ -101,8 +101,8 @@ class Deployment:
         with open(self.config, "w") as f:
             yaml.safe_dump(cfg, f)
         self.log = open(os.path.join(tmp, "serve.log"), "w")
-        self.proc = subprocess.Popen(pinned([sys.executable, "-m", "router.cli", "serve", "--config", self.config],
-                                            cores), stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(pinned([sys.executable, "-m", "jaxserve.router.cli", "serve",
+                                             "--config", self.config], cores), stdout=self.log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.port}"
 
     def wait_ready(self, timeout: float) -> None:

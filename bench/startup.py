@@ -24,7 +24,7 @@ import urllib.request
 
 import yaml
 
-from router.launcher import free_ports
+from jaxserve.router.launcher import free_ports
 
 
 
@@ -33,7 +33,8 @@ def launch(config: str, port: int, timeout_s: float) -> tuple[subprocess.Popen, 
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)  # the config's cache, not an inherited one
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "router.cli", "serve", "--config", config, "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "jaxserve.router.cli", "serve", "--config", config,
+                             "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     proc.lines = []  # its output, read as it comes (a full pipe would stall the server)
     proc.reader = threading.Thread(target=lambda: proc.lines.extend(proc.stdout), daemon=True)

@@ -62,7 +62,7 @@ class Pinned:
         return {}
 
     def place(self, snap):
-        from router.policies.base import Placement, PrefixMove
+        from jaxserve.router.policies.base import Placement, PrefixMove
         p = next(i for i in snap.instances if i.name == self.on)
         total = snap.request.prompt_tokens
         if self.from_store:

@@ -54,14 +54,14 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from transfer import wire
-from transfer.align import align
-from transfer.bufpool import RecvPool, aligned_empty
-from transfer.plan import TransferPlan, bucket
-from transfer.receiver import KVReceiver, region_bytes
-from transfer.sender import KVSender
-from transfer.state import KVPoll
-from transfer.tcp import KVServer, TcpLink
+from jaxserve.transfer import wire
+from jaxserve.transfer.align import align
+from jaxserve.transfer.bufpool import RecvPool, aligned_empty
+from jaxserve.transfer.plan import TransferPlan, bucket
+from jaxserve.transfer.receiver import KVReceiver, region_bytes
+from jaxserve.transfer.sender import KVSender
+from jaxserve.transfer.state import KVPoll
+from jaxserve.transfer.tcp import KVServer, TcpLink
 
 TOKEN = "bench-token"
 
@@ -77,7 +77,7 @@ def _layout(num_blocks: int):
 def _receiver(conn, raw_port_q, tls):
     """Receiver process: a KVServer with a receive pool (and a JAX transfer server for the device backend), a
     second one speaking TLS (`tls`: transfer.tls.Tls), and a raw-socket sink, driven over a pipe."""
-    from transfer.pull import PullServer
+    from jaxserve.transfer.pull import PullServer
     servers = {"plain": KVServer(TOKEN, puller=PullServer()), "tls": KVServer(TOKEN, tls=tls.server_context())}
     raw = socket.create_server(("127.0.0.1", 0))
     raw.listen(64)
@@ -207,7 +207,7 @@ def efficiency(mb: int, conns: int, reps: int) -> dict:
     arr = rng.integers(0, 2**16, (bucket(nblocks), 32, 2, 16, 8, 128), dtype=np.uint16)
     import tempfile
 
-    from transfer.tls import Tls, make_certs
+    from jaxserve.transfer.tls import Tls, make_certs
     cert_dir = tempfile.mkdtemp(prefix="jaxserve-bench-certs-")
     made = make_certs(cert_dir, ["127.0.0.1"], ["receiver", "sender"])
     tls = {k: Tls(made["ca"][0], *made[k], mutual=True) for k in ("receiver", "sender")}
@@ -221,7 +221,7 @@ def efficiency(mb: int, conns: int, reps: int) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from transfer.pull import PullLink, PullServer
+    from jaxserve.transfer.pull import PullLink, PullServer
     kv, raw, raw_cs, dev, ktls, frames = [], [], [], [], [], 0
     # per kind: sender s, receiver s, wall s (counted reps)
     cpu = {k: [0.0, 0.0, 0.0] for k in ("raw", "raw_checksum", "kv", "kv_tls", "device")}

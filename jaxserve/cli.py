@@ -62,7 +62,7 @@ def worker(config: str = typer.Option(None, "--config", "-c", help="cluster YAML
                                           help="exit when this process (the launching router) dies")):
     """Run one instance of a cluster (prefill, decode or both) as this process, controlled over gRPC; or one
     process of a multi-host instance (instance.hosts > 1)."""
-    from transfer.bufpool import ShmFull
+    from jaxserve.transfer.bufpool import ShmFull
     from .config import ConfigFileError, load
     from .worker.group import resolve
     from .worker.process import run
@@ -143,7 +143,7 @@ def certs(out_dir: str = typer.Argument(..., help="directory to write the PEM fi
           names: str = typer.Option("node", help="comma-separated certificate names (one file pair each)"),
           days: int = typer.Option(365, min=1, help="validity")):
     """Write a cluster CA and certificates for transfer.tls (gRPC and KV links over TLS)."""
-    from transfer.tls import make_certs
+    from jaxserve.transfer.tls import make_certs
     out = make_certs(out_dir, [h for h in hosts.split(",") if h], [n for n in names.split(",") if n], days)
     for name, (cert, key) in out.items():
         typer.echo(f"{name}: {cert} {key}")
@@ -156,12 +156,16 @@ def certs(out_dir: str = typer.Argument(..., help="directory to write the PEM fi
 def bench(name: str = typer.Argument(..., help="benchmark module under bench/ (e.g. serving, kv_footprint)"),
           json_out: str = typer.Option(..., "--json", help="where to write the JSON result"),
           args: list[str] = typer.Argument(None, help="extra arguments passed to the benchmark")):
-    """Run a benchmark (`python -m bench.NAME --json OUT`)."""
+    """Run a benchmark (`python -m bench.NAME --json OUT`) from a checkout: bench/ is not in the wheel."""
     import importlib
     try:
         mod = importlib.import_module(f"bench.{name}")
-    except ModuleNotFoundError:
-        typer.echo(f"error: no benchmark named {name!r} (bench/{name}.py)", err=True)
+    except ModuleNotFoundError as e:
+        if e.name not in ("bench", f"bench.{name}"):
+            raise  # the benchmark's own import
+        where = ("bench/ is not installed with jaxserve: run benchmarks from a checkout of the repository"
+                 if e.name == "bench" else f"no benchmark named {name!r} (bench/{name}.py)")
+        typer.echo(f"error: {where}", err=True)
         raise typer.Exit(2)
     mod.main(["--json", json_out] + list(args or []))
 

@@ -182,7 +182,7 @@ class TlsSection(_Strict):
         return self
 
     def build(self):
-        from transfer.tls import Tls
+        from jaxserve.transfer.tls import Tls
         return Tls(self.ca_file, self.cert_file, self.key_file, self.mutual)
 
 
@@ -239,7 +239,7 @@ class TransferSection(_Strict):
     def timeouts(self):
         """The KV sockets' timeouts and limits (transfer/net.py); a frame unacknowledged past the transfer
         deadline means its connection is gone."""
-        from transfer.net import Timeouts
+        from jaxserve.transfer.net import Timeouts
         return Timeouts(io_s=self.io_timeout_s, idle_s=self.idle_timeout_s, ack_s=self.deadline_s + self.io_timeout_s)
 
     def pulls(self, platform: str) -> bool:

@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 
-from transfer.bufpool import remove_segments_of
+from jaxserve.transfer.bufpool import remove_segments_of
 
 
 class WorkerExited(RuntimeError):

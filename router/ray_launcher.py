@@ -39,7 +39,7 @@ class WorkerHost:
 
     def free_port_pair(self) -> int:
         """Two consecutive ports free on this node (a group's coordinator and channel)."""
-        from router.launcher import free_ports
+        from jaxserve.router.launcher import free_ports
         return free_ports("0.0.0.0", 2)
 
     def start(self, name: str, config_text: str, router: str, wildcard: bool, extra: list[str]) -> dict:
@@ -76,7 +76,7 @@ class WorkerHost:
         """SIGKILL (kill) or SIGTERM the worker, then wait up to `timeout` (SIGKILL after it) -> its exit code."""
         import subprocess
 
-        from transfer.bufpool import remove_segments_of
+        from jaxserve.transfer.bufpool import remove_segments_of
         if self.proc.poll() is None:
             self.proc.kill() if kill else self.proc.terminate()
         try:

@@ -9,7 +9,7 @@ import time
 import httpx
 import uvicorn
 
-from router.launcher import free_ports
+from jaxserve.router.launcher import free_ports
 
 
 @contextlib.contextmanager

@@ -31,7 +31,7 @@ def test_per_sequence_reference_equals_the_packed_one():
     import jax.numpy as jnp
     import numpy as np
 
-    from pallas_kernels.flash_attention import ref_flash_attention
+    from jaxserve.pallas_kernels.flash_attention import ref_flash_attention
     r = np.random.RandomState(0)
     q, k, v = (jnp.asarray(r.randn(96, h, 16), jnp.float32) for h in (4, 2, 2))
     cu = jnp.asarray([0, 32, 64, 96], jnp.int32)

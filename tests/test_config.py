@@ -100,7 +100,7 @@ def test_a_default_cluster_token_is_refused_off_loopback():
 
 
 def test_tls_section_names_a_missing_file_and_builds(tmp_path):
-    from transfer.tls import make_certs
+    from jaxserve.transfer.tls import make_certs
     made = make_certs(str(tmp_path), ["127.0.0.1"], ["node"])
     tls = {"ca_file": made["ca"][0], "cert_file": made["node"][0], "key_file": made["node"][1], "mutual": True}
     cfg = parse({"transfer": {"tls": tls}})
@@ -138,8 +138,8 @@ def test_max_num_seqs_is_sized_from_the_cache_unless_set():
 
 
 def test_banaserve_preset_and_the_store_role():
-    from router.policies.banaserve import BanaServe
-    from router.policies import make
+    from jaxserve.router.policies.banaserve import BanaServe
+    from jaxserve.router.policies import make
     cfg = load("configs/banaserve.yaml")
     roles = sorted(i.role for i in cfg.instances())
     assert roles == ["decode", "decode", "prefill", "prefill", "store"]

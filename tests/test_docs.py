@@ -134,7 +134,7 @@ def shown_commands(text: str) -> list[str]:
 
 def run_shown(cmd: str) -> subprocess.CompletedProcess:
     args = shlex.split(cmd)
-    return subprocess.run([sys.executable, "-m", "router.cli", *args[1:]], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "jaxserve.router.cli", *args[1:]], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
 
 

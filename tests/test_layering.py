@@ -1,21 +1,42 @@
-"""The top-level packages stack `bench -> router -> jaxserve -> transfer`, `pallas_kernels` a leaf: a module
-imports only its own package and those below it; and no modules import each other in a cycle, inside a package
-or across. Read from the source (every import statement, function-level ones included), so a lazy import cannot
-hide a cycle."""
+"""The layers stack `bench -> router -> jaxserve -> transfer`, `pallas_kernels` a leaf: a module imports only its
+own layer and those below it; and no modules import each other in a cycle, inside a package or across. Read from
+the source (every import statement, function-level ones included), so a lazy import cannot hide a cycle.
+
+router/, transfer/ and pallas_kernels/ sit at the repository's top but are the packages jaxserve.router,
+jaxserve.transfer and jaxserve.pallas_kernels (jaxserve/ links to them); the layer `jaxserve` is the rest of
+jaxserve/. Nothing imports them by their folder's name (`import router`), which the wheel does not install."""
 
 import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-# package -> the packages it may import
+# layer -> the layers it may import
 ALLOWED = {"bench": {"router", "jaxserve", "transfer", "pallas_kernels"},
            "router": {"jaxserve", "transfer", "pallas_kernels"}, "jaxserve": {"transfer", "pallas_kernels"},
            "transfer": set(), "pallas_kernels": set()}
+# layer -> its package's name; each layer's folder is its own name at the repository's top
+PACKAGE = {"bench": "bench", "router": "jaxserve.router", "jaxserve": "jaxserve", "transfer": "jaxserve.transfer",
+           "pallas_kernels": "jaxserve.pallas_kernels"}
+FOLDERS = ("router", "transfer", "pallas_kernels")  # linked into jaxserve/, imported only through it
 
 
-def imports(path: pathlib.Path, root: pathlib.Path) -> list[tuple[int, str]]:
+def layer_of(module: str) -> str | None:
+    """The layer a module name belongs to (None: outside the project)."""
+    for layer, pkg in sorted(PACKAGE.items(), key=lambda kv: -len(kv[1])):
+        if module == pkg or module.startswith(pkg + "."):
+            return layer
+    return None
+
+
+def module_name(path: pathlib.Path, root: pathlib.Path, layer: str) -> list[str]:
+    """The dotted parts of a source file's module, e.g. router/cluster.py -> jaxserve.router.cluster."""
+    rel = list(path.relative_to(root / layer).with_suffix("").parts)
+    return PACKAGE[layer].split(".") + rel
+
+
+def imports(path: pathlib.Path, root: pathlib.Path, layer: str) -> list[tuple[int, str]]:
     """(line, absolute module) of every import in the file; relative imports resolved against its package."""
-    pkg = list(path.relative_to(root).with_suffix("").parts)[:-1]
+    pkg = module_name(path, root, layer)[:-1]
     out = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
@@ -29,19 +50,24 @@ def imports(path: pathlib.Path, root: pathlib.Path) -> list[tuple[int, str]]:
     return out
 
 
-def sources(root: pathlib.Path, pkg: str) -> list[pathlib.Path]:
-    """The package's modules (not what lives in its hidden folders, e.g. a benchmark's virtual environment)."""
-    return [f for f in sorted((root / pkg).rglob("*.py"))
-            if not any(part.startswith(".") for part in f.relative_to(root).parts)]
+def sources(root: pathlib.Path, layer: str) -> list[pathlib.Path]:
+    """The layer's modules (not what lives in its hidden folders, e.g. a benchmark's virtual environment, nor
+    jaxserve/'s links to the other layers)."""
+    return [f for f in sorted((root / layer).rglob("*.py"))
+            if not any(part.startswith(".") for part in f.relative_to(root).parts)
+            and not (layer == "jaxserve" and f.relative_to(root / layer).parts[0] in FOLDERS)]
 
 
 def violations(root: pathlib.Path = ROOT) -> list[str]:
     bad = []
-    for pkg, allowed in ALLOWED.items():
-        for f in sources(root, pkg):
-            for line, mod in imports(f, root):
-                top = mod.split(".")[0]
-                if top in ALLOWED and top != pkg and top not in allowed:
+    for layer, allowed in ALLOWED.items():
+        for f in sources(root, layer):
+            for line, mod in imports(f, root, layer):
+                if mod.split(".")[0] in FOLDERS:
+                    bad.append(f"{f.relative_to(root)}:{line} imports {mod} (not installed: jaxserve.{mod})")
+                    continue
+                top = layer_of(mod)
+                if top is not None and top != layer and top not in allowed:
                     bad.append(f"{f.relative_to(root)}:{line} imports {mod}")
     return bad
 
@@ -50,9 +76,9 @@ def module_graph(root: pathlib.Path = ROOT) -> dict[str, set[str]]:
     """module -> the modules of these packages it imports: `from p import x` counts as importing p.x where that
     is a module (a package's __init__ only where the name is not), lazy imports included."""
     files = {}
-    for pkg in ALLOWED:
-        for f in sources(root, pkg):
-            parts = list(f.relative_to(root).with_suffix("").parts)
+    for layer in ALLOWED:
+        for f in sources(root, layer):
+            parts = module_name(f, root, layer)
             files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
     graph = {}
     for name, f in files.items():
@@ -129,24 +155,31 @@ def test_the_cycle_check_sees_lazy_imports_and_submodules(tmp_path):
         (tmp_path / pkg).mkdir()
     (tmp_path / "router" / "__init__.py").write_text("from . import a\n")
     (tmp_path / "router" / "a.py").write_text("from .b import f\n")
-    (tmp_path / "router" / "b.py").write_text("def f():\n    from router import a\n")  # lazy, a submodule
-    (tmp_path / "router" / "c.py").write_text("from router import b\n")
-    assert cycles(module_graph(tmp_path)) == [["router.a", "router.b"]]
+    (tmp_path / "router" / "b.py").write_text("def f():\n    from jaxserve.router import a\n")  # lazy, a submodule
+    (tmp_path / "router" / "c.py").write_text("from jaxserve.router import b\n")
+    assert cycles(module_graph(tmp_path)) == [["jaxserve.router.a", "jaxserve.router.b"]]
 
 
 def test_the_check_sees_lazy_and_relative_imports(tmp_path):
     (tmp_path / "transfer").mkdir()
     (tmp_path / "transfer" / "x.py").write_text("def f():\n    from jaxserve.cache import block_manager\n")
     (tmp_path / "jaxserve" / "server").mkdir(parents=True)
-    (tmp_path / "jaxserve" / "server" / "y.py").write_text("from ..engine import client\nimport router.cluster\n")
-    for pkg in ("router", "pallas_kernels"):
-        (tmp_path / pkg).mkdir()
-    assert violations(tmp_path) == ["jaxserve/server/y.py:2 imports router.cluster",
-                                    "transfer/x.py:2 imports jaxserve.cache"]
+    (tmp_path / "jaxserve" / "server" / "y.py").write_text("from ..engine import client\nimport jaxserve.router.cluster\n"
+                                                           "from router import cli\n")
+    (tmp_path / "router").mkdir()
+    (tmp_path / "router" / "z.py").write_text("from ..transfer import tcp\n")  # jaxserve.transfer: allowed
+    (tmp_path / "pallas_kernels").mkdir()
+    (tmp_path / "pallas_kernels" / "w.py").write_text("from ..engine import runner\n")  # jaxserve.engine
+    (tmp_path / "jaxserve" / "router").mkdir()  # as the link: its files are the router layer's, not jaxserve's
+    (tmp_path / "jaxserve" / "router" / "v.py").write_text("from jaxserve.router import cli\n")
+    assert violations(tmp_path) == ["jaxserve/server/y.py:2 imports jaxserve.router.cluster",
+                                    "jaxserve/server/y.py:3 imports router (not installed: jaxserve.router)",
+                                    "transfer/x.py:2 imports jaxserve.cache",
+                                    "pallas_kernels/w.py:1 imports jaxserve.engine"]
 
 
 def test_the_console_script_has_every_command():
-    """`jaxserve` (pyproject's console script) is router/cli.py: the engine-level commands, `validate`, `serve`,
+    """`jaxserve` (pyproject's console script) is jaxserve.router.cli (router/cli.py): the engine-level commands, `validate`, `serve`,
     `deploy` and `plan`."""
     import tomllib
 

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from router.cli import app
+from jaxserve.router.cli import app
 
 ENGINE = dict(block_size=4, num_blocks=96, chunk_size=16, max_num_batched_tokens=32, max_prefill_seqs=2,
               max_num_seqs=4, warmup=False, max_model_len=128)

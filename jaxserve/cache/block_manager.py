@@ -30,7 +30,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from transfer.segments import OutOfBlocks, SegmentAllocator
+from jaxserve.transfer.segments import OutOfBlocks, SegmentAllocator
 
 
 def block_hashes(tokens, block_size: int, known: list[bytes] = ()) -> list[bytes]:

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transfer.device import from_wire
+from jaxserve.transfer.device import from_wire
 
 
 def _copy(kinds: tuple[str, ...], pool: list, src: list, where) -> list:

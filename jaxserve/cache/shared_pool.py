@@ -44,8 +44,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transfer.bufpool import PAGE, attach_segment, create_segment, remove_segment
-from transfer.plan import ArraySpec, Staging, layout_signature
+from jaxserve.transfer.bufpool import PAGE, attach_segment, create_segment, remove_segment
+from jaxserve.transfer.plan import ArraySpec, Staging, layout_signature
 
 
 def _wire(dtype) -> np.dtype:

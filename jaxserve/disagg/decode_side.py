@@ -26,11 +26,11 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from transfer.bufpool import PoolFull, RecvPool
-from transfer.receiver import KVReceiver, region_bytes
-from transfer.segments import OutOfBlocks
-from transfer.state import KVPoll
-from transfer.tcp import KVServer
+from jaxserve.transfer.bufpool import PoolFull, RecvPool
+from jaxserve.transfer.receiver import KVReceiver, region_bytes
+from jaxserve.transfer.segments import OutOfBlocks
+from jaxserve.transfer.state import KVPoll
+from jaxserve.transfer.tcp import KVServer
 
 log = logging.getLogger("jaxserve.decode")
 

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 
 from jax.profiler import TraceAnnotation
 
-from transfer.device import start_host_copy, to_host, whole
-from transfer.plan import TransferPlan, layer_groups
-from transfer.pull import PullLink
-from transfer.sender import KVSender
+from jaxserve.transfer.device import start_host_copy, to_host, whole
+from jaxserve.transfer.plan import TransferPlan, layer_groups
+from jaxserve.transfer.pull import PullLink
+from jaxserve.transfer.sender import KVSender
 
 log = logging.getLogger("jaxserve.prefill")
 

@@ -21,9 +21,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-from pallas_kernels import check
-from pallas_kernels.select import MODES, mode_of, resolve as resolve_kernels
-from transfer.segments import OutOfBlocks
+from jaxserve.pallas_kernels import check
+from jaxserve.pallas_kernels.select import MODES, mode_of, resolve as resolve_kernels
+from jaxserve.transfer.segments import OutOfBlocks
 
 from ..cache.block_manager import BlockManager, block_hashes
 from ..cache.events import CacheEvents
@@ -473,8 +473,8 @@ class LLMEngine:
     def _stage_prefix(self, src, src_blocks: list[int], src_row: int | None, ticket, n: int, groups) -> tuple:
         """Gather n of the store's blocks (and its state row) into the staging region, checked untouched by the
         store meanwhile -> (the Staging, its views). Raises shared_pool.Missed."""
-        from transfer.bufpool import aligned_empty
-        from transfer.plan import staging
+        from jaxserve.transfer.bufpool import aligned_empty
+        from jaxserve.transfer.plan import staging
         from ..cache.shared_pool import Missed
         st = staging(self.layout, self.dtype_name, n, groups or [(0, self.layout.num_layers)])
         if self._load_buf.nbytes < st.nbytes:  # one region, reused (its pages stay mapped)

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transfer.device import DeviceIO
+from jaxserve.transfer.device import DeviceIO
 
 from ..cache.layout import PoolLayout, gather, head_parts, init_pool, pool_shardings, scatter
 from ..cache.pool_copy import PoolCopy
@@ -820,8 +820,8 @@ class ModelRunner:
         (dropped) and the scratch row. Returns the number of transfer programs compiled."""
         from tqdm import tqdm
 
-        from transfer.bufpool import aligned_empty
-        from transfer.plan import bucket, staging
+        from jaxserve.transfer.bufpool import aligned_empty
+        from jaxserve.transfer.plan import bucket, staging
         rows = sorted({bucket(n) for n in range(1, self.max_blocks_per_seq + 1)})
         scratch = self.layout.scratch_row
         for M in tqdm(rows, desc="compiling transfer", unit="bucket", disable=not progress):

@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from transfer.segments import OutOfBlocks
+from jaxserve.transfer.segments import OutOfBlocks
 from ..cache.block_manager import BlockManager, block_hashes
 from .client import QueueFull
 from .sequence import Sequence, Status

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels.select import select
+from jaxserve.pallas_kernels.select import select
 
 
 class Fused(nnx.Module):

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels.select import select
+from jaxserve.pallas_kernels.select import select
 
 from .batch import Batch
 from .config import GDNSpec, KDASpec

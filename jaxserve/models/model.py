@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels.check import Case
-from pallas_kernels.select import resolve, select
+from jaxserve.pallas_kernels.check import Case
+from jaxserve.pallas_kernels.select import resolve, select
 
 from .attention import GQAAttention, MLAAttention
 from .batch import Batch

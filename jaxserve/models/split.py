@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from pallas_kernels.merge import NEG, add_sinks, merge_partials, normalize, ref_partial_attention
+from jaxserve.pallas_kernels.merge import NEG, add_sinks, merge_partials, normalize, ref_partial_attention
 
 _REMOTES: dict[int, object] = {}  # migration id -> its client: `partial(group, layer, q, gidx) -> (o, m, l)`
 

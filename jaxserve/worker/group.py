@@ -133,7 +133,7 @@ _TYPES: dict[str, type] = {}  # the dataclasses a message may hold (runner argum
 
 def _types() -> dict[str, type]:
     if not _TYPES:
-        from transfer.plan import ArraySpec, Staging
+        from jaxserve.transfer.plan import ArraySpec, Staging
 
         from ..engine.runner import DecodeRow, PrefillRow, Prefix
         from ..sampling import SamplingParams
@@ -210,7 +210,7 @@ def _authkey(token: str | None) -> bytes:
 def exit_now(code: int) -> None:
     """End this process at once: the group's processes do not wait for each other in jax.distributed's
     shutdown barrier (one of them may be gone). Its shared-memory segments go first (os._exit runs no atexit)."""
-    from transfer.bufpool import remove_owned
+    from jaxserve.transfer.bufpool import remove_owned
     remove_owned()
     sys.stdout.flush()
     sys.stderr.flush()

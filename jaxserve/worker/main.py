@@ -41,7 +41,7 @@ class Worker:
         self.advertise = advertise or inst.host
         t0 = time.monotonic()
         self.llm = build_engine(cfg, inst, progress)
-        from transfer.plan import layer_groups
+        from jaxserve.transfer.plan import layer_groups
         # the layer groups KV is exported and imported in: the transfer programs are warmed with them (_warm)
         self.layer_groups = layer_groups(self.llm.layout.num_layers, cfg.transfer.layers_per_group)
         self.group = group
@@ -79,7 +79,7 @@ class Worker:
         self._kv_full = None  # the full cache state being taken on the engine thread
         import jax
         if t.pulls(jax.default_backend()) and group is None:  # a group's KV moves through its leader's host
-            from transfer.pull import PullServer
+            from jaxserve.transfer.pull import PullServer
             try:
                 self.pull_server = PullServer(inst.host, t.connections)
             except Exception as e:  # noqa: BLE001 - PJRT without a transfer server for this platform
@@ -146,10 +146,10 @@ class Worker:
         bandwidth, latency, loss and connection count (and always means TCP). Links idle for
         transfer.link_idle_s are closed (their threads end); a later transfer builds a fresh one.
         -> (link, shm region base)"""
-        from transfer.link import LinkEmulation
-        from transfer.pull import PullLink
-        from transfer.shm import ShmLink, same_host
-        from transfer.tcp import TcpLink
+        from jaxserve.transfer.link import LinkEmulation
+        from jaxserve.transfer.pull import PullLink
+        from jaxserve.transfer.shm import ShmLink, same_host
+        from jaxserve.transfer.tcp import TcpLink
         t = self.cfg.transfer
         address = peer["kv_address"]
         lk = self.cfg.link(self.cluster, dst_cluster)
@@ -289,7 +289,7 @@ class Worker:
         return [self.advertise, self.intake.address[1]]
 
     def _describe(self, stats: dict) -> dict:
-        from transfer.shm import boot_id
+        from jaxserve.transfer.shm import boot_id
         links = {v.metrics.name: v.metrics.snapshot() for v, _ in list(self.links.values())}
         pool = self.intake.pool
         shm = {"name": pool.shm_name, "boot": boot_id(), "bytes": pool.capacity} if pool.shm_name else None
@@ -317,8 +317,8 @@ class Worker:
 
     async def decode(self, req, ctx):
         import grpc
-        from transfer.bufpool import PoolFull
-        from transfer.segments import OutOfBlocks
+        from jaxserve.transfer.bufpool import PoolFull
+        from jaxserve.transfer.segments import OutOfBlocks
         from ..engine.client import RequestError
         if self.role in ("prefill", "store"):
             await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.inst.name} is a {self.role} instance")
@@ -365,8 +365,8 @@ class Worker:
         """Why a reservation cannot be sent to (None: it can): the instance must be a registered instance (a
         decode instance, for a request's KV), its blocks must cover the KV, and a shared-memory region must lie
         page aligned inside the instance's segment, with exactly the room the transfer's staging takes."""
-        from transfer.bufpool import PAGE
-        from transfer.receiver import region_bytes
+        from jaxserve.transfer.bufpool import PAGE
+        from jaxserve.transfer.receiver import region_bytes
         if peer is None:
             return (f"dst.instance: {dst.instance!r} is not an instance registered with the router"
                     + ("" if self._beats is not None else " (this worker has no router: start it with --router)"))
@@ -388,7 +388,7 @@ class Worker:
 
     async def prefill(self, req, ctx):
         import grpc
-        from transfer.segments import OutOfBlocks
+        from jaxserve.transfer.segments import OutOfBlocks
         from ..disagg.prefill_side import Handoff
         from ..engine.client import RequestError
         if self.role in ("decode", "store"):
@@ -489,8 +489,8 @@ class Worker:
         """Wait until the receiver acknowledged every byte (ABORTED when the transfer failed or outlived
         transfer.deadline_s) -> the transfer's numbers."""
         import grpc
-        from transfer.pull import PullLink
-        from transfer.state import KVPoll
+        from jaxserve.transfer.pull import PullLink
+        from jaxserve.transfer.state import KVPoll
         try:
             state = await sender.state.wait_async(self.cfg.transfer.deadline_s)
         except asyncio.CancelledError:
@@ -511,9 +511,9 @@ class Worker:
         reserve_prefix_when_room): RESOURCE_EXHAUSTED when none came within the deadline, whose remainder the
         transfer then has."""
         import grpc
-        from transfer.bufpool import PoolFull
-        from transfer.plan import layer_groups
-        from transfer.segments import OutOfBlocks
+        from jaxserve.transfer.bufpool import PoolFull
+        from jaxserve.transfer.plan import layer_groups
+        from jaxserve.transfer.segments import OutOfBlocks
         from ..engine.client import RequestError
         rid, tokens = req.request_id, list(req.prompt)
         loop = asyncio.get_running_loop()
@@ -618,7 +618,7 @@ class Worker:
     async def _load(self, req) -> tuple:
         """-> (None, Load's answer), or (a gRPC status code, why)"""
         import grpc
-        from transfer.segments import OutOfBlocks
+        from jaxserve.transfer.segments import OutOfBlocks
         from ..cache.shared_pool import Missed
         from ..engine.client import RequestError
         if self.role != "prefill":
@@ -647,7 +647,7 @@ class Worker:
         compiled a Load stages the prefix (nothing compiles on a request's path)."""
         import threading
 
-        from transfer.shm import same_host
+        from jaxserve.transfer.shm import same_host
         from ..cache.shared_pool import SharedPool
         if self.role != "prefill" or not self.reads_pool or self.llm.runner.copies is None:
             return
@@ -673,7 +673,7 @@ class Worker:
     def _pool_of(self, instance: str):
         """Store `instance`'s shared pool, mapped here on first use -> (SharedPool, None), or (None, why not) when
         the peer table has no such pool on this host or it does not fit this instance's pool."""
-        from transfer.shm import same_host
+        from jaxserve.transfer.shm import same_host
         from ..cache.shared_pool import SharedPool
         peer = self.peers.get(instance)
         desc = (peer or {}).get("pool")

@@ -3,7 +3,7 @@
 import pytest
 
 from jaxserve.cache.block_manager import BlockManager, block_hashes
-from transfer.segments import OutOfBlocks
+from jaxserve.transfer.segments import OutOfBlocks
 
 
 def test_hash_chain_names_the_whole_prefix():

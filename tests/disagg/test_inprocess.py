@@ -17,11 +17,11 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.disagg.decode_side import KVIntake
 from jaxserve.disagg.prefill_side import Feeder, Handoff
 from jaxserve.engine.llm_engine import EngineConfig, LLMEngine
-from transfer.plan import layer_groups
-from transfer.pull import PullLink, PullServer
-from transfer.shm import ShmLink
-from transfer.state import KVPoll
-from transfer.tcp import TcpLink
+from jaxserve.transfer.plan import layer_groups
+from jaxserve.transfer.pull import PullLink, PullServer
+from jaxserve.transfer.shm import ShmLink
+from jaxserve.transfer.state import KVPoll
+from jaxserve.transfer.tcp import TcpLink
 
 BASE = [5, 7, 9, 11, 13, 2, 3, 4, 8, 10, 12, 14, 15, 6, 16, 17, 18, 19, 20, 21, 22]
 PROMPTS = [BASE[:13], BASE[:3], BASE[:21], [30, 31] + BASE[:11], BASE[:17]]
@@ -219,7 +219,7 @@ def test_layer_groups_of_one_structure_share_an_export_program(checkpoint_dir):
     first layer an argument), and group k's export holds exactly layer k of the sent blocks."""
     import jax.numpy as jnp
 
-    from transfer.plan import bucket, staging
+    from jaxserve.transfer.plan import bucket, staging
     pre = LLMEngine(checkpoint_dir("llama"), "float32", CFG, progress=False)
     runner = pre.runner
     groups = layer_groups(pre.layout.num_layers, 1)

@@ -19,9 +19,9 @@ from jaxserve.disagg.prefill_side import Feeder, Handoff
 from jaxserve.engine.client import RequestError
 from jaxserve.engine.llm_engine import LLMEngine
 from tests.disagg.test_inprocess import BASE, CFG, GREEDY
-from transfer.plan import layer_groups
-from transfer.state import KVPoll
-from transfer.tcp import TcpLink
+from jaxserve.transfer.plan import layer_groups
+from jaxserve.transfer.state import KVPoll
+from jaxserve.transfer.tcp import TcpLink
 
 PROMPT = BASE[:13]  # cached on the sender up to its last block boundary (12 tokens, block_size 4)
 PREFIX = PROMPT[:12]

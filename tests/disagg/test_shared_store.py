@@ -25,8 +25,8 @@ from jaxserve.cache.shared_pool import Missed, SharedPool
 from jaxserve.engine.llm_engine import LLMEngine
 from tests.disagg.test_inprocess import CFG, GREEDY
 from tests.disagg.test_prefix_move import FOLLOWUP, PREFIX, PROMPT, Mover, run
-from transfer.bufpool import aligned_empty
-from transfer.plan import layer_groups, staging
+from jaxserve.transfer.bufpool import aligned_empty
+from jaxserve.transfer.plan import layer_groups, staging
 
 
 def store_of(path: str, dtype: str = "float32") -> tuple[LLMEngine, LLMEngine]:

@@ -30,10 +30,10 @@ from jaxserve.models.config import load_config
 from jaxserve.worker.setup import READY
 from jaxserve.config import parse
 from jaxserve.worker import rpc
-from router.control import ControlServer
-from router.registry import Registry
-from transfer.plan import layer_groups
-from transfer.tls import Tls, make_certs
+from jaxserve.router.control import ControlServer
+from jaxserve.router.registry import Registry
+from jaxserve.transfer.plan import layer_groups
+from jaxserve.transfer.tls import Tls, make_certs
 
 pytestmark = pytest.mark.slow
 

@@ -314,7 +314,7 @@ def test_layerwise_warmup_covers_a_streamed_prompts_chunks(engines, family, chun
     (llama) runs every shape as layer groups; dense programs (MLA) the short ones whole. Also with the default
     chunk (the step budget, 16)."""
     from jaxserve.engine.runner import PrefillRow
-    from transfer.plan import layer_groups
+    from jaxserve.transfer.plan import layer_groups
     llm = engines(family, dataclasses.replace(ENGINE, max_model_len=80, num_blocks=96, prefix_caching=False,
                                               chunk_size=chunk))
     runner = llm.engine.runner
@@ -361,7 +361,7 @@ def test_layer_by_layer_prefill_writes_what_the_whole_model_writes(engines, fami
     import jax
 
     from jaxserve.engine.runner import PrefillRow
-    from transfer.plan import layer_groups
+    from jaxserve.transfer.plan import layer_groups
     llm = engines(family)
     runner, bs = llm.engine.runner, ENGINE.block_size
     stages = layer_groups(runner.layout.num_layers, 1)
@@ -405,8 +405,8 @@ def test_decode_warmup_covers_what_a_resumed_request_runs(checkpoint_dir):
     prefill chunk at the end of the sequence; a decode instance's warm-up (decode programs and tails, no
     whole-prompt prefill) compiles those programs for every block-table width, so no resumed request compiles on
     the decode instance (a compile stalls every request there for seconds)."""
-    from transfer.bufpool import aligned_empty
-    from transfer.plan import bucket, layer_groups, staging
+    from jaxserve.transfer.bufpool import aligned_empty
+    from jaxserve.transfer.plan import bucket, layer_groups, staging
     eng = LLM(checkpoint_dir("llama"), progress=False, engine=dataclasses.replace(ENGINE, max_model_len=32)).engine
     runner = eng.runner
     runner.warmup(progress=False, tails=True, whole=False)  # what jaxserve/worker/main.py runs for a decode role

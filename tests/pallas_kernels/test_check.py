@@ -10,8 +10,8 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.engine.llm_engine import EngineConfig
 from jaxserve.models.config import MLPSpec, load_config
 from jaxserve.models.model import kernel_cases
-from pallas_kernels import check, select
-from pallas_kernels.select import KernelPlan
+from jaxserve.pallas_kernels import check, select
+from jaxserve.pallas_kernels.select import KernelPlan
 from tests.pallas_kernels.conftest import INTERPRET
 from tests.tiny_models import FAMILIES
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.flash_attention import (batched_attention, flash_attention, ref_batched_attention,
+from jaxserve.pallas_kernels.flash_attention import (batched_attention, flash_attention, ref_batched_attention,
                                             ref_flash_attention)
 from tests.pallas_kernels.conftest import INTERPRET, close, randn
 
@@ -87,7 +87,7 @@ def test_batched_attention_matches_reference(dtype, G, window):
 def test_reference_in_query_tiles_equals_whole(window):
     """A long prompt goes through the reference a tile of query rows at a time: same numbers as all at once
     (causal over a prefix already cached, sinks, a window, GQA)."""
-    from pallas_kernels import flash_attention as fa
+    from jaxserve.pallas_kernels import flash_attention as fa
     r = np.random.RandomState(1)
     B, T, S, Hkv, G, D = 2, 2 * fa.REF_QUERY_TILE, 3 * fa.REF_QUERY_TILE, 2, 2, 8
     q, k, v = randn(r, (B, T, Hkv * G, D)), randn(r, (B, S, Hkv, D)), randn(r, (B, S, Hkv, D))
@@ -120,7 +120,7 @@ def test_aligned_reference_skips_only_future_keys(S):
     """aligned (a fresh prefill: token t at position t): the reference meets each query tile with the keys up to
     its end only; same numbers as the full product, with sinks, GQA, rows of different lengths, and a key view
     shorter or as long as the queries."""
-    from pallas_kernels import flash_attention as fa
+    from jaxserve.pallas_kernels import flash_attention as fa
     r = np.random.RandomState(2)
     B, T, Hkv, G, D = 3, 4 * fa.REF_ALIGNED_TILE, 2, 3, 8
     q, k, v = randn(r, (B, T, Hkv * G, D)), randn(r, (B, S, Hkv, D)), randn(r, (B, S, Hkv, D))

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import flash_attention_hopper as fh
-from pallas_kernels.flash_attention import flash_attention, ref_flash_attention
+from jaxserve.pallas_kernels import flash_attention_hopper as fh
+from jaxserve.pallas_kernels.flash_attention import flash_attention, ref_flash_attention
 
 from .conftest import randn
 

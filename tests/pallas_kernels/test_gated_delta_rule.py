@@ -11,7 +11,7 @@ import torch
 from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention
 from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
-from pallas_kernels.gated_delta_rule import (chunk_gated_delta_rule, recurrent_gated_delta_rule,
+from jaxserve.pallas_kernels.gated_delta_rule import (chunk_gated_delta_rule, recurrent_gated_delta_rule,
                                              ref_chunk_gated_delta_rule, ref_recurrent_gated_delta_rule)
 from tests.pallas_kernels.conftest import INTERPRET, close
 

@@ -12,8 +12,8 @@ import transformers
 
 from jaxserve.models.config import parse_config
 from jaxserve.models.model import kernel_cases
-from pallas_kernels import check
-from pallas_kernels.select import KERNELS
+from jaxserve.pallas_kernels import check
+from jaxserve.pallas_kernels.select import KERNELS
 from tests.tiny_models import COMMON, FAMILIES
 
 MLA = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)

@@ -3,7 +3,7 @@
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.merge import add_sinks, merge_partials, normalize, ref_partial_attention
+from jaxserve.pallas_kernels.merge import add_sinks, merge_partials, normalize, ref_partial_attention
 
 
 def _full(q, k, v, mask, scale, sinks=None):

@@ -11,7 +11,7 @@ from jaxserve.models.cache_spec import init_dense_cache
 from jaxserve.models.config import load_config
 from jaxserve.models.loader import load_state
 from jaxserve.models.model import jit_forward, kernel_cases, model_graphdef
-from pallas_kernels import check
+from jaxserve.pallas_kernels import check
 from tests.pallas_kernels.conftest import MODE
 from tests.tiny_models import FAMILIES
 
@@ -58,10 +58,10 @@ def test_same_logits_with_kernels_on_and_off(name, checkpoint_dir):
 
 
 def test_kernel_mode_is_validated():
-    from pallas_kernels.select import resolve, select
+    from jaxserve.pallas_kernels.select import resolve, select
     with pytest.raises(ValueError, match="kernels must be one of"):
         resolve("cuda")
     assert resolve("auto") == ("native" if MODE == "interpret" else "pallas")  # Pallas on GPU, C++ on CPU
-    from pallas_kernels.flash_attention import ref_flash_attention
+    from jaxserve.pallas_kernels.flash_attention import ref_flash_attention
     assert select("flash_attention", "reference") is ref_flash_attention
     assert select("flash_attention", "interpret").keywords == {"interpret": True}

@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM
-from pallas_kernels import check, native, select
-from pallas_kernels.matmul import ref_matmul
-from pallas_kernels.paged_attention import ref_paged_attention, ref_paged_mla_attention, ref_paged_prefill_attention
-from pallas_kernels.select import KernelPlan
+from jaxserve.pallas_kernels import check, native, select
+from jaxserve.pallas_kernels.matmul import ref_matmul
+from jaxserve.pallas_kernels.paged_attention import (ref_paged_attention, ref_paged_mla_attention,
+                                                     ref_paged_prefill_attention)
+from jaxserve.pallas_kernels.select import KernelPlan
 from tests.pallas_kernels.conftest import close, randn
 from tests.pallas_kernels.test_check import ENGINE, GREEDY, PROMPTS, _tokens
 from tests.pallas_kernels.test_paged_attention import CASES, _tables

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.flash_attention import ref_batched_attention
-from pallas_kernels.paged_attention import (paged_attention, paged_mla_attention, ref_paged_attention,
+from jaxserve.pallas_kernels.flash_attention import ref_batched_attention
+from jaxserve.pallas_kernels.paged_attention import (paged_attention, paged_mla_attention, ref_paged_attention,
                                             ref_paged_mla_attention)
 from tests.pallas_kernels.conftest import INTERPRET, close, randn
 

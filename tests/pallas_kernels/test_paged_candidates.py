@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from bench import paged_candidates as pc
-from pallas_kernels.paged_attention import ref_paged_attention
+from jaxserve.pallas_kernels.paged_attention import ref_paged_attention
 from tests.pallas_kernels.conftest import INTERPRET, close, randn
 from tests.pallas_kernels.test_paged_attention import CASES, _tables
 

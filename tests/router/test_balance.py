@@ -9,13 +9,13 @@ import re
 import pytest
 
 from jaxserve.config import ConfigFileError, parse
-from router import policies as policy
-from router.policies.banaserve import BanaServe, BanaServeParams
-from router.policies.cache_aware import CacheAware, CacheAwareParams
-from router.policies.flowkv import FlowKV, FlowKVParams
-from router.policies.round_robin import RoundRobin
-from router.migration import MigrationParams, MigrationPlanner, Unit
-from router.policies.base import InstanceState, LinkState, PrefixMove, RequestInfo, Snapshot
+from jaxserve.router import policies as policy
+from jaxserve.router.policies.banaserve import BanaServe, BanaServeParams
+from jaxserve.router.policies.cache_aware import CacheAware, CacheAwareParams
+from jaxserve.router.policies.flowkv import FlowKV, FlowKVParams
+from jaxserve.router.policies.round_robin import RoundRobin
+from jaxserve.router.migration import MigrationParams, MigrationPlanner, Unit
+from jaxserve.router.policies.base import InstanceState, LinkState, PrefixMove, RequestInfo, Snapshot
 
 
 def inst(name, role="prefill", cluster="a", **kw):
@@ -276,7 +276,7 @@ def test_policies_store_and_controller_on_a_live_cluster(checkpoint_dir):
       cluster without a store gives."""
     import time
 
-    from router.policies.flowkv import Action
+    from jaxserve.router.policies.flowkv import Action
     from tests.router.test_cluster_http import BS, complete, disagg_config, serving, tokens
     cfg = disagg_config(checkpoint_dir("llama"), [{"name": "p1", "role": "prefill"},
                                                   {"name": "p2", "role": "prefill", "standby": True},
@@ -454,7 +454,7 @@ def test_the_router_carries_out_the_migration_planners_moves_from_heartbeat_load
     loaded; a steady gap under delta_up afterwards starts nothing; the store and prefill instances are no units."""
     import asyncio
 
-    from router.cluster import Router
+    from jaxserve.router.cluster import Router
     cfg = parse({"model": {"path": "bundled"}, "clusters": [{"name": "c", "instances": [
         {"name": "p0", "role": "prefill"}, {"name": "d0", "role": "decode"}, {"name": "d1", "role": "decode"},
         {"name": "s0", "role": "store"}]}], "policy": {"name": "banaserve", "control_s": 1.0, "migrate": True}})

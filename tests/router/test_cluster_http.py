@@ -18,7 +18,7 @@ from bench.clusters import unpinned
 from jaxserve.config import parse
 from jaxserve.models.cache_spec import cache_spec
 from jaxserve.models.config import load_config
-from router.serve import build
+from jaxserve.router.serve import build
 from jaxserve.worker.rpc import Client
 from tests.http_server import running
 

@@ -16,7 +16,7 @@ from jaxserve.config import parse
 from jaxserve.engine.client import EngineUnavailable, QueueFull, RequestError
 from jaxserve.sampling import SamplingParams
 from jaxserve.worker import messages, rpc
-from router.cluster import Router
+from jaxserve.router.cluster import Router
 
 TOKEN = "tok"
 
@@ -403,7 +403,7 @@ class FromStore:
         return {}
 
     def place(self, snap):
-        from router.policies.base import Placement, PrefixMove
+        from jaxserve.router.policies.base import Placement, PrefixMove
         return Placement("d0", "p0", "pd", "test: from the store", PrefixMove("s0", self.tokens, overlap=True),
                          self.uncached, "s0")
 
@@ -444,7 +444,7 @@ def test_the_prompt_goes_to_the_store_as_it_is_computed(streams):
     there as well as to decode, and nothing is put after the prefill. A prefill instance that did not stream it
     (a model with request-level state) says so: the router closes that Import and puts the prompt after the
     prefill (Import on the store, Export on the prefill instance). A prompt the store holds goes nowhere."""
-    from router.kv_index import KVIndex
+    from jaxserve.router.kv_index import KVIndex
 
     async def go():
         async with cluster({"p0": ("prefill", {"streams": streams}), "d0": ("decode", {}),
@@ -508,7 +508,7 @@ def test_a_load_from_the_stores_shared_pool_is_a_load_call_beside_the_reservatio
     once that Prefill came): the instance runs the prefill after the copy. When the store's pool no longer held
     it (its disk tier may: the global index still counts it), the prefill computes it and the router writes the
     prompt back to the store although the index says the store holds it, so the next read finds it."""
-    from router.kv_index import KVIndex
+    from jaxserve.router.kv_index import KVIndex
 
     async def go():
         async with cluster({"p0": ("prefill", {"shared": True}), "d0": ("decode", {}),

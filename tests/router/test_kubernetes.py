@@ -20,8 +20,8 @@ import pytest
 import yaml
 
 from jaxserve.config import ConfigFileError, parse
-from router.kubernetes import CONFIG_DIR, POD_IP, TOKEN_DIR, Options, manifests, write
-from router.launcher import free_ports
+from jaxserve.router.kubernetes import CONFIG_DIR, POD_IP, TOKEN_DIR, Options, manifests, write
+from jaxserve.router.launcher import free_ports
 from tests.router.test_cluster_http import complete, tokens
 
 HERE = os.path.dirname(__file__)
@@ -242,7 +242,7 @@ def test_the_pod_commands_form_the_cluster_and_serve(checkpoint_dir, tmp_path):
 
     def local(cmd: list[str], pod_ip: str | None = None) -> list[str]:
         assert cmd[0] == "jaxserve"
-        out = [sys.executable, "-m", "router.cli"]
+        out = [sys.executable, "-m", "jaxserve.router.cli"]
         for a in cmd[1:]:
             for mount, d in mounts.items():
                 a = a.replace(mount, str(d))

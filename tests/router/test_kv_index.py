@@ -7,7 +7,7 @@ import random
 from jaxserve.cache.block_manager import BlockManager
 from jaxserve.cache.events import CacheEvents
 from jaxserve.worker.messages import CacheBatch
-from router.kv_index import KVIndex
+from jaxserve.router.kv_index import KVIndex
 
 BS = 4
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from router.cli import app
-from router.planner import LogNormal, PlanError, Profile, Workload, plan, stages, thresholds
+from jaxserve.router.cli import app
+from jaxserve.router.planner import LogNormal, PlanError, Profile, Workload, plan, stages, thresholds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROFILES = os.path.join(ROOT, "bench", "profiles")

@@ -6,10 +6,10 @@ import dataclasses
 import pytest
 
 from jaxserve.config import ConfigFileError, parse
-from router import policies as policy
-from router.policies.base import InstanceState, LinkState, PrefixMove, RequestInfo, Snapshot
-from router.policies.least_loaded import LeastLoaded
-from router.policies.prfaas import PrfaaS, ThresholdController, ThresholdParams
+from jaxserve.router import policies as policy
+from jaxserve.router.policies.base import InstanceState, LinkState, PrefixMove, RequestInfo, Snapshot
+from jaxserve.router.policies.least_loaded import LeastLoaded
+from jaxserve.router.policies.prfaas import PrfaaS, ThresholdController, ThresholdParams
 
 GBPS = 1e9 / 8
 
@@ -246,7 +246,7 @@ def test_a_raised_threshold_keeps_work_local_only_where_pd_prefill_has_room():
 def test_prefill_meter_counts_busy_time_once():
     """Two prefills batched together end 10 ms apart: the rate is their tokens over the busy second, not the
     second one's 1000 tokens over 10 ms; a failed prefill only leaves the queue."""
-    from router.registry import PrefillMeter
+    from jaxserve.router.registry import PrefillMeter
     m = PrefillMeter()
     m.start(1000)
     m.start(1000)

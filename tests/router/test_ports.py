@@ -3,8 +3,8 @@
 import random
 import socket
 
-from router import launcher
-from router.launcher import free_ports
+from jaxserve.router import launcher
+from jaxserve.router.launcher import free_ports
 
 
 def test_ports_are_free_consecutive_and_below_the_ephemeral_range():

@@ -19,7 +19,7 @@ import yaml
 
 from bench.clusters import unpinned
 from jaxserve import bundled
-from router.snapshot import link_states
+from jaxserve.router.snapshot import link_states
 from tests.router.test_cluster_http import complete as _complete
 from tests.router.test_cluster_http import serving
 

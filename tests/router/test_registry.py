@@ -2,9 +2,9 @@
 
 import pytest
 
-from router.policies.base import least_loaded
-from router.snapshot import instance_state
-from router.registry import Registry, RegistrationError
+from jaxserve.router.policies.base import least_loaded
+from jaxserve.router.snapshot import instance_state
+from jaxserve.router.registry import Registry, RegistrationError
 
 
 class Clock:

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from jaxserve.config import ConfigFileError, parse
-from router.planner import Empirical, Profile, Workload, best_threshold
-from router.policies.prfaas import ThresholdController, ThresholdParams
-from router.replan import ReplanParams, Replanner
+from jaxserve.router.planner import Empirical, Profile, Workload, best_threshold
+from jaxserve.router.policies.prfaas import ThresholdController, ThresholdParams
+from jaxserve.router.replan import ReplanParams, Replanner
 
 
 def _profile(prefill_s_per_token: float, step_s: float, batch: int) -> Profile:
@@ -128,7 +128,7 @@ def test_replan_config_needs_its_profiles(tmp_path):
         parse({**base, "policy": {"name": "prfaas", "replan_s": 5}})
     with pytest.raises(ConfigFileError, match="replan_s needs name: prfaas"):
         parse({**base, "policy": {"replan_s": 5}})
-    from router.cluster import Router
+    from jaxserve.router.cluster import Router
     bad = tmp_path / "p.json"
     bad.write_text(json.dumps({"prefill": {"tokens": [1], "seconds": [1]}, "decode": {}}))
     cfg = parse({**base, "policy": {"name": "prfaas", "replan_s": 5, "prfaas_profile": str(bad),

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from bench.clusters import unpinned
-from router.launcher import free_ports
+from jaxserve.router.launcher import free_ports
 
 pytestmark = pytest.mark.slow
 UNCLEAN = ("Traceback", "Event loop is closed", "Task was destroyed", " ERROR ")
@@ -63,7 +63,8 @@ def test_a_worker_whose_router_is_gone_stops_cleanly(checkpoint_dir, tmp_path, s
 def test_ctrl_c_stops_every_process_without_a_traceback(checkpoint_dir, tmp_path):
     path = _config(tmp_path, checkpoint_dir("llama"))
     port = free_ports("127.0.0.1")
-    proc = subprocess.Popen([sys.executable, "-m", "router.cli", "serve", "--config", path, "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "jaxserve.router.cli", "serve", "--config", path,
+                             "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:

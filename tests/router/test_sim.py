@@ -9,11 +9,11 @@ import os
 import numpy as np
 import pytest
 
-from router.planner import LogNormal, Profile, Workload, plan
-from router.policies.least_loaded import LeastLoaded
-from router.policies.prfaas import PrfaaS, ThresholdParams
-from router.sim.models import Clock, Link, Prefill, PrefixCache
-from router.sim.run import Deployment, InstanceSpec, Simulation, Traffic, case_study
+from jaxserve.router.planner import LogNormal, Profile, Workload, plan
+from jaxserve.router.policies.least_loaded import LeastLoaded
+from jaxserve.router.policies.prfaas import PrfaaS, ThresholdParams
+from jaxserve.router.sim.models import Clock, Link, Prefill, PrefixCache
+from jaxserve.router.sim.run import Deployment, InstanceSpec, Simulation, Traffic, case_study
 
 PROFILES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench",
                         "profiles")
@@ -237,8 +237,8 @@ def test_the_long_term_loop_follows_a_traffic_shift():
     """A PD cluster of 8 split 4 / 4 whose traffic turns from long prompts with short answers (prefill-bound) to
     short prompts with long answers (decode-bound) half way: the replanner flips instances toward prefill, then
     back toward decode, and serves what is offered where the static split falls behind."""
-    from router.planner import LogNormal as LN
-    from router.replan import ReplanParams
+    from jaxserve.router.planner import LogNormal as LN
+    from jaxserve.router.replan import ReplanParams
     P, D = Profile.from_json(_load("prfaas_h200.json")), Profile.from_json(_load("pd_h20.json"))
     tr = Traffic(1.3, LN(9.9, 1.0, 128, 131072), 256, duration_s=3600,
                  phases=((1800, LN(7.5, 0.5, 128, 32768), 2048),))
@@ -258,7 +258,7 @@ def test_the_long_term_loop_follows_a_traffic_shift():
 
 def test_a_decode_instances_own_prefill_stalls_its_running_requests():
     """A request decoding for 10 s on d0, then a 3 s prefill d0 runs itself: the first finishes 3 s late."""
-    from router.sim.models import Decode
+    from jaxserve.router.sim.models import Decode
     clock = Clock()
     d = Decode(clock, "d0", "pd", "pd", flat(3.0, step_s=0.1, batch=4), 1000)
     done = {}
@@ -270,7 +270,7 @@ def test_a_decode_instances_own_prefill_stalls_its_running_requests():
 
 def test_a_store_fetch_overlaps_the_prefill_compute():
     """A prefill whose prefix comes from the store takes max(compute, fetch) + one layer's share of the fetch."""
-    from router.sim.models import Prefill
+    from jaxserve.router.sim.models import Prefill
     clock = Clock()
     p = Prefill(clock, "p0", "pd", "pd", flat(1.0), 8192, 0)
     ends = []
@@ -295,8 +295,8 @@ def _hot_prefix_run(policy, store_tokens=0):
 
 
 def test_hot_prefixes_pile_onto_some_instances_under_the_sglang_rule_but_not_over_the_store():
-    from router.policies.banaserve import BanaServe
-    from router.policies.cache_aware import CacheAware
+    from jaxserve.router.policies.banaserve import BanaServe
+    from jaxserve.router.policies.cache_aware import CacheAware
     ca = _hot_prefix_run(CacheAware)
     bs = _hot_prefix_run(BanaServe, store_tokens=1 << 24)
     util = lambda r: [float(np.mean(v[:10])) for v in r["prefill_utilisation"].values()]  # noqa: E731
@@ -306,7 +306,7 @@ def test_hot_prefixes_pile_onto_some_instances_under_the_sglang_rule_but_not_ove
 
 
 def test_the_flowkv_controller_flips_an_idle_prefill_instance_when_decode_is_the_bottleneck():
-    from router.policies.flowkv import FlowKV
+    from jaxserve.router.policies.flowkv import FlowKV
     prof = Profile.from_json({"prefill": {"tokens": [100, 10000], "seconds": [0.01, 1.0], "kv_bytes": [1e6, 1e8]},
                               "decode": {"step_seconds": 0.02, "max_batch": 8}})
     inst = [InstanceSpec(f"p{i}", "pd", "pd", "prefill", prof) for i in range(3)]
@@ -321,7 +321,7 @@ def test_the_flowkv_controller_flips_an_idle_prefill_instance_when_decode_is_the
 def test_instances_sharing_a_core_share_it():
     """A decode instance decoding (10 s of work) and a prefill instance on its core: a 2 s prefill step takes 4 s,
     and the decode finishes 2 s late (half speed for those 4 s)."""
-    from router.sim.models import Decode, Prefill
+    from jaxserve.router.sim.models import Decode, Prefill
     clock = Clock()
     d = Decode(clock, "d0", "pd", "pd", flat(3.0, step_s=0.1, batch=4), 1000)
     p = Prefill(clock, "p0", "pd", "pd", flat(2.0), 8192, 0)

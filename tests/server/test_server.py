@@ -11,7 +11,7 @@ import pytest
 
 from jaxserve import bundled
 from jaxserve.config import parse
-from router.serve import build
+from jaxserve.router.serve import build
 from tests.http_server import running
 
 KEY = "sk-test"

@@ -20,7 +20,7 @@ import pytest
 from jaxserve.config import parse
 from jaxserve.server import tools as toolcalls
 from jaxserve.server.protocol import ChatRequest
-from router.serve import build
+from jaxserve.router.serve import build
 from tests.http_server import running
 
 ENGINE = {"block_size": 16, "num_blocks": 256, "max_num_seqs": 8, "chunk_size": 256, "max_num_batched_tokens": 512,

@@ -6,7 +6,7 @@ import numpy as np
 
 from jaxserve.cache.layout import PoolLayout
 from jaxserve.models.cache_spec import CacheGroup, CacheSpec
-from transfer.plan import Staging
+from jaxserve.transfer.plan import Staging
 
 SPEC = CacheSpec((
     CacheGroup("full", (0, 2, 4), kv_heads=2, k_dim=8, v_dim=8),

@@ -8,8 +8,8 @@ import jax
 import numpy as np
 
 from tests.transfer.helpers import export, layout, random_pool
-from transfer.device import DeviceIO, start_host_copy, to_host
-from transfer.plan import TransferPlan, layer_groups
+from jaxserve.transfer.device import DeviceIO, start_host_copy, to_host
+from jaxserve.transfer.plan import TransferPlan, layer_groups
 
 
 def test_a_pool_off_the_default_device_exports_and_imports_in_place():

@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.transfer.test_transfer_host import Pair, _assert_same, _raw_connection
-from transfer import wire
-from transfer.state import KVPoll
+from jaxserve.transfer import wire
+from jaxserve.transfer.state import KVPoll
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
 

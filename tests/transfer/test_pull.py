@@ -13,12 +13,12 @@ import pytest
 
 from tests.transfer.helpers import export
 from tests.transfer.test_transfer_host import TOKEN, Pair, _assert_same, _raw_connection
-from transfer import wire
-from transfer.plan import TransferPlan, layer_groups
-from transfer.pull import PullLink, PullServer
-from transfer.sender import KVSender
-from transfer.state import KVPoll
-from transfer.tcp import KVServer
+from jaxserve.transfer import wire
+from jaxserve.transfer.plan import TransferPlan, layer_groups
+from jaxserve.transfer.pull import PullLink, PullServer
+from jaxserve.transfer.sender import KVSender
+from jaxserve.transfer.state import KVPoll
+from jaxserve.transfer.tcp import KVServer
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from transfer.segments import OutOfBlocks, SegmentAllocator
+from jaxserve.transfer.segments import OutOfBlocks, SegmentAllocator
 
 
 def test_contiguous_best_fit_and_merge():

@@ -12,8 +12,8 @@ import sys
 import numpy as np
 import pytest
 
-from transfer import bufpool
-from transfer.bufpool import PAGE, SHM_DIR, ShmFull, attach_segment, create_segment, remove_segment
+from jaxserve.transfer import bufpool
+from jaxserve.transfer.bufpool import PAGE, SHM_DIR, ShmFull, attach_segment, create_segment, remove_segment
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="POSIX shared memory in /dev/shm")
 
@@ -44,7 +44,7 @@ def test_a_segment_is_allocated_whole_at_creation():
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-LEAVES = ("from transfer.bufpool import create_segment, remove_segment\n"
+LEAVES = ("from jaxserve.transfer.bufpool import create_segment, remove_segment\n"
           "kept, m = create_segment(4096)\n"
           "gone, m2 = create_segment(4096)\n"
           "remove_segment(gone)\n"
@@ -66,7 +66,7 @@ def test_a_process_that_exits_removes_the_segments_it_created(end):
 @linux
 def test_the_launcher_removes_what_a_dead_worker_left_when_it_starts_it_again():
     """A worker killed (or ended by os._exit) cannot remove its segments: starting it again removes them."""
-    from router.launcher import Launcher
+    from jaxserve.router.launcher import Launcher
     code = LEAVES + "import os\nos._exit(0)\n"  # stands in for the worker: leaves one segment behind
     launcher = Launcher(None, ["w"], "127.0.0.1:1", wrap=lambda name, argv: [sys.executable, "-c", code])
     try:

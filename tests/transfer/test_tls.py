@@ -13,11 +13,11 @@ import pytest
 
 from jaxserve.worker import rpc
 from tests.transfer.test_transfer_host import TOKEN, Pair, _assert_same
-from transfer import wire
-from transfer.net import Timeouts
-from transfer.state import KVPoll
-from transfer.tcp import TcpLink
-from transfer.tls import Tls, make_certs
+from jaxserve.transfer import wire
+from jaxserve.transfer.net import Timeouts
+from jaxserve.transfer.state import KVPoll
+from jaxserve.transfer.tcp import TcpLink
+from jaxserve.transfer.tls import Tls, make_certs
 
 
 @pytest.fixture(scope="module")

@@ -11,17 +11,17 @@ import numpy as np
 import pytest
 
 from tests.transfer.helpers import export, layout, random_pool
-from transfer import wire
-from transfer.align import Run, align, contiguous_runs
-from transfer.bufpool import PoolFull, RecvPool
-from transfer.link import LinkEmulation, TokenBucket
-from transfer.net import Timeouts
-from transfer.plan import PlanError, TransferPlan, layer_groups
-from transfer.receiver import KVReceiver, region_bytes
-from transfer.sender import KVSender
-from transfer.state import IllegalTransition, KVPoll, TransferState
-from transfer.shm import ShmLink
-from transfer.tcp import KVServer, TcpLink
+from jaxserve.transfer import wire
+from jaxserve.transfer.align import Run, align, contiguous_runs
+from jaxserve.transfer.bufpool import PoolFull, RecvPool
+from jaxserve.transfer.link import LinkEmulation, TokenBucket
+from jaxserve.transfer.net import Timeouts
+from jaxserve.transfer.plan import PlanError, TransferPlan, layer_groups
+from jaxserve.transfer.receiver import KVReceiver, region_bytes
+from jaxserve.transfer.sender import KVSender
+from jaxserve.transfer.state import IllegalTransition, KVPoll, TransferState
+from jaxserve.transfer.shm import ShmLink
+from jaxserve.transfer.tcp import KVServer, TcpLink
 
 TOKEN = "cluster-secret"
 
@@ -108,7 +108,7 @@ def test_token_bucket_rate():
 def test_shaper_bandwidth_changes_at_run_time():
     """A lower rate set mid-stream paces what follows at the new rate (the admin endpoint's bandwidth drop)."""
     import time
-    from transfer.link import Shaper
+    from jaxserve.transfer.link import Shaper
     sh = Shaper(LinkEmulation(bandwidth_gbps=0.8))  # 100 MB/s
     sh.bucket.consume(int(sh.bucket.burst))  # empty the bucket
     sh.set_bandwidth(0.016)  # 2 MB/s: its burst is one 1 MiB piece

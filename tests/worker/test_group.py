@@ -20,7 +20,7 @@ from jaxserve.config import ConfigFileError, InstanceSection
 from jaxserve.worker.group import DEFAULT_PORT, Group, resolve
 from tests.router.test_cluster_http import BASE, complete, disagg_config, serving, tokens
 from tests.router.test_faults import check_no_leak, reference, wait_for
-from transfer.bufpool import SHM_DIR
+from jaxserve.transfer.bufpool import SHM_DIR
 
 
 def test_place_from_flags_and_from_leaderworkerset_variables():
@@ -143,7 +143,7 @@ class Recorder:
 
 
 def _pair(token_leader="tok", token_follower="tok", **kw):
-    from router.launcher import free_ports
+    from jaxserve.router.launcher import free_ports
     from jaxserve.worker.group import LeaderChannel
     port = free_ports(n=2)
     return (LeaderChannel(Group("127.0.0.1", port, 2, 0), "127.0.0.1", token_leader, **kw),
@@ -246,7 +246,7 @@ def test_the_channel_codec_round_trips_runner_arguments_and_refuses_the_rest():
     from jaxserve.sampling import SamplingParams
     from jaxserve.structured import Guided
     from jaxserve.worker.group import decode, encode
-    from transfer.plan import ArraySpec, Staging
+    from jaxserve.transfer.plan import ArraySpec, Staging
     params = SamplingParams(max_tokens=5, stop=("x",), guided=Guided("regex", "[0-9]+", "guided_regex"))
     spec = ArraySpec(0, 1, 0, "blocks", 0, 2, (4, 2, 1, 16, 2, 8), "<u2", 0, rows=3)
     msg = ("call", "prefill", {

@@ -23,7 +23,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 from jaxserve.config import parse
 from jaxserve.worker import rpc
 from jaxserve.worker.main import Worker
-from router.registry import Registry
+from jaxserve.router.registry import Registry
 
 pytestmark = pytest.mark.slow
 TOKEN = "stateful-token"
