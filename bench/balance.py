@@ -178,13 +178,13 @@ def live(rate: float, duration: float, models: str, only: list[str] | None = Non
                 "per_instance_requests": {n: sum(r["prefill"] == n for r in ok) for n in util},
                 "busy_mean": means, "busy_timeline": {n: [(round(t, 2), round(b, 3)) for t, b in v]
                                                       for n, v in util.items()},
-                "store_puts": dict(cluster.store_puts), "prefix_moves": dict(cluster.prefix_moves)}
+                "store_puts": dict(cluster.prefixes.store_puts), "prefix_moves": dict(cluster.prefixes.prefix_moves)}
 
     async def go(cluster):
         out = {}
         for salt, (name, (pol, shared)) in enumerate(runs.items()):
             cluster.policy = policies.make(parse({**cfg, "policy": pol}).policy)
-            cluster.shared_loads = shared
+            cluster.prefixes.shared_loads = shared
             await settle(cluster)
             await one_run(cluster, f"warm-{name}", 100 + salt)  # compiles what this policy's placements need
             await settle(cluster)

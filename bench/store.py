@@ -100,9 +100,9 @@ def main(argv=None):
 
         async def ttft(rid, prompt, on, from_store=False, overlap=True, shared=True):
             # the router writes each prompt to the store after its prefill: that copy runs before, not during
-            await asyncio.gather(*list(cluster._store_tasks))
+            await asyncio.gather(*list(cluster.prefixes.store_tasks))
             pol.on, pol.from_store, pol.overlap = on, from_store, overlap
-            cluster.shared_loads = shared
+            cluster.prefixes.shared_loads = shared
             u = await finish(await cluster.add(rid, prompt, params))
             return u.ttft_s, u.route or {}
 
@@ -129,7 +129,8 @@ def main(argv=None):
                 deadline = time.monotonic() + 30
                 while cluster.index.match(probe, {"s0"}).get("s0", 0) < prefix:
                     if time.monotonic() > deadline:
-                        raise RuntimeError(f"the store did not get the {prefix}-token prefix: {cluster.store_puts}")
+                        raise RuntimeError(f"the store did not get the {prefix}-token prefix: "
+                                           f"{cluster.prefixes.store_puts}")
                     await asyncio.sleep(0.05)
                 runs = [("local", "p0"), ("store", "p1"), ("store_tcp", "p2"), ("store_serial", "p3")]
                 for how, on in runs[k % 4:] + runs[:k % 4]:  # each goes first, second, ... in turn

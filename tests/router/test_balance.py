@@ -290,7 +290,7 @@ def test_policies_store_and_controller_on_a_live_cluster(checkpoint_dir):
         def until(cond, what, limit=120):
             deadline = time.monotonic() + limit
             while not cond():
-                assert time.monotonic() < deadline, (what, cluster.control_actions)
+                assert time.monotonic() < deadline, (what, cluster.admin.control_actions)
                 time.sleep(0.05)
         # the config's flowkv controller runs from the start: its own decisions (a scale-in after 30 s of low load,
         # counted only: p0 and p1 are no standbys) are not this test's; it is off until the test's controller
@@ -311,19 +311,20 @@ def test_policies_store_and_controller_on_a_live_cluster(checkpoint_dir):
         # when the store has made its reservation before the Prefill call leaves; the router does not hold the
         # prefill for it (the prompt then goes to the store after the prefill). Prompts of their own until one has
         # streamed: a race lost three times in a row fails the test, as a write-back that never streams does
+        puts = cluster.prefixes.store_puts
         for i in range(3):
-            ended = cluster.store_puts["done"] + cluster.store_puts["failed"]
+            ended = puts["done"] + puts["failed"]
             complete(client, [(13 * j + 5 * i) % 50 + 3 for j in range(2 * BS)] + [80 + i])
-            until(lambda: cluster.store_puts["done"] + cluster.store_puts["failed"] > ended, "the write-back", 60)
-            if cluster.store_puts["streamed"]:
+            until(lambda: puts["done"] + puts["failed"] > ended, "the write-back", 60)
+            if puts["streamed"]:
                 break
-        assert cluster.store_puts["streamed"] >= 1 and cluster.store_puts["failed"] == 0, cluster.store_puts
+        assert puts["streamed"] >= 1 and puts["failed"] == 0, puts
         got[0] = complete(client, prompts[0])
         deadline = time.monotonic() + 60
         while cluster.index.match(prompts[1], {"s0"}).get("s0", 0) < len(shared):  # written back, and indexed
-            assert time.monotonic() < deadline, (cluster.store_puts, cluster.index.match(prompts[1], {"s0"}))
+            assert time.monotonic() < deadline, (puts, cluster.index.match(prompts[1], {"s0"}))
             time.sleep(0.05)
-        assert cluster.store_puts["bytes"] > 0, cluster.store_puts
+        assert puts["bytes"] > 0, puts
         metrics = client.get("/metrics").text
         for outcome in ("done", "streamed"):
             put = re.search(r'jaxserve_store_puts\{outcome="%s"\} ([0-9.]+)' % outcome, metrics)
@@ -352,10 +353,11 @@ def test_policies_store_and_controller_on_a_live_cluster(checkpoint_dir):
                 pl = bana.place(snap)
                 return dataclasses.replace(pl, move_prefix=PrefixMove("s0", 2 * BS, overlap=True),
                                            prefix_source="s0", uncached_tokens=len(prompts[3]) - 2 * BS)
-        failed = cluster.prefix_moves["failed"]
+        moves = cluster.prefixes.prefix_moves
+        failed = moves["failed"]
         cluster.policy = Claims()
         got[3] = complete(client, prompts[3])
-        assert cluster.prefix_moves["failed"] == failed + 1 and got[3]["jaxserve"]["prefix_move"] is None, got[3]
+        assert moves["failed"] == failed + 1 and got[3]["jaxserve"]["prefix_move"] is None, got[3]
         cluster.policy = bana
         meta = got[1]["jaxserve"]
         assert meta["prefill_instance"] != holder, meta
@@ -375,12 +377,12 @@ def test_policies_store_and_controller_on_a_live_cluster(checkpoint_dir):
             assert "s0" not in {i.name for i in snap.instances}  # the store is no instance to place on
             return [plan.pop(0)] if plan else []
         flow.control = control
-        seen = cluster.control_count  # what the config's controller did while the cluster started
+        seen = cluster.admin.control_count  # what the config's controller did while the cluster started
         cluster.policy = flow
 
         until(lambda: sorted(w.role for w in cluster.registry.all()) == ["decode", "decode", "prefill", "store"]
               and not any(w.draining for w in cluster.registry.all()), "flip")
-        assert cluster.control_actions[-1]["instance"] == "p1" and cluster.control_count == seen + 1
+        assert cluster.admin.control_actions[-1]["instance"] == "p1" and cluster.admin.control_count == seen + 1
         assert [tokens(complete(client, p)["choices"][0]) for p in short] == base
         migrate_by_hand(client, cluster, flow, cfg)
         plan.append(Action("scale_out", "prefill", None, "test: prefill overloaded"))
@@ -394,7 +396,7 @@ def test_policies_store_and_controller_on_a_live_cluster(checkpoint_dir):
         plan.append(Action("scale_in", "prefill", "p0", "test: low load"))  # p0 is no standby: p2 goes
         until(lambda: cluster.launcher.children["p2"].exited() is not None
               and not cluster.registry.is_up(cluster.registry.get("p2")), "scale-in")
-        assert cluster.registry.is_up(cluster.registry.get("p0")) and cluster.control_count == seen + 3
+        assert cluster.registry.is_up(cluster.registry.get("p0")) and cluster.admin.control_count == seen + 3
         # the store dies: nothing is lost
         cluster.launcher.kill("s0")
         deadline = time.monotonic() + 30
@@ -474,14 +476,14 @@ def test_the_router_carries_out_the_migration_planners_moves_from_heartbeat_load
     async def migrate(kind, src, dst, heads=None, layers=None):
         calls.append((kind, src, dst, heads, layers))
         return {"kind": kind}
-    router.migrate = migrate
+    router.admin.migrate = migrate
     assert asyncio.run(router.rebalance()) == [{"kind": "layers"}]
     kind, src, dst, heads, layers = calls[0]
     assert (kind, src, dst, heads) == ("layers", "d0", "d1", None) and layers[1] == 4 and 0 < layers[0] < 4
     # the loads even out below delta_down: the round ends; a gap between the thresholds starts none
     beat("d0", "decode", 0.5, 30, 3)
     beat("d1", "decode", 0.45, 25, 0)
-    assert asyncio.run(router.rebalance()) == [] and not router.mover.active
+    assert asyncio.run(router.rebalance()) == [] and not router.admin.mover.active
     beat("d0", "decode", 0.6, 30, 3)
     beat("d1", "decode", 0.4, 20, 0)
     assert asyncio.run(router.rebalance()) == [] and len(calls) == 1

@@ -431,9 +431,9 @@ def test_a_pipelined_load_from_the_store_starts_beside_the_decode_reservation(ex
             assert w["p0"].imports_closed == ["r.1.prefix"]
             if export == "ok":
                 assert u.route["prefix_move"]["tokens"] == 4 and u.route["prefix_move"]["overlapped"]
-                assert u.route["prefix_move"]["kv_bytes"] == 4096 and ce.prefix_moves["done"] == 1
+                assert u.route["prefix_move"]["kv_bytes"] == 4096 and ce.prefixes.prefix_moves["done"] == 1
             else:
-                assert u.route["prefix_move"] is None and ce.prefix_moves["failed"] == 1
+                assert u.route["prefix_move"] is None and ce.prefixes.prefix_moves["failed"] == 1
     asyncio.run(go())
 
 
@@ -450,7 +450,7 @@ def test_the_prompt_goes_to_the_store_as_it_is_computed(streams):
         async with cluster({"p0": ("prefill", {"streams": streams}), "d0": ("decode", {}),
                             "s0": ("store", {})}) as (ce, w):
             w["d0"].await_put = {"r.1", "z.1"} if streams else {"r.1"}
-            imp = ce._import
+            imp = ce.prefixes._import
 
             async def traced_import(dst, tokens, rid, reserved=None, fill=None):
                 # the router names the put in the Prefill only once it holds the store's reservation; the fake
@@ -459,30 +459,31 @@ def test_the_prompt_goes_to_the_store_as_it_is_computed(streams):
                     reserved.add_done_callback(lambda _: w["d0"].board.setdefault(("router reserved", rid),
                                                                                   asyncio.Event()).set())
                 return await imp(dst, tokens, rid, reserved, fill)
-            ce._import = traced_import
+            ce.prefixes._import = traced_import
             u, = await result(await ce.add("r", list(range(1, 21)), GREEDY))  # 16 tokens in whole blocks
             assert u.error is None and u.token_ids == [20, 0]
-            await asyncio.gather(*list(ce._store_tasks))
+            await asyncio.gather(*list(ce.prefixes.store_tasks))
             assert w["p0"].requests[-1]["store"] == {"import_id": "r.1.put", "tokens": 16, "dst": {
                 "instance": "s0", "blocks": [5], "skip": 0, "shm_base": None, "pull": False}}
             if streams:
                 assert w["s0"].imports == ["r.1.put"] and w["p0"].exports == []
-                assert ce.store_puts == {"done": 1, "failed": 0, "bytes": 512, "streamed": 1}
+                assert ce.prefixes.store_puts == {"done": 1, "failed": 0, "bytes": 512, "streamed": 1}
             else:
                 assert w["s0"].imports == ["r.1.put", "r.1.store"] and w["p0"].exports == [("r.1.store", "s0", [5])]
-                assert ce.store_puts == {"done": 1, "failed": 0, "bytes": 4096, "streamed": 0}
+                assert ce.prefixes.store_puts == {"done": 1, "failed": 0, "bytes": 4096, "streamed": 0}
             assert "r.1.put" in w["s0"].imports_closed
-            assert ce.puts_stream is streams  # told once it does not stream, the router asks no more
+            assert ce.prefixes.puts_stream is streams  # told once it does not stream, the router asks no more
             ce.index.apply("s0", {"epoch": "e", "full": {"blocks": KVIndex(16).hashes(list(range(1, 17))),
                                                          "snaps": []}, "next": 0})
             u, = await result(await ce.add("q", list(range(1, 21)), GREEDY))
             assert u.error is None and w["p0"].requests[-1]["store"] is None  # the store holds it: no put
-            await asyncio.gather(*list(ce._store_tasks))
-            assert ce.store_puts["done"] == 1 and len(w["s0"].imports) == (1 if streams else 2)
+            await asyncio.gather(*list(ce.prefixes.store_tasks))
+            assert ce.prefixes.store_puts["done"] == 1 and len(w["s0"].imports) == (1 if streams else 2)
             u, = await result(await ce.add("z", list(range(31, 51)), GREEDY))  # a prompt the store does not hold
-            await asyncio.gather(*list(ce._store_tasks))
+            await asyncio.gather(*list(ce.prefixes.store_tasks))
             assert u.error is None and (w["p0"].requests[-1]["store"] is None) is not streams
-            assert w["s0"].imports[-1] == ("z.1.put" if streams else "z.1.store") and ce.store_puts["done"] == 2
+            assert w["s0"].imports[-1] == ("z.1.put" if streams else "z.1.store")
+            assert ce.prefixes.store_puts["done"] == 2
     asyncio.run(go())
 
 
@@ -493,10 +494,10 @@ def test_store_write_after_puts_the_prompt_once_the_prefill_is_done():
         async with cluster({"p0": ("prefill", {"streams": True}), "d0": ("decode", {}), "s0": ("store", {})},
                            store_write="after") as (ce, w):
             u, = await result(await ce.add("r", list(range(1, 21)), GREEDY))
-            await asyncio.gather(*list(ce._store_tasks))
+            await asyncio.gather(*list(ce.prefixes.store_tasks))
             assert u.error is None and w["p0"].requests[-1]["store"] is None
             assert w["s0"].imports == ["r.1.store"] and w["p0"].exports == [("r.1.store", "s0", [5])]
-            assert ce.store_puts == {"done": 1, "failed": 0, "bytes": 4096, "streamed": 0}
+            assert ce.prefixes.store_puts == {"done": 1, "failed": 0, "bytes": 4096, "streamed": 0}
     asyncio.run(go())
 
 
@@ -525,13 +526,13 @@ def test_a_load_from_the_stores_shared_pool_is_a_load_call_beside_the_reservatio
             mv = u.route["prefix_move"]
             if held:
                 assert mv["via"] == "shared" and mv["tokens"] == 16 and mv["kv_bytes"] == 2048, mv
-                assert ce.prefix_moves == {"done": 1, "failed": 0, "bytes": 2048}
+                assert ce.prefixes.prefix_moves == {"done": 1, "failed": 0, "bytes": 2048}
                 # nothing but the Load and the Prefill: no store call, no write-back of what the store holds
                 assert w["p0"].imports == [] and w["s0"].imports == [] and w["p0"].exports == []
             else:
-                assert mv is None and ce.prefix_moves["failed"] == 1 and ce.prefix_moves["done"] == 0
-                await asyncio.gather(*list(ce._store_tasks))  # the write-back, in the background
+                assert mv is None and ce.prefixes.prefix_moves["failed"] == 1 and ce.prefixes.prefix_moves["done"] == 0
+                await asyncio.gather(*list(ce.prefixes.store_tasks))  # the write-back, in the background
                 assert w["s0"].imports == ["r.1.store"] and w["p0"].exports == [("r.1.store", "s0", [5])]
-                assert ce.store_puts["done"] == 1
+                assert ce.prefixes.store_puts["done"] == 1
             assert w["s0"].exports == [] and w["s0"].requests == [] and w["s0"].loads == []
     asyncio.run(go())

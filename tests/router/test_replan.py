@@ -151,11 +151,11 @@ def test_the_router_flips_an_instance_when_decode_is_the_bottleneck(checkpoint_d
         for i in range(6):
             complete(client, [5 + i, 7, 9, 11, 13, 2, 3])
         deadline = time.monotonic() + 120
-        while not cluster.replanner.flips or any(w.draining for w in cluster.registry.all()):
-            assert time.monotonic() < deadline, f"no flip: {cluster.replan_state}"
+        while not cluster.admin.replanner.flips or any(w.draining for w in cluster.registry.all()):
+            assert time.monotonic() < deadline, f"no flip: {cluster.admin.replan_state}"
             time.sleep(0.05)
         roles = sorted(w.role for w in cluster.registry.all())
         assert roles == ["decode", "decode", "prefill"], roles
-        assert cluster.replan_state["replan_flips"] >= 1
+        assert cluster.admin.replan_state["replan_flips"] >= 1
         for i in range(4):
             complete(client, [9 + i, 7, 9, 11, 13, 2, 3])
