@@ -48,7 +48,7 @@ def workers(checkpoint_dir):
     registry = Registry({"p0": "prefill", "d0": "decode"}, 60.0)
     for w in (p0, d0):
         registry.register(w._describe(w.engine.stats()))
-    p0.peers = registry.peers()  # what a heartbeat would bring
+    p0.peers.table = registry.peers()  # what a heartbeat would bring
     clients = {w.inst.name: loop.run(_client(w.address), 10) for w in (p0, d0)}
     W.update(loop=loop, p0=p0, d0=d0, clients=clients, vocab=d0.llm.model_config.vocab_size)
     yield W
