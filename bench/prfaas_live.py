@@ -73,12 +73,12 @@ def config(args, path: str) -> dict:
 
 
 def policy(args, name: str):
-    from jaxserve.config import PolicySection
+    from jaxserve.policy_config import policy_section
     from jaxserve.router import policies
     kw = {"never": dict(threshold_tokens=10**9, adaptive=False), "always": dict(threshold_tokens=0, adaptive=False),
           "selective": dict(threshold_tokens=args.threshold), "fixed": dict(threshold_tokens=args.threshold,
                                                                               adaptive=False)}[name]
-    return policies.make(PolicySection(name="prfaas", local_prefill_tokens=MESSAGE + 16, **kw))
+    return policies.make(policy_section(name="prfaas", local_prefill_tokens=MESSAGE + 16, **kw))
 
 
 async def workload(cluster, args, seed: int, duration: float, on_tick=None, salt: int = 0,

@@ -11,7 +11,10 @@ from importlib import resources
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .engine.settings import DEFAULTS as ENGINE
+from .policy_config import BY_NAME, LeastLoadedPolicy, PolicyKeyError, PolicySection, check_keys
 
 
 
@@ -27,44 +30,43 @@ class ModelSection(_Strict):
 
 
 class EngineSection(_Strict):
-    block_size: int = Field(16, ge=1, le=1024, description="tokens per KV cache block")
-    num_blocks: int | None = Field(None, ge=1, description="KV cache blocks in the pool (full-attention layers; "
-                                   "default: as many as memory_fraction leaves after the weights and activations, "
-                                   "logged at start-up)")
-    memory_fraction: float | None = Field(None, gt=0, le=1, description="the memory the default cache is sized "
-                                          "from: the share of each accelerator's memory the instance may take, "
-                                          "weights, activations and cache (as vLLM's gpu_memory_utilization; "
-                                          "default 0.9), or on a CPU the share of the host's memory the cache "
-                                          "takes (default 0.05)")
-    max_num_seqs: int | None = Field(None, ge=1, description="concurrent requests (default: as many as the "
-                                     "cache holds at 256 tokens each, 8 to 256)")
-    max_num_batched_tokens: int = Field(512, ge=1, description="tokens one engine step runs, prefill and decode "
-                                        "together")
-    mixed_batched_tokens: int | None = Field(None, ge=1, description="prefill tokens in a step that also decodes: "
-                                             "the running requests wait for that step's prefill, so this bounds "
-                                             "the gap between their tokens (default: max_num_batched_tokens)")
-    chunk_size: int | None = Field(None, ge=1, description="prefill tokens per request per step, a multiple of "
-                                   "block_size (default: max_num_batched_tokens where the model prefills over the "
-                                   "paged cache in one packed program, every full-attention GQA model on the "
-                                   "native CPU kernels; 256 otherwise)")
-    max_prefill_seqs: int = Field(4, ge=1, description="first chunks packed into one prefill program where the "
-                                  "model's prefill programs are dense [rows, chunk] shapes")
-    max_model_len: int | None = Field(None, ge=1, description="the longest prompt + output (default: the model's "
-                                      "context, capped by what the pool holds)")
-    prefix_caching: bool = Field(True, description="reuse the KV of full prompt blocks seen before (chain hashes)")
-    num_snapshots: int = Field(32, ge=0, description="request-level state snapshots (linear and sliding-window "
-                               "layers) kept for prefix reuse")
-    kernels: Literal["auto", "reference", "pallas", "interpret", "native"] = Field(
-        "auto", description="Pallas kernels (GPU), native C++ kernels (CPU) or jnp references; auto: pallas on a "
-        "GPU, native elsewhere, each kernel the model uses checked against its reference at start-up and one that "
-        "fails run as the reference; pallas, native: such a kernel stops the start")
-    overlap: bool = Field(True, description="while the device runs a steady decode step, dispatch the next one "
-                          "before reading its tokens (asynchronous scheduling: a request's extra token after its "
-                          "end is dropped); false: every step waits for its tokens")
+    block_size: int = Field(ENGINE["block_size"], ge=1, le=1024, description="tokens per KV cache block")
+    num_blocks: int | None = Field(ENGINE["num_blocks"], ge=1, description="KV cache blocks in the pool "
+        "(full-attention layers; default: as many as memory_fraction leaves after the weights and activations, logged "
+        "at start-up)")
+    memory_fraction: float | None = Field(ENGINE["memory_fraction"], gt=0, le=1, description="the memory the default "
+        "cache is sized from: the share of each accelerator's memory the instance may take, weights, activations and "
+        "cache (as vLLM's gpu_memory_utilization; default 0.9), or on a CPU the share of the host's memory the cache "
+        "takes (default 0.05)")
+    max_num_seqs: int | None = Field(ENGINE["max_num_seqs"], ge=1, description="concurrent requests (default: as many "
+        "as the cache holds at 256 tokens each, 8 to 256)")
+    max_num_batched_tokens: int = Field(ENGINE["max_num_batched_tokens"], ge=1, description="tokens one engine step "
+        "runs, prefill and decode together")
+    mixed_batched_tokens: int | None = Field(ENGINE["mixed_batched_tokens"], ge=1, description="prefill tokens in a "
+        "step that also decodes: the running requests wait for that step's prefill, so this bounds the gap between "
+        "their tokens (default: max_num_batched_tokens)")
+    chunk_size: int | None = Field(ENGINE["chunk_size"], ge=1, description="prefill tokens per request per step, a "
+        "multiple of block_size (default: max_num_batched_tokens where the model prefills over the paged cache in one "
+        "packed program, every full-attention GQA model on the native CPU kernels; 256 otherwise)")
+    max_prefill_seqs: int = Field(ENGINE["max_prefill_seqs"], ge=1, description="first chunks packed into one prefill "
+        "program where the model's prefill programs are dense [rows, chunk] shapes")
+    max_model_len: int | None = Field(ENGINE["max_model_len"], ge=1, description="the longest prompt + output "
+        "(default: the model's context, capped by what the pool holds)")
+    prefix_caching: bool = Field(ENGINE["prefix_caching"], description="reuse the KV of full prompt blocks seen before "
+        "(chain hashes)")
+    num_snapshots: int = Field(ENGINE["num_snapshots"], ge=0, description="request-level state snapshots (linear and "
+        "sliding-window layers) kept for prefix reuse")
+    kernels: Literal["auto", "reference", "pallas", "interpret", "native"] = Field(ENGINE["kernels"], description=(
+        "Pallas kernels (GPU), native C++ kernels (CPU) or jnp references; auto: pallas on a GPU, native elsewhere, "
+        "each kernel the model uses checked against its reference at start-up and one that fails run as the reference; "
+        "pallas, native: such a kernel stops the start"))
+    overlap: bool = Field(ENGINE["overlap"], description="while the device runs a steady decode step, dispatch the "
+        "next one before reading its tokens (asynchronous scheduling: a request's extra token after its end is "
+        "dropped); false: every step waits for its tokens")
     warmup: bool = Field(True, description="compile the decode programs before serving")
-    compilation_cache: str | None = Field(
-        "~/.cache/jaxserve/xla", description="XLA's persistent compilation cache directory: a restart compiles "
-        "nothing it compiled before (null: off; JAX_COMPILATION_CACHE_DIR, when set, wins)")
+    compilation_cache: str | None = Field(ENGINE["compilation_cache"], description="XLA's persistent compilation cache "
+        "directory: a restart compiles nothing it compiled before (null: off; JAX_COMPILATION_CACHE_DIR, when set, "
+        "wins)")
 
     @model_validator(mode="after")
     def _chunk(self):
@@ -73,8 +75,8 @@ class EngineSection(_Strict):
         return self
 
     def engine_config(self, max_waiting: int):
-        """The engine's EngineConfig (imported here: loading a config must not import JAX)."""
-        from .engine.llm_engine import EngineConfig
+        """The engine's EngineConfig (engine/settings.py, whose defaults these keys have)."""
+        from .engine.settings import EngineConfig
         d = self.model_dump()
         d.pop("warmup")
         return EngineConfig(max_waiting=max_waiting, **d)
@@ -271,115 +273,13 @@ class RouterSection(_Strict):
         return self
 
 
-class PolicySection(_Strict):
-    """Where requests run (router/policies/, one module each). `least_loaded`: the least loaded prefill and
-    decode instances. `prfaas`: selective offload of long uncached prefills to a PrfaaS cluster, bandwidth- and
-    cache-aware. `round_robin`: in turn. `cache_aware`: SGLang's or Dynamo's cache-affine rule (`rule`).
-    `banaserve`: load-aware dispatch over the global KV store (BanaServe Algorithm 2). `flowkv`: load scores,
-    normal / imbalanced / extreme scenarios (FlowKV Appendix B)."""
-    name: Literal["least_loaded", "prfaas", "round_robin", "cache_aware", "banaserve", "flowkv"] = Field(
-        "least_loaded", description="the placement policy (docs/05-policies.md)")
-    rule: Literal["sglang", "dynamo"] = Field("sglang", description="cache_aware: whose rule")
-    cache_threshold: float = Field(0.5, ge=0, le=1, description="cache_aware (sglang): a prefix match ratio above "
-                                   "this routes to the instance holding it")
-    balance_abs: int = Field(32, ge=0, description="cache_aware (sglang): imbalanced when the most and least "
-                             "loaded instances differ by more than this many requests ...")
-    balance_rel: float = Field(1.5, ge=1, description="... and the most loaded carries more than this x the least")
-    overlap_weight: float = Field(1.0, ge=0, description="cache_aware (dynamo): weight of prefill blocks in the cost")
-    load_threshold: float = Field(1.5, gt=0, description="banaserve: delta_L, the load U (busy fraction + KV use + "
-                                  "queued tokens / token_budget) from which the shortest queue decides")
-    token_budget: int = Field(8192, ge=1, description="banaserve, flowkv: prefill tokens that count as one full "
-                              "step of queued work")
-    store: bool | None = Field(None, description="banaserve, flowkv: prefixes in the global KV store count as hits "
-                               "on every prefill instance (default: on for banaserve, off for flowkv)")
-    load_window_s: float = Field(5.0, gt=0, description="flowkv: the sliding window load indicators are smoothed "
-                                 "over")
-    load_low: float = Field(0.6, gt=0, description="flowkv: epsilon_low; C^p and C^d at or under it: normal load")
-    load_high: float = Field(1.2, gt=0, description="flowkv: epsilon_high; both at or under it: imbalanced; above: "
-                             "extreme")
-    idle_score: float = Field(0.3, ge=0, description="flowkv: an instance whose load score is under this is idle")
-    assist_s: float = Field(10.0, ge=0, description="flowkv: how long idle decode instances prefill for an "
-                            "overloaded prefill side")
-    extreme_s: float = Field(30.0, ge=0, description="flowkv: how long a scenario lasts before scaling")
-    control_s: float | None = Field(None, gt=0, description="flowkv: run the global controller this often (role "
-                                    "changes, scaling); banaserve with migrate: plan migrations this often; off "
-                                    "when unset")
-    migrate: bool = Field(False, description="banaserve: every control_s, move decode work (layers or KV heads "
-                          "of the running requests) from the most to the least loaded decode instance (BanaServe "
-                          "Algorithm 1, router/migration.py)")
-    migrate_delta_up: float = Field(0.4, gt=0, description="migrate: a round starts when the load gap (busy "
-                                    "fraction + KV use) exceeds this")
-    migrate_delta_down: float = Field(0.15, ge=0, description="migrate: ... and goes on while it exceeds this")
-    migrate_budget_s: float = Field(2.0, gt=0, description="migrate: the most one move may take (T_budget)")
-    threshold_tokens: int = Field(1024, ge=0, description="prfaas: a request whose uncached prompt length exceeds "
-                                  "this is prefilled in a PrfaaS cluster, the rest in the PD cluster")
-    adaptive: bool = Field(True, description="prfaas: the effective threshold follows the PrfaaS -> PD link's "
-                           "utilisation (raised before it saturates, lowered when there is room)")
-    raise_utilisation: float = Field(0.8, gt=0, description="link utilisation at which the threshold rises")
-    lower_utilisation: float = Field(0.4, ge=0, description="link utilisation below which it falls back")
-    threshold_step: float = Field(1.5, gt=1, description="factor per threshold change")
-    max_threshold_tokens: int | None = Field(None, ge=1, description="ceiling of the effective threshold "
-                                             "(default 16 x threshold_tokens)")
-    hold_s: float = Field(4.0, ge=0, description="a utilisation level moves the threshold once it has held this "
-                          "long since it began and since the last change")
-    window_s: float = Field(20.0, gt=0, description="prfaas: the recent uncached prompt lengths the link's "
-                            "predicted demand is taken over (the threshold's floor)")
-    scarce_utilisation: float = Field(0.6, ge=0, description="link utilisation from which bandwidth counts as "
-                                      "scarce: each cluster's cached prefix is judged alone, none moves across")
-    affinity_slack: int = Field(2, ge=0, description="the instance holding the request's prefix is chosen unless "
-                                "it has more than this many requests in flight beyond the least loaded one")
-    local_prefill_tokens: int = Field(256, ge=0, description="prfaas: a decode instance that holds all but this "
-                                      "many prompt tokens (a conversation's next turn) prefills them itself")
-    replan_s: float | None = Field(None, gt=0, description="prfaas: re-plan this often from the observed traffic "
-                                   "(router/replan.py): the optimal threshold, and PD instances flipped between "
-                                   "prefill and decode in place; off when unset")
-    prfaas_profile: str | None = Field(None, description="replan: profile JSON of a PrfaaS prefill instance "
-                                       "(`jaxserve profile`)")
-    pd_profile: str | None = Field(None, description="replan: profile JSON of a PD-cluster instance")
-    replan_window_s: float = Field(600.0, gt=0, description="replan: the traffic it plans from")
-    replan_min_samples: int = Field(20, ge=1, description="replan: requests observed before any decision")
-    replan_min_gain: float = Field(0.1, ge=0, description="replan: a flip needs the planned throughput to grow by "
-                                   "this fraction (hysteresis)")
-    replan_min_interval_s: float = Field(120.0, ge=0, description="replan: the least time between two flips")
-
-    @model_validator(mode="after")
-    def _replan(self):
-        if self.replan_s is not None:
-            if self.name != "prfaas":
-                raise ValueError("replan_s needs name: prfaas")
-            missing = [f for f in ("prfaas_profile", "pd_profile") if getattr(self, f) is None]
-            if missing:
-                raise ValueError(f"replan_s needs {' and '.join(missing)} (profiles from `jaxserve profile`)")
-        return self
-
-    @model_validator(mode="after")
-    def _load_band(self):
-        if self.load_low >= self.load_high:
-            raise ValueError(f"load_low ({self.load_low}) must be below load_high ({self.load_high})")
-        if self.control_s is not None and self.name != "flowkv" and not self.migrate:
-            raise ValueError("control_s needs name: flowkv, or migrate")
-        if self.migrate and (self.name != "banaserve" or self.control_s is None):
-            raise ValueError("migrate needs name: banaserve and control_s")
-        if self.migrate_delta_down >= self.migrate_delta_up:
-            raise ValueError(f"migrate_delta_down ({self.migrate_delta_down}) must be below migrate_delta_up "
-                             f"({self.migrate_delta_up})")
-        return self
-
-    @model_validator(mode="after")
-    def _band(self):
-        if self.raise_utilisation <= self.lower_utilisation * self.threshold_step:
-            raise ValueError(f"raise_utilisation ({self.raise_utilisation}) must exceed lower_utilisation x "
-                             f"threshold_step ({self.lower_utilisation} x {self.threshold_step}): one change of "
-                             f"the threshold must not carry the link across both levels")
-        return self
-
-
 class ServerSection(_Strict):
     host: str = Field("127.0.0.1", description="address the HTTP server listens on")
     port: int = Field(8000, ge=0, le=65535, description="the HTTP port (the OpenAI API, /health, /metrics)")
     api_keys: list[str] = Field(default_factory=list, description="keys a client must send as `Authorization: "
                                 "Bearer KEY` (empty: none needed)")
-    max_waiting: int = Field(64, ge=1, description="queued requests beyond which new ones get 429")
+    max_waiting: int = Field(ENGINE["max_waiting"], ge=1, description="queued requests beyond the free decode "
+                             "slots from which new ones get 429 (the engine's max_waiting)")
     max_tokens_limit: int = Field(4096, ge=1, description="largest max_tokens a request may ask for")
     max_n: int = Field(8, ge=1, description="the largest n (choices per request)")
     request_timeout_s: float = Field(600.0, gt=0, description="a request not done by then ends with 408")
@@ -411,8 +311,13 @@ class Config(_Strict):
     links: list[LinkSection] = Field(default_factory=list)
     transfer: TransferSection = Field(default_factory=TransferSection)
     router: RouterSection = Field(default_factory=RouterSection)
-    policy: PolicySection = Field(default_factory=PolicySection)
+    policy: PolicySection = Field(default_factory=LeastLoadedPolicy)
     server: ServerSection = Field(default_factory=ServerSection)
+
+    @field_validator("policy", mode="before")
+    @classmethod
+    def _policy_keys(cls, data):
+        return check_keys(data)
 
     @model_validator(mode="after")
     def _names(self):
@@ -533,8 +438,14 @@ def parse(data, source: str = "<config>") -> Config:
     except ValidationError as e:
         lines = []
         for err in e.errors():
-            loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
-            lines.append(f"{source}: {loc}: {err['msg']}")
+            loc = [str(x) for x in err["loc"]]
+            if loc[:1] == ["policy"] and loc[1:2] and loc[1] in BY_NAME:  # the union's tag: the section's `name`
+                del loc[1]
+            msg = err["msg"].removeprefix("Value error, ")
+            wrong = (err.get("ctx") or {}).get("error")
+            if isinstance(wrong, PolicyKeyError):  # a policy section's key: its own place in the path
+                loc, msg = loc + [wrong.key], str(wrong)
+            lines.append(f"{source}: {'.'.join(loc) or '(top level)'}: {msg}")
         raise ConfigFileError("\n".join(lines)) from None
 
 

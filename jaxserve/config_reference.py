@@ -17,13 +17,32 @@ import annotated_types as at
 from pydantic import BaseModel
 
 from .config import ClusterSection, Config, ConfigFileError, InstanceSection, LinkSection, TlsSection, parse
+from .policy_config import BY_NAME, DEFAULT
 
 BASE_CLUSTER = {"name": "c", "instances": [{"name": "i"}]}
-# every section, by where it sits in a config
+# every section, by where it sits in a config; `policy` is one section per policy (`policy:NAME`, keyed by `name`)
 PATHS = [(name, Config.model_fields[name].annotation) for name in ("model", "engine")] + [
     ("clusters[]", ClusterSection), ("clusters[].instances[]", InstanceSection), ("links[]", LinkSection),
-    ("transfer", Config.model_fields["transfer"].annotation), ("transfer.tls", TlsSection)] + [
-    (name, Config.model_fields[name].annotation) for name in ("router", "policy", "server")]
+    ("transfer", Config.model_fields["transfer"].annotation), ("transfer.tls", TlsSection),
+    ("router", Config.model_fields["router"].annotation)] + [
+    (f"policy:{name}", section) for name, section in BY_NAME.items()] + [
+    ("server", Config.model_fields["server"].annotation)]
+
+
+def section_keys(path: str, model) -> dict:
+    """The section's keys in the tables (a policy's `name` picks the section: said once, above them)."""
+    return {k: f for k, f in model.model_fields.items() if not (path.startswith("policy:") and k == "name")}
+
+
+def _heading(path: str) -> list[str]:
+    if not path.startswith("policy:"):
+        return [f"### `{path}`", ""]
+    name = path.partition(":")[2]
+    intro = (["### `policy`", "", f"`policy.name` picks the placement policy, one of "
+              f"{', '.join(f'`{n}`' for n in BY_NAME)} (default `{DEFAULT}`); each takes the keys of its own section "
+              f"below, and a key of another policy's section is an error naming the policies that take it.", ""]
+             if name == DEFAULT else [])
+    return intro + [f"#### `policy` with `name: {name}`", ""]
 
 
 def _place(path: str, key: str, value, tls_files: dict) -> dict:
@@ -38,6 +57,8 @@ def _place(path: str, key: str, value, tls_files: dict) -> dict:
         return {"clusters": [BASE_CLUSTER], "links": [{"src": "c", "dst": "c", **item}]}
     if path == "transfer.tls":
         return {"transfer": {"tls": {**tls_files, **item}}}
+    if path.startswith("policy:"):
+        return {"policy": {"name": path.partition(":")[2], **item}}
     return {path: item}
 
 
@@ -142,18 +163,21 @@ def key_errors() -> dict[tuple[str, str], str]:
         for f in files.values():
             open(f, "w").close()
         return {(path, key): error_of(_place(path, key, bad_value(field), files))
-                for path, model in PATHS for key, field in model.model_fields.items()}
+                for path, model in PATHS for key, field in section_keys(path, model).items()}
 
 
 def key_tables() -> list[str]:
     errors = key_errors()
     lines = []
     for path, model in PATHS:
-        lines += [f"### `{path}`", ""]
+        lines += _heading(path)
         if model.__doc__:
             lines += [" ".join(model.__doc__.split()), ""]
+        if not section_keys(path, model):
+            lines += ["No keys beyond `name`.", ""]
+            continue
         lines += ["| key | type | default | meaning | a wrong value's error |", "|---|---|---|---|---|"]
-        for key, field in model.model_fields.items():
+        for key, field in section_keys(path, model).items():
             meaning = field.description or ("its keys: below" if _nested(field) else "")
             lines.append(f"| `{key}` | {_cell(type_name(field))} | {_cell(_default(field))} | {_cell(meaning)} | "
                          f"{_cell(errors[path, key])} |")
@@ -186,11 +210,13 @@ RULES = [
     ("a link's ends are clusters", {"clusters": [BASE_CLUSTER], "links": [{"src": "c", "dst": "elsewhere"}]}),
     ("`transfer.token` or `token_file`, not both", {"transfer": {"token": "t", "token_file": "/dev/null"}}),
     ("`router.down_after_s` exceeds `heartbeat_s`", {"router": {"heartbeat_s": 2, "down_after_s": 1}}),
-    ("`policy.replan_s` needs the prfaas policy", {"policy": {"replan_s": 60}}),
-    ("`policy.load_low` below `load_high`", {"policy": {"load_low": 2, "load_high": 1}}),
-    ("`policy.control_s` needs flowkv, or migrate", {"policy": {"control_s": 5}}),
-    ("`policy.migrate` needs banaserve and `control_s`", {"policy": {"name": "banaserve", "migrate": True}}),
-    ("the threshold's band is wider than one step", {"policy": {"raise_utilisation": 0.5, "lower_utilisation": 0.4}}),
+    ("a policy's keys in its own section", {"policy": {"replan_s": 60}}),
+    ("`policy.replan_s` needs both profiles", {"policy": {"name": "prfaas", "replan_s": 60}}),
+    ("`policy.load_low` below `load_high`", {"policy": {"name": "flowkv", "load_low": 2, "load_high": 1}}),
+    ("banaserve's `control_s` and `migrate` go together", {"policy": {"name": "banaserve", "control_s": 5}}),
+    ("banaserve's `migrate` needs `control_s`", {"policy": {"name": "banaserve", "migrate": True}}),
+    ("the threshold's band is wider than one step", {"policy": {"name": "prfaas", "raise_utilisation": 0.5,
+                                                                "lower_utilisation": 0.4}}),
 ]
 
 

@@ -41,9 +41,13 @@ class Admin:
         self.kv_bytes_per_token = kv_bytes_per_token
         self.launcher = None  # router/launcher.py, when serve started the workers
         self.migrations: dict[str, int] = {}  # moves done by kind (POST /admin/migrate, the planner)
+        # the policy section's loops (jaxserve/policy_config.py): banaserve's migrations, prfaas's re-planning and a
+        # controller's cycle (flowkv; banaserve with migrate), each where the policy's section has it
         pol = cfg.policy
+        self.control_s = getattr(pol, "control_s", None)
         self.mover = (MigrationPlanner(MigrationParams(pol.migrate_delta_up, pol.migrate_delta_down,
-                                                       budget_s=pol.migrate_budget_s)) if pol.migrate else None)
+                                                       budget_s=pol.migrate_budget_s))
+                      if getattr(pol, "migrate", False) else None)
         self.replanner = _replanner(cfg.policy)  # the long-term loop (router/replan.py), None when off
         self.replan_state: dict = {}  # the last decision, for /metrics
         self.control_actions: list[dict] = []  # the policy's controller (flowkv): the last 64, newest last
@@ -54,7 +58,7 @@ class Admin:
         """Start the policy's loop: re-planning (policy.replan_s) or its controller (policy.control_s)."""
         if self.replanner is not None:
             self._task = asyncio.create_task(self._replan_loop())
-        elif self.cfg.policy.control_s is not None:
+        elif self.control_s is not None:
             self._task = asyncio.create_task(self._control_loop())
 
     def stop(self) -> None:
@@ -65,7 +69,7 @@ class Admin:
     def state(self) -> dict:
         """The policy's part of /metrics."""
         return {**self.policy().state(), **self.replan_state,
-                **({"control_actions": self.control_count} if self.cfg.policy.control_s else {}),
+                **({"control_actions": self.control_count} if self.control_s else {}),
                 "migrations": sum(self.migrations.values())}
 
     async def profile(self, seconds: float, base: str) -> dict:
@@ -194,7 +198,7 @@ class Admin:
 
     async def _control_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.cfg.policy.control_s)
+            await asyncio.sleep(self.control_s)
             try:
                 await self.control()
                 if self.mover is not None:
@@ -327,7 +331,7 @@ class Admin:
 def _replanner(p):
     """The long-term loop's planner for a config's policy section (None when replan_s is unset); a profile that
     does not load is a config error naming its field."""
-    if p.replan_s is None:
+    if getattr(p, "replan_s", None) is None:
         return None
     from .planner import PlanError, Profile, load_json
     from .replan import ReplanParams, Replanner

@@ -147,9 +147,12 @@ def test_banaserve_preset_and_the_store_role():
     assert next(i for i in cfg.instances() if i.role == "store").kv_blocks == 8192
     assert cfg.policy.migrate and cfg.policy.control_s == 2.0  # its migration planner runs every 2 s
     inst = {"clusters": [{"name": "c", "instances": [{"name": "d", "role": "decode"}]}]}
-    for bad, what in (({"name": "flowkv", "control_s": 1, "migrate": True}, "migrate needs name: banaserve"),
-                      ({"name": "banaserve", "migrate": True}, "migrate needs name: banaserve and control_s"),
-                      ({"name": "banaserve", "control_s": 1}, "control_s needs name: flowkv, or migrate"),
+    for bad, what in (({"name": "flowkv", "control_s": 1, "migrate": True},
+                       "policy.migrate: a key of the banaserve policy; this section is name: flowkv"),
+                      ({"name": "banaserve", "migrate": True}, "policy: migrate needs control_s"),
+                      ({"name": "banaserve", "control_s": 1}, "policy: control_s needs migrate"),
+                      ({"control_s": 1}, "control_s: a key of the banaserve and flowkv policies; this section is "
+                                         "name: least_loaded"),
                       ({"name": "banaserve", "control_s": 1, "migrate": True, "migrate_delta_down": 0.5},
                        "migrate_delta_down")):
         with pytest.raises(ConfigFileError, match=what):

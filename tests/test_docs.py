@@ -58,10 +58,10 @@ def test_a_result_without_a_stamp_says_so():
 
 
 def test_every_config_key_is_described_and_a_wrong_value_of_it_refused():
-    from jaxserve.config_reference import PATHS, RULES, error_of, key_errors
+    from jaxserve.config_reference import PATHS, RULES, error_of, key_errors, section_keys
     doc, errors = read(report.CONFIG_DOC), key_errors()
     for path, model in PATHS:
-        for key, field in model.model_fields.items():
+        for key, field in section_keys(path, model).items():
             assert field.description, f"{path}.{key} has no description"
             assert f"| `{key}` |" in doc, f"{path}.{key} is not in docs/03-configuration.md"
             assert errors[path, key], f"{path}.{key}: the value meant to be wrong was taken"

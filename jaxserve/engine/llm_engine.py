@@ -15,14 +15,13 @@ import dataclasses
 import logging
 import os
 import time
-from dataclasses import dataclass
 
 import jax
 import numpy as np
 from flax import nnx
 
 from jaxserve.pallas_kernels import check
-from jaxserve.pallas_kernels.select import MODES, mode_of, resolve as resolve_kernels
+from jaxserve.pallas_kernels.select import mode_of, resolve as resolve_kernels
 from jaxserve.transfer.segments import OutOfBlocks
 
 from ..cache.block_manager import BlockManager, block_hashes
@@ -44,13 +43,13 @@ from .memory import MAX_DEFAULT_SEQS, activation_bytes, size_cache
 from .migration import Guests, MigrationError, RemoteFailed, facts as migration_facts, plan_move, start_move
 from .runner import DecodeRow, ModelRunner, PrefillRow, Prefix
 from .scheduler import Scheduler, SchedulerConfig
+from .settings import EngineConfig
 from .sequence import Sequence
 from .steptimer import StepTimer
 
 log = logging.getLogger("jaxserve.engine")
 
 DTYPES = {"float32": jax.numpy.float32, "bfloat16": jax.numpy.bfloat16}
-XLA_CACHE = "~/.cache/jaxserve/xla"  # engine.compilation_cache's default
 
 
 def use_compilation_cache(path: str | None) -> str | None:
@@ -67,15 +66,6 @@ def use_compilation_cache(path: str | None) -> str | None:
     return d
 
 
-SLOT_TOKENS = 256  # the cache a default-sized slot can count on
-
-
-def default_max_num_seqs(num_blocks: int, block_size: int) -> int:
-    """Concurrent requests when not configured: as many as the cache holds at SLOT_TOKENS tokens each, from 8 to
-    256 (more slots than the cache can fill only preempt; on a CPU each decode batch bucket costs its rows)."""
-    return max(8, min(256, num_blocks * block_size // SLOT_TOKENS))
-
-
 # a chunk after cached tokens gathers the whole context (one program per chunk bucket) where the full-attention
 # layers' KV of a longest context is at most this (a hybrid model's few such layers); else its width is bucketed
 WIDE_GATHER_BYTES = 16 << 20
@@ -89,41 +79,6 @@ def default_chunk_size(paged_prefill: bool, max_num_batched_tokens: int, block_s
     a colocated instance, one more stall of the running requests' decoding). Dense [B, T] prefill programs keep
     DENSE_CHUNK: their shapes, and warm-up's programs, grow with the chunk."""
     return max(block_size, (max_num_batched_tokens if paged_prefill else DENSE_CHUNK) // block_size * block_size)
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    block_size: int = 16
-    num_blocks: int | None = None  # default: sized from the memory the instance may use (engine/memory.py)
-    memory_fraction: float | None = None  # ... that memory: 0.9 of an accelerator's, 0.05 of a CPU host's
-    max_num_seqs: int | None = None  # default: sized from the cache (default_max_num_seqs)
-    max_num_batched_tokens: int = 512
-    mixed_batched_tokens: int | None = None  # prefill tokens in a step that also decodes (None: the step budget)
-    chunk_size: int | None = None  # default: sized from the model and budget (default_chunk_size)
-    max_prefill_seqs: int = 4
-    max_waiting: int = 256
-    max_model_len: int | None = None  # default: the model's context, capped by the pool
-    prefix_caching: bool = True
-    num_snapshots: int = 32  # request-level state snapshots kept for prefix reuse
-    kernels: str = "auto"  # kernels or jnp references: auto / reference / pallas / interpret / native
-    spill_dir: str | None = None  # a disk tier for cached blocks evicted from the pool (cache/disk_tier.py) ...
-    spill_mb: int | None = None  # ... of at most this size
-    compilation_cache: str | None = XLA_CACHE  # XLA's persistent compilation cache (None: off)
-    overlap: bool = True  # dispatch a steady decode step before reading the one in flight (engine/overlap.py)
-
-    def __post_init__(self):
-        if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
-            raise ValueError(f"engine.memory_fraction must be in (0, 1], got {self.memory_fraction}")
-        if self.max_num_seqs is None and self.num_blocks is not None:
-            object.__setattr__(self, "max_num_seqs", default_max_num_seqs(self.num_blocks, self.block_size))
-        if (self.spill_dir is None) != (self.spill_mb is None):
-            raise ValueError("engine.spill_dir and engine.spill_mb go together")
-        if self.kernels not in MODES:
-            raise ValueError(f"engine.kernels must be one of {', '.join(MODES)}, got {self.kernels!r}")
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if type(v) is int and v < (0 if f.name == "num_snapshots" else 1):
-                raise ValueError(f"engine.{f.name} must be >= 1, got {v}")
 
 
 class LLMEngine:

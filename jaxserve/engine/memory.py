@@ -6,7 +6,7 @@ weights already hold (`bytes_in_use` once they are loaded) and an estimate of th
 off, and the cache takes the rest. On a CPU the cache takes `memory_fraction` (default 0.05) of the host's
 memory (the cgroup's limit where lower), beside the weights. The blocks are that budget over one block's bytes
 (full-attention layers) after the request-level state rows of the slots; `max_num_seqs`, when not configured,
-follows from the blocks (engine/llm_engine.py `default_max_num_seqs`, up to 256). Explicit settings win.
+follows from the blocks (engine/settings.py `default_max_num_seqs`, up to 256). Explicit settings win.
 
 Plain functions; the caller passes the devices and the pool's byte counts.
 """

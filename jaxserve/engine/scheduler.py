@@ -44,18 +44,19 @@ def _gated(seq: Sequence) -> bool:
     return inc is not None and inc.pending and not inc.started
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
-    max_num_seqs: int = 8  # decode slots
-    max_num_batched_tokens: int = 512  # prefill tokens per step
-    chunk_size: int = 256  # prefill tokens per request per step (a multiple of block_size)
-    max_prefill_seqs: int = 4  # requests per prefill step
-    max_waiting: int = 256  # requests queued beyond the free decode slots before new ones are refused
-    block_size: int = 16
-    has_request_state: bool = False  # linear / sliding layers: snapshots needed for prefix reuse
-    mixed_batched_tokens: int | None = None  # prefill tokens in a step that also decodes (None: the step budget)
+    """The scheduler's settings, built by keyword from the engine's (engine/settings.py holds the defaults)."""
+    max_num_seqs: int  # decode slots
+    max_num_batched_tokens: int  # prefill tokens per step
+    chunk_size: int  # prefill tokens per request per step (a multiple of block_size)
+    max_prefill_seqs: int  # requests per prefill step
+    max_waiting: int  # requests queued beyond the free decode slots before new ones are refused
+    block_size: int
+    mixed_batched_tokens: int | None  # prefill tokens in a step that also decodes (None: the step budget)
+    has_request_state: bool  # linear / sliding layers: snapshots needed for prefix reuse
     # the runner's packed-token buckets (ascending; empty: steps are not packed), see `_fit_bucket`
-    token_buckets: tuple[int, ...] = ()
+    token_buckets: tuple[int, ...]
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "max_prefill_seqs", "block_size"):

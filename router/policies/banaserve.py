@@ -77,4 +77,4 @@ class BanaServe:
 def from_config(s) -> BanaServe:
     """The policy of a config's `policy` section (jaxserve/config.py PolicySection)."""
     return BanaServe(BanaServeParams(load_threshold=s.load_threshold, token_budget=s.token_budget,
-                                     store=True if s.store is None else s.store))
+                                     store=s.store))

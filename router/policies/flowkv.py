@@ -217,4 +217,4 @@ def from_config(s) -> FlowKV:
     """The policy of a config's `policy` section (jaxserve/config.py PolicySection)."""
     return FlowKV(FlowKVParams(token_budget=s.token_budget, window_s=s.load_window_s, low=s.load_low,
                                high=s.load_high, idle_score=s.idle_score, hold_s=s.assist_s,
-                               extreme_s=s.extreme_s, store=bool(s.store)))
+                               extreme_s=s.extreme_s, store=s.store))

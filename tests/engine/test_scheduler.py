@@ -9,8 +9,17 @@ from jaxserve.engine.sequence import Sequence
 from jaxserve.sampling import SamplingParams
 
 
+# the settings these tests vary from (the engine builds its own from engine/settings.py)
+BASE = dict(max_num_seqs=8, max_num_batched_tokens=512, chunk_size=256, max_prefill_seqs=4, max_waiting=256,
+            block_size=16, mixed_batched_tokens=None, has_request_state=False, token_buckets=())
+
+
+def config(**kw) -> SchedulerConfig:
+    return SchedulerConfig(**{**BASE, **kw})
+
+
 def make(num_blocks=64, bs=4, snapshots=0, **kw):
-    cfg = SchedulerConfig(block_size=bs, has_request_state=snapshots > 0, **kw)
+    cfg = config(block_size=bs, has_request_state=snapshots > 0, **kw)
     return Scheduler(cfg, BlockManager(num_blocks, bs, snapshots))
 
 
@@ -68,7 +77,7 @@ def test_a_step_that_decodes_takes_the_mixed_budget():
     drain(s)
     s.blocks.check()
     with pytest.raises(ValueError, match="mixed_batched_tokens"):
-        SchedulerConfig(mixed_batched_tokens=0)
+        config(mixed_batched_tokens=0)
 
 
 def test_a_step_beside_decodes_keeps_its_tokens_in_the_bucket_they_just_pass():
@@ -176,7 +185,7 @@ def test_limits():
     with pytest.raises(QueueFull):
         s.add(seq("b", 4))
     with pytest.raises(ValueError, match="multiple of block_size"):
-        SchedulerConfig(chunk_size=10, block_size=4)
+        config(chunk_size=10, block_size=4)
 
 
 def test_abort_frees_everything():

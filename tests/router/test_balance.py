@@ -255,7 +255,7 @@ def test_policies_are_selected_by_name_and_checked():
     assert policy.make(parse({**base, "policy": {"name": "flowkv"}}).policy).p.store is False
     with pytest.raises(ConfigFileError, match="load_low"):
         parse({**base, "policy": {"name": "flowkv", "load_low": 2.0, "load_high": 1.0}})
-    with pytest.raises(ConfigFileError, match="control_s needs name: flowkv"):
+    with pytest.raises(ConfigFileError, match="control_s needs migrate"):
         parse({**base, "policy": {"name": "banaserve", "control_s": 1.0}})
     with pytest.raises(ConfigFileError, match="rule"):
         parse({**base, "policy": {"name": "cache_aware", "rule": "vllm"}})

@@ -126,7 +126,7 @@ def test_replan_config_needs_its_profiles(tmp_path):
         {"name": "p0", "role": "prefill"}, {"name": "d0", "role": "decode"}]}]}
     with pytest.raises(ConfigFileError, match="replan_s needs prfaas_profile and pd_profile"):
         parse({**base, "policy": {"name": "prfaas", "replan_s": 5}})
-    with pytest.raises(ConfigFileError, match="replan_s needs name: prfaas"):
+    with pytest.raises(ConfigFileError, match="policy.replan_s: a key of the prfaas policy"):
         parse({**base, "policy": {"replan_s": 5}})
     from jaxserve.router.cluster import Router
     bad = tmp_path / "p.json"

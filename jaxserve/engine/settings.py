@@ -1,0 +1,64 @@
+"""The engine's settings, `EngineConfig`, and their one set of defaults: the YAML's `engine` section
+(config.py) takes its defaults from `DEFAULTS`, `LLM(...)` and `LLMEngine` use them as they are, and the
+scheduler's settings are built from them by keyword (scheduler.py `SchedulerConfig` has none of its own). Plain
+Python, no JAX: loading a config must not import it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from .memory import MAX_DEFAULT_SEQS
+
+XLA_CACHE = "~/.cache/jaxserve/xla"  # engine.compilation_cache's default
+MIN_DEFAULT_SEQS = 8  # the fewest concurrent requests a default takes
+
+SLOT_TOKENS = 256  # the cache a default-sized slot can count on
+
+
+def default_max_num_seqs(num_blocks: int, block_size: int) -> int:
+    """Concurrent requests when not configured: as many as the cache holds at SLOT_TOKENS tokens each, from
+    MIN_DEFAULT_SEQS to MAX_DEFAULT_SEQS (more slots than the cache can fill only preempt; on a CPU each decode
+    batch bucket costs its rows)."""
+    return max(MIN_DEFAULT_SEQS, min(MAX_DEFAULT_SEQS, num_blocks * block_size // SLOT_TOKENS))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # default: sized from the memory the instance may use (engine/memory.py)
+    memory_fraction: float | None = None  # ... that memory: 0.9 of an accelerator's, 0.05 of a CPU host's
+    max_num_seqs: int | None = None  # default: sized from the cache (default_max_num_seqs)
+    max_num_batched_tokens: int = 512
+    mixed_batched_tokens: int | None = None  # prefill tokens in a step that also decodes (None: the step budget)
+    chunk_size: int | None = None  # default: sized from the model and budget (default_chunk_size)
+    max_prefill_seqs: int = 4
+    max_waiting: int = 256
+    max_model_len: int | None = None  # default: the model's context, capped by the pool
+    prefix_caching: bool = True
+    num_snapshots: int = 32  # request-level state snapshots kept for prefix reuse
+    kernels: str = "auto"  # kernels or jnp references: auto / reference / pallas / interpret / native
+    spill_dir: str | None = None  # a disk tier for cached blocks evicted from the pool (cache/disk_tier.py) ...
+    spill_mb: int | None = None  # ... of at most this size
+    compilation_cache: str | None = XLA_CACHE  # XLA's persistent compilation cache (None: off)
+    overlap: bool = True  # dispatch a steady decode step before reading the one in flight (engine/overlap.py)
+
+    def __post_init__(self):
+        if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"engine.memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.max_num_seqs is None and self.num_blocks is not None:
+            object.__setattr__(self, "max_num_seqs", default_max_num_seqs(self.num_blocks, self.block_size))
+        if (self.spill_dir is None) != (self.spill_mb is None):
+            raise ValueError("engine.spill_dir and engine.spill_mb go together")
+        from jaxserve.pallas_kernels.select import MODES
+        if self.kernels not in MODES:
+            raise ValueError(f"engine.kernels must be one of {', '.join(MODES)}, got {self.kernels!r}")
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if type(v) is int and v < (0 if f.name == "num_snapshots" else 1):
+                raise ValueError(f"engine.{f.name} must be >= 1, got {v}")
+
+
+# field -> its default (None where the engine sizes it: num_blocks, max_num_seqs, chunk_size, ...)
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
