@@ -19,7 +19,7 @@ from jaxserve.config import Config, ConfigFileError
 from jaxserve.engine.client import EngineUnavailable as Unavailable
 from jaxserve.engine.client import RequestError
 
-from .calls import Workers
+from .calls import Workers, message
 from .migration import MigrationParams, MigrationPlanner, Unit
 from .registry import Registry, WorkerInfo
 from .snapshot import Topology
@@ -83,7 +83,7 @@ class Admin:
 
         async def one(w: WorkerInfo) -> dict:
             try:
-                ans = await self.workers.client(w).call("Profile", {"seconds": seconds, "stamp": name},
+                ans = await self.workers.client(w).call("Profile", message("Profile", seconds=seconds, stamp=name),
                                                  timeout=seconds + PROFILE_WRITE_S)
                 return {"role": w.role, "trace_dir": ans["trace_dir"]}
             except grpc.aio.AioRpcError as e:
@@ -109,7 +109,8 @@ class Admin:
         for w in self.registry.up("prefill"):
             if self.topology.cluster(w.name) == src:
                 try:
-                    ans = await self.workers.client(w).call("SetLink", {"dst": dst, "bandwidth_gbps": gbps}, timeout=10)
+                    ans = await self.workers.client(w).call(
+                        "SetLink", message("SetLink", dst=dst, bandwidth_gbps=gbps), timeout=10)
                     out[w.name] = {"links": ans["links"]}
                 except grpc.aio.AioRpcError as e:
                     out[w.name] = {"error": f"{e.code().name}: {e.details()}"}
@@ -144,7 +145,7 @@ class Admin:
         self.registry.begin_flip(name, role)
         ok = False
         try:
-            ans = await self.workers.client(w).call("SetRole", {"role": role},
+            ans = await self.workers.client(w).call("SetRole", message("SetRole", role=role),
                                                     timeout=self.cfg.router.role_change_timeout_s)
             ok = True
         except grpc.aio.AioRpcError as e:
@@ -174,7 +175,7 @@ class Admin:
         w = self.registry.get(src)
         if not w.serves("decode"):
             raise RequestError(f"{src} is a {w.role} instance: nothing decodes there", "src")
-        msg = {"kind": kind, "dst": dst, "heads": heads, "layers": layers}
+        msg = message("Migrate", kind=kind, dst=dst, heads=heads, layers=layers)
         try:
             ans = await self.workers.client(w).call("Migrate", msg, timeout=self.cfg.router.role_change_timeout_s)
         except grpc.aio.AioRpcError as e:

@@ -1,7 +1,8 @@
-"""The router's calls to its workers: one `grpc.aio` channel per worker address, each call presenting the cluster
-token (worker/rpc.py); a call that fails at the transport level marks its worker down until its next heartbeat
-(registry.py), and its entries in the global KV index are dropped; a call awaited through `watch` is abandoned once
-its worker stops heartbeating. Runs on the router's asyncio loop.
+"""The router's calls to its workers: each request a message model of worker/messages.py (`message`), one
+`grpc.aio` channel per worker address, each call presenting the cluster token (worker/rpc.py); a call that fails
+at the transport level marks its worker down until its next heartbeat (registry.py), and its entries in the global
+KV index are dropped; a call awaited through `watch` is abandoned once its worker stops heartbeating. Runs on the
+router's asyncio loop.
 """
 
 from __future__ import annotations
@@ -11,14 +12,27 @@ import logging
 
 import grpc
 
+from pydantic import ValidationError
+
 from jaxserve.config import Config
-from jaxserve.worker import rpc
+from jaxserve.engine.client import RequestError
+from jaxserve.worker import messages, rpc
 
 from .kv_index import KVIndex
 from .registry import Registry, WorkerInfo
 from .requests import DEAD, Silent
 
 log = logging.getLogger("jaxserve.router")
+
+
+def message(method: str, **fields):
+    """The worker method's request as its message model (worker/messages.py WORKER), checked here as the worker
+    will check it; a field out of its bounds (from the client's request) raises RequestError naming it."""
+    try:
+        return messages.WORKER[method](**fields)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise RequestError(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}", str(err["loc"][-1])) from None
 
 
 class Workers:

@@ -50,7 +50,7 @@ from jaxserve.sampling import SamplingParams
 
 from . import policies
 from .admin import Admin
-from .calls import Workers
+from .calls import Workers, message
 from .control import ControlServer
 from .kv_index import KVIndex
 from .policies.base import Placement, least_loaded
@@ -271,9 +271,8 @@ class Router:
     async def _open(self, s: Sub, w: WorkerInfo, method: str) -> None:
         s.serial += 1
         s.xid = f"{s.rid}.{s.serial}"
-        msg = {"request_id": s.xid, "prompt": s.prompt, "params": s.params, **s.resume()}
-        if method == "Decode":
-            msg.update(kv_tokens=s.kv(), deadline_s=self.cfg.transfer.deadline_s)
+        more = dict(kv_tokens=s.kv(), deadline_s=self.cfg.transfer.deadline_s) if method == "Decode" else {}
+        msg = message(method, request_id=s.xid, prompt=s.prompt, params=s.params, **s.resume(), **more)
         call = self.workers.client(w).stream(method, msg)
         it = call.__aiter__()
         first = None
@@ -321,10 +320,10 @@ class Router:
         n, t0, computed = max(1, s.placement.uncached_tokens or len(tokens)), time.monotonic(), False
         p.prefill.start(n)
         store = self.prefixes.name_put(s)
-        call = self.workers.client(p).stream("Prefill", {
-            "request_id": s.xid, "prompt": tokens, "params": params, "kv_tokens": s.kv(),
-            "sample": s.kv() == len(tokens), "dst": s.reserved, **({"prefix_from": load} if load else {}),
-            **({"store": store} if store else {})}, timeout=self.cfg.server.request_timeout_s)
+        msg = message("Prefill", request_id=s.xid, prompt=tokens, params=params, kv_tokens=s.kv(),
+                      sample=s.kv() == len(tokens), dst=s.reserved, **({"prefix_from": load} if load else {}),
+                      **({"store": store} if store else {}))
+        call = self.workers.client(p).stream("Prefill", msg, timeout=self.cfg.server.request_timeout_s)
         try:
             it = call.__aiter__()
             while True:

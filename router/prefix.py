@@ -14,7 +14,7 @@ import time
 
 from jaxserve.config import Config
 
-from .calls import Workers
+from .calls import Workers, message
 from .kv_index import KVIndex
 from .policies.base import Placement
 from .registry import Registry, WorkerInfo
@@ -68,7 +68,7 @@ class PrefixMoves:
                 if ld.shared:
                     ld.reserved.set_result({})
                     ld.sent = await self.workers.watch(dst, self.workers.client(dst).call(
-                        "Load", {"request_id": ld.import_id, "prompt": tokens, "store": src.name},
+                        "Load", message("Load", request_id=ld.import_id, prompt=tokens, store=src.name),
                         timeout=self.cfg.transfer.deadline_s))
                 else:
                     ld.sent = await self._copy_prefix(src, dst, tokens, ld.import_id, ld.reserved)
@@ -216,7 +216,7 @@ class PrefixMoves:
         and dst's answer says they are cached -> Export's transfer numbers. Raises what the calls raise."""
         async def export(reservation: dict) -> dict:
             return await self.workers.watch(src, self.workers.client(src).call(
-                "Export", {"request_id": rid, "prompt": tokens, "dst": {"instance": dst.name, **reservation}},
+                "Export", message("Export", request_id=rid, prompt=tokens, dst={"instance": dst.name, **reservation}),
                 timeout=self.cfg.transfer.deadline_s))
         sent, _ = await self._import(dst, tokens, rid, reserved, export)
         return sent
@@ -227,7 +227,8 @@ class PrefixMoves:
         Export on the holder) or a Prefill naming it sends the KV into it -> (fill's answer, dst's "imported"
         once the prefix is cached there). Raises what the calls raise."""
         deadline = self.cfg.transfer.deadline_s
-        imp = self.workers.client(dst).stream("Import", {"request_id": rid, "prompt": tokens, "deadline_s": deadline})
+        imp = self.workers.client(dst).stream("Import", message("Import", request_id=rid, prompt=tokens,
+                                                                deadline_s=deadline))
         try:
             it = imp.__aiter__()
             first = await self.workers.watch(dst, it.__anext__())

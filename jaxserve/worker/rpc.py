@@ -51,7 +51,10 @@ _parser = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefi
 
 
 def _enc(obj) -> bytes:
+    """A message as JSON: a dict, or a message model (messages.py) with the fields it was given."""
     import json
+    if isinstance(obj, BaseModel):
+        obj = obj.model_dump(mode="json", by_alias=True, exclude_unset=True)
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
@@ -173,7 +176,7 @@ def listen(srv: grpc.aio.Server, address: str, tls=None) -> int:
 
 class Client:
     """Calls one worker's (or the router's) methods with the cluster token: `await client.call(name, msg)`,
-    `client.stream(name, msg)` (an async iterator)."""
+    `client.stream(name, msg)` (an async iterator); msg: the method's message model (messages.py), or a dict."""
 
     def __init__(self, address: str, token: str, tls=None):
         """tls: a transfer.tls.Tls; the channel is then TLS, the server's certificate checked against its CA."""
@@ -182,11 +185,11 @@ class Client:
         self.channel = (grpc.aio.insecure_channel(address, options=OPTIONS) if tls is None else
                         grpc.aio.secure_channel(address, tls.grpc_channel_credentials(), options=OPTIONS))
 
-    async def call(self, name: str, msg: dict, timeout: float | None = None) -> dict:
+    async def call(self, name: str, msg: dict | BaseModel, timeout: float | None = None) -> dict:
         fn = self.channel.unary_unary(f"/{SERVICE}/{name}", request_serializer=_enc, response_deserializer=_dec)
         return await fn(msg, timeout=timeout, metadata=self.metadata)
 
-    def stream(self, name: str, msg: dict, timeout: float | None = None):
+    def stream(self, name: str, msg: dict | BaseModel, timeout: float | None = None):
         fn = self.channel.unary_stream(f"/{SERVICE}/{name}", request_serializer=_enc, response_deserializer=_dec)
         return fn(msg, timeout=timeout, metadata=self.metadata)
 

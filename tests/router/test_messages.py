@@ -1,0 +1,87 @@
+"""The router speaks to workers through the message models of jaxserve/worker/messages.py: every call it makes
+passes `message(method, ...)` for that method (read from the source), a field out of bounds is a RequestError
+naming it before anything is sent, and a model goes over the wire as the JSON the worker's schema takes."""
+
+import ast
+import json
+import pathlib
+
+import pytest
+
+from jaxserve.engine.client import RequestError
+from jaxserve.router.calls import message
+from jaxserve.worker import messages, rpc
+
+ROUTER = pathlib.Path(__file__).resolve().parents[2] / "router"
+
+
+def _made_by_message(node, method: str) -> bool:
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "message"
+            and node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value == method)
+
+
+def _calls(path: pathlib.Path) -> list[tuple[int, str, bool]]:
+    """(line, method, whether its request is `message(method, ...)`) of every .call / .stream to a worker method:
+    the argument itself, or a name the enclosing function assigns from `message(...)` (or a variable method whose
+    message is built with the same variable)."""
+    tree = ast.parse(path.read_text())
+    out = []
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        assigned = {}
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                assigned[node.targets[0].id] = node.value
+        for node in ast.walk(fn):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("call", "stream") and len(node.args) >= 2):
+                continue
+            name, msg = node.args[0], node.args[1]
+            if isinstance(name, ast.Constant) and name.value in messages.WORKER:
+                method = name.value
+                ok = _made_by_message(msg, method) or (isinstance(msg, ast.Name)
+                                                       and _made_by_message(assigned.get(msg.id), method))
+            elif isinstance(name, ast.Name) and isinstance(msg, ast.Name):  # stream(method, msg)
+                made = assigned.get(msg.id)
+                method = f"<{name.id}>"
+                ok = (isinstance(made, ast.Call) and isinstance(made.func, ast.Name) and made.func.id == "message"
+                      and isinstance(made.args[0], ast.Name) and made.args[0].id == name.id)
+            else:
+                continue
+            out.append((node.lineno, method, ok))
+    return out
+
+
+def test_every_router_call_passes_its_message_model():
+    seen = {}
+    for path in sorted(ROUTER.rglob("*.py")):
+        for line, method, ok in _calls(path):
+            assert ok, f"{path.name}:{line}: {method} is sent without message({method!r}, ...)"
+            seen[method] = seen.get(method, 0) + 1
+    # the request path, prefix moves and admin operations each reach their methods
+    assert {"Prefill", "Import", "Export", "Load", "Profile", "SetLink", "SetRole", "Migrate", "<method>"} <= set(seen)
+
+
+def test_the_source_check_sees_a_raw_dict(tmp_path):
+    bad = tmp_path / "x.py"
+    bad.write_text("async def f(c):\n    await c.call('SetRole', {'role': 'decode'})\n"
+                   "async def g(c, method):\n    m = {'request_id': 'r'}\n    c.stream(method, m)\n")
+    assert [ok for _, _, ok in _calls(bad)] == [False, False]
+
+
+def test_a_field_out_of_bounds_is_a_request_error_naming_it():
+    with pytest.raises(RequestError, match=r"params\.n: Input should be less than or equal to 64") as e:
+        message("Generate", request_id="r", prompt=[1, 2], params={"n": 65})
+    assert e.value.param == "n"
+    with pytest.raises(RequestError, match="prompt"):
+        message("Decode", request_id="r", prompt=[], kv_tokens=1)
+
+
+def test_a_model_goes_as_the_json_its_schema_takes():
+    msg = message("Prefill", request_id="r.1", prompt=[3, 4, 5], params={"max_tokens": 4, "temperature": 0.0},
+                  kv_tokens=2, sample=False, dst={"instance": "d0", "blocks": [7], "skip": 0},
+                  prefix_from={"import_id": "r.1.prefix", "tokens": 1})
+    wire = json.loads(rpc._enc(msg))
+    assert wire["dst"] == {"instance": "d0", "blocks": [7], "skip": 0} and "store" not in wire  # unset: left out
+    assert messages.Prefill.model_validate(wire) == msg
