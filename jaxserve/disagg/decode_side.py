@@ -36,14 +36,15 @@ log = logging.getLogger("jaxserve.decode")
 
 
 class KVIntake:
-    def __init__(self, llm, token: str, post, host: str = "127.0.0.1", port: int = 0, pool_bytes: int = 256 << 20,
+    def __init__(self, kv, token: str, post, host: str = "127.0.0.1", port: int = 0, pool_bytes: int = 256 << 20,
                  deadline_s: float = 30.0, shared: bool = False, puller=None, timeouts=None, pull_from=None,
                  tls=None):
-        """shared: the receive pool is a shared-memory segment a sender on this host may write directly;
-        puller: a transfer.pull.PullServer, to take the device backend's transfers; timeouts, pull_from: the KV
-        server's socket limits (transfer/net.py) and its check of PULL addresses (transfer/tcp.py); tls: its
+        """kv: the engine's KVConnector (engine/connector.py), all of the engine this module uses; shared: the
+        receive pool is a shared-memory segment a sender on this host may write directly; puller: a
+        transfer.pull.PullServer, to take the device backend's transfers; timeouts, pull_from: the KV server's
+        socket limits (transfer/net.py) and its check of PULL addresses (transfer/tcp.py); tls: its
         ssl server context (transfer/tls.py)."""
-        self.llm, self.post, self.deadline_s = llm, post, deadline_s
+        self.kv, self.post, self.deadline_s = kv, post, deadline_s
         self.server = KVServer(token, host, port, puller=puller, timeouts=timeouts, pull_from=pull_from, tls=tls)
         self.pool = RecvPool(pool_bytes, shared=shared)
         self.receivers: dict[str, KVReceiver] = {}
@@ -58,16 +59,16 @@ class KVIntake:
                 **resume):
         """-> (sequence, dst block ids, skip). Raises RequestError (bad request) or OutOfBlocks / PoolFull (busy).
         The receiver is `self.receivers[request_id]` (its region's offset: where a local sender writes).
-        resume: output= and logprobs= of a resumed request (LLMEngine.reserve)."""
-        llm = self.llm
-        seq, skip = llm.reserve(request_id, prompt, params, kv_tokens, **resume)
+        resume: output= and logprobs= of a resumed request (KVConnector.reserve)."""
+        kv = self.kv
+        seq, skip = kv.reserve(request_id, prompt, params, kv_tokens, **resume)
         try:
-            region = self.pool.allocate(region_bytes(llm.layout, llm.dtype_name, kv_tokens, skip))
+            region = self.pool.allocate(region_bytes(kv.layout, kv.dtype_name, kv_tokens, skip))
         except PoolFull:
-            llm.fail(seq, "receive pool full")
-            llm.release(seq)
+            kv.fail(seq, "receive pool full")
+            kv.release(seq)
             raise
-        recv = KVReceiver(request_id, llm.layout, llm.dtype_name, seq.block_ids, kv_tokens, skip, region,
+        recv = KVReceiver(request_id, kv.layout, kv.dtype_name, seq.block_ids, kv_tokens, skip, region,
                           deadline_s or self.deadline_s, on_done=lambda r: self.post(lambda: self.arrived(seq, r)))
         self.receivers[request_id] = recv
         self.server.expect(recv)
@@ -81,14 +82,14 @@ class KVIntake:
                 return []
             if recv.state.poll() is KVPoll.DONE:
                 try:
-                    changed = self.llm.kv_arrived(seq, recv.staging, recv.arrays(), recv.num_tokens, recv.first)
+                    changed = self.kv.kv_arrived(seq, recv.staging, recv.arrays(), recv.num_tokens, recv.first)
                 except Exception as e:  # noqa: BLE001 - the request fails (the router places it again), not hangs
                     log.exception("%s: importing the KV failed", seq.request_id)
-                    self.llm.fail(seq, f"importing the KV failed: {type(e).__name__}: {e}")
+                    self.kv.fail(seq, f"importing the KV failed: {type(e).__name__}: {e}")
                     return [seq]
                 return [seq] if changed else []
             log.warning("%s: KV transfer failed: %s", seq.request_id, recv.state.reason)
-            self.llm.fail(seq, f"KV transfer failed: {recv.state.reason}")
+            self.kv.fail(seq, f"KV transfer failed: {recv.state.reason}")
             return [seq]
         finally:
             recv.release()
@@ -96,27 +97,27 @@ class KVIntake:
     def reserve_prefix(self, request_id: str, tokens: list[int], on_done, deadline_s: float | None = None,
                        groups: list[tuple[int, int]] | None = None):
         """A cached prefix another instance sends into this instance's prefix cache (a prefix move): blocks
-        (LLMEngine.reserve_prefix) and a receive region. When the transfer ends, on the engine thread, the KV is
+        (KVConnector.reserve_prefix) and a receive region. When the transfer ends, on the engine thread, the KV is
         imported and cached, or the blocks are released, and on_done(None or the failure's reason) is called.
         Until then `self.prefixes[request_id]` is its `IncomingPrefix`, which a prefill may compute over as it
         lands, running as `groups` (layer groups [(lo, hi)]; None: the whole model at once).
         -> (dst block ids, skip). Raises RequestError, OutOfBlocks / PoolFull (busy)."""
-        llm = self.llm
-        blocks, skip, hashes = llm.reserve_prefix(tokens)
+        kv = self.kv
+        blocks, skip, hashes = kv.reserve_prefix(tokens)
         try:
-            region = self.pool.allocate(region_bytes(llm.layout, llm.dtype_name, len(tokens), skip))
+            region = self.pool.allocate(region_bytes(kv.layout, kv.dtype_name, len(tokens), skip))
         except PoolFull:
-            llm.blocks.free(blocks)
+            kv.free(blocks)
             raise
         inc = IncomingPrefix(request_id, list(tokens), hashes, list(blocks), skip, groups)
 
         def arrived(recv: KVReceiver) -> list:
             self.receivers.pop(request_id, None)
             self.prefixes.pop(request_id, None)
-            on_done(inc.arrived(llm))
+            on_done(inc.arrived(kv))
             return []
 
-        inc.recv = KVReceiver(request_id, llm.layout, llm.dtype_name, blocks, len(tokens), skip, region,
+        inc.recv = KVReceiver(request_id, kv.layout, kv.dtype_name, blocks, len(tokens), skip, region,
                               deadline_s or self.deadline_s, on_done=lambda r: self.post(lambda: arrived(r)))
         self.receivers[request_id] = inc.recv
         self.prefixes[request_id] = inc
@@ -132,10 +133,9 @@ class KVIntake:
         it again. on_reserved((dst block ids, skip)) once reserved (its transfer then has what is left of
         wait_s), or on_reserved(the exception) when it cannot be (RequestError; OutOfBlocks for a prefix bigger
         than the whole cache); `withdraw` ends the wait. Engine thread."""
-        need = self.llm.blocks.blocks_for(len(tokens))
-        if need > self.llm.blocks.num_blocks:
-            on_reserved(OutOfBlocks(f"the prefix needs {need} blocks; this instance has "
-                                    f"{self.llm.blocks.num_blocks} in all"))
+        need = self.kv.blocks_for(len(tokens))
+        if need > self.kv.num_blocks:
+            on_reserved(OutOfBlocks(f"the prefix needs {need} blocks; this instance has {self.kv.num_blocks} in all"))
             return
         w = _Waiting(request_id, list(tokens), on_done, on_reserved, time.monotonic() + wait_s, groups)
         if self.waiting or not self._try(w):
@@ -215,7 +215,7 @@ class IncomingPrefix:
     """A cached prefix arriving into reserved blocks (`KVIntake.reserve_prefix`), which the prefill of one request
     may compute over while it lands. The scheduler admits that request once the prefix's first layer group has
     landed (`started`; other requests go first meanwhile), with `blocks` as its cached prefix, and before each
-    layer group of its first chunk runs, the engine calls `take(llm, hi, row)`: wait until the prefix's layers below
+    layer group of its first chunk runs, the engine calls `take(kv, hi, row)`: wait until the prefix's layers below
     hi have landed and import them (blocks, and request-level state into the request's row, where the chunk
     reads its state from). `arrived` ends it: the rest is imported and the blocks are cached as prefix cache (a
     model with request-level state also keeps a snapshot at the prefix's end), or released. Engine thread."""
@@ -251,23 +251,23 @@ class IncomingPrefix:
         """Every layer has landed (a prefill over it may import it whole and run unstaged)."""
         return self.recv.layers_landed(self.recv.layout.num_layers)
 
-    def take(self, llm, hi: int, row: int) -> bool:
+    def take(self, kv, hi: int, row: int) -> bool:
         """Wait until the prefix's layers [0, hi) have landed (until the transfer's deadline) and import those not
         imported yet -> True; False when it failed or timed out (`error` says why; nothing more is waited for)."""
         if self.ended:  # imported whole already (request-level state to its snapshot, not to `row`)
-            return self.error is None and not llm.layout.has_request_state
+            return self.error is None and not kv.layout.has_request_state
         if self.error is None and not self.recv.wait_layers(hi, max(0.0, self.recv.deadline - time.monotonic())):
             self.error = self.recv.state.reason or f"the prefix's layers below {hi} did not arrive in time"
         if self.error is not None:
             return False
         new = set(self.recv.groups_below(hi)) - self.imported
         if new:
-            llm.runner.import_kv(self.recv.staging, self.recv.landed_arrays(), self.blocks[self.skip:], row, new,
-                                 wait=False)  # the region outlives it: `arrived` settles before releasing
+            kv.import_kv(self.recv.staging, self.recv.landed_arrays(), self.blocks[self.skip:], row, new,
+                         wait=False)  # the region outlives it: `arrived` settles before releasing
             self.imported |= new
         return True
 
-    def arrived(self, llm) -> str | None:
+    def arrived(self, kv) -> str | None:
         """The transfer ended: import what no prefill took (all of it again where a snapshot of the request-level
         state is kept: what a prefill took went to its own row), cache the blocks and drop the reservation's
         references -> None; or release them -> the reason it failed."""
@@ -275,20 +275,20 @@ class IncomingPrefix:
         error = None if recv.state.poll() is KVPoll.DONE else recv.state.reason
         try:
             if error is None:
-                row = llm.prefix_row(self.hashes)
+                row = kv.prefix_row(self.hashes)
                 rest = {a.layer_group for a in recv.staging.arrays}
-                if row == llm.layout.scratch_row:
+                if row == kv.scratch_row:
                     rest -= self.imported
                 if rest:
-                    llm.runner.import_kv(recv.staging, recv.arrays(), self.blocks[self.skip:], row, rest)
-                llm.cache_arrived(self.blocks, self.tokens, self.hashes, row)
+                    kv.import_kv(recv.staging, recv.arrays(), self.blocks[self.skip:], row, rest)
+                kv.cache_arrived(self.blocks, self.tokens, self.hashes, row)
         except Exception as e:  # noqa: BLE001 - a failed import releases the blocks like a failed transfer
             log.exception("%s: importing a cached prefix failed", self.request_id)
             error = f"import failed: {type(e).__name__}: {e}"
         finally:
-            llm.blocks.free(self.blocks)
+            kv.free(self.blocks)
             if self.imported:
-                llm.runner.settle()
+                kv.settle()
             recv.release()
         self.error = self.error or error
         return error

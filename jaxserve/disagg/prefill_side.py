@@ -1,9 +1,10 @@
 """Prefill instance: after a request's last prompt chunk, hand its KV to a `KVSender` instead of decoding it.
 
-A `Handoff` is attached to the sequence (`Sequence.handoff`) when the request is queued, with where decode
+A `Handoff` is attached to the sequence (`Sequence.transfer.out`) when the request is queued, with where decode
 reserved the KV (its block ids, the prefix blocks it already holds) and the link to it. Before the step that runs
-the request's last prompt chunk, the engine thread calls `begin`: it builds the plan (FlowKV runs of sender vs
-receiver blocks) and starts the sender (the plan frame goes out). With `layers_per_group` the step then runs as
+the request's last prompt chunk, the engine thread calls `begin` with the engine's KVConnector (engine/connector.py,
+all of the engine this module uses): it builds the plan (FlowKV runs of sender vs receiver blocks) and starts the
+sender (the plan frame goes out). With `layers_per_group` the step then runs as
 one program per layer group and, as each is dispatched, `export(k)` dispatches that group's export program: the
 device arrays go to the `Feeder` thread, which waits for each (JAX dispatch is asynchronous: group k's KV is sent
 while groups k+1.. still compute; on an accelerator the group's copy to host memory is started as it is
@@ -91,41 +92,39 @@ class Handoff:
     sender: KVSender | None = field(default=None, init=False)
     ends: bool = field(default=False, init=False)  # the first token ends the request (set by the engine)
 
-    def groups(self, llm) -> list[tuple[int, int]] | None:
+    def groups(self, kv) -> list[tuple[int, int]] | None:
         """The layer groups the step is to run as (None: one program, everything exported after it)."""
-        groups = layer_groups(llm.runner.layout.num_layers, self.layers_per_group)
+        groups = layer_groups(kv.layout.num_layers, self.layers_per_group)
         return groups if len(groups) > 1 else None
 
-    def begin(self, llm, seq) -> None:
-        """Plan the transfer and send the plan."""
-        self._start(llm, seq.block_ids, seq.slot, self.request_id or seq.request_id)
+    def begin(self, kv, seq) -> None:
+        """Plan the transfer and send the plan (kv: the engine's KVConnector)."""
+        self._start(kv, seq.block_ids, seq.slot, self.request_id or seq.request_id)
         for c in self.copies:
-            c.begin(llm, seq)
+            c.begin(kv, seq)
 
     @property
     def begun(self) -> bool:
         return self.sender is not None
 
-    def send_cached(self, llm, blocks: list[int], row: int) -> None:
+    def send_cached(self, kv, blocks: list[int], row: int) -> None:
         """Send KV that is already in the pool (a cached prefix: `blocks` and the state in `row`,
-        LLMEngine.cached_prefix) with no step: plan, every group's export, and an empty first-token record."""
-        self._start(llm, blocks, row, self.request_id)
+        KVConnector.cached_prefix) with no step: plan, every group's export, and an empty first-token record."""
+        self._start(kv, blocks, row, self.request_id)
         for k in range(len(self._groups)):
             self.export(k)
         self.feeder.put(self.sender, [], {"token": None})
 
-    def _start(self, llm, blocks: list[int], row: int, request_id: str) -> None:
-        eng = llm.runner
-        layout = eng.layout
-        dtype = llm.dtype_name
+    def _start(self, kv, blocks: list[int], row: int, request_id: str) -> None:
+        layout, dtype = kv.layout, kv.dtype_name
         self._groups = layer_groups(layout.num_layers, self.layers_per_group)
         plan = TransferPlan.build(layout, dtype, self.kv_tokens, blocks, self.dst_blocks, self.skip,
-                                  self._groups, eng.head_parts)
+                                  self._groups, kv.head_parts)
         plan.shm_base = self.shm_base  # the receiver refuses the plan unless that is its region's offset
         self._staging = plan.check(layout, dtype, self.dst_blocks, self.kv_tokens, self.skip)
         self.sender = KVSender(request_id, self.link, plan, self._staging, shm_base=self.shm_base)
         self.sender.start()
-        self._runner, self._row = eng, row
+        self._kv, self._row = kv, row
         self._blocks = blocks[self.skip:self.skip + plan.nblocks]
         self._exported: set[int] = set()
 
@@ -135,7 +134,7 @@ class Handoff:
         if k in self._exported:
             return
         self._exported.add(k)
-        items = self._runner.export_kv(self._staging, k, self._blocks, self._row)
+        items = self._kv.export(self._staging, k, self._blocks, self._row)
         if not isinstance(self.link, PullLink):  # sent from host memory: its copy there starts now
             start_host_copy(items)
         self.feeder.put(self.sender, items, None)

@@ -9,11 +9,11 @@ and a worker's prefix calls may ask of the engine, and all they may ask (`LLMEng
   `cached_prefix` finds a prefix of the prefix cache to send with no step.
 - **Step side** (LLMEngine.step calls these): `stage` plans how a prefill step runs for the transfers of its
   requests (the hand-offs of those whose last prompt chunk runs begin; the prefixes still arriving are waited for
-  layer group by layer group); after it ran, `settle` ends each chunk's wait for its prefix (one that failed to
+  layer group by layer group); after it ran, `settle_chunk` ends each chunk's wait for its prefix (one that failed to
   arrive sends its request back to be computed here) and `hand_off` finishes a hand-off with the first token.
 
-A request's transfer is its `Sequence.transfer` (`Transfer`): where its KV goes (`out`, an `Outgoing`: a
-disagg.prefill_side.Handoff) and the cached prefix arriving for it (`into`, an `Incoming`: a
+A request's transfer is its `Sequence.transfer` (sequence.py `Transfer`): where its KV goes (`out`, an
+`Outgoing`: a disagg.prefill_side.Handoff) and the cached prefix arriving for it (`into`, an `Incoming`: a
 disagg.decode_side.IncomingPrefix). Engine thread only.
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Callable
 
 from jaxserve.transfer.segments import OutOfBlocks
 
@@ -37,44 +37,6 @@ if TYPE_CHECKING:
     from .sequence import Sequence
 
 log = logging.getLogger("jaxserve.engine")
-
-
-class Outgoing(Protocol):
-    """Where a request's KV goes instead of decoding here (disagg.prefill_side.Handoff)."""
-    ends: bool  # the first token ends the request (set by `hand_off`)
-
-    @property
-    def begun(self) -> bool: ...
-    def groups(self, connector: KVConnector) -> list[tuple[int, int]] | None: ...
-    def begin(self, connector: KVConnector, seq: Sequence) -> None: ...
-    def export(self, k: int) -> None: ...
-    def finish(self, prefix: Prefix) -> None: ...
-    def abort(self, reason: str) -> None: ...
-
-
-class Incoming(Protocol):
-    """A cached prefix arriving for a request, which its prefill computes over as it lands
-    (disagg.decode_side.IncomingPrefix)."""
-    tokens: list[int]
-    blocks: list[int]
-    skip: int
-    groups: list[tuple[int, int]] | None
-    error: str | None
-
-    @property
-    def pending(self) -> bool: ...
-    @property
-    def started(self) -> bool: ...
-    @property
-    def landed(self) -> bool: ...
-    def take(self, connector: KVConnector, hi: int, row: int) -> bool: ...
-
-
-@dataclass(eq=False)
-class Transfer:
-    """A request's KV crossing instances (`Sequence.transfer`)."""
-    out: Outgoing | None = None  # prefill side: where its KV goes instead of decoding here
-    into: Incoming | None = None  # its cached prefix, still arriving from another instance
 
 
 @dataclass(eq=False)
@@ -96,7 +58,10 @@ class Stages:
 
 class KVConnector:
     def __init__(self, llm: LLMEngine):
+        import numpy as np
         self._llm = llm
+        self._load_buf = np.empty(0, np.uint8)  # load_prefix's staging region
+        self.prefix_loads = {"one_pass": 0, "staged": 0}  # load_prefix's copies out of a store's pool, by path
 
     # ---- facts
     @property
@@ -216,6 +181,65 @@ class KVConnector:
         if llm.runner.shared is not None:
             llm.runner.shared.publish(blocks, hashes, row, hashes[-1] if row != llm.layout.scratch_row else None)
 
+    # ---- receiving side: the global KV store's shared pool (cache/shared_pool.py), prefixes read in place
+    def load_prefix(self, tokens, src, groups: list[tuple[int, int]] | None = None) -> int:
+        """Copy a cached prefix (whole blocks) from another pool on this host (`src`: the store's
+        SharedPool) into this instance's prefix cache, without a call to the store: its blocks (and the snapshot
+        at its end) found by hash, copied and checked untouched by the store meanwhile. The copy is one program
+        straight from the store's arrays (cache/pool_copy.py) once LLMEngine.prepare_loads compiled it for that store;
+        else they are staged on the host in the layer groups `groups` (default: one) and imported with the
+        import program that KV arriving over the transfer layer in those groups runs (warmed with them): nothing
+        compiles -> the bytes copied. Raises shared_pool.Missed (the store no longer holds it, a write raced the
+        read, or no snapshot row is free here for a model with request-level state: the prefill computes it),
+        RequestError, OutOfBlocks."""
+        from ..cache.shared_pool import Missed
+        llm = self._llm
+        blocks, skip, hashes = self.reserve_prefix(tokens)
+        taken = False  # a snapshot row keyed by the prefix's end that does not hold its state yet
+        try:
+            state = llm.layout.has_request_state
+            src_blocks, src_row, ticket = src.locate(hashes[skip:], hashes[-1] if state else None)
+            n = len(blocks) - skip
+            one_pass = llm.runner.can_copy(src.arrays, n)
+            if not one_pass:  # staged first: a snapshot row is keyed only once the read held
+                st, staged = self._stage_prefix(src, src_blocks, src_row if state else None, ticket, n, groups)
+            row = self.prefix_row(hashes)
+            taken = row != llm.layout.scratch_row
+            if state and not taken:
+                raise Missed("no snapshot row free here for the prefix's state")
+            if one_pass:  # the store's arrays into the pool: the read is checked once the copy is done
+                llm.runner.copy_from(src.views(), src_blocks, blocks[skip:], src_row, row)
+                if not src.intact(ticket):
+                    raise Missed("the store wrote the prefix's blocks while they were read")
+                nbytes = llm.runner.copies.nbytes(src.arrays, n, state)
+            else:
+                llm.runner.import_kv(st, staged, blocks[skip:], row)  # waits: the staging region is read whole
+                nbytes = st.nbytes
+            self.cache_arrived(blocks, tokens, hashes, row)
+            taken = False
+            self.prefix_loads["one_pass" if one_pass else "staged"] += 1
+        finally:
+            if taken:  # the read failed: the row is given back
+                llm.blocks.snapshots.release(hashes[-1])
+            llm.blocks.free(blocks)
+        return nbytes
+
+    def _stage_prefix(self, src, src_blocks: list[int], src_row: int | None, ticket, n: int, groups) -> tuple:
+        """Gather n of the store's blocks (and its state row) into the staging region, checked untouched by the
+        store meanwhile -> (the Staging, its views). Raises shared_pool.Missed."""
+        from jaxserve.transfer.bufpool import aligned_empty
+        from jaxserve.transfer.plan import staging
+        from ..cache.shared_pool import Missed
+        llm = self._llm
+        st = staging(llm.layout, llm.dtype_name, n, groups or [(0, llm.layout.num_layers)])
+        if self._load_buf.nbytes < st.nbytes:  # one region, reused (its pages stay mapped)
+            self._load_buf = aligned_empty(st.nbytes)
+        views = st.views(self._load_buf)
+        src.stage(st, views, src_blocks, src_row)
+        if not src.intact(ticket):
+            raise Missed("the store wrote the prefix's blocks while they were read")
+        return st, views
+
     # ---- sending side
     def export(self, staging, k: int, blocks: list[int], row: int) -> list:
         """Dispatch layer group k's export of `blocks` (and the state in `row`) -> [(array index, device array)]."""
@@ -310,7 +334,7 @@ class KVConnector:
         for h, _ in st.due:
             h.abort(why)
 
-    def settle(self, st: Stages, c: PrefillChunk, changed: list) -> bool:
+    def settle_chunk(self, st: Stages, c: PrefillChunk, changed: list) -> bool:
         """After the step: every layer of chunk c's arriving prefix was waited for by now, or it failed (the request
         no longer waits on it) -> whether the chunk counts (False: its prefix failed to arrive, and the request is
         computed again here or fails)."""

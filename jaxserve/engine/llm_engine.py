@@ -22,9 +22,8 @@ from flax import nnx
 
 from jaxserve.pallas_kernels import check
 from jaxserve.pallas_kernels.select import mode_of, resolve as resolve_kernels
-from jaxserve.transfer.segments import OutOfBlocks
 
-from ..cache.block_manager import BlockManager, block_hashes
+from ..cache.block_manager import BlockManager
 from ..cache.events import CacheEvents
 from ..cache.layout import PoolLayout
 from ..checkpoint import load_any
@@ -38,10 +37,11 @@ from ..structured import GuidedError, Grammars
 from ..tokenizer import Tokenizer
 from . import overlap
 from .client import RequestError, encode
+from .connector import KVConnector
 from .detokenizer import Detokenizer
 from .memory import MAX_DEFAULT_SEQS, activation_bytes, size_cache
 from .migration import Guests, MigrationError, RemoteFailed, facts as migration_facts, plan_move, start_move
-from .runner import DecodeRow, ModelRunner, PrefillRow, Prefix
+from .runner import DecodeRow, ModelRunner, PrefillRow
 from .scheduler import Scheduler, SchedulerConfig
 from .settings import EngineConfig
 from .sequence import Sequence
@@ -126,8 +126,6 @@ class LLMEngine:
                                  self.model_config.max_position_embeddings, cfg.num_blocks * bs)
         self.layout = PoolLayout.build(self.cache_spec, bs, cfg.num_blocks, cfg.max_num_seqs, cfg.num_snapshots)
         self.snapshot_base = cfg.max_num_seqs
-        self._load_buf = np.empty(0, np.uint8)  # load_prefix's staging region
-        self.prefix_loads = {"one_pass": 0, "staged": 0}  # load_prefix's copies out of a store's pool, by path
         self.cache_events = CacheEvents()  # what the router's global KV index follows (cache/events.py)
         self.blocks = BlockManager(cfg.num_blocks, bs, cfg.num_snapshots, cfg.prefix_caching, self.cache_events)
         # the reference and the native paged attention take a traced layer index: then runs of identical layers
@@ -142,9 +140,9 @@ class LLMEngine:
         # where gathering a whole context of the full-attention layers is cheap (hybrid models: few such layers),
         # a chunk after cached tokens reads the full table: one program per chunk bucket instead of one per width
         max_blocks = -(-self.max_model_len // bs)
-        wide = not paged_prefill and max_blocks * sum(
-            int(np.prod(s.shape[1:])) * np.dtype(s.dtype).itemsize
-            for gl, s in zip(self.layout.groups, self.layout.shapes(self.dtype)) if gl.kind == "full") <= WIDE_GATHER_BYTES
+        full_bytes = sum(int(np.prod(s.shape[1:])) * np.dtype(s.dtype).itemsize
+                         for gl, s in zip(self.layout.groups, self.layout.shapes(self.dtype)) if gl.kind == "full")
+        wide = not paged_prefill and max_blocks * full_bytes <= WIDE_GATHER_BYTES
         self.stage_groups: list[tuple[int, int]] | None = None  # a layer-wise prefill instance's (stream_layers)
         if cfg.chunk_size is None:
             self.cfg = cfg = dataclasses.replace(cfg, chunk_size=default_chunk_size(
@@ -159,6 +157,7 @@ class LLMEngine:
                                   stack=LayerStack(layer_runs(self.model_config)
                                                    if paged <= {"reference", "native"} else ()))
         del state  # the runner's params hold the weights (stacked runs: their only copy)
+        self.connector = KVConnector(self)  # what disaggregation may ask of the engine (connector.py)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
             chunk_size=cfg.chunk_size, max_prefill_seqs=cfg.max_prefill_seqs, max_waiting=cfg.max_waiting,
@@ -198,9 +197,11 @@ class LLMEngine:
                    else jax.local_devices()[:1])
         longest = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         size = size_cache(devices=devices, fraction=cfg.memory_fraction, block_bytes=block,
-                          fixed_bytes=pool_bytes(1) - block, weight_bytes=sum(x.nbytes for x in jax.tree.leaves(state)),
+                          fixed_bytes=pool_bytes(1) - block,
+                          weight_bytes=sum(x.nbytes for x in jax.tree.leaves(state)),
                           activations=activation_bytes(mc.hidden_size, mlp, mc.vocab_size,
-                                                       cfg.max_num_batched_tokens + slots, slots + cfg.max_prefill_seqs),
+                                                       cfg.max_num_batched_tokens + slots,
+                                                       slots + cfg.max_prefill_seqs),
                           block_size=bs, max_blocks=slots * -(-longest // bs))
         sized = dataclasses.replace(cfg, num_blocks=size.num_blocks)
         self.cache_line = (f"{size.line}; max_num_seqs {sized.max_num_seqs}"
@@ -278,168 +279,6 @@ class LLMEngine:
             seq.logprobs = [(float(lp), [tuple(t) for t in top]) for lp, top in logprobs]
         return seq
 
-    # ---- disaggregated serving
-    def reserve(self, request_id: str, prompt: list[int], params: SamplingParams, kv_tokens: int,
-                output: list[int] | None = None, logprobs: list | None = None) -> tuple[Sequence, int]:
-        """Decode side: take a slot and blocks for a request whose first `kv_tokens` tokens of KV (of prompt +
-        output: a resumed request, as in add_request) another instance sends. Returns (sequence, leading blocks
-        already held, which are not sent). Raises RequestError, OutOfBlocks (no room now)."""
-        ids = self.encode(prompt)
-        self.validate(ids, params, output)
-        n = len(ids) + len(output or ())
-        if not 0 < kv_tokens <= n:
-            raise RequestError(f"kv_tokens must be in [1, {n}], got {kv_tokens}")
-        if output and kv_tokens == n:
-            raise RequestError("a resumed request leaves its last token to decode: kv_tokens < prompt + output")
-        if request_id in self.requests:
-            raise RequestError(f"duplicate request id {request_id!r}", "request_id")
-        seq = self._sequence(request_id, ids, dataclasses.replace(params, n=1), output, logprobs)
-        skip = self.scheduler.reserve(seq, kv_tokens)
-        self.requests[request_id] = seq
-        return seq, skip
-
-    def kv_arrived(self, seq: Sequence, staging, views, kv_tokens: int, first: dict | None) -> bool:
-        """Decode side: the transfer completed; import it and start decoding. first: the token prefill sampled
-        ({"token", "logprob", "top"}), or None when prefill left the last prompt token to decode. Returns
-        whether the sequence changed (it got its first token)."""
-        skip = seq.num_cached // self.cfg.block_size
-        n = -(-kv_tokens // self.cfg.block_size)
-        self.runner.import_kv(staging, views, seq.block_ids[skip:n], seq.slot)
-        self.scheduler.kv_arrived(seq, kv_tokens)
-        if first is None or first.get("token") is None:
-            return False
-        prefix = Prefix(seq.request_id, seq.slot, seq.block_ids, kv_tokens, int(first["token"]),
-                        float(first.get("logprob", 0.0)), [tuple(t) for t in first.get("top", [])],
-                        self.runner._prompt_mask(seq.prompt, seq.params))
-        self.runner.insert([(prefix, seq.slot)])
-        self._append(seq, prefix.token, prefix.logprob, prefix.top)
-        return True
-
-    # ---- cached prefixes copied between instances (the router's prefix move, router/cluster.py)
-    def _prefix_hashes(self, tokens) -> list[bytes]:
-        bs = self.cfg.block_size
-        if not tokens or len(tokens) % bs:
-            raise RequestError(f"a cached prefix is whole blocks of {bs} tokens, got {len(tokens)} tokens", "prompt")
-        ids = self.encode(list(tokens))
-        self.validate(ids, SamplingParams(max_tokens=1))  # ids in range, room for a token after them
-        return block_hashes(ids, bs)
-
-    def cached_prefix(self, tokens) -> tuple[list[int], int] | None:
-        """Sending side: (block ids, state row) holding the KV of `tokens` (whole blocks) and, for a model with
-        request-level state, the snapshot at their end; None when this instance no longer holds all of it.
-        Read them before the next step (export programs dispatched now read the pool as it is)."""
-        hashes = self._prefix_hashes(tokens)
-        hits, row = self.blocks.cached(hashes, self.layout.has_request_state)
-        if len(hits) < len(hashes) and not self.layout.has_request_state:
-            hits = self._restore(tokens, hashes, hits)
-        if len(hits) < len(hashes):
-            return None
-        return hits, (self.layout.scratch_row if row is None else row + self.snapshot_base)
-
-    def _restore(self, tokens, hashes: list[bytes], hits: list[int]) -> list[int]:
-        """The blocks of `hashes` with those after the cached `hits` brought back from the disk tier (as many as
-        follow on there, into fresh blocks, cached again) -> the blocks now cached for them, a chain."""
-        n = self.blocks.spilled(hashes, len(hits))
-        data = []
-        for h in hashes[len(hits):len(hits) + n]:
-            d = self.blocks.spill.load(h)
-            if d is None:
-                break
-            data.append(d)
-        if not data:
-            return hits
-        bs = self.cfg.block_size
-        try:
-            ids = self.blocks.allocate(hits, (len(hits) + len(data)) * bs)
-        except OutOfBlocks:
-            return hits
-        self.runner.write_blocks(ids[len(hits):], data)
-        k = len(ids)
-        self.cache_arrived(ids, list(tokens)[:k * bs], hashes[:k], self.layout.scratch_row)
-        self.blocks.free(ids)
-        return ids
-
-    def reserve_prefix(self, tokens) -> tuple[list[int], int, list[bytes]]:
-        """Receiving side: blocks for the KV of `tokens` (whole blocks) that another instance's prefix cache
-        sends, the leading ones this instance holds skipped (never the last: with it comes the state). Returns
-        (block ids, skip, the tokens' chain hashes). Raises RequestError, OutOfBlocks. Ended by
-        disagg.decode_side.IncomingPrefix.arrived."""
-        hashes = self._prefix_hashes(tokens)
-        hits, _ = self.blocks.cached(hashes[:-1], False)
-        return self.blocks.allocate(hits, len(tokens)), len(hits), hashes
-
-    def prefix_row(self, hashes: list[bytes]) -> int:
-        """Receiving side: the state row a cached prefix's request-level state goes to (a snapshot keyed by its
-        last block's hash, when the model has such state and the snapshot pool room; else the scratch row)."""
-        row = None
-        if self.layout.has_request_state and self.blocks.snapshots.capacity:
-            row = self.blocks.snapshots.acquire(hashes[-1])
-        return self.layout.scratch_row if row is None else row + self.snapshot_base
-
-    def cache_arrived(self, blocks: list[int], tokens, hashes: list[bytes], row: int) -> None:
-        """KV for `tokens` (whole blocks) written into `blocks` (and the state at their end into snapshot row
-        `row`) becomes prefix cache; a store's shared pool makes it readable in place (cache/shared_pool.py)."""
-        self.blocks.register(blocks, tokens, len(tokens), hashes)
-        if self.runner.shared is not None:
-            self.runner.shared.publish(blocks, hashes, row, hashes[-1] if row != self.layout.scratch_row else None)
-
-    # ---- the global KV store's shared pool (cache/shared_pool.py): prefixes read in place on its host
-    def load_prefix(self, tokens, src, groups: list[tuple[int, int]] | None = None) -> int:
-        """Reading side: copy a cached prefix (whole blocks) from another pool on this host (`src`: the store's
-        SharedPool) into this instance's prefix cache, without a call to the store: its blocks (and the snapshot
-        at its end) found by hash, copied and checked untouched by the store meanwhile. The copy is one program
-        straight from the store's arrays (cache/pool_copy.py) once `prepare_loads` compiled it for that store;
-        else they are staged on the host in the layer groups `groups` (default: one) and imported with the
-        import program that KV arriving over the transfer layer in those groups runs (warmed with them): nothing
-        compiles -> the bytes copied. Raises shared_pool.Missed (the store no longer holds it, a write raced the
-        read, or no snapshot row is free here for a model with request-level state: the prefill computes it),
-        RequestError, OutOfBlocks."""
-        from ..cache.shared_pool import Missed
-        blocks, skip, hashes = self.reserve_prefix(tokens)
-        taken = False  # a snapshot row keyed by the prefix's end that does not hold its state yet
-        try:
-            state = self.layout.has_request_state
-            src_blocks, src_row, ticket = src.locate(hashes[skip:], hashes[-1] if state else None)
-            n = len(blocks) - skip
-            one_pass = self.runner.can_copy(src.arrays, n)
-            if not one_pass:  # staged first: a snapshot row is keyed only once the read held
-                st, staged = self._stage_prefix(src, src_blocks, src_row if state else None, ticket, n, groups)
-            row = self.prefix_row(hashes)
-            taken = row != self.layout.scratch_row
-            if state and not taken:
-                raise Missed("no snapshot row free here for the prefix's state")
-            if one_pass:  # the store's arrays into the pool: the read is checked once the copy is done
-                self.runner.copy_from(src.views(), src_blocks, blocks[skip:], src_row, row)
-                if not src.intact(ticket):
-                    raise Missed("the store wrote the prefix's blocks while they were read")
-                nbytes = self.runner.copies.nbytes(src.arrays, n, state)
-            else:
-                self.runner.import_kv(st, staged, blocks[skip:], row)  # waits: the staging region is read whole
-                nbytes = st.nbytes
-            self.cache_arrived(blocks, tokens, hashes, row)
-            taken = False
-            self.prefix_loads["one_pass" if one_pass else "staged"] += 1
-        finally:
-            if taken:  # the read failed: the row is given back
-                self.blocks.snapshots.release(hashes[-1])
-            self.blocks.free(blocks)
-        return nbytes
-
-    def _stage_prefix(self, src, src_blocks: list[int], src_row: int | None, ticket, n: int, groups) -> tuple:
-        """Gather n of the store's blocks (and its state row) into the staging region, checked untouched by the
-        store meanwhile -> (the Staging, its views). Raises shared_pool.Missed."""
-        from jaxserve.transfer.bufpool import aligned_empty
-        from jaxserve.transfer.plan import staging
-        from ..cache.shared_pool import Missed
-        st = staging(self.layout, self.dtype_name, n, groups or [(0, self.layout.num_layers)])
-        if self._load_buf.nbytes < st.nbytes:  # one region, reused (its pages stay mapped)
-            self._load_buf = aligned_empty(st.nbytes)
-        views = st.views(self._load_buf)
-        src.stage(st, views, src_blocks, src_row)
-        if not src.intact(ticket):
-            raise Missed("the store wrote the prefix's blocks while they were read")
-        return st, views
-
     def prepare_loads(self, src) -> int:
         """Compile the one-pass copy out of store pool `src` (a SharedPool, or its arrays as ShapeDtypeStructs:
         SharedPool.shapes); any thread -> the programs compiled (0 or 1)."""
@@ -475,107 +314,80 @@ class LLMEngine:
 
     # ---- one iteration
     def step(self) -> list[Sequence]:
-        """One iteration -> the requests that changed (new tokens, finished). With a decode step in flight
-        (engine/overlap.py): the next one dispatched when the engine can step ahead, then the one in flight read."""
+        """One iteration: schedule, run, record -> the requests that changed (new tokens, finished). With a decode
+        step in flight (engine/overlap.py): the next one dispatched when the engine can step ahead, then the one in
+        flight read."""
         if self._ahead is not None:
             return self._step_ahead()
         self.timer.begin()
         plan = self.scheduler.schedule()
         self.timer.mark("schedule")
         changed, self._unreported = self._unreported, []
-        decoded = None  # the decode rows' tokens, when a mixed step computed them with the prefill chunks
         for seq in plan.preempted:  # recomputed from its tokens: whatever part of it ran on a helper ends
             seq.migration = None
         local = [s for s in plan.decodes if s.migration is None]  # the rest run partly on a helper
-        if plan.prefills:
-            rows = []
-            for c in plan.prefills:
-                seq = c.seq
-                src = seq.state_src + self.snapshot_base if seq.state_src is not None else seq.slot
-                snap = c.snapshot_row + self.snapshot_base if c.snapshot_row is not None else None
-                rows.append(PrefillRow(seq.request_id, seq.tokens[c.start:c.end], c.start, seq.block_ids, src,
-                                       seq.slot, snap, c.last, seq.params, len(seq.output),
-                                       seq.tokens if c.last else None))
-            # prefill instance: requests whose last chunk runs now hand their KV to decode elsewhere. With
-            # layer-wise streaming the step runs as layer groups and each group's KV is exported as soon as
-            # its program is dispatched, so it travels while the later groups compute. A request whose cached
-            # prefix is still arriving (`incoming`) waits for each group's part of it before that group runs
-            # (and starts its hand-off once the first part is in): fetch, compute and export overlap.
-            for c in plan.prefills:  # a prefix that has landed whole is imported now: its prefill runs unstaged
-                inc = c.seq.incoming
-                if inc is not None and inc.pending and inc.landed \
-                        and inc.take(self, self.layout.num_layers, c.seq.slot):
-                    c.seq.incoming = None
-            due = [(c.seq.handoff, c.seq) for c in plan.prefills if c.last and c.seq.handoff is not None]
-            fetching = [c.seq for c in plan.prefills if c.seq.incoming is not None]
-            stages, streamed, staged = None, [], {s.request_id for s in fetching}
-            for h, seq in due:
-                groups = h.groups(self)
-                if seq.incoming is None:
-                    h.begin(self, seq)
-                if groups is not None and (stages is None or groups == stages):
-                    stages = groups
-                    streamed.append((h, seq))
-                    staged.add(seq.request_id)
-            if stages is None and fetching:
-                stages = next((s.incoming.groups for s in fetching if s.incoming.groups), None)
-            stages = stages or self.stage_groups
-            spoiled: dict[Sequence, str] = {}  # fetching requests whose prefix did not arrive: why
-            deferred = {seq for _, seq in due if seq.incoming is not None}  # hand-offs begun by _fetch
-            before_stage = (lambda k: self._fetch(fetching, (stages or [(0, self.layout.num_layers)])[k][1], k,
-                                                  deferred, spoiled)) if fetching else None
-            on_stage = (lambda k: [h.export(k) for h, seq in streamed if seq not in spoiled]) if streamed else None
-            if self.runner.paged_prefill and local and not due and not fetching:
-                # one packed program for the prefill chunks and the decode tokens: the weights read once
-                prefixes, decoded = self.runner.mixed(rows, self._decode_rows(local), self._masks)
-            else:
-                try:
-                    prefixes = self.runner.prefill(rows, stages, on_stage, staged, before_stage, self._masks)
-                except BaseException as e:
-                    for h, _ in due:
-                        h.abort(f"prefill step failed: {type(e).__name__}: {e}")
-                    raise
-            inserts = []
-            for c, prefix in zip(plan.prefills, prefixes):
-                c.seq.incoming = None  # every layer of its prefix was waited for, or it failed
-                if c.seq in spoiled:
-                    self._refetch(c.seq, spoiled[c.seq], changed)
-                    continue
-                self.scheduler.complete_prefill(c)
-                if prefix is not None and c.seq.handoff is not None:
-                    # the remaining layer groups (all of them when not streamed) and the first token leave
-                    # now; the blocks stay here as prefix cache
-                    c.seq.handoff.finish(prefix)
-                    # the first token as decode will record it (text, logprobs); whether it ends the request
-                    c.seq.handoff.ends = self._record(c.seq, prefix.token, prefix.logprob, prefix.top) is not None
-                    c.seq.finish_time = time.monotonic()
-                    self.scheduler.finish(c.seq, "handoff")
-                    changed.append(c.seq)
-                elif prefix is not None:
-                    inserts.append((prefix, c.seq.slot))
-                    self._append(c.seq, prefix.token, prefix.logprob, prefix.top)
-                    changed.append(c.seq)
-            self.runner.insert(inserts)  # the step's new decoders' penalty state, in one program
-            self.timer.mark("prefill.output")
-        if plan.decodes and overlap.can_start(self, plan):  # left in flight: read at the next step
-            rows = self._decode_rows(local)
-            self._ahead = overlap.Ahead(local, rows, self.runner.dispatch(rows))
-            self.timer.mark("decode.prepare")
-        elif plan.decodes:
-            got = dict(zip(local, decoded if decoded is not None else
-                           self.runner.generate(self._decode_rows(local), masks=self._masks) if local else []))
-            for out in {id(s.migration): s.migration for s in plan.decodes if s.migration is not None}.values():
-                got.update(self._remote_decode(out, [s for s in plan.decodes if s.migration is out]))
-            for seq in plan.decodes:
-                if seq in got:
-                    self._append(seq, *got[seq])
-                    changed.append(seq)
-            self.timer.mark("decode.output")
+        decoded = self._prefill(plan, local, changed) if plan.prefills else None
+        if plan.decodes:
+            self._decode(plan, local, decoded, changed)
         if self.outbound:
             self._end_moves()
         self.timer.end("mixed" if plan.prefills and plan.decodes else "prefill" if plan.prefills
                        else "decode" if plan.decodes else "")
         return changed
+
+    def _prefill(self, plan, local: list[Sequence], changed: list) -> list | None:
+        """Run the step's prefill chunks and record what they produced -> the decode rows' tokens where one packed
+        program computed them with the chunks (the weights read once), else None. The transfers of the step's
+        requests (hand-offs to decode elsewhere, prefixes still arriving) shape how it runs (connector.py)."""
+        rows = []
+        for c in plan.prefills:
+            seq = c.seq
+            src = seq.state_src + self.snapshot_base if seq.state_src is not None else seq.slot
+            snap = c.snapshot_row + self.snapshot_base if c.snapshot_row is not None else None
+            rows.append(PrefillRow(seq.request_id, seq.tokens[c.start:c.end], c.start, seq.block_ids, src,
+                                   seq.slot, snap, c.last, seq.params, len(seq.output),
+                                   seq.tokens if c.last else None))
+        st = self.connector.stage(plan)
+        decoded = None
+        if self.runner.paged_prefill and local and not st.transfers:
+            prefixes, decoded = self.runner.mixed(rows, self._decode_rows(local), self._masks)
+        else:
+            try:
+                prefixes = self.runner.prefill(rows, st.groups, st.after, st.staged, st.before, self._masks)
+            except BaseException as e:
+                self.connector.abort(st, f"prefill step failed: {type(e).__name__}: {e}")
+                raise
+        inserts = []
+        for c, prefix in zip(plan.prefills, prefixes):
+            if not self.connector.settle_chunk(st, c, changed):
+                continue
+            self.scheduler.complete_prefill(c)
+            if prefix is None or self.connector.hand_off(c.seq, prefix, changed):
+                continue
+            inserts.append((prefix, c.seq.slot))
+            self._append(c.seq, prefix.token, prefix.logprob, prefix.top)
+            changed.append(c.seq)
+        self.runner.insert(inserts)  # the step's new decoders' penalty state, in one program
+        self.timer.mark("prefill.output")
+        return decoded
+
+    def _decode(self, plan, local: list[Sequence], decoded: list | None, changed: list) -> None:
+        """Run the step's decode rows (or take their tokens from the packed step) and record them; a steady step
+        is left in flight instead where the engine can step ahead (read at the next step)."""
+        if overlap.can_start(self, plan):
+            rows = self._decode_rows(local)
+            self._ahead = overlap.Ahead(local, rows, self.runner.dispatch(rows))
+            self.timer.mark("decode.prepare")
+            return
+        got = dict(zip(local, decoded if decoded is not None else
+                       self.runner.generate(self._decode_rows(local), masks=self._masks) if local else []))
+        for out in {id(s.migration): s.migration for s in plan.decodes if s.migration is not None}.values():
+            got.update(self._remote_decode(out, [s for s in plan.decodes if s.migration is out]))
+        for seq in plan.decodes:
+            if seq in got:
+                self._append(seq, *got[seq])
+                changed.append(seq)
+        self.timer.mark("decode.output")
 
     def _step_ahead(self, go_on: bool = True) -> list[Sequence]:
         """The step in flight read (and its tokens recorded) after the next one is dispatched, where the engine
@@ -608,30 +420,6 @@ class LLMEngine:
             self._unreported = self._step_ahead(go_on=False)
 
     # ---- migration (engine/migration.py)
-    def _fetch(self, seqs: list[Sequence], hi: int, k: int, deferred: set, spoiled: dict) -> None:
-        """Before a prefill step's layer group k runs: every fetching request's prefix up to layer hi is in the
-        pool (waited for and imported), and the deferred hand-offs begin once the first group is in; a request
-        whose prefix failed is spoiled (its rows compute on and are thrown away)."""
-        for seq in seqs:
-            if seq in spoiled:
-                continue
-            if not seq.incoming.take(self, hi, seq.slot):
-                spoiled[seq] = seq.incoming.error
-            elif k == 0 and seq in deferred:
-                seq.handoff.begin(self, seq)
-
-    def _refetch(self, seq: Sequence, error: str, changed: list) -> None:
-        """A fetching request's prefix failed during its first chunk: recomputed whole, unless its hand-off had
-        started sending (then it fails; the router retries it)."""
-        why = f"its cached prefix did not arrive: {error}"
-        if seq.handoff is not None and seq.handoff.begun:
-            seq.handoff.abort(why)
-            self.fail(seq, why)
-            changed.append(seq)
-        else:
-            log.warning("%s: %s; computing it here", seq.request_id, why)
-            self.scheduler.requeue(seq)
-
     def migrate(self, kind: str, heads: list[int] | None, layers: list[int] | None, src: str, dst: str,
                 link) -> dict:
         """Move part of the decode work of the requests decoding here now to helper `dst` (`link` carries the
@@ -639,7 +427,7 @@ class LLMEngine:
         range, the helper refusing)."""
         spec = plan_move(self, kind, heads, layers)
         self._settle()
-        seqs = [s for s in self.scheduler.running if s.migration is None and s.handoff is None
+        seqs = [s for s in self.scheduler.running if s.migration is None and s.transfer.out is None
                 and not s.awaiting_kv and not s.is_prefilling and s.output]
         if not seqs:
             raise MigrationError(f"nothing is decoding on {src} (or all of it has moved already)", "src")
@@ -751,6 +539,6 @@ class LLMEngine:
                 "busy": round(self.timer.busy(), 4), "swapped": self.scheduler.num_preempted_waiting(),
                 "prefix_hit_rate": b.hit_rate, "compiled_programs": len(self.runner.programs),
                 "preemptions": self.scheduler.num_preemptions, "kernel_fallbacks": len(self.kernel_fallbacks),
-                **{f"prefix_loads_{k}": v for k, v in self.prefix_loads.items()},
+                **{f"prefix_loads_{k}": v for k, v in self.connector.prefix_loads.items()},
                 **migration_facts(self, used), **(b.spill.stats() if b.spill is not None else {})}
 

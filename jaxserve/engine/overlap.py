@@ -45,7 +45,7 @@ class Ahead:
 def _plain(seq) -> bool:
     """Whether `seq` decodes here with nothing but its tokens: no KV awaited, no constraint, no helper."""
     return (not seq.is_prefilling and not seq.awaiting_kv and seq.guide is None and seq.migration is None
-            and seq.handoff is None and not seq.kv_partial)
+            and seq.transfer.out is None and not seq.kv_partial)
 
 
 def can_start(engine, plan) -> bool:

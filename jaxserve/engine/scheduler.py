@@ -15,7 +15,7 @@ step; `complete_prefill()` / `complete_decode()` apply its results.
 - Disaggregated decode: `reserve()` admits a request whose KV another instance computes (decode reserves
   cache first). It holds its slot and blocks but is skipped by planning and never preempted until
   `kv_arrived()`; the transfer writes into those blocks meanwhile.
-- A prefix still arriving from another instance (`Sequence.incoming`, the global KV store's pipelined load)
+- A prefix still arriving from another instance (`Sequence.transfer.into`, the global KV store's pipelined load)
   is taken as cached at admission, in the blocks its transfer fills, unless this instance's own cache holds as
   much. Its request is admitted once the prefix's first layer group has landed (requests behind it go first
   meanwhile); the engine waits for the later groups as the first chunk runs.
@@ -40,7 +40,7 @@ from .sequence import Sequence, Status
 def _gated(seq: Sequence) -> bool:
     """A waiting request whose cached prefix is arriving but whose first layer group has not landed yet: not
     admitted until it has (its step would only wait for it), or until the load ends either way."""
-    inc = seq.incoming
+    inc = seq.transfer.into
     return inc is not None and inc.pending and not inc.started
 
 
@@ -231,12 +231,12 @@ class Scheduler:
     def _admit(self, seq: Sequence) -> bool:
         tokens = seq.tokens
         hits, cached, row = self.blocks.match(tokens, self.cfg.has_request_state)
-        inc, bs = seq.incoming, self.cfg.block_size
+        inc, bs = seq.transfer.into, self.cfg.block_size
         n = min(len(inc.blocks), (len(tokens) - 1) // bs) if inc is not None and inc.pending else 0
         if n * bs > cached:  # (a token is left to compute)
             hits, cached, row = inc.blocks[:n], n * bs, None
         else:
-            seq.incoming = None
+            seq.transfer.into = None
         try:
             seq.block_ids = self.blocks.allocate(hits, len(tokens))
         except OutOfBlocks:
@@ -301,7 +301,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         self._release(seq)
         seq.status, seq.num_computed, seq.state_src, seq.kv_partial = Status.WAITING, 0, None, False
-        seq.incoming = None  # what arrives meanwhile is matched in the prefix cache at its next admission
+        seq.transfer.into = None  # what arrives meanwhile is matched in the prefix cache at its next admission
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)

@@ -1,12 +1,59 @@
-"""One request as the scheduler sees it: tokens, cache blocks, decode slot, progress, outcome."""
+"""One request as the scheduler sees it: tokens, cache blocks, decode slot, progress, outcome; and its KV crossing
+instances (`Transfer`: the engine's side of disaggregation, engine/connector.py)."""
 
 from __future__ import annotations
 
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 from ..sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from ..structured import Guide
+    from .connector import KVConnector
+    from .detokenizer import Detokenizer
+    from .migration import Outbound
+    from .runner import Prefix
+
+
+class Outgoing(Protocol):
+    """Where a request's KV goes instead of decoding here (disagg.prefill_side.Handoff)."""
+    ends: bool  # the first token ends the request (set by KVConnector.hand_off)
+
+    @property
+    def begun(self) -> bool: ...
+    def groups(self, connector: KVConnector) -> list[tuple[int, int]] | None: ...
+    def begin(self, connector: KVConnector, seq: Sequence) -> None: ...
+    def export(self, k: int) -> None: ...
+    def finish(self, prefix: Prefix) -> None: ...
+    def abort(self, reason: str) -> None: ...
+
+
+class Incoming(Protocol):
+    """A cached prefix arriving for a request, which its prefill computes over as it lands
+    (disagg.decode_side.IncomingPrefix)."""
+    tokens: list[int]
+    blocks: list[int]
+    skip: int
+    groups: list[tuple[int, int]] | None
+    error: str | None
+
+    @property
+    def pending(self) -> bool: ...
+    @property
+    def started(self) -> bool: ...
+    @property
+    def landed(self) -> bool: ...
+    def take(self, connector: KVConnector, hi: int, row: int) -> bool: ...
+
+
+@dataclass(eq=False)
+class Transfer:
+    """A request's KV crossing instances (`Sequence.transfer`; engine/connector.py runs it)."""
+    out: Outgoing | None = None  # prefill side: where its KV goes instead of decoding here
+    into: Incoming | None = None  # its cached prefix, still arriving from another instance
 
 
 class Status(enum.Enum):
@@ -35,17 +82,16 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
-    detok: object = None  # engine/detokenizer.py Detokenizer
+    detok: Detokenizer | None = None
     awaiting_kv: bool = False  # decode side of a disaggregated request: blocks reserved, KV not yet arrived
-    handoff: object = None  # prefill side: disagg.prefill_side.Handoff, sends the KV instead of decoding here
+    transfer: Transfer = field(default_factory=Transfer)  # its KV crossing instances
     decode_snapshot: int | None = None  # this decode step also saves its request-level state in this row
     snapshot_hash: bytes | None = None  # the chain hash the row it saved during decode is keyed by
     hashes: list[bytes] = field(default_factory=list)  # chain hashes of its full blocks computed so far
-    migration: object = None  # engine.migration.Outbound while part of its decode runs on a helper instance
+    migration: Outbound | None = None  # while part of its decode runs on a helper instance
     kv_partial: bool = False  # layers of its KV in the pool miss the tokens decoded while they ran on a helper
     migrations: list[dict] = field(default_factory=list)  # the migrations it went through: kind, src, dst
-    incoming: object = None  # disagg.decode_side.IncomingPrefix: its cached prefix, still arriving
-    guide: object = None  # structured.Guide: the grammar its output follows (structured outputs)
+    guide: Guide | None = None  # the grammar its output follows (structured outputs)
 
     @property
     def tokens(self) -> list[int]:

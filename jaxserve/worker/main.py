@@ -87,7 +87,7 @@ class Worker:
         self.peers = Peers(cfg, inst, self.pull_server, self.tls.client_context() if self.tls else None)
         # every instance receives KV: a decode instance its requests', any instance a cached prefix moved to it
         from ..disagg.decode_side import KVIntake
-        self.intake = KVIntake(self.llm, t.token, self.engine.post, inst.host, inst.kv_port,
+        self.intake = KVIntake(self.llm.connector, t.token, self.engine.post, inst.host, inst.kv_port,
                                t.recv_pool_mb << 20, t.deadline_s, shared=t.shared_memory,
                                puller=self.pull_server, timeouts=t.timeouts(), pull_from=self.peers.pull_source,
                                tls=self.tls.server_context() if self.tls else None)
@@ -338,9 +338,9 @@ class Worker:
                     raise RequestError(f"prefix_from.import_id: {pf.import_id!r} carries another prefix than the "
                                        f"prompt's first {pf.tokens} tokens")
                 seqs = eng.add_request(rid, prompt, params)
-                seqs[0].handoff = handoff
+                seqs[0].transfer.out = handoff
                 if inc is not None and inc.pending:
-                    seqs[0].incoming = inc
+                    seqs[0].transfer.into = inc
                     over.append(inc)
                 return seqs, None
             q, _ = await self.engine.attach(rid, add)

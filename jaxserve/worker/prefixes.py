@@ -108,9 +108,9 @@ class PrefixCalls:
                           self.cfg.transfer.layers_per_group, request_id=req.request_id, shm_base=shm_base)
 
         def send(eng) -> bool:
-            found = eng.cached_prefix(tokens)
+            found = eng.connector.cached_prefix(tokens)
             if found is not None:
-                handoff.send_cached(eng, *found)
+                handoff.send_cached(eng.connector, *found)
             return found is not None
         try:
             sent = await self.w.engine.call(send)
@@ -155,8 +155,9 @@ class PrefixCalls:
         tokens, t0 = list(req.prompt), time.monotonic()
 
         def load(eng):  # -> (bytes, whether copied in one pass); staged (until the one-pass copy is compiled) in
-            before = eng.prefix_loads["one_pass"]  # the layer groups the import programs were warmed with
-            return eng.load_prefix(tokens, pool, self.w.layer_groups), eng.prefix_loads["one_pass"] > before
+            kv = eng.connector  # the layer groups the import programs were warmed with
+            before = kv.prefix_loads["one_pass"]
+            return kv.load_prefix(tokens, pool, self.w.layer_groups), kv.prefix_loads["one_pass"] > before
         try:
             kv_bytes, one_pass = await self.w.engine.call(load)
         except (RequestError, ValueError) as e:

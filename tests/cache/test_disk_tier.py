@@ -68,7 +68,7 @@ def test_an_engine_brings_a_spilled_prefix_back_bit_for_bit(checkpoint_dir, tmp_
                     eng.release(s)
     prefix = [5, 7, 9, 11, 13, 2, 3, 4, 8, 10, 12, 14]  # 3 blocks of 4
     run(prefix + [20], "a")
-    found = eng.cached_prefix(prefix)
+    found = eng.connector.cached_prefix(prefix)
     assert found is not None
     before = eng.runner.read_blocks(found[0])
     for i in range(2):  # other prompts push the prefix out of the 12-block pool
@@ -76,7 +76,7 @@ def test_an_engine_brings_a_spilled_prefix_back_bit_for_bit(checkpoint_dir, tmp_
     hashes = block_hashes(prefix, 4)
     assert not any(h in eng.blocks.hash_block for h in hashes) and all(h in eng.blocks.spill for h in hashes)
     assert eng.stats()["spilled_blocks"] >= 3
-    found = eng.cached_prefix(prefix)  # back from disk into fresh blocks, cached again
+    found = eng.connector.cached_prefix(prefix)  # back from disk into fresh blocks, cached again
     assert found is not None and all(h in eng.blocks.hash_block for h in hashes)
     after = eng.runner.read_blocks(found[0])
     assert all(np.array_equal(x, y) for a, b in zip(before, after) for x, y in zip(a, b))

@@ -54,7 +54,7 @@ def run_disagg(path, prompts, params, *, sample=True, layers_per_group=None, war
     dec = LLMEngine(path, "float32", cfg, mesh(tp[1]), progress=False)
     posted: queue.Queue = queue.Queue()
     # the deadline is not under test here: long enough for a loaded machine to compile the prefill programs
-    intake = KVIntake(dec, "t0k", posted.put, deadline_s=600, shared=shm,
+    intake = KVIntake(dec.connector, "t0k", posted.put, deadline_s=600, shared=shm,
                       puller=PullServer(connections=2) if pull else None)
     link = (ShmLink(intake.address, "t0k", intake.pool.shm_name, connections=2, chunk_bytes=4096) if shm
             else PullLink(intake.address, "t0k", PullServer(connections=2), connections=2) if pull
@@ -96,7 +96,7 @@ def run_disagg(path, prompts, params, *, sample=True, layers_per_group=None, war
             h = Handoff(link, feeder, dst, skip, kv, sample and not out, layers_per_group,
                         shm_base=intake.shm_base(f"r{i}") if shm else None)
             (pseq,) = pre.add_request(f"r{i}", (p + out)[:kv], params)
-            pseq.handoff = h
+            pseq.transfer.out = h
             dseqs.append(seq)
             if seqs is not None:
                 seqs.append(seq)

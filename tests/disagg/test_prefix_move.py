@@ -40,7 +40,7 @@ class Mover:
 
     def __init__(self, dst: LLMEngine):
         self.posted: queue.Queue = queue.Queue()
-        self.intake = KVIntake(dst, "t0k", self.posted.put, deadline_s=600)  # the deadline is not under test
+        self.intake = KVIntake(dst.connector, "t0k", self.posted.put, deadline_s=600)  # the deadline is not under test
         self.link = TcpLink(self.intake.address, "t0k", connections=2, chunk_bytes=4096)
         self.feeder = Feeder()
 
@@ -48,10 +48,10 @@ class Mover:
         """-> (the arrival outcomes (None: cached), skip, handoff)"""
         outcomes = []
         blocks, skip = self.intake.reserve_prefix(rid, tokens, outcomes.append)
-        found = src.cached_prefix(tokens)
+        found = src.connector.cached_prefix(tokens)
         assert found is not None
         h = Handoff(self.link, self.feeder, blocks, skip, len(tokens), False, 2, request_id=rid)
-        h.send_cached(src, *found)
+        h.send_cached(src.connector, *found)
         assert h.sender.wait(30) is KVPoll.DONE, h.sender.state.reason
         self.arrive(outcomes)
         return outcomes, skip, h
@@ -77,7 +77,7 @@ def test_moved_prefix_serves_the_next_request(checkpoint_dir, family):
     dst = LLMEngine(path, "float32", CFG, progress=False)
     dst.blocks.allocate([], 3 * CFG.block_size)  # the two pools' block ids differ
     run(src, "a", PROMPT)
-    assert src.cached_prefix(PROMPT[:8] + [60, 61, 62, 63]) is None  # not held: nothing to send
+    assert src.connector.cached_prefix(PROMPT[:8] + [60, 61, 62, 63]) is None  # not held: nothing to send
     mover = Mover(dst)
     try:
         events = dst.cache_events.since(0)["next"]
@@ -151,9 +151,9 @@ def test_a_prefix_without_room_waits_for_it_in_arrival_order(checkpoint_dir):
         dst.blocks.free(held[:4])  # room for one prefix (3 blocks) and not two
         mover.intake.retry_waiting()
         assert list(got) == ["huge", "first"] and got["first"][1] == 0 and len(got["first"][0]) == 3
-        found = src.cached_prefix(PREFIX)
+        found = src.connector.cached_prefix(PREFIX)
         h = Handoff(mover.link, mover.feeder, got["first"][0], 0, len(PREFIX), False, 2, request_id="first")
-        h.send_cached(src, *found)
+        h.send_cached(src.connector, *found)
         assert h.sender.wait(30) is KVPoll.DONE, h.sender.state.reason
         mover.arrive(outcomes)
         assert outcomes == [None]  # cached: its blocks are evictable now, room for the next
@@ -206,7 +206,7 @@ def start_prefix(mover: Mover, src: LLMEngine, dst: LLMEngine, rid: str, tokens)
     groups = layer_groups(dst.layout.num_layers, 1)
     blocks, skip = mover.intake.reserve_prefix(rid, tokens, outcomes.append, groups=groups)
     h = Handoff(mover.link, mover.feeder, blocks, skip, len(tokens), False, 1, request_id=rid)
-    h._start(src, *src.cached_prefix(tokens), rid)
+    h._start(src.connector, *src.connector.cached_prefix(tokens), rid)
     return mover.intake.prefixes[rid], h, outcomes
 
 
@@ -222,7 +222,7 @@ def fetching(path: str):
     mover = Mover(dst)
     inc, h, outcomes = start_prefix(mover, src, dst, "m", PREFIX)
     (seq,) = dst.add_request("b", FOLLOWUP, GREEDY)
-    seq.incoming = inc
+    seq.transfer.into = inc
     assert not dst.has_work  # nothing to do until the prefix starts arriving: the engine thread may sleep
     other = run(dst, "c", [60, 61, 62])  # a request behind it is served meanwhile
     assert other.finished and seq.num_computed == 0 and seq in dst.scheduler.waiting
@@ -255,7 +255,7 @@ def test_a_prefill_computes_over_a_prefix_as_it_lands(checkpoint_dir, family):
             dst.step()
         assert seq.output == want, family
         assert seq.num_preemptions == 0
-        assert dst.blocks.cached(dst._prefix_hashes(PREFIX), False)[0]  # the moved blocks are prefix cache
+        assert dst.blocks.cached(dst.connector._prefix_hashes(PREFIX), False)[0]  # the moved blocks are prefix cache
         dst.blocks.check()
         assert dst.blocks.num_referenced() == 0 and mover.intake.pool.free_bytes == mover.intake.pool.capacity
     finally:
@@ -274,7 +274,7 @@ def test_a_prefix_landed_whole_before_its_prefill_runs_unstaged(checkpoint_dir):
     try:
         inc, h, outcomes = start_prefix(mover, src, dst, "m", PREFIX)
         (seq,) = dst.add_request("b", FOLLOWUP, GREEDY)
-        seq.incoming = inc
+        seq.transfer.into = inc
         L = dst.layout.num_layers
         for k in range(L):
             h.export(k)

@@ -67,14 +67,14 @@ def test_a_prefix_read_from_the_stores_shared_pool_serves_the_next_request(check
         assert reader.prepare_loads(pool) == 0  # compiled for that store already
         held, mine = store.blocks.num_referenced(), reader.blocks.num_referenced()
         with pytest.raises(Missed, match="does not hold"):  # a prefix the store never saw: nothing taken
-            reader.load_prefix(PROMPT[:8] + [60, 61, 62, 63], pool, groups)
+            reader.connector.load_prefix(PROMPT[:8] + [60, 61, 62, 63], pool, groups)
         assert reader.blocks.num_referenced() == mine and len(reader.blocks.snapshots) == 0
         # one pass: 3 blocks (and the snapshot at their end), nothing staged
         block = sum(a[0].nbytes for g, gl in zip(pool.arrays, reader.layout.groups) if gl.kind == "full"
                     for a in jax.tree.leaves(g))
-        got = reader.load_prefix(PREFIX, pool, groups)
+        got = reader.connector.load_prefix(PREFIX, pool, groups)
         assert got >= 3 * block and (got > 3 * block) == reader.layout.has_request_state, (got, block)
-        assert reader._load_buf.nbytes == 0 and len(reader.runner._io._import) == warmed  # nothing compiled
+        assert reader.connector._load_buf.nbytes == 0 and len(reader.runner._io._import) == warmed  # nothing compiled
         assert len(reader.runner.copies) == 1
         assert store.blocks.num_referenced() == held  # the store did nothing for the read
 
@@ -110,10 +110,10 @@ def test_the_shared_pool_carries_bfloat16_bits_exactly_and_refuses_another_model
             pools.append(pool := SharedPool.attach(desc, reader.layout, "bfloat16"))
             if one_pass:
                 assert reader.prepare_loads(pool) == 1
-            assert reader.load_prefix(PREFIX, pool) > 0
-            assert (reader._load_buf.nbytes == 0) == one_pass
-            mine = reader.cached_prefix(PREFIX)[0]
-            theirs = src.cached_prefix(PREFIX)[0]
+            assert reader.connector.load_prefix(PREFIX, pool) > 0
+            assert (reader.connector._load_buf.nbytes == 0) == one_pass
+            mine = reader.connector.cached_prefix(PREFIX)[0]
+            theirs = src.connector.cached_prefix(PREFIX)[0]
             assert mine != theirs
             for g in range(len(reader.layout.groups)):
                 a = np.asarray(jax.device_get(reader.runner.pool[g][np.asarray(mine)]))
@@ -144,7 +144,7 @@ def test_a_read_that_a_store_write_races_is_refused_and_takes_nothing(checkpoint
     pool = SharedPool.attach(store.runner.shared.describe(), reader.layout, "float32")
     if one_pass:
         reader.prepare_loads(pool)
-    blocks, row = store.cached_prefix(PREFIX)
+    blocks, row = store.connector.cached_prefix(PREFIX)
     data = store.runner.read_blocks(blocks[1:2])
 
     class Racing:  # the store's pool, with the store's write landing while the reader copies
@@ -162,15 +162,15 @@ def test_a_read_that_a_store_write_races_is_refused_and_takes_nothing(checkpoint
     try:
         mine = reader.blocks.num_referenced()
         with pytest.raises(Missed, match="while they were read"):
-            reader.load_prefix(PREFIX, Racing())
+            reader.connector.load_prefix(PREFIX, Racing())
         with pytest.raises(Missed, match="does not hold block 1"):  # written, not published again yet
-            reader.load_prefix(PREFIX, pool)
+            reader.connector.load_prefix(PREFIX, pool)
         assert reader.blocks.num_referenced() == mine and not reader.blocks.hash_block
         assert len(reader.blocks.snapshots) == 0
         assert len(reader.blocks.snapshots._free) == reader.blocks.snapshots.capacity
-        store.cache_arrived(blocks, PREFIX, block_hashes(PREFIX, CFG.block_size), row)
-        assert reader.load_prefix(PREFIX, pool) > 0
-        assert (reader._load_buf.nbytes == 0) == one_pass
+        store.connector.cache_arrived(blocks, PREFIX, block_hashes(PREFIX, CFG.block_size), row)
+        assert reader.connector.load_prefix(PREFIX, pool) > 0
+        assert (reader.connector._load_buf.nbytes == 0) == one_pass
         seq = run(reader, "b", FOLLOWUP)
         assert seq.num_cached == len(PREFIX)
         assert seq.output == LLM(path, progress=False, engine=CFG).generate([FOLLOWUP], GREEDY)[0].token_ids
@@ -248,8 +248,8 @@ def test_a_reader_holding_the_prefix_in_part_reads_only_the_rest(checkpoint_dir)
     reader = LLMEngine(path, "float32", CFG, progress=False)
     pool = SharedPool.attach(store.runner.shared.describe(), reader.layout, "float32")
     try:
-        first = reader.load_prefix(PREFIX[:8], pool)  # two of its three blocks
-        rest = reader.load_prefix(PREFIX, pool)
+        first = reader.connector.load_prefix(PREFIX[:8], pool)  # two of its three blocks
+        rest = reader.connector.load_prefix(PREFIX, pool)
         assert 0 < rest < first  # staged: the third block only (padded to its bucket)
         seq = run(reader, "b", FOLLOWUP)
         assert seq.num_cached == len(PREFIX) and seq.output == want

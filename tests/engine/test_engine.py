@@ -419,12 +419,12 @@ def test_decode_warmup_covers_what_a_resumed_request_runs(checkpoint_dir):
     for i, n in enumerate((2, 7, 13, 26)):  # prompt + output lengths across the block-table widths
         prompt, output = (BASE * 2)[:n - 1], [6]
         kv = len(prompt) + len(output) - 1
-        seq, skip = eng.reserve(f"resumed{i}", prompt, params, kv, output=output, logprobs=[(0.0, [])])
+        seq, skip = eng.connector.reserve(f"resumed{i}", prompt, params, kv, output=output, logprobs=[(0.0, [])])
         st = staging(eng.layout, eng.dtype_name, bucket(-(-kv // ENGINE.block_size) - skip),
                      layer_groups(eng.layout.num_layers, 1))
         buf = aligned_empty(st.nbytes)
         buf[:] = 0
-        eng.kv_arrived(seq, st, st.views(buf), kv, None)
+        eng.connector.kv_arrived(seq, st, st.views(buf), kv, None)
         seqs.append(seq)
     while eng.has_work:
         eng.step()
