@@ -32,7 +32,6 @@ from .client import RequestError
 from .runner import Prefix
 
 if TYPE_CHECKING:
-    from .llm_engine import LLMEngine
     from .scheduler import PrefillChunk, StepPlan
     from .sequence import Sequence
 
@@ -57,7 +56,8 @@ class Stages:
 
 
 class KVConnector:
-    def __init__(self, llm: LLMEngine):
+    def __init__(self, llm):
+        """llm: the LLMEngine whose seam this is."""
         import numpy as np
         self._llm = llm
         self._load_buf = np.empty(0, np.uint8)  # load_prefix's staging region
@@ -183,15 +183,15 @@ class KVConnector:
 
     # ---- receiving side: the global KV store's shared pool (cache/shared_pool.py), prefixes read in place
     def load_prefix(self, tokens, src, groups: list[tuple[int, int]] | None = None) -> int:
-        """Copy a cached prefix (whole blocks) from another pool on this host (`src`: the store's
-        SharedPool) into this instance's prefix cache, without a call to the store: its blocks (and the snapshot
-        at its end) found by hash, copied and checked untouched by the store meanwhile. The copy is one program
-        straight from the store's arrays (cache/pool_copy.py) once LLMEngine.prepare_loads compiled it for that store;
-        else they are staged on the host in the layer groups `groups` (default: one) and imported with the
-        import program that KV arriving over the transfer layer in those groups runs (warmed with them): nothing
-        compiles -> the bytes copied. Raises shared_pool.Missed (the store no longer holds it, a write raced the
-        read, or no snapshot row is free here for a model with request-level state: the prefill computes it),
-        RequestError, OutOfBlocks."""
+        """Copy a cached prefix (whole blocks) from another pool on this host (`src`: the store's SharedPool) into
+        this instance's prefix cache, without a call to the store: its blocks (and the snapshot at its end) found
+        by hash, copied and checked untouched by the store meanwhile. The copy is one program straight from the
+        store's arrays (cache/pool_copy.py) once LLMEngine.prepare_loads compiled it for that store; else they are
+        staged on the host in the layer groups `groups` (default: one) and imported with the import program that
+        KV arriving over the transfer layer in those groups runs (warmed with them): nothing compiles -> the bytes
+        copied. Raises shared_pool.Missed (the store no longer holds it, a write raced the read, or no snapshot
+        row is free here for a model with request-level state: the prefill computes it), RequestError,
+        OutOfBlocks."""
         from ..cache.shared_pool import Missed
         llm = self._llm
         blocks, skip, hashes = self.reserve_prefix(tokens)

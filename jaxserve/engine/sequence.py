@@ -12,20 +12,20 @@ from ..sampling import SamplingParams
 
 if TYPE_CHECKING:
     from ..structured import Guide
-    from .connector import KVConnector
     from .detokenizer import Detokenizer
     from .migration import Outbound
     from .runner import Prefix
 
 
 class Outgoing(Protocol):
-    """Where a request's KV goes instead of decoding here (disagg.prefill_side.Handoff)."""
+    """Where a request's KV goes instead of decoding here (disagg.prefill_side.Handoff); `connector`: the engine's
+    KVConnector (engine/connector.py), all of the engine it is given."""
     ends: bool  # the first token ends the request (set by KVConnector.hand_off)
 
     @property
     def begun(self) -> bool: ...
-    def groups(self, connector: KVConnector) -> list[tuple[int, int]] | None: ...
-    def begin(self, connector: KVConnector, seq: Sequence) -> None: ...
+    def groups(self, connector) -> list[tuple[int, int]] | None: ...
+    def begin(self, connector, seq: Sequence) -> None: ...
     def export(self, k: int) -> None: ...
     def finish(self, prefix: Prefix) -> None: ...
     def abort(self, reason: str) -> None: ...
@@ -33,7 +33,7 @@ class Outgoing(Protocol):
 
 class Incoming(Protocol):
     """A cached prefix arriving for a request, which its prefill computes over as it lands
-    (disagg.decode_side.IncomingPrefix)."""
+    (disagg.decode_side.IncomingPrefix); `connector` as Outgoing's."""
     tokens: list[int]
     blocks: list[int]
     skip: int
@@ -46,7 +46,7 @@ class Incoming(Protocol):
     def started(self) -> bool: ...
     @property
     def landed(self) -> bool: ...
-    def take(self, connector: KVConnector, hi: int, row: int) -> bool: ...
+    def take(self, connector, hi: int, row: int) -> bool: ...
 
 
 @dataclass(eq=False)
