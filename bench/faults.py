@@ -33,6 +33,9 @@ many requests ended up served whole on a decode instance (a decode instance's pr
 its warm-up does not compile: jaxserve/worker/main.py). Writes JSON (`--json`).
 
     python -m bench.faults --json bench/results/faults.json
+
+Size: over 600 lines as one benchmark: the scenarios side by side (each its kill, stop, partition or corruption
+and what it checks), the harness they share above them.
 """
 
 from __future__ import annotations

@@ -178,6 +178,20 @@ def test_the_check_sees_lazy_and_relative_imports(tmp_path):
                                     "pallas_kernels/w.py:1 imports jaxserve.engine"]
 
 
+LONG = 600  # lines a module may have without saying why
+
+
+def test_long_modules_say_why():
+    """No module over LONG lines without a reason in its docstring (a paragraph starting `Size:`)."""
+    quiet = []
+    for top in ("bench", "router", "jaxserve", "transfer", "pallas_kernels", "tests"):
+        for f in sources(ROOT, top):
+            text = f.read_text()
+            if text.count("\n") > LONG and "\nSize: " not in (ast.get_docstring(ast.parse(text), clean=False) or ""):
+                quiet.append(f"{f.relative_to(ROOT)}: {text.count(chr(10))} lines")
+    assert quiet == []
+
+
 def test_the_console_script_has_every_command():
     """`jaxserve` (pyproject's console script) is jaxserve.router.cli (router/cli.py): the engine-level commands, `validate`, `serve`,
     `deploy` and `plan`."""

@@ -29,7 +29,7 @@ from jaxserve.transfer.segments import OutOfBlocks
 from ..cache.block_manager import block_hashes
 from ..sampling import SamplingParams
 from .client import RequestError
-from .runner import Prefix
+from .rows import Prefix
 
 if TYPE_CHECKING:
     from .scheduler import PrefillChunk, StepPlan

@@ -41,7 +41,8 @@ from .connector import KVConnector
 from .detokenizer import Detokenizer
 from .memory import MAX_DEFAULT_SEQS, activation_bytes, size_cache
 from .migration import Guests, MigrationError, RemoteFailed, facts as migration_facts, plan_move, start_move
-from .runner import DecodeRow, ModelRunner, PrefillRow
+from .rows import DecodeRow, PrefillRow
+from .runner import ModelRunner
 from .scheduler import Scheduler, SchedulerConfig
 from .settings import EngineConfig
 from .sequence import Sequence

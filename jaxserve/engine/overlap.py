@@ -30,7 +30,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .runner import DecodeRow, ModelRunner
+from .rows import DecodeRow
+from .runner import ModelRunner
 
 
 @dataclass

@@ -33,12 +33,15 @@ decode then reads, so `insert` only records the slot's sampling state. Disaggreg
 what arrived into its reserved blocks and slot (transfer/device.py) before `insert`.
 
 Not thread-safe: one thread (the engine loop) drives it.
+
+Size: one class over 600 lines: the host side of every device program, which share its state (the pool, the
+slots' penalty state, the flattened weights, the compiled programs); its rows and buckets are rows.py's, its
+warm-up warmup.py's, the packing of a step's inputs and outputs step_io.py's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
@@ -51,41 +54,13 @@ from ..cache.pool_copy import PoolCopy
 from ..models.batch import Batch
 from ..models.paged import PagedKV
 from ..models.stack import LayerStack
-from ..sampling import SamplingParams
 from ..structured import words
 from .migration import remote_hidden
 from .sampler import MAX_LOGPROBS, sample
 from .step_io import (SLOT, pack_rows, pack_sampled, pack_sampling, read_sampled, sampled_tokens, sampling_tensors,
                       unpack_decode, with_device_tokens)
+from .rows import IDLE, SMALL_DECODE_ROWS, DecodeRow, PrefillRow, Prefix, next_bucket, pow2_bucket, token_buckets
 from .steptimer import StepTimer
-
-_IDLE = SamplingParams(temperature=0.0, seed=0)  # sampling parameters of the warm-up's requests
-SMALL_DECODE_ROWS = 4  # without full tables, the smallest decode batch bucket: up to this many running requests
-
-
-def next_bucket(b: int, fine_from: int) -> int:
-    """The bucket after b: double below fine_from, then the powers of two and the midpoints between them (from 64:
-    96, 128, 192, 256, ...; from 2: 3, 4, 6, 8, 12, ...), so at most a third of a bucket is padding."""
-    return b * 2 if b < fine_from else (b * 3 // 2 if b & (b - 1) == 0 else b * 4 // 3)
-
-
-def token_buckets(lo: int, hi: int) -> list[int]:
-    """The packed-token buckets up to hi: lo doubling to 64, then the powers of two and the midpoints between them
-    (96, 128, 192, 256, 384, ...), hi itself last."""
-    out, b = [], lo
-    while b < hi:
-        out.append(b)
-        b = next_bucket(b, 64)
-    return out + [hi]
-
-
-def pow2_bucket(n: int, lo: int, hi: int) -> int:
-    """Smallest power of two >= n, clamped to [lo, hi] (hi itself when n exceeds the powers below it)."""
-    b = lo
-    while b < n and b < hi:
-        b *= 2
-    return min(b, hi) if n <= hi else n
-
 
 def _latest_pools(cache: list, ran) -> list:
     """Every full-attention layer's view with its group's pool as the last of the layers `ran` (in the order they
@@ -96,47 +71,6 @@ def _latest_pools(cache: list, ran) -> list:
             latest[cache[i].group] = cache[i].pool
     return [dataclasses.replace(c, pool=latest.get(c.group, c.pool)) if isinstance(c, PagedKV) else c
             for c in cache]
-
-
-@dataclass
-class Prefix:
-    """What prefill hands to decode for one request: where its cache is and the first sampled token."""
-    request_id: str
-    slot: int
-    block_ids: list[int]
-    num_tokens: int  # tokens in the cache
-    token: int  # first sampled token
-    logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
-    prompt_mask: np.ndarray | None = None  # [V] bool tokens of the prompt (repetition penalty)
-
-
-@dataclass
-class PrefillRow:
-    request_id: str
-    tokens: list[int]  # the chunk's tokens
-    start: int  # tokens already cached
-    block_ids: list[int]
-    src_row: int  # state row to read request-level state from
-    dst_row: int  # state row to write it to (the slot)
-    snap_row: int | None  # also save the state here
-    sample: bool  # the chunk completes the prompt: sample the first token
-    params: object = None  # SamplingParams
-    step: int = 0  # output index of the token sampled
-    prompt: list[int] | None = None  # whole prompt (for the prompt mask), when sampling
-
-
-@dataclass
-class DecodeRow:
-    slot: int
-    token: int  # input token
-    position: int  # its position (= tokens already cached)
-    block_ids: list[int]
-    params: object
-    step: int
-    snap_row: int | None = None  # also save the request-level state here (a block boundary during decode)
-    request_id: str = ""
-    from_device: bool = False  # the input token is the one this slot's last decode step sampled, not yet read
 
 
 class ModelRunner:
@@ -450,7 +384,7 @@ class ModelRunner:
         # prompt; paged prefill's as wide as the longest sequence
         table = self._table(blocks, B, -(-T // bs) if fresh else max(map(len, blocks)),
                             self.max_blocks_per_seq if paged or (self.wide_cached and not fresh) else None)
-        st = pack_sampling([r.params if r else _IDLE for r in rows[:S]], [r.step if r else 0 for r in rows[:S]], S,
+        st = pack_sampling([r.params if r else IDLE for r in rows[:S]], [r.step if r else 0 for r in rows[:S]], S,
                            spare=self.num_slots)
         if any(m is not None for m in pmask):
             masks = np.zeros((S, self.V), bool)
@@ -709,133 +643,15 @@ class ModelRunner:
 
     def warmup(self, progress: bool = True, stages: list[tuple[int, int]] | None = None, tails: bool = False,
                decode: bool = True, whole: bool = True, stage_cached: bool = False) -> int:
-        """Compile what an instance runs (every shape of `prefill_groups` and `decode_batch`), so that traffic
-        compiles nothing afterwards:
-          decode  the decode program for every batch bucket and block-table width (ragged: every total-blocks
-                  bucket; full tables: the one width)
-          whole   the whole-model prefill programs: first chunks alone (every chunk bucket) and together (every
-                  packed token bucket), and chunks after cached tokens (every chunk bucket and table width that
-                  can follow; wide_cached: the one width); paged prefill: every token bucket up to the step's
-                  token budget
-          stages  a layer-wise prefill instance's layer groups: the shapes at least stage_min_tokens long
-                  (`_long`) are compiled as layer groups instead of whole, and with stage_cached every chunk
-                  after cached tokens is compiled as layer groups too (a prefill over a prefix loaded as it runs)
-          tails   (without whole) the one-token chunk at the end of a sequence of every table width: what a
-                  decode instance runs when KV arrives for all but the last token, a resumed request's or one
-                  prefill left with transfer.leave_last_token
-        Writes land in block 0 and the scratch rows, which are rewritten before use."""
-        from tqdm import tqdm
-        bs = self.layout.block_size
-        widths, w = [], 1
-        while w < self.max_blocks_per_seq:
-            widths.append(w)
-            w *= 2
-        widths.append(self.max_blocks_per_seq)
-        lengths, t = [], 16
-        while t < self.chunk_size:
-            lengths.append(t)
-            t *= 2
-        lengths.append(self.chunk_size)
-        batches = sorted({self.decode_batch(n) for n in range(1, self.num_slots + 1)})
-        if self.ragged:  # every total-blocks bucket of every batch bucket, the blocks spread evenly over the rows
-            decodes = []
-            for b in batches:
-                m, hi = b, b * self.max_blocks_per_seq
-                while True:
-                    decodes.append(("decode", m // b, b))
-                    if m >= hi:
-                        break
-                    m = min(2 * m, hi)
-        else:  # full tables: one width
-            decodes = [("decode", w, b) for w in ([1] if self.full_tables else widths) for b in batches]
-        BT = self.max_prefill_seqs * self.chunk_size
-        split = lambda n, k: [n // k + (i < n % k) for i in range(k)]  # noqa: E731  n tokens as k rows
-        mixes = []
-        if self.paged_prefill:
-            # one program per token bucket up to the step's most prefill tokens (whole prompts: the budget;
-            # tails: one token a row), plus, where the instance decodes, a mixed step's decode tokens on top; a
-            # bucket past the prefill tokens runs as a mixed step. Then a mixed step per decode batch bucket: its
-            # sampler's rows after the prefill rows
-            most = self.most_prefill if whole else (self.max_prefill_seqs if tails else 0)
-            rows = (lambda p: split(p, -(-p // self.chunk_size))) if whole else (lambda p: [1] * p)  # noqa: E731
-            last = self._bucket(most + (self.num_slots if decode else 0)) if most else 0
-            prefills = [("first", rows(n)) if n <= most else ("mixed", (rows(most), min(n - most, self.num_slots)))
-                        for n in self.buckets if n <= last]
-            cached, short = [], prefills
-            if decode and most:
-                mixes = [("mixed", ([1], b), None) for b in batches]
-        else:
-            # a chunk after cached tokens: per chunk bucket T and width W, one of length in (previous T, T] ending
-            # at the last token of W blocks (none when no such chunk has a token before it); wide_cached: one width
-            cached = [(min(t, w * bs - 1), w) for i, t in enumerate(lengths)
-                      for w in ([self.max_blocks_per_seq] if self.wide_cached else widths)
-                      if min(t, w * bs - 1) > (lengths[i - 1] if i else 0)]
-            batched = []  # every packed token bucket N of several first chunks (up to the budget's), as rows
-            n, top = 16, pow2_bucket(min(self.max_batched_tokens, BT), 16, BT)
-            while self.max_prefill_seqs > 1:
-                m = min(n, top)
-                batched.append(split(m, max(2, -(-m // self.chunk_size))))
-                if n >= top:
-                    break
-                n *= 2
-            prefills = ([("first", [t]) for t in lengths] + [("first", b) for b in batched]
-                        + [("cached", c) for c in cached])
-            short = [("cached", c) for c in cached if c[0] <= lengths[0]]
-        # (kind, shape, stages, staged): with stages and staged empty the shape decides (`_long`); staged None
-        # runs every group of the shape's program as layer groups
-        if stages is not None and self.stage_min_tokens is None:
-            raise ValueError("warm-up with layer groups needs stage_min_tokens (LLMEngine.stream_layers)")
-        jobs = [(*d, None) for d in decodes] if decode else []
-        if whole:
-            jobs += [(kind, n, stages, set()) for kind, n in prefills] + [(*m, None) for m in mixes]
-        elif tails:
-            jobs += [(kind, n, None, None) for kind, n in short] + [(*m, None) for m in mixes]
-        if stages is not None and stage_cached:  # a prefill over a prefix arriving layer group by layer group
-            jobs += [(kind, n, stages, None) for kind, n in prefills if kind == "cached"]
-        scratch = self.layout.scratch_row
-        for kind, n, st, staged in tqdm(jobs, desc="compiling", unit="program", disable=not progress):
-            if kind == "decode":
-                self.generate([DecodeRow(0, 0, n * bs - 1, [0] * n, _IDLE, 0)] * st)  # n: blocks, st: rows
-            elif kind == "mixed":  # n: (the prefill rows' lengths, decode rows)
-                self.mixed([PrefillRow("warmup", [0] * t, 0, [0] * -(-t // bs), scratch, scratch, None, True, _IDLE,
-                                       0, [0]) for t in n[0]], [DecodeRow(0, 0, bs - 1, [0], _IDLE, 0)] * n[1])
-            elif kind == "cached":  # n: (tokens, blocks to the chunk's end)
-                t, w = n
-                self.prefill([PrefillRow("warmup", [0] * t, w * bs - t, [0] * w, scratch, scratch, None, True,
-                                         _IDLE, 0, [0])], st, staged=staged)
-            else:  # n: the rows' lengths
-                self.prefill([PrefillRow("warmup", [0] * t, 0, [0] * -(-t // bs), scratch, scratch, None, True,
-                                         _IDLE, 0, [0]) for t in n], st, staged=staged)
-        if decode:  # the programs that start a step's new decoders (`insert`), every row bucket, on the spare row
-            for k in sorted({pow2_bucket(n, 1, self.max_prefill_seqs) for n in range(1, self.max_prefill_seqs + 1)}):
-                ids = self._upload(np.full((2, k), self.num_slots, np.int32))
-                self.prompt_mask, self.out_counts = self._insert(self.prompt_mask, self.out_counts, ids, None)
-        return len(self.programs)
+        """Compile every step program shape this instance runs -> the programs compiled (warmup.py)."""
+        from .warmup import compile_steps
+        return compile_steps(self, progress, stages, tails, decode, whole, stage_cached)
 
     def warmup_transfer(self, dtype_name: str, groups: list[tuple[int, int]], export: bool, receive: bool,
                         progress: bool = True, by_group: bool = False) -> int:
-        """Compile the KV export (prefill side) and import (decode side) programs for every staged row-count
-        bucket, so the first disaggregated requests do not wait for them; by_group: also each layer group's
-        import alone (a prefill over a cached prefix as it lands). Imports write only out-of-range blocks
-        (dropped) and the scratch row. Returns the number of transfer programs compiled."""
-        from tqdm import tqdm
-
-        from jaxserve.transfer.bufpool import aligned_empty
-        from jaxserve.transfer.plan import bucket, staging
-        rows = sorted({bucket(n) for n in range(1, self.max_blocks_per_seq + 1)})
-        scratch = self.layout.scratch_row
-        for M in tqdm(rows, desc="compiling transfer", unit="bucket", disable=not progress):
-            st = staging(self.layout, dtype_name, M, groups, self.head_parts)
-            if export:
-                for k in range(len(groups)):
-                    jax.block_until_ready([x for _, x in self.export_kv(st, k, [0] * M, scratch)])
-            if receive:
-                buf = aligned_empty(st.nbytes)
-                buf[:] = 0
-                self.import_kv(st, st.views(buf), [], scratch)
-                for k in range(len(groups) if by_group and len(groups) > 1 else 0):
-                    self.import_kv(st, st.views(buf), [], scratch, {k})
-        return len(self._io._export) + len(self._io._import)
+        """Compile the KV export / import programs of every staged row-count bucket -> how many (warmup.py)."""
+        from .warmup import compile_transfers
+        return compile_transfers(self, dtype_name, groups, export, receive, progress, by_group)
 
     def free(self, slot: int) -> None:
         """Nothing on device: the slot's rows are overwritten by the next insert / first chunk."""

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from ..structured import Guide
     from .detokenizer import Detokenizer
     from .migration import Outbound
-    from .runner import Prefix
+    from .rows import Prefix
 
 
 class Outgoing(Protocol):

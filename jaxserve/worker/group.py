@@ -135,7 +135,7 @@ def _types() -> dict[str, type]:
     if not _TYPES:
         from jaxserve.transfer.plan import ArraySpec, Staging
 
-        from ..engine.runner import DecodeRow, PrefillRow, Prefix
+        from ..engine.rows import DecodeRow, PrefillRow, Prefix
         from ..sampling import SamplingParams
         from ..structured import Guided
         _TYPES.update({t.__name__: t for t in (PrefillRow, DecodeRow, Prefix, SamplingParams, Guided, Staging,

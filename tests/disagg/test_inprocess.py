@@ -242,7 +242,7 @@ def test_layerwise_prefill_equals_one_program_and_exports_early(checkpoint_dir, 
     before any later group runs (so its KV can travel while they compute)."""
     import jax
 
-    from jaxserve.engine.runner import PrefillRow
+    from jaxserve.engine.rows import PrefillRow
     path = checkpoint_dir(family)
     one, staged = (LLMEngine(path, "float32", CFG, progress=False) for _ in range(2))
     prompt = BASE[:13]

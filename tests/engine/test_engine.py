@@ -313,7 +313,7 @@ def test_layerwise_warmup_covers_a_streamed_prompts_chunks(engines, family, chun
     never both, and covers every chunk of streamed prompts; the staged result is the dense path's. Paged prefill
     (llama) runs every shape as layer groups; dense programs (MLA) the short ones whole. Also with the default
     chunk (the step budget, 16)."""
-    from jaxserve.engine.runner import PrefillRow
+    from jaxserve.engine.rows import PrefillRow
     from jaxserve.transfer.plan import layer_groups
     llm = engines(family, dataclasses.replace(ENGINE, max_model_len=80, num_blocks=96, prefix_caching=False,
                                               chunk_size=chunk))
@@ -360,7 +360,7 @@ def test_layer_by_layer_prefill_writes_what_the_whole_model_writes(engines, fami
     whole-model programs do for the same prompt in other blocks and another row."""
     import jax
 
-    from jaxserve.engine.runner import PrefillRow
+    from jaxserve.engine.rows import PrefillRow
     from jaxserve.transfer.plan import layer_groups
     llm = engines(family)
     runner, bs = llm.engine.runner, ENGINE.block_size

@@ -16,7 +16,7 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine import step_io
 from jaxserve.engine.llm_engine import EngineConfig
-from jaxserve.engine.runner import DecodeRow
+from jaxserve.engine.rows import DecodeRow
 from jaxserve.engine.sampler import MAX_LOGPROBS, SamplingTensors
 
 CFG = EngineConfig(block_size=4, num_blocks=64, chunk_size=8, max_num_batched_tokens=16, max_prefill_seqs=2,

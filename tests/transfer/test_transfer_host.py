@@ -1,5 +1,7 @@
 """Host side of the transfer layer: state machine, alignment, plans, receive pools, and the TCP backend over
-real loopback sockets (corruption, truncation, unknown ids, refused plans, foreign peers, deadlines)."""
+real loopback sockets (corruption, truncation, unknown ids, refused plans, foreign peers, deadlines).
+
+Size: over 600 lines as the host side's tests in one module, sharing their helpers (plans, pools, sockets)."""
 
 from __future__ import annotations
 

@@ -242,7 +242,7 @@ def _refused(connect, group, error) -> bool:
 def test_the_channel_codec_round_trips_runner_arguments_and_refuses_the_rest():
     import numpy as np
 
-    from jaxserve.engine.runner import DecodeRow, PrefillRow, Prefix
+    from jaxserve.engine.rows import DecodeRow, PrefillRow, Prefix
     from jaxserve.sampling import SamplingParams
     from jaxserve.structured import Guided
     from jaxserve.worker.group import decode, encode
