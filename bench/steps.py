@@ -38,6 +38,8 @@ def _worker(model: str, cases: list[str]) -> None:
     from jaxserve.bundled import resolve
     from jaxserve.engine import runner as R
     from jaxserve.engine.llm_engine import EngineConfig, LLMEngine
+    from jaxserve.sampling import SamplingParams
+    idle = SamplingParams(temperature=0.0, seed=0)  # greedy: the rows' sampling costs what warm-up's does
     eng = LLMEngine(resolve(model, False), "float32", EngineConfig(compilation_cache=None, max_model_len=2048,
                                                                    num_blocks=2048, max_num_seqs=48), None, False)
     r, bs, rng = eng.runner, eng.runner.layout.block_size, np.random.default_rng(0)
@@ -49,12 +51,12 @@ def _worker(model: str, cases: list[str]) -> None:
         c = int(cached or 0)
         if kind == "decode":
             nb = -(-(m + 1) // bs)
-            rows = [R.DecodeRow(i, 1, m, list(range(1 + nb * i, 1 + nb * (i + 1))), R._IDLE, 0) for i in range(n)]
+            rows = [R.DecodeRow(i, 1, m, list(range(1 + nb * i, 1 + nb * (i + 1))), idle, 0) for i in range(n)]
             run[case] = lambda rows=rows: r.generate(rows)
         else:
             nb, scratch = -(-(c + m) // bs), r.layout.scratch_row
             rows = [R.PrefillRow(f"r{i}", rng.integers(3, 1000, m).tolist(), c,
-                                 list(range(1 + nb * i, 1 + nb * i + nb)), scratch, scratch, None, True, R._IDLE, 0,
+                                 list(range(1 + nb * i, 1 + nb * i + nb)), scratch, scratch, None, True, idle, 0,
                                  [1, 2, 3]) for i in range(n)]
             run[case] = lambda rows=rows: r.prefill(rows)
         run[case]()  # compile
