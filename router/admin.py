@@ -201,7 +201,7 @@ class Admin:
         while True:
             await asyncio.sleep(self.control_s)
             try:
-                await self.control()
+                await self.control_cycle()
                 if self.mover is not None:
                     await self.rebalance()
             except Exception:  # noqa: BLE001 - a failed cycle changes nothing; the next one retries
@@ -234,7 +234,7 @@ class Admin:
                 log.info("migration planner: %s %s -> %s not made: %s", m.kind, m.src, m.dst, e)
         return done
 
-    async def control(self) -> list:
+    async def control_cycle(self) -> list:
         """One cycle of the policy's global controller (flowkv `control`): role flips are carried out as the
         re-plan's; a scale-out starts a standby instance of the role (config `standby`) through the launcher, a
         scale-in drains a running standby instance of the role and stops it. Without a launcher or a standby

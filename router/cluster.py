@@ -29,7 +29,7 @@ request.
 
 Concurrency: requests run on the router's asyncio loop (uvicorn's), one task per (sub-)request; gRPC channels are
 `grpc.aio`, one per worker address, each call presenting the cluster token. Registrations (heartbeats) arrive on
-the control port's own thread (control.py), so a busy request path cannot starve them; the registry they update
+the control port's own thread (control_port.py), so a busy request path cannot starve them; the registry they update
 is thread-safe (registry.py).
 """
 
@@ -51,7 +51,7 @@ from jaxserve.sampling import SamplingParams
 from . import policies
 from .admin import Admin
 from .calls import Workers, message
-from .control import ControlServer
+from .control_port import ControlPort
 from .kv_index import KVIndex
 from .policies.base import Placement, least_loaded
 from .prefix import PrefixMoves
@@ -73,7 +73,7 @@ class Router:
         self.tokenizer = tokenizer
         self.registry = Registry({i.name: i.role for i in cfg.instances()}, cfg.router.down_after_s)
         self.topology = Topology(cfg)
-        self.index = KVIndex(cfg.engine.block_size)  # the global KV index, fed by heartbeats (control.py)
+        self.index = KVIndex(cfg.engine.block_size)  # the global KV index, fed by heartbeats (control_port.py)
         self.policy = policies.make(cfg.policy)
         self.routes: dict[str, int] = {}  # route -> requests finished on it
         self.on_finish = on_finish  # (final Update, seconds since arrival)
@@ -88,9 +88,9 @@ class Router:
                            lambda: self.kv_bytes_per_token)
         # the admin operations of the engine-client protocol (server/app.py's /admin and /debug routes)
         self.profile, self.set_link, self.set_role = self.admin.profile, self.admin.set_link, self.admin.set_role
-        self.migrate, self.rebalance, self.control, self.replan = (self.admin.migrate, self.admin.rebalance,
-                                                                   self.admin.control, self.admin.replan)
-        self._control: ControlServer | None = None
+        self.migrate, self.rebalance, self.control_cycle, self.replan = (
+            self.admin.migrate, self.admin.rebalance, self.admin.control_cycle, self.admin.replan)
+        self._port: ControlPort | None = None
         self._joined: asyncio.Event | None = None
         self.address: str | None = None
 
@@ -103,16 +103,16 @@ class Router:
     def launcher(self, launcher) -> None:
         self.admin.launcher = launcher
 
-    # ---- control port (worker registration, on a thread of its own: control.py)
+    # ---- control port (worker registration, on a thread of its own: control_port.py)
     async def start(self) -> str:
         """Serve `Register` on router.host:router.port; returns host:port."""
         self._joined = asyncio.Event()
         loop = asyncio.get_running_loop()
         r = self.cfg.router
-        self._control = ControlServer(self.registry, self.cfg.transfer.token, r.heartbeat_s,
+        self._port = ControlPort(self.registry, self.cfg.transfer.token, r.heartbeat_s,
                                       on_join=lambda: loop.call_soon_threadsafe(self._joined.set), tls=self.workers.tls,
                                       index=self.index)
-        self.address = await asyncio.to_thread(self._control.start, r.host, r.port)
+        self.address = await asyncio.to_thread(self._port.start, r.host, r.port)
         self.admin.start()
         return self.address
 
@@ -128,9 +128,9 @@ class Router:
             for t in tasks:
                 t.cancel()
         await self.workers.close()
-        if self._control is not None:
-            await asyncio.to_thread(self._control.stop)
-            self._control = None
+        if self._port is not None:
+            await asyncio.to_thread(self._port.stop)
+            self._port = None
 
     def metrics_state(self) -> dict:
         """What server/metrics.py publishes for a cluster (instances, links, KV bytes, retries, requests per

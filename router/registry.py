@@ -8,7 +8,7 @@ signal for dispatch (policies/), the heartbeat's stats break ties. The registry 
 the instances' data addresses: `peers()` is the table every worker gets back from Register, and a prefill
 worker sends KV only to an address in it (worker/messages.py).
 
-Concurrency: registrations arrive on the control port's thread (router/control.py), everything else runs on
+Concurrency: registrations arrive on the control port's thread (router/control_port.py), everything else runs on
 the router's asyncio loop; the worker table is changed and iterated under one lock, and single attribute
 updates of a WorkerInfo are atomic. `now` is injectable for tests.
 """

@@ -540,6 +540,7 @@ class LLMEngine:
                 "busy": round(self.timer.busy(), 4), "swapped": self.scheduler.num_preempted_waiting(),
                 "prefix_hit_rate": b.hit_rate, "compiled_programs": len(self.runner.programs),
                 "preemptions": self.scheduler.num_preemptions, "kernel_fallbacks": len(self.kernel_fallbacks),
+                "overlapped_steps": self.overlapped,
                 **{f"prefix_loads_{k}": v for k, v in self.connector.prefix_loads.items()},
                 **migration_facts(self, used), **(b.spill.stats() if b.spill is not None else {})}
 

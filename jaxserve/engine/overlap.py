@@ -19,8 +19,9 @@ state as a prefix snapshot, as the synchronous loop's scheduler does; its key, t
 token still on the device, so the row is held unkeyed when the step is dispatched (SnapshotPool.hold) and keyed
 once the token is read (`settle_snapshots`), or freed if the request was aborted first.
 
-Anything else (a request to admit or prefill, a constrained row, a migration, a multi-host instance) reads the step
-in flight first, and the engine steps synchronously until steady again. Outputs are those of the synchronous loop
+Anything else (a request to admit or prefill, a constrained row, a migration) reads the step in flight first, and
+the engine steps synchronously until steady again. A multi-host instance steps ahead as one process does: its
+followers repeat each `dispatch` (worker/group.py), and the leader reads the tokens. Outputs are those of the synchronous loop
 (tests/engine/test_overlap.py).
 
 Single-threaded: the engine loop's thread.
@@ -31,7 +32,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .rows import DecodeRow
-from .runner import ModelRunner
 
 
 @dataclass
@@ -56,9 +56,9 @@ def can_start(engine, plan) -> bool:
 
 
 def enabled(engine) -> bool:
-    """engine.overlap on, a pool of its own, no move out, and a runner of this process (a multi-host instance's
-    leader drives its followers call by call, worker/group.py: it steps synchronously)."""
-    return (engine.cfg.overlap and isinstance(engine.runner, ModelRunner) and engine.runner.shared is None
+    """engine.overlap on, a pool of its own, no move out, and a runner that steps ahead (a ModelRunner, or a
+    multi-host instance's Lockstep, worker/group.py, whose followers repeat each `dispatch`)."""
+    return (engine.cfg.overlap and getattr(engine.runner, "steps_ahead", False) and engine.runner.shared is None
             and not engine.outbound)
 
 

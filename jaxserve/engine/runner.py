@@ -74,6 +74,8 @@ def _latest_pools(cache: list, ran) -> list:
 
 
 class ModelRunner:
+    steps_ahead = True  # `dispatch` / `collect`: a decode step may be left in flight (engine/overlap.py)
+
     def __init__(self, graphdef, state, layout: PoolLayout, vocab_size: int, dtype, *, num_slots: int,
                  max_prefill_seqs: int, chunk_size: int, max_blocks_per_seq: int, mesh=None,
                  timer: StepTimer | None = None, ragged: bool = False, stack: LayerStack | None = None,

@@ -9,7 +9,9 @@ in place of its ModelRunner: each runner call (method and arguments) goes to eve
 channel (the port after the coordinator's; multiprocessing.connection, authenticated with a key derived from
 the cluster token; messages in `encode`'s format: JSON and raw array bytes, dataclasses only of the runner's
 argument types, never pickle) before the leader runs it, and a follower (`follow`) runs the same calls in the
-same order on its own runner, so every process enters each program, and its collectives, in the same order. A
+same order on its own runner, so every process enters each program, and its collectives, in the same order (the
+overlapped loop's `dispatch` too: the leader alone reads a step's replicated tokens, `collect`, with the next step
+already dispatched everywhere; a follower's runner keeps each slot's last token on its own devices). A
 call that runs callbacks between its programs (a layer-wise prefill's on_stage / before_stage, which export and
 import KV; the sampler's masks) is run with callbacks that replay the calls the leader's callbacks made, up to
 their end marker, which carries what the leader's callback returned (a step's next-token bitmasks, which only
@@ -55,8 +57,8 @@ log = logging.getLogger("jaxserve.group")
 DEFAULT_PORT = 8476  # the coordinator's port where the config names none (Kubernetes); the channel's is the next
 JOIN_S = 300.0  # how long the group's processes may take to find each other (engines built, channel open)
 # the runner's calls that run programs or change its state: what a follower repeats
-CALLS = frozenset({"prefill", "generate", "mixed", "insert", "read_blocks", "write_blocks", "export_kv",
-                   "import_kv", "settle", "warmup", "warmup_transfer", "free", "stream_layers"})
+CALLS = frozenset({"prefill", "generate", "dispatch", "mixed", "insert", "read_blocks", "write_blocks",
+                   "export_kv", "import_kv", "settle", "warmup", "warmup_transfer", "free", "stream_layers"})
 HOOKS = ("on_stage", "before_stage", "masks")  # callbacks a call runs between its programs
 
 

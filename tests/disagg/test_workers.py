@@ -4,7 +4,7 @@ in one test, pulled through JAX's transfer servers: the device backend).
 Every process speaks mutual TLS (transfer.tls: gRPC and the KV links), with certificates the module makes.
 The test plays the router's part: open a Decode stream on the decode worker (it reserves first), pass the
 reservation to the prefill worker's Prefill call, read the tokens from the stream. The workers register with a
-real router control port in this process (router/control.py), which hands them the peer table their KV
+real router control port in this process (router/control_port.py), which hands them the peer table their KV
 addresses come from. Calls without the cluster token are refused, and so is a reservation naming an instance
 the router does not know. Tokens must equal the
 colocated engine's; a worker that is told the wrong role refuses; killing the prefill worker mid-request
@@ -30,7 +30,7 @@ from jaxserve.models.config import load_config
 from jaxserve.worker.setup import READY
 from jaxserve.config import parse
 from jaxserve.worker import rpc
-from jaxserve.router.control import ControlServer
+from jaxserve.router.control_port import ControlPort
 from jaxserve.router.registry import Registry
 from jaxserve.transfer.plan import layer_groups
 from jaxserve.transfer.tls import Tls, make_certs
@@ -81,7 +81,7 @@ def run_cluster(checkpoint_dir, tmp_path_factory, **transfer):
         yaml.safe_dump(cfg, f)
     conf = parse(cfg)
     registry = Registry({i.name: i.role for i in conf.instances()}, conf.router.down_after_s)
-    control = ControlServer(registry, TOKEN, conf.router.heartbeat_s, tls=conf.transfer.tls.build())
+    control = ControlPort(registry, TOKEN, conf.router.heartbeat_s, tls=conf.transfer.tls.build())
     router = control.start("127.0.0.1", 0)
     procs = {}
     try:

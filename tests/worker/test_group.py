@@ -18,7 +18,7 @@ import pytest
 
 from jaxserve.config import ConfigFileError, InstanceSection
 from jaxserve.worker.group import DEFAULT_PORT, Group, resolve
-from tests.router.test_cluster_http import BASE, complete, disagg_config, serving, tokens
+from tests.router.test_cluster_http import BASE, complete, disagg_config, serving, tokens, worker_stats
 from tests.router.test_faults import check_no_leak, reference, wait_for
 from jaxserve.transfer.bufpool import SHM_DIR
 
@@ -79,6 +79,8 @@ def test_two_process_instances_serve_disaggregated_and_go_down_as_one(checkpoint
             assert meta["kv_bytes_transferred"] > 0
             assert tokens(body["choices"][0]) == w
         check_no_leak(cluster)
+        # d0's group decoded with steps left in flight (its followers repeat each dispatch), answers unchanged
+        assert worker_stats([cluster.registry.workers["d0"]])["d0"]["overlapped_steps"] > 0
 
         # one process of d0's group (not the one the router talks to) dies while a request decodes there
         d0 = cluster.launcher.children["d0"]
@@ -141,6 +143,14 @@ class Recorder:
         self.calls.append(("generate", rows, None if masks is None else masks(rows).tolist()))
         return [(7, 0.0, [])]
 
+    def dispatch(self, rows, remote=None, masks=None):
+        self.calls.append(("dispatch", rows))
+        return "in flight"
+
+    def collect(self, rows, out):
+        self.calls.append(("collect", rows, out))
+        return [(8, 0.0, [])]
+
 
 def _pair(token_leader="tok", token_follower="tok", **kw):
     from jaxserve.router.launcher import free_ports
@@ -182,14 +192,18 @@ def test_followers_replay_the_leaders_calls_in_order_callbacks_included():
     assert runner.generate(["row"], masks=lambda rows: np.array([[len(rows), 5]])) == [(7, 0.0, [])]
     with pytest.raises(RuntimeError, match="no part in migrations"):
         runner.generate(["row"], remote="a move")
+    # the overlapped loop: every process dispatches a step, the leader alone reads the one before
+    out = runner.dispatch(["row"])
+    assert runner.dispatch(["row 2"]) == "in flight" and runner.collect(["row"], out) == [(8, 0.0, [])]
     channel.close()
     t.join(30)
     assert ended == {"rc": 0}
-    assert follower.calls == leader.calls
+    assert follower.calls == [c for c in leader.calls if c[0] != "collect"]
     assert [c[0] for c in leader.calls] == [
         "prefill", "import", "program", "export", "import", "program", "export",
-        "prefill", "program", "export", "program", "export", "generate", "generate"]
-    assert leader.calls[-1][2] == [[1, 5]]
+        "prefill", "program", "export", "program", "export", "generate", "generate", "dispatch", "dispatch",
+        "collect"]
+    assert leader.calls[-4][2] == [[1, 5]]
 
 
 def test_a_group_member_lost_or_refused():

@@ -22,7 +22,7 @@ from .registry import Registry, RegistrationError
 log = logging.getLogger("jaxserve.router")
 
 
-class ControlServer:
+class ControlPort:
     def __init__(self, registry: Registry, token: str, heartbeat_s: float, on_join=None, tls=None, index=None):
         self.registry, self.token, self.heartbeat_s, self.on_join = registry, token, heartbeat_s, on_join
         self.index = index  # kv_index.KVIndex: each heartbeat's prefix-cache events go there
