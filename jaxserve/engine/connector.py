@@ -19,10 +19,13 @@ disagg.decode_side.IncomingPrefix). Engine thread only.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
+
+import numpy as np
 
 from jaxserve.transfer.segments import OutOfBlocks
 
@@ -58,7 +61,6 @@ class Stages:
 class KVConnector:
     def __init__(self, llm):
         """llm: the LLMEngine whose seam this is."""
-        import numpy as np
         self._llm = llm
         self._load_buf = np.empty(0, np.uint8)  # load_prefix's staging region
         self.prefix_loads = {"one_pass": 0, "staged": 0}  # load_prefix's copies out of a store's pool, by path
@@ -89,7 +91,6 @@ class KVConnector:
         """Take a slot and blocks for a request whose first `kv_tokens` tokens of KV (of prompt + output: a
         resumed request, as in add_request) another instance sends. Returns (sequence, leading blocks already
         held, which are not sent). Raises RequestError, OutOfBlocks (no room now)."""
-        import dataclasses
         llm = self._llm
         ids = llm.encode(prompt)
         llm.validate(ids, params, output)

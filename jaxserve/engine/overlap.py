@@ -21,8 +21,8 @@ once the token is read (`settle_snapshots`), or freed if the request was aborted
 
 Anything else (a request to admit or prefill, a constrained row, a migration) reads the step in flight first, and
 the engine steps synchronously until steady again. A multi-host instance steps ahead as one process does: its
-followers repeat each `dispatch` (worker/group.py), and the leader reads the tokens. Outputs are those of the synchronous loop
-(tests/engine/test_overlap.py).
+followers repeat each `dispatch` (worker/group.py), and the leader reads the tokens. Outputs are those of the
+synchronous loop (tests/engine/test_overlap.py).
 
 Single-threaded: the engine loop's thread.
 """
