@@ -30,7 +30,7 @@ from ..checkpoint import load_any
 from ..models.cache_spec import cache_spec
 from ..models.config import load_config
 from ..models.fuse import fuse
-from ..models.model import kernel_cases, model_graphdef
+from ..models.model import kernel_cases, model_graphdef, packs_prefill
 from ..models.stack import LayerStack, layer_runs
 from ..sampling import SamplingParams
 from ..structured import GuidedError, Grammars
@@ -153,7 +153,7 @@ class LLMEngine:
                                   num_slots=cfg.max_num_seqs, max_prefill_seqs=cfg.max_prefill_seqs,
                                   chunk_size=cfg.chunk_size, max_blocks_per_seq=max_blocks, wide_cached=wide,
                                   mesh=mesh, timer=self.timer, ragged=ragged, full_tables=paged == {"native"},
-                                  paged_prefill=paged_prefill,
+                                  paged_prefill=paged_prefill, pack_first=packs_prefill(self.model_config),
                                   max_batched_tokens=cfg.max_num_batched_tokens,
                                   stack=LayerStack(layer_runs(self.model_config)
                                                    if paged <= {"reference", "native"} else ()))

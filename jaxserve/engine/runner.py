@@ -19,8 +19,8 @@ computed while the device runs; a decode step's before it is dispatched.
 The model's kernel mode (engine.kernels) picks Pallas kernels or jnp references for both programs.
 Shapes are bucketed so that a workload compiles a bounded set of programs, all of which warm-up can compile
 ahead (`warmup`): prefill in the three families of `prefill_groups` (chunk lengths and block-table widths in
-powers of two, a batch's real tokens packed into a power-of-two bucket), decode in `decode_batch` rows (with
-full tables the powers of two and their midpoints up to the slots; else 4 for up to 4 requests, then from
+powers of two, a batch's real tokens packed into a power-of-two bucket where every mixer takes packed input),
+decode in `decode_batch` rows (with full tables the powers of two and their midpoints up to the slots; else 4 for up to 4 requests, then from
 max(16, slots / 4)) times the block-table widths (ragged attention: the buckets of the blocks in use). With the
 native kernels the tables are always max_blocks_per_seq wide (the kernels read only the blocks in use): decode
 programs are keyed by their rows alone, and a model of full-attention GQA layers only prefills in one packed
@@ -80,7 +80,7 @@ class ModelRunner:
                  max_prefill_seqs: int, chunk_size: int, max_blocks_per_seq: int, mesh=None,
                  timer: StepTimer | None = None, ragged: bool = False, stack: LayerStack | None = None,
                  max_batched_tokens: int | None = None, full_tables: bool = False, paged_prefill: bool = False,
-                 wide_cached: bool = False):
+                 wide_cached: bool = False, pack_first: bool = True):
         """ragged: decode attention runs as the jnp reference, which then gathers only the blocks in use
         (the decode programs are keyed by the batch's total blocks instead of the table width). full_tables: the
         decode attention (the native kernel) reads only the blocks in use, so every decode table is
@@ -92,6 +92,10 @@ class ModelRunner:
         prefill step (the scheduler's budget; warm-up compiles the packed buckets up to it). wide_cached: a
         chunk after cached tokens reads a table max_blocks_per_seq wide (one program per chunk bucket, not one
         per chunk bucket and width), where gathering the whole context is cheap (LLMEngine: `WIDE_GATHER_BYTES`).
+        pack_first: several first chunks run as one packed program (models.model.packs_prefill: every mixer
+        takes packed input, so the [B, T] padding costs attention only); otherwise each runs alone in a program
+        of its own length (a packed program's MLA, KDA and Gated DeltaNet layers run every padded row: two
+        16-token prompts of the bundled Kimi Linear took 690 ms packed, 44 ms alone one after the other).
         stage_min_tokens (set by a layer-wise prefill instance, `stream_layers`): prefill shapes at least this
         long always run as layer groups when given them, shorter ones whole unless a row needs its groups, so
         no shape is compiled both ways."""
@@ -100,7 +104,7 @@ class ModelRunner:
         self.timer = timer or StepTimer()  # phases: input preparation, the device program (to results on host)
         self.num_slots, self.max_prefill_seqs, self.chunk_size = num_slots, max_prefill_seqs, chunk_size
         self.max_blocks_per_seq = max_blocks_per_seq
-        self.wide_cached = wide_cached
+        self.wide_cached, self.pack_first = wide_cached, pack_first
         self.stage_min_tokens: int | None = None
         self.max_batched_tokens = max_batched_tokens or max_prefill_seqs * chunk_size
         # paged prefill's token buckets: up to a step's most prefill tokens, and a mixed step's decode tokens on top
@@ -257,8 +261,8 @@ class ModelRunner:
     def prefill_groups(self, rows: list[PrefillRow]) -> list[list[PrefillRow]]:
         """The programs a prefill step over `rows` runs. Paged prefill: one, B max_prefill_seqs + num_slots, T
         chunk_size, W max_blocks_per_seq, N = the rows' tokens' bucket in `buckets`. Otherwise the first chunks
-        (nothing cached) together, each chunk that reads cached tokens alone, so that every prefill program has one
-        of the shapes warm-up compiles:
+        (nothing cached) together (pack_first; else each alone), each chunk that reads cached tokens alone, so
+        that every prefill program has one of the shapes warm-up compiles:
           first chunks, one     B 1, T = pow2 bucket of its length, W from T, unpacked
           first chunks, several B max_prefill_seqs, T chunk_size, W from T, N = pow2 bucket of their tokens
                                 (packed: the [B, T] padding costs attention only)
@@ -266,7 +270,8 @@ class ModelRunner:
         if self.paged_prefill:
             return [rows]
         fresh = [r for r in rows if r.start == 0]
-        return ([fresh] if fresh else []) + [[r] for r in rows if r.start > 0]
+        firsts = [fresh] if fresh and self.pack_first else [[r] for r in fresh]
+        return firsts + [[r] for r in rows if r.start > 0]
 
     def prefill(self, rows: list[PrefillRow], stages: list[tuple[int, int]] | None = None,
                 on_stage=None, staged: set[str] | None = None, before_stage=None, masks=None) -> list[Prefix | None]:

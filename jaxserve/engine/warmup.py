@@ -20,9 +20,9 @@ def compile_steps(runner, progress: bool = True, stages: list[tuple[int, int]] |
       decode  the decode program for every batch bucket and block-table width (ragged: every total-blocks
               bucket; full tables: the one width)
       whole   the whole-model prefill programs: first chunks alone (every chunk bucket) and together (every
-              packed token bucket), and chunks after cached tokens (every chunk bucket and table width that
-              can follow; wide_cached: the one width); paged prefill: every token bucket up to the step's
-              token budget
+              packed token bucket, where the runner packs them: pack_first), and chunks after cached tokens
+              (every chunk bucket and table width that can follow; wide_cached: the one width); paged prefill:
+              every token bucket up to the step's token budget
       stages  a layer-wise prefill instance's layer groups: the shapes at least stage_min_tokens long
               (`_long`) are compiled as layer groups instead of whole, and with stage_cached every chunk
               after cached tokens is compiled as layer groups too (a prefill over a prefix loaded as it runs)
@@ -78,7 +78,7 @@ def compile_steps(runner, progress: bool = True, stages: list[tuple[int, int]] |
                   if min(t, w * bs - 1) > (lengths[i - 1] if i else 0)]
         batched = []  # every packed token bucket N of several first chunks (up to the budget's), as rows
         n, top = 16, pow2_bucket(min(runner.max_batched_tokens, BT), 16, BT)
-        while runner.max_prefill_seqs > 1:
+        while runner.max_prefill_seqs > 1 and runner.pack_first:
             m = min(n, top)
             batched.append(split(m, max(2, -(-m // runner.chunk_size))))
             if n >= top:

@@ -37,6 +37,12 @@ CHECKPOINT_ALIASES: dict[str, tuple[tuple[str, str], ...]] = {
 }
 
 
+def packs_prefill(cfg: ModelConfig) -> bool:
+    """Whether every layer's mixer takes a packed batch (`packed_input`: GQA attention), so that several
+    prompts packed into one prefill program cost their real tokens, not the [B, T] padded rows."""
+    return all(isinstance(spec.mixer, GQASpec) and GQAAttention.packed_input for spec in cfg.layers)
+
+
 def _mixer(prefix, hidden, spec, cfg: ModelConfig, dtype, kernels: str):
     if isinstance(spec, GQASpec):
         return GQAAttention(prefix, hidden, spec, cfg.rms_norm_eps, dtype, cfg.norm_plus_one, kernels)

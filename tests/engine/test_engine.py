@@ -105,7 +105,13 @@ def test_decode_batches_and_ragged_attention_match_reference(engines, family):
     decodes = {k[1] for k in eng.runner.programs if k[0] == "decode"}
     assert {16, 20} <= decodes <= {4, 16, 20}, decodes
     assert [eng.runner.decode_batch(n) for n in (1, 4, 5, 16, 17, 20)] == [4, 4, 16, 16, 20, 20]
-    assert any(k[0] == "prefill" and k[6] < k[1] * k[2] for k in eng.runner.programs)  # a packed prefill ran
+    prefills = [k for k in eng.runner.programs if k[0] == "prefill"]
+    # GQA layers take packed input: first chunks admitted together ran packed; MLA layers run [B, T] rows: alone
+    assert eng.runner.pack_first == (family == "llama")
+    if family == "llama":
+        assert any(k[6] < k[1] * k[2] for k in prefills)
+    else:
+        assert {k[1] for k in prefills} == {1}
     steps = eng.timer.summary()
     assert sum(s["count"] for s in steps.values()) >= 5
     for s in steps.values():
@@ -266,6 +272,27 @@ def test_a_varied_workload_compiles_nothing_after_warmup(engines, kernels):
         assert {k for k in ran if k[0] == "sample" and k[2] == 3}  # a mixed step's decode rows, after the 3
         assert "decode.device" not in llm.engine.timer.summary()["mixed"]["phases_ms"]
         assert len(warmed) < 26  # 6 decode + 3 token-bucket prefill programs, their samplers, not widths x buckets
+
+
+def test_first_chunks_of_a_hybrid_model_run_alone(engines):
+    """Layers whose mixer runs the [B, T] rows (KDA, MLA) would compute every padded row of a packed program, so a
+    hybrid model's first chunks admitted together run each in a program of its own length: warm-up compiles
+    those and no packed one, traffic runs nothing else, and the answers equal the dense path's."""
+    llm = engines("kimi_linear", dataclasses.replace(ENGINE, max_prefill_seqs=3, max_num_batched_tokens=24))
+    runner = llm.engine.runner
+    assert not runner.pack_first
+    runner.warmup(progress=False)
+    warmed, runner.programs = set(runner.programs), set()
+    assert {k[1] for k in warmed if k[0] == "prefill"} == {1}
+    steps, prefill = [], runner.prefill
+    runner.prefill = lambda rows, *a, **k: steps.append(runner.prefill_groups(rows)) or prefill(rows, *a, **k)
+    prompts = [[t + 5 * i for t in BASE[:n]] for i, n in enumerate((3, 6, 9))]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == reference_greedy(llm, p, 4), p
+    assert runner.programs <= warmed, sorted(runner.programs - warmed)
+    assert [len(g) for g in steps[0]] == [1, 1, 1]  # one step admitted all three, a program each
+    llm.engine.blocks.check()
 
 
 def paged_defaults(kernels):
