@@ -31,7 +31,7 @@ from ..models.cache_spec import cache_spec
 from ..models.config import load_config
 from ..models.fuse import fuse
 from ..models.model import kernel_cases, model_graphdef, packs_prefill
-from ..models.stack import LayerStack, layer_runs
+from ..models.stack import layer_stack
 from ..sampling import SamplingParams
 from ..structured import GuidedError, Grammars
 from ..tokenizer import Tokenizer
@@ -155,8 +155,8 @@ class LLMEngine:
                                   mesh=mesh, timer=self.timer, ragged=ragged, full_tables=paged == {"native"},
                                   paged_prefill=paged_prefill, pack_first=packs_prefill(self.model_config),
                                   max_batched_tokens=cfg.max_num_batched_tokens,
-                                  stack=LayerStack(layer_runs(self.model_config)
-                                                   if paged <= {"reference", "native"} else ()))
+                                  stack=layer_stack(self.model_config, scan=paged <= {"reference", "native"},
+                                                    switch=jax.local_devices()[0].platform == "cpu"))
         del state  # the runner's params hold the weights (stacked runs: their only copy)
         self.connector = KVConnector(self)  # what disaggregation may ask of the engine (connector.py)
         self.scheduler = Scheduler(SchedulerConfig(

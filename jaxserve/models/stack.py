@@ -7,10 +7,18 @@ one scan over the stack (`CausalLM.run_layers`), so XLA compiles the layer body 
 same step time and the same numbers). A slice of a stacked weight outside a scan is a copy, so every program
 that runs a run's layers scans them.
 
+A model of several layer kinds (hybrid: linear and full attention, dense and MoE MLPs) has a run per stretch
+of each kind, and XLA compiles a body per run: the bundled Kimi Linear's two runs of three KDA layers compile
+twice. On a CPU, where compiling is what a hybrid instance's start waits on, the layers are stacked by class
+instead (`layer_classes`: every layer of one spec, wherever it lies) and a step program runs any span of layers
+as one scan whose body switches on the layer's class (`Switched`, CausalLM.run_layers): each class's layer
+compiled once. Not on an accelerator: XLA's GPU runtime reads a conditional's branch on the host, a sync per
+layer.
+
 `LayerStack.stack` turns a model state into params `(rest, stacks)`: the state without the stacked layers,
-and per run the stacked state of its layers (the only copy of those weights). `LayerStack.merge`, inside a
-jitted program, makes the whole model from them: the stacked layers get slices of their stacks, which only
-a path that does not scan would read (XLA drops them otherwise).
+and per run (or class) the stacked state of its layers (the only copy of those weights). `LayerStack.merge`,
+inside a jitted program, makes the whole model from them: the stacked layers get slices of their stacks, which
+only a path that does not scan would read (XLA drops them otherwise).
 
 Pure functions over pytrees.
 """
@@ -37,6 +45,34 @@ def layer_runs(cfg: ModelConfig) -> tuple[tuple[int, int], ...]:
     return tuple(runs)
 
 
+def layer_classes(cfg: ModelConfig) -> tuple[tuple[int, ...], ...]:
+    """Every layer grouped by spec, each class its layers in order (classes in order of their first layer)."""
+    classes: dict = {}
+    for i, spec in enumerate(cfg.layers):
+        classes.setdefault(spec, []).append(i)
+    return tuple(tuple(c) for c in classes.values())
+
+
+def layer_stack(cfg: ModelConfig, scan: bool, switch: bool) -> LayerStack:
+    """How a model's layers run: scan False, each on its own; else runs of identical layers scanned, or with
+    switch (a CPU) a model of several classes as switch-mode scans."""
+    if not scan:
+        return LayerStack(())
+    classes = layer_classes(cfg)
+    return LayerStack((), classes) if switch and len(classes) > 1 else LayerStack(layer_runs(cfg))
+
+
+@dataclass(frozen=True)
+class Switched:
+    """Switch mode's stacks inside a program: per class, its layers and (graphdef of one layer, stacked state)."""
+    classes: tuple[tuple[int, ...], ...]
+    layers: list  # [(graphdef, stacked state)] per class
+
+    def where(self, i: int) -> tuple[int, int]:
+        """(class, index in its stack) of layer i."""
+        return next((c, m) for c, members in enumerate(self.classes) for m, j in enumerate(members) if j == i)
+
+
 def _stack(xs):
     """Stack arrays on a new leading axis, keeping their sharding (the new axis unsharded)."""
     out = jnp.stack(xs)
@@ -49,27 +85,39 @@ def _stack(xs):
 @dataclass(frozen=True)
 class LayerStack:
     runs: tuple[tuple[int, int], ...]  # () : nothing stacked, every layer runs on its own
+    classes: tuple[tuple[int, ...], ...] = ()  # switch mode (runs empty): every layer, by class (layer_classes)
+
+    @classmethod
+    def switched(cls, cfg: ModelConfig) -> LayerStack:
+        return cls((), layer_classes(cfg))
 
     def run_of(self, i: int) -> tuple[int, int] | None:
         return next((r for r in self.runs if r[0] <= i < r[1]), None)
 
+    def _groups(self) -> list[list[int]]:
+        return [list(range(lo, hi)) for lo, hi in self.runs] + [list(c) for c in self.classes]
+
     def stack(self, state: nnx.State) -> tuple[nnx.State, list]:
         """A model state -> params (rest, stacks). The stacks are new arrays: drop `state` to free the originals."""
         layers = state["layers"]
-        stacks = [jax.tree.map(lambda *xs: _stack(xs), *[layers[i] for i in range(lo, hi)]) for lo, hi in self.runs]
-        stacked = {i for lo, hi in self.runs for i in range(lo, hi)}
+        stacks = [jax.tree.map(lambda *xs: _stack(xs), *[layers[i] for i in g]) for g in self._groups()]
+        stacked = {i for g in self._groups() for i in g}
         rest = nnx.State({k: v for k, v in state.items() if k != "layers"})
         rest["layers"] = nnx.State({i: layers[i] for i in layers.keys() if i not in stacked})
         return rest, stacks
 
     def merge(self, graphdef, params):
-        """(model, {run: (graphdef of one layer, stacked state)}) from params (inside a jitted program)."""
+        """(model, {run: (graphdef of one layer, stacked state)}, or switch mode's `Switched`) from params
+        (inside a jitted program)."""
         rest, stacks = params
         layers = dict(rest["layers"].items())
-        for (lo, hi), st in zip(self.runs, stacks):
-            for i in range(lo, hi):
-                layers[i] = jax.tree.map(lambda a, j=i - lo: a[j], st)
+        for g, st in zip(self._groups(), stacks):
+            for j, i in enumerate(g):
+                layers[i] = jax.tree.map(lambda a, j=j: a[j], st)
         state = nnx.State({k: v for k, v in rest.items() if k != "layers"})
         state["layers"] = nnx.State({i: layers[i] for i in sorted(layers)})
         model = nnx.merge(graphdef, state)
+        if self.classes:
+            return model, Switched(self.classes, [(nnx.split(model.layers[c[0]])[0], st)
+                                                  for c, st in zip(self.classes, stacks)])
         return model, {(lo, hi): (nnx.split(model.layers[lo])[0], st) for (lo, hi), st in zip(self.runs, stacks)}

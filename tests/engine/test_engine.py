@@ -60,8 +60,9 @@ def test_greedy_matches_reference_with_chunks_and_prefix_hits(engines, family):
 @pytest.mark.parametrize("family", ["llama", "qwen3", "deepseek_v3", "kimi_linear", "qwen3_next", "gpt_oss",
                                     "mimo_v2_flash"])
 def test_scanned_layer_runs_match_the_unrolled_model(engines, checkpoint_dir, family):
-    """Runs of identical layers run as one lax.scan over stacked weights (models/stack.py), their projections
-    fused (models/fuse.py): the same logits as the model with its own per-layer weights and separate projections,
+    """Runs of identical layers run as one lax.scan over stacked weights (models/stack.py), and on a CPU a model
+    of several layer classes as one scan switching on each layer's class, their projections fused
+    (models/fuse.py): the same logits as the model with its own per-layer weights and separate projections,
     every layer unrolled (a separate load of the checkpoint)."""
     import jax.numpy as jnp
 
@@ -69,12 +70,14 @@ def test_scanned_layer_runs_match_the_unrolled_model(engines, checkpoint_dir, fa
     from jaxserve.models.batch import Batch
     from jaxserve.models.cache_spec import init_dense_cache
     from jaxserve.models.model import jit_forward, model_graphdef
-    from jaxserve.models.stack import layer_runs
+    from jaxserve.models.stack import layer_classes, layer_runs
     llm = engines(family)
     cfg = llm.engine.model_config
-    assert llm.engine.runner.stack.runs == layer_runs(cfg)  # CPU: the reference paged attention, so scanned
+    stack = llm.engine.runner.stack  # CPU: the reference paged attention, so scanned
     if family in ("llama", "qwen3"):
-        assert layer_runs(cfg) == ((0, cfg.num_layers),)
+        assert stack.runs == layer_runs(cfg) == ((0, cfg.num_layers),) and not stack.classes
+    else:  # several classes: switch mode, every layer stacked by class
+        assert not stack.runs and stack.classes == layer_classes(cfg) and len(stack.classes) > 1
     _, state = load_any(checkpoint_dir(family), cfg, llm.engine.dtype_name, None, False)
     ids = (BASE * 2)[:29]
     tokens = jnp.asarray([ids + [0] * 3], jnp.int32)
