@@ -4,10 +4,6 @@
 import JAX: a worker process must pin its CPUs before JAX loads (worker/setup.py).
 """
 
-from .xla_flags import add_cpu_flags
-
-add_cpu_flags()  # before any module of the package imports JAX
-
 __all__ = ["LLM", "SamplingParams", "Output", "Guided"]
 
 

@@ -53,7 +53,7 @@ from ..cache.layout import PoolLayout, gather, head_parts, init_pool, pool_shard
 from ..cache.pool_copy import PoolCopy
 from ..models.batch import Batch
 from ..models.paged import PagedKV
-from ..models.stack import LayerStack
+from ..models.stack import SWITCH_COMPILER_OPTIONS, LayerStack
 from ..structured import words
 from .migration import remote_hidden
 from .sampler import MAX_LOGPROBS, sample
@@ -208,9 +208,14 @@ class ModelRunner:
             pm = prompt_mask.at[slots].set(False if masks is None else masks)
             return pm, out_counts.at[slots].set(0).at[slots, tokens].set(1)
 
-        self._prefill = jax.jit(prefill_fn, donate_argnums=(1,), static_argnames=("lo", "hi", "last"))
-        self._decode = jax.jit(decode_fn, donate_argnums=(1,), static_argnames=("total_blocks", "remote"))
-        self._step = jax.jit(step_fn, donate_argnums=(1, 3, 4), static_argnames=("total_blocks",))
+        # a class-stacked model's step programs compile with their own XLA options (models/stack.py)
+        opts = SWITCH_COMPILER_OPTIONS if self.stack.classes else None
+        self._prefill = jax.jit(prefill_fn, donate_argnums=(1,), static_argnames=("lo", "hi", "last"),
+                                compiler_options=opts)
+        self._decode = jax.jit(decode_fn, donate_argnums=(1,), static_argnames=("total_blocks", "remote"),
+                               compiler_options=opts)
+        self._step = jax.jit(step_fn, donate_argnums=(1, 3, 4), static_argnames=("total_blocks",),
+                             compiler_options=opts)
         self._first = jax.jit(first_fn)
         self._sample = jax.jit(sample_fn, donate_argnums=(3,), static_argnames=("at",))
         self._insert = jax.jit(insert_fn, donate_argnums=(0, 1))

@@ -62,6 +62,13 @@ def layer_stack(cfg: ModelConfig, scan: bool, switch: bool) -> LayerStack:
     return LayerStack((), classes) if switch and len(classes) > 1 else LayerStack(layer_runs(cfg))
 
 
+# XLA options for a class-stacked model's step programs: with XLA's older CPU emitters (the MLIR fusion emitters
+# off) the bundled Kimi Linear's compile faster (configs/colocated.yaml's warm-up, 21 programs on 2 cores: 75-81 s
+# in three runs against 90 s) and run as fast; SmolLM2's (runs of identical layers) compile slower with them
+# (local.yaml: ready after 78 s against 49 s), so they are the programs' own, not the process's XLA_FLAGS
+SWITCH_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
+
+
 @dataclass(frozen=True)
 class Switched:
     """Switch mode's stacks inside a program: per class, its layers and (graphdef of one layer, stacked state)."""
