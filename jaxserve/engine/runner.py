@@ -654,16 +654,16 @@ class ModelRunner:
         return list(zip(ids[:k].tolist(), tlp[:k].tolist()))
 
     def warmup(self, progress: bool = True, stages: list[tuple[int, int]] | None = None, tails: bool = False,
-               decode: bool = True, whole: bool = True, stage_cached: bool = False) -> int:
+               decode: bool = True, whole: bool = True, stage_cached: bool = False, reverse: bool = False) -> int:
         """Compile every step program shape this instance runs -> the programs compiled (warmup.py)."""
         from .warmup import compile_steps
-        return compile_steps(self, progress, stages, tails, decode, whole, stage_cached)
+        return compile_steps(self, progress, stages, tails, decode, whole, stage_cached, reverse)
 
     def warmup_transfer(self, dtype_name: str, groups: list[tuple[int, int]], export: bool, receive: bool,
-                        progress: bool = True, by_group: bool = False) -> int:
+                        progress: bool = True, by_group: bool = False, reverse: bool = False) -> int:
         """Compile the KV export / import programs of every staged row-count bucket -> how many (warmup.py)."""
         from .warmup import compile_transfers
-        return compile_transfers(self, dtype_name, groups, export, receive, progress, by_group)
+        return compile_transfers(self, dtype_name, groups, export, receive, progress, by_group, reverse)
 
     def free(self, slot: int) -> None:
         """Nothing on device: the slot's rows are overwritten by the next insert / first chunk."""

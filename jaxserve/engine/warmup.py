@@ -14,7 +14,7 @@ from .rows import IDLE, DecodeRow, PrefillRow, pow2_bucket
 
 
 def compile_steps(runner, progress: bool = True, stages: list[tuple[int, int]] | None = None, tails: bool = False,
-                  decode: bool = True, whole: bool = True, stage_cached: bool = False) -> int:
+                  decode: bool = True, whole: bool = True, stage_cached: bool = False, reverse: bool = False) -> int:
     """Compile what an instance runs (every shape of `prefill_groups` and `decode_batch`), so that traffic
     compiles nothing afterwards:
       decode  the decode program for every batch bucket and block-table width (ragged: every total-blocks
@@ -29,6 +29,9 @@ def compile_steps(runner, progress: bool = True, stages: list[tuple[int, int]] |
       tails   (without whole) the one-token chunk at the end of a sequence of every table width: what a
               decode instance runs when KV arrives for all but the last token, a resumed request's or one
               prefill left with transfer.leave_last_token
+    reverse: compile the shapes in the opposite order. Instances of one role on a host share XLA's persistent
+    cache: the second starting from the other end, each finds the programs the other compiled in the cache by
+    the time it reaches them, so the pair compiles each program once (`Worker._warm`).
     Writes land in block 0 and the scratch rows, which are rewritten before use."""
     from tqdm import tqdm
     bs = runner.layout.block_size
@@ -99,6 +102,8 @@ def compile_steps(runner, progress: bool = True, stages: list[tuple[int, int]] |
     if stages is not None and stage_cached:  # a prefill over a prefix arriving layer group by layer group
         jobs += [(kind, n, stages, None) for kind, n in prefills if kind == "cached"]
     scratch = runner.layout.scratch_row
+    if reverse:
+        jobs.reverse()
     for kind, n, st, staged in tqdm(jobs, desc="compiling", unit="program", disable=not progress):
         if kind == "decode":
             runner.generate([DecodeRow(0, 0, n * bs - 1, [0] * n, IDLE, 0)] * st)  # n: blocks, st: rows
@@ -120,16 +125,17 @@ def compile_steps(runner, progress: bool = True, stages: list[tuple[int, int]] |
 
 
 def compile_transfers(runner, dtype_name: str, groups: list[tuple[int, int]], export: bool, receive: bool,
-                      progress: bool = True, by_group: bool = False) -> int:
+                      progress: bool = True, by_group: bool = False, reverse: bool = False) -> int:
     """Compile the KV export (prefill side) and import (decode side) programs for every staged row-count
     bucket, so the first disaggregated requests do not wait for them; by_group: also each layer group's
     import alone (a prefill over a cached prefix as it lands). Imports write only out-of-range blocks
-    (dropped) and the scratch row. Returns the number of transfer programs compiled."""
+    (dropped) and the scratch row. reverse: the buckets in the opposite order (compile_steps). Returns the
+    number of transfer programs compiled."""
     from tqdm import tqdm
 
     from jaxserve.transfer.bufpool import aligned_empty
     from jaxserve.transfer.plan import bucket, staging
-    rows = sorted({bucket(n) for n in range(1, runner.max_blocks_per_seq + 1)})
+    rows = sorted({bucket(n) for n in range(1, runner.max_blocks_per_seq + 1)}, reverse=reverse)
     scratch = runner.layout.scratch_row
     for M in tqdm(rows, desc="compiling transfer", unit="bucket", disable=not progress):
         st = staging(runner.layout, dtype_name, M, groups, runner.head_parts)

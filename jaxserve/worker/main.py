@@ -117,20 +117,24 @@ class Worker:
         instance is) compile when first needed."""
         cfg = self.cfg
         groups = self.layer_groups
+        # every second instance of a role warms up from the other end: where they share a host (and XLA's
+        # persistent cache) each finds what the other compiled in the cache (warmup.compile_steps)
+        same = [i.name for i in cfg.instances() if i.role == self.inst.role]
+        reverse = self.inst.name in same and same.index(self.inst.name) % 2 == 1
         if role == "store":  # no model step runs here: only the programs that move KV in and out
             return self.llm.runner.warmup_transfer(self.llm.dtype_name, groups, export=True, receive=True,
-                                                   progress=progress)
+                                                   progress=progress, reverse=reverse)
         sends, layerwise = role in ("prefill", "both"), len(groups) > 1
         receives = role in ("decode", "both")
         store = any(i.role == "store" for i in cfg.instances())  # prefills may run over prefixes it loads
         moves = store or any(c.kind == "prfaas" for c in cfg.clusters)  # prefixes moved between clusters
         n = self.llm.runner.warmup(progress, groups if sends and layerwise else None, tails=receives,
-                                   decode=receives, whole=sends, stage_cached=sends and store)
+                                   decode=receives, whole=sends, stage_cached=sends and store, reverse=reverse)
         # a prefill instance receives cached prefixes too where there are any to receive (moved between clusters,
         # or loaded from the global KV store layer group by layer group while its prefill runs)
         return n + self.llm.runner.warmup_transfer(self.llm.dtype_name, groups, export=sends,
                                                    receive=receives or (sends and moves), progress=progress,
-                                                   by_group=sends and store)
+                                                   by_group=sends and store, reverse=reverse)
 
     # ---- methods
     async def health(self, req=None, ctx=None):
