@@ -48,8 +48,9 @@ class EngineSection(_Strict):
     chunk_size: int | None = Field(ENGINE["chunk_size"], ge=1, description="prefill tokens per request per step, a "
         "multiple of block_size (default: max_num_batched_tokens where the model prefills over the paged cache in one "
         "packed program, every full-attention GQA model on the native CPU kernels; 256 otherwise)")
-    max_prefill_seqs: int = Field(ENGINE["max_prefill_seqs"], ge=1, description="first chunks packed into one prefill "
-        "program where the model's prefill programs are dense [rows, chunk] shapes")
+    max_prefill_seqs: int = Field(ENGINE["max_prefill_seqs"], ge=1, description="first chunks one prefill step takes "
+        "where the model's prefill programs are dense [rows, chunk] shapes: packed into one program where every layer "
+        "is GQA attention, a program each otherwise")
     max_model_len: int | None = Field(ENGINE["max_model_len"], ge=1, description="the longest prompt + output "
         "(default: the model's context, capped by what the pool holds)")
     prefix_caching: bool = Field(ENGINE["prefix_caching"], description="reuse the KV of full prompt blocks seen before "
