@@ -60,9 +60,9 @@ def test_convert_cli_and_restore_into_tp2_mesh(kimi_with_tokenizer, tmp_path):
     tp = LLM(out, tp=2, progress=False)
     # weights landed sharded over the two devices (expert intermediate dim), others replicated
     rest, stacks = tp.engine.runner.params
-    run = tp.engine.runner.stack.run_of(1)  # layer 1's weights, stacked on a leading axis when in a run
-    q = (stacks[tp.engine.runner.stack.runs.index(run)] if run else rest["layers"][1])["mlp"]["w_gate"][...]
-    lead = 1 if run else 0
+    at = tp.engine.runner.stack.locate(1)  # layer 1's weights, stacked on a leading axis when in a run or class
+    q = (stacks[at[0]] if at else rest["layers"][1])["mlp"]["w_gate"][...]
+    lead = 1 if at else 0
     assert q.sharding.spec[2 + lead] == "tp" and len(q.sharding.device_set) == 2
     assert {s.data.shape for s in q.addressable_shards} == {q.shape[:2 + lead] + (q.shape[2 + lead] // 2,)}
     ids = [5, 9, 200, 17, 3, 44, 61]

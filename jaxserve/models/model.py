@@ -120,6 +120,8 @@ class CausalLM(nnx.Module):
         if isinstance(stacks, Switched):  # switch mode: the span as one scan over the layers' classes
             if not (isinstance(shift, int) and shift == 0):
                 raise ValueError("layers stacked by class run unshifted")
+            if lo >= hi:  # an empty span (a migration's layers at either end)
+                return x, new_cache
             return _switch_layers(x, batch, cache, new_cache, shared, stacks, lo, hi), new_cache
         i = lo
         while i < hi:

@@ -63,9 +63,9 @@ def layer_stack(cfg: ModelConfig, scan: bool, switch: bool) -> LayerStack:
 
 
 # XLA options for a class-stacked model's step programs: with XLA's older CPU emitters (the MLIR fusion emitters
-# off) the bundled Kimi Linear's compile faster (configs/colocated.yaml's warm-up, 21 programs on 2 cores: 75-81 s
-# in three runs against 90 s) and run as fast; SmolLM2's (runs of identical layers) compile slower with them
-# (local.yaml: ready after 78 s against 49 s), so they are the programs' own, not the process's XLA_FLAGS
+# off) the bundled Kimi Linear's compile faster (configs/colocated.yaml's warm-up, 21 programs on 2 cores: 65 s
+# against 90 s without them) and run as fast; SmolLM2's (runs of identical layers) compile slower with them
+# (local.yaml: ready after 78 s against 49 s, as XLA_FLAGS), so they are these programs' own
 SWITCH_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
 
 
@@ -94,15 +94,16 @@ class LayerStack:
     runs: tuple[tuple[int, int], ...]  # () : nothing stacked, every layer runs on its own
     classes: tuple[tuple[int, ...], ...] = ()  # switch mode (runs empty): every layer, by class (layer_classes)
 
-    @classmethod
-    def switched(cls, cfg: ModelConfig) -> LayerStack:
-        return cls((), layer_classes(cfg))
-
     def run_of(self, i: int) -> tuple[int, int] | None:
         return next((r for r in self.runs if r[0] <= i < r[1]), None)
 
     def _groups(self) -> list[list[int]]:
         return [list(range(lo, hi)) for lo, hi in self.runs] + [list(c) for c in self.classes]
+
+    def locate(self, i: int) -> tuple[int, int] | None:
+        """Where layer i's weights lie: (its stack's index in params' stacks, its index in the stack), or None
+        when it is not stacked."""
+        return next(((s, g.index(i)) for s, g in enumerate(self._groups()) if i in g), None)
 
     def stack(self, state: nnx.State) -> tuple[nnx.State, list]:
         """A model state -> params (rest, stacks). The stacks are new arrays: drop `state` to free the originals."""
