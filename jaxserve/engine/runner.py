@@ -20,12 +20,13 @@ The model's kernel mode (engine.kernels) picks Pallas kernels or jnp references 
 Shapes are bucketed so that a workload compiles a bounded set of programs, all of which warm-up can compile
 ahead (`warmup`): prefill in the three families of `prefill_groups` (chunk lengths and block-table widths in
 powers of two, a batch's real tokens packed into a power-of-two bucket where every mixer takes packed input),
-decode in `decode_batch` rows (with full tables the powers of two and their midpoints up to the slots; else 4 for up to 4 requests, then from
-max(16, slots / 4)) times the block-table widths (ragged attention: the buckets of the blocks in use). With the
-native kernels the tables are always max_blocks_per_seq wide (the kernels read only the blocks in use): decode
-programs are keyed by their rows alone, and a model of full-attention GQA layers only prefills in one packed
-program per step over the pool (`paged_prefill`), keyed by its token bucket (`buckets`), and a step that also
-decodes runs its decode tokens in the same program (`mixed`). `programs` records the shapes run.
+decode in `decode_batch` rows (with full tables the powers of two and their midpoints up to the slots; else 4
+for up to 4 requests, then from max(16, slots / 4)) times the block-table widths (ragged attention: the
+buckets of the blocks in use). With the native kernels the tables are always max_blocks_per_seq wide (the
+kernels read only the blocks in use): decode programs are keyed by their rows alone, and a model of
+full-attention GQA layers only prefills in one packed program per step over the pool (`paged_prefill`), keyed
+by its token bucket (`buckets`), and a step that also decodes runs its decode tokens in the same program
+(`mixed`). `programs` records the shapes run.
 
 Colocated mode uses one ModelRunner for both roles: prefill writes straight into the blocks and state row that
 decode then reads, so `insert` only records the slot's sampling state. Disaggregated, the prefill instance's
