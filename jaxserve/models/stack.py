@@ -77,7 +77,12 @@ class Switched:
 
     def where(self, i: int) -> tuple[int, int]:
         """(class, index in its stack) of layer i."""
-        return next((c, m) for c, members in enumerate(self.classes) for m, j in enumerate(members) if j == i)
+        return _locate(self.classes, i)
+
+
+def _locate(groups, i: int) -> tuple[int, int] | None:
+    """(index of the group holding layer i, i's index in it), or None."""
+    return next(((s, list(g).index(i)) for s, g in enumerate(groups) if i in g), None)
 
 
 def _stack(xs):
@@ -103,7 +108,7 @@ class LayerStack:
     def locate(self, i: int) -> tuple[int, int] | None:
         """Where layer i's weights lie: (its stack's index in params' stacks, its index in the stack), or None
         when it is not stacked."""
-        return next(((s, g.index(i)) for s, g in enumerate(self._groups()) if i in g), None)
+        return _locate(self._groups(), i)
 
     def stack(self, state: nnx.State) -> tuple[nnx.State, list]:
         """A model state -> params (rest, stacks). The stacks are new arrays: drop `state` to free the originals."""

@@ -464,25 +464,21 @@ def test_decode_warmup_covers_what_a_resumed_request_runs(checkpoint_dir):
     assert not any(k[0] == "prefill" and k[-1] for k in warmed)  # the decode role compiles no first chunks
 
 
-def test_warmup_in_reverse_runs_the_same_shapes_from_the_other_end(engines):
+def test_warmup_in_reverse_runs_the_same_shapes_from_the_other_end(engines, monkeypatch):
     """A second instance of a role warms up in reverse (worker/main.py `_warm`), so two sharing XLA's persistent
-    cache each find the other's programs in it: the same shapes, in the opposite order."""
-    from jaxserve.engine.warmup import compile_steps
+    cache each find the other's programs in it: the same shapes, in the opposite order (the runner's step calls
+    recorded instead of run)."""
     runner = engines("kimi_linear").engine.runner
+    calls = []
+    monkeypatch.setattr(runner, "generate", lambda rows: calls.append(("decode", len(rows), len(rows[0].block_ids))))
+    monkeypatch.setattr(runner, "mixed", lambda p, d: calls.append(("mixed", tuple(len(r.tokens) for r in p), len(d))))
+    monkeypatch.setattr(runner, "prefill", lambda rows, st, staged=None: calls.append(
+        ("prefill", tuple((len(r.tokens), r.start) for r in rows), None if st is None else tuple(st))))
+    monkeypatch.setattr(runner, "_insert", lambda m, c, ids, masks: (m, c))
 
     def shapes(reverse):
-        calls = []
-        stub = type("Stub", (), {k: getattr(runner, k) for k in (
-            "layout", "max_blocks_per_seq", "chunk_size", "num_slots", "ragged", "full_tables", "paged_prefill",
-            "max_prefill_seqs", "wide_cached", "max_batched_tokens", "pack_first", "stage_min_tokens",
-            "decode_batch", "buckets", "most_prefill", "_bucket", "programs", "prompt_mask", "out_counts")})()
-        stub.decode_batch, stub._bucket = runner.decode_batch, runner._bucket
-        stub.generate = lambda rows: calls.append(("decode", len(rows), len(rows[0].block_ids)))
-        stub.mixed = lambda p, d: calls.append(("mixed", tuple(len(r.tokens) for r in p), len(d)))
-        stub.prefill = lambda rows, st, staged=None: calls.append(
-            ("prefill", tuple((len(r.tokens), r.start) for r in rows), None if st is None else tuple(st)))
-        stub._upload, stub._insert = (lambda x: x), (lambda m, c, ids, masks: (m, c))
-        compile_steps(stub, progress=False, reverse=reverse)
-        return calls
+        calls.clear()
+        runner.warmup(progress=False, reverse=reverse)
+        return list(calls)
     forward = shapes(False)
     assert len(set(forward)) == len(forward) > 4 and shapes(True) == forward[::-1]
