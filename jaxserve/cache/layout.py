@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..models.cache_spec import CacheGroup, CacheSpec
 from ..models.paged import PagedKV
@@ -226,6 +227,62 @@ def scatter(layout: PoolLayout, pool: list, cache: list, dst_rows, snap_rows,
             vals = {k: jnp.stack([cache[layer][k] for layer in layers], axis=1) for k in ("conv", "ssm")}
         for rows in (dst_rows, snap_rows):
             arr = jax.tree.map(lambda a, v, r=rows: a.at[_index(r, j0, j1, shift)].set(v.astype(a.dtype)), arr, vals)
+        out.append(arr)
+    return out
+
+
+def layer_places(layout: PoolLayout) -> np.ndarray:
+    """[L, 2] int32: each model layer's cache group and its index in the group."""
+    out = np.zeros((layout.num_layers, 2), np.int32)
+    for gi, gl in enumerate(layout.groups):
+        for j, layer in enumerate(gl.group.layers):
+            out[layer] = gi, j
+    return out
+
+
+def _span_index(layout: PoolLayout, gi: int, at, n: int, drop: bool):
+    """Group gi's layer index at each position of the model layers at..at+n-1 (at traced) [n] int32; a
+    position whose layer lies in another group: 0 (a read), or past the group's layers (drop: a write dropped)."""
+    places = jax.lax.dynamic_slice_in_dim(jnp.asarray(layer_places(layout)), at, n)  # [n, 2]
+    other = len(layout.groups[gi].group.layers) if drop else 0
+    return jnp.where(places[:, 0] == gi, places[:, 1], other)
+
+
+def gather_span(layout: PoolLayout, pool: list, block_table, src_rows, start, at, n: int, dense: bool = False) -> list:
+    """`gather` for the model layers at..at+n-1, at traced (models/model.py `switch_span`): per cache group, a
+    `PagedKV` of its array (full groups; the layer index is set per layer) or the request-level state of the
+    batch's rows at each position of the span, per-layer entries stacked [n, ...] (zeros for rows with start
+    == 0; a position whose layer lies in another group reads group layer 0, unused)."""
+    B = block_table.shape[0]
+    fresh = start == 0
+    views = []
+    for gi, (gl, arr) in enumerate(zip(layout.groups, pool)):
+        if gl.kind == "full":
+            views.append(PagedKV(arr, block_table, gi, 0, None, dense))
+            continue
+        js = _span_index(layout, gi, at, n, drop=False)
+        rows = jax.tree.map(lambda a: a[src_rows[:, None], js[None, :]], arr)  # [B, n, ...]
+        rows = jax.tree.map(lambda a: jnp.moveaxis(jnp.where(fresh.reshape((B,) + (1,) * (a.ndim - 1)), 0, a), 1, 0),
+                            rows)
+        views.append(jax.vmap(lambda r: to_layer(gl, r))(rows) if gl.kind == "sliding" else rows)
+    return views
+
+
+def scatter_span(layout: PoolLayout, pool: list, views: list, dst_rows, snap_rows, at, n: int) -> list:
+    """`scatter` after `switch_span` over the model layers at..at+n-1: each full group's array as the layers
+    left it, each request-level group's entries [n, ...] written into rows dst_rows [B] and snap_rows [B] at
+    the positions whose layers are the group's."""
+    out = []
+    for gi, (gl, arr, v) in enumerate(zip(layout.groups, pool, views)):
+        if gl.kind == "full":
+            out.append(v.pool)
+            continue
+        vals = jax.vmap(lambda c: _from_layer(gl, c))(v) if gl.kind == "sliding" else v
+        vals = jax.tree.map(lambda a: jnp.moveaxis(a, 0, 1), vals)  # [B, n, ...]
+        js = _span_index(layout, gi, at, n, drop=True)
+        for rows in (dst_rows, snap_rows):
+            arr = jax.tree.map(lambda a, x, r=rows: a.at[r[:, None], js[None, :]].set(x.astype(a.dtype), mode="drop"),
+                               arr, vals)
         out.append(arr)
     return out
 

@@ -50,10 +50,12 @@ import numpy as np
 
 from jaxserve.transfer.device import DeviceIO
 
-from ..cache.layout import PoolLayout, gather, head_parts, init_pool, pool_shardings, scatter
+from ..cache.layout import (PoolLayout, gather, gather_span, head_parts, init_pool, layer_places, pool_shardings, scatter,
+                            scatter_span)
 from ..cache.pool_copy import PoolCopy
 from ..models.batch import Batch
 from ..models.paged import PagedKV
+from ..models.model import switch_span
 from ..models.stack import SWITCH_COMPILER_OPTIONS, LayerStack
 from ..structured import words
 from .migration import remote_hidden
@@ -132,13 +134,25 @@ class ModelRunner:
         self.out_counts = jnp.zeros((num_slots + 1, vocab_size), jnp.int32, device=sharding)
         self.last_tokens = jnp.zeros((num_slots + 1,), jnp.int32, device=sharding)  # each slot's last decode token
         self.programs: set[tuple] = set()
+        self._zeros: dict = {}  # hidden-state shape -> zeros on the device (`_x0`)
+        self._replicated = sharding
         merge = lambda leaves: self.stack.merge(graphdef, jax.tree.unflatten(tree, leaves))  # noqa: E731
+        self._merge = merge
+
+        places = layer_places(layout)
 
         def prefill_fn(params, pool, x, shift, batch, table, src, dst, snap, *, lo, hi, last):
             # layers lo..hi-1 of a prefill (embedding first; last: the hidden state of each row's last token
             # [B, 1, H] out, for `first_fn`): the whole model in one program, or one layer group of a layer-wise
             # prefill (its layers shifted by `shift`: one program for the groups of a run, `_stage`)
             m, stacks = merge(params)
+            if self.stack.classes and shift is not None:
+                # layers shift..shift+hi-1 of a class-stacked model (`_stage`): one program for every group of
+                # hi layers; the embedding where shift is 0, out both the hidden states and each row's last
+                views = gather_span(layout, pool, table, src, batch.start, shift, hi, dense=not paged_prefill)
+                x = jnp.where(shift == 0, m.embed(batch), x)
+                x, views = switch_span(x, batch, stacks, views, places, shift, hi)
+                return scatter_span(layout, pool, views, dst, snap, shift, hi), (x, batch.last_tokens(x))
             shift = 0 if shift is None else shift
             cache = gather(layout, pool, table, src, batch.start, span=(lo, hi), dense=not paged_prefill, shift=shift)
             if lo == 0:
@@ -308,8 +322,13 @@ class ModelRunner:
                 last = k == len(plans[gi]) - 1
                 lo, hi, shift = self._stage(*plans[gi][k], last)
                 self.programs.add(("prefill", B, T, W, lo, hi, N, fresh))
-                self.pool, xs[gi] = self._prefill(self._leaves, self.pool, xs[gi], shift, *args, lo=lo, hi=hi,
-                                                  last=last)
+                if self.stack.classes and shift is not None:  # one program wherever the group lies: x in, both out
+                    x = self._x0(args[0]) if xs[gi] is None else xs[gi]
+                    self.pool, out = self._prefill(self._leaves, self.pool, x, shift, *args, lo=lo, hi=hi, last=False)
+                    xs[gi] = out[1] if last else out[0]
+                else:
+                    self.pool, xs[gi] = self._prefill(self._leaves, self.pool, xs[gi], shift, *args, lo=lo, hi=hi,
+                                                      last=last)
                 if last:  # the first tokens: [B, 1, H] -> (tokens, logprobs, top ids, top logprobs)
                     S = sargs[1].shape[0]
                     self.programs.add(("first", S))
@@ -354,11 +373,23 @@ class ModelRunner:
         layers run (an int32 argument; None: unshifted). A group inside a run of stacked layers, neither the
         first (embedding) nor the last (LM head), runs the program of the run's earliest group of its size: one
         program for all the middle groups of a run, however many layer groups a layer-wise prefill streams."""
+        if self.stack.classes:  # layers stacked by class: every group of one size, wherever it lies
+            n = self.layout.num_layers
+            return (lo, hi, None) if hi - lo == n else (0, hi - lo, jnp.int32(lo))
         run = self.stack.run_of(lo)
         if lo == 0 or last or run is None or hi > run[1]:
             return lo, hi, None
         base = max(run[0], 1)
         return base, base + hi - lo, jnp.int32(lo - base)
+
+    def _x0(self, batch: Batch) -> jax.Array:
+        """Zeros of the batch's hidden-state shape, kept per shape: what a class-stacked layer group's program
+        takes at layer 0, where it embeds the tokens instead (`_stage`)."""
+        key = tuple(a.shape for a in jax.tree.leaves(batch))
+        if key not in self._zeros:
+            s = jax.eval_shape(lambda p, b: self._merge(p)[0].embed(b), self._leaves, batch)
+            self._zeros[key] = jnp.zeros(s.shape, s.dtype, device=self._replicated)
+        return self._zeros[key]
 
     def _bucket(self, n: int) -> int:
         """Paged prefill's bucket of n tokens: the smallest of `buckets` >= n (n itself past them)."""

@@ -199,54 +199,83 @@ def _switch_layers(x, batch: Batch, cache: list, new_cache: list, shared: dict, 
     layer updating its row, made the bundled Kimi Linear's decode steps a quarter slower."""
     where = [sw.where(i) for i in range(lo, hi)]
     present = sorted({c for c, _ in where})
-    paged = {}  # class -> a cache entry of its group
-    kinds: dict = {}  # dense entry shape -> a layer's entry of it
-    kind = {}  # layer -> its dense entry's shape
-    for i, (c, _) in zip(range(lo, hi), where):
+    keys: list = []  # per view: ("paged", group) or ("dense", entry shape)
+    key = {}  # layer -> its view's index
+    for i in range(lo, hi):
         e = cache[i]
-        if isinstance(e, PagedKV):
-            if paged.setdefault(c, e).group != e.group:
-                raise ValueError(f"layers of class {c} lie in two cache groups")
-        else:
-            kind[i] = (jax.tree.structure(e), tuple((a.shape, a.dtype) for a in jax.tree.leaves(e)))
-            kinds.setdefault(kind[i], e)
-    keys = list(kinds)
-    xs_dense = [jax.tree.map(lambda *a: jnp.stack(a), *[cache[i] if kind.get(i) == k else
-                                                        jax.tree.map(jnp.zeros_like, kinds[k]) for i in range(lo, hi)])
-                for k in keys]
-    pools = {t.group: shared.get(t.group, t.pool) for t in paged.values()}
-    idx = jnp.asarray([[present.index(c), m, cache[i].layer if c in paged else 0]
+        k = ("paged", e.group) if isinstance(e, PagedKV) else (
+            "dense", jax.tree.structure(e), tuple((a.shape, a.dtype) for a in jax.tree.leaves(e)))
+        if k not in keys:
+            keys.append(k)
+        key[i] = keys.index(k)
+    view_of = {}  # class -> its view
+    for i, (c, _) in zip(range(lo, hi), where):
+        if view_of.setdefault(c, key[i]) != key[i]:
+            raise ValueError(f"layers of class {c} lie in two cache groups")
+    first = {key[i]: cache[i] for i in reversed(range(lo, hi))}
+    views = [replace(first[v], pool=shared.get(first[v].group, first[v].pool)) if keys[v][0] == "paged" else
+             jax.tree.map(lambda *a: jnp.stack(a), *[cache[i] if key[i] == v else
+                                                     jax.tree.map(jnp.zeros_like, first[v]) for i in range(lo, hi)])
+             for v in range(len(keys))]
+    idx = jnp.asarray([[present.index(c), m, cache[i].layer if isinstance(cache[i], PagedKV) else 0]
                        for i, (c, m) in zip(range(lo, hi), where)], jnp.int32)  # [hi - lo, 3]
+    x, views = _switch_scan(x, batch, sw, present, [view_of[c] for c in present], views, idx)
+    for n, i in enumerate(range(lo, hi)):
+        v = views[key[i]]
+        if isinstance(v, PagedKV):
+            shared[v.group] = v.pool
+            new_cache[i] = replace(cache[i], pool=v.pool)
+        else:
+            new_cache[i] = jax.tree.map(lambda a, n=n: a[n], v)
+    return x
 
-    def branch(c):
+
+def switch_span(x, batch: Batch, sw: Switched, views: list, place, at, n: int):
+    """Layers at..at+n-1 of a class-stacked model, `at` traced: one program runs every span of n layers (a
+    layer-wise prefill's groups, whatever classes they hold). views: per cache group of the pool, a `PagedKV`
+    of its array (full groups) or its dense entries [n, ...] at the span's positions (cache/layout.py
+    `gather_span`; a position whose layer is of another group reads any values and its row is not written
+    back); place [L, 2] int32 (numpy): each layer's cache group and its index there. -> (x, views after the
+    span, as `scatter_span` takes them)."""
+    classes = sw.classes
+    L = sum(len(c) for c in classes)
+    table = jnp.asarray([[*sw.where(i), place[i][1]] for i in range(L)], jnp.int32)  # [L, 3]
+    group_of = [int(place[c[0]][0]) for c in classes]
+    for c, g in zip(classes, group_of):
+        if any(int(place[i][0]) != g for i in c):
+            raise ValueError(f"layers {list(c)} of one class lie in two cache groups")
+    idx = jax.lax.dynamic_slice_in_dim(table, at, n)  # [n, 3]
+    return _switch_scan(x, batch, sw, list(range(len(classes))), group_of, views, idx)
+
+
+def _switch_scan(x, batch: Batch, sw: Switched, present: list[int], view_of: list[int], views: list, idx):
+    """The scan of switch mode: position p runs a layer of class present[idx[p, 0]], weights idx[p, 1] of its
+    stack, over its class's view (view_of, per present class): a PagedKV (pool carried, layer idx[p, 2]) or a
+    dense stack [n, ...] (row p read and written; the other views' rows pass through). -> (x, views after)"""
+    pools = {v: views[v].pool for v in set(view_of) if isinstance(views[v], PagedKV)}
+    dense = {v: views[v] for v in set(view_of) if v not in pools}
+
+    def branch(c, v):
         graphdef, stacked = sw.layers[c]
-        k = next((keys.index(kind[i]) for i, (ci, _) in zip(range(lo, hi), where) if ci == c and i in kind), None)
 
         def run(x, pools, dense, m, j):
             layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[m], stacked))
-            if c in paged:
-                t = paged[c]
-                x, out = layer(x, batch, replace(t, pool=pools[t.group], layer=j))
-                return x, {**pools, t.group: out.pool}, dense
-            x, out = layer(x, batch, dense[k])
-            return x, pools, [jax.tree.map(lambda a, v: v.astype(a.dtype), d, out) if n == k else d
-                              for n, d in enumerate(dense)]
+            if v in pools:
+                x, out = layer(x, batch, replace(views[v], pool=pools[v], layer=j))
+                return x, {**pools, v: out.pool}, dense
+            x, out = layer(x, batch, dense[v])
+            return x, pools, {**dense, v: jax.tree.map(lambda a, o: o.astype(a.dtype), dense[v], out)}
         return run
 
-    branches = [branch(c) for c in present]
+    branches = [branch(c, v) for c, v in zip(present, view_of)]
 
-    def body(carry, v):
-        (x, pools), (ix, dense) = carry, v
+    def body(carry, xs):
+        (x, pools), (ix, dense) = carry, xs
         args = (x, pools, dense, ix[1], ix[2])
         x, pools, dense = branches[0](*args) if len(branches) == 1 else jax.lax.switch(ix[0], branches, *args)
         return (x, pools), dense
-    (x, pools), ys = jax.lax.scan(body, (x, pools), (idx, xs_dense))
-    shared.update(pools)
-    for n, i in enumerate(range(lo, hi)):
-        c = where[n][0]
-        new_cache[i] = (replace(cache[i], pool=pools[paged[c].group]) if c in paged
-                        else jax.tree.map(lambda a, n=n: a[n], ys[keys.index(kind[i])]))
-    return x
+    (x, pools), ys = jax.lax.scan(body, (x, pools), (idx, dense))
+    return x, [replace(views[v], pool=pools[v]) if v in pools else ys.get(v, views[v]) for v in range(len(views))]
 
 
 def abstract_model(cfg: ModelConfig, dtype, kernels: str = "reference") -> CausalLM:
