@@ -12,8 +12,10 @@ of each kind, and XLA compiles a body per run: the bundled Kimi Linear's two run
 twice. On a CPU, where compiling is what a hybrid instance's start waits on, the layers are stacked by class
 instead (`layer_classes`: every layer of one spec, wherever it lies) and a step program runs any span of layers
 as one scan whose body switches on the layer's class (`Switched`, CausalLM.run_layers): each class's layer
-compiled once. Not on an accelerator: XLA's GPU runtime reads a conditional's branch on the host, a sync per
-layer.
+compiled once. A layer-wise prefill's layer groups then share one program per group size, wherever they lie:
+the group's first layer is an argument, and each position's class, stack index and cache row are looked up from
+it (models/model.py `switch_span`). Not on an accelerator: XLA's GPU runtime reads a conditional's branch on the
+host, a sync per layer.
 
 `LayerStack.stack` turns a model state into params `(rest, stacks)`: the state without the stacked layers,
 and per run (or class) the stacked state of its layers (the only copy of those weights). `LayerStack.merge`,
