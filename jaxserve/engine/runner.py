@@ -50,8 +50,8 @@ import numpy as np
 
 from jaxserve.transfer.device import DeviceIO
 
-from ..cache.layout import (PoolLayout, gather, gather_span, head_parts, init_pool, layer_places, pool_shardings, scatter,
-                            scatter_span)
+from ..cache.layout import (PoolLayout, gather, gather_span, head_parts, init_pool, layer_places, pool_shardings,
+                            scatter, scatter_span)
 from ..cache.pool_copy import PoolCopy
 from ..models.batch import Batch
 from ..models.paged import PagedKV
