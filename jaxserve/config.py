@@ -284,6 +284,9 @@ class ServerSection(_Strict):
     max_tokens_limit: int = Field(4096, ge=1, description="largest max_tokens a request may ask for")
     max_n: int = Field(8, ge=1, description="the largest n (choices per request)")
     request_timeout_s: float = Field(600.0, gt=0, description="a request not done by then ends with 408")
+    keep_alive_s: float = Field(75.0, gt=0, description="how long an idle client connection stays open; keep it "
+                                "above the idle timeout of any client pool or proxy in front (a request sent on a "
+                                "connection the server is closing fails with a connection reset)")
     profile_dir: str = Field("profiles", description="where POST /debug/profile writes its traces")
     max_request_mb: float = Field(8.0, gt=0, description="largest request body; larger ones get 413 before they "
                                   "are read")

@@ -13,7 +13,7 @@ import os
 import sys
 
 from jaxserve.bundled import resolve
-from jaxserve.config import Config, ConfigFileError
+from jaxserve.config import Config, ConfigFileError, ServerSection
 from jaxserve.server.app import create_app
 from jaxserve.server.metrics import Metrics
 from jaxserve.server.serve import build_colocated
@@ -60,6 +60,13 @@ def build(cfg: Config, progress: bool = True, echo=None, on_ready=None, ray_addr
     return create_app(cfg, router, name, metrics, lifespan=lifespan), router, name
 
 
+def http_config(app, srv: ServerSection, host: str, port: int):
+    """The uvicorn config that serves `app`: its keep-alive from the config (uvicorn's own is 5 s, shorter than
+    most client pools' idle time, so a request sent as the server drops an idle connection would be lost)."""
+    import uvicorn
+    return uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_keep_alive=srv.keep_alive_s)
+
+
 def serve(cfg: Config, port: int | None = None, host: str | None = None, ray_address: str | None = None) -> None:
     import uvicorn
     cfg.check_exposure()
@@ -76,7 +83,7 @@ def serve(cfg: Config, port: int | None = None, host: str | None = None, ray_add
     app, engine, name = build(cfg, echo=lambda line: print(line, file=sys.stderr, flush=True), on_ready=banner,
                               ray_address=ray_address)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning")
+        uvicorn.Server(http_config(app, cfg.server, host, port)).run()
     finally:
         if hasattr(engine, "shutdown"):
             engine.shutdown()
