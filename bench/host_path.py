@@ -8,7 +8,9 @@ the runner's programs called (every jitted program of engine/runner.py), its upl
 trace of the same steps, the executables the device client ran (every program, however it was dispatched); the
 reads made while the next step's program was already dispatched (the device kept busy during the read); and
 the host's time a step outside the device program (the engine's step timer: scheduling, input preparation,
-output handling).
+output handling). Then both loops again with every request constrained (a regular expression no answer ends
+before max_tokens): a constrained step overlapped dispatches its model before the read and its sampling after it,
+once the grammars have taken the tokens read (engine/split_step.py).
 
     python -m bench.host_path --json bench/results/host_path.json
 """
@@ -24,7 +26,7 @@ import time
 
 from bench.stamp import arguments, write
 
-PROGRAMS = ("_step", "_decode", "_sample", "_first", "_insert", "_prefill")
+PROGRAMS = ("_step", "_decode", "_sample", "_first", "_insert", "_prefill", "forward", "pick")
 
 
 def executions(trace_dir: str) -> int:
@@ -36,17 +38,19 @@ def executions(trace_dir: str) -> int:
     return sum(1 for e in ev if e.get("ph") == "X" and e.get("name") == "CommonPjRtLoadedExecutable::ExecutePrepare")
 
 
-def measure(path: str, overlap: bool, batch: int, steps: int) -> dict:
+def measure(path: str, overlap: bool, batch: int, steps: int, guided: bool = False) -> dict:
     import jax
 
     from jaxserve.engine.llm_engine import EngineConfig, LLMEngine
     from jaxserve.sampling import SamplingParams
+    from jaxserve.structured import Guided
     eng = LLMEngine(path, config=EngineConfig(num_blocks=512, max_num_seqs=batch, overlap=overlap), progress=False)
     runner, log = eng.runner, []
     for name in (*PROGRAMS, "_upload", "_read"):
         f = getattr(runner, name)
         setattr(runner, name, lambda *a, _f=f, _n=name, **k: (log.append(_n), _f(*a, **k))[1])
-    params = SamplingParams(max_tokens=steps + 40, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=steps + 40, temperature=0, ignore_eos=True,
+                            guided=Guided("regex", "[a-z ]+") if guided else None)
 
     def start(tag):
         seqs = [eng.add_request(f"{tag}{i}", list(range(100, 164)), params)[0] for i in range(batch)]
@@ -59,6 +63,7 @@ def measure(path: str, overlap: bool, batch: int, steps: int) -> dict:
         eng.abort(s.request_id)
     while eng.has_work:
         eng.step()
+    runner.split.wait()  # a constrained step's two programs, compiled behind the warm-up
     seqs = start("run")
     log.clear()
     in_flight = int(eng._ahead is not None)  # a step dispatched before the count began, read during it
@@ -84,7 +89,7 @@ def measure(path: str, overlap: bool, batch: int, steps: int) -> dict:
     phases = eng.timer.summary().get("decode", {}).get("phases_ms", {})
     for s in seqs:
         eng.abort(s.request_id)
-    return {"overlap": overlap, "steps": steps, "batch": batch,
+    return {"overlap": overlap, "guided": guided, "steps": steps, "batch": batch,
             "programs_per_step": sum(count[p] for p in PROGRAMS) / steps,
             "uploads_per_step": count["_upload"] / steps, "reads_per_step": count["_read"] / steps,
             "executions_per_step": executions(trace) / steps,
@@ -101,8 +106,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     from jaxserve.bundled import resolve
     path = resolve(a.model, False)
-    runs = [measure(path, overlap, a.batch, a.steps) for overlap in (False, True)]
-    write(a.json, {"model": path, "synchronous": runs[0], "overlapped": runs[1]})
+    runs = [measure(path, overlap, a.batch, a.steps, guided) for guided in (False, True) for overlap in (False, True)]
+    write(a.json, {"model": path, "synchronous": runs[0], "overlapped": runs[1],
+                   "constrained": {"synchronous": runs[2], "overlapped": runs[3]}})
     print(json.dumps(runs, indent=1))
     return 0
 

@@ -193,6 +193,9 @@ def host_path(r: dict[str, dict]) -> list[str]:
     out = []
     for name, d in r.items():
         runs = [("synchronous (the baseline)", d["synchronous"]), ("overlapped", d["overlapped"])]
+        if "constrained" in d:
+            runs += [("constrained, synchronous", d["constrained"]["synchronous"]),
+                     ("constrained, overlapped", d["constrained"]["overlapped"])]
         out += [f"`{name}` ({model_name(d['model'])}, {d['overlapped']['batch']} requests, "
                 f"{d['overlapped']['steps']} steps):", ""]
         out += table(["loop", "programs a step", "device executions a step", "uploads a step", "reads a step",

@@ -377,7 +377,7 @@ class LLMEngine:
         is left in flight instead where the engine can step ahead (read at the next step)."""
         if overlap.can_start(self, plan):
             rows = self._decode_rows(local)
-            self._ahead = overlap.Ahead(local, rows, self.runner.dispatch(rows))
+            self._ahead = overlap.Ahead(local, rows, self.runner.dispatch(rows, masks=self._masks))
             self.timer.mark("decode.prepare")
             return
         got = dict(zip(local, decoded if decoded is not None else
@@ -397,10 +397,12 @@ class LLMEngine:
         self.timer.begin()
         nxt = overlap.next_rows(self, ahead) if go_on else None
         self.timer.mark("schedule")
-        if nxt is not None:
+        guided = nxt is not None and overlap.constrained(nxt[0])
+        if guided:  # the model now, the sampling once the grammars have taken step n's tokens (split_step.py)
+            fwd = self.runner.forward(nxt[1])
+        elif nxt is not None:
             seqs, rows, held = nxt
             self._ahead = overlap.Ahead(seqs, rows, self.runner.dispatch(rows), held)
-            self.overlapped += 1
             self.timer.mark("decode.prepare")
         got = self.runner.collect(ahead.rows, ahead.out)
         self.timer.mark("decode.device")
@@ -411,6 +413,14 @@ class LLMEngine:
                 changed.append(seq)
         overlap.settle_snapshots(self, ahead.held)
         self.timer.mark("decode.output")
+        if guided:  # a request that ended at step n samples freely (its token is dropped)
+            seqs, rows, held = nxt
+            masks = self._masks(rows)
+            out = (self.runner.pick(rows, fwd, masks) if fwd is not None  # else its programs still compile:
+                   else self.runner.dispatch(rows, masks=lambda _: masks))  # the whole step, after the read
+            self._ahead = overlap.Ahead(seqs, rows, out, held)
+            self.timer.mark("decode.prepare")
+        self.overlapped += nxt is not None
         self.timer.end("decode")
         return changed
 
@@ -498,7 +508,7 @@ class LLMEngine:
             return None
         out = np.full((len(rows), self.runner.mask_words), -1, np.int32)
         for i, s in enumerate(seqs):
-            if s is not None and s.guide is not None:
+            if s is not None and s.guide is not None and not s.finished:
                 s.guide.fill(out[i])
         return out
 

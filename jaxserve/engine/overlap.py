@@ -1,8 +1,8 @@
 """The overlapped decode loop: while the device runs decode step n, the host prepares and dispatches step n + 1,
 and reads step n's tokens only then (vLLM's asynchronous scheduling).
 
-A steady decode step (every running request decoding, nothing to admit, no constrained output, no helper, a pool
-of its own) is dispatched and left in flight (`Ahead`). The next `LLMEngine.step` grows each request's blocks for
+A steady decode step (every running request decoding, nothing to admit, no helper, a pool of its own) is
+dispatched and left in flight (`Ahead`). The next `LLMEngine.step` grows each request's blocks for
 the token still on the device, dispatches step n + 1 with that token taken from the device (each slot's last
 sampled token: step_io.FROM_DEVICE), and only then reads step n and records its tokens, so the device is never
 left waiting on the host between steps.
@@ -19,7 +19,13 @@ state as a prefix snapshot, as the synchronous loop's scheduler does; its key, t
 token still on the device, so the row is held unkeyed when the step is dispatched (SnapshotPool.hold) and keyed
 once the token is read (`settle_snapshots`), or freed if the request was aborted first.
 
-Anything else (a request to admit or prefill, a constrained row, a migration) reads the step in flight first, and
+A constrained row's bitmask for step n + 1 follows its token at step n: such a step dispatches its model before
+step n is read and its sampling after, once the grammars have taken step n's tokens (split_step.py; a request
+that ended at step n samples freely, its token dropped). While the shape's two programs compile, the whole step
+is dispatched after the read instead. A multi-host instance does not split a step (its followers repeat whole
+calls): constrained rows step synchronously there.
+
+Anything else (a request to admit or prefill, a migration) reads the step in flight first, and
 the engine steps synchronously until steady again. A multi-host instance steps ahead as one process does: its
 followers repeat each `dispatch` (worker/group.py), and the leader reads the tokens. Outputs are those of the
 synchronous loop (tests/engine/test_overlap.py).
@@ -43,16 +49,22 @@ class Ahead:
     held: list = field(default_factory=list)  # (sequence, tokens covered, snapshot row) saved by this step
 
 
-def _plain(seq) -> bool:
-    """Whether `seq` decodes here with nothing but its tokens: no KV awaited, no constraint, no helper."""
-    return (not seq.is_prefilling and not seq.awaiting_kv and seq.guide is None and seq.migration is None
-            and seq.transfer.out is None and not seq.kv_partial)
+def _plain(engine, seq) -> bool:
+    """Whether `seq` decodes here with nothing but its tokens (and its grammar, where the runner splits a step):
+    no KV awaited, no helper."""
+    return (not seq.is_prefilling and not seq.awaiting_kv and seq.migration is None and seq.transfer.out is None
+            and not seq.kv_partial and (seq.guide is None or getattr(engine.runner, "splits_ahead", False)))
+
+
+def constrained(seqs: list) -> bool:
+    """Whether a step's rows need their bitmasks: its sampling waits for the step before it (split_step.py)."""
+    return any(s.guide is not None for s in seqs)
 
 
 def can_start(engine, plan) -> bool:
     """Whether a synchronous step's plan (decodes only) may be left in flight."""
     return (enabled(engine) and not plan.prefills and not plan.preempted and bool(plan.decodes)
-            and all(_plain(s) and s.decode_snapshot is None for s in plan.decodes))
+            and all(_plain(engine, s) and s.decode_snapshot is None for s in plan.decodes))
 
 
 def enabled(engine) -> bool:
@@ -67,7 +79,7 @@ def next_rows(engine, ahead: Ahead) -> tuple[list, list[DecodeRow], list] | None
     engine cannot step ahead now (something waits to be admitted, or is not plain decoding, or the pool is
     short)."""
     sch = engine.scheduler
-    if not enabled(engine) or (sch.waiting and sch.free_slots) or not all(_plain(s) for s in sch.running):
+    if not enabled(engine) or (sch.waiting and sch.free_slots) or not all(_plain(engine, s) for s in sch.running):
         return None
     pending = {id(s) for s in ahead.seqs if not s.finished}
     bs, seqs, grow = engine.cfg.block_size, [], []

@@ -15,7 +15,8 @@ are flattened once into the list every program takes. A prefill's first tokens a
 keyed by the rows only (`first`), and a mixed step's decode tokens by another (`sample`), so no prefill shape
 compiles the sampler again. Samplers take the rows' next-token bitmasks (structured outputs) from the engine's
 `masks` callback: a prefill's are filled on the host once the model's program is dispatched, so they are
-computed while the device runs; a decode step's before it is dispatched.
+computed while the device runs; a decode step's before it is dispatched, or, where the step runs ahead of the
+one in flight (engine/overlap.py), between its model (`forward`) and its sampling (`pick`: split_step.py).
 The model's kernel mode (engine.kernels) picks Pallas kernels or jnp references for both programs.
 Shapes are bucketed so that a workload compiles a bounded set of programs, all of which warm-up can compile
 ahead (`warmup`): prefill in the three families of `prefill_groups` (chunk lengths and block-table widths in
@@ -60,7 +61,8 @@ from ..models.stack import SWITCH_COMPILER_OPTIONS, LayerStack
 from ..structured import words
 from .migration import remote_hidden
 from .sampler import MAX_LOGPROBS, sample
-from .step_io import (SLOT, pack_rows, pack_sampled, pack_sampling, read_sampled, sampled_tokens, sampling_tensors,
+from .split_step import Forward, SplitStep, spec
+from .step_io import (COLS, SLOT, pack_rows, pack_sampled, pack_sampling, read_sampled, sampled_tokens, sampling_tensors,
                       unpack_decode, with_device_tokens)
 from .rows import IDLE, SMALL_DECODE_ROWS, DecodeRow, PrefillRow, Prefix, next_bucket, pow2_bucket, token_buckets
 from .steptimer import StepTimer
@@ -78,6 +80,7 @@ def _latest_pools(cache: list, ran) -> list:
 
 class ModelRunner:
     steps_ahead = True  # `dispatch` / `collect`: a decode step may be left in flight (engine/overlap.py)
+    splits_ahead = True  # `forward` / `pick`: a constrained one too (split_step.py)
 
     def __init__(self, graphdef, state, layout: PoolLayout, vocab_size: int, dtype, *, num_slots: int,
                  max_prefill_seqs: int, chunk_size: int, max_blocks_per_seq: int, mesh=None,
@@ -208,13 +211,23 @@ class ModelRunner:
             return out_counts.at[slots, tok].add((slots < num_slots).astype(jnp.int32)), pack_sampled(tok, lp, ids,
                                                                                                      tlp)
 
+        def pick_fn(params, h, prompt_mask, out_counts, last, x, allowed):
+            # a decode step's sampling -> (counts, each slot's last sampled token [slots + 1], pack_sampled)
+            out_counts, out = sample_fn(params, h, prompt_mask, out_counts, x, allowed)
+            return out_counts, last.at[x[:, SLOT]].set(sampled_tokens(out)), out
+
+        def forward_fn(params, pool, last, x, *, total_blocks):
+            # a decode step's model alone -> (pool, hidden states [B, 1, H], the rows' sampling columns [B, COLS])
+            # for `pick_fn` (split_step.py); rows marked FROM_DEVICE take their input token from `last`
+            pool, h = decode_fn(params, pool, with_device_tokens(x, last), None, total_blocks=total_blocks,
+                                remote=None)
+            return pool, h, x[:, :COLS]
+
         def step_fn(params, pool, prompt_mask, out_counts, last, x, allowed, *, total_blocks):
-            # a whole decode step: the model and sampling in one program -> (pool, counts, each slot's last
-            # sampled token [slots + 1], pack_sampled); rows marked FROM_DEVICE take their input token from `last`
+            # a whole decode step: the model and sampling in one program -> (pool, what pick_fn returns)
             x = with_device_tokens(x, last)
             pool, h = decode_fn(params, pool, x, None, total_blocks=total_blocks, remote=None)
-            out_counts, out = sample_fn(params, h, prompt_mask, out_counts, x, allowed)
-            return pool, out_counts, last.at[x[:, SLOT]].set(sampled_tokens(out)), out
+            return (pool, *pick_fn(params, h, prompt_mask, out_counts, last, x, allowed))
 
         def insert_fn(prompt_mask, out_counts, ids, masks):
             # slots ids[0] [k] start decoding after their first tokens ids[1] [k]; masks [k, V] their prompts'
@@ -234,6 +247,8 @@ class ModelRunner:
         self._first = jax.jit(first_fn)
         self._sample = jax.jit(sample_fn, donate_argnums=(3,), static_argnames=("at",))
         self._insert = jax.jit(insert_fn, donate_argnums=(0, 1))
+        self.split = SplitStep(jax.jit(forward_fn, donate_argnums=(1,), static_argnames=("total_blocks",),
+                                       compiler_options=opts), jax.jit(pick_fn, donate_argnums=(3, 4)))
         self._io = DeviceIO()
         self.mask_words = words(vocab_size)  # a row of a next-token bitmask
         self._free: dict[int, jax.Array] = {}  # rows -> every token allowed (no row constrained)
@@ -506,24 +521,11 @@ class ModelRunner:
         """`generate`'s step dispatched, not read: its sampled tokens on the device (`collect` reads them). A
         row with from_device set takes as input the token its slot's previous decode step sampled (engine/
         overlap.py: that step's result not yet read)."""
-        if not 0 < len(rows) <= self.num_slots:
-            raise ValueError(f"decode takes 1..{self.num_slots} rows, got {len(rows)}")
         if remote is not None and any(r.from_device for r in rows):
             raise ValueError("a decode step with a helper takes its input tokens from the host")
-        B = self.decode_batch(len(rows))
-        bs = self.layout.block_size
-        used = [-(-(r.position + 1) // bs) for r in rows]  # blocks each row attends over
-        M = W = None
-        if remote is not None:  # the split attention reads a dense view of the table's blocks: as narrow as can be
-            mig = remote.arrays(B)
-        elif self.ragged:  # the blocks in use, bucketed; a table as wide as the longest row can be
-            M = pow2_bucket(sum(used), B, B * self.max_blocks_per_seq)
-            W = min(M, self.max_blocks_per_seq)
-        elif self.full_tables:
-            W = self.max_blocks_per_seq
-        tables = [r.block_ids[:u] for r, u in zip(rows, used)] if remote is not None else [r.block_ids for r in rows]
-        W = W or self._width(tables, max(used))
-        x = self._upload(pack_rows(rows, B, W, scratch=self.layout.scratch_row, spare=self.num_slots, tables=tables))
+        B, W, M, x = self._decode_inputs(rows, remote is not None)
+        mig = remote.arrays(B) if remote is not None else None
+        x = self._upload(x)
         allowed = self._allowed(B, masks, rows)
         self.programs.add(("decode", B, 1, W, M) + ((remote.spec,) if remote else ()))
         self.timer.mark("decode.prepare")
@@ -539,6 +541,48 @@ class ModelRunner:
             self.out_counts, out = self._sample(self._leaves, h, self.prompt_mask, self.out_counts, x, allowed)
         return out
 
+    def _decode_inputs(self, rows: list[DecodeRow], narrow: bool = False) -> tuple[int, int, int | None, np.ndarray]:
+        """A decode step's (rows B, table width W, total blocks M or None, packed inputs [B, COLS + W]). narrow:
+        the table of only the blocks in use (a step with a helper: its split attention reads a dense view)."""
+        if not 0 < len(rows) <= self.num_slots:
+            raise ValueError(f"decode takes 1..{self.num_slots} rows, got {len(rows)}")
+        B = self.decode_batch(len(rows))
+        bs = self.layout.block_size
+        used = [-(-(r.position + 1) // bs) for r in rows]  # blocks each row attends over
+        M = W = None
+        if self.ragged and not narrow:  # the blocks in use, bucketed; a table as wide as the longest row can be
+            M = pow2_bucket(sum(used), B, B * self.max_blocks_per_seq)
+            W = min(M, self.max_blocks_per_seq)
+        elif self.full_tables and not narrow:
+            W = self.max_blocks_per_seq
+        tables = [r.block_ids[:u] for r, u in zip(rows, used)] if narrow else [r.block_ids for r in rows]
+        W = W or self._width(tables, max(used))
+        return B, W, M, pack_rows(rows, B, W, scratch=self.layout.scratch_row, spare=self.num_slots, tables=tables)
+
+    def forward(self, rows: list[DecodeRow]) -> Forward | None:
+        """The model of a decode step over `rows` dispatched, its sampling left to `pick` (rows whose masks are
+        known only after the step in flight is read: split_step.py); None, with nothing dispatched, while the
+        shape's programs compile (behind the engine: the step then runs as `dispatch` after the read)."""
+        B, W, M, x = self._decode_inputs(rows)
+        pair = self.split.programs((B, W, M), lambda: (
+            spec((self._leaves, self.pool, self.last_tokens)) + (spec(x, self._replicated),), M,
+            spec((self.prompt_mask, self.out_counts, self.last_tokens))
+            + (spec(np.empty((B, self.mask_words), np.int32), self._replicated),)))
+        if pair is None:
+            return None
+        self.programs.update({("forward", B, 1, W, M), ("pick", B)})
+        self.pool, h, cols = pair.forward(self._leaves, self.pool, self.last_tokens, self._upload(x))
+        self.timer.mark("decode.prepare")
+        return Forward(B, h, cols, pair.pick)
+
+    def pick(self, rows: list[DecodeRow], fwd: Forward, masks: np.ndarray | None) -> jax.Array:
+        """`forward`'s step sampled with the rows' bitmasks [len(rows), mask_words] (None: every token allowed):
+        its sampled tokens on the device, as `dispatch` returns them (`collect` reads them)."""
+        allowed = self._allowed(fwd.rows, None if masks is None else (lambda _: masks), rows)
+        self.out_counts, self.last_tokens, out = fwd.pick(self._leaves, fwd.h, self.prompt_mask, self.out_counts,
+                                                          self.last_tokens, fwd.x, allowed)
+        return out
+
     def collect(self, rows: list[DecodeRow], out: jax.Array) -> list[tuple[int, float, list[tuple[int, float]]]]:
         """Per row of a dispatched step (token, logprob, top logprobs): waits for it, one read."""
         return self._sampled(rows, out)
@@ -548,12 +592,16 @@ class ModelRunner:
         masks(rows) (see `prefill`), every token allowed in the others (and in all when masks gives None)."""
         got = masks(rows) if masks is not None else None
         if got is None:
-            if B not in self._free:
-                self._free[B] = self._upload(np.full((B, self.mask_words), -1, np.int32))
-            return self._free[B]
+            return self._free_masks(B)
         out = np.full((B, self.mask_words), -1, np.int32)
         out[:len(got)] = got
         return self._upload(out)
+
+    def _free_masks(self, B: int) -> jax.Array:
+        """[B, mask_words] every token allowed, uploaded once per B."""
+        if B not in self._free:
+            self._free[B] = self._upload(np.full((B, self.mask_words), -1, np.int32))
+        return self._free[B]
 
     def _sampled(self, rows: list[DecodeRow], out: jax.Array) -> list[tuple[int, float, list[tuple[int, float]]]]:
         """Per row (token, logprob, top logprobs) from a sampler's packed result (one read)."""

@@ -294,7 +294,10 @@ def connect(group: Group, token: str | None, timeout: float = JOIN_S):
 
 class Lockstep:
     """The leader's ModelRunner as the engine sees it: every call in CALLS goes to the followers first, its
-    callbacks wrapped so that the followers learn where each ends; anything else is the runner's own."""
+    callbacks wrapped so that the followers learn where each ends; anything else is the runner's own. A
+    constrained step is not split (runner.forward / pick are the leader's alone): it runs as one `dispatch`."""
+
+    splits_ahead = False
 
     def __init__(self, runner, channel: LeaderChannel):
         self._runner, self._channel = runner, channel

@@ -69,19 +69,32 @@ def test_a_decode_step_is_one_upload_one_program_one_read(checkpoint_dir, monkey
     assert [s.output for s in seqs] == want
 
 
-def test_a_constrained_step_adds_its_bitmask(smollm2_dir, monkeypatch):
+def test_a_constrained_step_adds_its_bitmask_and_is_split_ahead(smollm2_dir, monkeypatch):
+    """A constrained row's mask follows its last token: a steady step dispatches its model (one upload, one
+    program) before the step in flight is read, and its sampling (the mask's upload, one program) after; while
+    those two programs compile (the first time a shape runs) the whole step runs after the read."""
     llm = LLM(smollm2_dir, progress=False, engine=EngineConfig(num_blocks=64, max_num_seqs=4, num_snapshots=0))
     eng = llm.engine
     from jaxserve.structured import Guided
-    seq, = eng.add_request("g", "Reply with JSON:", SamplingParams(max_tokens=4, temperature=0, guided=Guided(
+    seq, = eng.add_request("g", "Reply with JSON:", SamplingParams(max_tokens=12, temperature=0, guided=Guided(
         "json", '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}')))
-    eng.step()
-    counts = Counts(eng.runner, monkeypatch)
+    eng.step()  # the prefill and first token
+    log = []
+    for name in ("_upload", "_read", "_step", "forward", "pick"):
+        f = getattr(eng.runner, name)
+        monkeypatch.setattr(eng.runner, name, lambda *a, _f=f, _n=name, **k: (log.append(_n), _f(*a, **k))[1])
+    eng.step()  # left in flight, its mask known
+    eng.step()  # the next one's programs compile: dispatched whole, after the read
+    eng.runner.split.wait()
+    assert log == ["_upload", "_upload", "_step", "forward", "_read", "_upload", "_upload", "_step"], log
     with jax.transfer_guard("disallow"):
-        while eng.has_work:  # synchronous: a constrained row's mask follows its last token
+        while not seq.finished:
+            log.clear()
             eng.step()
-            assert counts.take() == {"_upload": 2, "_step": 1, "_read": 1}
-    assert llm.tokenizer.decode(seq.output).startswith("{")
+            # (a call is logged as it starts: forward uploads the rows, pick the mask)
+            assert log in (["forward", "_upload", "_read", "pick", "_upload"], ["_read"]), log
+    assert log == ["_read"]  # the step that ends it reads only
+    assert llm.tokenizer.decode(seq.output).startswith('{"a":')
 
 
 def _params(rng, i):

@@ -125,24 +125,42 @@ def test_the_next_step_is_dispatched_before_the_one_in_flight_is_read(checkpoint
     assert "".join(x[0] for x in log) == "d" + "dc" * 4 + "c"
 
 
-def test_stop_strings_and_a_constrained_request_beside_free_ones(smollm2_dir):
-    cfg = EngineConfig(num_blocks=128, max_num_seqs=4, num_snapshots=0, compilation_cache=None)
+def test_stop_strings_and_constrained_requests_beside_free_ones(smollm2_dir, monkeypatch):
+    """Constrained rows step ahead too: each step's model is dispatched before the step in flight is read, its
+    sampling once the grammars have taken that step's tokens (engine/split_step.py). The first time a shape
+    runs, its two programs are still compiling and the step runs whole after the read; both ways give the
+    synchronous loop's outputs, a request whose grammar ends sampling one dropped token freely."""
+    cfg = EngineConfig(num_blocks=128, max_num_seqs=6, num_snapshots=0, compilation_cache=None)
     sync = LLM(smollm2_dir, progress=False, engine=dataclasses.replace(cfg, overlap=False))
     over = LLM(smollm2_dir, progress=False, engine=cfg)
     schema = '{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}'
     items = [("The capital of France is", SamplingParams(max_tokens=24, temperature=0, stop=(".", " and"))),
              ("Count: one, two, three,", SamplingParams(max_tokens=20, temperature=0, stop=(" six",))),
              ("Give a JSON number:", SamplingParams(max_tokens=12, temperature=0, guided=Guided("json", schema))),
+             ("The best city:", SamplingParams(max_tokens=12, temperature=0, guided=Guided(
+                 "choice", '["Paris", "Lyon", "Marseille"]'))),
+             ("A phone number:", SamplingParams(max_tokens=12, temperature=0.8, seed=3, guided=Guided(
+                 "regex", "[0-9]{3}-[0-9]{4}"))),
              ("Once upon a time", SamplingParams(max_tokens=16, temperature=0))]
-    outs = []
-    for llm in (sync, over):
+
+    def run(llm):
         eng = llm.engine
         seqs = [eng.add_request(f"s{i}", p, sp)[0] for i, (p, sp) in enumerate(items)]
         while eng.has_work:
             eng.step()
-        outs.append([(s.output, s.detok.text, s.finish_reason) for s in seqs])
         for s in seqs:
             eng.release(s)
-    assert outs[0] == outs[1]
-    assert outs[1][0][2] == "stop" and not outs[1][0][1].endswith(".")  # cut before the stop string
-    assert over.engine.overlapped > 0  # steps ran ahead once the constrained request had finished
+        assert eng.blocks.num_referenced() == 0
+        return [(s.output, s.detok.text, s.finish_reason) for s in seqs]
+
+    want = run(sync)
+    assert want[0][2] == "stop" and not want[0][1].endswith(".")  # cut before the stop string
+    assert want[3][1] in ("Paris", "Lyon", "Marseille") and want[3][2] == "stop"
+    runner = over.engine.runner
+    assert run(over) == want and over.engine.overlapped > 0  # the split programs compiling: whole steps
+    runner.split.wait()
+    picks, pick = [], runner.pick
+    monkeypatch.setattr(runner, "pick", lambda *a: (picks.append(a[0]), pick(*a))[1])
+    assert run(over) == want  # the same shapes again, each step's sampling split off its model
+    assert any(len(rows) > 1 for rows in picks) and len(picks) >= 5
+    assert sync.engine.overlapped == 0
