@@ -19,10 +19,10 @@ state as a prefix snapshot, as the synchronous loop's scheduler does; its key, t
 token still on the device, so the row is held unkeyed when the step is dispatched (SnapshotPool.hold) and keyed
 once the token is read (`settle_snapshots`), or freed if the request was aborted first.
 
-A constrained row's bitmask for step n + 1 follows its token at step n: such a step dispatches its model before
-step n is read and its sampling after, once the grammars have taken step n's tokens (split_step.py; a request
-that ended at step n samples freely, its token dropped). While the shape's two programs compile, the whole step
-is dispatched after the read instead. A multi-host instance does not split a step (its followers repeat whole
+A constrained row's bitmask for step n + 1 follows its token at step n: on an accelerator such a step dispatches
+its model before step n is read and its sampling after, once the grammars have taken step n's tokens
+(split_step.py; a request that ended at step n samples freely, its token dropped). While the shape's two programs
+compile, and on a CPU (runner.split_steps), the whole step is dispatched right after the read instead. A multi-host instance does not split a step (its followers repeat whole
 calls): constrained rows step synchronously there.
 
 Anything else (a request to admit or prefill, a migration) reads the step in flight first, and

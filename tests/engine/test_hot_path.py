@@ -72,13 +72,14 @@ def test_a_decode_step_is_one_upload_one_program_one_read(checkpoint_dir, monkey
 def test_a_constrained_step_adds_its_bitmask_and_is_split_ahead(smollm2_dir, monkeypatch):
     """A constrained row's mask follows its last token: a steady step dispatches its model (one upload, one
     program) before the step in flight is read, and its sampling (the mask's upload, one program) after; while
-    those two programs compile (the first time a shape runs) the whole step runs after the read."""
+    those two programs compile (the first time a shape runs), and on a CPU, the whole step runs after the read."""
     llm = LLM(smollm2_dir, progress=False, engine=EngineConfig(num_blocks=64, max_num_seqs=4, num_snapshots=0))
     eng = llm.engine
     from jaxserve.structured import Guided
     seq, = eng.add_request("g", "Reply with JSON:", SamplingParams(max_tokens=12, temperature=0, guided=Guided(
         "json", '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}')))
     eng.step()  # the prefill and first token
+    eng.runner.split_steps = True  # as on an accelerator (on a CPU the whole step runs after the read)
     log = []
     for name in ("_upload", "_read", "_step", "forward", "pick"):
         f = getattr(eng.runner, name)

@@ -126,9 +126,9 @@ def test_the_next_step_is_dispatched_before_the_one_in_flight_is_read(checkpoint
 
 
 def test_stop_strings_and_constrained_requests_beside_free_ones(smollm2_dir, monkeypatch):
-    """Constrained rows step ahead too: each step's model is dispatched before the step in flight is read, its
-    sampling once the grammars have taken that step's tokens (engine/split_step.py). The first time a shape
-    runs, its two programs are still compiling and the step runs whole after the read; both ways give the
+    """Constrained rows step ahead too: on an accelerator each step's model is dispatched before the step in
+    flight is read, its sampling once the grammars have taken that step's tokens (engine/split_step.py); the
+    first time a shape runs, and always on a CPU, the whole step runs right after the read. Every way gives the
     synchronous loop's outputs, a request whose grammar ends sampling one dropped token freely."""
     cfg = EngineConfig(num_blocks=128, max_num_seqs=6, num_snapshots=0, compilation_cache=None)
     sync = LLM(smollm2_dir, progress=False, engine=dataclasses.replace(cfg, overlap=False))
@@ -157,7 +157,10 @@ def test_stop_strings_and_constrained_requests_beside_free_ones(smollm2_dir, mon
     assert want[0][2] == "stop" and not want[0][1].endswith(".")  # cut before the stop string
     assert want[3][1] in ("Paris", "Lyon", "Marseille") and want[3][2] == "stop"
     runner = over.engine.runner
-    assert run(over) == want and over.engine.overlapped > 0  # the split programs compiling: whole steps
+    assert not runner.split_steps  # a CPU: the whole step once the masks are filled
+    assert run(over) == want and over.engine.overlapped > 0
+    runner.split_steps = True  # as on an accelerator
+    assert run(over) == want  # the split programs compiling: whole steps
     runner.split.wait()
     picks, pick = [], runner.pick
     monkeypatch.setattr(runner, "pick", lambda *a: (picks.append(a[0]), pick(*a))[1])
