@@ -9,8 +9,9 @@ trace of the same steps, the executables the device client ran (every program, h
 reads made while the next step's program was already dispatched (the device kept busy during the read); and
 the host's time a step outside the device program (the engine's step timer: scheduling, input preparation,
 output handling). Then both loops again with every request constrained (a regular expression no answer ends
-before max_tokens): a constrained step overlapped dispatches its model before the read and its sampling after it,
-once the grammars have taken the tokens read (engine/split_step.py).
+before max_tokens), and the overlapped loop once more with its steps split as on an accelerator (engine/
+split_step.py: the model dispatched before the read, the sampling after it, once the grammars have taken the
+tokens read; on a CPU the whole step is dispatched after the read).
 
     python -m bench.host_path --json bench/results/host_path.json
 """
@@ -38,7 +39,7 @@ def executions(trace_dir: str) -> int:
     return sum(1 for e in ev if e.get("ph") == "X" and e.get("name") == "CommonPjRtLoadedExecutable::ExecutePrepare")
 
 
-def measure(path: str, overlap: bool, batch: int, steps: int, guided: bool = False) -> dict:
+def measure(path: str, overlap: bool, batch: int, steps: int, guided: bool = False, split: bool = False) -> dict:
     import jax
 
     from jaxserve.engine.llm_engine import EngineConfig, LLMEngine
@@ -46,6 +47,7 @@ def measure(path: str, overlap: bool, batch: int, steps: int, guided: bool = Fal
     from jaxserve.structured import Guided
     eng = LLMEngine(path, config=EngineConfig(num_blocks=512, max_num_seqs=batch, overlap=overlap), progress=False)
     runner, log = eng.runner, []
+    runner.split_steps = runner.split_steps or split
     for name in (*PROGRAMS, "_upload", "_read"):
         f = getattr(runner, name)
         setattr(runner, name, lambda *a, _f=f, _n=name, **k: (log.append(_n), _f(*a, **k))[1])
@@ -89,7 +91,7 @@ def measure(path: str, overlap: bool, batch: int, steps: int, guided: bool = Fal
     phases = eng.timer.summary().get("decode", {}).get("phases_ms", {})
     for s in seqs:
         eng.abort(s.request_id)
-    return {"overlap": overlap, "guided": guided, "steps": steps, "batch": batch,
+    return {"overlap": overlap, "guided": guided, "split": runner.split_steps, "steps": steps, "batch": batch,
             "programs_per_step": sum(count[p] for p in PROGRAMS) / steps,
             "uploads_per_step": count["_upload"] / steps, "reads_per_step": count["_read"] / steps,
             "executions_per_step": executions(trace) / steps,
@@ -106,9 +108,11 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     from jaxserve.bundled import resolve
     path = resolve(a.model, False)
-    runs = [measure(path, overlap, a.batch, a.steps, guided) for guided in (False, True) for overlap in (False, True)]
+    runs = [measure(path, overlap, a.batch, a.steps, guided, split)
+            for guided, overlap, split in ((False, False, False), (False, True, False), (True, False, False),
+                                           (True, True, False), (True, True, True))]
     write(a.json, {"model": path, "synchronous": runs[0], "overlapped": runs[1],
-                   "constrained": {"synchronous": runs[2], "overlapped": runs[3]}})
+                   "constrained": {"synchronous": runs[2], "overlapped": runs[3], "split": runs[4]}})
     print(json.dumps(runs, indent=1))
     return 0
 

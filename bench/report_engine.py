@@ -142,9 +142,11 @@ def structured(r: dict[str, dict]) -> list[str]:
     eng = d["grammar_engines"]
     names = [k for k in next(iter(eng.values())) if isinstance(next(iter(eng.values()))[k], dict)]
     head = ["schema"] + [f"{e} {what}" for e in names for what in ("compile (ms)", "mask / token (ms)")]
-    rows = [[schema] + [x for e in names for x in (num(1e3 * g[e]["compile_s"], 1), num(g[e]["mask_ms"], 3))]
+    rows = [[schema] + [x for e in names for x in ((num(1e3 * g[e]["compile_s"], 1), num(g[e]["mask_ms"], 3))
+                                                    if "compile_s" in g[e] else ("-", "-"))]
             for schema, g in eng.items()]
-    return out + table(head, rows)
+    missing = sorted({f"{e}: {g[e]['error']}" for g in eng.values() for e in names if "error" in g[e]})
+    return out + table(head, rows) + ([""] + [f"Not measured: {m}." for m in missing] if missing else [])
 
 
 def kernels(r: dict[str, dict]) -> list[str]:
@@ -194,8 +196,9 @@ def host_path(r: dict[str, dict]) -> list[str]:
     for name, d in r.items():
         runs = [("synchronous (the baseline)", d["synchronous"]), ("overlapped", d["overlapped"])]
         if "constrained" in d:
-            runs += [("constrained, synchronous", d["constrained"]["synchronous"]),
-                     ("constrained, overlapped", d["constrained"]["overlapped"])]
+            c = d["constrained"]
+            runs += [("constrained, synchronous", c["synchronous"]), ("constrained, overlapped", c["overlapped"])]
+            runs += [("constrained, overlapped, split as on an accelerator", c["split"])] if "split" in c else []
         out += [f"`{name}` ({model_name(d['model'])}, {d['overlapped']['batch']} requests, "
                 f"{d['overlapped']['steps']} steps):", ""]
         out += table(["loop", "programs a step", "device executions a step", "uploads a step", "reads a step",
