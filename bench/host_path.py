@@ -27,7 +27,7 @@ import time
 
 from bench.stamp import arguments, write
 
-PROGRAMS = ("_step", "_decode", "_sample", "_first", "_insert", "_prefill", "forward", "pick")
+PROGRAMS = ("_step", "_decode", "_sample", "_first", "_insert", "_prefill", "pick", "forward")
 
 
 def executions(trace_dir: str) -> int:
@@ -48,9 +48,17 @@ def measure(path: str, overlap: bool, batch: int, steps: int, guided: bool = Fal
     eng = LLMEngine(path, config=EngineConfig(num_blocks=512, max_num_seqs=batch, overlap=overlap), progress=False)
     runner, log = eng.runner, []
     runner.split_steps = runner.split_steps or split
-    for name in (*PROGRAMS, "_upload", "_read"):
+    for name in (*PROGRAMS[:-1], "_upload", "_read"):
         f = getattr(runner, name)
         setattr(runner, name, lambda *a, _f=f, _n=name, **k: (log.append(_n), _f(*a, **k))[1])
+    forward = runner.forward
+
+    def counted_forward(rows):  # counted where it dispatches (None: the whole step follows the read)
+        out = forward(rows)
+        if out is not None:
+            log.append("forward")
+        return out
+    runner.forward = counted_forward
     params = SamplingParams(max_tokens=steps + 40, temperature=0, ignore_eos=True,
                             guided=Guided("regex", "[a-z ]+") if guided else None)
 
