@@ -22,11 +22,12 @@ once the token is read (`settle_snapshots`), or freed if the request was aborted
 A constrained row's bitmask for step n + 1 follows its token at step n: on an accelerator such a step dispatches
 its model before step n is read and its sampling after, once the grammars have taken step n's tokens
 (split_step.py; a request that ended at step n samples freely, its token dropped). While the shape's two programs
-compile, and on a CPU (runner.split_steps), the whole step is dispatched right after the read instead. A multi-host instance does not split a step (its followers repeat whole
-calls): constrained rows step synchronously there.
+compile, and on a CPU (runner.split_steps), the whole step is dispatched right after the read instead. A
+multi-host instance does not split a step (its followers repeat whole calls): constrained rows step synchronously
+there.
 
-Anything else (a request to admit or prefill, a migration) reads the step in flight first, and
-the engine steps synchronously until steady again. A multi-host instance steps ahead as one process does: its
+Anything else (a request to admit or prefill, a migration) reads the step in flight first, and the engine steps
+synchronously until steady again. A multi-host instance steps ahead as one process does: its
 followers repeat each `dispatch` (worker/group.py), and the leader reads the tokens. Outputs are those of the
 synchronous loop (tests/engine/test_overlap.py).
 

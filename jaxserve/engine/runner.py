@@ -62,8 +62,8 @@ from ..structured import words
 from .migration import remote_hidden
 from .sampler import MAX_LOGPROBS, sample
 from .split_step import Forward, SplitStep, spec
-from .step_io import (COLS, SLOT, pack_rows, pack_sampled, pack_sampling, read_sampled, sampled_tokens, sampling_tensors,
-                      unpack_decode, with_device_tokens)
+from .step_io import (COLS, SLOT, pack_rows, pack_sampled, pack_sampling, read_sampled, sampled_tokens,
+                      sampling_tensors, unpack_decode, with_device_tokens)
 from .rows import IDLE, SMALL_DECODE_ROWS, DecodeRow, PrefillRow, Prefix, next_bucket, pow2_bucket, token_buckets
 from .steptimer import StepTimer
 
@@ -80,7 +80,7 @@ def _latest_pools(cache: list, ran) -> list:
 
 class ModelRunner:
     steps_ahead = True  # `dispatch` / `collect`: a decode step may be left in flight (engine/overlap.py)
-    splits_ahead = True  # `forward` / `pick`: a constrained one too (split_step.py)
+    splits_ahead = True  # a constrained one too: `forward` (or None: `dispatch` after the read) and `pick`
 
     def __init__(self, graphdef, state, layout: PoolLayout, vocab_size: int, dtype, *, num_slots: int,
                  max_prefill_seqs: int, chunk_size: int, max_blocks_per_seq: int, mesh=None,

@@ -3,8 +3,9 @@
 A decode step of the engine makes one upload (its rows' packed inputs), one program (the model and sampling)
 and one read (the sampled tokens), whatever the batch, with nothing else crossing between host and device (run
 under `jax.transfer_guard("disallow")`, which refuses every implicit copy), the read of each step after the next
-one is dispatched (engine/overlap.py); a step with a constrained row adds one upload (its bitmask). A prefill step's new decoders enter the penalty state in one program. The packing
-(engine/step_io.py) against the sampler's own host-built tensors.
+one is dispatched (engine/overlap.py); a step with a constrained row adds one upload (its bitmask), and where
+it is split (engine/split_step.py) one program (its sampling). A prefill step's new decoders enter the penalty
+state in one program. The packing (engine/step_io.py) against the sampler's own host-built tensors.
 """
 
 from __future__ import annotations
