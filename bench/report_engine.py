@@ -20,15 +20,18 @@ def offline(r: dict[str, dict]) -> list[str]:
     gpu = [(n, d) for n, d in r.items() if "vllm" not in d]
     out = []
     if cpu:
-        head = ["output tokens/s, median (range)"] + [model_name(d["model"]) for _, d in cpu]
-        rows = [[label] + [f"{num(d[k]['output_tokens_per_s']['median'])} ({num(d[k]['output_tokens_per_s']['min'])}"
-                           f"-{num(d[k]['output_tokens_per_s']['max'])})" for _, d in cpu]
+        head = ["output tokens/s, median (range)"] + [model_name(d["model"]) + (", each engine's defaults"
+                                                                               if d.get("defaults") else "")
+                                                      for _, d in cpu]
+        tps = lambda t: f"{num(t['median'])} ({num(t['min'])}-{num(t['max'])})"  # noqa: E731
+        rows = [[label] + [tps(d[k]["output_tokens_per_s"]) if k in d else "-" for _, d in cpu]
                 for label, k in (("vLLM, CPU build", "vllm"), ("jaxserve `LLM.generate`", "jaxserve"),
                                  ("transformers `generate`", "transformers"))]
         rows += [["jaxserve / vLLM"] + [spread(d["ratio_vs_vllm"]) for _, d in cpu],
-                 ["jaxserve / transformers"] + [spread(d["ratio_vs_transformers"]) for _, d in cpu],
+                 ["jaxserve / transformers"] + [spread(d["ratio_vs_transformers"]) if d.get("ratio_vs_transformers")
+                                                else "-" for _, d in cpu],
                  ["requests with the same tokens as vLLM / transformers"] +
-                 [f"{d['same_tokens_vllm']}, {d['same_tokens_transformers']}" for _, d in cpu],
+                 [f"{d['same_tokens_vllm']}, {d.get('same_tokens_transformers', '-')}" for _, d in cpu],
                  ["programs compiled inside a timed pass"] +
                  [str(sum(p["compiled_during"] for p in d["jaxserve"]["passes"])) for _, d in cpu]]
         out += table(head, rows)
@@ -258,7 +261,8 @@ def gpu_disagg(r: dict[str, dict]) -> list[str]:
 
 
 SECTIONS = [
-    Section("Offline throughput", "bench.offline", ("offline.json", "offline_smollm2.json", "offline_h100.json",
+    Section("Offline throughput", "bench.offline", ("offline.json", "offline_smollm2.json",
+                                                    "offline_defaults_smollm2.json", "offline_h100.json",
                                                     "offline_h200.json"), offline),
     Section("Online serving against vLLM's server", "bench.online", ("online_smollm2.json",
                                                                      "online_smollm2_mixed128.json"), online),
@@ -283,6 +287,8 @@ HEADLINES = [
              lambda d: spread(d["ratio_vs_vllm"]), "Offline throughput"),
     Headline("offline output tokens/s, jaxserve / vLLM's CPU build (SmolLM2-135M)", "offline_smollm2.json",
              lambda d: spread(d["ratio_vs_vllm"]), "Offline throughput"),
+    Headline("offline output tokens/s, jaxserve / vLLM's CPU build, each with its defaults (SmolLM2-135M)",
+             "offline_defaults_smollm2.json", lambda d: spread(d["ratio_vs_vllm"]), "Offline throughput"),
     Headline("online TTFT p50 / TPOT p50, jaxserve / vLLM's server (SmolLM2-135M)", "online_smollm2.json",
              lambda d: f"{d['ratio_jaxserve_over_vllm']['ttft_s_p50']['median']:.2f}x / "
                        f"{d['ratio_jaxserve_over_vllm']['tpot_s_p50']['median']:.2f}x",
