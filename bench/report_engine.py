@@ -261,7 +261,7 @@ def gpu_disagg(r: dict[str, dict]) -> list[str]:
 
 
 SECTIONS = [
-    Section("Offline throughput", "bench.offline", ("offline.json", "offline_smollm2.json",
+    Section("Offline throughput", "bench.offline", ("offline.json", "offline_smollm2.json", "offline_defaults.json",
                                                     "offline_defaults_smollm2.json", "offline_h100.json",
                                                     "offline_h200.json"), offline),
     Section("Online serving against vLLM's server", "bench.online", ("online_smollm2.json",
