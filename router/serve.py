@@ -60,11 +60,10 @@ def build(cfg: Config, progress: bool = True, echo=None, on_ready=None, ray_addr
     return create_app(cfg, router, name, metrics, lifespan=lifespan), router, name
 
 
-def http_config(app, srv: ServerSection, host: str, port: int):
-    """The uvicorn config that serves `app`: its keep-alive from the config (uvicorn's own is 5 s, shorter than
+def http_options(srv: ServerSection) -> dict:
+    """uvicorn's options for the HTTP server: its keep-alive from the config (uvicorn's own is 5 s, shorter than
     most client pools' idle time, so a request sent as the server drops an idle connection would be lost)."""
-    import uvicorn
-    return uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_keep_alive=srv.keep_alive_s)
+    return {"log_level": "warning", "timeout_keep_alive": srv.keep_alive_s}
 
 
 def serve(cfg: Config, port: int | None = None, host: str | None = None, ray_address: str | None = None) -> None:
@@ -83,7 +82,7 @@ def serve(cfg: Config, port: int | None = None, host: str | None = None, ray_add
     app, engine, name = build(cfg, echo=lambda line: print(line, file=sys.stderr, flush=True), on_ready=banner,
                               ray_address=ray_address)
     try:
-        uvicorn.Server(http_config(app, cfg.server, host, port)).run()
+        uvicorn.run(app, host=host, port=port, **http_options(cfg.server))
     finally:
         if hasattr(engine, "shutdown"):
             engine.shutdown()

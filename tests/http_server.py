@@ -11,15 +11,15 @@ import uvicorn
 
 from jaxserve.config import ServerSection
 from jaxserve.router.launcher import free_ports
-from jaxserve.router.serve import http_config
+from jaxserve.router.serve import http_options
 
 
 @contextlib.contextmanager
 def running(app, headers: dict | None = None, start_timeout: float = 300.0, server: ServerSection | None = None):
-    """-> an httpx.Client for the app, served as `jaxserve serve` serves it (router/serve.py http_config, with
+    """-> an httpx.Client for the app, served as `jaxserve serve` serves it (router/serve.py http_options, with
     `server`'s settings); the app's lifespan (a cluster's workers) runs at start and stop."""
     port = free_ports()
-    srv = uvicorn.Server(http_config(app, server or ServerSection(), "127.0.0.1", port))
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, **http_options(server or ServerSection())))
     t = threading.Thread(target=srv.run, daemon=True)
     t.start()
     deadline = time.monotonic() + start_timeout

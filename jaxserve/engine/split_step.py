@@ -5,8 +5,10 @@ the rows' grammars and filled their masks. The device runs the model while the h
 
 The pair of programs of a shape compiles behind the engine, on a thread of its own, the first time a step of
 that shape asks for it: until then `programs` answers None and the engine dispatches the one-program step after
-the read instead. Warm-up compiles nothing more for it, and no step waits for a compile. `pick` is keyed by the
-rows alone (a forward program hands it only the rows' sampling columns), so one compiles per row bucket.
+the read instead (and for good where its compile failed). Warm-up compiles nothing more for it, and no step
+waits for a compile. `pick` is keyed by the rows alone (a forward program hands it only the rows' sampling
+columns), so one compiles per row bucket. On a CPU none of this runs (runner.split_steps): the host and the
+programs share the cores there, and the whole step after the read is as fast.
 
 Concurrency: the engine thread calls `programs` and `wait`; one compile thread lowers and compiles. Each shape's
 result passes between them in a Future, taken on the engine thread; the picks by row count are the compile
@@ -16,6 +18,7 @@ thread's alone.
 from __future__ import annotations
 
 import atexit
+import logging
 import queue
 import threading
 from concurrent.futures import Future
@@ -23,6 +26,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import jax
+
+log = logging.getLogger(__name__)
 
 
 def spec(a, sharding=None):
@@ -54,15 +59,17 @@ class SplitStep:
         self._ready: dict[tuple, Pair] = {}
         self._pending: dict[tuple, Future] = {}
         self._picks: dict[int, object] = {}  # rows -> compiled pick (the compile thread's)
+        self._failed: set[tuple] = set()  # shapes whose compile failed: their steps run whole
         self._jobs: queue.SimpleQueue | None = None  # (future, arguments) for the compile thread
 
     def programs(self, key: tuple, specs: Callable[[], tuple]) -> Pair | None:
         """The compiled pair for decode shape `key` ((B, W, M)), or None while it compiles; the first call for a
         key starts its compile with specs() -> (forward's argument specs, its static total_blocks, pick's
-        argument specs after h and x: prompt_mask, out_counts, last, allowed). A compile error is raised
-        here, once it is known. The specs are taken on the engine thread (`spec`), never the arrays."""
+        argument specs after h and x: prompt_mask, out_counts, last, allowed). A compile that fails is logged
+        once it is known, and the shape's steps run whole from then on. The specs are taken on the engine thread
+        (`spec`), never the arrays."""
         pair = self._ready.get(key)
-        if pair is not None:
+        if pair is not None or key in self._failed:
             return pair
         f = self._pending.get(key)
         if f is None:
@@ -74,11 +81,17 @@ class SplitStep:
         if not f.done():
             return None
         del self._pending[key]
-        pair = self._ready[key] = f.result()
+        try:
+            pair = self._ready[key] = f.result()
+        except Exception as e:  # noqa: BLE001 - the one-program step still serves the shape
+            log.warning("decode shape %s: its split programs did not compile (%s: %s); its constrained steps run "
+                        "as one program", key, type(e).__name__, e)
+            self._failed.add(key)
+            return None
         return pair
 
     def wait(self) -> None:
-        """Until every compile started has ended (tests; a compile error is raised by `programs`)."""
+        """Until every compile started has ended (tests)."""
         for f in list(self._pending.values()):
             f.exception()
 
@@ -109,7 +122,7 @@ class SplitStep:
                 continue
             try:
                 f.set_result(self._compile(*args))
-            except BaseException as e:  # raised on the engine thread by `programs`
+            except BaseException as e:  # taken on the engine thread by `programs`
                 f.set_exception(e)
 
     def _compile(self, B: int, fwd_args: tuple, total_blocks, pick_args: tuple) -> Pair:

@@ -99,6 +99,23 @@ def test_a_constrained_step_adds_its_bitmask_and_is_split_ahead(smollm2_dir, mon
     assert llm.tokenizer.decode(seq.output).startswith('{"a":')
 
 
+def test_split_programs_that_fail_to_compile_leave_the_whole_step(smollm2_dir, monkeypatch, caplog):
+    llm = LLM(smollm2_dir, progress=False, engine=EngineConfig(num_blocks=64, max_num_seqs=4, num_snapshots=0))
+    from jaxserve.structured import Guided
+    runner = llm.engine.runner
+    sp = SamplingParams(max_tokens=8, temperature=0, guided=Guided("regex", "[a-z]{8}"))
+    want = llm.generate(["Eight letters:"], sp)[0].token_ids  # on the CPU: whole steps
+    runner.split_steps = True
+
+    def broken(*a):
+        raise RuntimeError("no program for this shape")
+    monkeypatch.setattr(runner.split, "_compile", broken)
+    assert llm.generate(["Eight letters:"], sp)[0].token_ids == want  # compiling behind: whole steps
+    runner.split.wait()
+    assert llm.generate(["Eight letters:"], sp)[0].token_ids == want  # failed: whole steps, for good
+    assert "did not compile" in caplog.text and not any(p[0] == "pick" for p in runner.programs)
+
+
 def _params(rng, i):
     return SamplingParams(temperature=float(rng.uniform(0, 2)), top_p=float(rng.uniform(0.1, 1)),
                           top_k=int(rng.integers(0, 50)), min_p=float(rng.uniform(0, 0.5)),
