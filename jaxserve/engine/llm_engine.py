@@ -397,11 +397,11 @@ class LLMEngine:
         self.timer.begin()
         nxt = overlap.next_rows(self, ahead) if go_on else None
         self.timer.mark("schedule")
-        guided = nxt is not None and overlap.constrained(nxt[0])
+        seqs, rows, held = nxt if nxt is not None else (None, None, None)
+        guided = nxt is not None and overlap.constrained(seqs)
         if guided:  # the model now, the sampling once the grammars have taken step n's tokens (split_step.py)
-            fwd = self.runner.forward(nxt[1])
+            fwd = self.runner.forward(rows)
         elif nxt is not None:
-            seqs, rows, held = nxt
             self._ahead = overlap.Ahead(seqs, rows, self.runner.dispatch(rows), held)
             self.timer.mark("decode.prepare")
         got = self.runner.collect(ahead.rows, ahead.out)
@@ -414,7 +414,6 @@ class LLMEngine:
         overlap.settle_snapshots(self, ahead.held)
         self.timer.mark("decode.output")
         if guided:  # a request that ended at step n samples freely (its token is dropped)
-            seqs, rows, held = nxt
             masks = self._masks(rows)
             out = (self.runner.pick(rows, fwd, masks) if fwd is not None  # else its programs still compile:
                    else self.runner.dispatch(rows, masks=lambda _: masks))  # the whole step, after the read

@@ -600,16 +600,12 @@ class ModelRunner:
         masks(rows) (see `prefill`), every token allowed in the others (and in all when masks gives None)."""
         got = masks(rows) if masks is not None else None
         if got is None:
-            return self._free_masks(B)
+            if B not in self._free:
+                self._free[B] = self._upload(np.full((B, self.mask_words), -1, np.int32))
+            return self._free[B]
         out = np.full((B, self.mask_words), -1, np.int32)
         out[:len(got)] = got
         return self._upload(out)
-
-    def _free_masks(self, B: int) -> jax.Array:
-        """[B, mask_words] every token allowed, uploaded once per B."""
-        if B not in self._free:
-            self._free[B] = self._upload(np.full((B, self.mask_words), -1, np.int32))
-        return self._free[B]
 
     def _sampled(self, rows: list[DecodeRow], out: jax.Array) -> list[tuple[int, float, list[tuple[int, float]]]]:
         """Per row (token, logprob, top logprobs) from a sampler's packed result (one read)."""
