@@ -84,19 +84,25 @@ def _paged(r, *, Hq, Hkv, Dk, Dv, dtype, block_size, window=None, sinks=False, s
             _lengths(B, ctx, block_size, full)), kw
 
 
-def _paged_prefill(r, *, Hq, Hkv, Dk, Dv, dtype, block_size, window=None, sinks=False, scale=None, B=2, ctx=None,
-                   full=False):
-    """A packed prefill step: a first chunk, a chunk after cached tokens (ending ctx tokens in) and padding."""
-    del full
-    ctx = ctx or 3 * block_size + 5
-    NB, table = _table(r, B, ctx, block_size)
-    E, D = (2, Dk) if Dk == Dv else (1, Dk + Dv)
-    chunks = [(b, s, n) for b, (s, n) in enumerate([(0, min(ctx, 2 * block_size + 3)), (ctx - 7, 7)][:B])]
+def _packed_step(r, B: int, ctx: int, bs: int):
+    """A packed prefill step's tokens: a first chunk, a chunk after cached tokens (ending ctx tokens in) and three
+    padding tokens -> (num_blocks, table [B, W], rows [N], positions [N])."""
+    NB, table = _table(r, B, ctx, bs)
+    chunks = [(b, s, n) for b, (s, n) in enumerate([(0, min(ctx, 2 * bs + 3)), (ctx - 7, 7)][:B])]
     rows = np.concatenate([np.full(n, b) for b, _, n in chunks] + [np.full(3, B)]).astype(np.int32)
     pos = np.concatenate([np.arange(s, s + n) for _, s, n in chunks] + [np.zeros(3)]).astype(np.int32)
+    return NB, table, jnp.asarray(rows), jnp.asarray(pos)
+
+
+def _paged_prefill(r, *, Hq, Hkv, Dk, Dv, dtype, block_size, window=None, sinks=False, scale=None, B=2, ctx=None,
+                   full=False):
+    """A packed prefill step (`_packed_step`)."""
+    del full
+    NB, table, rows, pos = _packed_step(r, B, ctx or 3 * block_size + 5, block_size)
+    E, D = (2, Dk) if Dk == Dv else (1, Dk + Dv)
     kw = dict(layer=0, sliding_window=window, sinks=_rand(r, (Hq,), jnp.float32) if sinks else None, scale=scale)
     return (_rand(r, (len(rows), Hq, Dk), dtype), _rand(r, (NB, 1, E, block_size, Hkv, D), dtype), table,
-            jnp.asarray(rows), jnp.asarray(pos)), kw
+            rows, pos), kw
 
 
 def _paged_mla(r, *, H, L, R, dtype, block_size, scale, B=2, ctx=None, full=False):
@@ -104,6 +110,14 @@ def _paged_mla(r, *, H, L, R, dtype, block_size, scale, B=2, ctx=None, full=Fals
     NB, table = _table(r, B, ctx, block_size)
     return (_rand(r, (B, H, L + R), dtype, 0.3), _rand(r, (NB, 1, 1, block_size, 1, L + R), dtype), table,
             _lengths(B, ctx, block_size, full)), dict(layer=0, kv_lora_rank=L, scale=scale)
+
+
+def _paged_mla_prefill(r, *, H, L, R, dtype, block_size, scale, B=2, ctx=None, full=False):
+    """A packed prefill step (`_packed_step`) over an MLA latent pool."""
+    del full
+    NB, table, rows, pos = _packed_step(r, B, ctx or 3 * block_size + 5, block_size)
+    return (_rand(r, (len(rows), H, L + R), dtype, 0.3), _rand(r, (NB, 1, 1, block_size, 1, L + R), dtype), table,
+            rows, pos), dict(layer=0, kv_lora_rank=L, scale=scale)
 
 
 def _delta(r, *, H, Dk, Dv, dtype, per_channel, T, B=2):
@@ -125,6 +139,7 @@ _BUILD = {
     "paged_attention": _paged,
     "paged_mla_attention": _paged_mla,
     "paged_prefill_attention": _paged_prefill,
+    "paged_mla_prefill_attention": _paged_mla_prefill,
     "chunk_gated_delta_rule": functools.partial(_delta, T=37),
     "recurrent_gated_delta_rule": functools.partial(_delta, T=1),
     "matmul": _matmul,

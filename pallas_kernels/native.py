@@ -9,7 +9,8 @@ with the system's C++ compiler (g++, else c++) against the FFI headers jaxlib sh
 first use.
 
 `available()` says whether it built (and why not); `paged_attention` / `paged_mla_attention` /
-`paged_prefill_attention` have the signatures of their references in paged_attention.py, `matmul` that of
+`paged_prefill_attention` / `paged_mla_prefill_attention` have the signatures of their references in
+paged_attention.py, `matmul` that of
 matmul.py's. float32 runs the kernels; another dtype runs the reference (as do products of more than MATMUL_ROWS
 rows), as does every call where the library is not available. select.py routes "native" mode here;
 check.py compares each kernel with its reference on the model's own dims before an engine uses it.
@@ -34,8 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from .matmul import check_matmul, ref_matmul
-from .paged_attention import (GRID_ORDER, _check_mla, _views, gqa_args, prefill_args, ref_paged_attention,
-                              ref_paged_mla_attention, ref_paged_prefill_attention)
+from .paged_attention import (GRID_ORDER, _check_mla, _views, gqa_args, mla_prefill_args, prefill_args,
+                              ref_paged_attention, ref_paged_mla_attention, ref_paged_mla_prefill_attention,
+                              ref_paged_prefill_attention)
 
 NATIVE_DIR = os.path.join(os.path.dirname(__file__), "native")
 SOURCES = tuple(os.path.join(NATIVE_DIR, f) for f in ("paged_attention.cc", "matmul.cc"))
@@ -168,6 +170,17 @@ def paged_prefill_attention(q, pool, block_tables, rows, positions, *, layer, sl
                  v_hi=v_hi, window=sliding_window, scale=Dk ** -0.5 if scale is None else float(scale))
 
 
+def paged_mla_prefill_attention(q, pool, block_tables, rows, positions, *, layer, kv_lora_rank, scale):
+    """`ref_paged_mla_prefill_attention`'s arguments and result (absorbed MLA prefill over the latent pool, each
+    token over its row's tokens up to itself), computed by the native kernel."""
+    if not _runs(pool):
+        return ref_paged_mla_prefill_attention(q, pool, block_tables, rows, positions, layer=layer,
+                                               kv_lora_rank=kv_lora_rank, scale=scale)
+    mla_prefill_args(q, pool, block_tables, rows, positions, layer, kv_lora_rank)
+    return _call(q, pool, block_tables, (rows, positions), None, layer, k_dim=q.shape[2], v_entry=0, v_lo=0,
+                 v_hi=int(kv_lora_rank), window=None, scale=float(scale))
+
+
 def matmul(x, w, *, transposed: bool = False):
     """`ref_matmul`'s arguments and result (x [..., K] times w [K, N], or w [N, K] transposed -> [..., N]),
     computed by the native kernel when x has at most MATMUL_ROWS rows and both are float32. A single row against
@@ -184,4 +197,5 @@ def matmul(x, w, *, transposed: bool = False):
 
 
 KERNELS = {"paged_attention": paged_attention, "paged_mla_attention": paged_mla_attention,  # for select.py
-           "paged_prefill_attention": paged_prefill_attention, "matmul": matmul}
+           "paged_prefill_attention": paged_prefill_attention,
+           "paged_mla_prefill_attention": paged_mla_prefill_attention, "matmul": matmul}

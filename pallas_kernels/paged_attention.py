@@ -314,14 +314,27 @@ def ref_paged_attention(q, pool, block_tables, lengths, *, layer, sliding_window
     return out[:, 0]
 
 
-def prefill_args(q, pool, block_tables, rows, positions, layer, sliding_window, sinks):
-    """Validate a paged prefill call -> (Dk, v_entry, v_lo, v_hi)."""
+def _per_row(q, block_tables, rows, positions):
+    """Check a paged prefill call's tokens -> (q as one token per table row [B, ...], lengths [B]): what the
+    decode checks (_views) take to check the pool and the table."""
     N = q.shape[0] if q.ndim == 3 else -1
     if rows.shape != (N,) or positions.shape != (N,):
         raise ValueError(f"rows and positions must be [{N}] (one per query token), got {rows.shape}, {positions.shape}")
-    lengths = jnp.zeros((block_tables.shape[0],), jnp.int32)  # _views checks the table against q's rows
-    return gqa_args(jnp.zeros((block_tables.shape[0],) + q.shape[1:], q.dtype), pool, block_tables, lengths, layer,
-                    sliding_window, sinks)
+    B = block_tables.shape[0]
+    return jnp.zeros((B,) + q.shape[1:], q.dtype), jnp.zeros((B,), jnp.int32)
+
+
+def prefill_args(q, pool, block_tables, rows, positions, layer, sliding_window, sinks):
+    """Validate a paged prefill call -> (Dk, v_entry, v_lo, v_hi)."""
+    q1, lengths = _per_row(q, block_tables, rows, positions)
+    return gqa_args(q1, pool, block_tables, lengths, layer, sliding_window, sinks)
+
+
+def mla_prefill_args(q, pool, block_tables, rows, positions, layer, kv_lora_rank) -> None:
+    """Validate a paged MLA prefill call."""
+    q1, lengths = _per_row(q, block_tables, rows, positions)
+    _views(q1, pool, block_tables, lengths, layer)
+    _check_mla(q, pool, kv_lora_rank)
 
 
 def ref_paged_prefill_attention(q, pool, block_tables, rows, positions, *, layer, sliding_window=None, sinks=None,
@@ -333,13 +346,30 @@ def ref_paged_prefill_attention(q, pool, block_tables, rows, positions, *, layer
     `paged_attention` -> [N, Hq, Dv] in q's dtype. Gathers each token's row of the dense view: a reference for
     tests, [N, W * block_size] keys."""
     Dk, v_entry, v_lo, v_hi = prefill_args(q, pool, block_tables, rows, positions, layer, sliding_window, sinks)
+    return _ref_prefill(q, pool, block_tables, rows, positions, layer, Dk, v_entry, v_lo, v_hi,
+                        Dk ** -0.5 if scale is None else scale, sliding_window, sinks)
+
+
+def ref_paged_mla_prefill_attention(q, pool, block_tables, rows, positions, *, layer, kv_lora_rank, scale):
+    """MLA prefill attention in the absorbed form over the latent pool, for packed tokens: q [N, H, L + R] the
+    tokens' absorbed queries (their own latents already written into the pool); rows [N], positions [N] as in
+    `paged_prefill_attention` (padding: zeros out); pool, block_tables [B, W], layer, kv_lora_rank, scale as in
+    `paged_mla_attention` -> [N, H, L] attended latent in q's dtype. Gathers each token's row of the dense view:
+    a reference for tests."""
+    mla_prefill_args(q, pool, block_tables, rows, positions, layer, kv_lora_rank)
+    return _ref_prefill(q, pool, block_tables, rows, positions, layer, pool.shape[5], 0, 0, int(kv_lora_rank),
+                        scale, None, None)
+
+
+def _ref_prefill(q, pool, block_tables, rows, positions, layer, Dk, v_entry, v_lo, v_hi, scale, window, sinks):
+    """The prefill references' attention: K the first Dk columns of entry 0, V columns v_lo:v_hi of v_entry."""
     B = block_tables.shape[0]
     x, k_pos = _dense_view(pool, block_tables, None, layer)  # [B, S, E, Hkv, D]
     real = (rows >= 0) & (rows < B)
     r = jnp.clip(rows, 0, B - 1)
     k, v = x[r, :, 0, :, :Dk], x[r, :, v_entry, :, v_lo:v_hi]  # [N, S, Hkv, *]
     out = ref_batched_attention(q[:, None], k, v, positions[:, None], k_pos[r], k_pos[r] <= positions[:, None],
-                                scale=Dk ** -0.5 if scale is None else scale, window=sliding_window, sinks=sinks)
+                                scale=scale, window=window, sinks=sinks)
     return jnp.where(real[:, None, None], out[:, 0], 0).astype(q.dtype)
 
 

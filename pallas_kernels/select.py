@@ -28,7 +28,7 @@ from .gated_delta_rule import (chunk_gated_delta_rule, recurrent_gated_delta_rul
                                ref_recurrent_gated_delta_rule)
 from .matmul import ref_matmul
 from .paged_attention import (paged_attention, paged_mla_attention, ref_paged_attention, ref_paged_mla_attention,
-                              ref_paged_prefill_attention)
+                              ref_paged_mla_prefill_attention, ref_paged_prefill_attention)
 
 Mode = Literal["auto", "reference", "pallas", "interpret", "native"]
 MODES: tuple[str, ...] = ("auto", "reference", "pallas", "interpret", "native")
@@ -39,6 +39,7 @@ KERNELS = {  # name -> (reference, Pallas kernel or None: native only)
     "paged_attention": (ref_paged_attention, paged_attention),
     "paged_mla_attention": (ref_paged_mla_attention, paged_mla_attention),
     "paged_prefill_attention": (ref_paged_prefill_attention, None),
+    "paged_mla_prefill_attention": (ref_paged_mla_prefill_attention, None),
     "chunk_gated_delta_rule": (ref_chunk_gated_delta_rule, chunk_gated_delta_rule),
     "recurrent_gated_delta_rule": (ref_recurrent_gated_delta_rule, recurrent_gated_delta_rule),
     "matmul": (ref_matmul, None),

@@ -167,7 +167,7 @@ def _index(rows, j0: int, j1: int, shift):
 
 
 def gather(layout: PoolLayout, pool: list, block_table, src_rows, start, span: tuple[int, int] | None = None,
-           total_blocks: int | None = None, dense: bool = False, shift=0) -> list:
+           total_blocks: int | None = None, dense: bool = False, shift=0, inplace: bool = False) -> list:
     """Per-layer caches for a batch: `PagedKV` views of the full groups (decode: paged attention over the
     blocks; dense, for prefill: each layer attends over a dense copy of its own blocks; models/paged.py) and
     dense copies of the request-level state (sliding rings, linear state).
@@ -176,7 +176,8 @@ def gather(layout: PoolLayout, pool: list, block_table, src_rows, start, span: t
     start [B] int32 tokens already cached (state of rows with start == 0 reads as zeros); span: only the
     model layers [lo, hi) (the others stay None); total_blocks: the views' bound on the blocks the batch holds
     (models/paged.py); shift: the entries of span's layers hold those of layers lo + shift..hi - 1 + shift
-    (traced: one program for every layer group of a run of one cache group, CausalLM.run_layers).
+    (traced: one program for every layer group of a run of one cache group, CausalLM.run_layers); inplace: a
+    dense prefill attends over the pool in place (models/paged.py).
     """
     B = block_table.shape[0]
     cache: list = [None] * layout.num_layers
@@ -188,7 +189,7 @@ def gather(layout: PoolLayout, pool: list, block_table, src_rows, start, span: t
             continue
         if g.kind == "full":
             for j in range(j0, j1):
-                cache[g.layers[j]] = PagedKV(arr, block_table, gi, j + shift, total_blocks, dense)
+                cache[g.layers[j]] = PagedKV(arr, block_table, gi, j + shift, total_blocks, dense, inplace)
             continue
         rows = jax.tree.map(lambda a: a[_index(src_rows, j0, j1, shift)], arr)
         rows = jax.tree.map(lambda a: jnp.where(fresh.reshape((B,) + (1,) * (a.ndim - 1)), 0, a), rows)
@@ -248,7 +249,8 @@ def _span_index(layout: PoolLayout, gi: int, at, n: int, drop: bool):
     return jnp.where(places[:, 0] == gi, places[:, 1], other)
 
 
-def gather_span(layout: PoolLayout, pool: list, block_table, src_rows, start, at, n: int, dense: bool = False) -> list:
+def gather_span(layout: PoolLayout, pool: list, block_table, src_rows, start, at, n: int, dense: bool = False,
+                inplace: bool = False) -> list:
     """`gather` for the model layers at..at+n-1, at traced (models/model.py `switch_span`): per cache group, a
     `PagedKV` of its array (full groups; the layer index is set per layer) or the request-level state of the
     batch's rows at each position of the span, per-layer entries stacked [n, ...] (zeros for rows with start
@@ -258,7 +260,7 @@ def gather_span(layout: PoolLayout, pool: list, block_table, src_rows, start, at
     views = []
     for gi, (gl, arr) in enumerate(zip(layout.groups, pool)):
         if gl.kind == "full":
-            views.append(PagedKV(arr, block_table, gi, 0, None, dense))
+            views.append(PagedKV(arr, block_table, gi, 0, None, dense, inplace))
             continue
         js = _span_index(layout, gi, at, n, drop=False)
         rows = jax.tree.map(lambda a: a[src_rows[:, None], js[None, :]], arr)  # [B, n, ...]

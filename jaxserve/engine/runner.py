@@ -86,7 +86,7 @@ class ModelRunner:
                  max_prefill_seqs: int, chunk_size: int, max_blocks_per_seq: int, mesh=None,
                  timer: StepTimer | None = None, ragged: bool = False, stack: LayerStack | None = None,
                  max_batched_tokens: int | None = None, full_tables: bool = False, paged_prefill: bool = False,
-                 wide_cached: bool = False, pack_first: bool = True):
+                 wide_cached: bool = False, pack_first: bool = True, inplace_prefill: bool = False):
         """ragged: decode attention runs as the jnp reference, which then gathers only the blocks in use
         (the decode programs are keyed by the batch's total blocks instead of the table width). full_tables: the
         decode attention (the native kernel) reads only the blocks in use, so every decode table is
@@ -102,6 +102,10 @@ class ModelRunner:
         takes packed input, so the [B, T] padding costs attention only); otherwise each runs alone in a program
         of its own length (a packed program's MLA, KDA and Gated DeltaNet layers run every padded row: two
         16-token prompts of the bundled Kimi Linear took 690 ms packed, 44 ms alone one after the other).
+        inplace_prefill: the [B, T] prefill programs' full-attention layers attend over the pool in place (the
+        native paged prefill kernels: each token reads its row's blocks up to itself), so a chunk's cost follows
+        its context, not its table's width: a first chunk alone then runs the program of a chunk after cached
+        tokens of its length bucket (a table max_blocks_per_seq wide), one prefill program per chunk bucket.
         stage_min_tokens (set by a layer-wise prefill instance, `stream_layers`): prefill shapes at least this
         long always run as layer groups when given them, shorter ones whole unless a row needs its groups, so
         no shape is compiled both ways."""
@@ -110,7 +114,10 @@ class ModelRunner:
         self.timer = timer or StepTimer()  # phases: input preparation, the device program (to results on host)
         self.num_slots, self.max_prefill_seqs, self.chunk_size = num_slots, max_prefill_seqs, chunk_size
         self.max_blocks_per_seq = max_blocks_per_seq
-        self.wide_cached, self.pack_first = wide_cached, pack_first
+        self.wide_cached, self.pack_first, self.inplace_prefill = wide_cached, pack_first, inplace_prefill
+        if inplace_prefill and (paged_prefill or not wide_cached):
+            raise ValueError("inplace_prefill runs the [B, T] prefill programs with wide tables (wide_cached), "
+                             "not paged_prefill's packed ones")
         self.stage_min_tokens: int | None = None
         self.max_batched_tokens = max_batched_tokens or max_prefill_seqs * chunk_size
         # paged prefill's token buckets: up to a step's most prefill tokens, and a mixed step's decode tokens on top
@@ -152,12 +159,14 @@ class ModelRunner:
             if self.stack.classes and shift is not None:
                 # layers shift..shift+hi-1 of a class-stacked model (`_stage`): one program for every group of
                 # hi layers; the embedding where shift is 0, out both the hidden states and each row's last
-                views = gather_span(layout, pool, table, src, batch.start, shift, hi, dense=not paged_prefill)
+                views = gather_span(layout, pool, table, src, batch.start, shift, hi, dense=not paged_prefill,
+                                    inplace=inplace_prefill)
                 x = jnp.where(shift == 0, m.embed(batch), x)
                 x, views = switch_span(x, batch, stacks, views, places, shift, hi)
                 return scatter_span(layout, pool, views, dst, snap, shift, hi), (x, batch.last_tokens(x))
             shift = 0 if shift is None else shift
-            cache = gather(layout, pool, table, src, batch.start, span=(lo, hi), dense=not paged_prefill, shift=shift)
+            cache = gather(layout, pool, table, src, batch.start, span=(lo, hi), dense=not paged_prefill, shift=shift,
+                           inplace=inplace_prefill)
             if lo == 0:
                 x = m.embed(batch)
             x, cache = m.run_layers(x, batch, cache, lo, hi, stacks, shift)
@@ -306,7 +315,8 @@ class ModelRunner:
           first chunks, one     B 1, T = pow2 bucket of its length, W from T, unpacked
           first chunks, several B max_prefill_seqs, T chunk_size, W from T, N = pow2 bucket of their tokens
                                 (packed: the [B, T] padding costs attention only)
-          a chunk after cached  B 1, T = pow2 bucket of its length, W = pow2 bucket of the blocks to its end"""
+          a chunk after cached  B 1, T = pow2 bucket of its length, W = pow2 bucket of the blocks to its end
+        (wide_cached: W max_blocks_per_seq; inplace_prefill: a first chunk alone too, as a chunk after cached)"""
         if self.paged_prefill:
             return [rows]
         fresh = [r for r in rows if r.start == 0]
@@ -422,11 +432,12 @@ class ModelRunner:
         max_prefill_seqs), of which `first_fn` samples the first S = max_prefill_seqs; otherwise S = B."""
         paged = self.paged_prefill
         real = [(i, r) for i, r in enumerate(rows) if r is not None]
-        fresh = not paged and all(r.start == 0 for _, r in real)
         if paged:
             B, S = self.max_prefill_seqs + self.num_slots, self.max_prefill_seqs
         else:
             B = S = 1 if len(rows) == 1 else self.max_prefill_seqs
+        # a first chunk alone reads the pool in place as a chunk after cached tokens does: their shared program
+        fresh = not paged and not (self.inplace_prefill and B == 1) and all(r.start == 0 for _, r in real)
         T = self.chunk_size if B > 1 else pow2_bucket(len(rows[0].tokens), 16, self.chunk_size)
         bs = self.layout.block_size
         tokens = np.zeros((B, T), np.int32)

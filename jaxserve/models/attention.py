@@ -8,8 +8,9 @@ MLA runs in the absorbed form: queries are projected into the latent space, atte
 over the latent cache, and the value up-projection is applied to the attended latent.
 In engine decode a full layer gets a `PagedKV` view of the block pool instead (models/paged.py).
 Attention itself comes from pallas_kernels: `batched_attention` over dense caches, `paged_attention` /
-`paged_mla_attention` over the pool; the jnp reference or the Pallas kernel, as the model's `kernels` mode
-selects (pallas_kernels/select.py).
+`paged_mla_attention` over the pool, and in an engine prefill that reads the pool in place (`PagedKV.inplace`)
+`paged_prefill_attention` / `paged_mla_prefill_attention`; the jnp reference, the Pallas kernel or the native
+one, as the model's `kernels` mode selects (pallas_kernels/select.py).
 """
 
 from __future__ import annotations
@@ -68,6 +69,13 @@ def kv_attention(q, k_new, v_new, cache: dict, batch: Batch, *, scale, window, s
     """Append this step's K/V to the layer cache and attend. Returns (out [B, T, Hq, Dv], new cache)."""
     if isinstance(cache, PagedKV):
         cache = cache.write(PagedKV.pack(k_new, v_new, cache.pool.shape[2]), batch)
+        if cache.dense and cache.inplace:  # prefill, each token over its row's blocks in place
+            B, T = q.shape[:2]
+            rows, pos = PagedKV.packed(batch)
+            out = select("paged_prefill_attention", kernels)(q.reshape((B * T,) + q.shape[2:]), cache.pool,
+                                                             cache.table, rows, pos, layer=cache.layer,
+                                                             sliding_window=window, sinks=sinks, scale=scale)
+            return out.reshape((B, T) + out.shape[1:]), cache
         if cache.dense:  # prefill: the chunk's own keys (first chunk), or the layer's blocks with them written
             if batch.fresh:
                 k, v = k_new.astype(cache.pool.dtype), v_new.astype(cache.pool.dtype)
@@ -221,6 +229,12 @@ class MLAAttention(nnx.Module):
             kv = cache.view()[:, 0]  # [B, S, 1, L + R]
             out_lat = split_attention(qf[:, 0], kv, kv[..., :L], PagedKV.lengths(batch), cache.since,
                                       cache.split_key(), cache.gidx, cache.split, scale=s.scale)[:, None]
+        elif isinstance(cache, PagedKV) and cache.inplace:  # prefill, each token over its row's blocks in place
+            cache = cache.write(kv_new[:, :, None], batch)
+            rows, pos = PagedKV.packed(batch)
+            out_lat = select("paged_mla_prefill_attention", self.kernels)(
+                qf.reshape(B * T, H, qf.shape[-1]), cache.pool, cache.table, rows, pos, layer=cache.layer,
+                kv_lora_rank=L, scale=s.scale).reshape(B, T, H, L)
         elif isinstance(cache, PagedKV) and not cache.dense:
             cache = cache.write(kv_new[:, :, None], batch)
             out_lat = select("paged_mla_attention", self.kernels)(

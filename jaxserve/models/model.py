@@ -313,7 +313,9 @@ def kernel_cases(cfg: ModelConfig, dtype, block_size: int) -> list[Case]:
             cases |= {Case.of("batched_attention", Hq=spec.num_heads, Hkv=1, Dk=L + R, Dv=L, dtype=dtype,
                               scale=spec.scale),
                       Case.of("paged_mla_attention", H=spec.num_heads, L=L, R=R, dtype=dtype, block_size=block_size,
-                              scale=spec.scale)}
+                              scale=spec.scale),
+                      Case.of("paged_mla_prefill_attention", H=spec.num_heads, L=L, R=R, dtype=dtype,
+                              block_size=block_size, scale=spec.scale)}
         else:
             H, Dk, Dv = ((spec.num_v_heads, spec.head_k_dim, spec.head_v_dim) if isinstance(spec, GDNSpec)
                          else (spec.num_heads, spec.head_dim, spec.head_dim))

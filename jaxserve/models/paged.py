@@ -5,9 +5,11 @@ The engine hands each layer of a full cache group a `PagedKV`: the group's pool 
 the layer's index in the group. The layer writes its new tokens' K/V (or MLA latent) into the blocks, then
   decode   attends with paged attention (pallas_kernels/paged_attention.py), which reads the blocks in place;
   prefill  (`dense`) attends over a dense copy of its own layer's blocks (`view`): the chunk's own keys for a
-           first chunk, which reads nothing; or, paged (not `dense`, a packed batch: the native kernels), writes
-           the packed tokens (`write_packed`) and attends with paged prefill attention, each token over its
-           row's blocks in place.
+           first chunk, which reads nothing; or (`dense` and `inplace`, the native kernels) with paged prefill
+           attention, each token of the [B, T] chunk over its row's blocks in place up to itself: its cost
+           follows the context, not the table's width, so a first chunk and a chunk after cached tokens share
+           one program; or, paged (not `dense`, a packed batch: the native kernels), writes the packed tokens
+           (`write_packed`) and attends with paged prefill attention likewise.
 Layers of one group share the array: the model passes each layer the array the previous one returned, and a
 scan over a run of layers carries it (the layer index traced), so a program has one write and one read per
 run, not per layer.
@@ -34,6 +36,7 @@ class PagedKV:
     # attention then gathers only those (pallas_kernels/paged_attention.py); None: table width per row
     total_blocks: int | None = field(default=None, metadata=dict(static=True))
     dense: bool = field(default=False, metadata=dict(static=True))  # prefill: attend over `view`
+    inplace: bool = field(default=False, metadata=dict(static=True))  # dense prefill over the pool in place instead
     # decode after an attention-level migration (models/split.py): the moved heads, each row's length when it
     # moved [B], the migration's id [] int32 and each row's index in the helper's group [B]
     split: object = field(default=None, metadata=dict(static=True))  # HeadSplit
@@ -82,6 +85,14 @@ class PagedKV:
         blk = jnp.where(rows < B, blk, NB)
         pool = self.pool.at[blk, self.layer, :, positions % bs].set(vals.astype(self.pool.dtype), mode="drop")
         return replace(self, pool=pool)
+
+    @staticmethod
+    def packed(batch: Batch):
+        """A [B, T] chunk's tokens as paged prefill attention takes them: (rows [B * T], positions [B * T]) int32,
+        padding tokens at row B (outside the table: their outputs are zeros)."""
+        B, T = batch.tokens.shape
+        rows = jnp.where(batch.valid, jnp.arange(B, dtype=jnp.int32)[:, None], B)
+        return rows.reshape(B * T), batch.positions.reshape(B * T).astype(jnp.int32)
 
     @staticmethod
     def lengths(batch: Batch):

@@ -14,6 +14,7 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.client import RequestError
 from jaxserve.engine.llm_engine import EngineConfig
+from jaxserve.pallas_kernels import native
 
 BASE = [5, 7, 9, 11, 13, 2, 3, 4, 8, 10, 12, 14, 15, 6, 16, 17, 18, 19, 20, 21, 22]
 PROMPTS = [BASE[:3], BASE[:13], BASE[:9], BASE[:21], [30, 31] + BASE[:11]]
@@ -277,6 +278,39 @@ def test_a_varied_workload_compiles_nothing_after_warmup(engines, kernels):
         assert len(warmed) < 26  # 6 decode + 3 token-bucket prefill programs, their samplers, not widths x buckets
 
 
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="no C++ compiler for the native kernels")
+def test_a_hybrid_prefill_reads_the_pool_in_place_one_program_per_chunk_bucket(engines):
+    """With the native kernels a hybrid model's [B, T] prefill programs attend over the pool in place (each token
+    over its own row's blocks up to itself, however wide the table), so a first chunk alone runs the program of a
+    chunk after cached tokens of its bucket: warm-up compiles one prefill program per chunk bucket where the
+    references (a dense view per program) need two, traffic (first chunks, later chunks, prompts extending cached
+    ones) runs nothing else, and the answers equal the dense path's."""
+    cfg = dataclasses.replace(ENGINE, chunk_size=32, max_num_batched_tokens=32, max_prefill_seqs=2, num_blocks=96)
+    warmed = {}
+    for kernels in ("reference", "native"):
+        llm = engines("kimi_linear", dataclasses.replace(cfg, kernels=kernels))
+        runner = llm.engine.runner
+        runner.warmup(progress=False)
+        warmed[kernels] = {k for k in runner.programs if k[0] == "prefill"}
+    assert runner.inplace_prefill and not llm.engine.runner.pack_first
+    W = runner.max_blocks_per_seq
+    assert warmed["native"] == {("prefill", 1, t, W, 0, runner.layout.num_layers, t, False) for t in (16, 32)}
+    assert {k[2] for k in warmed["reference"]} == {16, 32} and len(warmed["reference"]) == 4
+    programs, runner.programs = set(runner.programs), set()
+    rng = np.random.default_rng(1)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompts = [rng.integers(3, 100, n).tolist() for n in (3, 14, 20, 40, 75)]
+    outs = llm.generate(prompts, params)
+    extended = [p + [7, 8, 9] for p in prompts[3:]]
+    outs += llm.generate(extended, params)
+    for p, o in zip(prompts + extended, outs):
+        assert o.token_ids == reference_greedy(llm, p, 6), p
+    assert max(o.cached_tokens for o in outs) > 0
+    assert runner.programs <= programs, sorted(runner.programs - programs)
+    assert {k[-1] for k in runner.programs if k[0] == "prefill"} == {False}
+    llm.engine.blocks.check()
+
+
 def test_first_chunks_of_a_hybrid_model_run_alone(engines):
     """Layers whose mixer runs the [B, T] rows (KDA, MLA) would compute every padded row of a packed program, so a
     hybrid model's first chunks admitted together run each in a program of its own length: warm-up compiles
@@ -335,18 +369,20 @@ def test_the_default_chunk_is_the_step_budget_where_prefill_is_paged(engines, ke
     assert eng.timer.summary()["prefill"]["count"] == 1
 
 
-@pytest.mark.parametrize("family,chunk", [("llama", 8), ("llama", None), ("deepseek_v3", 8)])
-def test_layerwise_warmup_covers_a_streamed_prompts_chunks(engines, family, chunk):
+@pytest.mark.parametrize("family,chunk,kernels", [("llama", 8, "auto"), ("llama", None, "auto"),
+                                                  ("deepseek_v3", 8, "auto"), ("deepseek_v3", 8, "reference")])
+def test_layerwise_warmup_covers_a_streamed_prompts_chunks(engines, family, chunk, kernels):
     """A layer-wise prefill instance (LLMEngine.stream_layers) gives every prefill step its layer groups: a
     program shape at least stage_min_tokens long runs layer group by layer group whatever its rows, a shorter one
     whole unless a row needs its groups (a streamed prompt's last chunk). Warm-up compiles each shape one way,
     never both, and covers every chunk of streamed prompts; the staged result is the dense path's. Paged prefill
-    (llama) runs every shape as layer groups; dense programs (MLA) the short ones whole. Also with the default
+    (llama) and in-place prefill (MLA, native kernels: every table as wide as the longest context) run every shape
+    as layer groups; dense programs over dense views (MLA, references) the short ones whole. Also with the default
     chunk (the step budget, 16)."""
     from jaxserve.engine.rows import PrefillRow
     from jaxserve.transfer.plan import layer_groups
     llm = engines(family, dataclasses.replace(ENGINE, max_model_len=80, num_blocks=96, prefix_caching=False,
-                                              chunk_size=chunk))
+                                              chunk_size=chunk, kernels=kernels))
     runner = llm.engine.runner
     C = runner.chunk_size
     assert C == (chunk or ENGINE.max_num_batched_tokens)
@@ -377,8 +413,11 @@ def test_layerwise_warmup_covers_a_streamed_prompts_chunks(engines, family, chun
     if family == "llama":  # one program per layer group, the middle groups (1, 2) and (2, 3) of the run sharing one
         assert {k[4:6] for k in runner.programs if k[0] == "prefill"} == {(0, 1), (1, 2), (3, 4)}
         assert not shapes(True)
+    elif runner.inplace_prefill:
+        assert not shapes(True)
     else:
         assert shapes(True) and (0, L) in {k[4:6] for k in runner.programs if k[0] == "prefill"}
+    assert runner.inplace_prefill == (family == "deepseek_v3" and kernels == "auto" and native.available()[0])
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "deepseek_v3", "kimi_linear", "qwen3_next", "gpt_oss",

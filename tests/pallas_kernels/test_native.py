@@ -15,7 +15,7 @@ from jaxserve import LLM
 from jaxserve.pallas_kernels import check, native, select
 from jaxserve.pallas_kernels.matmul import ref_matmul
 from jaxserve.pallas_kernels.paged_attention import (ref_paged_attention, ref_paged_mla_attention,
-                                                     ref_paged_prefill_attention)
+                                                     ref_paged_mla_prefill_attention, ref_paged_prefill_attention)
 from jaxserve.pallas_kernels.select import KernelPlan
 from tests.pallas_kernels.conftest import close, randn
 from tests.pallas_kernels.test_check import ENGINE, GREEDY, PROMPTS, _tokens
@@ -86,6 +86,30 @@ def test_native_paged_prefill_matches_reference(case):
     assert got.shape == (len(rows), Hq, D if E == 2 else D - Dk) and got.dtype == jnp.float32
     close(got, ref_paged_prefill_attention(*args, **kw), jnp.float32)
     assert not np.asarray(got[-4:]).any()
+
+
+@pytest.mark.parametrize("bs", [16, 4])
+def test_native_mla_prefill_matches_reference(bs):
+    """MLA over the latent pool for a packed step (as a [B, T] prefill program hands it: rows in order, padding
+    after each row's tokens): a first chunk longer than a query tile, a chunk after cached tokens, a one-token
+    chunk; padding gives zeros."""
+    r = np.random.RandomState(bs)
+    B, H, Lr, R, NB, T = 3, 4, 32, 16, 60, 24
+    chunks = [(0, 0, 21), (1, 5 * bs + 3, 9), (2, 40, 1)]  # (row, first position, tokens)
+    rows = np.full((B, T), B, np.int32)
+    pos = np.zeros((B, T), np.int32)
+    for b, p, n in chunks:
+        rows[b, :n], pos[b, :n] = b, np.arange(p, p + n)
+    pool, q = randn(r, (NB, 2, 1, bs, 1, Lr + R)), randn(r, (B * T, H, Lr + R)) * 0.3
+    table = _tables(r, B, -(-64 // bs), NB)
+    kw = dict(layer=1, kv_lora_rank=Lr, scale=0.15)
+    args = (q, pool, table, jnp.asarray(rows.ravel()), jnp.asarray(pos.ravel()))
+    got = jax.jit(functools.partial(native.paged_mla_prefill_attention, **kw))(*args)
+    assert got.shape == (B * T, H, Lr) and got.dtype == jnp.float32
+    assert _native_calls(functools.partial(native.paged_mla_prefill_attention, **kw), *args) == \
+        ["jaxserve_paged_prefill"]
+    close(got, ref_paged_mla_prefill_attention(*args, **kw), jnp.float32)
+    assert not np.asarray(got[rows.ravel() == B]).any()
 
 
 def test_native_reads_the_layer_a_scan_gives_it():

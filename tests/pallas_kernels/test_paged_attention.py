@@ -10,7 +10,7 @@ import pytest
 
 from jaxserve.pallas_kernels.flash_attention import ref_batched_attention
 from jaxserve.pallas_kernels.paged_attention import (paged_attention, paged_mla_attention, ref_paged_attention,
-                                            ref_paged_mla_attention)
+                                            ref_paged_mla_attention, ref_paged_mla_prefill_attention)
 from tests.pallas_kernels.conftest import INTERPRET, close, randn
 
 
@@ -108,6 +108,28 @@ def test_paged_mla_attention_matches_reference(dtype, bs, ppt, ppp):
     total = sum(-(-n // bs) for n in lengths) + 3  # the ragged reference, padded
     close(jax.jit(functools.partial(ref_paged_mla_attention, total_blocks=total, **kw))(q, pool, table, lens), want,
           dtype)
+
+
+def test_mla_prefill_reference_is_each_token_decoded_at_its_own_length():
+    """ref_paged_mla_prefill_attention of a packed step (a first chunk, a chunk after cached tokens, a one-token
+    chunk, padding) equals the MLA decode reference run per token with the context up to it; padding gives zeros."""
+    r = np.random.RandomState(5)
+    B, H, Lr, R, NB, bs = 3, 4, 16, 8, 40, 4
+    chunks = [(0, 0, 11), (1, 13, 6), (2, 29, 1)]  # (row, first position, tokens)
+    rows = np.concatenate([np.full(n, b) for b, _, n in chunks] + [np.full(2, B)]).astype(np.int32)
+    pos = np.concatenate([np.arange(p, p + n) for _, p, n in chunks] + [np.zeros(2)]).astype(np.int32)
+    pool, q = randn(r, (NB, 2, 1, bs, 1, Lr + R)), randn(r, (len(rows), H, Lr + R)) * 0.3
+    table = _tables(r, B, 8, NB)
+    kw = dict(layer=1, kv_lora_rank=Lr, scale=0.2)
+    got = jax.jit(functools.partial(ref_paged_mla_prefill_attention, **kw))(q, pool, table, jnp.asarray(rows),
+                                                                              jnp.asarray(pos))
+    assert got.shape == (len(rows), H, Lr)
+    real = rows < B
+    want = ref_paged_mla_attention(q[real], pool, table[rows[real]], jnp.asarray(pos[real] + 1), **kw)
+    close(got[real], want, jnp.float32)
+    assert not np.asarray(got[~real]).any()
+    with pytest.raises(ValueError, match="rows and positions must be"):
+        ref_paged_mla_prefill_attention(q, pool, table, jnp.asarray(rows[:-1]), jnp.asarray(pos), **kw)
 
 
 def test_paged_attention_rejects_bad_inputs():
