@@ -64,7 +64,7 @@ class RemoteFailed(RuntimeError):
 
 @dataclass(frozen=True)
 class Remote:
-    """The static part of a decode program with a helper (runner.py `decode_fn`)."""
+    """The static part of a decode program with a helper (programs.py `decode_fn`)."""
     kind: str
     split: HeadSplit | None = None  # heads
     span: tuple[int, int] | None = None  # layers

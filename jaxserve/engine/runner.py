@@ -36,14 +36,12 @@ what arrived into its reserved blocks and slot (transfer/device.py) before `inse
 
 Not thread-safe: one thread (the engine loop) drives it.
 
-Size: one class over 600 lines: the host side of every device program, which share its state (the pool, the
-slots' penalty state, the flattened weights, the compiled programs); its rows and buckets are rows.py's, its
-warm-up warmup.py's, the packing of a step's inputs and outputs step_io.py's.
+Size: one class of about 600 lines: the host side of every device program, which share its state (the pool, the
+slots' penalty state, the flattened weights, the compiled programs); the programs themselves are programs.py's,
+its rows and buckets rows.py's, its warm-up warmup.py's, the packing of a step's inputs and outputs step_io.py's.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -51,32 +49,17 @@ import numpy as np
 
 from jaxserve.transfer.device import DeviceIO
 
-from ..cache.layout import (PoolLayout, gather, gather_span, head_parts, init_pool, layer_places, pool_shardings,
-                            scatter, scatter_span)
+from ..cache.layout import PoolLayout, head_parts, init_pool, pool_shardings
 from ..cache.pool_copy import PoolCopy
 from ..models.batch import Batch
-from ..models.paged import PagedKV
-from ..models.model import switch_span
-from ..models.stack import SWITCH_COMPILER_OPTIONS, LayerStack
+from ..models.stack import LayerStack
 from ..structured import words
-from .migration import remote_hidden
-from .sampler import MAX_LOGPROBS, sample
+from .programs import step_programs
+from .sampler import MAX_LOGPROBS
 from .split_step import Forward, SplitStep, spec
-from .step_io import (COLS, SLOT, pack_rows, pack_sampled, pack_sampling, read_sampled, sampled_tokens,
-                      sampling_tensors, unpack_decode, with_device_tokens)
+from .step_io import pack_rows, pack_sampling, read_sampled
 from .rows import IDLE, SMALL_DECODE_ROWS, DecodeRow, PrefillRow, Prefix, next_bucket, pow2_bucket, token_buckets
 from .steptimer import StepTimer
-
-def _latest_pools(cache: list, ran) -> list:
-    """Every full-attention layer's view with its group's pool as the last of the layers `ran` (in the order they
-    ran) left it: a step whose layers run in separate parts, each part writing into what the one before wrote."""
-    latest = {}
-    for i in ran:
-        if isinstance(cache[i], PagedKV):
-            latest[cache[i].group] = cache[i].pool
-    return [dataclasses.replace(c, pool=latest.get(c.group, c.pool)) if isinstance(c, PagedKV) else c
-            for c in cache]
-
 
 class ModelRunner:
     steps_ahead = True  # `dispatch` / `collect`: a decode step may be left in flight (engine/overlap.py)
@@ -149,115 +132,11 @@ class ModelRunner:
         merge = lambda leaves: self.stack.merge(graphdef, jax.tree.unflatten(tree, leaves))  # noqa: E731
         self._merge = merge
 
-        places = layer_places(layout)
-
-        def prefill_fn(params, pool, x, shift, batch, table, src, dst, snap, *, lo, hi, last):
-            # layers lo..hi-1 of a prefill (embedding first; last: the hidden state of each row's last token
-            # [B, 1, H] out, for `first_fn`): the whole model in one program, or one layer group of a layer-wise
-            # prefill (its layers shifted by `shift`: one program for the groups of a run, `_stage`)
-            m, stacks = merge(params)
-            if self.stack.classes and shift is not None:
-                # layers shift..shift+hi-1 of a class-stacked model (`_stage`): one program for every group of
-                # hi layers; the embedding where shift is 0, out both the hidden states and each row's last
-                views = gather_span(layout, pool, table, src, batch.start, shift, hi, dense=not paged_prefill,
-                                    inplace=inplace_prefill)
-                x = jnp.where(shift == 0, m.embed(batch), x)
-                x, views = switch_span(x, batch, stacks, views, places, shift, hi)
-                return scatter_span(layout, pool, views, dst, snap, shift, hi), (x, batch.last_tokens(x))
-            shift = 0 if shift is None else shift
-            cache = gather(layout, pool, table, src, batch.start, span=(lo, hi), dense=not paged_prefill, shift=shift,
-                           inplace=inplace_prefill)
-            if lo == 0:
-                x = m.embed(batch)
-            x, cache = m.run_layers(x, batch, cache, lo, hi, stacks, shift)
-            pool = scatter(layout, pool, cache, dst, snap, span=(lo, hi), shift=shift)
-            if last:
-                x = batch.last_tokens(x)
-            return pool, x
-
-        def decode_fn(params, pool, x, mig, *, total_blocks, remote):
-            # the model over one token per row (x [B, COLS + W]: step_io.pack_rows) -> (pool, hidden states
-            # [B, 1, H]) for `sample_fn`. remote: part of the step runs on a helper instance (engine/migration.py),
-            # mig its per-row arrays
-            batch, table, rows, snap = unpack_decode(x)
-            cache = gather(layout, pool, table, rows, batch.start, total_blocks=total_blocks)
-            m, stacks = merge(params)
-            L = layout.num_layers
-            if remote is None:
-                x, cache = m.run_layers(m.embed(batch), batch, cache, 0, L, stacks)
-            elif remote.kind == "heads":
-                cache = [dataclasses.replace(c, split=remote.split, since=mig["since"], mid=mig["mid"],
-                                             gidx=mig["gidx"]) if isinstance(c, PagedKV) else c for c in cache]
-                x, cache = m.run_layers(m.embed(batch), batch, cache, 0, L, stacks)
-            else:  # layers lo..hi-1 run on the helper, the hidden states crossing there and back
-                lo, hi = remote.span
-                x, cache = m.run_layers(m.embed(batch), batch, cache, 0, lo, stacks)
-                cache = _latest_pools(cache, range(lo))
-                x = remote_hidden(x, mig, batch.start)
-                x, cache = m.run_layers(x, batch, cache, hi, L, stacks)
-                cache = _latest_pools(cache, [*range(lo), *range(hi, L)])
-            return scatter(layout, pool, cache, rows, snap), x
-
-        # a prefill's LM head and sampling are a program of its own, keyed by the rows only: every prefill shape
-        # shares it (compiled once, not once per shape); a decode step runs the model and sampling as one program
-        def logits_of(params, h):  # h [B, 1, H] -> [B, V] float32
-            return merge(params)[0].head(h, jnp.zeros((h.shape[0], 1), jnp.int32))[:, 0]
-
-        def first_fn(params, h, x, pmask, allowed):
-            # a prefill's first tokens -> step_io.pack_sampled: x [B, COLS] the rows' sampling (pack_sampling),
-            # pmask [B, V] the prompts' tokens, no outputs yet (h: its first B rows); allowed [B, W] the rows'
-            # next-token bitmasks (structured outputs)
-            B = x.shape[0]
-            return pack_sampled(*sample(logits_of(params, h[:B]), sampling_tensors(x), pmask,
-                                        jnp.zeros(pmask.shape, jnp.int32), allowed))
-
-        def sample_fn(params, h, prompt_mask, out_counts, x, allowed, *, at=0):
-            # a decode step's tokens with each slot's penalty state (x [B, >= COLS]: the rows' slots and sampling;
-            # h: rows at.. of it) -> (counts of the tokens drawn, step_io.pack_sampled)
-            slots = x[:, SLOT]
-            tok, lp, ids, tlp = sample(logits_of(params, h[at:at + x.shape[0]]), sampling_tensors(x),
-                                       prompt_mask[slots], out_counts[slots], allowed)
-            return out_counts.at[slots, tok].add((slots < num_slots).astype(jnp.int32)), pack_sampled(tok, lp, ids,
-                                                                                                     tlp)
-
-        def pick_fn(params, h, prompt_mask, out_counts, last, x, allowed):
-            # a decode step's sampling -> (counts, each slot's last sampled token [slots + 1], pack_sampled)
-            out_counts, out = sample_fn(params, h, prompt_mask, out_counts, x, allowed)
-            return out_counts, last.at[x[:, SLOT]].set(sampled_tokens(out)), out
-
-        def forward_fn(params, pool, last, x, *, total_blocks):
-            # a decode step's model alone -> (pool, hidden states [B, 1, H], the rows' sampling columns [B, COLS])
-            # for `pick_fn` (split_step.py); rows marked FROM_DEVICE take their input token from `last`
-            pool, h = decode_fn(params, pool, with_device_tokens(x, last), None, total_blocks=total_blocks,
-                                remote=None)
-            return pool, h, x[:, :COLS]
-
-        def step_fn(params, pool, prompt_mask, out_counts, last, x, allowed, *, total_blocks):
-            # a whole decode step: the model and sampling in one program -> (pool, what pick_fn returns)
-            x = with_device_tokens(x, last)
-            pool, h = decode_fn(params, pool, x, None, total_blocks=total_blocks, remote=None)
-            return (pool, *pick_fn(params, h, prompt_mask, out_counts, last, x, allowed))
-
-        def insert_fn(prompt_mask, out_counts, ids, masks):
-            # slots ids[0] [k] start decoding after their first tokens ids[1] [k]; masks [k, V] their prompts'
-            # tokens (None: no repetition penalty reads them). Padding rows name the spare row
-            slots, tokens = ids[0], ids[1]
-            pm = prompt_mask.at[slots].set(False if masks is None else masks)
-            return pm, out_counts.at[slots].set(0).at[slots, tokens].set(1)
-
-        # a class-stacked model's step programs compile with their own XLA options (models/stack.py)
-        opts = SWITCH_COMPILER_OPTIONS if self.stack.classes else None
-        self._prefill = jax.jit(prefill_fn, donate_argnums=(1,), static_argnames=("lo", "hi", "last"),
-                                compiler_options=opts)
-        self._decode = jax.jit(decode_fn, donate_argnums=(1,), static_argnames=("total_blocks", "remote"),
-                               compiler_options=opts)
-        self._step = jax.jit(step_fn, donate_argnums=(1, 3, 4), static_argnames=("total_blocks",),
-                             compiler_options=opts)
-        self._first = jax.jit(first_fn)
-        self._sample = jax.jit(sample_fn, donate_argnums=(3,), static_argnames=("at",))
-        self._insert = jax.jit(insert_fn, donate_argnums=(0, 1))
-        self.split = SplitStep(jax.jit(forward_fn, donate_argnums=(1,), static_argnames=("total_blocks",),
-                                       compiler_options=opts), jax.jit(pick_fn, donate_argnums=(3, 4)))
+        p = step_programs(layout, self.stack, merge, num_slots, paged_prefill=paged_prefill,
+                          inplace_prefill=inplace_prefill)
+        self._prefill, self._decode, self._step, self._first, self._sample, self._insert = (
+            p.prefill, p.decode, p.step, p.first, p.sample, p.insert)
+        self.split = SplitStep(p.forward, p.pick)
         # a constrained step split in two where the device is not the host's own cores. On a CPU a program queued
         # behind one still running costs both (SmolLM2, 16 rows, 2 cores: the forward 86 ms and the sampling 17 ms
         # one after the other, 113 ms with the sampling dispatched while the forward runs, the whole step 101 ms):
