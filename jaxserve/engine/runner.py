@@ -4,8 +4,8 @@ The cache pool (cache/layout.py), the per-slot penalty state (prompt token mask,
 the model parameters live on device. Two families of jitted programs do the model's work, each with the pool
 donated:
   prefill   B chunks of T tokens (padded to buckets) -> cache written (full-attention layers write into their
-            blocks and attend over a copy of their own layer's blocks), the hidden state of each chunk's last
-            token
+            blocks and attend over a copy of their own layer's blocks, or with the native kernels over the blocks
+            in place: `inplace_prefill`), the hidden state of each chunk's last token
   generate  one token for each running request, the rows padded to a batch bucket; full-attention layers
             write into their blocks and read them with paged attention (no dense copy of the pool),
             request-level state (sliding rings, linear state) is gathered by slot
