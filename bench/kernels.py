@@ -1,4 +1,6 @@
-"""Kernel benchmark: each Pallas kernel against its jnp reference, same inputs, same run.
+"""Kernel benchmark: each Pallas kernel against its jnp reference, same inputs, same run (paged prefill
+attention, a chunk after cached tokens, against the engine's path without it: the row's blocks gathered into a
+dense cache, then flash attention).
 
 Per kernel and shape: the time per call at steady state (`_time`: groups of `--iters` calls dispatched back to
 back, the median group; compile and warm-up excluded), the bytes a kernel must at least move (inputs read
@@ -40,11 +42,14 @@ SHAPES = {
                 paged=[dict(B=32, ctx=2048, Hq=32, Hkv=8, D=128, bs=16),  # 269 MB of K/V: ~95 us on an H200
                        dict(B=64, ctx=8192, Hq=32, Hkv=8, D=128, bs=16)],  # 2.1 GB: launch and tail costs amortised
                 mla=dict(B=32, ctx=2048, H=16, L=512, R=64, bs=16),
+                prefill=[dict(T=256, ctx=8192, Hq=32, Hkv=8, D=128, bs=16),  # the engine's chunk after 8K cached
+                         dict(T=1024, ctx=4096, Hq=32, Hkv=8, D=128, bs=16)],
                 gdn=dict(B=1, T=4096, H=16, Dk=128, Dv=128, C=64),
                 rec=dict(B=64, H=16, Dk=128, Dv=128)),
     "cpu": dict(flash=[dict(lens=[96, 160], Hq=8, Hkv=2, D=64)],
                 paged=[dict(B=8, ctx=256, Hq=8, Hkv=2, D=64, bs=16)],
                 mla=dict(B=8, ctx=256, H=8, L=64, R=16, bs=16),
+                prefill=[dict(T=32, ctx=256, Hq=8, Hkv=2, D=64, bs=16)],
                 gdn=dict(B=1, T=256, H=4, Dk=64, Dv=64, C=64),
                 rec=dict(B=8, H=4, Dk=64, Dv=64)),
 }
@@ -95,6 +100,8 @@ def _cases(shapes: dict, dtype, triton: bool = False):
         yield ("paged_attention", f"B={B} ctx={ctx} Hq={p['Hq']} Hkv={p['Hkv']} D={p['D']} block={bs}",
                "paged_attention", args, kw, it * (B * ctx * 2 * p["Hkv"] * p["D"] + 2 * B * p["Hq"] * p["D"]),
                4 * B * ctx * p["Hq"] * p["D"], "memory")
+    for p in shapes["prefill"]:
+        yield _prefill_case(r, p, dtype)
     m = shapes["mla"]
     Dm = m["L"] + m["R"]
     args, kw = inputs("paged_mla_attention", r, H=m["H"], L=m["L"], R=m["R"], dtype=dtype, block_size=m["bs"],
@@ -124,6 +131,37 @@ def _cases(shapes: dict, dtype, triton: bool = False):
                args, dict(kw, chunk_size=C),
                it * Bg * Tg * H * (2 * Dk + 2 * Dv + 1) + 4 * Bg * Tg * H * (Dk if per_channel else 1)
                + 2 * state, float(Bg * H * (Tg // Ck) * per_chunk), "compute")
+
+
+def _prefill_case(r, p: dict, dtype):
+    """Paged prefill attention over one chunk of T tokens ending ctx tokens into its request (the engine's chunk
+    after cached tokens), against the dense path the engine takes without it (`gather_then_attend`)."""
+    import jax.numpy as jnp
+
+    from jaxserve.pallas_kernels.check import _table
+    T, ctx, bs, Hq, Hkv, D = p["T"], p["ctx"], p["bs"], p["Hq"], p["Hkv"], p["D"]
+    NB, table = _table(r, 1, ctx, bs)
+    pos = jnp.arange(ctx - T, ctx, dtype=jnp.int32)
+    args = (jnp.asarray(r.randn(T, Hq, D) * 0.5, dtype), jnp.asarray(r.randn(NB, 1, 2, bs, Hkv, D) * 0.5, dtype),
+            table, jnp.zeros(T, jnp.int32), pos)
+    pairs = T * (ctx - T) + T * (T + 1) // 2  # visible query-key pairs
+    it = jnp.dtype(dtype).itemsize
+    return ("paged_prefill_attention", f"T={T} after {ctx - T} cached Hq={Hq} Hkv={Hkv} D={D} block={bs}, "
+            "reference: gather + batched_attention", "paged_prefill_attention", args,
+            dict(layer=0, _reference=gather_then_attend), it * (ctx * 2 * Hkv * D + 2 * T * Hq * D),
+            4 * pairs * Hq * D, "compute")
+
+
+def gather_then_attend(q, pool, block_tables, rows, positions, *, layer, interpret=False):
+    """One row's chunk (rows all 0) as the engine attends without the paged prefill kernel: the row's blocks
+    gathered into a dense cache, then batched_attention (its Pallas kernel; interpreted where interpret)."""
+    from jaxserve.pallas_kernels.paged_attention import _dense_view
+    from jaxserve.pallas_kernels.select import select
+    del rows
+    x, k_pos = _dense_view(pool, block_tables, None, layer)  # [1, S, E, Hkv, D]
+    attend = select("batched_attention", "interpret" if interpret else "pallas")
+    return attend(q[None], x[:, :, 0], x[:, :, 1], positions[None], k_pos, k_pos <= positions[-1],
+                  scale=q.shape[-1] ** -0.5)[0]
 
 
 def per_sequence(ref, cu_seqlens):
@@ -186,6 +224,9 @@ def run(mode: str | None, iters: int, dtype_name: str, emit=None) -> dict:
         ref, kernel = KERNELS[kname]
         if kname == "flash_attention":
             ref = per_sequence(ref, kw["cu_seqlens"])
+        if "_reference" in kw:  # a baseline other than the jnp reference (paged prefill: the dense path)
+            kw = dict(kw)
+            ref = functools.partial(kw.pop("_reference"), interpret=mode == "interpret")
         kfn = jax.jit(functools.partial(kernel, interpret=mode == "interpret", **kw))
         rfn = jax.jit(functools.partial(ref, **kw))
         ro = rfn(*args)

@@ -29,6 +29,7 @@ from .gated_delta_rule import (chunk_gated_delta_rule, recurrent_gated_delta_rul
 from .matmul import ref_matmul
 from .paged_attention import (paged_attention, paged_mla_attention, ref_paged_attention, ref_paged_mla_attention,
                               ref_paged_mla_prefill_attention, ref_paged_prefill_attention)
+from .paged_prefill import paged_mla_prefill_attention, paged_prefill_attention
 
 Mode = Literal["auto", "reference", "pallas", "interpret", "native"]
 MODES: tuple[str, ...] = ("auto", "reference", "pallas", "interpret", "native")
@@ -38,8 +39,8 @@ KERNELS = {  # name -> (reference, Pallas kernel or None: native only)
     "batched_attention": (ref_batched_attention, batched_attention),
     "paged_attention": (ref_paged_attention, paged_attention),
     "paged_mla_attention": (ref_paged_mla_attention, paged_mla_attention),
-    "paged_prefill_attention": (ref_paged_prefill_attention, None),
-    "paged_mla_prefill_attention": (ref_paged_mla_prefill_attention, None),
+    "paged_prefill_attention": (ref_paged_prefill_attention, paged_prefill_attention),
+    "paged_mla_prefill_attention": (ref_paged_mla_prefill_attention, paged_mla_prefill_attention),
     "chunk_gated_delta_rule": (ref_chunk_gated_delta_rule, chunk_gated_delta_rule),
     "recurrent_gated_delta_rule": (ref_recurrent_gated_delta_rule, recurrent_gated_delta_rule),
     "matmul": (ref_matmul, None),

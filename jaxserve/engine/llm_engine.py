@@ -143,13 +143,14 @@ class LLMEngine:
         max_blocks = -(-self.max_model_len // bs)
         full_bytes = sum(int(np.prod(s.shape[1:])) * np.dtype(s.dtype).itemsize
                          for gl, s in zip(self.layout.groups, self.layout.shapes(self.dtype)) if gl.kind == "full")
-        # the native paged prefill kernels read each token's blocks in place up to itself: the [B, T] prefill
-        # programs of the other models (MLA; request-level state beside full attention) attend with them, a
-        # chunk's cost following its context, not its table: one program per chunk bucket for first chunks and
-        # chunks after cached tokens alike (runner.inplace_prefill)
-        needs = {"paged_mla_prefill_attention" if g.mla else "paged_prefill_attention"
+        # the paged prefill kernels (native on a CPU, Pallas on a GPU) read each token's blocks in place up to
+        # itself: the [B, T] prefill programs of the models not prefilled packed attend with them, a chunk's cost
+        # following its context, not its table: one program per chunk bucket for the chunks after cached tokens
+        # (runner.inplace_prefill), and with the native kernels for first chunks alone too (inplace_first; on a
+        # GPU they keep flash attention over their own keys)
+        needs = {mode_of("paged_mla_prefill_attention" if g.mla else "paged_prefill_attention", self.kernels)
                  for g in self.layout.groups if g.kind == "full"}
-        inplace = not paged_prefill and bool(needs) and all(mode_of(k, self.kernels) == "native" for k in needs)
+        inplace = not paged_prefill and bool(needs) and "reference" not in needs
         wide = inplace or (not paged_prefill and max_blocks * full_bytes <= WIDE_GATHER_BYTES)
         self.stage_groups: list[tuple[int, int]] | None = None  # a layer-wise prefill instance's (stream_layers)
         if cfg.chunk_size is None:
@@ -161,7 +162,7 @@ class LLMEngine:
                                   chunk_size=cfg.chunk_size, max_blocks_per_seq=max_blocks, wide_cached=wide,
                                   mesh=mesh, timer=self.timer, ragged=ragged, full_tables=paged == {"native"},
                                   paged_prefill=paged_prefill, pack_first=packs_prefill(self.model_config),
-                                  inplace_prefill=inplace,
+                                  inplace_prefill=inplace, inplace_first=inplace and needs == {"native"},
                                   max_batched_tokens=cfg.max_num_batched_tokens,
                                   stack=layer_stack(self.model_config, scan=paged <= {"reference", "native"},
                                                     switch=jax.local_devices()[0].platform == "cpu"))

@@ -47,10 +47,10 @@ class StepPrograms:
 
 
 def step_programs(layout: PoolLayout, stack: LayerStack, merge: Callable, num_slots: int, *, paged_prefill: bool,
-                  inplace_prefill: bool) -> StepPrograms:
+                  inplace_prefill: bool, inplace_first: bool) -> StepPrograms:
     """The programs over `layout`'s pool: merge(leaves) -> (the model, its stacked runs); num_slots the decode
-    slots (the penalty state has one more row, the padding rows'); paged_prefill, inplace_prefill as the
-    runner's (runner.py)."""
+    slots (the penalty state has one more row, the padding rows'); paged_prefill, inplace_prefill, inplace_first
+    as the runner's (runner.py)."""
     places = layer_places(layout)
 
     def prefill_fn(params, pool, x, shift, batch, table, src, dst, snap, *, lo, hi, last):
@@ -58,17 +58,18 @@ def step_programs(layout: PoolLayout, stack: LayerStack, merge: Callable, num_sl
         # [B, 1, H] out, for `first_fn`): the whole model in one program, or one layer group of a layer-wise
         # prefill (its layers shifted by `shift`: one program for the groups of a run, `_stage`)
         m, stacks = merge(params)
+        inplace = inplace_prefill and (inplace_first or not batch.fresh)  # first chunks: their own keys, or in place
         if stack.classes and shift is not None:
             # layers shift..shift+hi-1 of a class-stacked model (`_stage`): one program for every group of
             # hi layers; the embedding where shift is 0, out both the hidden states and each row's last
             views = gather_span(layout, pool, table, src, batch.start, shift, hi, dense=not paged_prefill,
-                                inplace=inplace_prefill)
+                                inplace=inplace)
             x = jnp.where(shift == 0, m.embed(batch), x)
             x, views = switch_span(x, batch, stacks, views, places, shift, hi)
             return scatter_span(layout, pool, views, dst, snap, shift, hi), (x, batch.last_tokens(x))
         shift = 0 if shift is None else shift
         cache = gather(layout, pool, table, src, batch.start, span=(lo, hi), dense=not paged_prefill, shift=shift,
-                       inplace=inplace_prefill)
+                       inplace=inplace)
         if lo == 0:
             x = m.embed(batch)
         x, cache = m.run_layers(x, batch, cache, lo, hi, stacks, shift)

@@ -69,7 +69,8 @@ class ModelRunner:
                  max_prefill_seqs: int, chunk_size: int, max_blocks_per_seq: int, mesh=None,
                  timer: StepTimer | None = None, ragged: bool = False, stack: LayerStack | None = None,
                  max_batched_tokens: int | None = None, full_tables: bool = False, paged_prefill: bool = False,
-                 wide_cached: bool = False, pack_first: bool = True, inplace_prefill: bool = False):
+                 wide_cached: bool = False, pack_first: bool = True, inplace_prefill: bool = False,
+                 inplace_first: bool = False):
         """ragged: decode attention runs as the jnp reference, which then gathers only the blocks in use
         (the decode programs are keyed by the batch's total blocks instead of the table width). full_tables: the
         decode attention (the native kernel) reads only the blocks in use, so every decode table is
@@ -85,10 +86,12 @@ class ModelRunner:
         takes packed input, so the [B, T] padding costs attention only); otherwise each runs alone in a program
         of its own length (a packed program's MLA, KDA and Gated DeltaNet layers run every padded row: two
         16-token prompts of the bundled Kimi Linear took 690 ms packed, 44 ms alone one after the other).
-        inplace_prefill: the [B, T] prefill programs' full-attention layers attend over the pool in place (the
-        native paged prefill kernels: each token reads its row's blocks up to itself), so a chunk's cost follows
-        its context, not its table's width: a first chunk alone then runs the program of a chunk after cached
-        tokens of its length bucket (a table max_blocks_per_seq wide), one prefill program per chunk bucket.
+        inplace_prefill: the [B, T] programs of chunks after cached tokens attend over the pool in place in their
+        full-attention layers (the paged prefill kernels, native or Pallas: each token reads its row's blocks up
+        to itself), so a chunk's cost follows its context, not its table's width (one program per chunk bucket,
+        the table max_blocks_per_seq wide). inplace_first: first chunks too (the native kernels), and a first
+        chunk alone then runs the program of a chunk after cached tokens of its length bucket: one prefill
+        program per chunk bucket.
         stage_min_tokens (set by a layer-wise prefill instance, `stream_layers`): prefill shapes at least this
         long always run as layer groups when given them, shorter ones whole unless a row needs its groups, so
         no shape is compiled both ways."""
@@ -98,9 +101,12 @@ class ModelRunner:
         self.num_slots, self.max_prefill_seqs, self.chunk_size = num_slots, max_prefill_seqs, chunk_size
         self.max_blocks_per_seq = max_blocks_per_seq
         self.wide_cached, self.pack_first, self.inplace_prefill = wide_cached, pack_first, inplace_prefill
+        self.inplace_first = inplace_first
         if inplace_prefill and (paged_prefill or not wide_cached):
             raise ValueError("inplace_prefill runs the [B, T] prefill programs with wide tables (wide_cached), "
                              "not paged_prefill's packed ones")
+        if inplace_first and not inplace_prefill:
+            raise ValueError("inplace_first needs inplace_prefill")
         self.stage_min_tokens: int | None = None
         self.max_batched_tokens = max_batched_tokens or max_prefill_seqs * chunk_size
         # paged prefill's token buckets: up to a step's most prefill tokens, and a mixed step's decode tokens on top
@@ -133,7 +139,7 @@ class ModelRunner:
         self._merge = merge
 
         p = step_programs(layout, self.stack, merge, num_slots, paged_prefill=paged_prefill,
-                          inplace_prefill=inplace_prefill)
+                          inplace_prefill=inplace_prefill, inplace_first=inplace_first)
         self._prefill, self._decode, self._step, self._first, self._sample, self._insert = (
             p.prefill, p.decode, p.step, p.first, p.sample, p.insert)
         self.split = SplitStep(p.forward, p.pick)
@@ -195,7 +201,7 @@ class ModelRunner:
           first chunks, several B max_prefill_seqs, T chunk_size, W from T, N = pow2 bucket of their tokens
                                 (packed: the [B, T] padding costs attention only)
           a chunk after cached  B 1, T = pow2 bucket of its length, W = pow2 bucket of the blocks to its end
-        (wide_cached: W max_blocks_per_seq; inplace_prefill: a first chunk alone too, as a chunk after cached)"""
+        (wide_cached: W max_blocks_per_seq; inplace_first: a first chunk alone too, as a chunk after cached)"""
         if self.paged_prefill:
             return [rows]
         fresh = [r for r in rows if r.start == 0]
@@ -316,7 +322,7 @@ class ModelRunner:
         else:
             B = S = 1 if len(rows) == 1 else self.max_prefill_seqs
         # a first chunk alone reads the pool in place as a chunk after cached tokens does: their shared program
-        fresh = not paged and not (self.inplace_prefill and B == 1) and all(r.start == 0 for _, r in real)
+        fresh = not paged and not (self.inplace_first and B == 1) and all(r.start == 0 for _, r in real)
         T = self.chunk_size if B > 1 else pow2_bucket(len(rows[0].tokens), 16, self.chunk_size)
         bs = self.layout.block_size
         tokens = np.zeros((B, T), np.int32)

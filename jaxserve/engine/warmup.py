@@ -21,7 +21,7 @@ def compile_steps(runner, progress: bool = True, stages: list[tuple[int, int]] |
               bucket; full tables: the one width)
       whole   the whole-model prefill programs: first chunks alone (every chunk bucket) and together (every
               packed token bucket, where the runner packs them: pack_first), and chunks after cached tokens
-              (every chunk bucket and table width that can follow; wide_cached: the one width; inplace_prefill:
+              (every chunk bucket and table width that can follow; wide_cached: the one width; inplace_first:
               the first chunks alone run these programs, compiled once); paged prefill:
               every token bucket up to the step's token budget
       stages  a layer-wise prefill instance's layer groups: the shapes at least stage_min_tokens long
@@ -88,8 +88,8 @@ def compile_steps(runner, progress: bool = True, stages: list[tuple[int, int]] |
             if n >= top:
                 break
             n *= 2
-        # inplace_prefill: a first chunk alone runs the program of a chunk after cached tokens of its bucket
-        singles = [] if runner.inplace_prefill else [("first", [t]) for t in lengths]
+        # inplace_first: a first chunk alone runs the program of a chunk after cached tokens of its bucket
+        singles = [] if runner.inplace_first else [("first", [t]) for t in lengths]
         prefills = singles + [("first", b) for b in batched] + [("cached", c) for c in cached]
         short = [("cached", c) for c in cached if c[0] <= lengths[0]]
     # (kind, shape, stages, staged): with stages and staged empty the shape decides (`_long`); staged None

@@ -292,7 +292,7 @@ def test_a_hybrid_prefill_reads_the_pool_in_place_one_program_per_chunk_bucket(e
         runner = llm.engine.runner
         runner.warmup(progress=False)
         warmed[kernels] = {k for k in runner.programs if k[0] == "prefill"}
-    assert runner.inplace_prefill and not llm.engine.runner.pack_first
+    assert runner.inplace_prefill and runner.inplace_first and not llm.engine.runner.pack_first
     W = runner.max_blocks_per_seq
     assert warmed["native"] == {("prefill", 1, t, W, 0, runner.layout.num_layers, t, False) for t in (16, 32)}
     assert {k[2] for k in warmed["reference"]} == {16, 32} and len(warmed["reference"]) == 4
@@ -308,6 +308,38 @@ def test_a_hybrid_prefill_reads_the_pool_in_place_one_program_per_chunk_bucket(e
     assert max(o.cached_tokens for o in outs) > 0
     assert runner.programs <= programs, sorted(runner.programs - programs)
     assert {k[-1] for k in runner.programs if k[0] == "prefill"} == {False}
+    llm.engine.blocks.check()
+
+
+def test_chunks_after_cached_tokens_read_the_pool_in_place_with_the_pallas_kernels(engines, monkeypatch):
+    """The Pallas paged prefill kernel (interpreted here, compiled on a GPU) attends a chunk after cached tokens
+    over the pool in place: warm-up compiles one such program per chunk bucket, its table max_blocks_per_seq wide
+    even where a dense view of that width would be too large to gather (an 8B model's: one program per bucket
+    and width), first chunks keep programs of their own (flash attention over their own keys), traffic (prompts
+    longer than a chunk, prompts extending cached ones) runs nothing else, and the answers equal the dense
+    path's."""
+    from jaxserve.engine import llm_engine
+    monkeypatch.setattr(llm_engine, "WIDE_GATHER_BYTES", 0)  # the tiny model's context as costly as an 8B's
+    llm = engines("llama", dataclasses.replace(ENGINE, chunk_size=16, max_num_batched_tokens=16, num_blocks=96,
+                                               kernels="interpret"))
+    runner = llm.engine.runner
+    assert runner.inplace_prefill and runner.wide_cached and not (runner.inplace_first or runner.paged_prefill)
+    runner.warmup(progress=False)
+    W, L = runner.max_blocks_per_seq, runner.layout.num_layers
+    assert {k for k in runner.programs if k[0] == "prefill" and not k[-1]} == {("prefill", 1, 16, W, 0, L, 16, False)}
+    assert {k[1:3] for k in runner.programs if k[0] == "prefill" and k[-1]} == {(1, 16), (2, 16)}  # first chunks
+    programs, runner.programs = set(runner.programs), set()
+    rng = np.random.default_rng(2)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    prompts = [rng.integers(3, 100, n).tolist() for n in (5, 30, 61)]
+    outs = llm.generate(prompts, params)
+    extended = [p + [7, 8, 9] for p in prompts[1:]]
+    outs += llm.generate(extended, params)
+    for p, o in zip(prompts + extended, outs):
+        assert o.token_ids == reference_greedy(llm, p, 4), p
+    assert max(o.cached_tokens for o in outs) > 0
+    assert runner.programs <= programs, sorted(runner.programs - programs)
+    assert {k[-1] for k in runner.programs if k[0] == "prefill"} == {True, False}
     llm.engine.blocks.check()
 
 
@@ -413,7 +445,7 @@ def test_layerwise_warmup_covers_a_streamed_prompts_chunks(engines, family, chun
     if family == "llama":  # one program per layer group, the middle groups (1, 2) and (2, 3) of the run sharing one
         assert {k[4:6] for k in runner.programs if k[0] == "prefill"} == {(0, 1), (1, 2), (3, 4)}
         assert not shapes(True)
-    elif runner.inplace_prefill:
+    elif runner.inplace_first:
         assert not shapes(True)
     else:
         assert shapes(True) and (0, L) in {k[4:6] for k in runner.programs if k[0] == "prefill"}

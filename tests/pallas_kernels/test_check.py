@@ -63,11 +63,12 @@ def test_auto_where_no_kernel_lowers_runs_the_references(checkpoint_dir, monkeyp
     monkeypatch.setattr(select, "auto_mode", lambda: "pallas")
     llm, got = _tokens(path, "auto")
     assert got == want
-    assert set(llm.engine.kernel_fallbacks) == {"batched_attention", "paged_attention", "chunk_gated_delta_rule",
-                                                "recurrent_gated_delta_rule"}
+    assert set(llm.engine.kernel_fallbacks) == {"batched_attention", "paged_attention", "paged_prefill_attention",
+                                                "chunk_gated_delta_rule", "recurrent_gated_delta_rule"}
     assert all("does not compile" in why for why in llm.engine.kernel_fallbacks.values())
     assert llm.engine.kernels == KernelPlan("pallas", frozenset(llm.engine.kernel_fallbacks))
-    assert llm.engine.stats()["kernel_fallbacks"] == 4
+    assert llm.engine.stats()["kernel_fallbacks"] == 5
+    assert not llm.engine.runner.inplace_prefill  # its prefill kernel runs as the reference: the dense view
     with pytest.raises(check.KernelCheckError, match="engine.kernels: pallas.*does not compile"):
         _tokens(path, "pallas")
 
