@@ -13,7 +13,10 @@ decode prefetches: each program loads the next tile's K and V before it attends 
 in the loop's carry), with one page per tile and one warp (the design that won bench/paged_candidates.py's
 sweep on an H200: 2.84 against 2.57 TB/s at 32 requests x 2K, 3.65 against 3.44 at 64 x 8K,
 `../shared/gpu/h200-2026-11-28/kernel_tune_candidates.json`); MLA's wide latent keeps its 64-token tiles without
-the prefetch (its tile would not fit the carry's registers). The
+the prefetch (its tile would not fit the carry's registers). A request's own tiles (those its length fills) are
+split into up to MAX_PARTITIONS partitions of equal counts, so a table wider than its request (the engine's
+tables, as wide as the longest context: one decode program per batch bucket) adds no work and loses no
+parallelism; an explicit pages_per_partition splits the table's pages instead (the launch sweeps). The
 partitions are the split-KV ("flash decoding") form: each returns an unnormalised (O, m, l) triple and
 merge.py combines them (BanaServe eqs. 6-10); sinks join the merge as a part with no value. With a sliding
 window, tiles wholly before the window are skipped. Slots with length 0 give zeros.
@@ -63,12 +66,21 @@ def _columns(ref, ids, lo: int, width: int, tk: int):
     return ref[ids, :, pl.ds(lo, width)].reshape(tk, width)
 
 
-def program_tiles(len_ref, grid_order: str, *, block_size: int, ppt: int, ppp: int, window: int | None):
+def program_tiles(len_ref, grid_order: str, *, block_size: int, ppt: int, ppp: int | None, window: int | None,
+                  parts: int = 1):
     """Inside a paged decode program: (its request's length, the first key position it sees, the first and
-    one-past-last tile of its partition that hold keys it sees)."""
+    one-past-last tile of its partition that hold keys it sees). ppp: pages per partition; None: the request's
+    own tiles split into `parts` partitions of equal tile counts (a table's width then costs nothing)."""
     b, p = pl.program_id(grid_order.index("b")), pl.program_id(grid_order.index("p"))
     n = len_ref[b]
     tok_lo = 0 if window is None else jnp.maximum(n - window, 0)
+    if ppp is None:
+        tk = ppt * block_size
+        tiles = (n + tk - 1) // tk
+        per = (tiles + parts - 1) // parts
+        tile_lo = jnp.maximum(p * per, tok_lo // tk)
+        tile_hi = jnp.minimum((p + 1) * per, tiles)
+        return n, tok_lo, tile_lo, jnp.maximum(tile_hi, tile_lo)
     page_lo = jnp.maximum(p * ppp, tok_lo // block_size)
     page_hi = jnp.minimum((p + 1) * ppp, (n + block_size - 1) // block_size)
     tile_lo = page_lo // ppt
@@ -76,12 +88,12 @@ def program_tiles(len_ref, grid_order: str, *, block_size: int, ppt: int, ppp: i
 
 
 def _paged_kernel(len_ref, tbl_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block_size: int, ppt: int,
-                  ppp: int, k_parts: tuple, v_lo: int, v_hi: int, scale: float, window: int | None, grid_order: str,
-                  prefetch: bool):
+                  ppp: int | None, parts: int, k_parts: tuple, v_lo: int, v_hi: int, scale: float, window: int | None,
+                  grid_order: str, prefetch: bool):
     # len_ref [B] int32; tbl_ref [Wp] int32; q_ref [G, Dk]; k_ref, v_ref [NB, bs, D];
     # o_ref [G, Dv] float32; m_ref, l_ref [G] float32
     n, tok_lo, tile_lo, tile_hi = program_tiles(len_ref, grid_order, block_size=block_size, ppt=ppt, ppp=ppp,
-                                                window=window)
+                                                window=window, parts=parts)
     G, Dv = o_ref.shape
     qs = [q_ref[:, pl.ds(lo, w)] for lo, w in k_parts]
     tk = ppt * block_size
@@ -120,13 +132,26 @@ def _pages(block_size: int, W: int, pages_per_tile: int | None, pages_per_partit
     return ppt, pages_per_partition
 
 
+def _partitions(block_size: int, W: int, pages_per_tile: int | None, pages_per_partition: int | None,
+                tile_tokens: int = TILE_TOKENS) -> tuple[int, int | None, int]:
+    """(pages per tile, pages per partition or None, partitions): given pages_per_partition, the table's pages
+    in partitions of that many; otherwise (None) each request's own tiles split into up to MAX_PARTITIONS of
+    equal counts, so a table wider than its requests (an engine's full tables) adds no work and loses no
+    parallelism."""
+    if pages_per_partition is not None:
+        ppt, ppp = _pages(block_size, W, pages_per_tile, pages_per_partition, tile_tokens)
+        return ppt, ppp, -(-W // ppp)
+    ppt = pages_per_tile or max(1, tile_tokens // block_size)
+    return ppt, None, min(-(-W // ppt), MAX_PARTITIONS)
+
+
 @functools.partial(jax.jit, static_argnames=("layer", "k_dim", "v_entry", "v_lo", "v_hi", "scale", "window", "ppt",
-                                             "ppp", "interpret", "num_warps", "num_stages", "grid_order", "prefetch",
-                                             "launch"))
+                                             "ppp", "parts", "interpret", "num_warps", "num_stages", "grid_order",
+                                             "prefetch", "launch"))
 def _paged(q, pool, block_tables, lengths, sinks, *, layer: int, k_dim: int, v_entry: int, v_lo: int, v_hi: int,
-           scale: float, window: int | None, ppt: int, ppp: int, interpret: bool, num_warps: int | None = None,
-           num_stages: int | None = None, grid_order: str = GRID_ORDER, prefetch: bool = True,
-           launch: tuple = GPU_LAUNCH):
+           scale: float, window: int | None, ppt: int, ppp: int | None, parts: int, interpret: bool,
+           num_warps: int | None = None, num_stages: int | None = None, grid_order: str = GRID_ORDER,
+           prefetch: bool = True, launch: tuple = GPU_LAUNCH):
     """q [B, Hq, Dk]; pool [NB, L, E, bs, Hkv, D]; block_tables [B, W]; lengths [B]; sinks [Hq] or None
     -> [B, Hq, v_hi - v_lo] in q's dtype"""
     B, Hq, Dk = q.shape
@@ -134,16 +159,17 @@ def _paged(q, pool, block_tables, lengths, sinks, *, layer: int, k_dim: int, v_e
     qg, G_out = pad_group(q.reshape(B, Hkv, Hq // Hkv, Dk), 2)  # [B, Hkv, G, Dk], G a power of two
     G, Dv = qg.shape[2], v_hi - v_lo
     W = block_tables.shape[1]
-    P = -(-W // ppp)
+    P = parts
+    Wp = P * ppp if ppp is not None else -(-W // ppt) * ppt  # the table padded to whole partitions, or tiles
     k_parts = _pow2_parts(k_dim)
     if not interpret:
         require_gpu_dims("paged attention", tile_tokens=ppt * bs, value_width=Dv,
                          **{f"key_columns_{lo}_{lo + w}": w for lo, w in k_parts})
-    table = jnp.pad(block_tables.astype(jnp.int32), [(0, 0), (0, P * ppp - W)])
+    table = jnp.pad(block_tables.astype(jnp.int32), [(0, 0), (0, Wp - W)])
     if sorted(grid_order) != ["b", "h", "p"]:
         raise ValueError(f"grid_order must order the letters b, h and p, got {grid_order!r}")
-    kernel = functools.partial(_paged_kernel, block_size=bs, ppt=ppt, ppp=ppp, k_parts=k_parts, v_lo=v_lo, v_hi=v_hi,
-                               scale=scale, window=window, grid_order=grid_order, prefetch=prefetch)
+    kernel = functools.partial(_paged_kernel, block_size=bs, ppt=ppt, ppp=ppp, parts=P, k_parts=k_parts, v_lo=v_lo,
+                               v_hi=v_hi, scale=scale, window=window, grid_order=grid_order, prefetch=prefetch)
 
     def at(f):  # an index map over (b, h, p) as one over the grid's axes
         return lambda *ids: f(*(ids[grid_order.index(c)] for c in "bhp"))
@@ -152,7 +178,7 @@ def _paged(q, pool, block_tables, lengths, sinks, *, layer: int, k_dim: int, v_e
         grid=tuple({"b": B, "h": Hkv, "p": P}[c] for c in grid_order),
         in_specs=[
             pl.BlockSpec((B,), at(lambda b, h, p: (0,))),
-            pl.BlockSpec((None, P * ppp), at(lambda b, h, p: (b, 0))),
+            pl.BlockSpec((None, Wp), at(lambda b, h, p: (b, 0))),
             pl.BlockSpec((None, None, G, Dk), at(lambda b, h, p: (b, h, 0, 0))),
             pl.BlockSpec((NB, None, None, bs, None, D), at(lambda b, h, p: (0, layer, 0, 0, h, 0))),
             pl.BlockSpec((NB, None, None, bs, None, D), at(lambda b, h, p: (0, layer, v_entry, 0, h, 0))),
@@ -230,10 +256,10 @@ def paged_attention(q, pool, block_tables, lengths, *, layer, sliding_window=Non
     """
     del total_blocks
     Dk, v_entry, v_lo, v_hi = gqa_args(q, pool, block_tables, lengths, layer, sliding_window, sinks)
-    ppt, ppp = _pages(pool.shape[3], block_tables.shape[1], pages_per_tile, pages_per_partition)
+    ppt, ppp, parts = _partitions(pool.shape[3], block_tables.shape[1], pages_per_tile, pages_per_partition)
     return _paged(q, pool, block_tables, lengths, sinks, layer=int(layer), k_dim=Dk, v_entry=v_entry, v_lo=v_lo,
                   v_hi=v_hi, scale=Dk ** -0.5 if scale is None else float(scale),
-                  window=None if sliding_window is None else int(sliding_window), ppt=ppt, ppp=ppp,
+                  window=None if sliding_window is None else int(sliding_window), ppt=ppt, ppp=ppp, parts=parts,
                   interpret=bool(interpret), num_warps=num_warps, num_stages=num_stages, grid_order=grid_order)
 
 
@@ -393,9 +419,11 @@ def paged_mla_attention(q, pool, block_tables, lengths, *, layer, kv_lora_rank, 
     del total_blocks
     _views(q, pool, block_tables, lengths, layer)
     _check_mla(q, pool, kv_lora_rank)
-    ppt, ppp = _pages(pool.shape[3], block_tables.shape[1], pages_per_tile, pages_per_partition, MLA_TILE_TOKENS)
+    ppt, ppp, parts = _partitions(pool.shape[3], block_tables.shape[1], pages_per_tile, pages_per_partition,
+                                  MLA_TILE_TOKENS)
     return _paged(q, pool, block_tables, lengths, None, layer=int(layer), k_dim=q.shape[2], v_entry=0, v_lo=0,
-                  v_hi=int(kv_lora_rank), scale=float(scale), window=None, ppt=ppt, ppp=ppp, interpret=bool(interpret),
+                  v_hi=int(kv_lora_rank), scale=float(scale), window=None, ppt=ppt, ppp=ppp, parts=parts,
+                  interpret=bool(interpret),
                   grid_order="bhp", prefetch=False, launch=MLA_LAUNCH)
 
 

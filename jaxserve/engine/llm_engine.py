@@ -134,8 +134,9 @@ class LLMEngine:
         # reference gathers a ragged list of the batch's blocks (its count bucketed: `ragged`)
         paged = {mode_of(k, self.kernels) for k in ("paged_attention", "paged_mla_attention")}
         ragged = paged == {"reference"}
-        # the native kernels read only the blocks in use (tables of one width); a model whose every layer is
-        # full GQA attention prefills over the pool in one packed program per step (runner.paged_prefill)
+        # the native and the Pallas decode kernels read only the blocks in use (decode tables of one width, the
+        # programs keyed by their rows alone); with the native kernels a model whose every layer is full GQA
+        # attention prefills over the pool in one packed program per step (runner.paged_prefill)
         paged_prefill = (mode_of("paged_prefill_attention", self.kernels) == "native"
                          and not self.layout.has_request_state and not any(g.mla for g in self.layout.groups))
         # where gathering a whole context of the full-attention layers is cheap (hybrid models: few such layers),
@@ -160,7 +161,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.graphdef, state, self.layout, self.model_config.vocab_size, self.dtype,
                                   num_slots=cfg.max_num_seqs, max_prefill_seqs=cfg.max_prefill_seqs,
                                   chunk_size=cfg.chunk_size, max_blocks_per_seq=max_blocks, wide_cached=wide,
-                                  mesh=mesh, timer=self.timer, ragged=ragged, full_tables=paged == {"native"},
+                                  mesh=mesh, timer=self.timer, ragged=ragged, full_tables="reference" not in paged,
                                   paged_prefill=paged_prefill, pack_first=packs_prefill(self.model_config),
                                   inplace_prefill=inplace, inplace_first=inplace and needs == {"native"},
                                   max_batched_tokens=cfg.max_num_batched_tokens,

@@ -73,7 +73,7 @@ class ModelRunner:
                  inplace_first: bool = False):
         """ragged: decode attention runs as the jnp reference, which then gathers only the blocks in use
         (the decode programs are keyed by the batch's total blocks instead of the table width). full_tables: the
-        decode attention (the native kernel) reads only the blocks in use, so every decode table is
+        decode attention (the native or the Pallas kernel) reads only the blocks in use, so every decode table is
         max_blocks_per_seq wide (the programs are keyed by the rows alone). paged_prefill: every layer is full
         attention over the pool with the native kernels: a prefill step is one packed program whatever its
         rows (first chunks and chunks after cached tokens together), keyed by its token bucket alone.

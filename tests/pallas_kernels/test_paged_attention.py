@@ -55,6 +55,31 @@ def test_paged_attention_matches_reference(case):
         close(ragged, want, dtype)
 
 
+@pytest.mark.parametrize("mla", [False, True])
+def test_a_table_wider_than_its_requests_gives_the_same_numbers(mla):
+    """The engine's decode tables are as wide as the longest context (one program per batch bucket): each
+    request's own tiles are split into the partitions, so a table of 64 blocks for requests of 1 to 13 blocks
+    gives the narrow table's numbers (and the reference's), its unused entries pointing anywhere."""
+    r = np.random.RandomState(7)
+    bs, NB, lengths = 16, 80, [1, 30, 97, 200]
+    W = -(-max(lengths) // bs)
+    lens = jnp.asarray(lengths, jnp.int32)
+    narrow = _tables(r, len(lengths), W, NB)
+    wide = jnp.concatenate([narrow, _tables(r, len(lengths), 64 - W, NB)], axis=1)
+    if mla:
+        q, pool = randn(r, (4, 16, 96), jnp.float32), randn(r, (NB, 2, 1, bs, 1, 96), jnp.float32)
+        kw = dict(layer=1, kv_lora_rank=64, scale=0.1)
+        kernel, ref = paged_mla_attention, ref_paged_mla_attention
+    else:
+        q, pool = randn(r, (4, 8, 32), jnp.float32), randn(r, (NB, 2, 2, bs, 2, 32), jnp.float32)
+        kw = dict(layer=1, sliding_window=50, sinks=randn(r, (8,)))
+        kernel, ref = paged_attention, ref_paged_attention
+    run = functools.partial(kernel, interpret=INTERPRET, **kw)
+    got = jax.jit(run)(q, pool, wide, lens)
+    close(got, jax.jit(run)(q, pool, narrow, lens), jnp.float32)
+    close(got, ref(q, pool, narrow, lens, **kw), jnp.float32)
+
+
 @pytest.mark.parametrize("order", ["hpb", "phb", "pbh"])
 def test_paged_attention_grid_orders_give_the_same_numbers(order):
     """The launch grid's axes in another order: every (request, KV head, partition) program still runs once,
