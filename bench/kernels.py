@@ -42,8 +42,7 @@ SHAPES = {
                 paged=[dict(B=32, ctx=2048, Hq=32, Hkv=8, D=128, bs=16),  # 269 MB of K/V: ~95 us on an H200
                        dict(B=64, ctx=8192, Hq=32, Hkv=8, D=128, bs=16)],  # 2.1 GB: launch and tail costs amortised
                 mla=dict(B=32, ctx=2048, H=16, L=512, R=64, bs=16),
-                prefill=[dict(T=256, ctx=8192, Hq=32, Hkv=8, D=128, bs=16),  # the engine's chunk after 8K cached
-                         dict(T=1024, ctx=4096, Hq=32, Hkv=8, D=128, bs=16)],
+                prefill=[dict(T=256, ctx=8192, Hq=32, Hkv=8, D=128, bs=16)],  # the engine's chunk after 8K cached
                 gdn=dict(B=1, T=4096, H=16, Dk=128, Dv=128, C=64),
                 rec=dict(B=64, H=16, Dk=128, Dv=128)),
     "cpu": dict(flash=[dict(lens=[96, 160], Hq=8, Hkv=2, D=64)],
