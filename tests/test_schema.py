@@ -95,16 +95,19 @@ def test_flexible_whitespace_unless_the_schema_says_otherwise():
 
 @pytest.fixture(scope="module")
 def grammars():
-    """A grammar engine over a byte-level BPE tokenizer with no merges (every byte one token): what it accepts is
-    the grammar's own language, not a model's vocabulary."""
+    """A grammar engine over a byte-level BPE tokenizer with no merges (every byte one token) and an end-of-text
+    token of its own: what it accepts is the grammar's own language, not a model's vocabulary. (Without an EOS id
+    the grammar engine takes one of the byte tokens for it, and the alphabet's order differs from run to run:
+    a `"` or a newline then ended the text in some runs.)"""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     from jaxserve.structured import Grammars
-    vocab = {ch: i for i, ch in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    eos = vocab["<eos>"] = len(vocab)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    return Grammars(tok.to_str(), len(vocab), []), tok
+    return Grammars(tok.to_str(), len(vocab), [eos]), tok
 
 
 def accepts(grammars, spec: str, text: str) -> bool:

@@ -30,6 +30,22 @@ def reference_greedy(llm: LLM, prompt, n):
     return out
 
 
+def answers_with_prefix_hits(llm: LLM, lengths, extend_from: int, n: int, seed: int) -> None:
+    """Random prompts of `lengths` tokens, then those from index extend_from on extended by three tokens (a chunk
+    after their cached prefix): every greedy answer of n tokens equals the dense path's, prefixes were reused,
+    and the block manager is consistent after."""
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    prompts = [rng.integers(3, 100, k).tolist() for k in lengths]
+    outs = llm.generate(prompts, params)
+    extended = [p + [7, 8, 9] for p in prompts[extend_from:]]
+    outs += llm.generate(extended, params)
+    for p, o in zip(prompts + extended, outs):
+        assert o.token_ids == reference_greedy(llm, p, n), p
+    assert max(o.cached_tokens for o in outs) > 0
+    llm.engine.blocks.check()
+
+
 @pytest.fixture(scope="module")
 def engines(checkpoint_dir):
     made = {}
@@ -297,18 +313,9 @@ def test_a_hybrid_prefill_reads_the_pool_in_place_one_program_per_chunk_bucket(e
     assert warmed["native"] == {("prefill", 1, t, W, 0, runner.layout.num_layers, t, False) for t in (16, 32)}
     assert {k[2] for k in warmed["reference"]} == {16, 32} and len(warmed["reference"]) == 4
     programs, runner.programs = set(runner.programs), set()
-    rng = np.random.default_rng(1)
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    prompts = [rng.integers(3, 100, n).tolist() for n in (3, 14, 20, 40, 75)]
-    outs = llm.generate(prompts, params)
-    extended = [p + [7, 8, 9] for p in prompts[3:]]
-    outs += llm.generate(extended, params)
-    for p, o in zip(prompts + extended, outs):
-        assert o.token_ids == reference_greedy(llm, p, 6), p
-    assert max(o.cached_tokens for o in outs) > 0
+    answers_with_prefix_hits(llm, (3, 14, 20, 40, 75), 3, 6, seed=1)
     assert runner.programs <= programs, sorted(runner.programs - programs)
     assert {k[-1] for k in runner.programs if k[0] == "prefill"} == {False}
-    llm.engine.blocks.check()
 
 
 def test_chunks_after_cached_tokens_read_the_pool_in_place_with_the_pallas_kernels(engines, monkeypatch):
@@ -329,18 +336,9 @@ def test_chunks_after_cached_tokens_read_the_pool_in_place_with_the_pallas_kerne
     assert {k for k in runner.programs if k[0] == "prefill" and not k[-1]} == {("prefill", 1, 16, W, 0, L, 16, False)}
     assert {k[1:3] for k in runner.programs if k[0] == "prefill" and k[-1]} == {(1, 16), (2, 16)}  # first chunks
     programs, runner.programs = set(runner.programs), set()
-    rng = np.random.default_rng(2)
-    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    prompts = [rng.integers(3, 100, n).tolist() for n in (5, 30, 61)]
-    outs = llm.generate(prompts, params)
-    extended = [p + [7, 8, 9] for p in prompts[1:]]
-    outs += llm.generate(extended, params)
-    for p, o in zip(prompts + extended, outs):
-        assert o.token_ids == reference_greedy(llm, p, 4), p
-    assert max(o.cached_tokens for o in outs) > 0
+    answers_with_prefix_hits(llm, (5, 30, 61), 1, 4, seed=2)
     assert runner.programs <= programs, sorted(runner.programs - programs)
     assert {k[-1] for k in runner.programs if k[0] == "prefill"} == {True, False}
-    llm.engine.blocks.check()
 
 
 def test_first_chunks_of_a_hybrid_model_run_alone(engines):
