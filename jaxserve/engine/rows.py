@@ -11,6 +11,10 @@ from ..sampling import SamplingParams
 
 IDLE = SamplingParams(temperature=0.0, seed=0)  # sampling parameters of the warm-up's requests
 SMALL_DECODE_ROWS = 4  # without full tables, the smallest decode batch bucket: up to this many running requests
+# with full tables, the decode table's narrowest width: max_blocks_per_seq up to this many blocks (32K tokens of
+# 16), wider contexts in power-of-two widths above it, so a step uploads [rows, at most this] where its contexts
+# are shorter (256 rows: 2 MiB, not the 8 MiB of a 128K-token model's whole table)
+FULL_TABLE_BLOCKS = 2048
 
 
 def next_bucket(b: int, fine_from: int) -> int:

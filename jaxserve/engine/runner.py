@@ -23,8 +23,9 @@ ahead (`warmup`): prefill in the three families of `prefill_groups` (chunk lengt
 powers of two, a batch's real tokens packed into a power-of-two bucket where every mixer takes packed input),
 decode in `decode_batch` rows (with full tables the powers of two and their midpoints up to the slots; else 4
 for up to 4 requests, then from max(16, slots / 4)) times the block-table widths (ragged attention: the
-buckets of the blocks in use). With the native kernels the tables are always max_blocks_per_seq wide (the
-kernels read only the blocks in use): decode programs are keyed by their rows alone, and a model of
+buckets of the blocks in use). With the native and the Pallas kernels decode tables are max_blocks_per_seq wide
+(the kernels read only the blocks in use; past FULL_TABLE_BLOCKS, that many or a wider power of two): decode
+programs are keyed by their rows alone, and with the native kernels a model of
 full-attention GQA layers only prefills in one packed program per step over the pool (`paged_prefill`), keyed
 by its token bucket (`buckets`), and a step that also decodes runs its decode tokens in the same program
 (`mixed`). `programs` records the shapes run.
@@ -58,7 +59,8 @@ from .programs import step_programs
 from .sampler import MAX_LOGPROBS
 from .split_step import Forward, SplitStep, spec
 from .step_io import pack_rows, pack_sampling, read_sampled
-from .rows import IDLE, SMALL_DECODE_ROWS, DecodeRow, PrefillRow, Prefix, next_bucket, pow2_bucket, token_buckets
+from .rows import (FULL_TABLE_BLOCKS, IDLE, SMALL_DECODE_ROWS, DecodeRow, PrefillRow, Prefix, next_bucket, pow2_bucket,
+                   token_buckets)
 from .steptimer import StepTimer
 
 class ModelRunner:
@@ -163,6 +165,11 @@ class ModelRunner:
             for i in range(len(pool))], donate_argnums=(0,))
 
     # ---- helpers
+    @property
+    def full_width(self) -> int:
+        """With full tables, the narrowest decode table (rows.FULL_TABLE_BLOCKS)."""
+        return min(self.max_blocks_per_seq, FULL_TABLE_BLOCKS)
+
     def _width(self, rows_blocks: list[list[int]], min_width: int) -> int:
         return pow2_bucket(max([min_width] + [len(b) for b in rows_blocks]), 1, self.max_blocks_per_seq)
 
@@ -454,9 +461,9 @@ class ModelRunner:
         if self.ragged and not narrow:  # the blocks in use, bucketed; a table as wide as the longest row can be
             M = pow2_bucket(sum(used), B, B * self.max_blocks_per_seq)
             W = min(M, self.max_blocks_per_seq)
-        elif self.full_tables and not narrow:
-            W = self.max_blocks_per_seq
         tables = [r.block_ids[:u] for r, u in zip(rows, used)] if narrow else [r.block_ids for r in rows]
+        if self.full_tables and not narrow:
+            W = max(self.full_width, self._width(tables, max(used)))
         W = W or self._width(tables, max(used))
         return B, W, M, pack_rows(rows, B, W, scratch=self.layout.scratch_row, spare=self.num_slots, tables=tables)
 

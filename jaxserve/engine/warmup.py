@@ -18,7 +18,7 @@ def compile_steps(runner, progress: bool = True, stages: list[tuple[int, int]] |
     """Compile what an instance runs (every shape of `prefill_groups` and `decode_batch`), so that traffic
     compiles nothing afterwards:
       decode  the decode program for every batch bucket and block-table width (ragged: every total-blocks
-              bucket; full tables: the one width)
+              bucket; full tables: the one width, or those from runner.full_width on)
       whole   the whole-model prefill programs: first chunks alone (every chunk bucket) and together (every
               packed token bucket, where the runner packs them: pack_first), and chunks after cached tokens
               (every chunk bucket and table width that can follow; wide_cached: the one width; inplace_first:
@@ -56,8 +56,9 @@ def compile_steps(runner, progress: bool = True, stages: list[tuple[int, int]] |
                 if m >= hi:
                     break
                 m = min(2 * m, hi)
-    else:  # full tables: one width
-        decodes = [("decode", w, b) for w in ([1] if runner.full_tables else widths) for b in batches]
+    else:  # full tables: one width (and the wider ones past FULL_TABLE_BLOCKS)
+        full = [runner.full_width] + [w for w in widths if w > runner.full_width]
+        decodes = [("decode", w, b) for w in (full if runner.full_tables else widths) for b in batches]
     BT = runner.max_prefill_seqs * runner.chunk_size
     split = lambda n, k: [n // k + (i < n % k) for i in range(k)]  # noqa: E731  n tokens as k rows
     mixes = []

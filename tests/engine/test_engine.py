@@ -341,6 +341,29 @@ def test_chunks_after_cached_tokens_read_the_pool_in_place_with_the_pallas_kerne
     assert {k[-1] for k in runner.programs if k[0] == "prefill"} == {True, False}
 
 
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="no C++ compiler for the native kernels")
+def test_full_decode_tables_past_their_cap_widen_in_powers_of_two(engines, monkeypatch):
+    """With full tables (the native kernels here, the Pallas ones on a GPU) a decode table is max_blocks_per_seq
+    wide up to FULL_TABLE_BLOCKS; past it (a long-context model, whose whole table would be megabytes a step to
+    upload) the cap or a power of two above it: warm-up compiles those widths, a short and a long request decode
+    in them, nothing else compiles, and the answers equal the dense path's."""
+    from jaxserve.engine import runner as runner_module
+    monkeypatch.setattr(runner_module, "FULL_TABLE_BLOCKS", 4)
+    llm = engines("llama", dataclasses.replace(ENGINE, max_num_seqs=1, num_blocks=80))
+    runner = llm.engine.runner
+    assert runner.full_tables and runner.max_blocks_per_seq == 80 and runner.full_width == 4
+    runner.warmup(progress=False)
+    warmed, runner.programs = set(runner.programs), set()
+    assert {k[3] for k in warmed if k[0] == "decode"} == {4, 8, 16, 32, 64, 80}
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    prompts = [BASE[:5], [t % 97 + 3 for t in range(150)]]
+    for p in prompts:
+        out, = llm.generate([p], params)
+        assert out.token_ids == reference_greedy(llm, p, 3)
+    assert runner.programs <= warmed, sorted(runner.programs - warmed)
+    assert {k[3] for k in runner.programs if k[0] == "decode"} == {4, 64}
+
+
 def test_first_chunks_of_a_hybrid_model_run_alone(engines):
     """Layers whose mixer runs the [B, T] rows (KDA, MLA) would compute every padded row of a packed program, so a
     hybrid model's first chunks admitted together run each in a program of its own length: warm-up compiles
