@@ -74,9 +74,9 @@ if [ -n "${TUNE_SWEEPS:-}" ]; then
         --sweeps "$TUNE_SWEEPS" --json "$OUT/kernel_tune_$(echo "$TUNE_SWEEPS" | tr , _)_$TAG.json"
 fi
 K=tests/pallas_kernels
-ATTENTION="$K/test_flash_attention_hopper.py $K/test_paged_attention.py $K/test_paged_candidates.py"
-step attention_tests 40 $PY -m pytest -v -p no:cacheprovider $ATTENTION
-step pallas_tests 60 $PY -m pytest -v -p no:cacheprovider $K $(for f in $ATTENTION; do echo --ignore $f; done) \
+ATTENTION="$K/test_flash_attention_hopper.py $K/test_paged_attention.py $K/test_paged_prefill.py $K/test_paged_candidates.py"
+step attention_tests 50 $PY -m pytest -v -p no:cacheprovider $ATTENTION
+step pallas_tests 50 $PY -m pytest -v -p no:cacheprovider $K $(for f in $ATTENTION; do echo --ignore $f; done) \
     --ignore $K/test_gpu_lowering.py  # the engine on each model family first
 # (tests/conftest.py's order); test_gpu_lowering.py checks on a CPU what the GPU's own compiles show here
 step pull_tests 30 $PY -m pytest -q -p no:cacheprovider tests/transfer/test_pull.py

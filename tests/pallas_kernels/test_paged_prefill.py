@@ -15,17 +15,18 @@ from jaxserve.pallas_kernels.paged_attention import ref_paged_mla_prefill_attent
 from jaxserve.pallas_kernels.paged_prefill import paged_mla_prefill_attention, paged_prefill_attention
 from tests.pallas_kernels.conftest import INTERPRET, close, randn
 
-GQA = [
-    dict(Hq=4, Hkv=2, Dk=64, Dv=64),  # groups of 2
-    dict(Hq=9, Hkv=3, Dk=64, Dv=64),  # groups of 3, padded to 4 (SmolLM2)
-    dict(Hq=8, Hkv=2, Dk=64, Dv=32),  # K|V concatenated on D (MiMo's differing head dims)
+G2, G3, KV = dict(Hq=4, Hkv=2, Dk=64, Dv=64), dict(Hq=9, Hkv=3, Dk=64, Dv=64), dict(Hq=8, Hkv=2, Dk=64, Dv=32)
+CASES = [  # dtype, heads (groups of 2; of 3, padded to 4: SmolLM2; K|V concatenated: MiMo), window, sinks, block_q
+    (jnp.float32, G2, None, False, None),
+    (jnp.bfloat16, G2, None, False, 16),
+    (jnp.bfloat16, G3, 21, True, None),
+    (jnp.float32, G3, None, False, 16),
+    (jnp.float32, KV, 21, True, 16),
+    (jnp.bfloat16, KV, None, False, None),
 ]
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("heads", GQA, ids=lambda h: "Hq{Hq}-Hkv{Hkv}-Dk{Dk}-Dv{Dv}".format(**h))
-@pytest.mark.parametrize("window,sinks", [(None, False), (21, True)])
-@pytest.mark.parametrize("block_q", [None, 16])
+@pytest.mark.parametrize("dtype,heads,window,sinks,block_q", CASES)
 def test_a_packed_step_matches_the_reference(dtype, heads, window, sinks, block_q):
     """check.py's packed step: a first chunk of 35 tokens, a chunk of 7 after 46 cached tokens, 3 padding tokens
     (zeros out); with 16 query rows a tile, tiles hold tokens of both rows and of the padding."""
