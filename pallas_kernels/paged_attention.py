@@ -16,7 +16,8 @@ sweep on an H200: 2.84 against 2.57 TB/s at 32 requests x 2K, 3.65 against 3.44 
 the prefetch (its tile would not fit the carry's registers). A request's own tiles (those its length fills) are
 split into up to MAX_PARTITIONS partitions of equal counts, so a table wider than its request (the engine's
 tables, as wide as the longest context: one decode program per batch bucket) adds no work and loses no
-parallelism; an explicit pages_per_partition splits the table's pages instead (the launch sweeps). The
+parallelism (with a window, the tiles it covers are split); an explicit pages_per_partition splits the table's
+pages instead (the launch sweeps). The
 partitions are the split-KV ("flash decoding") form: each returns an unnormalised (O, m, l) triple and
 merge.py combines them (BanaServe eqs. 6-10); sinks join the merge as a part with no value. With a sliding
 window, tiles wholly before the window are skipped. Slots with length 0 give zeros.
@@ -66,21 +67,31 @@ def _columns(ref, ids, lo: int, width: int, tk: int):
     return ref[ids, :, pl.ds(lo, width)].reshape(tk, width)
 
 
+def split_tiles(n, tok_lo, tk: int, parts: int, p):
+    """Partition p of `parts` over the key tiles of tk tokens that a request of n tokens sees from position
+    tok_lo on: (first tile, one past its last). The partitions take equal counts, in order; an empty one starts
+    and ends at a tile inside the request's table (the prefetching kernel loads its first tile before the loop),
+    tile 0 for an empty request."""
+    first, tiles = tok_lo // tk, (n + tk - 1) // tk
+    per = (tiles - first + parts - 1) // parts
+    lo = first + p * per
+    hi = jnp.minimum(lo + per, tiles)
+    empty = hi <= lo
+    lo = jnp.where(empty, jnp.maximum(tiles - 1, 0), lo)
+    return lo, jnp.where(empty, lo, hi)
+
+
 def program_tiles(len_ref, grid_order: str, *, block_size: int, ppt: int, ppp: int | None, window: int | None,
                   parts: int = 1):
     """Inside a paged decode program: (its request's length, the first key position it sees, the first and
-    one-past-last tile of its partition that hold keys it sees). ppp: pages per partition; None: the request's
-    own tiles split into `parts` partitions of equal tile counts (a table's width then costs nothing)."""
+    one-past-last tile of its partition that hold keys it sees). ppp: pages per partition; None: the tiles the
+    request sees (its window's, with one) split into `parts` partitions of equal counts (a table's width then
+    costs nothing)."""
     b, p = pl.program_id(grid_order.index("b")), pl.program_id(grid_order.index("p"))
     n = len_ref[b]
     tok_lo = 0 if window is None else jnp.maximum(n - window, 0)
     if ppp is None:
-        tk = ppt * block_size
-        tiles = (n + tk - 1) // tk
-        per = (tiles + parts - 1) // parts
-        tile_lo = jnp.maximum(p * per, tok_lo // tk)
-        tile_hi = jnp.minimum((p + 1) * per, tiles)
-        return n, tok_lo, tile_lo, jnp.maximum(tile_hi, tile_lo)
+        return (n, tok_lo) + split_tiles(n, tok_lo, ppt * block_size, parts, p)
     page_lo = jnp.maximum(p * ppp, tok_lo // block_size)
     page_hi = jnp.minimum((p + 1) * ppp, (n + block_size - 1) // block_size)
     tile_lo = page_lo // ppt

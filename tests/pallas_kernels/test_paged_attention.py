@@ -55,6 +55,24 @@ def test_paged_attention_matches_reference(case):
         close(ragged, want, dtype)
 
 
+def test_the_partitions_cover_each_seen_tile_once_and_start_inside_the_table():
+    """split_tiles over every length up to 9 tiles, with and without a window, 1 to 4 partitions: the partitions'
+    ranges are disjoint, in order and together the tiles from the window's first to the length's last; each starts
+    at a tile the request's table holds (the prefetching kernel reads it even when the partition is empty)."""
+    from jaxserve.pallas_kernels.paged_attention import split_tiles
+    tk = 16
+    for n in range(0, 9 * tk + 1):
+        for window in (None, 1, 20, 50):
+            tok_lo = 0 if window is None else max(n - window, 0)
+            tiles = -(-n // tk)
+            for parts in (1, 2, 3, 4):
+                ranges = [tuple(int(x) for x in split_tiles(jnp.int32(n), jnp.int32(tok_lo), tk, parts,
+                                                            jnp.int32(p))) for p in range(parts)]
+                covered = [t for lo, hi in ranges for t in range(lo, hi)]
+                assert covered == list(range(tok_lo // tk, tiles)), (n, window, parts, ranges)
+                assert all(lo <= max(tiles - 1, 0) for lo, _ in ranges), (n, window, parts, ranges)
+
+
 @pytest.mark.parametrize("mla", [False, True])
 def test_a_table_wider_than_its_requests_gives_the_same_numbers(mla):
     """The engine's decode tables are as wide as the longest context (one program per batch bucket): each
