@@ -57,7 +57,7 @@ def compile_steps(runner, progress: bool = True, stages: list[tuple[int, int]] |
                     break
                 m = min(2 * m, hi)
     else:  # full tables: one width (and the wider ones past FULL_TABLE_BLOCKS)
-        full = [runner.full_width] + [w for w in widths if w > runner.full_width]
+        full = [1] + [w for w in widths if w > runner.full_width]  # one block: the narrowest full width
         decodes = [("decode", w, b) for w in (full if runner.full_tables else widths) for b in batches]
     BT = runner.max_prefill_seqs * runner.chunk_size
     split = lambda n, k: [n // k + (i < n % k) for i in range(k)]  # noqa: E731  n tokens as k rows
@@ -108,8 +108,8 @@ def compile_steps(runner, progress: bool = True, stages: list[tuple[int, int]] |
     if reverse:
         jobs.reverse()
     for kind, n, st, staged in tqdm(jobs, desc="compiling", unit="program", disable=not progress):
-        if kind == "decode":
-            runner.generate([DecodeRow(0, 0, n * bs - 1, [0] * n, IDLE, 0)] * st)  # n: blocks, st: rows
+        if kind == "decode":  # n: blocks, st: rows; full tables: one token attended, the table n blocks wide
+            runner.generate([DecodeRow(0, 0, (bs if runner.full_tables else n * bs) - 1, [0] * n, IDLE, 0)] * st)
         elif kind == "mixed":  # n: (the prefill rows' lengths, decode rows)
             runner.mixed([PrefillRow("warmup", [0] * t, 0, [0] * -(-t // bs), scratch, scratch, None, True, IDLE,
                                    0, [0]) for t in n[0]], [DecodeRow(0, 0, bs - 1, [0], IDLE, 0)] * n[1])
