@@ -132,9 +132,14 @@ def _paged_kernel(len_ref, tbl_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
     o_ref[...], m_ref[...], l_ref[...] = acc, m, l
 
 
+def tile_pages(block_size: int, pages_per_tile: int | None, tile_tokens: int) -> int:
+    """Blocks per key tile: pages_per_tile as given, else enough for tile_tokens (at least one)."""
+    return pages_per_tile or max(1, tile_tokens // block_size)
+
+
 def _pages(block_size: int, W: int, pages_per_tile: int | None, pages_per_partition: int | None,
            tile_tokens: int = TILE_TOKENS):
-    ppt = pages_per_tile or max(1, tile_tokens // block_size)
+    ppt = tile_pages(block_size, pages_per_tile, tile_tokens)
     if pages_per_partition is None:
         tiles = -(-W // ppt)
         pages_per_partition = -(-tiles // min(tiles, MAX_PARTITIONS)) * ppt
@@ -152,7 +157,7 @@ def _partitions(block_size: int, W: int, pages_per_tile: int | None, pages_per_p
     if pages_per_partition is not None:
         ppt, ppp = _pages(block_size, W, pages_per_tile, pages_per_partition, tile_tokens)
         return ppt, ppp, -(-W // ppp)
-    ppt = pages_per_tile or max(1, tile_tokens // block_size)
+    ppt = tile_pages(block_size, pages_per_tile, tile_tokens)
     return ppt, None, min(-(-W // ppt), MAX_PARTITIONS)
 
 

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from .flash_attention import NEG, online_softmax_step, pad_group, require_gpu_dims, triton_params
-from .paged_attention import _check_mla, _columns, _pow2_parts, mla_prefill_args, prefill_args
+from .paged_attention import _check_mla, _columns, _pow2_parts, mla_prefill_args, prefill_args, tile_pages
 
 BLOCK_ROWS = 64  # query rows (tokens x G) per tile, as flash attention's
 TILE_TOKENS = 64  # keys per tile: pages_per_tile = max(1, TILE_TOKENS // block_size)
@@ -135,12 +135,8 @@ def _paged_prefill(q, pool, block_tables, rows, positions, layer, sinks, *, k_di
         compiler_params=triton_params(interpret, num_warps, num_stages, launch),
         name="paged_prefill_attention",
     )(jnp.reshape(layer, (1,)).astype(jnp.int32), table, r_lo, r_hi, qrow, qpos, qr, flat, flat, sink_r)
-    out = out.reshape(Hkv, Np, G, Dv)[:, :N, :G_out].transpose(1, 0, 2, 3).reshape(N, Hq, Dv)
-    return jnp.where(((rows[:N] >= 0) & (rows[:N] < B))[:, None, None], out, 0).astype(q.dtype)
-
-
-def _pages_per_tile(block_size: int, pages_per_tile: int | None, tile_tokens: int) -> int:
-    return pages_per_tile or max(1, tile_tokens // block_size)
+    # padding tokens meet no row in the kernel: zeros out
+    return out.reshape(Hkv, Np, G, Dv)[:, :N, :G_out].transpose(1, 0, 2, 3).reshape(N, Hq, Dv)
 
 
 def paged_prefill_attention(q, pool, block_tables, rows, positions, *, layer, sliding_window=None, sinks=None,
@@ -157,7 +153,7 @@ def paged_prefill_attention(q, pool, block_tables, rows, positions, *, layer, sl
     return _paged_prefill(q, pool, block_tables, rows, positions, jnp.asarray(layer, jnp.int32), sinks, k_dim=Dk,
                           v_entry=v_entry, v_lo=v_lo, v_hi=v_hi, scale=Dk ** -0.5 if scale is None else float(scale),
                           window=None if sliding_window is None else int(sliding_window),
-                          block_q=block_q or BLOCK_ROWS, ppt=_pages_per_tile(pool.shape[3], pages_per_tile, TILE_TOKENS),
+                          block_q=block_q or BLOCK_ROWS, ppt=tile_pages(pool.shape[3], pages_per_tile, TILE_TOKENS),
                           interpret=bool(interpret), num_warps=num_warps, num_stages=num_stages, launch=GPU_LAUNCH)
 
 
@@ -172,5 +168,5 @@ def paged_mla_prefill_attention(q, pool, block_tables, rows, positions, *, layer
     return _paged_prefill(q, pool, block_tables, rows, positions, jnp.asarray(layer, jnp.int32), None,
                           k_dim=q.shape[2], v_entry=0, v_lo=0, v_hi=int(kv_lora_rank), scale=float(scale), window=None,
                           block_q=block_q or MLA_BLOCK_ROWS,
-                          ppt=_pages_per_tile(pool.shape[3], pages_per_tile, MLA_TILE_TOKENS),
+                          ppt=tile_pages(pool.shape[3], pages_per_tile, MLA_TILE_TOKENS),
                           interpret=bool(interpret), num_warps=num_warps, num_stages=num_stages, launch=MLA_LAUNCH)

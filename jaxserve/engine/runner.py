@@ -4,8 +4,8 @@ The cache pool (cache/layout.py), the per-slot penalty state (prompt token mask,
 the model parameters live on device. Two families of jitted programs do the model's work, each with the pool
 donated:
   prefill   B chunks of T tokens (padded to buckets) -> cache written (full-attention layers write into their
-            blocks and attend over a copy of their own layer's blocks, or with the native kernels over the blocks
-            in place: `inplace_prefill`), the hidden state of each chunk's last token
+            blocks and attend over a copy of their own layer's blocks, or with the native or Pallas kernels over
+            the blocks in place: `inplace_prefill`), the hidden state of each chunk's last token
   generate  one token for each running request, the rows padded to a batch bucket; full-attention layers
             write into their blocks and read them with paged attention (no dense copy of the pool),
             request-level state (sliding rings, linear state) is gathered by slot
@@ -462,9 +462,10 @@ class ModelRunner:
             M = pow2_bucket(sum(used), B, B * self.max_blocks_per_seq)
             W = min(M, self.max_blocks_per_seq)
         tables = [r.block_ids[:u] for r, u in zip(rows, used)] if narrow else [r.block_ids for r in rows]
-        if self.full_tables and not narrow:
-            W = max(self.full_width, self._width(tables, max(used)))
-        W = W or self._width(tables, max(used))
+        if W is None:
+            W = self._width(tables, max(used))
+            if self.full_tables and not narrow:
+                W = max(W, self.full_width)
         return B, W, M, pack_rows(rows, B, W, scratch=self.layout.scratch_row, spare=self.num_slots, tables=tables)
 
     def forward(self, rows: list[DecodeRow]) -> Forward | None:
