@@ -20,7 +20,9 @@ parallelism (with a window, the tiles it covers are split); an explicit pages_pe
 pages instead (the launch sweeps). The
 partitions are the split-KV ("flash decoding") form: each returns an unnormalised (O, m, l) triple and
 merge.py combines them (BanaServe eqs. 6-10); sinks join the merge as a part with no value. With a sliding
-window, tiles wholly before the window are skipped. Slots with length 0 give zeros.
+window, tiles wholly before the window are skipped. Slots with length 0 give zeros. The pool is read as
+[num_blocks * layers, ...] (block b of layer l at b * L + l) and the layer comes in as an int32 argument, so it
+may be traced: one kernel for every layer of a group, and a scan over a run of layers (models/stack.py) runs it.
 
 The references gather the blocks and attend with jnp. Given `total_blocks` (a static bound on the blocks the
 batch holds, sum of ceil(lengths / block_size)), they gather only those, as one ragged list over the batch,
@@ -98,19 +100,21 @@ def program_tiles(len_ref, grid_order: str, *, block_size: int, ppt: int, ppp: i
     return n, tok_lo, tile_lo, jnp.where(page_hi > page_lo, (page_hi + ppt - 1) // ppt, tile_lo)
 
 
-def _paged_kernel(len_ref, tbl_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block_size: int, ppt: int,
-                  ppp: int | None, parts: int, k_parts: tuple, v_lo: int, v_hi: int, scale: float, window: int | None,
-                  grid_order: str, prefetch: bool):
-    # len_ref [B] int32; tbl_ref [Wp] int32; q_ref [G, Dk]; k_ref, v_ref [NB, bs, D];
-    # o_ref [G, Dv] float32; m_ref, l_ref [G] float32
+def _paged_kernel(layer_ref, len_ref, tbl_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, layers: int,
+                  block_size: int, ppt: int, ppp: int | None, parts: int, k_parts: tuple, v_lo: int, v_hi: int,
+                  scale: float, window: int | None, grid_order: str, prefetch: bool):
+    # layer_ref [1] int32; len_ref [B] int32; tbl_ref [Wp] int32; q_ref [G, Dk];
+    # k_ref, v_ref [NB * layers, bs, D] (block b of layer l at b * layers + l); o_ref [G, Dv] float32;
+    # m_ref, l_ref [G] float32
     n, tok_lo, tile_lo, tile_hi = program_tiles(len_ref, grid_order, block_size=block_size, ppt=ppt, ppp=ppp,
                                                 window=window, parts=parts)
     G, Dv = o_ref.shape
     qs = [q_ref[:, pl.ds(lo, w)] for lo, w in k_parts]
     tk = ppt * block_size
+    layer = layer_ref[0]
 
     def load(j):  # tile j's key column parts [tk, w] and values [tk, Dv]
-        ids = tbl_ref[pl.ds(j * ppt, ppt)]
+        ids = tbl_ref[pl.ds(j * ppt, ppt)] * layers + layer
         return tuple(_columns(k_ref, ids, lo, w, tk) for lo, w in k_parts), _columns(v_ref, ids, v_lo, Dv, tk)
 
     def attend(j, carry, tile):
@@ -161,17 +165,17 @@ def _partitions(block_size: int, W: int, pages_per_tile: int | None, pages_per_p
     return ppt, None, min(-(-W // ppt), MAX_PARTITIONS)
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "k_dim", "v_entry", "v_lo", "v_hi", "scale", "window", "ppt",
+@functools.partial(jax.jit, static_argnames=("k_dim", "v_entry", "v_lo", "v_hi", "scale", "window", "ppt",
                                              "ppp", "parts", "interpret", "num_warps", "num_stages", "grid_order",
                                              "prefetch", "launch"))
-def _paged(q, pool, block_tables, lengths, sinks, *, layer: int, k_dim: int, v_entry: int, v_lo: int, v_hi: int,
+def _paged(q, pool, block_tables, lengths, sinks, layer, *, k_dim: int, v_entry: int, v_lo: int, v_hi: int,
            scale: float, window: int | None, ppt: int, ppp: int | None, parts: int, interpret: bool,
            num_warps: int | None = None, num_stages: int | None = None, grid_order: str = GRID_ORDER,
            prefetch: bool = True, launch: tuple = GPU_LAUNCH):
-    """q [B, Hq, Dk]; pool [NB, L, E, bs, Hkv, D]; block_tables [B, W]; lengths [B]; sinks [Hq] or None
-    -> [B, Hq, v_hi - v_lo] in q's dtype"""
+    """q [B, Hq, Dk]; pool [NB, L, E, bs, Hkv, D]; block_tables [B, W]; lengths [B]; sinks [Hq] or None;
+    layer [] int32 (traced or not: one kernel for every layer of the group) -> [B, Hq, v_hi - v_lo] in q's dtype"""
     B, Hq, Dk = q.shape
-    NB, _, _, bs, Hkv, D = pool.shape
+    NB, L, _, bs, Hkv, D = pool.shape
     qg, G_out = pad_group(q.reshape(B, Hkv, Hq // Hkv, Dk), 2)  # [B, Hkv, G, Dk], G a power of two
     G, Dv = qg.shape[2], v_hi - v_lo
     W = block_tables.shape[1]
@@ -182,9 +186,10 @@ def _paged(q, pool, block_tables, lengths, sinks, *, layer: int, k_dim: int, v_e
         require_gpu_dims("paged attention", tile_tokens=ppt * bs, value_width=Dv,
                          **{f"key_columns_{lo}_{lo + w}": w for lo, w in k_parts})
     table = jnp.pad(block_tables.astype(jnp.int32), [(0, 0), (0, Wp - W)])
+    flat = pool.reshape((NB * L,) + pool.shape[2:])  # [NB * L, E, bs, Hkv, D]: block b of layer l at b * L + l
     if sorted(grid_order) != ["b", "h", "p"]:
         raise ValueError(f"grid_order must order the letters b, h and p, got {grid_order!r}")
-    kernel = functools.partial(_paged_kernel, block_size=bs, ppt=ppt, ppp=ppp, parts=P, k_parts=k_parts, v_lo=v_lo,
+    kernel = functools.partial(_paged_kernel, layers=L, block_size=bs, ppt=ppt, ppp=ppp, parts=P, k_parts=k_parts, v_lo=v_lo,
                                v_hi=v_hi, scale=scale, window=window, grid_order=grid_order, prefetch=prefetch)
 
     def at(f):  # an index map over (b, h, p) as one over the grid's axes
@@ -193,11 +198,12 @@ def _paged(q, pool, block_tables, lengths, sinks, *, layer: int, k_dim: int, v_e
         kernel,
         grid=tuple({"b": B, "h": Hkv, "p": P}[c] for c in grid_order),
         in_specs=[
+            pl.BlockSpec((1,), at(lambda b, h, p: (0,))),
             pl.BlockSpec((B,), at(lambda b, h, p: (0,))),
             pl.BlockSpec((None, Wp), at(lambda b, h, p: (b, 0))),
             pl.BlockSpec((None, None, G, Dk), at(lambda b, h, p: (b, h, 0, 0))),
-            pl.BlockSpec((NB, None, None, bs, None, D), at(lambda b, h, p: (0, layer, 0, 0, h, 0))),
-            pl.BlockSpec((NB, None, None, bs, None, D), at(lambda b, h, p: (0, layer, v_entry, 0, h, 0))),
+            pl.BlockSpec((NB * L, None, bs, None, D), at(lambda b, h, p: (0, 0, 0, h, 0))),
+            pl.BlockSpec((NB * L, None, bs, None, D), at(lambda b, h, p: (0, v_entry, 0, h, 0))),
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, G, Dv), at(lambda b, h, p: (b, h, p, 0, 0))),
@@ -210,7 +216,7 @@ def _paged(q, pool, block_tables, lengths, sinks, *, layer: int, k_dim: int, v_e
         interpret=interpret,
         compiler_params=triton_params(interpret, num_warps, num_stages, launch),
         name="paged_attention",
-    )(lengths.astype(jnp.int32), table, qg, pool, pool)
+    )(jnp.reshape(layer, (1,)).astype(jnp.int32), lengths.astype(jnp.int32), table, qg, flat, flat)
     o, m, l = merge_partials(o[..., :G_out, :], m[..., :G_out], l[..., :G_out], axis=2)  # [B, Hkv, G_out, (Dv)]
     if sinks is not None:
         o, m, l = add_sinks(o, m, l, sinks.reshape(1, Hkv, G_out))
@@ -263,8 +269,9 @@ def paged_attention(q, pool, block_tables, lengths, *, layer, sliding_window=Non
 
     q [B, Hq, Dk]; pool [NB, L, E, block_size, Hkv, D] one full group of the engine's pool; block_tables [B, W]
     int32; lengths [B] int32 tokens in the cache including the query's own (it sits at position lengths - 1;
-    0 marks an empty slot); layer: index within the group; sliding_window: the query sees the last
-    `sliding_window` positions including itself; sinks [Hq] float32; scale defaults to Dk**-0.5;
+    0 marks an empty slot); layer: index within the group (an int, or a traced int32 scalar: a scan over the
+    group's layers); sliding_window: the query sees the last `sliding_window` positions including itself;
+    sinks [Hq] float32; scale defaults to Dk**-0.5;
     num_warps, num_stages: the Triton launch parameters on a GPU (None: GPU_LAUNCH, swept on an H200);
     grid_order: the order of the launch grid's axes (GRID_ORDER); total_blocks: read by the reference only (see
     the module docstring)
@@ -273,8 +280,8 @@ def paged_attention(q, pool, block_tables, lengths, *, layer, sliding_window=Non
     del total_blocks
     Dk, v_entry, v_lo, v_hi = gqa_args(q, pool, block_tables, lengths, layer, sliding_window, sinks)
     ppt, ppp, parts = _partitions(pool.shape[3], block_tables.shape[1], pages_per_tile, pages_per_partition)
-    return _paged(q, pool, block_tables, lengths, sinks, layer=int(layer), k_dim=Dk, v_entry=v_entry, v_lo=v_lo,
-                  v_hi=v_hi, scale=Dk ** -0.5 if scale is None else float(scale),
+    return _paged(q, pool, block_tables, lengths, sinks, jnp.asarray(layer, jnp.int32), k_dim=Dk, v_entry=v_entry,
+                  v_lo=v_lo, v_hi=v_hi, scale=Dk ** -0.5 if scale is None else float(scale),
                   window=None if sliding_window is None else int(sliding_window), ppt=ppt, ppp=ppp, parts=parts,
                   interpret=bool(interpret), num_warps=num_warps, num_stages=num_stages, grid_order=grid_order)
 
@@ -437,10 +444,9 @@ def paged_mla_attention(q, pool, block_tables, lengths, *, layer, kv_lora_rank, 
     _check_mla(q, pool, kv_lora_rank)
     ppt, ppp, parts = _partitions(pool.shape[3], block_tables.shape[1], pages_per_tile, pages_per_partition,
                                   MLA_TILE_TOKENS)
-    return _paged(q, pool, block_tables, lengths, None, layer=int(layer), k_dim=q.shape[2], v_entry=0, v_lo=0,
-                  v_hi=int(kv_lora_rank), scale=float(scale), window=None, ppt=ppt, ppp=ppp, parts=parts,
-                  interpret=bool(interpret),
-                  grid_order="bhp", prefetch=False, launch=MLA_LAUNCH)
+    return _paged(q, pool, block_tables, lengths, None, jnp.asarray(layer, jnp.int32), k_dim=q.shape[2], v_entry=0,
+                  v_lo=0, v_hi=int(kv_lora_rank), scale=float(scale), window=None, ppt=ppt, ppp=ppp, parts=parts,
+                  interpret=bool(interpret), grid_order="bhp", prefetch=False, launch=MLA_LAUNCH)
 
 
 def ref_paged_mla_attention(q, pool, block_tables, lengths, *, layer, kv_lora_rank, scale, interpret=False,

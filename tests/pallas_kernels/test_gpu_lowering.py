@@ -66,3 +66,27 @@ def test_a_refusal_is_reported_not_raised():
     assert why is not None and why.startswith("does not lower") and "power of two >= 16" in why
     assert check.gpu_lowering(check.Case.of("matmul", K=64, N=64, transposed=False, dtype="bfloat16")) == (
         "has no Pallas kernel")
+
+
+@pytest.mark.parametrize("kernel", ["paged_attention", "paged_mla_attention", "paged_prefill_attention",
+                                    "paged_mla_prefill_attention"])
+def test_the_paged_kernels_lower_inside_a_scan_over_layers(kernel):
+    """A run of identical layers scanned (engine.scan_layers, a GPU prefill instance's default) calls the paged
+    kernels with the layer traced: such a scan lowers for the GPU to a while loop whose body holds the one
+    Triton call (Llama-3.1-8B's heads, bf16; MLA: DeepSeek-V3's latent with 16 heads)."""
+    import jax
+    import numpy as np
+    dims = dict(H=16, L=512, R=64, scale=0.1) if "mla" in kernel else dict(Hq=32, Hkv=8, Dk=128, Dv=128)
+    args, kw = check.inputs(kernel, np.random.RandomState(0), dtype="bfloat16", block_size=16, **dims)
+    kw.pop("layer")
+    args = list(args)
+    args[1] = jnp.zeros((args[1].shape[0], 4) + args[1].shape[2:], args[1].dtype)  # the pool: a group of 4 layers
+    run = KERNELS[kernel][1]
+
+    def layers(args):
+        body = lambda c, layer: (c, run(*args, layer=layer, interpret=False, **kw))  # noqa: E731
+        return jax.lax.scan(body, None, jnp.arange(4, dtype=jnp.int32))[1]
+    shaped = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args]
+    text = jax.jit(layers).trace(shaped).lower(lowering_platforms=("cuda",)).as_text()
+    assert "stablehlo.while" in text
+    assert sum(text.count(f"@{t}(") for t in ("__gpu$xla.gpu.triton", "triton_kernel_call_ffi")) == 1

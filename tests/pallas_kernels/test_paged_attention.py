@@ -98,6 +98,31 @@ def test_a_table_wider_than_its_requests_gives_the_same_numbers(mla):
     close(got, ref(q, pool, narrow, lens, **kw), jnp.float32)
 
 
+@pytest.mark.parametrize("mla", [False, True])
+def test_a_scan_over_the_layers_reads_each_layer(mla):
+    """The decode kernels inside a lax.scan over a group's layers, the layer index traced (as a run of stacked
+    layers runs them, models/model.py): each step reads its own layer, as the reference and a static index do."""
+    r = np.random.RandomState(5)
+    bs, NB, L, lengths = 16, 40, 3, [1, 30, 70]
+    lens = jnp.asarray(lengths, jnp.int32)
+    table = _tables(r, len(lengths), 5, NB)
+    if mla:
+        q, pool = randn(r, (3, 16, 96), jnp.float32), randn(r, (NB, L, 1, bs, 1, 96), jnp.float32)
+        kw = dict(kv_lora_rank=64, scale=0.1)
+        kernel, ref = paged_mla_attention, ref_paged_mla_attention
+    else:
+        q, pool = randn(r, (3, 8, 32), jnp.float32), randn(r, (NB, L, 2, bs, 2, 32), jnp.float32)
+        kw = dict(sliding_window=50, sinks=randn(r, (8,)))
+        kernel, ref = paged_attention, ref_paged_attention
+    def body(_, layer):
+        return None, kernel(q, pool, table, lens, layer=layer, interpret=INTERPRET, **kw)
+    _, outs = jax.jit(lambda: jax.lax.scan(body, None, jnp.arange(L, dtype=jnp.int32)))()
+    for layer in range(L):
+        close(outs[layer], ref(q, pool, table, lens, layer=layer, **kw), jnp.float32)
+        close(outs[layer], kernel(q, pool, table, lens, layer=layer, interpret=INTERPRET, **kw), jnp.float32)
+    assert np.abs(np.asarray(outs[0]) - np.asarray(outs[1])).max() > 1e-2  # the index is not ignored
+
+
 @pytest.mark.parametrize("order", ["hpb", "phb", "pbh"])
 def test_paged_attention_grid_orders_give_the_same_numbers(order):
     """The launch grid's axes in another order: every (request, KV head, partition) program still runs once,
