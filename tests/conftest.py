@@ -26,6 +26,9 @@ if _XLA_CACHE is not None:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# bounded, the cache reads and writes its entries under a file lock: the xdist workers share it (unbounded, one
+# read an entry another was writing and crashed; engine/llm_engine.py use_compilation_cache)
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(32 << 30))
 # on a GPU the suite compiles as served (the kernels, their self-test); decided in every process alike (the
 # pytest-xdist workers inherit the controller's environment, so the variable alone cannot say it)
 _LIGHT = shutil.which("nvidia-smi") is None

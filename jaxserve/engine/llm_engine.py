@@ -12,6 +12,7 @@ the engine's KV connector takes them (the seams issue). Single-threaded: the off
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 import os
 import time
@@ -51,13 +52,21 @@ from .steptimer import StepTimer
 log = logging.getLogger("jaxserve.engine")
 
 DTYPES = {"float32": jax.numpy.float32, "bfloat16": jax.numpy.bfloat16}
+XLA_CACHE_MAX_BYTES = 32 << 30  # the persistent compilation cache's bound (`use_compilation_cache`)
 
 
 def use_compilation_cache(path: str | None) -> str | None:
     """XLA's persistent compilation cache in `path`, every program cached however fast it compiled, so a
     restart on the same model and config compiles nothing. A cache JAX already has (JAX_COMPILATION_CACHE_DIR,
-    or an earlier engine in this process) is kept; None or "" leaves it off. Returns the directory in use."""
+    or an earlier engine in this process) is kept; None or "" leaves it off. Returns the directory in use.
+
+    The cache is bounded (XLA_CACHE_MAX_BYTES, least recently used entries evicted past it) unless a bound is
+    set already: bounded, JAX reads and writes its entries under a file lock. Unbounded it writes an entry in
+    place, and another process reading it meanwhile (instances sharing a host warm up from one cache) loads a
+    partial executable: a worker crashed so, in a segmentation fault."""
     current = jax.config.jax_compilation_cache_dir
+    if jax.config.jax_compilation_cache_max_size == -1 and importlib.util.find_spec("filelock") is not None:
+        jax.config.update("jax_compilation_cache_max_size", XLA_CACHE_MAX_BYTES)  # JAX locks with filelock
     if current or not path:
         return current or None
     d = os.path.abspath(os.path.expanduser(path))

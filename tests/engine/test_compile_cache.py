@@ -1,5 +1,6 @@
 """XLA's persistent compilation cache (engine.compilation_cache): an engine restarted on the same model and
-config compiles nothing, and a cache JAX was already given is kept."""
+config compiles nothing, its entries read and written under JAX's file lock (processes share it), and a cache JAX
+was already given is kept."""
 
 import json
 import os
@@ -40,6 +41,8 @@ def test_a_restarted_engine_compiles_nothing(checkpoint_dir, tmp_path):
         return json.loads(out.stdout.strip().splitlines()[-1])
     first, second = run(), run()
     assert first["dir"] == second["dir"] == cache and os.listdir(cache)
+    # bounded, so JAX reads and writes the entries under its file lock (processes sharing a cache)
+    assert ".lockfile" in os.listdir(cache) and any(n.endswith("-cache") for n in os.listdir(cache))
     assert first["requests"] > 0 and first["hits"] < first["requests"]  # the first start compiles
     assert second["requests"] == first["requests"] and second["hits"] == second["requests"]  # the restart: none
     assert second["tokens"] == first["tokens"]
