@@ -64,6 +64,11 @@ class EngineSection(_Strict):
     overlap: bool = Field(ENGINE["overlap"], description="while the device runs a steady decode step, dispatch the "
         "next one before reading its tokens (asynchronous scheduling: a request's extra token after its end is "
         "dropped); false: every step waits for its tokens")
+    scan_layers: bool | None = Field(ENGINE["scan_layers"], description="run each run of identical layers as one "
+        "lax.scan: its layer compiled once, so programs compile in a fraction of the time and the layer groups of a "
+        "layer-wise prefill share programs (default: on with the CPU kernels, and on an accelerator for prefill "
+        "instances, whose start waits on compiling; off elsewhere on an accelerator, where decode steps run their "
+        "layers unrolled)")
     warmup: bool = Field(True, description="compile the decode programs before serving")
     compilation_cache: str | None = Field(ENGINE["compilation_cache"], description="XLA's persistent compilation cache "
         "directory: a restart compiles nothing it compiled before (null: off; JAX_COMPILATION_CACHE_DIR, when set, "

@@ -221,3 +221,21 @@ def test_instances_sharing_a_device_split_its_memory():
     env = {k: v for k, v in __import__("os").environ.items() if k != "XLA_PYTHON_CLIENT_MEM_FRACTION"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0 and out.stdout.split() == ["0.4500", "1"], out.stderr[-2000:]
+
+
+def test_prefill_instances_scan_their_layers_unless_told_otherwise():
+    """engine.scan_layers: null leaves it to the engine (scanned with the CPU kernels, unrolled with Pallas ones),
+    except on a prefill instance, whose start waits on compiling: there layers are scanned (worker/setup.py);
+    an explicit value wins everywhere; kv_blocks still sets the instance's cache; a wrong value names the field."""
+    from jaxserve.worker.setup import engine_settings
+    insts = [{"name": "p", "role": "prefill"}, {"name": "d", "role": "decode", "kv_blocks": 77},
+             {"name": "b", "role": "both"}]
+    cfg = parse({"clusters": [{"name": "a", "instances": insts}]})
+    got = {i.name: engine_settings(cfg, i) for i in cfg.instances()}
+    assert {n: e.scan_layers for n, e in got.items()} == {"p": True, "d": None, "b": None}
+    assert got["d"].num_blocks == 77 and got["p"].num_blocks is None
+    for value in (True, False):
+        cfg = parse({"engine": {"scan_layers": value}, "clusters": [{"name": "a", "instances": insts}]})
+        assert {engine_settings(cfg, i).scan_layers for i in cfg.instances()} == {value}
+    with pytest.raises(ConfigFileError, match="engine.scan_layers"):
+        parse({"engine": {"scan_layers": "sometimes"}})

@@ -138,10 +138,12 @@ class LLMEngine:
         self.snapshot_base = cfg.max_num_seqs
         self.cache_events = CacheEvents()  # what the router's global KV index follows (cache/events.py)
         self.blocks = BlockManager(cfg.num_blocks, bs, cfg.num_snapshots, cfg.prefix_caching, self.cache_events)
-        # the reference and the native paged attention take a traced layer index: then runs of identical layers
-        # run as one lax.scan (models/stack.py; a Pallas paged kernel takes its layer as a static index); the
-        # reference gathers a ragged list of the batch's blocks (its count bucketed: `ragged`)
+        # runs of identical layers run as one lax.scan (models/stack.py; every paged kernel takes a traced layer
+        # index): by default with the CPU kernels, where compiling is most of a start, and on an accelerator where
+        # asked (engine.scan_layers; a prefill instance's default, worker/setup.py); the reference gathers a
+        # ragged list of the batch's blocks (its count bucketed: `ragged`)
         paged = {mode_of(k, self.kernels) for k in ("paged_attention", "paged_mla_attention")}
+        scan = paged <= {"reference", "native"} if cfg.scan_layers is None else cfg.scan_layers
         ragged = paged == {"reference"}
         # the native and the Pallas decode kernels read only the blocks in use (decode tables of one width, the
         # programs keyed by their rows alone); with the native kernels a model whose every layer is full GQA
@@ -174,7 +176,7 @@ class LLMEngine:
                                   paged_prefill=paged_prefill, pack_first=packs_prefill(self.model_config),
                                   inplace_prefill=inplace, inplace_first=inplace and needs == {"native"},
                                   max_batched_tokens=cfg.max_num_batched_tokens,
-                                  stack=layer_stack(self.model_config, scan=paged <= {"reference", "native"},
+                                  stack=layer_stack(self.model_config, scan=scan,
                                                     switch=jax.local_devices()[0].platform == "cpu"))
         del state  # the runner's params hold the weights (stacked runs: their only copy)
         self.connector = KVConnector(self)  # what disaggregation may ask of the engine (connector.py)

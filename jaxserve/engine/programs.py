@@ -67,13 +67,18 @@ def step_programs(layout: PoolLayout, stack: LayerStack, merge: Callable, num_sl
             x = jnp.where(shift == 0, m.embed(batch), x)
             x, views = switch_span(x, batch, stacks, views, places, shift, hi)
             return scatter_span(layout, pool, views, dst, snap, shift, hi), (x, batch.last_tokens(x))
+        # shifted from layer 0 (every layer in one run, `_stage`): any group of hi layers, as the class-stacked
+        # program above (the embedding where shift is 0, out both the hidden states and each row's last)
+        anywhere = shift is not None and lo == 0
         shift = 0 if shift is None else shift
         cache = gather(layout, pool, table, src, batch.start, span=(lo, hi), dense=not paged_prefill, shift=shift,
                        inplace=inplace)
         if lo == 0:
-            x = m.embed(batch)
+            x = jnp.where(shift == 0, m.embed(batch), x) if anywhere else m.embed(batch)
         x, cache = m.run_layers(x, batch, cache, lo, hi, stacks, shift)
         pool = scatter(layout, pool, cache, dst, snap, span=(lo, hi), shift=shift)
+        if anywhere:
+            return pool, (x, batch.last_tokens(x))
         if last:
             x = batch.last_tokens(x)
         return pool, x

@@ -244,7 +244,7 @@ class ModelRunner:
                 last = k == len(plans[gi]) - 1
                 lo, hi, shift = self._stage(*plans[gi][k], last)
                 self.programs.add(("prefill", B, T, W, lo, hi, N, fresh))
-                if self.stack.classes and shift is not None:  # one program wherever the group lies: x in, both out
+                if shift is not None and lo == 0:  # one program wherever the group lies: x in, both out
                     x = self._x0(args[0]) if xs[gi] is None else xs[gi]
                     self.pool, out = self._prefill(self._leaves, self.pool, x, shift, *args, lo=lo, hi=hi, last=False)
                     xs[gi] = out[1] if last else out[0]
@@ -292,11 +292,14 @@ class ModelRunner:
 
     def _stage(self, lo: int, hi: int, last: bool) -> tuple[int, int, jax.Array | None]:
         """The program that runs layers lo..hi-1 of a prefill: (lo, hi) it is compiled for, and the shift to the
-        layers run (an int32 argument; None: unshifted). A group inside a run of stacked layers, neither the
-        first (embedding) nor the last (LM head), runs the program of the run's earliest group of its size: one
-        program for all the middle groups of a run, however many layer groups a layer-wise prefill streams."""
-        if self.stack.classes:  # layers stacked by class: every group of one size, wherever it lies
-            n = self.layout.num_layers
+        layers run (an int32 argument; None: unshifted). Layers stacked by class, or every layer in one run (a
+        dense model scanned): every group of one size runs one program, wherever it lies (compiled as layers
+        0..hi-lo-1 shifted; it embeds the tokens where the shift is 0 and gives both the hidden states and each
+        row's last). Otherwise a group inside a run of stacked layers, neither the first (embedding) nor the last
+        (LM head), runs the program of the run's earliest group of its size: one program for all the middle
+        groups of a run, however many layer groups a layer-wise prefill streams."""
+        n = self.layout.num_layers
+        if self.stack.classes or self.stack.runs == ((0, n),):
             return (lo, hi, None) if hi - lo == n else (0, hi - lo, jnp.int32(lo))
         run = self.stack.run_of(lo)
         if lo == 0 or last or run is None or hi > run[1]:

@@ -47,11 +47,20 @@ def build_engine(cfg: Config, inst: InstanceSection, progress: bool = False):
     from ..server.serve import make_mesh
     path = resolve(cfg.model.path, progress)
     print(f"{inst.name}: loading {path} ({inst.role}, cores {sorted(os.sched_getaffinity(0))})", flush=True)
+    engine = LLMEngine(path, cfg.model.dtype, engine_settings(cfg, inst), make_mesh(inst, local=True), progress)
+    print(f"{inst.name}: {engine.cache_line}", flush=True)
+    return engine
+
+
+def engine_settings(cfg: Config, inst: InstanceSection):
+    """The instance's EngineConfig: the engine section with its own cache size and spill tier; a prefill
+    instance scans its layers unless engine.scan_layers says otherwise (its start waits on compiling, and its
+    layer groups then share programs; decode instances keep the accelerator default, layers unrolled)."""
     ecfg = cfg.engine.engine_config(cfg.server.max_waiting)
     if inst.kv_blocks is not None:
         ecfg = dataclasses.replace(ecfg, num_blocks=inst.kv_blocks)
+    if ecfg.scan_layers is None and inst.role == "prefill":
+        ecfg = dataclasses.replace(ecfg, scan_layers=True)
     if inst.spill_mb is not None:
         ecfg = dataclasses.replace(ecfg, spill_dir=inst.spill_path(), spill_mb=inst.spill_mb)
-    engine = LLMEngine(path, cfg.model.dtype, ecfg, make_mesh(inst, local=True), progress)
-    print(f"{inst.name}: {engine.cache_line}", flush=True)
-    return engine
+    return ecfg

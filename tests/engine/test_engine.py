@@ -341,6 +341,33 @@ def test_chunks_after_cached_tokens_read_the_pool_in_place_with_the_pallas_kerne
     assert {k[-1] for k in runner.programs if k[0] == "prefill"} == {True, False}
 
 
+def test_scanned_layers_with_the_pallas_kernels_share_the_layer_groups_programs(engines):
+    """engine.scan_layers with the Pallas kernels (interpreted here; a GPU prefill instance's default): the paged
+    decode and prefill kernels take the scan's traced layer, so a layer-wise prefill's layer groups of one size
+    share one program (the model's layers are one run: the first group's embedding and the last's hidden states
+    come from it too) where unrolled layers compile one per group; prefills, prompts extending cached ones and
+    decode steps give the dense path's answers."""
+    from jaxserve.transfer.plan import layer_groups
+    cfg = dataclasses.replace(ENGINE, chunk_size=16, max_num_batched_tokens=16, num_blocks=96, kernels="interpret")
+    groups = {}
+    for scan in (True, False):
+        llm = engines("llama", dataclasses.replace(cfg, scan_layers=scan))
+        runner = llm.engine.runner
+        assert bool(runner.stack.runs) == scan
+        stages = layer_groups(runner.layout.num_layers, 1)
+        llm.engine.stream_layers(stages, 16)
+        try:
+            runner.warmup(progress=False, stages=stages, decode=False)
+            groups[scan] = {k[4:6] for k in runner.programs if k[0] == "prefill"}
+            if scan:
+                answers_with_prefix_hits(llm, (5, 30), 1, 3, seed=4)
+        finally:
+            llm.engine.stream_layers(None)
+    L = 4
+    assert groups[False] == {(i, i + 1) for i in range(L)}
+    assert groups[True] == {(0, 1)}  # every group runs the program of layer 0, shifted
+
+
 @pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="no C++ compiler for the native kernels")
 def test_full_decode_tables_past_their_cap_widen_in_powers_of_two(engines, monkeypatch):
     """With full tables (the native kernels here, the Pallas ones on a GPU) a decode table is max_blocks_per_seq
@@ -463,8 +490,8 @@ def test_layerwise_warmup_covers_a_streamed_prompts_chunks(engines, family, chun
     def shapes(whole: bool) -> set:
         return {k[1:4] + k[6:] for k in warmed if k[0] == "prefill" and (k[4:6] == (0, L)) == whole}
     assert shapes(False) and not shapes(True) & shapes(False)  # each shape one way
-    if family == "llama":  # one program per layer group, the middle groups (1, 2) and (2, 3) of the run sharing one
-        assert {k[4:6] for k in runner.programs if k[0] == "prefill"} == {(0, 1), (1, 2), (3, 4)}
+    if family == "llama":  # every layer in one run: one program for the four groups, shifted
+        assert {k[4:6] for k in runner.programs if k[0] == "prefill"} == {(0, 1)}
         assert not shapes(True)
     elif runner.inplace_first:
         assert not shapes(True)
@@ -477,7 +504,7 @@ def test_layerwise_warmup_covers_a_streamed_prompts_chunks(engines, family, chun
                                     "mimo_v2_flash"])
 def test_layer_by_layer_prefill_writes_what_the_whole_model_writes(engines, family):
     """A prompt prefilled one layer group per layer (a first chunk, then a chunk after it, each group its own
-    program; the middle groups of a run of stacked layers share one program, their layers shifted) leaves the
+    program; groups of a run of stacked layers share one program, their layers shifted) leaves the
     same KV in its blocks, the same request-level state in its row, and samples the same token, as the
     whole-model programs do for the same prompt in other blocks and another row."""
     import jax
@@ -507,12 +534,13 @@ def test_layer_by_layer_prefill_writes_what_the_whole_model_writes(engines, fami
             for x in jax.tree.leaves(arr):
                 np.testing.assert_allclose(np.asarray(x[1]), np.asarray(x[2]), rtol=1e-5, atol=1e-5, err_msg=family)
     # programs: the whole model, and per layer group its own, except the middle groups (neither first nor last)
-    # of each run of stacked layers, which share one; layers stacked by class (a CPU's hybrid models): every
-    # group of one layer, whatever its class and wherever it lies, runs one program
+    # of each run of stacked layers, which share one; layers stacked by class (a CPU's hybrid models), or all in
+    # one run (a dense model): every group of one layer, whatever its class and wherever it lies, runs one program
     spans = {k[4:6] for k in runner.programs if k[0] == "prefill"}
     L = runner.layout.num_layers
-    if runner.stack.classes:
+    if runner.stack.classes or runner.stack.runs == ((0, L),):
         assert spans == {(0, L), (0, 1)}, (family, spans)
+        assert family in ("llama", "qwen3") or runner.stack.classes
         return
     middle = [(lo, hi) for lo, hi in stages[1:-1] if runner.stack.run_of(lo)]
     runs = {runner.stack.run_of(lo) for lo, _ in middle}
