@@ -2,7 +2,9 @@
 # The GPU checks in one run, for a lent GPU machine that reaches no package index: the Pallas kernels compiled
 # and timed against their references (bench.kernels: decode attention's share of HBM bandwidth, prefill
 # attention's of bf16 peak), the kernel tests compiled for the GPU (tests/pallas_kernels), the engine's decode
-# step against the memory floor on an 8B-shaped checkpoint with transformers beside it (bench.gpu_decode),
+# step against the memory floor on an 8B-shaped checkpoint with transformers beside it, and the same engine with
+# its layers scanned (decode and prefill against unrolled, a layer-wise prefill instance's programs and warm-up
+# seconds: bench.gpu_decode),
 # `jaxserve serve` disaggregated (a prefill and a decode worker sharing the GPU) against colocated, SmolLM2-shaped
 # (bench.gpu_disagg: answers, TTFT, TPOT), tiny Llama, Kimi Linear and gpt-oss checkpoints answering the same
 # disaggregated as colocated there (tests/router/test_cluster_http.py), and with the time left the device transfer
@@ -65,7 +67,7 @@ step() {
 # in order of what a cut-short run must not lose: the kernels' rates, the engine against the memory floor,
 # disaggregated serving on the GPU and its answers, the attention kernels' tests, the other kernel tests, the device transfer backend
 step kernels 40 $PY -m bench.kernels --iters 20 --json "$OUT/kernels_$TAG.json"
-step gpu_decode 220 $PY -m bench.gpu_decode --json "$OUT/gpu_decode_$TAG.json"
+step gpu_decode 240 $PY -m bench.gpu_decode --json "$OUT/gpu_decode_$TAG.json"
 step gpu_disagg 90 $PY -m bench.gpu_disagg --reps 2 --json "$OUT/gpu_disagg_$TAG.json"
 step disagg_tests 50 env JAXSERVE_DISAGG_FAMILIES=llama,kimi_linear,gpt_oss $PY -m pytest -v -p no:cacheprovider \
     tests/router/test_cluster_http.py -k equals_colocated
@@ -76,10 +78,10 @@ fi
 K=tests/pallas_kernels
 ATTENTION="$K/test_flash_attention_hopper.py $K/test_paged_attention.py $K/test_paged_prefill.py $K/test_paged_candidates.py"
 step attention_tests 50 $PY -m pytest -v -p no:cacheprovider $ATTENTION
-step pallas_tests 50 $PY -m pytest -v -p no:cacheprovider $K $(for f in $ATTENTION; do echo --ignore $f; done) \
+step pallas_tests 40 $PY -m pytest -v -p no:cacheprovider $K $(for f in $ATTENTION; do echo --ignore $f; done) \
     --ignore $K/test_gpu_lowering.py  # the engine on each model family first
 # (tests/conftest.py's order); test_gpu_lowering.py checks on a CPU what the GPU's own compiles show here
-step pull_tests 30 $PY -m pytest -q -p no:cacheprovider tests/transfer/test_pull.py
-step transfer 30 $PY -m bench.transfer --parts a --reps 3 --json "$OUT/transfer_$TAG.json"
+step pull_tests 20 $PY -m pytest -q -p no:cacheprovider tests/transfer/test_pull.py
+step transfer 20 $PY -m bench.transfer --parts a --reps 3 --json "$OUT/transfer_$TAG.json"
 echo "total $(( $(date +%s) - START )) s" | tee -a "$OUT/summary.txt"
 (cd "$OUT" && tar -czf logs.tgz ./*.log && rm -f ./*.log)  # the logs in one file, beside the summary and results

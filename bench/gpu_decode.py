@@ -141,35 +141,43 @@ def busy_fraction(trace_dir: str) -> dict | None:
     return {"busy_fraction": round(busy / total, 3), "span_ms": round(total / 1e3, 2), "kernels": len(spans)}
 
 
-def part_jax(a) -> dict:
-    import jax
-    import numpy as np
+def _engine(a, scan_layers: bool | None):
+    """(LLM on the checkpoint, the part's first facts): the default cache sizing, compilation cache off."""
     from jaxserve.engine.llm_engine import EngineConfig
     from jaxserve.llm import LLM
-    from jaxserve.sampling import SamplingParams
-    c = config_of(a.shape)
-    kv_token = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * 2  # bf16 K and V, all layers
-    floor = json.load(open(os.path.join(a.work, "floor.json")))
-    weights = json.load(open(os.path.join(a.work, "make.json")))["weight_bytes"]
-    contexts, batches, new = a.contexts, a.batches, a.new
     t0 = time.perf_counter()
     llm = LLM(a.dir, dtype="bfloat16", progress=False, engine=EngineConfig(
         max_num_batched_tokens=a.prefill_tokens, prefix_caching=False, compilation_cache=None,
-        max_model_len=max(contexts) + new + 16))
+        max_model_len=max(a.contexts) + a.new + 16, scan_layers=scan_layers))
     eng = llm.engine
-    out = {"load_s": round(time.perf_counter() - t0, 1), "num_blocks": eng.cfg.num_blocks,
-           "max_num_seqs": eng.cfg.max_num_seqs, "kernels": str(eng.kernels), "points": []}
+    return llm, {"load_s": round(time.perf_counter() - t0, 1), "num_blocks": eng.cfg.num_blocks,
+                 "max_num_seqs": eng.cfg.max_num_seqs, "kernels": str(eng.kernels),
+                 "scan_layers": bool(eng.runner.stack.runs), "points": []}
+
+
+def _points(a, llm, contexts, batches) -> list[dict]:
+    """Per (context, batch): the decode step against the HBM floor, prefill's share of the bf16 rate, and the
+    seconds of the untimed first pass at that shape (its programs compiled: mostly compile time)."""
+    import numpy as np
+    from jaxserve.sampling import SamplingParams
+    c, eng, new = config_of(a.shape), llm.engine, a.new
+    kv_token = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * 2  # bf16 K and V, all layers
+    floor = json.load(open(os.path.join(a.work, "floor.json")))
+    weights = json.load(open(os.path.join(a.work, "make.json")))["weight_bytes"]
     rng = np.random.default_rng(0)
     greedy = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
+    points = []
     for C in contexts:
         for B in batches:
             blocks = B * -(-(C + new) // eng.cfg.block_size)
             if B > eng.cfg.max_num_seqs or blocks > eng.cfg.num_blocks:
-                out["points"].append({"batch": B, "context": C, "skipped": f"the cache holds {eng.cfg.num_blocks} "
-                                      f"blocks, {eng.cfg.max_num_seqs} requests; this needs {blocks}, {B}"})
+                points.append({"batch": B, "context": C, "skipped": f"the cache holds {eng.cfg.num_blocks} "
+                               f"blocks, {eng.cfg.max_num_seqs} requests; this needs {blocks}, {B}"})
                 continue
             prompts = [rng.integers(3, c["vocab_size"], C).tolist() for _ in range(B)]
+            t_first = time.perf_counter()
             llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # compiles
+            first_s = time.perf_counter() - t_first
             seqs = [eng.add_request(f"{C}-{B}-{i}", p, greedy)[0] for i, p in enumerate(prompts)]
             eng.timer.reset()
             t_pre = time.perf_counter()
@@ -189,13 +197,27 @@ def part_jax(a) -> dict:
             kv = B * (C + new / 2) * kv_token
             floor_ms = (weights + kv) / (floor["copy_GBps"] * 1e9) * 1e3
             flops = 2 * (weights / 2 - 2 * c["vocab_size"] * c["hidden_size"]) * B * C  # the layers' matmuls
-            out["points"].append({
+            points.append({
                 "batch": B, "context": C, "decode_step_ms": round(step, 3), "wall_step_ms": round(wall * 1e3, 3),
                 "floor_ms": round(floor_ms, 3), "step_over_floor": round(step / floor_ms, 2),
                 "phases_ms": st.get("phases_ms", {}), "output_tok_s": round(B / wall, 1),
-                "prefill_s": round(prefill_s, 3),
+                "prefill_s": round(prefill_s, 3), "first_pass_s": round(first_s, 1),
                 "prefill_share_of_bf16": round(flops / prefill_s / 1e12 / floor["bf16_TFLOPs"], 3)})
             print(f"== B {B} C {C}: step {step:.2f} ms, floor {floor_ms:.2f} ms, {step / floor_ms:.2f}x", flush=True)
+    return points
+
+
+def part_jax(a) -> dict:
+    """The engine as it runs by default (on a GPU: layers unrolled): every (context, batch) point, then the
+    GPU's busy fraction over decode steps from a profiler trace."""
+    import jax
+    import numpy as np
+    from jaxserve.sampling import SamplingParams
+    llm, out = _engine(a, None)
+    eng, c, contexts, batches, new = llm.engine, config_of(a.shape), a.contexts, a.batches, a.new
+    out["points"] = _points(a, llm, contexts, batches)
+    rng = np.random.default_rng(1)
+    greedy = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
     # the busy fraction over decode steps of the middle batch at the shortest context
     B, C = (batches[len(batches) // 2], contexts[0])
     prompts = [rng.integers(3, c["vocab_size"], C).tolist() for _ in range(B)]
@@ -212,6 +234,28 @@ def part_jax(a) -> dict:
     while eng.has_work:
         eng.step()
     out["trace"] = {"batch": B, "context": C, **(busy_fraction(trace) or {"error": "no device events in the trace"})}
+    return out
+
+
+def part_scan(a) -> dict:
+    """The engine with its layers scanned (engine.scan_layers, a prefill instance's default on a GPU): the decode
+    step and prefill at the goal's batches (1 and 64, where asked) at the shortest context, to set against
+    part_jax's unrolled points, then a layer-wise prefill instance's warm-up (bench/gpu_disagg.py's layer groups
+    and streaming threshold): its prefill programs and seconds, the compilation cache off."""
+    from jaxserve.transfer.plan import layer_groups
+    llm, out = _engine(a, True)
+    out["points"] = _points(a, llm, a.contexts[:1], [b for b in a.batches if b in (1, 64)] or a.batches[:1])
+    eng = llm.engine
+    groups = layer_groups(eng.layout.num_layers, 4)
+    eng.stream_layers(groups, 512)
+    before = {k for k in eng.runner.programs if k[0] == "prefill"}
+    t0 = time.perf_counter()
+    eng.runner.warmup(progress=False, stages=groups, decode=False)
+    made = {k for k in eng.runner.programs if k[0] == "prefill"} - before
+    out["prefill_instance"] = {"layer_groups": len(groups), "layers_per_group": 4, "programs": len(made),
+                               "max_num_batched_tokens": a.prefill_tokens,
+                               "warmup_s": round(time.perf_counter() - t0, 1)}
+    print(f"== scanned prefill instance: {len(made)} programs in {out['prefill_instance']['warmup_s']} s", flush=True)
     return out
 
 
@@ -240,7 +284,7 @@ def part_hf(a) -> dict:
     return {"transformers": out}
 
 
-PARTS = {"make": part_make, "floor": part_floor, "jax": part_jax, "hf": part_hf}
+PARTS = {"make": part_make, "floor": part_floor, "jax": part_jax, "scan": part_scan, "hf": part_hf}
 
 
 def main(argv=None) -> int:
@@ -252,6 +296,7 @@ def main(argv=None) -> int:
     ap.add_argument("--new", type=int, default=48, help="tokens decoded per point")
     ap.add_argument("--prefill-tokens", type=int, default=8192, help="engine.max_num_batched_tokens")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
+    ap.add_argument("--no-scan", action="store_true", help="skip the engine with its layers scanned")
     ap.add_argument("--part", choices=list(PARTS), help=argparse.SUPPRESS)  # one part, in this process
     ap.add_argument("--dir", help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
@@ -264,7 +309,7 @@ def main(argv=None) -> int:
     work = tempfile.mkdtemp(prefix="gpu_decode_")
     ck = os.path.join(work, "checkpoint")
     result = {"shape": a.shape, "batches": a.batches, "contexts": a.contexts, "new": a.new}
-    for part in ["make", "floor", "jax"] + ([] if a.no_hf else ["hf"]):
+    for part in ["make", "floor", "jax"] + ([] if a.no_scan else ["scan"]) + ([] if a.no_hf else ["hf"]):
         cmd = [sys.executable, "-m", "bench.gpu_decode", "--part", part, "--dir", ck, "--work", work,
                "--shape", a.shape, "--batches", ",".join(map(str, a.batches)),
                "--contexts", ",".join(map(str, a.contexts)), "--new", str(a.new),
@@ -274,9 +319,9 @@ def main(argv=None) -> int:
         print(f"gpu_decode: {part}: rc {rc} in {time.perf_counter() - t0:.0f} s", flush=True)
         path = os.path.join(work, f"{part}.json")
         result[part] = json.load(open(path)) if rc == 0 and os.path.exists(path) else {"error": f"rc {rc}"}
+        write(a.json, result)  # after every part: a run cut short keeps what it measured
         if rc != 0 and part in ("make", "floor"):
             break
-    write(a.json, result)
     print(json.dumps(result)[:3000])
     return 0
 

@@ -237,11 +237,34 @@ def gpu_decode(r: dict[str, dict]) -> list[str]:
         if "busy_fraction" in t:
             out += [f"The GPU was busy {pct(t['busy_fraction'])} of {num(t['span_ms'], 1)} ms of decode steps "
                     f"({t['batch']} requests, {t['context']}-token context; profiler trace).", ""]
+        out += _scanned(j, d.get("scan", {}))
         hf = d.get("hf", {}).get("transformers", [])
         if hf:
             out += ["transformers `generate` (sdpa, bf16) on the same checkpoint: " + ", ".join(
                 f"{num(x['decode_step_ms'], 1)} ms a step at {x['batch']} requests" for x in hf) + ".", ""]
     return out
+
+
+def _scanned(unrolled: dict, scan: dict) -> list[str]:
+    """The scanned engine's points against the unrolled ones of the same run, and its prefill instance."""
+    if not scan:
+        return []
+    if "points" not in scan:
+        return [f"The engine with its layers scanned did not finish ({scan.get('error', 'no result')}).", ""]
+    base = {(p["batch"], p["context"]): p for p in unrolled["points"] if "skipped" not in p}
+    parts = [f"{p['batch']} x {p['context']}: decode step {num(p['decode_step_ms'], 2)} ms "
+             f"({p['decode_step_ms'] / b['decode_step_ms']:.2f}x unrolled), prefill "
+             f"{p['prefill_s'] / b['prefill_s']:.2f}x, first pass (compiling) {num(p['first_pass_s'], 1)} s against "
+             f"{num(b['first_pass_s'], 1)} s" for p in scan["points"] if "skipped" not in p
+             for b in [base.get((p["batch"], p["context"]))] if b is not None and "first_pass_s" in b]
+    out = ["With its layers scanned (engine.scan_layers; a prefill instance's default on a GPU): "
+           + ("; ".join(parts) if parts else "no point to set against the unrolled ones") + "."]
+    pi = scan.get("prefill_instance")
+    if pi:
+        out[0] += (f" A layer-wise prefill instance ({pi['layer_groups']} groups of {pi['layers_per_group']} layers, "
+                   f"max_num_batched_tokens {pi['max_num_batched_tokens']}) warmed {pi['programs']} prefill programs "
+                   f"in {num(pi['warmup_s'], 1)} s, the compilation cache off.")
+    return out + [""]
 
 
 def gpu_disagg(r: dict[str, dict]) -> list[str]:

@@ -59,3 +59,13 @@ def test_the_report_renders_a_result():
     assert "| 1 | 256 | 4.90 | 3.85 | 1.27x | 204 | 2% |" in text and "Not run (the cache holds too little): 256 x 2048" in text
     assert "busy 91% of 80.5 ms" in text and "106.7 ms a step at 1 requests" in text
     assert "did not finish (rc 1)" in "\n".join(render({"x.json": {**d, "jax": {"error": "rc 1"}}}))
+    d["jax"]["points"][0].update(prefill_s=0.5, first_pass_s=30.0)
+    d["scan"] = {"points": [{"batch": 1, "context": 256, "decode_step_ms": 5.39, "prefill_s": 0.55,
+                             "first_pass_s": 6.0}],
+                 "prefill_instance": {"layer_groups": 8, "layers_per_group": 4, "programs": 17,
+                                      "max_num_batched_tokens": 8192, "warmup_s": 61.2}}
+    text = "\n".join(render({"gpu_decode_h200.json": d}))
+    assert ("1 x 256: decode step 5.39 ms (1.10x unrolled), prefill 1.10x, first pass (compiling) 6.0 s against "
+            "30.0 s") in text
+    assert "(8 groups of 4 layers, max_num_batched_tokens 8192) warmed 17 prefill programs in 61.2 s" in text
+    assert "scanned did not finish (rc 124)" in "\n".join(render({"x.json": {**d, "scan": {"error": "rc 124"}}}))
