@@ -6,9 +6,11 @@ the cache holds them) decode at 256- and 2K-token contexts, greedy: per point th
 timer, programs compiled before), the HBM floor of that step (weight bytes + the batch's KV bytes, over the
 device-to-device copy rate measured in the same run) and their ratio. Also: the GPU's busy fraction over decode
 steps from a profiler trace (the union of the GPU's kernel intervals over the steps' span), prefill's share of
-the bf16 matmul rate measured in the same run, and transformers' `generate` on the same checkpoint (sdpa, bf16)
-at batch 1 and 64. Each part runs in a process of its own (JAX and torch do not share the card); the parts' JSON
-is merged into one result, stamped.
+the bf16 matmul rate measured in the same run, the engine again with its layers scanned (engine.scan_layers, a
+prefill instance's default on a GPU: decode step, prefill and compile seconds at batch 1 and 64 against the
+unrolled points, and a layer-wise prefill instance's programs and warm-up seconds), and transformers' `generate`
+on the same checkpoint (sdpa, bf16) at batch 1 and 64. Each part runs in a process of its own (JAX and torch
+do not share the card); the parts' JSON is merged into one result, stamped, written after every part.
 
     python -m bench.gpu_decode --json bench/results/gpu_decode_h200.json            # on the GPU (bench/gpu_check.sh)
     python -m bench.gpu_decode --shape tiny --batches 1,4 --contexts 32,64 --no-hf  # anywhere, to try it
