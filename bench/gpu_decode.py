@@ -311,7 +311,8 @@ def main(argv=None) -> int:
     work = tempfile.mkdtemp(prefix="gpu_decode_")
     ck = os.path.join(work, "checkpoint")
     result = {"shape": a.shape, "batches": a.batches, "contexts": a.contexts, "new": a.new}
-    for part in ["make", "floor", "jax"] + ([] if a.no_scan else ["scan"]) + ([] if a.no_hf else ["hf"]):
+    # the scan part last: the figures first, where a run is cut at its share
+    for part in ["make", "floor", "jax"] + ([] if a.no_hf else ["hf"]) + ([] if a.no_scan else ["scan"]):
         cmd = [sys.executable, "-m", "bench.gpu_decode", "--part", part, "--dir", ck, "--work", work,
                "--shape", a.shape, "--batches", ",".join(map(str, a.batches)),
                "--contexts", ",".join(map(str, a.contexts)), "--new", str(a.new),
