@@ -17,12 +17,12 @@ the prefetch (its tile would not fit the carry's registers). A request's own til
 split into up to MAX_PARTITIONS partitions of equal counts, so a table wider than its request (the engine's
 tables, as wide as the longest context: one decode program per batch bucket) adds no work and loses no
 parallelism (with a window, the tiles it covers are split); an explicit pages_per_partition splits the table's
-pages instead (the launch sweeps). The
-partitions are the split-KV ("flash decoding") form: each returns an unnormalised (O, m, l) triple and
-merge.py combines them (BanaServe eqs. 6-10); sinks join the merge as a part with no value. With a sliding
-window, tiles wholly before the window are skipped. Slots with length 0 give zeros. The pool is read as
-[num_blocks * layers, ...] (block b of layer l at b * L + l) and the layer comes in as an int32 argument, so it
-may be traced: one kernel for every layer of a group, and a scan over a run of layers (models/stack.py) runs it.
+pages instead (the launch sweeps). The partitions are the split-KV ("flash decoding") form: each returns an
+unnormalised (O, m, l) triple and merge.py combines them (BanaServe eqs. 6-10); sinks join the merge as a part
+with no value. With a sliding window, tiles wholly before the window are skipped. Slots with length 0 give
+zeros. The pool is read as [num_blocks * layers, ...] (block b of layer l at b * L + l) and the layer comes in as
+an int32 argument, so it may be traced: one kernel for every layer of a group, and a scan over a run of layers
+(models/stack.py) runs it.
 
 The references gather the blocks and attend with jnp. Given `total_blocks` (a static bound on the blocks the
 batch holds, sum of ceil(lengths / block_size)), they gather only those, as one ragged list over the batch,
@@ -189,8 +189,9 @@ def _paged(q, pool, block_tables, lengths, sinks, layer, *, k_dim: int, v_entry:
     flat = pool.reshape((NB * L,) + pool.shape[2:])  # [NB * L, E, bs, Hkv, D]: block b of layer l at b * L + l
     if sorted(grid_order) != ["b", "h", "p"]:
         raise ValueError(f"grid_order must order the letters b, h and p, got {grid_order!r}")
-    kernel = functools.partial(_paged_kernel, layers=L, block_size=bs, ppt=ppt, ppp=ppp, parts=P, k_parts=k_parts, v_lo=v_lo,
-                               v_hi=v_hi, scale=scale, window=window, grid_order=grid_order, prefetch=prefetch)
+    kernel = functools.partial(_paged_kernel, layers=L, block_size=bs, ppt=ppt, ppp=ppp, parts=P, k_parts=k_parts,
+                               v_lo=v_lo, v_hi=v_hi, scale=scale, window=window, grid_order=grid_order,
+                               prefetch=prefetch)
 
     def at(f):  # an index map over (b, h, p) as one over the grid's axes
         return lambda *ids: f(*(ids[grid_order.index(c)] for c in "bhp"))
