@@ -5,10 +5,13 @@
 # step against the memory floor on an 8B-shaped checkpoint with transformers beside it, and the same engine with
 # its layers scanned (decode and prefill against unrolled, a layer-wise prefill instance's programs and warm-up
 # seconds: bench.gpu_decode),
-# `jaxserve serve` disaggregated (a prefill and a decode worker sharing the GPU) against colocated, SmolLM2-shaped
+# CUDA IPC between two processes on the GPU (tests/transfer/test_ipc.py: arrays copied out of another process's
+# memory), `jaxserve serve` disaggregated (a prefill and a decode worker sharing the GPU, KV through CUDA IPC, or
+# through JAX's transfer server where the IPC test failed) against colocated, SmolLM2-shaped
 # (bench.gpu_disagg: answers, TTFT, TPOT), tiny Llama, Kimi Linear and gpt-oss checkpoints answering the same
 # disaggregated as colocated there (tests/router/test_cluster_http.py), and with the time left the device transfer
-# backend's tests and its bytes/s beside raw sockets (tests/transfer/test_pull.py, bench.transfer part a). The
+# backend's tests and its bytes/s (transfer server and CUDA IPC) beside raw sockets and the device's own copy
+# (tests/transfer/test_pull.py, bench.transfer part a). The
 # launch-parameter sweep (bench.kernel_tune) runs when TUNE_SWEEPS names sweeps (candidates, hopper, paged: swept
 # on the H100 and H200, bench/results/kernel_tune_*).
 #
@@ -54,7 +57,7 @@ step() {
     local limit=$(( share < left ? share : left ))
     if [ "$limit" -lt 20 ]; then
         echo "$name: skipped, under 20 s for it (its share $share s, $left s of the budget left)" | tee -a "$OUT/summary.txt"
-        return
+        return 1
     fi
     local t0=$(date +%s)
     timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
@@ -62,13 +65,16 @@ step() {
     echo "$name: rc $rc in $(( $(date +%s) - t0 )) s (limit $limit s)$([ $rc = 124 ] && echo ', cut at its limit')" \
         | tee -a "$OUT/summary.txt"
     tail -n 4 "$OUT/$name.log" | awk '{print "    " $0}' | tee -a "$OUT/summary.txt"  # awk ends every line
+    return $rc
 }
 
 # in order of what a cut-short run must not lose: the kernels' rates, the engine against the memory floor,
 # disaggregated serving on the GPU and its answers, the attention kernels' tests, the other kernel tests, the device transfer backend
 step kernels 40 $PY -m bench.kernels --iters 20 --json "$OUT/kernels_$TAG.json"
-step gpu_decode 240 $PY -m bench.gpu_decode --json "$OUT/gpu_decode_$TAG.json"
-step gpu_disagg 90 $PY -m bench.gpu_disagg --reps 2 --json "$OUT/gpu_disagg_$TAG.json"
+step gpu_decode 230 $PY -m bench.gpu_decode --json "$OUT/gpu_decode_$TAG.json"
+# the disaggregated deployment moves KV through CUDA IPC only where two processes just did so correctly
+step ipc_test 20 $PY -m pytest -v -p no:cacheprovider tests/transfer/test_ipc.py && IPC=on || IPC=off
+step gpu_disagg 90 $PY -m bench.gpu_disagg --reps 2 --cuda-ipc $IPC --json "$OUT/gpu_disagg_$TAG.json"
 step disagg_tests 50 env JAXSERVE_DISAGG_FAMILIES=llama,kimi_linear,gpt_oss $PY -m pytest -v -p no:cacheprovider \
     tests/router/test_cluster_http.py -k equals_colocated
 if [ -n "${TUNE_SWEEPS:-}" ]; then
@@ -78,7 +84,7 @@ fi
 K=tests/pallas_kernels
 ATTENTION="$K/test_flash_attention_hopper.py $K/test_paged_attention.py $K/test_paged_prefill.py $K/test_paged_candidates.py"
 step attention_tests 50 $PY -m pytest -v -p no:cacheprovider $ATTENTION
-step pallas_tests 40 $PY -m pytest -v -p no:cacheprovider $K $(for f in $ATTENTION; do echo --ignore $f; done) \
+step pallas_tests 30 $PY -m pytest -v -p no:cacheprovider $K $(for f in $ATTENTION; do echo --ignore $f; done) \
     --ignore $K/test_gpu_lowering.py  # the engine on each model family first
 # (tests/conftest.py's order); test_gpu_lowering.py checks on a CPU what the GPU's own compiles show here
 step pull_tests 20 $PY -m pytest -q -p no:cacheprovider tests/transfer/test_pull.py

@@ -5,8 +5,9 @@ the same model and engine settings, over HTTP, greedy.
 - answers: a set of prompts decoded both ways, their tokens compared;
 - per prompt length (256, 2048 and 4000 tokens by default): TTFT and TPOT of streamed requests, the median over
   `--reps` fresh prompts (no prefix hits), disaggregated and colocated, and their ratios; the KV bytes each
-  disaggregated request moved and its backend (shm, device or tcp). The backends' own rates beside the device
-  copy and raw sockets are bench.transfer's (gpu_check runs both);
+  disaggregated request moved and its backend (cuda_ipc, device, shm or tcp; `--cuda-ipc off` measures JAX's
+  transfer server in CUDA IPC's place). The backends' own rates beside the device copy and raw sockets are
+  bench.transfer's (gpu_check runs both);
 - the ready time of each deployment (launch to /health 200, the compilation cache shared, so the second start
   finds the programs both build).
 
@@ -36,9 +37,10 @@ from bench.startup import launch, stop
 from jaxserve.router.launcher import free_ports
 
 
-def configs(model: str, max_len: int, cache: str, cpus: bool = False) -> tuple[dict, dict]:
+def configs(model: str, max_len: int, cache: str, cpus: bool = False, cuda_ipc: bool = True) -> tuple[dict, dict]:
     """(disaggregated, colocated) config mappings: the same model and engine section; the two workers share
-    device 0 (the default split of its memory)."""
+    device 0 (the default split of its memory) and move KV through CUDA IPC (or, cuda_ipc False, JAX's transfer
+    server)."""
     engine = {"block_size": 16, "max_num_seqs": 16, "max_num_batched_tokens": 2048, "max_model_len": max_len,
               "prefix_caching": False, "warmup": False, "compilation_cache": cache}
     base = {"model": {"path": model, "name": "m", "dtype": "bfloat16"},
@@ -46,7 +48,7 @@ def configs(model: str, max_len: int, cache: str, cpus: bool = False) -> tuple[d
     disagg = {**base, "clusters": [{"name": "c", "instances": [
         {"name": "p0", "role": "prefill", **({"cpus": [0]} if cpus else {})},
         {"name": "d0", "role": "decode", **({"cpus": [1]} if cpus else {})}]}],
-        "transfer": {"token": "gpu-disagg", "layers_per_group": 4, "stream_min_tokens": 512}}
+        "transfer": {"token": "gpu-disagg", "layers_per_group": 4, "stream_min_tokens": 512, "cuda_ipc": cuda_ipc}}
     colocated = {**base, "clusters": [{"name": "c", "instances": [{"name": "solo", "role": "both"}]}]}
     return disagg, colocated
 
@@ -114,6 +116,8 @@ def main(argv=None) -> int:
     ap.add_argument("--answers", type=int, default=8, help="prompts whose answers are compared")
     ap.add_argument("--timeout-s", type=float, default=300, help="per deployment's start")
     ap.add_argument("--pin", action="store_true", help="pin the two workers to cores 0 and 1")
+    ap.add_argument("--cuda-ipc", choices=("on", "off"), default="on",
+                    help="disaggregated KV through CUDA IPC (on) or JAX's transfer server (off), on a GPU")
     a = ap.parse_args(argv)
     import numpy as np
 
@@ -130,11 +134,19 @@ def main(argv=None) -> int:
     lengths = [n for n in lengths if n + a.new < max_len]
     rng = np.random.default_rng(0)
     answers = [rng.integers(3, mc.vocab_size, int(rng.integers(8, 200))).tolist() for _ in range(a.answers)]
-    disagg, colocated = configs(path, max_len, os.path.join(work, "xla"), a.pin)
-    result = {"model": a.model or f"random, {a.shape} shape (bench/gpu_decode.py)", "max_model_len": max_len, "lengths": lengths, "reps": a.reps, "new": a.new}
+    disagg, colocated = configs(path, max_len, os.path.join(work, "xla"), a.pin, a.cuda_ipc == "on")
+    result = {"model": a.model or f"random, {a.shape} shape (bench/gpu_decode.py)", "max_model_len": max_len,
+              "lengths": lengths, "reps": a.reps, "new": a.new, "cuda_ipc": a.cuda_ipc}
     for name, cfg in (("colocated", colocated), ("disaggregated", disagg)):
-        result[name] = serve_and_measure(cfg, work, name, answers, lengths, a.reps, a.new, mc.vocab_size, 1,
-                                         a.timeout_s)
+        try:
+            result[name] = serve_and_measure(cfg, work, name, answers, lengths, a.reps, a.new, mc.vocab_size, 1,
+                                             a.timeout_s)
+        except Exception as e:  # noqa: BLE001 - recorded: what the other deployment measured is kept
+            result[name] = {"error": f"{type(e).__name__}: {e}"}
+            write(a.json, result)
+            print(f"{name} failed: {e}", flush=True)
+            return 1
+        write(a.json, result)  # kept if the next deployment does not finish in the time a run has
     c, d = result["colocated"], result["disaggregated"]
     result["answers_equal"] = sum(x == y for x, y in zip(c["answers"], d["answers"]))
     result["answers"] = len(answers)

@@ -7,7 +7,16 @@ from __future__ import annotations
 from bench.report_md import Headline, Section, median, ms, num, pct, sig, spread, table
 
 TRANSFER_CPU = (("raw sockets", "raw"), ("raw sockets + the link's checksum", "raw_checksum"), ("KV link (TCP)", "kv"),
-                ("KV link over mutual TLS", "kv_tls"), ("device backend (JAX transfer server)", "device"))
+                ("KV link over mutual TLS", "kv_tls"), ("device backend (JAX transfer server)", "device"),
+                ("device backend (CUDA IPC)", "cuda_ipc"))
+
+
+def _ipc_cell(e: dict) -> str:
+    """CUDA IPC's GB/s and the device's own copy rate beside it, where a GPU measured them."""
+    ipc, copy = e.get("cuda_ipc", {}), e.get("device_copy")
+    if "bytes_per_s_median" not in ipc:
+        return "-"
+    return f"{ipc['bytes_per_s_median'] / 1e9:.1f} / {copy['bytes_per_s_median'] / 1e9:.1f}"
 
 
 def transfer(r: dict[str, dict]) -> list[str]:
@@ -20,11 +29,11 @@ def transfer(r: dict[str, dict]) -> list[str]:
                      f"{e['kv_bytes_per_s_median'] / 1e9:.2f}", f"{e['raw_bytes_per_s_median'] / 1e9:.2f}",
                      f"**{e['efficiency']:.2f}** ({min(ratios):.2f}-{max(ratios):.2f})", f"{e['goal']:.2f}",
                      f"{e['device_backend']['bytes_per_s_median'] / 1e9:.2f}" if "device_backend" in e else "-",
-                     f"{e['tls']['bytes_per_s_median'] / 1e9:.2f}" if "tls" in e else "-"])
+                     _ipc_cell(e), f"{e['tls']['bytes_per_s_median'] / 1e9:.2f}" if "tls" in e else "-"])
     out += ["(a) Efficiency: a KV transfer between two processes against raw sockets moving the same bytes, "
             f"medians of the repetitions (GB/s):", ""]
     out += table(["result", "transfer", "KV link", "raw sockets", "KV / raw (range per repetition)", "goal",
-                  "device backend", "KV link over mutual TLS"], rows)
+                  "device backend", "CUDA IPC / device copy", "KV link over mutual TLS"], rows)
     d = r.get("transfer.json")
     if d is None:
         return out

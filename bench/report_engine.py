@@ -270,7 +270,12 @@ def _scanned(unrolled: dict, scan: dict) -> list[str]:
 def gpu_disagg(r: dict[str, dict]) -> list[str]:
     out = []
     for name, d in r.items():
-        c, g = d["colocated"], d["disaggregated"]
+        c, g = d.get("colocated", {"error": "not run"}), d.get("disaggregated", {"error": "not run"})
+        if "error" in c or "error" in g:  # a run cut short: what it says, no figures
+            why = [f"{k} " + ("not run" if x["error"] == "not run" else f"failed: {x['error']}")
+                   for k, x in (("colocated", c), ("disaggregated", g)) if "error" in x]
+            out += [f"`{name}`: {d['model']}: {'; '.join(why)}.", ""]
+            continue
         out += [f"`{name}`: {d['model']}, greedy, {d['new']} tokens per request, medians of {d['reps']}; answers equal "
                 f"colocated for {d['answers_equal']} of {d['answers']} prompts; ready after {num(g['ready_s'])} s "
                 f"disaggregated, {num(c['ready_s'])} s colocated.", ""]

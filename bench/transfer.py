@@ -7,7 +7,9 @@
     alternately in the same run. Reported: median bytes/s of each and their ratio (goal >= 0.85). Also, in the
     same rotation, raw sockets plus the link's own payload checksum loops on both ends and nothing else of the
     link (`raw_checksum`): what the checksum alone costs raw sockets, and how the link compares with that. And the
-    device backend (transfer/pull.py) moving the same bytes, pulled through JAX's transfer server, and its ratio; the
+    device backend (transfer/pull.py) moving the same bytes, pulled through JAX's transfer server, and its ratio;
+    on a GPU the same array shared through CUDA IPC (transfer/ipc.py: the receiver copies it out of the sender's
+    memory on the GPU both share); both beside the device's own copy rate of the array (`device_copy`); the
     KV link over mutual TLS (transfer/tls.py, `kv_tls`): what encryption costs against the plaintext link; and
     where the CPU goes: CPU seconds per GB moved of each process (sender, receiver) for each kind of transfer,
     the cores they keep busy, the CPU seconds per GB of the payload checksum alone (XXH3 over the payload as
@@ -78,7 +80,8 @@ def _receiver(conn, raw_port_q, tls):
     """Receiver process: a KVServer with a receive pool (and a JAX transfer server for the device backend), a
     second one speaking TLS (`tls`: transfer.tls.Tls), and a raw-socket sink, driven over a pipe."""
     from jaxserve.transfer.pull import PullServer
-    servers = {"plain": KVServer(TOKEN, puller=PullServer()), "tls": KVServer(TOKEN, tls=tls.server_context())}
+    servers = {"plain": KVServer(TOKEN, puller=PullServer(ipc=_ipc_share()[0])),
+               "tls": KVServer(TOKEN, tls=tls.server_context())}
     raw = socket.create_server(("127.0.0.1", 0))
     raw.listen(64)
     raw_port_q.put(({k: v.address for k, v in servers.items()}, raw.getsockname()[1]))
@@ -124,6 +127,32 @@ def _receiver(conn, raw_port_q, tls):
             conn.send("ok")
             for t in ts:
                 t.join()
+
+
+def _ipc_share():
+    """(this process's CUDA IPC share, None) on a GPU; (None, why not) elsewhere or where it cannot start."""
+    import jax
+    if jax.default_backend() != "gpu":
+        return None, f"JAX runs on {jax.default_backend()}: CUDA IPC needs a GPU"
+    from jaxserve.transfer.cuda import CudaError
+    from jaxserve.transfer.ipc import cuda_share
+    try:
+        return cuda_share(jax.local_devices()[0]), None
+    except CudaError as e:
+        return None, f"no CUDA IPC: {e}"
+
+
+def _device_copy(x, reps: int = 5) -> float:
+    """Bytes/s of the device's own copy of `x` (a device-to-device copy on its device), median of `reps`."""
+    import jax
+    dev = next(iter(x.devices()))
+    jax.device_put(x, dev, may_alias=False).block_until_ready()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.device_put(x, dev, may_alias=False).block_until_ready()
+        times.append(time.perf_counter() - t)
+    return x.nbytes / statistics.median(times)
 
 
 def _cpu_s() -> float:
@@ -222,9 +251,11 @@ def efficiency(mb: int, conns: int, reps: int) -> dict:
     import jax.numpy as jnp
 
     from jaxserve.transfer.pull import PullLink, PullServer
-    kv, raw, raw_cs, dev, ktls, frames = [], [], [], [], [], 0
+    kv, raw, raw_cs, dev, ktls, ipc, copies, frames = [], [], [], [], [], [], [], 0
+    share, no_ipc = _ipc_share()
     # per kind: sender s, receiver s, wall s (counted reps)
-    cpu = {k: [0.0, 0.0, 0.0] for k in ("raw", "raw_checksum", "kv", "kv_tls", "device")}
+    cpu = {k: [0.0, 0.0, 0.0] for k in ("raw", "raw_checksum", "kv", "kv_tls", "device")
+           + (("cuda_ipc",) if share else ())}
 
     def timed(kind, counted, fn, *args):  # fn's result; counted: the CPU both processes spent on it adds to cpu[kind]
         a.send(("cpu",))
@@ -239,6 +270,8 @@ def efficiency(mb: int, conns: int, reps: int) -> dict:
     link = TcpLink(addr, TOKEN, connections=conns)  # links persist between transfers, as in a worker
     plink = PullLink(addr, TOKEN, PullServer(connections=conns), 120.0, connections=1)
     tlink = TcpLink(addrs["tls"], TOKEN, connections=conns, tls=tls["sender"].client_context())
+    ilink = PullLink(addr, TOKEN, PullServer(connections=conns, ipc=share), 120.0, ipc=True, connections=1) \
+        if share else None
     on_device = jnp.asarray(arr[:nblocks])
     try:
         for i in tqdm(range(reps + 1), desc="transfer efficiency", unit="rep"):
@@ -248,7 +281,20 @@ def efficiency(mb: int, conns: int, reps: int) -> dict:
             k, frames, sends = timed("kv", counted, _kv_once, a, link, lay, arr, nblocks, f"req{i}")
             d, _, _ = timed("device", counted, _kv_once, a, plink, lay, on_device, nblocks, f"dev{i}")
             kt, _, _ = timed("kv_tls", counted, _kv_once, a, tlink, lay, arr, nblocks, f"tls{i}", "tls")
+            if ilink is not None:
+                try:
+                    ip, _, _ = timed("cuda_ipc", counted, _kv_once, a, ilink, lay, on_device, nblocks, f"ipc{i}")
+                    if counted:
+                        ipc.append(ip)
+                except Exception as e:  # noqa: BLE001 - recorded; the other kinds' figures are kept
+                    no_ipc = f"failed: {type(e).__name__}: {e}"
+                    print(f"CUDA IPC transfer {no_ipc}", flush=True)
+                    ilink.close()
+                    ilink, ipc = None, []
+                    cpu.pop("cuda_ipc", None)
+            copy = _device_copy(on_device)
             if counted:
+                copies.append(copy)
                 raw.append(r)
                 raw_cs.append(rc)
                 kv.append(k)
@@ -259,6 +305,8 @@ def efficiency(mb: int, conns: int, reps: int) -> dict:
         link.close()
         plink.close()
         tlink.close()
+        if ilink is not None:
+            ilink.close()
         a.send(("stop",))
         proc.join(10)
         import shutil
@@ -269,6 +317,7 @@ def efficiency(mb: int, conns: int, reps: int) -> dict:
     cpu_per_gb = {k: {"sender": v[0] / gb, "receiver": v[1] / gb, "total": (v[0] + v[1]) / gb,
                       "cores_busy": (v[0] + v[1]) / v[2]} for k, v in cpu.items()}
     check = _checksum_s_per_gb(arr[:nblocks])
+    copy = statistics.median(copies)
     return {"bytes": nblocks * 2 * 1024 * 1024, "connections": conns, "reps": reps,
             "kv_bytes_per_s_median": statistics.median(kv), "raw_bytes_per_s_median": statistics.median(raw),
             "efficiency": ratio, "goal": 0.85, "kv_frames": frames, "kv_sends": sends,
@@ -285,7 +334,16 @@ def efficiency(mb: int, conns: int, reps: int) -> dict:
                                        f"{jax.default_backend()} (cpu: host memory to host memory; gpu: from "
                                        "one GPU's memory to the same GPU's, both processes sharing it)",
                                "bytes_per_s_median": statistics.median(dev),
-                               "vs_raw": statistics.median(dev) / statistics.median(raw), "bytes_per_s": dev},
+                               "vs_raw": statistics.median(dev) / statistics.median(raw),
+                               "vs_device_copy": statistics.median(dev) / copy, "bytes_per_s": dev},
+            "device_copy": {"what": "the device's own copy of the same array (jax.device_put, may_alias=False), "
+                                    "bytes copied per second, median of 5 per repetition: the rate the device "
+                                    "backends compare with", "bytes_per_s_median": copy, "bytes_per_s": copies},
+            "cuda_ipc": {"what": "the same array shared through CUDA IPC (transfer/ipc.py): the receiver maps the "
+                                 "sender's allocation and copies the array out of it on the GPU both processes share",
+                         "bytes_per_s_median": statistics.median(ipc), "vs_device_copy": statistics.median(ipc) / copy,
+                         "vs_device_backend": statistics.median(ipc) / statistics.median(dev), "bytes_per_s": ipc}
+            if ipc else {"not_measured": no_ipc},
             "tls": {"what": "the same KV link (same frames, checksums, connections) over mutual TLS (transfer/tls.py: "
                             "Python ssl, the OpenSSL build's default cipher suite), against the plaintext link",
                     "cipher": cipher, "bytes_per_s_median": statistics.median(ktls),

@@ -222,6 +222,9 @@ class TransferSection(_Strict):
     device_transfer: Literal["auto", "on", "off"] = Field(
         "auto", description="decode pulls KV device to device through JAX's transfer server (jax.experimental."
                             "transfer) when both ends enable it; auto: on where JAX runs on a GPU or TPU")
+    cuda_ipc: bool = Field(True, description="with device transfers, instances sharing one GPU move KV through CUDA "
+                           "IPC: decode copies the arrays out of prefill's device memory (a device-to-device copy) "
+                           "instead of taking them over the transfer server's sockets")
 
     @model_validator(mode="before")
     @classmethod

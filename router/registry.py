@@ -71,6 +71,7 @@ class WorkerInfo:
     shm: dict | None = None  # decode: its shared-memory receive pool {"name", "boot", "bytes"}
     pull: bool = False  # decode: takes device pulls
     pull_address: str | None = None  # prefill: its JAX transfer server
+    ipc: str | None = None  # the GPU it takes and makes CUDA IPC pulls on (transfer/ipc.py)
     pool: dict | None = None  # store: its shared KV pool (cache/shared_pool.py; "boot": its host)
     reads_pool: bool = False  # prefill: copies prefixes out of a store's shared pool on its host
     last_seen: float = 0.0
@@ -87,7 +88,8 @@ class WorkerInfo:
     def peer(self) -> dict:
         """This instance's entry in the peer table."""
         return {"role": self.role, "pid": self.pid, "address": self.address, "kv_address": list(self.kv_address) if self.kv_address else None,
-                "shm": self.shm, "pull": self.pull, "pull_address": self.pull_address, "pool": self.pool}
+                "shm": self.shm, "pull": self.pull, "pull_address": self.pull_address, "ipc": self.ipc,
+                "pool": self.pool}
 
     def shares_host_pool(self, store: "WorkerInfo") -> bool:
         """Whether this instance can read `store`'s shared KV pool in place: it reads such pools, and its receive
@@ -142,6 +144,7 @@ class Registry:
             w.links = dict(msg.get("links") or {})
             w.shm = dict(msg["shm"]) if msg.get("shm") else None
             w.pull, w.pull_address = bool(msg.get("pull")), msg.get("pull_address")
+            w.ipc = msg.get("ipc")
             w.pool, w.reads_pool = (dict(msg["pool"]) if msg.get("pool") else None), bool(msg.get("reads_pool"))
             w.last_seen = self.now()
             w.down_reason = None

@@ -16,6 +16,8 @@ def test_transfer_bench_smoke(tmp_path):
     e, s = r["efficiency"], r["sends_per_request"]
     assert e["bytes"] == 8 << 20 and len(e["kv_bytes_per_s"]) == 1 and e["efficiency"] > 0
     assert len(e["device_backend"]["bytes_per_s"]) == 1 and e["device_backend"]["vs_raw"] > 0
+    assert len(e["device_copy"]["bytes_per_s"]) == 1 and e["device_backend"]["vs_device_copy"] > 0
+    assert "needs a GPU" in e["cuda_ipc"]["not_measured"]  # on a GPU: its rate beside the device copy's
     cpu = e["cpu_s_per_gb"]
     assert set(cpu) == {"raw", "raw_checksum", "kv", "kv_tls", "device"}
     t = e["tls"]  # the TLS link moved the bytes (a failed transfer raises) and says what it negotiated
@@ -56,3 +58,15 @@ def test_ttft_phi_and_interference_benches_smoke(tmp_path, checkpoint_dir):
     r = json.loads(out.read_text())
     assert r["setups"]["colocated"]["tpot_samples"] == r["setups"]["disaggregated"]["tpot_samples"] == 10
     assert r["p99_tpot_ratio"] > 0
+
+
+def test_the_report_puts_cuda_ipc_beside_the_device_copy():
+    from pathlib import Path
+
+    from bench.report_cluster import transfer as render
+    r = json.loads((Path(__file__).parent.parent / "bench/results/transfer_h200.json").read_text())
+    e = r["efficiency"]
+    assert "| - |" in "\n".join(render({"transfer_h200.json": r}))  # measured before CUDA IPC: no figure
+    e["device_copy"] = {"bytes_per_s_median": 2.0e12, "bytes_per_s": [2.0e12]}
+    e["cuda_ipc"] = {"bytes_per_s_median": 1.5e12, "bytes_per_s": [1.5e12]}
+    assert "| 1500.0 / 2000.0 |" in "\n".join(render({"transfer_h200.json": r}))

@@ -10,7 +10,8 @@ import tarfile
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = ["kernels", "gpu_decode", "gpu_disagg", "disagg_tests", "attention_tests", "pallas_tests", "pull_tests", "transfer"]
+STEPS = ["kernels", "gpu_decode", "ipc_test", "gpu_disagg", "disagg_tests", "attention_tests", "pallas_tests",
+         "pull_tests", "transfer"]
 
 
 def _executable(path, text: str) -> None:
@@ -27,11 +28,11 @@ def _run(tmp_path, **env) -> tuple[list[list[str]], str, object]:
     calls = tmp_path / "calls.txt"
     _executable(bin_dir / "fakepy", f'#!/bin/sh\nprintf "%s\\n" "$*" >> {shlex.quote(str(calls))}\necho "ran $*"\n')
     base = {k: v for k, v in os.environ.items() if k not in ("TUNE_SWEEPS", "BUDGET_S")}
-    env = dict(base, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(out), PY=str(bin_dir / "fakepy"), **env)
+    env = {**base, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(out), "PY": str(bin_dir / "fakepy"), **env}
     done = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
-    lines = [ln.split() for ln in calls.read_text().splitlines()]
+    lines = [ln.split() for ln in calls.read_text().splitlines()] if calls.exists() else []
     return lines, (out / "summary.txt").read_text(), out
 
 
@@ -40,15 +41,18 @@ def test_every_step_runs_in_order_with_the_results_named_after_the_gpu(tmp_path)
     out = str(out_dir)
     assert "gpu: NVIDIA H100 80GB HBM3 (tag h100)" in summary
     steps = [c for c in calls if c[0] == "-m" and c[1] != "pip"]  # the version print (-c), a wheel install aside
-    assert [c[1] for c in steps] == ["bench.kernels", "bench.gpu_decode", "bench.gpu_disagg", "pytest", "pytest",
-                                     "pytest", "pytest", "bench.transfer"]  # no sweep unless TUNE_SWEEPS names one
+    assert [c[1] for c in steps] == ["bench.kernels", "bench.gpu_decode", "pytest", "bench.gpu_disagg", "pytest",
+                                     "pytest", "pytest", "pytest", "bench.transfer"]  # no sweep without TUNE_SWEEPS
     assert steps[0][-1] == f"{out}/kernels_h100.json" and steps[1][-1] == f"{out}/gpu_decode_h100.json"
-    assert steps[2][-1] == f"{out}/gpu_disagg_h100.json" and "tests/router/test_cluster_http.py" in steps[3]
-    attention, others = steps[4], steps[5]
+    assert "tests/transfer/test_ipc.py" in steps[2]
+    disagg = steps[3]
+    assert disagg[-1] == f"{out}/gpu_disagg_h100.json" and disagg[disagg.index("--cuda-ipc") + 1] == "on"
+    assert "tests/router/test_cluster_http.py" in steps[4]
+    attention, others = steps[5], steps[6]
     assert "tests/pallas_kernels/test_paged_candidates.py" in attention
     ignored = {others[i + 1] for i, a in enumerate(others) if a == "--ignore"}
     assert {a for a in attention if a.startswith("tests/")} | {"tests/pallas_kernels/test_gpu_lowering.py"} == ignored
-    assert steps[7][-1] == f"{out}/transfer_h100.json"
+    assert steps[8][-1] == f"{out}/transfer_h100.json"
     for name in STEPS:
         assert f"{name}: rc 0" in summary, summary
     with tarfile.open(out_dir / "logs.tgz") as tar:
@@ -60,7 +64,8 @@ def test_every_step_runs_in_order_with_the_results_named_after_the_gpu(tmp_path)
 def test_the_sweeps_chosen_name_the_sweep_file(tmp_path, sweeps, name):
     calls, _, out_dir = _run(tmp_path, TUNE_SWEEPS=sweeps)
     steps = [c[1] for c in calls if c[0] == "-m" and c[1] != "pip"]
-    assert steps[:5] == ["bench.kernels", "bench.gpu_decode", "bench.gpu_disagg", "pytest", "bench.kernel_tune"]
+    assert steps[:6] == ["bench.kernels", "bench.gpu_decode", "pytest", "bench.gpu_disagg", "pytest",
+                         "bench.kernel_tune"]
     tune = next(c for c in calls if c[:2] == ["-m", "bench.kernel_tune"])
     assert tune[tune.index("--sweeps") + 1] == sweeps and tune[-1] == f"{out_dir}/{name}"
     assert float(tune[tune.index("--budget-s") + 1]) < 150  # the sweep stops starting configurations in its share
@@ -71,3 +76,15 @@ def test_a_small_budget_skips_the_steps_it_cannot_fit_and_says_so(tmp_path):
     assert "kernels: skipped, under 20 s for it (its share 7 s" in summary
     assert "gpu_decode: rc 0" in summary  # its share, 39 s, still fits
     assert not any(c[:2] == ["-m", "bench.kernels"] for c in calls)
+
+
+def test_the_disaggregated_deployment_keeps_the_transfer_server_when_the_ipc_test_fails(tmp_path):
+    """The stand-in python fails the IPC test's pytest: bench.gpu_disagg then runs with --cuda-ipc off."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls.txt"
+    _executable(bin_dir / "ipcfails", f'#!/bin/sh\nprintf "%s\\n" "$*" >> {shlex.quote(str(calls))}\n'
+                '[ "$2" = pytest ] && echo "$*" | grep -q test_ipc.py && exit 1\nexit 0\n')
+    _, summary, _ = _run(tmp_path, PY=str(bin_dir / "ipcfails"))
+    disagg = next(ln.split() for ln in calls.read_text().splitlines() if "bench.gpu_disagg" in ln)
+    assert disagg[disagg.index("--cuda-ipc") + 1] == "off" and "ipc_test: rc 1" in summary

@@ -8,7 +8,10 @@ refusals and aborts. `PullLink` is a `TcpLink` whose sender, instead of DATA fra
 group's exported arrays to its server (`offer`: they stay there until pulled or until the transfer deadline)
 and sends one payload-less PULL frame naming them (uuid, server address, staged array indices, bytes). The
 receiving KV server checks the frame against the plan, `pull`s the arrays onto its own device, and
-acknowledges; the arrays go to the import program as they are (no DLPack, no receive region).
+acknowledges; the arrays go to the import program as they are (no DLPack, no receive region). Where both
+ends share one GPU and this process has an `ipc.IpcShare`, a PullLink made with `ipc=True` names the arrays by
+CUDA IPC handles in the PULL frame instead of offering them to the transfer server, and the receiver copies them
+device to device out of the sender's memory (ipc.py); the control path is the same.
 
 Block arrays cross with their padded row count (the export programs are bucketed to powers of two); the
 transfer's byte count is the staged payload, as for the other backends.
@@ -40,12 +43,14 @@ class PullError(RuntimeError):
 
 
 class PullServer:
-    def __init__(self, host: str = "127.0.0.1", connections: int = 4, piece_bytes: int = 4 << 20):
+    def __init__(self, host: str = "127.0.0.1", connections: int = 4, piece_bytes: int = 4 << 20, ipc=None):
         """connections: the transport's parallel sockets; piece_bytes: its unit of transfer (PJRT's
-        `transfer_size`; pieces pipeline, so one much smaller than a request's KV keeps every socket busy)."""
+        `transfer_size`; pieces pipeline, so one much smaller than a request's KV keeps every socket busy);
+        ipc: an ipc.IpcShare on this process's device (same-GPU pulls through CUDA IPC), or None."""
         import jax
         from jax.experimental import transfer
         self.device = jax.local_devices()[0]
+        self.ipc = ipc
         self._server = transfer.start_transfer_server(self.device.client, f"{host}:0", [f"{host}:0"] * connections,
                                                       transfer_size=piece_bytes)
         self.address: str = self._server.address()
@@ -59,11 +64,26 @@ class PullServer:
         self._server.await_pull(uuid, list(arrays), timeout=_deadline(timeout_s))
         return uuid
 
-    def pull(self, address: str, uuid: int, specs: list[tuple[tuple[int, ...], str]], timeout_s: float) -> list:
+    def offer_ipc(self, arrays: list, timeout_s: float) -> tuple[int, list[list]]:
+        """Share `arrays` (single-device jax.Arrays on this device) through CUDA IPC -> (uuid, [[handle hex,
+        offset, bytes]]); kept until `release(uuid)` or their expiry (ipc.IpcShare.offer)."""
+        uuid = next(self._uuids)
+        return uuid, self.ipc.offer(uuid, arrays, timeout_s)
+
+    def release(self, uuid: int) -> None:
+        if self.ipc is not None:
+            self.ipc.release(uuid)
+
+    def pull(self, address: str, uuid: int, specs: list[tuple[tuple[int, ...], str]], timeout_s: float,
+             ipc: dict | None = None) -> list:
         """The arrays `uuid` offered at the server `address`, on this process's device (waits until they are
-        here). specs: [(shape, numpy dtype name)] in offer order. Raises PullError."""
+        here). specs: [(shape, numpy dtype name)] in offer order; ipc: the PULL frame's CUDA IPC names
+        ({"dev": device key, "handles": [[handle hex, offset, bytes]]}) when they were shared that way.
+        Raises PullError."""
         import jax
         import numpy as np
+        if ipc is not None:
+            return self._copy_in(address, ipc, specs)
         sharding = jax.sharding.SingleDeviceSharding(self.device)
         try:
             xs = self._connect(address).pull(
@@ -77,7 +97,7 @@ class PullServer:
             if now >= deadline:
                 raise PullError(f"arrays {uuid} from {address} not pulled within {timeout_s:.1f}s")
             if now >= next_probe:
-                if not _listening(address):
+                if not listening(address):
                     self._drop(address)
                     raise PullError(f"pull from {address} failed: its transfer server is gone")
                 next_probe = now + PROBE_S
@@ -89,6 +109,22 @@ class PullServer:
             self._drop(address)
             raise PullError(f"pull from {address} failed: {e}") from e
         return list(xs)
+
+    def _copy_in(self, address: str, ipc: dict, specs: list) -> list:
+        from .ipc import IpcError
+        if self.ipc is None:
+            raise PullError("this instance does not take CUDA IPC pulls")
+        if ipc["dev"] != self.ipc.key:
+            raise PullError(f"arrays shared from device {ipc['dev']}, this instance runs on {self.ipc.key}")
+        try:
+            return self.ipc.copy_in(address, ipc["handles"], specs, self.device)
+        except (IpcError, RuntimeError) as e:  # RuntimeError: JAX's, on a view it cannot wrap or copy
+            self.ipc.forget(address)
+            raise PullError(f"CUDA IPC copy from {address} failed: {e}") from e
+
+    def close(self) -> None:
+        if self.ipc is not None:
+            self.ipc.close()
 
     def _connect(self, address: str):
         with self._lock:
@@ -102,7 +138,7 @@ class PullServer:
             self._conns.pop(address, None)
 
 
-def _listening(address: str) -> bool:
+def listening(address: str) -> bool:
     """Whether something still accepts connections at a transfer server's "host:port" (False only on a refusal:
     the process that served it is gone)."""
     host, _, port = address.rpartition(":")
@@ -122,10 +158,23 @@ def _deadline(timeout_s: float) -> datetime.datetime:
 class PullLink(TcpLink):
     """A TCP control link whose senders offer device arrays for the receiver to pull (KVSender.offer_arrays)."""
 
-    def __init__(self, address, token: str, server: PullServer, offer_timeout_s: float = 30.0, **kw):
-        self.server, self.offer_timeout_s = server, offer_timeout_s
+    def __init__(self, address, token: str, server: PullServer, offer_timeout_s: float = 30.0, ipc: bool = False,
+                 **kw):
+        """ipc: share the arrays through CUDA IPC (the receiver runs on this process's GPU; server.ipc set)."""
+        if ipc and server.ipc is None:
+            raise ValueError("a CUDA IPC link needs a PullServer with an IpcShare")
+        self.server, self.offer_timeout_s, self.ipc = server, offer_timeout_s, ipc
         super().__init__(address, token, **kw)
 
-    def offer(self, arrays: list) -> tuple[int, str]:
-        """-> (uuid, server address) of `arrays` (single-device jax.Arrays)."""
-        return self.server.offer(arrays, self.offer_timeout_s), self.server.address
+    def offer(self, arrays: list) -> dict:
+        """The PULL frame's meta naming `arrays` (single-device jax.Arrays): uuid, server address and, shared
+        through CUDA IPC, the handles."""
+        if self.ipc:
+            uuid, handles = self.server.offer_ipc(arrays, self.offer_timeout_s)
+            return {"uuid": uuid, "addr": self.server.address, "ipc": {"dev": self.server.ipc.key, "handles": handles}}
+        return {"uuid": self.server.offer(arrays, self.offer_timeout_s), "addr": self.server.address}
+
+    def release(self, meta: dict) -> None:
+        """A PULL frame was acknowledged: its arrays are the receiver's now."""
+        if "ipc" in meta:
+            self.server.release(meta["uuid"])

@@ -112,7 +112,13 @@ class KVReceiver:
             if len(set(arrays)) != len(arrays):
                 raise PlanError(f"arrays {arrays} named twice")
             if all(a in self._pulled or a in self._pulling for a in arrays):
-                return None  # a resend of a PULL that landed or is landing
+                # a resend of a PULL that landed or is landing: acknowledged once landed (its acknowledgement lets
+                # a sender sharing the arrays in place free them, ipc.py)
+                self._arrived.wait_for(lambda: not self._pulling.intersection(arrays) or self.state.final,
+                                       max(self.deadline - time.monotonic(), 0.0))
+                if any(a not in self._pulled for a in arrays):
+                    raise PlanError(f"arrays {arrays}: their pull failed")
+                return None
             if any(a in self._got or a in self._pulling for a in arrays):
                 raise PlanError(f"arrays {arrays} already (partly) received")
             specs = [self.staging.arrays[a] for a in arrays]
@@ -127,6 +133,7 @@ class KVReceiver:
         with self._lock:
             self._pulling.difference_update(arrays)
             if xs is None:
+                self._arrived.notify_all()  # a resend waiting on this pull (to_pull)
                 return
             for a, x in zip(arrays, xs):
                 sent = self.staging.arrays[a].sent_bytes

@@ -86,12 +86,11 @@ class KVSender:
         them in one PULL frame; the receiver fetches them and acknowledges the frame."""
         if not items:
             return
-        uuid, address = self.link.offer([x for _, x in items])
+        names = self.link.offer([x for _, x in items])  # uuid, address (and CUDA IPC handles)
         idx = [int(i) for i, _ in items]
         self.sends += 1
         self._submit(wire.Frame(wire.PULL, self.request_id, meta={
-            "arrays": idx, "uuid": uuid, "addr": address,
-            "bytes": sum(self.staging.arrays[i].sent_bytes for i in idx)}))
+            "arrays": idx, **names, "bytes": sum(self.staging.arrays[i].sent_bytes for i in idx)}))
 
     def finish(self, record: dict) -> None:
         """Queue the first-token record; after it nothing more is sent."""
@@ -115,6 +114,8 @@ class KVSender:
             self.bytes_acked += out.frame.meta["bytes"] if out.frame.kind == wire.PULL else len(out.frame.payload)
         if out.frame.kind == wire.PLAN:
             self.plan_accepted.set()
+        elif out.frame.kind == wire.PULL:
+            self.link.release(out.frame.meta)  # the receiver holds its copies: arrays shared in place may go
         self._maybe_done()
 
     def refused(self, out: Outgoing, reason: str, retry: bool) -> bool:

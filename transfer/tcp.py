@@ -17,7 +17,8 @@ shared-memory offset that is not the request's region) or bytes outside the plan
 NACK(final) with the reason, which is also logged. A reaper thread fails receivers whose deadline passed
 (their sender died, stalled or was cut off). A PULL frame (device backend) names staged arrays the server's
 `puller` (pull.py) fetches from the sender's JAX transfer server, whose address must be a registered prefill
-instance's (`pull_from`), before answering; a pull that fails fails the transfer at once.
+instance's (`pull_from`), before answering (or copies them out of the sender's memory on this GPU, when the
+frame names them by CUDA IPC handles: ipc.py); a pull that fails fails the transfer at once.
 
 Sender: a link owns N connections to one receiver address, shared by all transfers to it. Frames wait in
 one queue; each connection has a writer thread that takes the next frame (so the connections share the
@@ -328,7 +329,7 @@ class KVServer:
                 xs = None
                 try:
                     xs = self.puller.pull(h.meta["addr"], h.meta["uuid"], [(a.shape, a.dtype) for a in specs],
-                                          max(recv.deadline - time.monotonic(), 0.1))
+                                          max(recv.deadline - time.monotonic(), 0.1), h.meta.get("ipc"))
                 except Exception as e:  # noqa: BLE001 - PullError, or a bad address / uuid in the frame
                     reason = f"pull failed: {e}"  # the offer is gone or unreachable: the transfer fails now
                     self.forget(h.request_id, refused=reason)

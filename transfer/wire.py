@@ -16,7 +16,8 @@ of them into a 64-byte-aligned receive region is then aligned on both sides; wit
 Kinds: HELLO opens a connection (meta: cluster token, sender name); PLAN announces what a transfer will send
 (transfer/plan.py); DATA carries bytes of one staged array (meta: array index, byte offset); META carries the
 first sampled token; PUT says bytes were written into the receiver's shared-memory region (shm.py); PULL names
-staged arrays the receiver fetches from the sender's JAX transfer server (pull.py); ACK / NACK answer a frame by
+staged arrays the receiver fetches from the sender's JAX transfer server (pull.py), or copies out of the
+sender's memory on their shared GPU by the CUDA IPC handles it carries (ipc.py); ACK / NACK answer a frame by
 (request id, seq) (NACK meta: reason, whether a resend can help); ABORT tells the receiver the sender gave up.
 
 The payload checksum is XXH3-64 (xxhash), computed as the bytes go out or come in: the sender hashes each
@@ -252,6 +253,14 @@ def _num(v) -> bool:
     return type(v) in (int, float) and v == v and abs(v) != float("inf")
 
 
+def _ipc_names(v) -> bool:  # a PULL's CUDA IPC names (transfer/ipc.py): the device; handle, offset, bytes per array
+    return (isinstance(v, dict) and set(v) == {"dev", "handles"} and isinstance(v["dev"], str) and len(v["dev"]) < 128
+            and isinstance(v["handles"], list) and 0 < len(v["handles"]) <= 4096
+            and all(isinstance(h, list) and len(h) == 3 and isinstance(h[0], str) and len(h[0]) == 128
+                    and all(c in "0123456789abcdef" for c in h[0]) and _int(h[1]) and _int(h[2], 1)
+                    for h in v["handles"]))
+
+
 def _pair(t) -> bool:
     return isinstance(t, list) and len(t) == 2 and _int(t[0]) and _num(t[1])
 
@@ -262,7 +271,7 @@ _META: dict[int, dict[str, tuple]] = {  # field -> (check, required)
     PUT: {"a": (_int, True), "o": (_int, True), "n": (lambda v: _int(v, 1), True), "at": (_int, True)},
     PULL: {"arrays": (lambda v: isinstance(v, list) and 0 < len(v) <= 4096 and all(_int(a) for a in v), True),
            "uuid": (_int, True), "addr": (lambda v: isinstance(v, str) and len(v) < 512, True),
-           "bytes": (_int, True)},
+           "bytes": (_int, True), "ipc": (_ipc_names, False)},
     META: {"token": (lambda v: v is None or _int(v), True), "logprob": (_num, False),
            "top": (lambda v: isinstance(v, list) and len(v) <= 64 and all(_pair(t) for t in v), False)},
     ABORT: {"reason": (lambda v: isinstance(v, str), False)},

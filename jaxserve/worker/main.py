@@ -77,7 +77,7 @@ class Worker:
         if t.pulls(jax.default_backend()) and group is None:  # a group's KV moves through its leader's host
             from jaxserve.transfer.pull import PullServer
             try:
-                self.pull_server = PullServer(inst.host, t.connections)
+                self.pull_server = PullServer(inst.host, t.connections, ipc=self._ipc(t))
             except Exception as e:  # noqa: BLE001 - PJRT without a transfer server for this platform
                 if t.device_transfer == "on":
                     from ..config import ConfigFileError
@@ -226,6 +226,21 @@ class Worker:
             return [host, int(port)]
         return [self.advertise, self.intake.address[1]]
 
+    def _ipc(self, t):
+        """This process's CUDA IPC share (transfer/ipc.py) when it runs on a GPU and transfer.cuda_ipc is on, else
+        None (stated in the log when the GPU cannot share its memory)."""
+        import jax
+        if not t.cuda_ipc or jax.default_backend() != "gpu":
+            return None
+        from jaxserve.transfer.cuda import CudaError
+        from jaxserve.transfer.ipc import cuda_share
+        from jaxserve.transfer.pull import listening
+        try:
+            return cuda_share(jax.local_devices()[0], alive=listening)
+        except CudaError as e:
+            log.warning("%s: no CUDA IPC (%s); device pulls go over the transfer server", self.inst.name, e)
+            return None
+
     def _describe(self, stats: dict) -> dict:
         from jaxserve.transfer.shm import boot_id
         links = self.peers.snapshots()
@@ -237,6 +252,7 @@ class Worker:
                 "kv_address": self._kv_address(),
                 "max_model_len": self.llm.max_model_len, "stats": stats, "links": links, "shm": shm,
                 "pull": self.intake.server.puller is not None,
+                "ipc": self.pull_server.ipc.advertised if self.pull_server and self.pull_server.ipc else None,
                 "pull_address": self.pull_server.address if self.pull_server and self.role != "decode" else None,
                 "request_state": self.llm.scheduler.cfg.has_request_state,
                 "pool": {**self.shared_pool.describe(), "boot": boot_id()} if self.shared_pool else None,

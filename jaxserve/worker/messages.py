@@ -224,6 +224,7 @@ class Register(_Msg):
     reads_pool: StrictBool = False  # copies prefixes out of a store's shared pool on its host (one device)
     pull: StrictBool = False  # takes device pulls
     pull_address: Annotated[StrictStr, Field(max_length=512)] | None = None  # prefill: its JAX transfer server
+    ipc: Annotated[StrictStr, Field(max_length=127)] | None = None  # the GPU it shares KV on (transfer/ipc.py)
     request_state: StrictBool = False  # the model has request-level state (prefixes reusable at snapshots only)
     kv: CacheBatch | None = None
     kv_epoch: Annotated[StrictStr, Field(min_length=1, max_length=64)] | None = None  # its cache events' epoch

@@ -27,7 +27,7 @@ class Peers:
         self.pull_server = pull_server
         self.client_tls = client_tls
         self.table: dict[str, dict] = {}  # the router's peer table, from each heartbeat
-        self.links: dict[tuple, tuple[object, float]] = {}  # (address, segment, pull) -> (link, last used)
+        self.links: dict[tuple, tuple[object, float]] = {}  # (address, segment, pull, ipc) -> (link, last used)
         self.link_bandwidth: dict[str, float] = {}  # cluster -> Gbit/s set at run time (SetLink)
         self.refresh = None  # async () -> None: one registration with the router now (None: no router)
         self._names = {i.name for i in cfg.instances()}
@@ -51,7 +51,8 @@ class Peers:
 
     def link(self, peer: dict, dst_cluster: str, shm_base: int | None):
         """The link to an instance's KV server (`peer`: its entry in the router's peer table): device pulls
-        when both ends take them (transfer.device_transfer), else shared memory when it runs on this host
+        when both ends take them (transfer.device_transfer; through CUDA IPC when both run on one GPU and
+        share its memory, transfer.cuda_ipc), else shared memory when it runs on this host
         (transfer.shared_memory), else TCP; a configured link between the two clusters sets its emulated
         bandwidth, latency, loss and connection count (and always means TCP). Links idle for
         transfer.link_idle_s are closed (their threads end); a later transfer builds a fresh one.
@@ -64,20 +65,23 @@ class Peers:
         address = peer["kv_address"]
         lk = self.cfg.link(self.cluster, dst_cluster)
         pull = lk is None and self.pull_server is not None and bool(peer.get("pull"))
+        ipc = pull and self.pull_server.ipc is not None and peer.get("ipc") == self.pull_server.ipc.key
         shm = peer.get("shm") if t.shared_memory and lk is None and not pull and shm_base is not None else None
         if shm is not None and not same_host(shm.get("boot")):
             shm = None
-        key = (address[0], int(address[1]), shm["name"] if shm else None, pull)
+        key = (address[0], int(address[1]), shm["name"] if shm else None, pull, ipc)
         now = time.monotonic()
         for k, (link, used) in list(self.links.items()):
             if k != key and now - used > t.link_idle_s:
                 del self.links[k]
                 link.close()
         if key not in self.links:
-            kw = dict(name=f"{self.inst.name}->{key[0]}:{key[1]}" + (" (shm)" if shm else " (device)" if pull else ""),
+            kind = " (shm)" if shm else " (cuda ipc)" if ipc else " (device)" if pull else ""
+            kw = dict(name=f"{self.inst.name}->{key[0]}:{key[1]}{kind}",
                       chunk_bytes=int(t.chunk_mb * (1 << 20)), timeouts=t.timeouts(), tls=self.client_tls)
             if pull:
-                link = PullLink(key[:2], t.token, self.pull_server, t.deadline_s, connections=t.connections, **kw)
+                link = PullLink(key[:2], t.token, self.pull_server, t.deadline_s, ipc=ipc, connections=t.connections,
+                                **kw)
             elif shm is not None:
                 link = ShmLink(key[:2], t.token, shm["name"], connections=t.connections, **kw)
             else:
@@ -155,5 +159,5 @@ async def sent(sender, ctx, deadline_s: float) -> dict:
         sender.abort("deadline passed" if not sender.state.final else sender.state.reason)
         await ctx.abort(grpc.StatusCode.ABORTED, f"KV transfer failed: {sender.state.reason}")
     return {"kv_bytes": sender.bytes_acked, "frames": sender.frames, "sends": sender.sends,
-            "resends": sender.resends, "backend": "device" if isinstance(sender.link, PullLink)
-            else "shm" if sender.shm_base is not None else "tcp"}
+            "resends": sender.resends, "backend": ("cuda_ipc" if sender.link.ipc else "device")
+            if isinstance(sender.link, PullLink) else "shm" if sender.shm_base is not None else "tcp"}
