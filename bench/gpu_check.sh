@@ -7,8 +7,8 @@
 # seconds: bench.gpu_decode),
 # CUDA IPC between two processes on the GPU (tests/transfer/test_ipc.py: arrays copied out of another process's
 # memory), `jaxserve serve` disaggregated (a prefill and a decode worker sharing the GPU, KV through CUDA IPC, or
-# through JAX's transfer server where the IPC test failed) against colocated, SmolLM2-shaped
-# (bench.gpu_disagg: answers, TTFT, TPOT), tiny Llama, Kimi Linear and gpt-oss checkpoints answering the same
+# through JAX's transfer server where the IPC test failed) and the PrfaaS deployment (a prefill cluster over an
+# emulated link) against colocated, SmolLM2-shaped (bench.gpu_disagg: answers, TTFT, TPOT), tiny Llama, Kimi Linear and gpt-oss checkpoints answering the same
 # disaggregated as colocated there (tests/router/test_cluster_http.py), and with the time left the device transfer
 # backend's tests and its bytes/s (transfer server and CUDA IPC) beside raw sockets and the device's own copy
 # (tests/transfer/test_pull.py, bench.transfer part a). The
@@ -24,6 +24,11 @@
 # Every step has its share of BUDGET_S (default 560 s; the shares scale with it) and is cut at it; what each
 # wrote, a summary and its log (in logs.tgz) go to $OUT (results named after the GPU: kernels_h100.json,
 # kernels_h200.json, ...), to be copied into bench/results/ (make bench does).
+# A run that spends its GPU on part of the check: ONLY names the steps to run (comma-separated; the rest are
+# skipped and take no time), SHARE_<step> sets a step's share in seconds, GPU_DISAGG_ARGS replaces
+# bench.gpu_disagg's arguments (default "--reps 2": SmolLM2's shape), e.g. the 8B shape at 256 to 8K tokens:
+#     ONLY=ipc_test,gpu_disagg,transfer SHARE_gpu_disagg=460 \
+#         GPU_DISAGG_ARGS="--shape 8b --lengths 256,2048,8000 --reps 2" bash bench/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check}
@@ -50,9 +55,15 @@ TAG=${TAG:-gpu}
     $PY -c "import jax, jaxlib, flax; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__version__); print(jax.devices())"
 } 2>&1 | tee "$OUT/summary.txt"
 
-# step NAME SHARE_S COMMAND...: runs COMMAND for at most SHARE_S seconds and what is left of BUDGET_S
+# step NAME SHARE_S COMMAND...: runs COMMAND for at most SHARE_S seconds (SHARE_NAME if set) and what is left of
+# BUDGET_S -> COMMAND's status (1 when skipped for time, 0 when ONLY leaves it out)
 step() {
-    local name=$1 share=$(( $2 * BUDGET_S / DEFAULT_BUDGET_S )); shift 2  # shares scale with the budget
+    local name=$1 override="SHARE_$1"
+    if [ -n "${ONLY:-}" ] && [[ ",$ONLY," != *",$name,"* ]]; then
+        echo "$name: not chosen (ONLY=$ONLY)" >> "$OUT/summary.txt"
+        return 0
+    fi
+    local share=$(( ${!override:-$2} * BUDGET_S / DEFAULT_BUDGET_S )); shift 2  # shares scale with the budget
     local left=$(( BUDGET_S - ($(date +%s) - START) ))
     local limit=$(( share < left ? share : left ))
     if [ "$limit" -lt 20 ]; then
@@ -74,7 +85,7 @@ step kernels 40 $PY -m bench.kernels --iters 20 --json "$OUT/kernels_$TAG.json"
 step gpu_decode 230 $PY -m bench.gpu_decode --json "$OUT/gpu_decode_$TAG.json"
 # the disaggregated deployment moves KV through CUDA IPC only where two processes just did so correctly
 step ipc_test 20 $PY -m pytest -v -p no:cacheprovider tests/transfer/test_ipc.py && IPC=on || IPC=off
-step gpu_disagg 90 $PY -m bench.gpu_disagg --reps 2 --cuda-ipc $IPC --json "$OUT/gpu_disagg_$TAG.json"
+step gpu_disagg 90 $PY -m bench.gpu_disagg ${GPU_DISAGG_ARGS:---reps 2} --cuda-ipc $IPC --json "$OUT/gpu_disagg_$TAG.json"
 step disagg_tests 50 env JAXSERVE_DISAGG_FAMILIES=llama,kimi_linear,gpt_oss $PY -m pytest -v -p no:cacheprovider \
     tests/router/test_cluster_http.py -k equals_colocated
 if [ -n "${TUNE_SWEEPS:-}" ]; then

@@ -1,15 +1,20 @@
 """Disaggregated serving against colocated serving on one GPU: `jaxserve serve` of a prefill and a decode worker
 sharing the device (each with its share of its memory, instance.device_memory) against one colocated instance of
-the same model and engine settings, over HTTP, greedy.
+the same model and engine settings, over HTTP, greedy; and the PrfaaS deployment (configs/prfaas.yaml's shape): a
+PrfaaS cluster's prefill instance joined to a PD cluster's prefill and decode instances by an emulated link
+(`--link-gbps`), the policy sending prompts of over `--threshold` uncached tokens across it, all three workers on
+the GPU (KV across the link leaves the device once, into host memory, for the TCP backend).
 
-- answers: a set of prompts decoded both ways, their tokens compared;
+- answers: a set of prompts (8 to 200 tokens, so some cross the PrfaaS link) decoded each way, their tokens
+  compared with colocated's;
 - per prompt length (256, 2048 and 4000 tokens by default): TTFT and TPOT of streamed requests, the median over
-  `--reps` fresh prompts (no prefix hits), disaggregated and colocated, and their ratios; the KV bytes each
-  disaggregated request moved and its backend (cuda_ipc, device, shm or tcp; `--cuda-ipc off` measures JAX's
+  `--reps` fresh prompts (no prefix hits), each deployment, and its ratios to colocated; the KV bytes each
+  request moved, its backend and the instance that prefilled it (cuda_ipc, device, shm or tcp; `--cuda-ipc off` measures JAX's
   transfer server in CUDA IPC's place). The backends' own rates beside the device copy and raw sockets are
   bench.transfer's (gpu_check runs both);
-- the ready time of each deployment (launch to /health 200, the compilation cache shared, so the second start
-  finds the programs both build).
+- the ready time of each deployment (launch to /health 200, the compilation cache shared, so a later start
+  finds the programs an earlier one built).
+A deployment that fails is recorded with its error and the next one still runs; the JSON is written after each.
 
 The model is a random bf16 checkpoint of SmolLM2-135M's shape (`--shape small`, bench/gpu_decode.py writes it on
 the device; the GGUF package is larger than what travels to a lent GPU) or a checkpoint directory (`--model`).
@@ -37,20 +42,31 @@ from bench.startup import launch, stop
 from jaxserve.router.launcher import free_ports
 
 
-def configs(model: str, max_len: int, cache: str, cpus: bool = False, cuda_ipc: bool = True) -> tuple[dict, dict]:
-    """(disaggregated, colocated) config mappings: the same model and engine section; the two workers share
-    device 0 (the default split of its memory) and move KV through CUDA IPC (or, cuda_ipc False, JAX's transfer
-    server)."""
+DEPLOYMENTS = ("colocated", "disaggregated", "prfaas")
+
+
+def configs(model: str, max_len: int, cache: str, cpus: bool = False, cuda_ipc: bool = True, link_gbps: float = 25.0,
+            threshold: int = 128) -> dict[str, dict]:
+    """{deployment: config mapping}, the same model and engine section in each; the workers of one deployment
+    share device 0 (the default split of its memory) and move KV inside a cluster through CUDA IPC (or, cuda_ipc
+    False, JAX's transfer server); the PrfaaS cluster's over a link of `link_gbps`."""
     engine = {"block_size": 16, "max_num_seqs": 16, "max_num_batched_tokens": 2048, "max_model_len": max_len,
               "prefix_caching": False, "warmup": False, "compilation_cache": cache}
     base = {"model": {"path": model, "name": "m", "dtype": "bfloat16"},
             "engine": engine, "server": {"host": "127.0.0.1", "max_tokens_limit": 4096}}
-    disagg = {**base, "clusters": [{"name": "c", "instances": [
-        {"name": "p0", "role": "prefill", **({"cpus": [0]} if cpus else {})},
-        {"name": "d0", "role": "decode", **({"cpus": [1]} if cpus else {})}]}],
-        "transfer": {"token": "gpu-disagg", "layers_per_group": 4, "stream_min_tokens": 512, "cuda_ipc": cuda_ipc}}
-    colocated = {**base, "clusters": [{"name": "c", "instances": [{"name": "solo", "role": "both"}]}]}
-    return disagg, colocated
+    transfer = {"token": "gpu-disagg", "layers_per_group": 4, "stream_min_tokens": 512, "cuda_ipc": cuda_ipc}
+
+    def inst(name: str, role: str, core: int) -> dict:
+        return {"name": name, "role": role, **({"cpus": [core]} if cpus else {})}
+    pd = [inst("p0", "prefill", 0), inst("d0", "decode", 1)]
+    return {"colocated": {**base, "clusters": [{"name": "c", "instances": [{"name": "solo", "role": "both"}]}]},
+            "disaggregated": {**base, "clusters": [{"name": "c", "instances": pd}], "transfer": transfer},
+            "prfaas": {**base, "transfer": transfer,
+                       "clusters": [{"name": "prfaas", "kind": "prfaas", "instances": [inst("x0", "prefill", 2)]},
+                                    {"name": "pd", "kind": "pd", "instances": pd}],
+                       "links": [{"src": "prfaas", "dst": "pd", "bandwidth_gbps": link_gbps, "latency_ms": 1,
+                                  "connections": 4}],
+                       "policy": {"name": "prfaas", "threshold_tokens": threshold, "adaptive": False}}}
 
 
 def complete(port: int, prompt: list[int], new: int) -> dict:
@@ -115,10 +131,17 @@ def main(argv=None) -> int:
     ap.add_argument("--new", type=int, default=32, help="tokens decoded per request")
     ap.add_argument("--answers", type=int, default=8, help="prompts whose answers are compared")
     ap.add_argument("--timeout-s", type=float, default=300, help="per deployment's start")
-    ap.add_argument("--pin", action="store_true", help="pin the two workers to cores 0 and 1")
+    ap.add_argument("--pin", action="store_true", help="pin the workers to cores 0, 1 (and the PrfaaS one to 2)")
     ap.add_argument("--cuda-ipc", choices=("on", "off"), default="on",
                     help="disaggregated KV through CUDA IPC (on) or JAX's transfer server (off), on a GPU")
+    ap.add_argument("--deployments", default=",".join(DEPLOYMENTS), help="colocated first, then any of "
+                    "disaggregated, prfaas")
+    ap.add_argument("--link-gbps", type=float, default=25.0, help="the PrfaaS -> PD link's emulated bandwidth")
+    ap.add_argument("--threshold", type=int, default=128, help="uncached prompt tokens over which PrfaaS prefills")
     a = ap.parse_args(argv)
+    names = a.deployments.split(",")
+    if names[0] != "colocated" or not set(names) <= set(DEPLOYMENTS) or len(set(names)) != len(names):
+        ap.error(f"--deployments: colocated first, then any of {DEPLOYMENTS[1:]}, each once; got {a.deployments!r}")
     import numpy as np
 
     from jaxserve.models.config import load_config
@@ -134,31 +157,33 @@ def main(argv=None) -> int:
     lengths = [n for n in lengths if n + a.new < max_len]
     rng = np.random.default_rng(0)
     answers = [rng.integers(3, mc.vocab_size, int(rng.integers(8, 200))).tolist() for _ in range(a.answers)]
-    disagg, colocated = configs(path, max_len, os.path.join(work, "xla"), a.pin, a.cuda_ipc == "on")
+    cfgs = configs(path, max_len, os.path.join(work, "xla"), a.pin, a.cuda_ipc == "on", a.link_gbps, a.threshold)
     result = {"model": a.model or f"random, {a.shape} shape (bench/gpu_decode.py)", "max_model_len": max_len,
-              "lengths": lengths, "reps": a.reps, "new": a.new, "cuda_ipc": a.cuda_ipc}
-    for name, cfg in (("colocated", colocated), ("disaggregated", disagg)):
+              "lengths": lengths, "reps": a.reps, "new": a.new, "cuda_ipc": a.cuda_ipc, "link_gbps": a.link_gbps,
+              "threshold_tokens": a.threshold, "answers": len(answers), "compared": {}}
+    tokens, failed = {}, False
+    for name in names:
         try:
-            result[name] = serve_and_measure(cfg, work, name, answers, lengths, a.reps, a.new, mc.vocab_size, 1,
-                                             a.timeout_s)
-        except Exception as e:  # noqa: BLE001 - recorded: what the other deployment measured is kept
-            result[name] = {"error": f"{type(e).__name__}: {e}"}
-            write(a.json, result)
+            out = serve_and_measure(cfgs[name], work, name, answers, lengths, a.reps, a.new, mc.vocab_size, 1,
+                                    a.timeout_s)
+        except Exception as e:  # noqa: BLE001 - recorded; the other deployments still run
+            result[name], failed = {"error": f"{type(e).__name__}: {e}"}, True
             print(f"{name} failed: {e}", flush=True)
-            return 1
+        else:
+            tokens[name], result[name] = out.pop("answers"), out
+            if name != "colocated" and "colocated" in tokens:
+                result["compared"][name] = compare(result["colocated"], out, tokens["colocated"], tokens[name])
         write(a.json, result)  # kept if the next deployment does not finish in the time a run has
-    c, d = result["colocated"], result["disaggregated"]
-    result["answers_equal"] = sum(x == y for x, y in zip(c["answers"], d["answers"]))
-    result["answers"] = len(answers)
-    for name in ("colocated", "disaggregated"):
-        result[name].pop("answers")
-    result["ratios"] = {}
-    for n in map(str, lengths):
-        dc, dd = c["lengths"][n], d["lengths"][n]
-        result["ratios"][n] = {"ttft": dd["ttft_s"] / dc["ttft_s"], "tpot": dd["tpot_s"] / dc["tpot_s"]}
-    write(a.json, result)
-    print(json.dumps({k: result[k] for k in ("answers_equal", "answers", "ratios")}))
-    return 0
+    print(json.dumps(result["compared"]))
+    return 1 if failed else 0
+
+
+def compare(colocated: dict, other: dict, base: list, answers: list) -> dict:
+    """A deployment against colocated: answers equal, TTFT and TPOT ratios per prompt length."""
+    return {"answers_equal": sum(x == y for x, y in zip(base, answers)),
+            "ratios": {n: {"ttft": d["ttft_s"] / colocated["lengths"][n]["ttft_s"],
+                           "tpot": d["tpot_s"] / colocated["lengths"][n]["tpot_s"]}
+                       for n, d in other["lengths"].items()}}
 
 
 if __name__ == "__main__":

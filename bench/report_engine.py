@@ -270,21 +270,29 @@ def _scanned(unrolled: dict, scan: dict) -> list[str]:
 def gpu_disagg(r: dict[str, dict]) -> list[str]:
     out = []
     for name, d in r.items():
-        c, g = d.get("colocated", {"error": "not run"}), d.get("disaggregated", {"error": "not run"})
-        if "error" in c or "error" in g:  # a run cut short: what it says, no figures
-            why = [f"{k} " + ("not run" if x["error"] == "not run" else f"failed: {x['error']}")
-                   for k, x in (("colocated", c), ("disaggregated", g)) if "error" in x]
-            out += [f"`{name}`: {d['model']}: {'; '.join(why)}.", ""]
+        c = d.get("colocated", {"error": "not run"})
+        via = "CUDA IPC" if d["cuda_ipc"] == "on" else "JAX's transfer server"
+        out += [f"`{name}`: {d['model']}, greedy, {d['new']} tokens per request, medians of {d['reps']}; KV inside a "
+                f"cluster through {via}; PrfaaS: prompts over {d['threshold_tokens']} uncached tokens prefilled across "
+                f"a {num(d['link_gbps'])} Gbit/s link." + (f" Colocated failed: {c['error']}." if "error" in c else ""),
+                ""]
+        if "error" in c:
             continue
-        out += [f"`{name}`: {d['model']}, greedy, {d['new']} tokens per request, medians of {d['reps']}; answers equal "
-                f"colocated for {d['answers_equal']} of {d['answers']} prompts; ready after {num(g['ready_s'])} s "
-                f"disaggregated, {num(c['ready_s'])} s colocated.", ""]
-        out += table(["prompt (tokens)", "TTFT colocated / disaggregated (s)", "TPOT colocated / disaggregated (ms)",
-                      "disaggregated / colocated: TTFT, TPOT", "KV per request (MB), backend"],
-                     [[n, f"{num(c['lengths'][n]['ttft_s'], 3)} / {num(g['lengths'][n]['ttft_s'], 3)}",
-                       f"{num(c['lengths'][n]['tpot_s'] * 1e3, 1)} / {num(g['lengths'][n]['tpot_s'] * 1e3, 1)}",
-                       f"{x['ttft']:.2f}x, {x['tpot']:.2f}x", f"{num(g['lengths'][n]['kv_bytes'] / 1e6, 1)}, "
-                       f"{', '.join(g['lengths'][n]['kv_backend'])}"] for n, x in d["ratios"].items()])
+        for dep in ("disaggregated", "prfaas"):
+            g = d.get(dep)
+            if g is None or "error" in g:
+                out += [f"{dep}: {'not run' if g is None else 'failed: ' + g['error']}.", ""]
+                continue
+            x = d["compared"][dep]
+            out += [f"{dep}: answers equal colocated for {x['answers_equal']} of {d['answers']} prompts; ready after "
+                    f"{num(g['ready_s'])} s ({num(c['ready_s'])} s colocated).", ""]
+            out += table(["prompt (tokens)", f"TTFT colocated / {dep} (s)", f"TPOT colocated / {dep} (ms)",
+                          f"{dep} / colocated: TTFT, TPOT", "KV per request (MB), backend, prefilled by"],
+                         [[n, f"{num(c['lengths'][n]['ttft_s'], 3)} / {num(g['lengths'][n]['ttft_s'], 3)}",
+                           f"{num(c['lengths'][n]['tpot_s'] * 1e3, 1)} / {num(g['lengths'][n]['tpot_s'] * 1e3, 1)}",
+                           f"{y['ttft']:.2f}x, {y['tpot']:.2f}x", f"{num(g['lengths'][n]['kv_bytes'] / 1e6, 1)}, "
+                           f"{', '.join(g['lengths'][n]['kv_backend'])}, {', '.join(g['lengths'][n]['prefill_instance'])}"]
+                          for n, y in x["ratios"].items()])
     return out
 
 

@@ -3,6 +3,7 @@ step's command and succeeds. The steps run in order, each within its share of th
 named after the GPU; a lent GPU machine's few minutes are not the place to find a broken line of the script."""
 
 import os
+import re
 import shlex
 import subprocess
 import tarfile
@@ -88,3 +89,14 @@ def test_the_disaggregated_deployment_keeps_the_transfer_server_when_the_ipc_tes
     _, summary, _ = _run(tmp_path, PY=str(bin_dir / "ipcfails"))
     disagg = next(ln.split() for ln in calls.read_text().splitlines() if "bench.gpu_disagg" in ln)
     assert disagg[disagg.index("--cuda-ipc") + 1] == "off" and "ipc_test: rc 1" in summary
+
+
+def test_a_run_can_spend_its_gpu_on_the_disaggregated_steps(tmp_path):
+    """ONLY picks the steps, SHARE_<step> widens one's share, GPU_DISAGG_ARGS reaches bench.gpu_disagg."""
+    calls, summary, out_dir = _run(tmp_path, ONLY="ipc_test,gpu_disagg", SHARE_gpu_disagg="460",
+                                   GPU_DISAGG_ARGS="--shape 8b --lengths 256,2048,8000 --reps 2")
+    steps = [c for c in calls if c[0] == "-m" and c[1] != "pip"]
+    assert [c[1] for c in steps] == ["pytest", "bench.gpu_disagg"]
+    assert steps[1][2:8] == ["--shape", "8b", "--lengths", "256,2048,8000", "--reps", "2"]
+    assert steps[1][steps[1].index("--cuda-ipc") + 1] == "on"
+    assert re.search(r"gpu_disagg: rc 0 in \d+ s \(limit 460 s\)", summary) and "gpu_decode: not chosen" in summary

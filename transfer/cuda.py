@@ -141,8 +141,9 @@ def _release(mt) -> None:  # the memory is not the consumer's to free: only the 
         _CONSUMED.pop(ctypes.cast(mt, ctypes.c_void_p).value, None)
 
 _CAPSULE_NAME = b"dltensor"
-_new_capsule = ctypes.pythonapi.PyCapsule_New
-_new_capsule.restype, _new_capsule.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+# a function object of its own: ctypes.pythonapi's is shared, and other libraries set its argtypes their way
+_new_capsule = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)(
+    ("PyCapsule_New", ctypes.pythonapi))
 
 
 def dl_dtype(dtype) -> tuple[int, int]:
