@@ -168,8 +168,9 @@ class PullLink(TcpLink):
 
     def offer(self, arrays: list) -> dict:
         """The PULL frame's meta naming `arrays` (single-device jax.Arrays): uuid, server address and, shared
-        through CUDA IPC, the handles."""
-        if self.ipc:
+        through CUDA IPC, the handles (arrays on this process's own device only: a tensor-parallel pool's parts on
+        its other GPUs go through the transfer server)."""
+        if self.ipc and all(x.devices() == {self.server.device} for x in arrays):
             uuid, handles = self.server.offer_ipc(arrays, self.offer_timeout_s)
             return {"uuid": uuid, "addr": self.server.address, "ipc": {"dev": self.server.ipc.key, "handles": handles}}
         return {"uuid": self.server.offer(arrays, self.offer_timeout_s), "addr": self.server.address}

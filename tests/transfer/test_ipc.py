@@ -124,6 +124,22 @@ def test_arrays_shared_in_place_are_copied_and_released_on_acknowledgement():
 
 
 @host_arrays
+def test_arrays_on_another_device_go_through_the_transfer_server():
+    """A tensor-parallel pool's part on the process's second device is not named by IPC handles (the share, and the
+    receiver's check, are of the first device): its group goes through the transfer server."""
+    p, src, dst = ipc_pair()
+    try:
+        first, second = jax.devices()[:2]
+        assert "ipc" in p.link.offer([jax.device_put(jnp.ones(8), first)]) and src.ipc.offered() == 1
+        meta = p.link.offer([jax.device_put(jnp.ones(8), first), jax.device_put(jnp.ones(8), second)])
+        assert "ipc" not in meta and src.ipc.offered() == 1
+    finally:
+        p.close()
+        src.close()
+        dst.close()
+
+
+@host_arrays
 def test_mappings_of_a_peer_gone_or_idle_are_closed(monkeypatch):
     monkeypatch.setattr(ipc_mod, "SWEEP_S", 0.05)
     alive = {"yes": True}
