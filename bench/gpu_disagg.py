@@ -9,8 +9,8 @@ the GPU (KV across the link leaves the device once, into host memory, for the TC
   compared with colocated's;
 - per prompt length (256, 2048 and 4000 tokens by default): TTFT and TPOT of streamed requests, the median over
   `--reps` fresh prompts (no prefix hits), each deployment, and its ratios to colocated; the KV bytes each
-  request moved, its backend and the instance that prefilled it (cuda_ipc, device, shm or tcp; `--cuda-ipc off` measures JAX's
-  transfer server in CUDA IPC's place). The backends' own rates beside the device copy and raw sockets are
+  request moved, its backend (cuda_ipc, device, shm or tcp; `--cuda-ipc off` measures JAX's transfer server in
+  CUDA IPC's place) and the instance that prefilled it. The backends' own rates beside the device copy and raw sockets are
   bench.transfer's (gpu_check runs both);
 - the ready time of each deployment (launch to /health 200, the compilation cache shared, so a later start
   finds the programs an earlier one built).

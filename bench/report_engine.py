@@ -286,13 +286,15 @@ def gpu_disagg(r: dict[str, dict]) -> list[str]:
             x = d["compared"][dep]
             out += [f"{dep}: answers equal colocated for {x['answers_equal']} of {d['answers']} prompts; ready after "
                     f"{num(g['ready_s'])} s ({num(c['ready_s'])} s colocated).", ""]
+            rows = []
+            for n, y in x["ratios"].items():
+                cn, gn = c["lengths"][n], g["lengths"][n]
+                rows.append([n, f"{num(cn['ttft_s'], 3)} / {num(gn['ttft_s'], 3)}",
+                             f"{num(cn['tpot_s'] * 1e3, 1)} / {num(gn['tpot_s'] * 1e3, 1)}",
+                             f"{y['ttft']:.2f}x, {y['tpot']:.2f}x", f"{num(gn['kv_bytes'] / 1e6, 1)}, "
+                             f"{', '.join(gn['kv_backend'])}, {', '.join(gn['prefill_instance'])}"])
             out += table(["prompt (tokens)", f"TTFT colocated / {dep} (s)", f"TPOT colocated / {dep} (ms)",
-                          f"{dep} / colocated: TTFT, TPOT", "KV per request (MB), backend, prefilled by"],
-                         [[n, f"{num(c['lengths'][n]['ttft_s'], 3)} / {num(g['lengths'][n]['ttft_s'], 3)}",
-                           f"{num(c['lengths'][n]['tpot_s'] * 1e3, 1)} / {num(g['lengths'][n]['tpot_s'] * 1e3, 1)}",
-                           f"{y['ttft']:.2f}x, {y['tpot']:.2f}x", f"{num(g['lengths'][n]['kv_bytes'] / 1e6, 1)}, "
-                           f"{', '.join(g['lengths'][n]['kv_backend'])}, {', '.join(g['lengths'][n]['prefill_instance'])}"]
-                          for n, y in x["ratios"].items()])
+                          f"{dep} / colocated: TTFT, TPOT", "KV per request (MB), backend, prefilled by"], rows)
     return out
 
 

@@ -23,7 +23,8 @@ transfer server); the transfer that found it fails and is retried by the router.
 The mechanism is pluggable (`CudaIpc` here; the tests' stand-in exports host buffers): `key`, `dl_device`,
 `export(array) -> (handle, offset)`, `open(handle) -> (base, bytes)`, `close(base)`.
 Concurrency: `offer`/`release` run on the prefill worker's feeder and link threads, `copy_in` on the KV
-server's connection threads, the sweeper on its own; one lock guards the tables (never held across a copy).
+server's connection threads, the sweeper on its own; one lock guards the tables (never held across a copy or a
+driver call), a second serializes the mapping calls.
 """
 
 from __future__ import annotations
@@ -53,16 +54,14 @@ class CudaIpc:
         self.driver = driver or Driver(ordinal)
         self.key = self.driver.uuid
         self.dl_device = (KDL_CUDA, ordinal)
-        self._handles: dict[int, bytes] = {}  # allocation base -> its handle (allocations outlive their arrays)
 
     def export(self, x) -> tuple[bytes, int]:
-        """(IPC handle of the allocation single-device array `x` lies in, x's offset there)."""
+        """(IPC handle of the allocation single-device array `x` lies in, x's offset there). Asked of the driver
+        each time (microseconds): an allocation the allocator freed and made again at the same address has a
+        handle of its own."""
         ptr = x.unsafe_buffer_pointer()
         base, _ = self.driver.allocation(ptr)
-        h = self._handles.get(base)
-        if h is None:
-            h = self._handles[base] = self.driver.get_handle(base)
-        return h, ptr - base
+        return self.driver.get_handle(base), ptr - base
 
     def open(self, handle: bytes) -> tuple[int, int]:
         base = self.driver.open_handle(handle)
@@ -92,6 +91,7 @@ class IpcShare:
         self._offers: dict[int, tuple[list, float]] = {}  # uuid -> (arrays kept alive, drop time)
         self._maps: dict[tuple[str, bytes], list] = {}  # (owner, handle) -> [base, bytes, last used, copies in flight]
         self._lock = threading.Lock()
+        self._open_lock = threading.Lock()  # held across the driver's map and unmap calls; taken before _lock
         self._stop = threading.Event()
         self._sweeper: threading.Thread | None = None
         self.broken: str | None = None  # why a peer's allocation could not be mapped, once that happened
@@ -155,26 +155,21 @@ class IpcShare:
             self._done(opened)
 
     def _map(self, owner: str, handle: bytes) -> tuple[int, int]:
-        with self._lock:
-            m = self._maps.get((owner, handle))
-            if m is not None:
-                m[2], m[3] = time.monotonic(), m[3] + 1
-                return m[0], m[1]
-        try:
-            base, size = self.mech.open(handle)
-        except Exception as e:  # noqa: BLE001 - the driver's error, or a forged handle
-            if self.broken is None:
-                log.warning("cannot map %s's device memory (%s): CUDA IPC no longer offered to peers", owner, e)
-            self.broken = f"{type(e).__name__}: {e}"
-            raise IpcError(f"cannot map {owner}'s allocation: {e}") from e
-        with self._lock:
-            m = self._maps.get((owner, handle))
-            if m is None:
+        with self._open_lock:  # one mapping per handle: the driver may refuse to map a handle twice
+            with self._lock:
+                m = self._maps.get((owner, handle))
+                if m is not None:
+                    m[2], m[3] = time.monotonic(), m[3] + 1
+                    return m[0], m[1]
+            try:
+                base, size = self.mech.open(handle)
+            except Exception as e:  # noqa: BLE001 - the driver's error, or a forged handle
+                if self.broken is None:
+                    log.warning("cannot map %s's device memory (%s): CUDA IPC no longer offered to peers", owner, e)
+                self.broken = f"{type(e).__name__}: {e}"
+                raise IpcError(f"cannot map {owner}'s allocation: {e}") from e
+            with self._lock:
                 self._maps[(owner, handle)] = [base, size, time.monotonic(), 1]
-            else:  # mapped meanwhile by another connection's copy: keep that one
-                self.mech.close(base)
-                base, size = m[0], m[1]
-                m[2], m[3] = time.monotonic(), m[3] + 1
         self._start_sweeper()
         return base, size
 
@@ -194,15 +189,16 @@ class IpcShare:
             return len(self._maps)
 
     def _close(self, which) -> int:
-        with self._lock:
-            gone = [(k, m) for k, m in self._maps.items() if m[3] == 0 and which(k[0], m)]
-            for k, _ in gone:
-                del self._maps[k]
-        for (owner, _), m in gone:
-            try:
-                self.mech.close(m[0])
-            except Exception as e:  # noqa: BLE001 - nothing left to do with it
-                log.warning("closing a mapping of %s failed: %s", owner, e)
+        with self._open_lock:  # (a handle being closed is not mapped again meanwhile)
+            with self._lock:
+                gone = [(k, m) for k, m in self._maps.items() if m[3] == 0 and which(k[0], m)]
+                for k, _ in gone:
+                    del self._maps[k]
+            for (owner, _), m in gone:
+                try:
+                    self.mech.close(m[0])
+                except Exception as e:  # noqa: BLE001 - nothing left to do with it
+                    log.warning("closing a mapping of %s failed: %s", owner, e)
         return len(gone)
 
     def _start_sweeper(self) -> None:
