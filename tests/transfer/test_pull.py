@@ -6,6 +6,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import threading
+import time
 
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +16,7 @@ import pytest
 from tests.transfer.helpers import export
 from tests.transfer.test_transfer_host import TOKEN, Pair, _assert_same, _raw_connection
 from jaxserve.transfer import wire
-from jaxserve.transfer.plan import TransferPlan, layer_groups
+from jaxserve.transfer.plan import PlanError, TransferPlan, layer_groups
 from jaxserve.transfer.pull import PullLink, PullServer
 from jaxserve.transfer.sender import KVSender
 from jaxserve.transfer.state import KVPoll
@@ -158,6 +160,35 @@ def test_pull_resent_after_it_landed_is_acknowledged(servers):
             h = wire.read_header(sock)
             assert h.kind == wire.ACK, h.meta
         assert r.received == st.arrays[0].sent_bytes and not r.state.final
+        sock.close()
+    finally:
+        p.close()
+
+
+def test_pull_resent_while_landing_is_acknowledged_once_landed(servers):
+    """A resend of a PULL whose first pull is still copying waits for it: its acknowledgement lets a sender that
+    shares the arrays in place (CUDA IPC) free them, so it must not come before the copy ends; a first pull that
+    fails makes the resend fail too."""
+    p = pull_pair(servers)
+    try:
+        r, sock, st = planned(p)
+        got = {}
+
+        def resend(a):
+            try:
+                got[a] = r.to_pull([a], st.arrays[a].sent_bytes)
+            except PlanError as e:
+                got[a] = str(e)
+        for a, lands in ((0, True), (1, False)):
+            assert r.to_pull([a], st.arrays[a].sent_bytes) is not None  # the first pull starts
+            t = threading.Thread(target=resend, args=(a,))
+            t.start()
+            time.sleep(0.2)
+            assert t.is_alive() and a not in got  # the resend waits
+            x = jnp.zeros(st.arrays[a].shape, st.arrays[a].dtype)
+            r.landed([a], [x] if lands else None)
+            t.join(5)
+            assert got[a] is None if lands else "their pull failed" in got[a], got
         sock.close()
     finally:
         p.close()
