@@ -140,8 +140,9 @@ class IpcShare:
                 nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
                 if sent != nbytes:
                     raise IpcError(f"an array of {sent} bytes offered where the plan stages {shape} {dtype}")
-                base, size = self._map(owner, bytes.fromhex(hexh))
-                opened.append((owner, bytes.fromhex(hexh)))
+                handle = bytes.fromhex(hexh)
+                base, size = self._map(owner, handle)
+                opened.append((owner, handle))
                 if not 0 <= offset <= size - nbytes:
                     raise IpcError(f"array of {nbytes} bytes at offset {offset} of an allocation of {size}")
                 view = jax.dlpack.from_dlpack(RawView(base + offset, tuple(shape), dtype, *self.mech.dl_device))
