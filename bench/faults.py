@@ -189,7 +189,8 @@ class Topology:
             host = "127.0.0.1"
         addr = {n: (self.ns[n].ns_ip if n in self.ns else host) for n in ("p0", "p1", "d0", "d1")}
         self.victim_ip = {n: addr[n] for n in self.ns}
-        kv_ports = {d: free_ports(host) if d not in self.ns else 7300 for d in ("d0", "d1")}
+        first = free_ports(host, n=2)  # two ports in one draw: two separate draws could give the same port
+        kv_ports = {d: first + k if d not in self.ns else 7300 for k, d in enumerate(("d0", "d1"))}
         self.proxies = {d: FaultProxy((addr[d], kv_ports[d]), host=host) for d in ("d0", "d1")}
         inst = lambda name, role, cpu, **kw: {"name": name, "role": role, "cpus": [cpu], "host": addr[name],  # noqa
                                               "launch": False, **kw}

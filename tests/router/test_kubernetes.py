@@ -219,8 +219,10 @@ def test_the_pod_commands_form_the_cluster_and_serve(checkpoint_dir, tmp_path):
     path = checkpoint_dir("llama")
     raw = config(path)
     raw["clusters"][0]["instances"][1].update(devices=[0], tp=2)  # d0: two pods of one CPU device each
-    opts = Options(image="img", http_port=free_ports(), control_port=free_ports(), grpc_port=free_ports(),
-                   kv_port=free_ports())
+    # every port of the test from one draw of consecutive free ports (separate draws may give one port twice)
+    port = iter(range(free_ports(n=16), 1 << 16))
+    opts = Options(image="img", http_port=next(port), control_port=next(port), grpc_port=next(port),
+                   kv_port=next(port))
     files = manifests(parse(raw), opts)
     k = by_kind(files)
     mounts = {CONFIG_DIR: tmp_path / "config", TOKEN_DIR: tmp_path / "token"}
@@ -232,10 +234,11 @@ def test_the_pod_commands_form_the_cluster_and_serve(checkpoint_dir, tmp_path):
         for n, i in enumerate(c["instances"]):
             addr[i["name"]] = f"127.0.0.{n + 2}"
             # pods on one host share its ports: each its own (they still listen on every address, 0.0.0.0)
-            ports[i["name"]] = i["port"] = free_ports()
-            i["kv_port"] = free_ports()
+            ports[i["name"]] = i["port"] = next(port)
+            i["kv_port"] = next(port)
             if i.get("hosts", 1) > 1:
-                i["group_port"] = free_ports(n=2)
+                i["group_port"] = next(port)
+                next(port)  # the group's step channel: group_port + 1
     pod_cfg["transfer"]["token_file"] = str(mounts[TOKEN_DIR] / "token")
     (mounts[CONFIG_DIR] / "config.yaml").write_text(yaml.safe_dump(pod_cfg))
     (mounts[TOKEN_DIR] / "token").write_text(k["Secret"][0]["stringData"]["token"])
