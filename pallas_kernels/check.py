@@ -180,6 +180,30 @@ def run_case(case: Case, mode: str) -> str | None:
     return None if worst <= tol else f"differs from its reference by {worst:.3g} (tolerance {tol:g})"
 
 
+# the custom-call targets of a Pallas Triton kernel in lowered text: jaxlib <= 0.10.2 leaves the Triton module for XLA
+# to compile; later ones compile it while lowering
+TRITON_TARGETS = ("__gpu$xla.gpu.triton", "triton_kernel_call_ffi")
+ABSTRACT_GPU = "NVIDIA H100"  # the GPU a lowering on a machine without one targets (Hopper, as the lent machines')
+
+
+def cuda_text(jitted, *args, **kwargs) -> str:
+    """`jitted` (a jax.jit function) traced with these arguments and lowered for an NVIDIA GPU -> its StableHLO text,
+    on any machine. Without a GPU both run under an abstract mesh naming one (ABSTRACT_GPU): JAX after 0.10.2 (the
+    lent GPU machines' 0.11.2) compiles Pallas' Triton kernels while lowering, for the GPU the trace found."""
+    if jax.default_backend() == "gpu":
+        return jitted.trace(*args, **kwargs).lower(lowering_platforms=("cuda",)).as_text()
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+    mesh = AbstractMesh((1,), ("gpu",), axis_types=(AxisType.Auto,),
+                        abstract_device=AbstractDevice(ABSTRACT_GPU, None, "gpu"))
+    with use_abstract_mesh(mesh):
+        return jitted.trace(*args, **kwargs).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def triton_calls(text: str) -> int:
+    """How many Triton kernel calls lowered text holds."""
+    return sum(text.count(f"@{target}(") for target in TRITON_TARGETS)
+
+
 def gpu_lowering(case: Case) -> str | None:
     """None when the Pallas kernel of `case` lowers for an NVIDIA GPU to one Triton kernel call, else why not.
     Runs on any machine, a CPU one included: JAX lowers for the "cuda" platform without a GPU, through Pallas'
@@ -194,11 +218,10 @@ def gpu_lowering(case: Case) -> str | None:
     static = {k: v for k, v in kw.items() if k not in arrays}
     call = jax.jit(lambda args, arrays: kernel(*args, interpret=False, **static, **arrays))
     try:
-        text = call.trace(jax.tree.map(shaped, args), arrays).lower(lowering_platforms=("cuda",)).as_text()
+        text = cuda_text(call, jax.tree.map(shaped, args), arrays)
     except Exception as e:  # the lowering's refusal: a Pallas or Triton tile rule, or the kernel's own check
         return f"does not lower: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-    # jaxlib <= 0.10.2 leaves the Triton module for XLA to compile; later ones compile it here (a GPU machine)
-    calls = sum(text.count(f"@{target}(") for target in ("__gpu$xla.gpu.triton", "triton_kernel_call_ffi"))
+    calls = triton_calls(text)
     return None if calls == 1 else f"lowers to {calls} Triton kernel calls, not one"
 
 

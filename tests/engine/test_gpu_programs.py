@@ -20,10 +20,10 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine import llm_engine
 from jaxserve.engine.llm_engine import EngineConfig
+from jaxserve.pallas_kernels import check
 from jaxserve.transfer.plan import layer_groups
 
 PROGRAMS = ("_prefill", "_decode", "_step", "_first", "_sample", "_insert")
-TRITON = ("__gpu$xla.gpu.triton", "triton_kernel_call_ffi")
 
 
 class Recorder:
@@ -56,7 +56,7 @@ def _record(llm: LLM) -> list:
 
 
 def _lower(fn, *args, **static) -> str:
-    return fn.trace(*args, **static).lower(lowering_platforms=("cuda",)).as_text()
+    return check.cuda_text(fn, *args, **static)
 
 
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
@@ -92,4 +92,4 @@ def test_every_step_program_the_engine_runs_lowers_for_the_gpu(checkpoint_dir, s
     assert {n for n, _ in texts} >= {"_prefill", "_step", "forward", "pick"} and len(texts) >= 6
     assert all("native" not in t for _, t in texts)  # no CPU kernel in a GPU program
     for name, t in texts:  # the paged kernels (Triton) in every program that runs the model, none elsewhere
-        assert (sum(t.count(f"@{k}(") for k in TRITON) > 0) == (name in ("_prefill", "_step", "forward")), name
+        assert (check.triton_calls(t) > 0) == (name in ("_prefill", "_step", "forward")), name

@@ -87,6 +87,6 @@ def test_the_paged_kernels_lower_inside_a_scan_over_layers(kernel):
         body = lambda c, layer: (c, run(*args, layer=layer, interpret=False, **kw))  # noqa: E731
         return jax.lax.scan(body, None, jnp.arange(4, dtype=jnp.int32))[1]
     shaped = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args]
-    text = jax.jit(layers).trace(shaped).lower(lowering_platforms=("cuda",)).as_text()
+    text = check.cuda_text(jax.jit(layers), shaped)
     assert "stablehlo.while" in text
-    assert sum(text.count(f"@{t}(") for t in ("__gpu$xla.gpu.triton", "triton_kernel_call_ffi")) == 1
+    assert check.triton_calls(text) == 1

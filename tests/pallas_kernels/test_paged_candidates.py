@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from bench import paged_candidates as pc
+from jaxserve.pallas_kernels import check
 from jaxserve.pallas_kernels.paged_attention import ref_paged_attention
 from tests.pallas_kernels.conftest import INTERPRET, close, randn
 from tests.pallas_kernels.test_paged_attention import CASES, _tables
@@ -57,5 +58,4 @@ def test_candidate_lowers_to_one_triton_kernel(design):
     args = (spec((B, Hq, D), jnp.bfloat16), spec((NB, 1, 2, bs, Hkv, D), jnp.bfloat16), spec((B, W), jnp.int32),
             spec((B,), jnp.int32))
     fn = jax.jit(functools.partial(pc.paged_attention, layer=0, pages_per_tile=2, num_warps=4, **design))
-    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert sum(text.count(f"@{t}(") for t in ("__gpu$xla.gpu.triton", "triton_kernel_call_ffi")) == 1
+    assert check.triton_calls(check.cuda_text(fn, *args)) == 1
