@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from ..cache.layout import PoolLayout, gather, gather_span, layer_places, scatter, scatter_span
 from ..models.model import switch_span
 from ..models.paged import PagedKV
-from ..models.stack import SWITCH_COMPILER_OPTIONS, LayerStack
+from ..models.stack import LayerStack, switch_compiler_options
 from .migration import remote_hidden
 from .sampler import sample
 from .step_io import COLS, SLOT, pack_sampled, sampled_tokens, sampling_tensors, unpack_decode, with_device_tokens
@@ -154,7 +154,7 @@ def step_programs(layout: PoolLayout, stack: LayerStack, merge: Callable, num_sl
         return pm, out_counts.at[slots].set(0).at[slots, tokens].set(1)
 
     # a class-stacked model's step programs compile with their own XLA options (models/stack.py)
-    opts = SWITCH_COMPILER_OPTIONS if stack.classes else None
+    opts = switch_compiler_options() if stack.classes else None
     return StepPrograms(
         prefill=jax.jit(prefill_fn, donate_argnums=(1,), static_argnames=("lo", "hi", "last"), compiler_options=opts),
         decode=jax.jit(decode_fn, donate_argnums=(1,), static_argnames=("total_blocks", "remote"),

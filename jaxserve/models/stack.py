@@ -27,6 +27,7 @@ Pure functions over pytrees.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import jax
@@ -67,8 +68,19 @@ def layer_stack(cfg: ModelConfig, scan: bool, switch: bool) -> LayerStack:
 # XLA options for a class-stacked model's step programs: with XLA's older CPU emitters (the MLIR fusion emitters
 # off) the bundled Kimi Linear's compile faster (configs/colocated.yaml's warm-up, 21 programs on 2 cores: 65 s
 # against 90 s without them) and run as fast; SmolLM2's (runs of identical layers) compile slower with them
-# (local.yaml: ready after 78 s against 49 s, as XLA_FLAGS), so they are these programs' own
-SWITCH_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
+# (local.yaml: ready after 78 s against 49 s, as XLA_FLAGS), so they are these programs' own. XLA after JAX 0.10.2
+# has no older emitters ("No such compile option"): there they compile with the defaults
+_SWITCH_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
+
+
+@functools.cache
+def switch_compiler_options() -> dict | None:
+    """The XLA options of a class-stacked model's step programs, where this XLA takes them (one tiny compile)."""
+    try:
+        jax.jit(lambda x: x + 1).trace(jnp.zeros(1)).lower().compile(compiler_options=dict(_SWITCH_OPTIONS))
+    except jax.errors.JaxRuntimeError:
+        return None
+    return dict(_SWITCH_OPTIONS)
 
 
 @dataclass(frozen=True)

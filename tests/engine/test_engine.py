@@ -105,6 +105,23 @@ def test_scanned_layer_runs_match_the_unrolled_model(engines, checkpoint_dir, fa
     np.testing.assert_allclose(llm.score(ids), np.asarray(logits[0]), atol=2e-5, rtol=1e-5)
 
 
+def test_switch_mode_options_only_where_xla_takes_them(monkeypatch):
+    """A class-stacked model's step programs take XLA:CPU's older emitters where XLA still has them (JAX 0.10.2,
+    this checkout's), and compile with the defaults where the option is unknown (XLA after 0.10.2)."""
+    import jax
+
+    from jaxserve.models import stack
+    stack.switch_compiler_options.cache_clear()
+    want = {"xla_cpu_use_fusion_emitters": False} if jax.__version_info__[:2] <= (0, 10) else None
+    assert stack.switch_compiler_options() == want
+    monkeypatch.setattr(stack, "_SWITCH_OPTIONS", {"xla_no_such_option_anywhere": True})
+    stack.switch_compiler_options.cache_clear()
+    try:
+        assert stack.switch_compiler_options() is None
+    finally:
+        stack.switch_compiler_options.cache_clear()
+
+
 @pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
 def test_decode_batches_and_ragged_attention_match_reference(engines, family):
     """Eighteen requests on twenty slots: decode runs in batch buckets (4 rows while at most four requests
