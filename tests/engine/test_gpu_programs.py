@@ -55,10 +55,6 @@ def _record(llm: LLM) -> list:
     return calls
 
 
-def _lower(fn, *args, **static) -> str:
-    return check.cuda_text(fn, *args, **static)
-
-
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
 def test_every_step_program_the_engine_runs_lowers_for_the_gpu(checkpoint_dir, scan):
     path = checkpoint_dir("llama")
@@ -83,12 +79,12 @@ def test_every_step_program_the_engine_runs_lowers_for_the_gpu(checkpoint_dir, s
         if key in lowered:
             continue
         lowered.add(key)
-        texts.append((name, _lower(getattr(r, name), *shaped, **static)))
+        texts.append((name, check.cuda_text(getattr(r, name), *shaped, **static)))
         if name == "_step":  # the same step split, as a GPU runs a constrained one
             params, pool, prompt_mask, out_counts, last, x, allowed = shaped
-            texts.append(("forward", _lower(r.split._fwd, params, pool, last, x, **static)))
+            texts.append(("forward", check.cuda_text(r.split._fwd, params, pool, last, x, **static)))
             h = jax.eval_shape(lambda *a: r.split._fwd(*a, **static), params, pool, last, x)[1]
-            texts.append(("pick", _lower(r.split._pick, params, h, prompt_mask, out_counts, last, x, allowed)))
+            texts.append(("pick", check.cuda_text(r.split._pick, params, h, prompt_mask, out_counts, last, x, allowed)))
     assert {n for n, _ in texts} >= {"_prefill", "_step", "forward", "pick"} and len(texts) >= 6
     assert all("native" not in t for _, t in texts)  # no CPU kernel in a GPU program
     for name, t in texts:  # the paged kernels (Triton) in every program that runs the model, none elsewhere
