@@ -21,7 +21,7 @@ from .batch import Batch
 from .config import GDNSpec, GQASpec, KDASpec, MLASpec, MLPSpec, ModelConfig
 from .linear_attention import GatedDeltaNet, KimiDeltaAttention
 from .modules import MLP, Linear, MoE, RMSNorm
-from .paged import PagedKV
+from .paged import PagedKV, scatter
 from .params import ParamInfo, declare
 from .stack import LayerStack, Switched
 
@@ -251,20 +251,35 @@ def switch_span(x, batch: Batch, sw: Switched, views: list, place, at, n: int):
 def _switch_scan(x, batch: Batch, sw: Switched, present: list[int], view_of: list[int], views: list, idx):
     """The scan of switch mode: position p runs a layer of class present[idx[p, 0]], weights idx[p, 1] of its
     stack, over its class's view (view_of, per present class): a PagedKV (pool carried, layer idx[p, 2]) or a
-    dense stack [n, ...] (row p read and written; the other views' rows pass through). -> (x, views after)"""
+    dense stack [n, ...] (row p read and written; the other views' rows pass through). -> (x, views after)
+
+    A pool that layers of two classes or more write is written outside the switch: XLA copies a buffer that
+    branches of a conditional update in place (the whole pool, each layer of each step). A first switch runs
+    the layer's class up to its write, captured (`PagedKV.deferred`; XLA drops the rest of that branch), the
+    entries are written, and the layer then runs over the written pool, reading it only."""
     pools = {v: views[v].pool for v in set(view_of) if isinstance(views[v], PagedKV)}
     dense = {v: views[v] for v in set(view_of) if v not in pools}
+    shared = sorted(v for v in pools if view_of.count(v) > 1)
+
+    def layer_of(c, m):
+        graphdef, stacked = sw.layers[c]
+        return nnx.merge(graphdef, jax.tree.map(lambda a: a[m], stacked))
 
     def branch(c, v):
-        graphdef, stacked = sw.layers[c]
-
         def run(x, pools, dense, m, j):
-            layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[m], stacked))
+            layer = layer_of(c, m)
             if v in pools:
-                x, out = layer(x, batch, replace(views[v], pool=pools[v], layer=j))
-                return x, {**pools, v: out.pool}, dense
+                x, out = layer(x, batch, replace(views[v], pool=pools[v], layer=j,
+                                                 deferred="written" if v in shared else None))
+                return x, {u: out.pool if u == v else p for u, p in pools.items() if u not in shared}, dense
             x, out = layer(x, batch, dense[v])
-            return x, pools, {**dense, v: jax.tree.map(lambda a, o: o.astype(a.dtype), dense[v], out)}
+            return x, {u: p for u, p in pools.items() if u not in shared}, {
+                **dense, v: jax.tree.map(lambda a, o: o.astype(a.dtype), dense[v], out)}
+        return run
+
+    def capture(c, v):  # -> the layer's write: (blocks, offsets, entries)
+        def run(x, pools, dense, m, j):
+            return layer_of(c, m)(x, batch, replace(views[v], pool=pools[v], layer=j, deferred="capture"))[1].pending
         return run
 
     branches = [branch(c, v) for c, v in zip(present, view_of)]
@@ -272,10 +287,28 @@ def _switch_scan(x, batch: Batch, sw: Switched, present: list[int], view_of: lis
     def body(carry, xs):
         (x, pools), (ix, dense) = carry, xs
         args = (x, pools, dense, ix[1], ix[2])
-        x, pools, dense = branches[0](*args) if len(branches) == 1 else jax.lax.switch(ix[0], branches, *args)
-        return (x, pools), dense
+        if shared:
+            shapes = {v: jax.eval_shape(capture(c, v), *args) for c, v in zip(present, view_of) if v in shared}
+
+            def captures(c, v):  # every shared pool's write: this class's own, nothing to the others
+                def run(*a):
+                    mine = capture(c, v)(*a) if v in shared else None
+                    return {u: mine if u == v else _no_write(shapes[u], pools[u].shape[0]) for u in shared}
+                return run
+            pending = jax.lax.switch(ix[0], [captures(c, v) for c, v in zip(present, view_of)], *args)
+            pools = {**pools, **{v: scatter(pools[v], ix[2], *pending[v]) for v in shared}}
+            args = (x, pools, dense, ix[1], ix[2])
+        x, own, dense = branches[0](*args) if len(branches) == 1 else jax.lax.switch(ix[0], branches, *args)
+        return (x, {**pools, **own}), dense
     (x, pools), ys = jax.lax.scan(body, (x, pools), (idx, dense))
     return x, [replace(views[v], pool=pools[v]) if v in pools else ys.get(v, views[v]) for v in range(len(views))]
+
+
+def _no_write(shapes, num_blocks: int):
+    """A captured write (`PagedKV.pending`) of the given shapes that writes nothing: every block out of range."""
+    blk, off, vals = shapes
+    return (jnp.full(blk.shape, num_blocks, blk.dtype), jnp.zeros(off.shape, off.dtype),
+            jnp.zeros(vals.shape, vals.dtype))
 
 
 def abstract_model(cfg: ModelConfig, dtype, kernels: str = "reference") -> CausalLM:

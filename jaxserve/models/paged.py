@@ -12,7 +12,9 @@ the layer's index in the group. The layer writes its new tokens' K/V (or MLA lat
            (`write_packed`) and attends with paged prefill attention likewise.
 Layers of one group share the array: the model passes each layer the array the previous one returned, and a
 scan over a run of layers carries it (the layer index traced), so a program has one write and one read per
-run, not per layer.
+run, not per layer. In switch mode, where layers of several classes write one pool (models/model.py
+`_switch_scan`), a layer's write can be deferred: `deferred="capture"` records the scatter in `pending` instead
+of doing it, `deferred="written"` skips it (the pool already holds the step's entries).
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ class PagedKV:
     since: jax.Array | None = None
     mid: jax.Array | None = None
     gidx: jax.Array | None = None
+    deferred: str | None = field(default=None, metadata=dict(static=True))  # None, "capture" or "written"
+    pending: tuple | None = None  # captured: (blocks [M], offsets [M], entries [M, E, Hkv, D]) for `scatter`
 
     def split_key(self):
         """[3] int32: the migration, this cache group, this layer in it (models/split.py `remote_partial`)."""
@@ -73,8 +77,7 @@ class PagedKV:
         pos = batch.positions
         blk = jnp.take_along_axis(self.table, jnp.clip(pos // bs, 0, self.table.shape[1] - 1), axis=1)
         blk = jnp.where(batch.valid, blk, NB)
-        pool = self.pool.at[blk, self.layer, :, pos % bs].set(vals.astype(self.pool.dtype), mode="drop")
-        return replace(self, pool=pool)
+        return self._store(blk, pos % bs, vals)
 
     def write_packed(self, vals, rows, positions) -> "PagedKV":
         """Store vals [N, E, Hkv, D] of packed tokens at their rows [N] and positions [N] (rows outside the table,
@@ -83,8 +86,18 @@ class PagedKV:
         B, W = self.table.shape
         blk = self.table[jnp.minimum(rows, B - 1), jnp.clip(positions // bs, 0, W - 1)]
         blk = jnp.where(rows < B, blk, NB)
-        pool = self.pool.at[blk, self.layer, :, positions % bs].set(vals.astype(self.pool.dtype), mode="drop")
-        return replace(self, pool=pool)
+        return self._store(blk, positions % bs, vals)
+
+    def _store(self, blk, off, vals) -> "PagedKV":
+        """vals [..., E, Hkv, D] into blocks blk [...] (NB: dropped) at offsets off [...], or as `deferred` says."""
+        if self.deferred == "written":
+            return self
+        vals = vals.astype(self.pool.dtype)
+        if self.deferred == "capture":
+            entry = self.pool.shape[2:3] + self.pool.shape[4:]  # (E, Hkv, D)
+            vals = jnp.broadcast_to(vals, blk.shape + entry).reshape((-1,) + entry)
+            return replace(self, pending=(blk.reshape(-1), off.reshape(-1), vals))
+        return replace(self, pool=scatter(self.pool, self.layer, blk, off, vals))
 
     @staticmethod
     def packed(batch: Batch):
@@ -100,3 +113,9 @@ class PagedKV:
         if batch.tokens.shape[1] != 1:
             raise ValueError("paged attention runs one token per request (decode)")
         return jnp.where(batch.lengths > 0, batch.end, 0)
+
+
+def scatter(pool, layer, blk, off, vals):
+    """pool [NB, L, E, bs, Hkv, D] with vals [..., E, Hkv, D] at its layer `layer`, blocks blk [...] and offsets
+    off [...] (a block NB, out of range, drops its entry)."""
+    return pool.at[blk, layer, :, off].set(vals, mode="drop")

@@ -5,10 +5,13 @@ and one read (the sampled tokens), whatever the batch, with nothing else crossin
 under `jax.transfer_guard("disallow")`, which refuses every implicit copy), the read of each step after the next
 one is dispatched (engine/overlap.py); a step with a constrained row adds one upload (its bitmask), and where
 it is split (engine/split_step.py) one program (its sampling). A prefill step's new decoders enter the penalty
-state in one program. The packing (engine/step_io.py) against the sampler's own host-built tensors.
+state in one program. The programs that write the KV pool (and a hybrid's request state) write it in place.
+The packing (engine/step_io.py) against the sampler's own host-built tensors.
 """
 
 from __future__ import annotations
+
+import re
 
 import jax
 import numpy as np
@@ -19,6 +22,7 @@ from jaxserve.engine import step_io
 from jaxserve.engine.llm_engine import EngineConfig
 from jaxserve.engine.rows import DecodeRow
 from jaxserve.engine.sampler import MAX_LOGPROBS, SamplingTensors
+from jaxserve.transfer.plan import layer_groups
 
 CFG = EngineConfig(block_size=4, num_blocks=64, chunk_size=8, max_num_batched_tokens=16, max_prefill_seqs=2,
                    max_num_seqs=4, num_snapshots=8)
@@ -97,6 +101,47 @@ def test_a_constrained_step_adds_its_bitmask_and_is_split_ahead(smollm2_dir, mon
             assert log in (["forward", "_upload", "_read", "pick", "_upload"], ["_read"]), log
     assert log == ["_read"]  # the step that ends it reads only
     assert llm.tokenizer.decode(seq.output).startswith('{"a":')
+
+
+def _shapes(text: str) -> list[tuple[int, ...]]:
+    return [tuple(int(d) for d in dims.split(",") if d) for dims in re.findall(r"\w+\[([\d,]*)\]", text)]
+
+
+@pytest.mark.parametrize("family,scan", [("llama", False), ("llama", True), ("qwen3_next", None),
+                                         ("deepseek_v3", None), ("mimo_v2_flash", None)])
+def test_the_kv_pool_and_request_state_are_written_in_place(checkpoint_dir, family, scan):
+    """Every prefill and decode program as XLA compiles it for serving (the whole model, and a layer-wise
+    prefill's layer groups): each array of the pool argument (the KV pool; a hybrid's recurrent state and
+    snapshots beside it) is donated and aliased to an output, and no copy of one is made. A step that copied the
+    pool would move all of it, not the tokens it writes: on an 8B model more bytes than its weights; on a CPU,
+    the class-stacked (switch mode) DeepSeek-V3 and MiMo layers each copied it (models/model.py `_switch_scan`)."""
+    llm = LLM(checkpoint_dir(family), progress=False,
+              engine=EngineConfig(block_size=4, num_blocks=64, chunk_size=8, max_num_batched_tokens=16,
+                                  max_num_seqs=4, scan_layers=scan))
+    runner, calls = llm.engine.runner, []
+    for name in ("_prefill", "_step"):
+        fn = getattr(runner, name)
+        setattr(runner, name, lambda *a, _f=fn, _n=name, **k: (calls.append((_n, _f, a, k)), _f(*a, **k))[1])
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    llm.generate([list(range(5, 19)), [3, 4, 5]], greedy)
+    llm.engine.stream_layers(layer_groups(llm.engine.model_config.num_layers, 2), 1)  # a prefill instance's groups
+    llm.generate([list(range(30, 41))], greedy)
+    jax.config.update("jax_disable_most_optimizations", False)  # as served (tests/conftest.py resets it per test)
+    checked = {}
+    for name, fn, args, static in calls:
+        key = (name, tuple(sorted(static.items())))
+        if key in checked:
+            continue
+        pool = [tuple(a.shape) for a in jax.tree.leaves(args[1])]
+        text = fn.lower(*args, **static).compile().as_text()
+        params = _shapes(re.search(r"entry_computation_layout=\{\((.*?)\)->", text).group(1))
+        alias = re.search(r"input_output_alias=\{(.*?)\}, entry", text)
+        aliased = [params[int(i)] for i in re.findall(r": \((\d+),", alias.group(1) if alias else "")]
+        copies = _shapes(" ".join(re.findall(r"= (\w+\[[\d,]*\])\S* copy(?:-start)?\(", text)))
+        checked[key] = (all(aliased.count(s) >= pool.count(s) for s in pool), sorted(set(copies) & set(pool)))
+    assert {name for name, _ in checked} == {"_prefill", "_step"}
+    assert any(dict(static)["hi"] == 2 for name, static in checked if name == "_prefill")  # a layer group's
+    assert all(ok and not copied for ok, copied in checked.values()), checked
 
 
 def test_split_programs_that_fail_to_compile_leave_the_whole_step(smollm2_dir, monkeypatch, caplog):
