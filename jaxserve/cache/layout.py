@@ -166,6 +166,17 @@ def _index(rows, j0: int, j1: int, shift):
     return rows[:, None], (jnp.arange(j0, j1) + shift)[None, :]
 
 
+def _read_rows(a, rows, index):
+    """a[index(rows)]: the request-level state of the batch's rows [B] (index: rows -> the index of their
+    entries). A batch of one reads its row twice and keeps one: XLA makes a one-row read a dynamic slice, fuses
+    it into each of its users, some of them after the step's write of `a`, and then copies all of `a` first,
+    every slot's state, at each step (on a CPU a hybrid model's batch-1 decode step with 512 slots took 9x as
+    long: tests/engine/test_hot_path.py checks the compiled programs)."""
+    if rows.shape[0] == 1:
+        return a[index(jnp.concatenate([rows, rows]))][:1]
+    return a[index(rows)]
+
+
 def gather(layout: PoolLayout, pool: list, block_table, src_rows, start, span: tuple[int, int] | None = None,
            total_blocks: int | None = None, dense: bool = False, shift=0, inplace: bool = False) -> list:
     """Per-layer caches for a batch: `PagedKV` views of the full groups (decode: paged attention over the
@@ -191,7 +202,7 @@ def gather(layout: PoolLayout, pool: list, block_table, src_rows, start, span: t
             for j in range(j0, j1):
                 cache[g.layers[j]] = PagedKV(arr, block_table, gi, j + shift, total_blocks, dense, inplace)
             continue
-        rows = jax.tree.map(lambda a: a[_index(src_rows, j0, j1, shift)], arr)
+        rows = jax.tree.map(lambda a: _read_rows(a, src_rows, lambda r: _index(r, j0, j1, shift)), arr)
         rows = jax.tree.map(lambda a: jnp.where(fresh.reshape((B,) + (1,) * (a.ndim - 1)), 0, a), rows)
         for j in range(j0, j1):
             if g.kind == "sliding":
@@ -263,7 +274,7 @@ def gather_span(layout: PoolLayout, pool: list, block_table, src_rows, start, at
             views.append(PagedKV(arr, block_table, gi, 0, None, dense, inplace))
             continue
         js = _span_index(layout, gi, at, n, drop=False)
-        rows = jax.tree.map(lambda a: a[src_rows[:, None], js[None, :]], arr)  # [B, n, ...]
+        rows = jax.tree.map(lambda a: _read_rows(a, src_rows, lambda r: (r[:, None], js[None, :])), arr)  # [B, n, ...]
         rows = jax.tree.map(lambda a: jnp.moveaxis(jnp.where(fresh.reshape((B,) + (1,) * (a.ndim - 1)), 0, a), 1, 0),
                             rows)
         views.append(jax.vmap(lambda r: to_layer(gl, r))(rows) if gl.kind == "sliding" else rows)

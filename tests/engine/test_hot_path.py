@@ -107,14 +107,15 @@ def _shapes(text: str) -> list[tuple[int, ...]]:
     return [tuple(int(d) for d in dims.split(",") if d) for dims in re.findall(r"\w+\[([\d,]*)\]", text)]
 
 
-@pytest.mark.parametrize("family,scan", [("llama", False), ("llama", True), ("qwen3_next", None),
-                                         ("deepseek_v3", None), ("mimo_v2_flash", None)])
+@pytest.mark.parametrize("family,scan", [("llama", False), ("llama", True), ("qwen3_next", False), ("qwen3_next", None),
+                                         ("gpt_oss", False), ("deepseek_v3", None), ("mimo_v2_flash", None)])
 def test_the_kv_pool_and_request_state_are_written_in_place(checkpoint_dir, family, scan):
     """Every prefill and decode program as XLA compiles it for serving (the whole model, and a layer-wise
     prefill's layer groups): each array of the pool argument (the KV pool; a hybrid's recurrent state and
     snapshots beside it) is donated and aliased to an output, and no copy of one is made. A step that copied the
-    pool would move all of it, not the tokens it writes: on an 8B model more bytes than its weights; on a CPU,
-    the class-stacked (switch mode) DeepSeek-V3 and MiMo layers each copied it (models/model.py `_switch_scan`)."""
+    pool would move all of it, not the tokens it writes: on an 8B model more bytes than its weights. Unrolled
+    (as on a GPU), a hybrid's batch-1 steps copied their state (cache/layout.py `_read_rows`); class-stacked
+    (switch mode, a CPU), DeepSeek-V3's and MiMo's layers each copied the KV pool (models/model.py `_switch_scan`)."""
     llm = LLM(checkpoint_dir(family), progress=False,
               engine=EngineConfig(block_size=4, num_blocks=64, chunk_size=8, max_num_batched_tokens=16,
                                   max_num_seqs=4, scan_layers=scan))
