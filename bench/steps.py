@@ -11,6 +11,10 @@ first on its path); the worker itself is this file.
 
     python -m bench.steps --baseline 0ab36c4 --json bench/results/steps.json   (before the native CPU kernel)
     python -m bench.steps --baseline b49a0f5 --json bench/results/steps_prefill.json   (before paged prefill)
+
+`--family` runs a bench-size checkpoint of a model family (bench/families.py) instead of `--model`, and
+`--scan-layers` sets engine.scan_layers (default: the engine's choice; false: every layer unrolled, as a GPU's
+decode instance runs them).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ CASES = ("decode:4x16,decode:4x300,decode:16x300,decode:48x150,prefill:4x128,pre
          "prefill:1x256@768,prefill:2x132@508")
 
 
-def _worker(model: str, cases: list[str]) -> None:
+def _worker(model: str, cases: list[str], scan_layers: bool | None) -> None:
     """Prepare every case on an engine of the tree first on sys.path, say "ready", then run a case per line of
     stdin and answer with its seconds."""
     here = os.path.dirname(os.path.abspath(__file__))  # run as a script: bench/ is on the path, and its
@@ -41,7 +45,8 @@ def _worker(model: str, cases: list[str]) -> None:
     from jaxserve.sampling import SamplingParams
     idle = SamplingParams(temperature=0.0, seed=0)  # greedy: the rows' sampling costs what warm-up's does
     eng = LLMEngine(resolve(model, False), "float32", EngineConfig(compilation_cache=None, max_model_len=2048,
-                                                                   num_blocks=2048, max_num_seqs=48), None, False)
+                                                                   num_blocks=2048, max_num_seqs=48,
+                                                                   scan_layers=scan_layers), None, False)
     r, bs, rng = eng.runner, eng.runner.layout.block_size, np.random.default_rng(0)
     run = {}
     for case in cases:
@@ -69,10 +74,11 @@ def _worker(model: str, cases: list[str]) -> None:
         print(f"{time.perf_counter() - t:.6f}", flush=True)
 
 
-def _start(tree: str, model: str, cases: str) -> subprocess.Popen:
+def _start(tree: str, model: str, cases: str, scan_layers: str) -> subprocess.Popen:
     """A worker on `tree`'s code; raises unless it is ready and its jaxserve is the tree's own."""
     env = dict(os.environ, PYTHONPATH=tree, HF_HUB_OFFLINE="1")
-    p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", "--model", model, "--cases", cases],
+    p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", "--model", model, "--cases", cases,
+                          "--scan-layers", scan_layers],
                          cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     while (line := p.stdout.readline()) and not line.startswith("ready"):
         pass
@@ -88,14 +94,23 @@ def main(argv=None):
     ap.add_argument("--baseline", help="the git revision to compare with (required unless --worker)")
     ap.add_argument("--json", help="where to write the result (required unless --worker)")
     ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--family", help="a bench-size checkpoint of this model family (bench/families.py) as the model")
+    ap.add_argument("--models", default="bench/.models", help="where bench-size checkpoints are built")
+    ap.add_argument("--scan-layers", default="auto", choices=("auto", "true", "false"),
+                    help="engine.scan_layers (auto: the engine's choice)")
     ap.add_argument("--cases", default=CASES, help="comma-separated decode:RxC / prefill:RxT / prefill:RxT@C")
     ap.add_argument("--reps", type=int, default=20, help="timed steps of each case per tree")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    scan = {"auto": None, "true": True, "false": False}[a.scan_layers]
     if a.worker:
-        return _worker(a.model, a.cases.split(","))
+        return _worker(a.model, a.cases.split(","), scan)
     if not a.baseline or not a.json:
         ap.error("--baseline and --json are required")
+    if a.family:
+        sys.path.insert(0, ROOT)
+        from bench.families import checkpoint
+        a.model = os.path.abspath(checkpoint(a.family, a.models))
     from tqdm import tqdm
     rev = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", a.baseline], capture_output=True, text=True,
                          check=True).stdout.strip()
@@ -104,7 +119,7 @@ def main(argv=None):
     cases = a.cases.split(",")
     procs = []
     try:
-        procs = [_start(ROOT, a.model, a.cases), _start(base, a.model, a.cases)]
+        procs = [_start(ROOT, a.model, a.cases, a.scan_layers), _start(base, a.model, a.cases, a.scan_layers)]
         times = {c: ([], []) for c in cases}
         for i in tqdm(range(a.reps), desc="steps", unit="round"):
             for c in cases:
@@ -126,7 +141,8 @@ def main(argv=None):
               f"ratio {out[c]['ratio']['median']:.3f} ({out[c]['ratio']['min']:.2f}-{out[c]['ratio']['max']:.2f})")
     res = {"what": "engine step times, this tree against a baseline commit, one step at a time alternating the "
                    "trees (order reversed every round); ratio: this / baseline per paired step",
-           "model": a.model, "baseline": rev, "reps": a.reps, "cases": out}
+           "model": a.family and f"bench-size {a.family} (bench/families.py)" or a.model, "scan_layers": a.scan_layers,
+           "baseline": rev, "reps": a.reps, "cases": out}
     sys.path.insert(0, ROOT)
     from bench.stamp import write
     write(a.json, res, indent=1)

@@ -11,8 +11,6 @@ The packing (engine/step_io.py) against the sampler's own host-built tensors.
 
 from __future__ import annotations
 
-import re
-
 import jax
 import numpy as np
 import pytest
@@ -23,6 +21,7 @@ from jaxserve.engine.llm_engine import EngineConfig
 from jaxserve.engine.rows import DecodeRow
 from jaxserve.engine.sampler import MAX_LOGPROBS, SamplingTensors
 from jaxserve.transfer.plan import layer_groups
+from tests import in_place
 
 CFG = EngineConfig(block_size=4, num_blocks=64, chunk_size=8, max_num_batched_tokens=16, max_prefill_seqs=2,
                    max_num_seqs=4, num_snapshots=8)
@@ -103,10 +102,6 @@ def test_a_constrained_step_adds_its_bitmask_and_is_split_ahead(smollm2_dir, mon
     assert llm.tokenizer.decode(seq.output).startswith('{"a":')
 
 
-def _shapes(text: str) -> list[tuple[int, ...]]:
-    return [tuple(int(d) for d in dims.split(",") if d) for dims in re.findall(r"\w+\[([\d,]*)\]", text)]
-
-
 @pytest.mark.parametrize("family,scan", [("llama", False), ("llama", True), ("qwen3_next", False), ("qwen3_next", None),
                                          ("gpt_oss", False), ("deepseek_v3", None), ("mimo_v2_flash", None)])
 def test_the_kv_pool_and_request_state_are_written_in_place(checkpoint_dir, family, scan):
@@ -127,19 +122,11 @@ def test_the_kv_pool_and_request_state_are_written_in_place(checkpoint_dir, fami
     llm.generate([list(range(5, 19)), [3, 4, 5]], greedy)
     llm.engine.stream_layers(layer_groups(llm.engine.model_config.num_layers, 2), 1)  # a prefill instance's groups
     llm.generate([list(range(30, 41))], greedy)
-    jax.config.update("jax_disable_most_optimizations", False)  # as served (tests/conftest.py resets it per test)
     checked = {}
     for name, fn, args, static in calls:
         key = (name, tuple(sorted(static.items())))
-        if key in checked:
-            continue
-        pool = [tuple(a.shape) for a in jax.tree.leaves(args[1])]
-        text = fn.lower(*args, **static).compile().as_text()
-        params = _shapes(re.search(r"entry_computation_layout=\{\((.*?)\)->", text).group(1))
-        alias = re.search(r"input_output_alias=\{(.*?)\}, entry", text)
-        aliased = [params[int(i)] for i in re.findall(r": \((\d+),", alias.group(1) if alias else "")]
-        copies = _shapes(" ".join(re.findall(r"= (\w+\[[\d,]*\])\S* copy(?:-start)?\(", text)))
-        checked[key] = (all(aliased.count(s) >= pool.count(s) for s in pool), sorted(set(copies) & set(pool)))
+        if key not in checked:
+            checked[key] = in_place.check(fn, args, static, args[1])
     assert {name for name, _ in checked} == {"_prefill", "_step"}
     assert any(dict(static)["hi"] == 2 for name, static in checked if name == "_prefill")  # a layer group's
     assert all(ok and not copied for ok, copied in checked.values()), checked

@@ -7,6 +7,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from tests import in_place
 from tests.transfer.helpers import export, layout, random_pool
 from jaxserve.transfer.device import DeviceIO, start_host_copy, to_host
 from jaxserve.transfer.plan import TransferPlan, layer_groups
@@ -36,6 +37,11 @@ def test_a_pool_off_the_default_device_exports_and_imports_in_place():
     got = jax.tree.map(np.asarray, got)
     for i, x in enumerate(export(lay, got, st, dst, 0)):  # what arrived, read back where it was written
         np.testing.assert_array_equal(x[:len(want[i])], want[i])
+    calls = []  # again, its arguments recorded: the import program writes the pool in place, copying none of it
+    (key, program), = io._import.items()
+    io._import[key] = lambda *a: (calls.append(a), program(*a))[1]
+    io.import_(jax.device_put(before, dev), st, [np.array(sent[i]) for i in range(len(want))], dst, 0, lay.num_blocks)
+    assert in_place.check(program, calls[0], {}, calls[0][0]) == (True, [])
     untouched = [b for b in range(lay.num_blocks) if b not in dst]
     for g, (a, b) in enumerate(zip(got, before)):
         if not isinstance(a, dict) and a.shape[0] == lay.num_blocks:  # block arrays: the others as they were
