@@ -122,8 +122,9 @@ def steps(r: dict[str, dict]) -> list[str]:
            "first chunks of T tokens; `@C`, after C cached tokens. Before: the baseline commit's tree, in a process of "
            "its own, stepped alternately with this one.", ""]
     for name, d in r.items():
-        out += [f"`{name}`: {model_name(d['model'])} against commit `{d['baseline']}`, {d['reps']} paired steps per "
-                "case.", ""]
+        layers = {"true": ", layers scanned", "false": ", layers unrolled"}.get(d.get("scan_layers", "auto"), "")
+        out += [f"`{name}`: {model_name(d['model'])}{layers} against commit `{d['baseline']}`, {d['reps']} paired "
+                "steps per case.", ""]
         out += table(["case", "before (ms)", "now (ms)", "now / before, median (range)"],
                      [[case, num(c["baseline_ms"], 1), num(c["this_ms"], 1), spread(c["ratio"])]
                       for case, c in d["cases"].items()])

@@ -110,7 +110,7 @@ def main(argv=None):
     if a.family:
         sys.path.insert(0, ROOT)
         from bench.families import checkpoint
-        a.model = os.path.abspath(checkpoint(a.family, a.models))
+        a.model = checkpoint(a.family, a.models)
     from tqdm import tqdm
     rev = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", a.baseline], capture_output=True, text=True,
                          check=True).stdout.strip()
@@ -119,7 +119,8 @@ def main(argv=None):
     cases = a.cases.split(",")
     procs = []
     try:
-        procs = [_start(ROOT, a.model, a.cases, a.scan_layers), _start(base, a.model, a.cases, a.scan_layers)]
+        model = os.path.abspath(a.model) if os.path.exists(a.model) else a.model  # the workers run in their trees
+        procs = [_start(tree, model, a.cases, a.scan_layers) for tree in (ROOT, base)]
         times = {c: ([], []) for c in cases}
         for i in tqdm(range(a.reps), desc="steps", unit="round"):
             for c in cases:
@@ -141,8 +142,7 @@ def main(argv=None):
               f"ratio {out[c]['ratio']['median']:.3f} ({out[c]['ratio']['min']:.2f}-{out[c]['ratio']['max']:.2f})")
     res = {"what": "engine step times, this tree against a baseline commit, one step at a time alternating the "
                    "trees (order reversed every round); ratio: this / baseline per paired step",
-           "model": a.family and f"bench-size {a.family} (bench/families.py)" or a.model, "scan_layers": a.scan_layers,
-           "baseline": rev, "reps": a.reps, "cases": out}
+           "model": a.model, "scan_layers": a.scan_layers, "baseline": rev, "reps": a.reps, "cases": out}
     sys.path.insert(0, ROOT)
     from bench.stamp import write
     write(a.json, res, indent=1)
