@@ -13,7 +13,8 @@ the state they read and write and dispatches them).
   insert   slots that start decoding: their penalty state
 Each takes the weights as one flat list (flattened once by the runner: `merge` rebuilds the model inside the
 trace) and the pool, where it writes it, donated. A class-stacked model's model programs compile with their own
-XLA options (models/stack.py).
+XLA options (models/stack.py). The programs that sample take the sampler's `mode` (sampler.py `sample`):
+static, one program per mode, where the runner passes one (on an accelerator).
 """
 
 from __future__ import annotations
@@ -111,26 +112,26 @@ def step_programs(layout: PoolLayout, stack: LayerStack, merge: Callable, num_sl
     def logits_of(params, h):  # h [B, 1, H] -> [B, V] float32
         return merge(params)[0].head(h, jnp.zeros((h.shape[0], 1), jnp.int32))[:, 0]
 
-    def first_fn(params, h, x, pmask, allowed):
+    def first_fn(params, h, x, pmask, allowed, *, mode=None):
         # a prefill's first tokens -> step_io.pack_sampled: x [B, COLS] the rows' sampling (pack_sampling),
         # pmask [B, V] the prompts' tokens, no outputs yet (h: its first B rows); allowed [B, W] the rows'
-        # next-token bitmasks (structured outputs)
+        # next-token bitmasks (structured outputs); mode: the sampler's (sampler.py `sample`)
         B = x.shape[0]
         return pack_sampled(*sample(logits_of(params, h[:B]), sampling_tensors(x), pmask,
-                                    jnp.zeros(pmask.shape, jnp.int32), allowed))
+                                    jnp.zeros(pmask.shape, jnp.int32), allowed, mode))
 
-    def sample_fn(params, h, prompt_mask, out_counts, x, allowed, *, at=0):
+    def sample_fn(params, h, prompt_mask, out_counts, x, allowed, *, at=0, mode=None):
         # a decode step's tokens with each slot's penalty state (x [B, >= COLS]: the rows' slots and sampling;
         # h: rows at.. of it) -> (counts of the tokens drawn, step_io.pack_sampled)
         slots = x[:, SLOT]
         tok, lp, ids, tlp = sample(logits_of(params, h[at:at + x.shape[0]]), sampling_tensors(x),
-                                   prompt_mask[slots], out_counts[slots], allowed)
+                                   prompt_mask[slots], out_counts[slots], allowed, mode)
         return out_counts.at[slots, tok].add((slots < num_slots).astype(jnp.int32)), pack_sampled(tok, lp, ids,
                                                                                                  tlp)
 
-    def pick_fn(params, h, prompt_mask, out_counts, last, x, allowed):
+    def pick_fn(params, h, prompt_mask, out_counts, last, x, allowed, *, mode=None):
         # a decode step's sampling -> (counts, each slot's last sampled token [slots + 1], pack_sampled)
-        out_counts, out = sample_fn(params, h, prompt_mask, out_counts, x, allowed)
+        out_counts, out = sample_fn(params, h, prompt_mask, out_counts, x, allowed, mode=mode)
         return out_counts, last.at[x[:, SLOT]].set(sampled_tokens(out)), out
 
     def forward_fn(params, pool, last, x, *, total_blocks):
@@ -140,11 +141,11 @@ def step_programs(layout: PoolLayout, stack: LayerStack, merge: Callable, num_sl
                             remote=None)
         return pool, h, x[:, :COLS]
 
-    def step_fn(params, pool, prompt_mask, out_counts, last, x, allowed, *, total_blocks):
+    def step_fn(params, pool, prompt_mask, out_counts, last, x, allowed, *, total_blocks, mode=None):
         # a whole decode step: the model and sampling in one program -> (pool, what pick_fn returns)
         x = with_device_tokens(x, last)
         pool, h = decode_fn(params, pool, x, None, total_blocks=total_blocks, remote=None)
-        return (pool, *pick_fn(params, h, prompt_mask, out_counts, last, x, allowed))
+        return (pool, *pick_fn(params, h, prompt_mask, out_counts, last, x, allowed, mode=mode))
 
     def insert_fn(prompt_mask, out_counts, ids, masks):
         # slots ids[0] [k] start decoding after their first tokens ids[1] [k]; masks [k, V] their prompts'
@@ -159,12 +160,13 @@ def step_programs(layout: PoolLayout, stack: LayerStack, merge: Callable, num_sl
         prefill=jax.jit(prefill_fn, donate_argnums=(1,), static_argnames=("lo", "hi", "last"), compiler_options=opts),
         decode=jax.jit(decode_fn, donate_argnums=(1,), static_argnames=("total_blocks", "remote"),
                        compiler_options=opts),
-        step=jax.jit(step_fn, donate_argnums=(1, 3, 4), static_argnames=("total_blocks",), compiler_options=opts),
-        first=jax.jit(first_fn),
-        sample=jax.jit(sample_fn, donate_argnums=(3,), static_argnames=("at",)),
+        step=jax.jit(step_fn, donate_argnums=(1, 3, 4), static_argnames=("total_blocks", "mode"),
+                     compiler_options=opts),
+        first=jax.jit(first_fn, static_argnames=("mode",)),
+        sample=jax.jit(sample_fn, donate_argnums=(3,), static_argnames=("at", "mode")),
         insert=jax.jit(insert_fn, donate_argnums=(0, 1)),
         forward=jax.jit(forward_fn, donate_argnums=(1,), static_argnames=("total_blocks",), compiler_options=opts),
-        pick=jax.jit(pick_fn, donate_argnums=(3, 4)))
+        pick=jax.jit(pick_fn, donate_argnums=(3, 4), static_argnames=("mode",)))
 
 
 def _latest_pools(cache: list, ran) -> list:

@@ -10,6 +10,7 @@ import numpy as np
 from ..sampling import SamplingParams
 
 IDLE = SamplingParams(temperature=0.0, seed=0)  # sampling parameters of the warm-up's requests
+DRAWN = SamplingParams(temperature=1.0, seed=0)  # and of its drawing ones, where samplers are specialised
 SMALL_DECODE_ROWS = 4  # without full tables, the smallest decode batch bucket: up to this many running requests
 # with full tables, the decode table's narrowest width: max_blocks_per_seq up to this many blocks (32K tokens of
 # 16), wider contexts in power-of-two widths above it, so a step uploads [rows, at most this] where its contexts

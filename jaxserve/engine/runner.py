@@ -56,7 +56,7 @@ from ..models.batch import Batch
 from ..models.stack import LayerStack
 from ..structured import words
 from .programs import step_programs
-from .sampler import MAX_LOGPROBS
+from .sampler import MAX_LOGPROBS, sampling_mode
 from .split_step import Forward, SplitStep, spec
 from .step_io import pack_rows, pack_sampling, read_sampled
 from .rows import (FULL_TABLE_BLOCKS, IDLE, SMALL_DECODE_ROWS, DecodeRow, PrefillRow, Prefix, next_bucket, pow2_bucket,
@@ -150,6 +150,9 @@ class ModelRunner:
         # one after the other, 113 ms with the sampling dispatched while the forward runs, the whole step 101 ms):
         # there the whole step is dispatched once the masks are filled
         self.split_steps = jax.local_devices()[0].platform != "cpu"
+        # the samplers specialised to what their rows ask for (sampler.py `sample`'s mode) where a conditional
+        # would hold the dispatching thread (a GPU); on a CPU a conditional costs nothing and one program serves
+        self.static_sampling = self.split_steps
         self._io = DeviceIO()
         self.mask_words = words(vocab_size)  # a row of a next-token bitmask
         self._free: dict[int, jax.Array] = {}  # rows -> every token allowed (no row constrained)
@@ -253,8 +256,10 @@ class ModelRunner:
                                                       last=last)
                 if last:  # the first tokens: [B, 1, H] -> (tokens, logprobs, top ids, top logprobs)
                     S = sargs[1].shape[0]
-                    self.programs.add(("first", S))
-                    xs[gi] = self._first(self._leaves, xs[gi], *sargs, self._allowed(S, masks, groups[gi][:S]))
+                    mode = self._mode([r for r in groups[gi][:S] if r is not None])
+                    self.programs.add(("first", S) + self._key(mode))
+                    xs[gi] = self._first(self._leaves, xs[gi], *sargs, self._allowed(S, masks, groups[gi][:S]),
+                                         mode=mode)
             if on_stage is not None:
                 on_stage(k)
         got = {}
@@ -438,18 +443,20 @@ class ModelRunner:
         mig = remote.arrays(B) if remote is not None else None
         x = self._upload(x)
         allowed = self._allowed(B, masks, rows)
-        self.programs.add(("decode", B, 1, W, M) + ((remote.spec,) if remote else ()))
+        mode = self._mode(rows)
+        self.programs.add(("decode", B, 1, W, M) + ((remote.spec,) if remote else ()) + self._key(mode))
         self.timer.mark("decode.prepare")
         if remote is None:
             self.pool, self.out_counts, self.last_tokens, out = self._step(
                 self._leaves, self.pool, self.prompt_mask, self.out_counts, self.last_tokens, x, allowed,
-                total_blocks=M)
+                total_blocks=M, mode=mode)
         else:
             self.pool, h = self._decode(self._leaves, self.pool, x, mig, total_blocks=M, remote=remote.spec)
             jax.block_until_ready(h)
             remote.check()  # the helper answered every call of the step (else nothing is sampled)
-            self.programs.add(("sample", B, 0))
-            self.out_counts, out = self._sample(self._leaves, h, self.prompt_mask, self.out_counts, x, allowed)
+            self.programs.add(("sample", B, 0) + self._key(mode))
+            self.out_counts, out = self._sample(self._leaves, h, self.prompt_mask, self.out_counts, x, allowed,
+                                                mode=mode)
         return out
 
     def _decode_inputs(self, rows: list[DecodeRow], narrow: bool = False) -> tuple[int, int, int | None, np.ndarray]:
@@ -498,6 +505,16 @@ class ModelRunner:
                                                           self.last_tokens, fwd.x, allowed)
         return out
 
+    def _mode(self, rows: list) -> tuple[bool, bool] | None:
+        """The sampler's mode for these rows (DecodeRow or PrefillRow): `sampling_mode` of their parameters where
+        samplers are specialised (`static_sampling`), else None (decided on the device)."""
+        return sampling_mode([r.params for r in rows]) if self.static_sampling else None
+
+    @staticmethod
+    def _key(mode) -> tuple:
+        """A program's key's part for the sampler's mode (none where the device decides)."""
+        return () if mode is None else (("draw" if mode[0] else "greedy") + ("+top" if mode[1] else ""),)
+
     def collect(self, rows: list[DecodeRow], out: jax.Array) -> list[tuple[int, float, list[tuple[int, float]]]]:
         """Per row of a dispatched step (token, logprob, top logprobs): waits for it, one read."""
         return self._sampled(rows, out)
@@ -525,9 +542,10 @@ class ModelRunner:
         each slot's penalty state and `masks` (see `prefill`)."""
         B = self.decode_batch(len(rows))
         x = self._upload(pack_rows(rows, B, 0, scratch=self.layout.scratch_row, spare=self.num_slots))
-        self.programs.add(("sample", B, at))
+        mode = self._mode(rows)
+        self.programs.add(("sample", B, at) + self._key(mode))
         self.out_counts, out = self._sample(self._leaves, h, self.prompt_mask, self.out_counts, x,
-                                            self._allowed(B, masks, rows), at=at)
+                                            self._allowed(B, masks, rows), at=at, mode=mode)
         return self._sampled(rows, out)
 
     def mixed(self, prefills: list[PrefillRow], decodes: list[DecodeRow], masks=None):
@@ -546,10 +564,12 @@ class ModelRunner:
         rows = prefills + [None] * (P - len(prefills)) + chunks
         (B, T, W, N, fresh), args, sargs, pmask = self._prefill_inputs(rows)
         L = self.layout.num_layers
-        self.programs.update({("prefill", B, T, W, 0, L, N, fresh), ("first", P)})
+        mode = self._mode(prefills)
+        self.programs.update({("prefill", B, T, W, 0, L, N, fresh), ("first", P) + self._key(mode)})
         self.timer.mark("mixed.prepare")
         self.pool, h = self._prefill(self._leaves, self.pool, None, None, *args, lo=0, hi=L, last=True)
-        got = self._firsts(rows[:P], self._first(self._leaves, h, *sargs, self._allowed(P, masks, rows[:P])), pmask)
+        got = self._firsts(rows[:P], self._first(self._leaves, h, *sargs, self._allowed(P, masks, rows[:P]),
+                                                 mode=mode), pmask)
         out = self._sample_decode(decodes, h, P, masks)
         self.timer.mark("mixed.device")
         return [self._prefix(r, got[id(r)]) if r.sample else None for r in prefills], out

@@ -8,7 +8,11 @@ distribution (before penalties and temperature): the sampled token's and the `ma
 Structured outputs (jaxserve/structured.py): `allowed` is each row's next-token bitmask ([B, ceil(V / 32)] int32,
 bit t % 32 of word t // 32 for token t, every bit set for a free row); a token outside it is never drawn.
 A batch with no sampled row skips the sort and the draws, and one where no row asks for top logprobs skips
-the top-k (`lax.cond`: the other branch is not run), so greedy decoding pays for an argmax only.
+the top-k, so greedy decoding pays for an argmax only: decided on the device (`lax.cond`: the other branch is
+not run), or, with `mode` (`sampling_mode` of the rows' parameters, which the host knows), by the program
+itself, compiled for it. On a GPU the engine passes the mode: XLA's GPU runtime reads a conditional's
+predicate on the host, which holds the thread dispatching the program until the device reaches the
+conditional, after the model; a step left in flight would no longer be dispatched ahead.
 """
 
 from __future__ import annotations
@@ -90,9 +94,15 @@ def unpack(allowed, V: int):
     return bits.reshape(allowed.shape[0], -1)[:, :V].astype(bool)
 
 
-def sample(logits, st: SamplingTensors, prompt_mask, out_counts, allowed=None):
-    """logits [B, V] float32; allowed [B, ceil(V / 32)] int32 or None (no constraint) -> (tokens [B] int32,
-    logprob [B], top_ids [B, K] int32, top_logprobs [B, K])."""
+def sampling_mode(params) -> tuple[bool, bool]:
+    """(whether any of these rows' SamplingParams draws, whether any asks for top logprobs): `sample`'s mode."""
+    return any(p.temperature > 0 for p in params), any(p.logprobs for p in params)
+
+
+def sample(logits, st: SamplingTensors, prompt_mask, out_counts, allowed=None, mode: tuple[bool, bool] | None = None):
+    """logits [B, V] float32; allowed [B, ceil(V / 32)] int32 or None (no constraint); mode: the rows'
+    `sampling_mode` (static), or None to decide on the device -> (tokens [B] int32, logprob [B], top_ids [B, K]
+    int32, top_logprobs [B, K])."""
     B = logits.shape[0]
     logp = jax.nn.log_softmax(logits, axis=-1)
     x = apply_penalties(logits, st, prompt_mask, out_counts)
@@ -105,12 +115,15 @@ def sample(logits, st: SamplingTensors, prompt_mask, out_counts, allowed=None):
         d = jax.vmap(jax.random.categorical)(keys, _filtered(x, st)).astype(jnp.int32)
         return jnp.where(st.temperature > 0, d, greedy)
 
-    tok = jax.lax.cond(jnp.any(st.temperature > 0), drawn, lambda x: greedy, x)
-
     def top(logp):
         top_lp, top_ids = jax.lax.top_k(logp, MAX_LOGPROBS)
         return top_ids.astype(jnp.int32), top_lp
 
     none = (jnp.zeros((B, MAX_LOGPROBS), jnp.int32), jnp.zeros((B, MAX_LOGPROBS), logp.dtype))
-    top_ids, top_lp = jax.lax.cond(jnp.any(st.top > 0), top, lambda logp: none, logp)
+    if mode is None:
+        tok = jax.lax.cond(jnp.any(st.temperature > 0), drawn, lambda x: greedy, x)
+        top_ids, top_lp = jax.lax.cond(jnp.any(st.top > 0), top, lambda logp: none, logp)
+    else:
+        tok = drawn(x) if mode[0] else greedy
+        top_ids, top_lp = top(logp) if mode[1] else none
     return tok, jnp.take_along_axis(logp, tok[:, None], -1)[:, 0], top_ids, top_lp

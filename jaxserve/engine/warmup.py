@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from .rows import IDLE, DecodeRow, PrefillRow, pow2_bucket
+from .rows import DRAWN, IDLE, DecodeRow, PrefillRow, pow2_bucket
 
 
 def compile_steps(runner, progress: bool = True, stages: list[tuple[int, int]] | None = None, tails: bool = False,
@@ -30,6 +30,9 @@ def compile_steps(runner, progress: bool = True, stages: list[tuple[int, int]] |
       tails   (without whole) the one-token chunk at the end of a sequence of every table width: what a
               decode instance runs when KV arrives for all but the last token, a resumed request's or one
               prefill left with transfer.leave_last_token
+    Where the samplers are specialised to their rows (runner.static_sampling: an accelerator), every program
+    that samples compiles for greedy rows and for drawing ones; a step whose rows ask for top logprobs compiles
+    its program the first time one runs.
     reverse: compile the shapes in the opposite order. Instances of one role on a host share XLA's persistent
     cache: the second starting from the other end, each finds the programs the other compiled in the cache by
     the time it reaches them, so the pair compiles each program once (`Worker._warm`).
@@ -107,19 +110,21 @@ def compile_steps(runner, progress: bool = True, stages: list[tuple[int, int]] |
     scratch = runner.layout.scratch_row
     if reverse:
         jobs.reverse()
+    modes = (IDLE, DRAWN) if runner.static_sampling else (IDLE,)
     for kind, n, st, staged in tqdm(jobs, desc="compiling", unit="program", disable=not progress):
-        if kind == "decode":  # n: blocks, st: rows; full tables: one token attended, the table n blocks wide
-            runner.generate([DecodeRow(0, 0, (bs if runner.full_tables else n * bs) - 1, [0] * n, IDLE, 0)] * st)
-        elif kind == "mixed":  # n: (the prefill rows' lengths, decode rows)
-            runner.mixed([PrefillRow("warmup", [0] * t, 0, [0] * -(-t // bs), scratch, scratch, None, True, IDLE,
-                                   0, [0]) for t in n[0]], [DecodeRow(0, 0, bs - 1, [0], IDLE, 0)] * n[1])
-        elif kind == "cached":  # n: (tokens, blocks to the chunk's end)
-            t, w = n
-            runner.prefill([PrefillRow("warmup", [0] * t, w * bs - t, [0] * w, scratch, scratch, None, True,
-                                     IDLE, 0, [0])], st, staged=staged)
-        else:  # n: the rows' lengths
-            runner.prefill([PrefillRow("warmup", [0] * t, 0, [0] * -(-t // bs), scratch, scratch, None, True,
-                                     IDLE, 0, [0]) for t in n], st, staged=staged)
+        for p in modes:
+            if kind == "decode":  # n: blocks, st: rows; full tables: one token attended, the table n blocks wide
+                runner.generate([DecodeRow(0, 0, (bs if runner.full_tables else n * bs) - 1, [0] * n, p, 0)] * st)
+            elif kind == "mixed":  # n: (the prefill rows' lengths, decode rows)
+                runner.mixed([PrefillRow("warmup", [0] * t, 0, [0] * -(-t // bs), scratch, scratch, None, True, p,
+                                       0, [0]) for t in n[0]], [DecodeRow(0, 0, bs - 1, [0], p, 0)] * n[1])
+            elif kind == "cached":  # n: (tokens, blocks to the chunk's end)
+                t, w = n
+                runner.prefill([PrefillRow("warmup", [0] * t, w * bs - t, [0] * w, scratch, scratch, None, True,
+                                         p, 0, [0])], st, staged=staged)
+            else:  # n: the rows' lengths
+                runner.prefill([PrefillRow("warmup", [0] * t, 0, [0] * -(-t // bs), scratch, scratch, None, True,
+                                         p, 0, [0]) for t in n], st, staged=staged)
     if decode:  # the programs that start a step's new decoders (`insert`), every row bucket, on the spare row
         for k in sorted({pow2_bucket(n, 1, runner.max_prefill_seqs) for n in range(1, runner.max_prefill_seqs + 1)}):
             ids = runner._upload(np.full((2, k), runner.num_slots, np.int32))

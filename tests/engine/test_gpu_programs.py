@@ -44,7 +44,9 @@ def _engine(path: str, kernels: str, scan: bool) -> LLM:
     with pytest.MonkeyPatch.context() as mp:
         if kernels == "pallas":  # the GPU's choice, taken without the self-test (which would run the kernels here)
             mp.setattr(llm_engine.check, "plan", lambda requested, cases, progress=False: ("pallas", {}))
-        return LLM(path, engine=cfg, progress=False)
+        llm = LLM(path, engine=cfg, progress=False)
+    llm.engine.runner.static_sampling = True  # as on a GPU: the samplers compiled for their rows' mode
+    return llm
 
 
 def _record(llm: LLM) -> list:
@@ -65,6 +67,7 @@ def test_every_step_program_the_engine_runs_lowers_for_the_gpu(checkpoint_dir, s
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     served.generate(prompts, greedy)
     served.generate([prompts[1] + [7, 8, 9]], greedy)  # a chunk after cached tokens
+    served.generate(prompts[:2], SamplingParams(max_tokens=3, temperature=0.7, seed=1, logprobs=2))
     whole = len(calls)
     served.engine.stream_layers(layer_groups(4, 2), 16)  # a layer-wise prefill instance's groups of 2 layers
     served.generate([rng.integers(3, 200, 50).tolist()], greedy)
@@ -82,10 +85,15 @@ def test_every_step_program_the_engine_runs_lowers_for_the_gpu(checkpoint_dir, s
         texts.append((name, check.cuda_text(getattr(r, name), *shaped, **static)))
         if name == "_step":  # the same step split, as a GPU runs a constrained one
             params, pool, prompt_mask, out_counts, last, x, allowed = shaped
-            texts.append(("forward", check.cuda_text(r.split._fwd, params, pool, last, x, **static)))
-            h = jax.eval_shape(lambda *a: r.split._fwd(*a, **static), params, pool, last, x)[1]
+            fwd = {"total_blocks": static["total_blocks"]}
+            texts.append(("forward", check.cuda_text(r.split._fwd, params, pool, last, x, **fwd)))
+            h = jax.eval_shape(lambda *a: r.split._fwd(*a, **fwd), params, pool, last, x)[1]
             texts.append(("pick", check.cuda_text(r.split._pick, params, h, prompt_mask, out_counts, last, x, allowed)))
     assert {n for n, _ in texts} >= {"_prefill", "_step", "forward", "pick"} and len(texts) >= 6
     assert all("native" not in t for _, t in texts)  # no CPU kernel in a GPU program
+    # no conditional, whose predicate XLA's GPU runtime reads on the host, holding the dispatching thread until
+    # the device reaches it (the split step's `pick` excepted: it samples constrained rows, after the read)
+    assert {static.get("mode") for name, _, static in calls if name == "_step"} >= {(False, False), (True, True)}
+    assert not [n for n, t in texts if n != "pick" and ("stablehlo.case" in t or "stablehlo.if" in t)]
     for name, t in texts:  # the paged kernels (Triton) in every program that runs the model, none elsewhere
         assert (check.triton_calls(t) > 0) == (name in ("_prefill", "_step", "forward")), name

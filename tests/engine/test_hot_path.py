@@ -6,6 +6,7 @@ under `jax.transfer_guard("disallow")`, which refuses every implicit copy), the 
 one is dispatched (engine/overlap.py); a step with a constrained row adds one upload (its bitmask), and where
 it is split (engine/split_step.py) one program (its sampling). A prefill step's new decoders enter the penalty
 state in one program. The programs that write the KV pool (and a hybrid's request state) write it in place.
+Where samplers are specialised to their rows (a GPU), they answer as the device's decision does.
 The packing (engine/step_io.py) against the sampler's own host-built tensors.
 """
 
@@ -71,6 +72,55 @@ def test_a_decode_step_is_one_upload_one_program_one_read(checkpoint_dir, monkey
     ahead = [{"_upload": 1, "_step": 1}] + [one] * 4 + [{"_read": 1}]
     assert got == ([one] + ahead[:-2] + [ahead[-1]] if eng.layout.has_request_state else ahead), got
     assert [s.output for s in seqs] == want
+
+
+MIXED = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+         SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, top_k=20, seed=3, ignore_eos=True),
+         SamplingParams(max_tokens=6, temperature=0, logprobs=3, ignore_eos=True),
+         SamplingParams(max_tokens=6, temperature=1.2, seed=5, logprobs=2, repetition_penalty=1.3, ignore_eos=True)]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_next"])
+def test_samplers_specialised_to_their_rows_answer_as_the_device_decides(checkpoint_dir, family):
+    """Where a conditional would hold the dispatching thread (a GPU: runner.static_sampling), each program that
+    samples is compiled for what its rows ask (greedy or drawn, top logprobs or not: sampler.py `mode`); its
+    tokens and logprobs equal the one program's that decides on the device, greedy, seeded and logprob
+    requests batched together and each alone, prefill's first tokens and decode steps."""
+    def run(static: bool):
+        llm = LLM(checkpoint_dir(family), progress=False, engine=CFG)
+        eng = llm.engine
+        eng.runner.static_sampling = static
+        got = []
+        for batch in ([0, 1, 2, 3], [0], [2], [1]):
+            seqs = [eng.add_request(f"r{i}-{len(got)}", [5 + i, 7, 9 + 2 * i, 11, 13][: 3 + i], MIXED[i])[0]
+                    for i in batch]
+            while eng.has_work:
+                eng.step()
+            got += [(s.output, s.logprobs) for s in seqs]
+        return got, eng.runner.programs
+    decided, programs = run(False)
+    specialised, static_programs = run(True)
+    assert specialised == decided
+    modes = {key[-1] for key in static_programs if key[0] in ("decode", "first")}
+    assert modes == {"greedy", "draw", "greedy+top", "draw+top"}, static_programs
+    assert not any(k in ("greedy", "draw", "greedy+top", "draw+top") for key in programs for k in key)
+
+
+def test_warmup_compiles_greedy_and_drawing_samplers_where_they_are_specialised(checkpoint_dir):
+    """With the samplers specialised (runner.static_sampling), warm-up compiles every sampling program for
+    greedy rows and for drawing ones: greedy and seeded traffic of varied lengths compiles nothing after it."""
+    llm = LLM(checkpoint_dir("llama"), progress=False, engine=CFG)
+    runner = llm.engine.runner
+    runner.static_sampling = True
+    runner.warmup(progress=False)
+    warmed, runner.programs = set(runner.programs), set()
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, 100, n).tolist() for n in (1, 5, 9, 17, 30)]
+    for p in (MIXED[0], MIXED[1]):
+        llm.generate(prompts, p)
+        llm.generate(prompts[2], p)
+    assert runner.programs <= warmed, sorted(runner.programs - warmed)
+    assert {k[-1] for k in runner.programs if k[0] == "decode"} == {"greedy", "draw"}
 
 
 def test_a_constrained_step_adds_its_bitmask_and_is_split_ahead(smollm2_dir, monkeypatch):
