@@ -486,13 +486,14 @@ class ModelRunner:
         if not self.split_steps:
             return None
         B, W, M, x = self._decode_inputs(rows)
-        pair = self.split.programs((B, W, M), lambda: (
+        mode = self._mode(rows)
+        pair = self.split.programs((B, W, M, mode), lambda: (
             spec((self._leaves, self.pool, self.last_tokens)) + (spec(x, self._replicated),), M,
             spec((self.prompt_mask, self.out_counts, self.last_tokens))
             + (spec(np.empty((B, self.mask_words), np.int32), self._replicated),)))
         if pair is None:
             return None
-        self.programs.update({("forward", B, 1, W, M), ("pick", B)})
+        self.programs.update({("forward", B, 1, W, M), ("pick", B) + self._key(mode)})
         self.pool, h, cols = pair.forward(self._leaves, self.pool, self.last_tokens, self._upload(x))
         self.timer.mark("decode.prepare")
         return Forward(B, h, cols, pair.pick)

@@ -7,12 +7,13 @@ The pair of programs of a shape compiles behind the engine, on a thread of its o
 that shape asks for it: until then `programs` answers None and the engine dispatches the one-program step after
 the read instead (and for good where its compile failed). Warm-up compiles nothing more for it, and no step
 waits for a compile. `pick` is keyed by the rows alone (a forward program hands it only the rows' sampling
-columns), so one compiles per row bucket. On a CPU none of this runs (runner.split_steps): the host and the
+columns) and the sampler's mode (sampler.py `sample`), so one compiles per row bucket and mode, and a forward
+program per decode shape. On a CPU none of this runs (runner.split_steps): the host and the
 programs share the cores there, and the whole step after the read is as fast.
 
 Concurrency: the engine thread calls `programs` and `wait`; one compile thread lowers and compiles. Each shape's
-result passes between them in a Future, taken on the engine thread; the picks by row count are the compile
-thread's alone.
+result passes between them in a Future, taken on the engine thread; the compiled forwards by shape and picks by
+row count and mode are the compile thread's alone.
 """
 
 from __future__ import annotations
@@ -58,12 +59,14 @@ class SplitStep:
         self._fwd, self._pick = forward, pick
         self._ready: dict[tuple, Pair] = {}
         self._pending: dict[tuple, Future] = {}
-        self._picks: dict[int, object] = {}  # rows -> compiled pick (the compile thread's)
+        self._forwards: dict[tuple, object] = {}  # (B, W, M) -> compiled forward (the compile thread's)
+        self._picks: dict[tuple, object] = {}  # (rows, mode) -> compiled pick (the compile thread's)
         self._failed: set[tuple] = set()  # shapes whose compile failed: their steps run whole
         self._jobs: queue.SimpleQueue | None = None  # (future, arguments) for the compile thread
 
     def programs(self, key: tuple, specs: Callable[[], tuple]) -> Pair | None:
-        """The compiled pair for decode shape `key` ((B, W, M)), or None while it compiles; the first call for a
+        """The compiled pair for decode shape and sampler mode `key` ((B, W, M, mode): mode as `sample` takes
+        it), or None while it compiles; the first call for a
         key starts its compile with specs() -> (forward's argument specs, its static total_blocks, pick's
         argument specs after h and x: prompt_mask, out_counts, last, allowed). A compile that fails is logged
         once it is known, and the shape's steps run whole from then on. The specs are taken on the engine thread
@@ -76,7 +79,7 @@ class SplitStep:
             if self._jobs is None:
                 self._start()
             f = self._pending[key] = Future()
-            self._jobs.put((f, (key[0], *specs())))
+            self._jobs.put((f, (key, *specs())))
             return None
         if not f.done():
             return None
@@ -125,11 +128,14 @@ class SplitStep:
             except BaseException as e:  # taken on the engine thread by `programs`
                 f.set_exception(e)
 
-    def _compile(self, B: int, fwd_args: tuple, total_blocks, pick_args: tuple) -> Pair:
-        fwd = self._fwd.lower(*fwd_args, total_blocks=total_blocks).compile()
-        if B not in self._picks:
+    def _compile(self, key: tuple, fwd_args: tuple, total_blocks, pick_args: tuple) -> Pair:
+        B, mode = key[0], key[3]
+        if key[:3] not in self._forwards:
+            self._forwards[key[:3]] = self._fwd.lower(*fwd_args, total_blocks=total_blocks).compile()
+        fwd = self._forwards[key[:3]]
+        if (B, mode) not in self._picks:
             params = fwd_args[0]
             _, h, x = fwd.out_info
             pm, counts, last, allowed = pick_args
-            self._picks[B] = self._pick.lower(params, h, pm, counts, last, x, allowed).compile()
-        return Pair(fwd, self._picks[B])
+            self._picks[B, mode] = self._pick.lower(params, h, pm, counts, last, x, allowed, mode=mode).compile()
+        return Pair(fwd, self._picks[B, mode])

@@ -88,12 +88,13 @@ def test_every_step_program_the_engine_runs_lowers_for_the_gpu(checkpoint_dir, s
             fwd = {"total_blocks": static["total_blocks"]}
             texts.append(("forward", check.cuda_text(r.split._fwd, params, pool, last, x, **fwd)))
             h = jax.eval_shape(lambda *a: r.split._fwd(*a, **fwd), params, pool, last, x)[1]
-            texts.append(("pick", check.cuda_text(r.split._pick, params, h, prompt_mask, out_counts, last, x, allowed)))
+            texts.append(("pick", check.cuda_text(r.split._pick, params, h, prompt_mask, out_counts, last, x, allowed,
+                                                  mode=static["mode"])))
     assert {n for n, _ in texts} >= {"_prefill", "_step", "forward", "pick"} and len(texts) >= 6
     assert all("native" not in t for _, t in texts)  # no CPU kernel in a GPU program
     # no conditional, whose predicate XLA's GPU runtime reads on the host, holding the dispatching thread until
-    # the device reaches it (the split step's `pick` excepted: it samples constrained rows, after the read)
+    # the device reaches it
     assert {static.get("mode") for name, _, static in calls if name == "_step"} >= {(False, False), (True, True)}
-    assert not [n for n, t in texts if n != "pick" and ("stablehlo.case" in t or "stablehlo.if" in t)]
+    assert not [n for n, t in texts if "stablehlo.case" in t or "stablehlo.if" in t]
     for name, t in texts:  # the paged kernels (Triton) in every program that runs the model, none elsewhere
         assert (check.triton_calls(t) > 0) == (name in ("_prefill", "_step", "forward")), name

@@ -134,6 +134,7 @@ def test_a_constrained_step_adds_its_bitmask_and_is_split_ahead(smollm2_dir, mon
         "json", '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}')))
     eng.step()  # the prefill and first token
     eng.runner.split_steps = True  # as on an accelerator (on a CPU the whole step runs after the read)
+    eng.runner.static_sampling = True  # as there too: the pick compiled for its rows' mode (greedy)
     log = []
     for name in ("_upload", "_read", "_step", "forward", "pick"):
         f = getattr(eng.runner, name)
@@ -150,6 +151,7 @@ def test_a_constrained_step_adds_its_bitmask_and_is_split_ahead(smollm2_dir, mon
             assert log in (["forward", "_upload", "_read", "pick", "_upload"], ["_read"]), log
     assert log == ["_read"]  # the step that ends it reads only
     assert llm.tokenizer.decode(seq.output).startswith('{"a":')
+    assert ("pick", 1, "greedy") in eng.runner.programs
 
 
 @pytest.mark.parametrize("family,scan", [("llama", False), ("llama", True), ("qwen3_next", False), ("qwen3_next", None),
