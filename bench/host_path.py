@@ -48,6 +48,7 @@ def measure(path: str, overlap: bool, batch: int, steps: int, guided: bool = Fal
     eng = LLMEngine(path, config=EngineConfig(num_blocks=512, max_num_seqs=batch, overlap=overlap), progress=False)
     runner, log = eng.runner, []
     runner.split_steps = runner.split_steps or split
+    runner.static_sampling = runner.static_sampling or split  # an accelerator specialises its samplers too
     for name in (*(p for p in PROGRAMS if p != "forward"), "_upload", "_read"):
         f = getattr(runner, name)
         setattr(runner, name, lambda *a, _f=f, _n=name, **k: (log.append(_n), _f(*a, **k))[1])
