@@ -159,7 +159,8 @@ def test_a_constrained_step_adds_its_bitmask_and_is_split_ahead(smollm2_dir, mon
 def test_the_kv_pool_and_request_state_are_written_in_place(checkpoint_dir, family, scan):
     """Every prefill and decode program as XLA compiles it for serving (the whole model, and a layer-wise
     prefill's layer groups): each array of the pool argument (the KV pool; a hybrid's recurrent state and
-    snapshots beside it) is donated and aliased to an output, and no copy of one is made. A step that copied the
+    snapshots beside it), and a decode step's penalty counts, are donated and aliased to outputs, and no copy of
+    one is made. A step that copied the
     pool would move all of it, not the tokens it writes: on an 8B model more bytes than its weights. Unrolled
     (as on a GPU), a hybrid's batch-1 steps copied their state (cache/layout.py `_read_rows`); class-stacked
     (switch mode, a CPU), DeepSeek-V3's and MiMo's layers each copied the KV pool (models/model.py `_switch_scan`)."""
@@ -178,7 +179,8 @@ def test_the_kv_pool_and_request_state_are_written_in_place(checkpoint_dir, fami
     for name, fn, args, static in calls:
         key = (name, tuple(sorted(static.items())))
         if key not in checked:
-            checked[key] = in_place.check(fn, args, static, args[1])
+            donated = [args[i] for i in ((1,) if name == "_prefill" else (1, 3))]  # _step: and the counts [S, V]
+            checked[key] = in_place.check(fn, args, static, donated)
     assert {name for name, _ in checked} == {"_prefill", "_step"}
     assert any(dict(static)["hi"] == 2 for name, static in checked if name == "_prefill")  # a layer group's
     assert all(ok and not copied for ok, copied in checked.values()), checked
