@@ -160,10 +160,10 @@ def test_the_kv_pool_and_request_state_are_written_in_place(checkpoint_dir, fami
     """Every prefill and decode program as XLA compiles it for serving (the whole model, and a layer-wise
     prefill's layer groups): each array of the pool argument (the KV pool; a hybrid's recurrent state and
     snapshots beside it), and a decode step's penalty counts, are donated and aliased to outputs, and no copy of
-    one is made. A step that copied the
-    pool would move all of it, not the tokens it writes: on an 8B model more bytes than its weights. Unrolled
-    (as on a GPU), a hybrid's batch-1 steps copied their state (cache/layout.py `_read_rows`); class-stacked
-    (switch mode, a CPU), DeepSeek-V3's and MiMo's layers each copied the KV pool (models/model.py `_switch_scan`)."""
+    one is made. A step that copied the pool would move all of it, not the tokens it writes: on an 8B model more
+    bytes than its weights. Unrolled (as on a GPU), a hybrid's batch-1 steps copied their state (cache/layout.py
+    `_read_rows`); class-stacked (switch mode, a CPU), DeepSeek-V3's and MiMo's layers each copied the KV pool
+    (models/model.py `_switch_scan`)."""
     llm = LLM(checkpoint_dir(family), progress=False,
               engine=EngineConfig(block_size=4, num_blocks=64, chunk_size=8, max_num_batched_tokens=16,
                                   max_num_seqs=4, scan_layers=scan))
