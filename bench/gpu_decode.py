@@ -67,12 +67,16 @@ def tensors(c: dict):
 
 def part_make(a) -> dict:
     """Random bf16 weights drawn on the device (N(0, 0.02), norms 1), written tensor by tensor as safetensors."""
+    return {"shape": a.shape, **make_checkpoint(a.dir, config_of(a.shape))}
+
+
+def make_checkpoint(path: str, c: dict) -> dict:
+    """A random bf16 Llama checkpoint of config `c` in `path`, drawn on JAX's default device -> its size."""
     import jax
     import jax.numpy as jnp
     import numpy as np
-    c = config_of(a.shape)
-    os.makedirs(a.dir, exist_ok=True)
-    with open(os.path.join(a.dir, "config.json"), "w") as f:
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(c, f)
     names = list(tensors(c))
     header, off = {}, 0
@@ -86,12 +90,12 @@ def part_make(a) -> dict:
     key = jax.random.key(0)
     draw = jax.jit(lambda k, shape: (0.02 * jax.random.normal(k, shape, jnp.float32)).astype(jnp.bfloat16),
                    static_argnums=1)
-    with open(os.path.join(a.dir, "model.safetensors"), "wb") as f:
+    with open(os.path.join(path, "model.safetensors"), "wb") as f:
         f.write(struct.pack("<Q", len(head)) + head)
         for i, (name, shape) in enumerate(names):
             x = jnp.ones(shape, jnp.bfloat16) if len(shape) == 1 else draw(jax.random.fold_in(key, i), shape)
             f.write(np.asarray(jax.device_get(x)).view(np.uint16).tobytes())
-    return {"shape": a.shape, "params": off // 2, "weight_bytes": off, "make_s": round(time.perf_counter() - t0, 2)}
+    return {"params": off // 2, "weight_bytes": off, "make_s": round(time.perf_counter() - t0, 2)}
 
 
 def part_floor(a) -> dict:
