@@ -9,13 +9,18 @@ configuration. Nothing runs: no time is measured, only what each program is made
 
 Workload: random bf16 checkpoints of Llama-3.1-8B's shape (bench/gpu_decode.py) with 1 and with 2 layers, each
 served on this CPU by an engine with the Pallas kernels interpreted while every program call's argument shapes
-are recorded: 1 prompt, then 64 prompts, of 16 tokens, 4 greedy tokens each. An engine of the same checkpoint
-with a GPU's settings (Pallas kernels compiled, layers unrolled, samplers specialised to their rows) then
-compiles each recorded call for the GPU. Per program: the kernels it launches by kind (gemms, Pallas kernels,
-other fusions, copies), the arguments aliased to outputs (updated in place) and any copy of one, and XLA's
-compile seconds on this host. Per layer: the 2-layer program's kernels less the 1-layer one's; a 32-layer
-program's kernels follow. Runs in its own environment (`--venv`, created on first use): the lent GPU machines'
-JAX (0.11.2) with its CUDA 13 plugin and the image's Flax, beside this checkout's other dependencies.
+are recorded: 1 prompt of 16 tokens (4 greedy tokens), then 64 (32 tokens each: all 64 decode together at the
+end). An engine of the same checkpoint with a GPU's settings (Pallas kernels compiled, layers unrolled,
+samplers specialised to their rows) then compiles each recorded call for the GPU. Per program: the kernels it
+launches by kind (gemms, Pallas kernels, other fusions, copies), the arguments aliased to outputs (updated in
+place), how the kernels that write those arrays write them (in place: a kernel over the update only; whole),
+any copy, the matrix products XLA left to loop kernels instead of gemms, and XLA's compile seconds on this
+host. Per layer: the 2-layer program's kernels less the 1-layer one's, and from them a 32-layer program's. Then
+the same for the bench-size checkpoint of every family (bench/families.py; `--families`), serving 1 prompt and
+then 8 (8 tokens each): that every program of each, its Pallas kernels included, compiles for the GPU, and what
+it copies. Runs in its own environment
+(`--venv`, created on first use): the lent GPU machines' JAX (0.11.2) with its CUDA 13 plugin and the image's
+Flax, beside this checkout's other dependencies.
 
     python -m bench.gpu_programs --json bench/results/gpu_programs_h200.json
 """
@@ -37,6 +42,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU_JAX = ["jax[cuda13]==0.11.2", "flax==0.12.10"]  # the lent machines' JAX and Flax (../shared/gpu/README.md)
 PROGRAMS = ("_prefill", "_decode", "_step", "_first", "_sample", "_insert")
 POOLED = ("_prefill", "_decode", "_step")  # programs whose second argument is the KV pool (its size: the layers')
+# (prompts, tokens each) served while the calls are recorded: 32 tokens, so that all 64 decode together at the end
+BATCHES_8B = "[[1, 4], [64, 32]]"
+BATCHES_FAMILY = "[[1, 4], [8, 8]]"  # fewer shapes: each compiles the interpreted Pallas kernels on this CPU again
+# (array, axis) of a call's arrays after the weights and pool: where its rows are counted (a prefill's
+# sequences, a decode step's requests)
+BATCH = {"_prefill": (0, 0), "_decode": (0, 0), "_step": (3, 0), "_first": (0, 0), "_sample": (0, 0), "_insert": (1, 1)}
 LAYERS = 32  # Llama-3.1-8B's
 NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
                "after-all", "add-dependency", "opt-barrier", "partition-id", "replica-id"}
@@ -235,10 +246,10 @@ def _engine(path: str, gpu: bool):
     return llm
 
 
-def part_compile(path: str, target: str, hlo: str | None = None) -> list[dict]:
-    """Serve the workload on the checkpoint at `path` recording each program call, then compile every distinct
-    call for the GPU of `target` -> a row per program (each program's optimized HLO text into the folder `hlo`,
-    when given)."""
+def part_compile(path: str, target: str, batches, hlo: str | None = None) -> list[dict]:
+    """Serve batches ((prompts, tokens each), ...) on the checkpoint at `path` recording each program call, then
+    compile every distinct call for the GPU of `target` -> a row per program (each program's optimized HLO text
+    into the folder `hlo`, when given)."""
     import jax
     import numpy as np
     from jax.experimental import topologies
@@ -258,10 +269,10 @@ def part_compile(path: str, target: str, hlo: str | None = None) -> list[dict]:
             return _fn(*args, **static)
         setattr(runner, name, record)
     rng = np.random.default_rng(0)
-    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     vocab, layers = served.engine.model_config.vocab_size, served.engine.model_config.num_layers
-    for batch in (1, 64):
-        served.generate([rng.integers(3, vocab, 16).tolist() for _ in range(batch)], greedy)
+    for batch, new in batches:
+        served.generate([rng.integers(3, vocab, 16).tolist() for _ in range(batch)],
+                        SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True))
     del served, runner
     gpu = _engine(path, gpu=True).engine.runner
     # Pallas' Triton lowering asks which GPU it targets: the abstract one named as the device is (Hopper)
@@ -284,7 +295,8 @@ def part_compile(path: str, target: str, hlo: str | None = None) -> list[dict]:
             os.makedirs(hlo, exist_ok=True)
             with open(os.path.join(hlo, f"{len(rows):02d}{name}.txt"), "w") as f:
                 f.write(text)
-        rows.append({"program": name, "static": {k: str(v) for k, v in static.items()}, "shapes": shapes,
+        rows.append({"program": name, "rows": shapes[BATCH[name][0]][BATCH[name][1]],
+                     "static": {k: str(v) for k, v in static.items()}, "shapes": shapes,
                      "key": key, "compile_s": round(time.perf_counter() - t0, 2), **kernels(text)})
         print(f"{name} {static}: {rows[-1]['kernels']} kernels {rows[-1]['by_kind']}", flush=True)
     return rows
@@ -301,11 +313,12 @@ def main(argv=None) -> int:
     ap.add_argument("--root", default=os.path.join(tempfile.gettempdir(), "jaxserve-bench"),
                     help="where the families' checkpoints are built (once)")
     ap.add_argument("--hlo", help="a folder for each program's optimized HLO text (<layers>/<n><program>.txt)")
+    ap.add_argument("--batches", default=BATCHES_8B, help=argparse.SUPPRESS)
     ap.add_argument("--part", nargs=2, metavar=("CHECKPOINT", "OUT"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.part:  # in the GPU environment
         with open(a.part[1], "w") as f:
-            json.dump(part_compile(a.part[0], a.target, a.hlo), f)
+            json.dump(part_compile(a.part[0], a.target, json.loads(a.batches), a.hlo), f)
         return 0
     from bench.families import NAMES, checkpoint
     families = {"none": [], "all": NAMES}.get(a.families) or a.families.split(",")
@@ -316,11 +329,11 @@ def main(argv=None) -> int:
     work = tempfile.mkdtemp(prefix="gpu_programs_")
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
 
-    def compile_all(checkpoint: str, name: str) -> list[dict]:
+    def compile_all(checkpoint: str, name: str, batches: str) -> list[dict]:
         out = os.path.join(work, f"{name}.json")
         hlo = ["--hlo", os.path.join(os.path.abspath(a.hlo), name)] if a.hlo else []
         subprocess.run([py, "-m", "bench.gpu_programs", "--json", a.json, "--target", a.target, *hlo,
-                        "--part", checkpoint, out], check=True, env=env, cwd=ROOT)
+                        "--batches", batches, "--part", checkpoint, out], check=True, env=env, cwd=ROOT)
         return json.load(open(out))
 
     target = open(a.target).read()
@@ -333,7 +346,7 @@ def main(argv=None) -> int:
             make = [py, "-c", "import sys; from bench.gpu_decode import config_of, make_checkpoint; "
                     f"c = config_of('8b'); c['num_hidden_layers'] = {layers}; make_checkpoint(sys.argv[1], c)", ck]
             subprocess.run(make, check=True, env=env, cwd=ROOT)
-            by_layers[layers] = {r["key"]: r for r in compile_all(ck, f"llama-8b-{layers}")}
+            by_layers[layers] = {r["key"]: r for r in compile_all(ck, f"llama-8b-{layers}", BATCHES_8B)}
             shutil.rmtree(ck)
         for key, two in by_layers[2].items():
             one = by_layers[1].get(key)
@@ -342,7 +355,7 @@ def main(argv=None) -> int:
         write(a.json, result)
         for name in families:  # each on its own: a family that fails is recorded, the next still compiles
             try:
-                rows = compile_all(checkpoint(name, a.root), name)
+                rows = compile_all(checkpoint(name, a.root), name, BATCHES_FAMILY)
                 result["families"][name] = [{k: v for k, v in r.items() if k != "key"} for r in rows]
             except subprocess.CalledProcessError as e:
                 result["families"][name] = {"error": f"rc {e.returncode}"}

@@ -246,6 +246,32 @@ def gpu_decode(r: dict[str, dict]) -> list[str]:
     return out
 
 
+def gpu_programs(r: dict[str, dict]) -> list[str]:
+    out = []
+    for name, d in r.items():
+        big = lambda p: [c for c in p["copies"] if c[1] >= 1 << 20]  # noqa: E731
+        out += [f"`{name}`: compiled for the {d['target']} by {', '.join(d['gpu_jax'])}, on a machine without one. "
+                "Llama-3.1-8B's shape with 2 layers; a layer's kernels: the 2-layer program's less the 1-layer "
+                "one's.", ""]
+        rows = [[p["program"].lstrip("_"), p["rows"], p["kernels"], p.get("per_layer", ""),
+                 ", ".join(f"{v} {k}" for k, v in p.get("per_layer_by_kind", {}).items()),
+                 p.get("at_32_layers", ""), f"{len(p['copies'])} ({num(sum(c[1] for c in p['copies']))} B)",
+                 f"{p['writes']['in_place']} / {p['writes']['whole']}", p["dots_in_loop_kernels"],
+                 num(p["compile_s"], 1)] for p in d["programs"]]
+        out += table(["program", "rows", "kernels", "a layer's", "a layer's, by kind", "at 32 layers", "copies",
+                      "pool and state writes: in place / whole", "products outside gemms", "compile (s, this host)"],
+                     rows)
+        fams = [[f, "failed: " + ps["error"]] + [""] * 4 if "error" in ps else
+                [f, len(ps), max(p["by_kind"].get("pallas", 0) for p in ps), sum(len(big(p)) for p in ps),
+                 sum(p["writes"]["whole"] for p in ps), sum(p["dots_in_loop_kernels"] for p in ps)]
+                for f, ps in d.get("families", {}).items()]
+        if fams:
+            out += ["Every family's bench-size checkpoint (bench/families.py), the same workload:", ""]
+            out += table(["family", "programs compiled", "Pallas kernels in a program, at most", "copies of 1 MiB "
+                          "or more", "pool and state writes, whole", "products outside gemms"], fams)
+    return out
+
+
 def _scanned(unrolled: dict, scan: dict) -> list[str]:
     """The scanned engine's points against the unrolled ones of the same run, and its prefill instance."""
     if not scan:
@@ -314,6 +340,7 @@ SECTIONS = [
     Section("The host's part of a decode step", "bench.host_path", ("host_path.json",), host_path),
     Section("Decode against the memory floor on a GPU", "bench.gpu_decode", ("gpu_decode_h200.json",
                                                                              "gpu_decode_h100.json"), gpu_decode),
+    Section("GPU programs compiled without a GPU", "bench.gpu_programs", ("gpu_programs_h200.json",), gpu_programs),
     Section("Disaggregated against colocated on one GPU", "bench.gpu_disagg", ("gpu_disagg_h200.json",
                                                                                "gpu_disagg_h100.json"), gpu_disagg),
     Section("Kernels", "bench.kernels", ("kernels_h200.json", "kernels_h100.json", "kernels.json"), kernels),
