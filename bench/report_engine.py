@@ -266,7 +266,9 @@ def gpu_programs(r: dict[str, dict]) -> list[str]:
                  sum(p["writes"]["whole"] for p in ps), sum(p["dots_in_loop_kernels"] for p in ps)]
                 for f, ps in d.get("families", {}).items()]
         if fams:
-            out += ["Every family's bench-size checkpoint (bench/families.py), the same workload:", ""]
+            out += ["Every family's bench-size checkpoint (bench/families.py), 1 prompt then 8, its programs summed "
+                    "(at these sizes, hidden 256, XLA computes a one-row product in a loop kernel by choice; at the "
+                    "8B shape it makes none):", ""]
             out += table(["family", "programs compiled", "Pallas kernels in a program, at most", "copies of 1 MiB "
                           "or more", "pool and state writes, whole", "products outside gemms"], fams)
     return out
