@@ -312,7 +312,7 @@ def main(argv=None) -> int:
                     "compiled too: 'all' (default) or 'none'")
     ap.add_argument("--root", default=os.path.join(tempfile.gettempdir(), "jaxserve-bench"),
                     help="where the families' checkpoints are built (once)")
-    ap.add_argument("--hlo", help="a folder for each program's optimized HLO text (<layers>/<n><program>.txt)")
+    ap.add_argument("--hlo", help="a folder for each program's optimized HLO text (<checkpoint>/<n><program>.txt)")
     ap.add_argument("--batches", default=BATCHES_8B, help=argparse.SUPPRESS)
     ap.add_argument("--part", nargs=2, metavar=("CHECKPOINT", "OUT"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -330,6 +330,8 @@ def main(argv=None) -> int:
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
 
     def compile_all(checkpoint: str, name: str, batches: str) -> list[dict]:
+        print(f"gpu_programs: {name}: serving {batches} (prompts, tokens) on this CPU, then compiling each program "
+              "for the GPU", flush=True)
         out = os.path.join(work, f"{name}.json")
         hlo = ["--hlo", os.path.join(os.path.abspath(a.hlo), name)] if a.hlo else []
         subprocess.run([py, "-m", "bench.gpu_programs", "--json", a.json, "--target", a.target, *hlo,
