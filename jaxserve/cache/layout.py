@@ -168,15 +168,16 @@ def _index(rows, j0: int, j1: int, shift):
 
 def _read_rows(a, rows, index):
     """a[index(rows)]: the request-level state of the batch's rows [B] (index: rows -> the index of their
-    entries). A batch of one reads its row twice, behind an optimization barrier, and keeps one: XLA makes a
-    one-row read a dynamic slice, fuses it into each of its users, some of them after the step's write of `a`,
-    and then copies all of `a` first, every slot's state, at each step (on a CPU a hybrid model's batch-1 decode
-    step with 512 slots took 9x as long: tests/engine/test_hot_path.py checks the compiled programs). XLA:CPU
-    needs the two rows, XLA:GPU the barrier too (without it a Kimi Linear's conv state was copied twice a step;
-    bench/gpu_programs.py)."""
-    if rows.shape[0] == 1:
-        return jax.lax.optimization_barrier(a[index(jnp.concatenate([rows, rows]))])[:1]
-    return a[index(rows)]
+    entries). A batch of one reads its row twice and keeps one: XLA makes a one-row read a dynamic slice, fuses
+    it into each of its users, some of them after the step's write of `a`, and then copies all of `a` first,
+    every slot's state, at each step (on a CPU a hybrid model's batch-1 decode step with 512 slots took 9x as
+    long: tests/engine/test_hot_path.py checks the compiled programs). XLA:GPU fuses the two rows' read too (a
+    Kimi Linear's conv state was copied twice a step: bench/gpu_programs.py), so there the read is kept behind
+    an optimization barrier; XLA:CPU keeps the read without one (lowered per platform, no conditional)."""
+    if rows.shape[0] != 1:
+        return a[index(rows)]
+    read = lambda: a[index(jnp.concatenate([rows, rows]))]  # noqa: E731
+    return jax.lax.platform_dependent(cpu=read, default=lambda: jax.lax.optimization_barrier(read()))[:1]
 
 
 def gather(layout: PoolLayout, pool: list, block_table, src_rows, start, span: tuple[int, int] | None = None,
