@@ -13,6 +13,7 @@ The packing (engine/step_io.py) against the sampler's own host-built tensors.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -184,6 +185,28 @@ def test_the_kv_pool_and_request_state_are_written_in_place(checkpoint_dir, fami
     assert {name for name, _ in checked} == {"_prefill", "_step"}
     assert any(dict(static)["hi"] == 2 for name, static in checked if name == "_prefill")  # a layer group's
     assert all(ok and not copied for ok, copied in checked.values()), checked
+
+
+def test_a_batch_of_ones_state_read_sits_behind_a_barrier_where_the_program_is_for_a_gpu():
+    """`_read_rows` of a batch of one, lowered for each platform: for CUDA the read is behind an optimization
+    barrier (XLA:GPU fused the two-row read into users after the step's write and copied a Kimi Linear's whole
+    conv state twice a step: bench/gpu_programs.py); for the CPU it is not (XLA:CPU needs none, and its step
+    stays as it was); a batch of two needs neither. The choice is made as the program is lowered: the compiled
+    program holds no conditional."""
+    from jaxserve.cache.layout import _read_rows
+    state = jax.ShapeDtypeStruct((9, 3, 4), jnp.float32)  # [slots + 1, ...]
+    read = jax.jit(lambda a, rows: _read_rows(a, rows, lambda r: r))
+
+    def lowered(batch: int, platform: str) -> str:
+        rows = jax.ShapeDtypeStruct((batch,), jnp.int32)
+        return read.trace(state, rows).lower(lowering_platforms=(platform,)).as_text()
+
+    assert "optimization_barrier" in lowered(1, "cuda")
+    assert "optimization_barrier" not in lowered(1, "cpu") and "optimization_barrier" not in lowered(2, "cuda")
+    a = np.arange(9 * 3 * 4, dtype=np.float32).reshape(9, 3, 4)
+    compiled = read.lower(a, np.array([5], np.int32)).compile()
+    assert "conditional" not in compiled.as_text()
+    np.testing.assert_array_equal(compiled(a, np.array([5], np.int32)), a[5:6])
 
 
 def test_split_programs_that_fail_to_compile_leave_the_whole_step(smollm2_dir, monkeypatch, caplog):
