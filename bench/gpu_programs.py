@@ -51,6 +51,8 @@ BATCH = {"_prefill": (0, 0), "_decode": (0, 0), "_step": (3, 0), "_first": (0, 0
 LAYERS = 32  # Llama-3.1-8B's
 NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
                "after-all", "add-dependency", "opt-barrier", "partition-id", "replica-id"}
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
+               "f64": 8, "s64": 8, "u64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
 _INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\([^()]*\)|\S+) ([a-z][\w-]*)\((.*)$")
 
 
@@ -83,14 +85,12 @@ def _kind(op: str, rest: str) -> str:
 
 
 def _bytes(shape: str) -> int:
-    sizes = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
-             "f64": 8, "s64": 8, "u64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
     total = 0
     for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", shape):
         n = 1
         for d in filter(None, dims.split(",")):
             n *= int(d)
-        total += n * sizes.get(dtype, 4)
+        total += n * DTYPE_BYTES.get(dtype, 4)
     return total
 
 
@@ -102,9 +102,10 @@ def kernels(text: str) -> dict:
     comps = _computations(text)
     counts: dict[str, int] = {}
     copies: list = []
-    loop_dots = [0]
+    loop_dots = 0
 
     def walk(name: str, times: int) -> None:
+        nonlocal loop_dots
         for line in comps.get(name, []):
             m = _INSTR.match(line)
             if not m:
@@ -125,7 +126,7 @@ def kernels(text: str) -> dict:
             counts[kind] = counts.get(kind, 0) + times
             callee = re.search(r"calls=%(\S+?)[,\s]", rest + " ") if kind == "fusion" else None
             if callee and _weight_product(comps.get(callee.group(1), [])):
-                loop_dots[0] += times
+                loop_dots += times
             if kind == "copy":
                 copies.append([shape, _bytes(shape)])
 
@@ -135,7 +136,7 @@ def kernels(text: str) -> dict:
     alias = re.search(r"input_output_alias=\{(.*?)\}, entry", text)
     aliased = [params[int(i)] for i in re.findall(r": \((\d+),", alias.group(1) if alias else "")]
     return {"kernels": sum(counts.values()), "by_kind": dict(sorted(counts.items())), "copies": copies,
-            "aliased": aliased, "writes": writes(comps, aliased), "dots_in_loop_kernels": loop_dots[0]}
+            "aliased": aliased, "writes": writes(comps, aliased), "dots_in_loop_kernels": loop_dots}
 
 
 def _weight_product(lines: list[str]) -> bool:
