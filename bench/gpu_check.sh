@@ -80,7 +80,7 @@ step() {
 }
 
 # in order of what a cut-short run must not lose: the kernels' rates, the engine against the memory floor,
-# disaggregated serving on the GPU and its answers, the attention kernels' tests, the other kernel tests, the device transfer backend
+# disaggregated serving on the GPU and its answers, the device transfer backends, the attention kernels' tests, the other kernel tests
 step kernels 40 $PY -m bench.kernels --iters 20 --json "$OUT/kernels_$TAG.json"
 step gpu_decode 230 $PY -m bench.gpu_decode --json "$OUT/gpu_decode_$TAG.json"
 # the disaggregated deployment moves KV through CUDA IPC only where two processes just did so correctly
@@ -92,13 +92,14 @@ if [ -n "${TUNE_SWEEPS:-}" ]; then
     step kernel_tune 150 $PY -m bench.kernel_tune --iters 10 --budget-s $(( 120 * BUDGET_S / DEFAULT_BUDGET_S )) \
         --sweeps "$TUNE_SWEEPS" --json "$OUT/kernel_tune_$(echo "$TUNE_SWEEPS" | tr , _)_$TAG.json"
 fi
+# the device transfer backends' rates (CUDA IPC, the transfer server) before the kernel tests, which ran on the H100 and H200
+step pull_tests 20 $PY -m pytest -q -p no:cacheprovider tests/transfer/test_pull.py
+step transfer 20 $PY -m bench.transfer --parts a --reps 3 --json "$OUT/transfer_$TAG.json"
 K=tests/pallas_kernels
 ATTENTION="$K/test_flash_attention_hopper.py $K/test_paged_attention.py $K/test_paged_prefill.py $K/test_paged_candidates.py"
 step attention_tests 50 $PY -m pytest -v -p no:cacheprovider $ATTENTION
 step pallas_tests 30 $PY -m pytest -v -p no:cacheprovider $K $(for f in $ATTENTION; do echo --ignore $f; done) \
     --ignore $K/test_gpu_lowering.py  # the engine on each model family first
 # (tests/conftest.py's order); test_gpu_lowering.py checks on a CPU what the GPU's own compiles show here
-step pull_tests 20 $PY -m pytest -q -p no:cacheprovider tests/transfer/test_pull.py
-step transfer 20 $PY -m bench.transfer --parts a --reps 3 --json "$OUT/transfer_$TAG.json"
 echo "total $(( $(date +%s) - START )) s" | tee -a "$OUT/summary.txt"
 (cd "$OUT" && tar -czf logs.tgz ./*.log && rm -f ./*.log)  # the logs in one file, beside the summary and results

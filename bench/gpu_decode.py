@@ -161,9 +161,16 @@ def _engine(a, scan_layers: bool | None):
                  "scan_layers": bool(eng.runner.stack.runs), "points": []}
 
 
-def _points(a, llm, contexts, batches) -> list[dict]:
+def _save(a, out: dict) -> None:
+    """The part's result so far, in its file: a part cut at its limit keeps the points it measured."""
+    with open(os.path.join(a.work, f"{a.part}.json"), "w") as f:
+        json.dump(out, f)
+
+
+def _points(a, llm, contexts, batches, out: dict) -> list[dict]:
     """Per (context, batch): the decode step against the HBM floor, prefill's share of the bf16 rate, and the
-    seconds of the untimed first pass at that shape (its programs compiled: mostly compile time)."""
+    seconds of the untimed first pass at that shape (its programs compiled: mostly compile time); each point
+    appended to out["points"] and saved as it is measured."""
     import numpy as np
     from jaxserve.sampling import SamplingParams
     c, eng, new = config_of(a.shape), llm.engine, a.new
@@ -172,13 +179,14 @@ def _points(a, llm, contexts, batches) -> list[dict]:
     weights = json.load(open(os.path.join(a.work, "make.json")))["weight_bytes"]
     rng = np.random.default_rng(0)
     greedy = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
-    points = []
+    points = out["points"]
     for C in contexts:
         for B in batches:
             blocks = B * -(-(C + new) // eng.cfg.block_size)
             if B > eng.cfg.max_num_seqs or blocks > eng.cfg.num_blocks:
                 points.append({"batch": B, "context": C, "skipped": f"the cache holds {eng.cfg.num_blocks} "
                                f"blocks, {eng.cfg.max_num_seqs} requests; this needs {blocks}, {B}"})
+                _save(a, out)
                 continue
             prompts = [rng.integers(3, c["vocab_size"], C).tolist() for _ in range(B)]
             t_first = time.perf_counter()
@@ -209,19 +217,28 @@ def _points(a, llm, contexts, batches) -> list[dict]:
                 "phases_ms": st.get("phases_ms", {}), "output_tok_s": round(B / wall, 1),
                 "prefill_s": round(prefill_s, 3), "first_pass_s": round(first_s, 1),
                 "prefill_share_of_bf16": round(flops / prefill_s / 1e12 / floor["bf16_TFLOPs"], 3)})
+            _save(a, out)
             print(f"== B {B} C {C}: step {step:.2f} ms, floor {floor_ms:.2f} ms, {step / floor_ms:.2f}x", flush=True)
     return points
 
 
 def part_jax(a) -> dict:
-    """The engine as it runs by default (on a GPU: layers unrolled): every (context, batch) point, then the
-    GPU's busy fraction over decode steps from a profiler trace."""
+    """The engine as it runs by default (on a GPU: layers unrolled): every batch at the shortest context, the
+    GPU's busy fraction over decode steps from a profiler trace, then every batch at the longer contexts."""
+    llm, out = _engine(a, None)
+    _points(a, llm, a.contexts[:1], a.batches, out)
+    out["trace"] = _trace(a, llm)
+    _save(a, out)
+    _points(a, llm, a.contexts[1:], a.batches, out)
+    return out
+
+
+def _trace(a, llm) -> dict:
+    """The GPU's busy fraction over up to 16 decode steps of the middle batch at the shortest context."""
     import jax
     import numpy as np
     from jaxserve.sampling import SamplingParams
-    llm, out = _engine(a, None)
     eng, c, contexts, batches, new = llm.engine, config_of(a.shape), a.contexts, a.batches, a.new
-    out["points"] = _points(a, llm, contexts, batches)
     rng = np.random.default_rng(1)
     greedy = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
     # the busy fraction over decode steps of the middle batch at the shortest context
@@ -239,8 +256,7 @@ def part_jax(a) -> dict:
     jax.profiler.stop_trace()
     while eng.has_work:
         eng.step()
-    out["trace"] = {"batch": B, "context": C, **(busy_fraction(trace) or {"error": "no device events in the trace"})}
-    return out
+    return {"batch": B, "context": C, **(busy_fraction(trace) or {"error": "no device events in the trace"})}
 
 
 def part_scan(a) -> dict:
@@ -250,7 +266,7 @@ def part_scan(a) -> dict:
     and streaming threshold): its prefill programs and seconds, the compilation cache off."""
     from jaxserve.transfer.plan import layer_groups
     llm, out = _engine(a, True)
-    out["points"] = _points(a, llm, a.contexts[:1], [b for b in a.batches if b in (1, 64)] or a.batches[:1])
+    _points(a, llm, a.contexts[:1], [b for b in a.batches if b in (1, 64)] or a.batches[:1], out)
     eng = llm.engine
     groups = layer_groups(eng.layout.num_layers, 4)
     eng.stream_layers(groups, 512)
@@ -315,8 +331,8 @@ def main(argv=None) -> int:
     work = tempfile.mkdtemp(prefix="gpu_decode_")
     ck = os.path.join(work, "checkpoint")
     result = {"shape": a.shape, "batches": a.batches, "contexts": a.contexts, "new": a.new}
-    # the scan part last: the issue's figures first, where a run is cut at its share
-    for part in ["make", "floor", "jax"] + ([] if a.no_hf else ["hf"]) + ([] if a.no_scan else ["scan"]):
+    # the issue's figures first, where a run is cut at its share; transformers, measured before, last
+    for part in ["make", "floor", "jax"] + ([] if a.no_scan else ["scan"]) + ([] if a.no_hf else ["hf"]):
         cmd = [sys.executable, "-m", "bench.gpu_decode", "--part", part, "--dir", ck, "--work", work,
                "--shape", a.shape, "--batches", ",".join(map(str, a.batches)),
                "--contexts", ",".join(map(str, a.contexts)), "--new", str(a.new),
@@ -325,7 +341,9 @@ def main(argv=None) -> int:
         rc = subprocess.run(cmd).returncode
         print(f"gpu_decode: {part}: rc {rc} in {time.perf_counter() - t0:.0f} s", flush=True)
         path = os.path.join(work, f"{part}.json")
-        result[part] = json.load(open(path)) if rc == 0 and os.path.exists(path) else {"error": f"rc {rc}"}
+        result[part] = json.load(open(path)) if os.path.exists(path) else {}  # what a failed part saved, too
+        if rc != 0:
+            result[part]["error"] = f"rc {rc}"
         write(a.json, result)  # after every part: a run cut short keeps what it measured
         if rc != 0 and part in ("make", "floor"):
             break

@@ -11,8 +11,8 @@ import tarfile
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = ["kernels", "gpu_decode", "ipc_test", "gpu_disagg", "disagg_tests", "attention_tests", "pallas_tests",
-         "pull_tests", "transfer"]
+STEPS = ["kernels", "gpu_decode", "ipc_test", "gpu_disagg", "disagg_tests", "pull_tests", "transfer",
+         "attention_tests", "pallas_tests"]
 
 
 def _executable(path, text: str) -> None:
@@ -43,17 +43,17 @@ def test_every_step_runs_in_order_with_the_results_named_after_the_gpu(tmp_path)
     assert "gpu: NVIDIA H100 80GB HBM3 (tag h100)" in summary
     steps = [c for c in calls if c[0] == "-m" and c[1] != "pip"]  # the version print (-c), a wheel install aside
     assert [c[1] for c in steps] == ["bench.kernels", "bench.gpu_decode", "pytest", "bench.gpu_disagg", "pytest",
-                                     "pytest", "pytest", "pytest", "bench.transfer"]  # no sweep without TUNE_SWEEPS
+                                     "pytest", "bench.transfer", "pytest", "pytest"]  # no sweep without TUNE_SWEEPS
     assert steps[0][-1] == f"{out}/kernels_h100.json" and steps[1][-1] == f"{out}/gpu_decode_h100.json"
     assert "tests/transfer/test_ipc.py" in steps[2]
     disagg = steps[3]
     assert disagg[-1] == f"{out}/gpu_disagg_h100.json" and disagg[disagg.index("--cuda-ipc") + 1] == "on"
     assert "tests/router/test_cluster_http.py" in steps[4]
-    attention, others = steps[5], steps[6]
+    assert "tests/transfer/test_pull.py" in steps[5] and steps[6][-1] == f"{out}/transfer_h100.json"
+    attention, others = steps[7], steps[8]
     assert "tests/pallas_kernels/test_paged_candidates.py" in attention
     ignored = {others[i + 1] for i, a in enumerate(others) if a == "--ignore"}
     assert {a for a in attention if a.startswith("tests/")} | {"tests/pallas_kernels/test_gpu_lowering.py"} == ignored
-    assert steps[8][-1] == f"{out}/transfer_h100.json"
     for name in STEPS:
         assert f"{name}: rc 0" in summary, summary
     with tarfile.open(out_dir / "logs.tgz") as tar:
