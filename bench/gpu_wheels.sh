@@ -12,7 +12,8 @@ PY=${PY:-.venv/bin/python}
 # for bench.gpu_disagg and tests/router/test_cluster_http.py there.
 PKGS="pydantic pydantic_core annotated-types typing-inspection gguf fastapi starlette uvicorn llguidance
       cryptography cffi pycparser typer click rich shellingham markdown-it-py mdurl pygments prometheus_client
-      xxhash httpx httpcore h11 anyio sniffio certifi idna pyyaml tqdm filelock"
+      xxhash httpx httpcore h11 anyio sniffio certifi idna pyyaml tqdm filelock opentelemetry-api annotated-doc
+      typing_extensions"
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 rm -rf .whl && mkdir -p .whl
 for p in $PKGS; do

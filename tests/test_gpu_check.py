@@ -100,3 +100,11 @@ def test_a_run_can_spend_its_gpu_on_the_disaggregated_steps(tmp_path):
     assert steps[1][2:8] == ["--shape", "8b", "--lengths", "256,2048,8000", "--reps", "2"]
     assert steps[1][steps[1].index("--cuda-ipc") + 1] == "on"
     assert re.search(r"gpu_disagg: rc 0 in \d+ s \(limit 460 s\)", summary) and "gpu_decode: not chosen" in summary
+
+
+def test_a_run_that_leaves_the_ipc_test_out_keeps_the_transfer_server(tmp_path):
+    """CUDA IPC only where the test just passed: without it bench.gpu_disagg runs with --cuda-ipc off."""
+    calls, summary, _ = _run(tmp_path, ONLY="gpu_disagg")
+    steps = [c for c in calls if c[0] == "-m" and c[1] != "pip"]
+    assert [c[1] for c in steps] == ["bench.gpu_disagg"] and "ipc_test: not chosen" in summary
+    assert steps[0][steps[0].index("--cuda-ipc") + 1] == "off"
