@@ -154,7 +154,8 @@ def _engine(a, scan_layers: bool | None):
     t0 = time.perf_counter()
     llm = LLM(a.dir, dtype="bfloat16", progress=False, engine=EngineConfig(
         max_num_batched_tokens=a.prefill_tokens, prefix_caching=False, compilation_cache=None,
-        max_model_len=max(a.contexts) + a.new + 16, scan_layers=scan_layers))
+        max_model_len=max(a.contexts) + a.new + _slack(a, max(a.batches), max(a.contexts)) + 16,
+        scan_layers=scan_layers))
     eng = llm.engine
     return llm, {"load_s": round(time.perf_counter() - t0, 1), "num_blocks": eng.cfg.num_blocks,
                  "max_num_seqs": eng.cfg.max_num_seqs, "kernels": str(eng.kernels),
@@ -167,10 +168,23 @@ def _save(a, out: dict) -> None:
         json.dump(out, f)
 
 
+def _slack(a, B: int, C: int) -> int:
+    """Tokens a request may decode while later prompts of its batch still prefill: prefill steps carry the
+    running requests' decode rows (one token a step, their rows taking from the step's token budget), about one
+    step per `prefill_tokens` of the batch's prompts; twice that and a few, to be safe."""
+    return 2 * -(-B * C // a.prefill_tokens) + 4
+
+
 def _points(a, llm, contexts, batches, out: dict) -> list[dict]:
     """Per (context, batch): the decode step against the HBM floor, prefill's share of the bf16 rate, and the
     seconds of the untimed first pass at that shape (its programs compiled: mostly compile time); each point
-    appended to out["points"] and saved as it is measured."""
+    appended to out["points"] and saved as it is measured.
+
+    The B requests ask for `new` tokens plus what they may decode while later prompts prefill (`_slack`), and
+    the timed window is the `new` decode steps after the last prompt's prefill: every request decoding, none
+    finished (a request prefilled early would otherwise finish before it and the steps decode fewer rows); the
+    requests are aborted after it. The floor counts the KV the window's rows hold, and a window in which
+    programs were compiled (a shape the first pass did not reach) is measured again."""
     import numpy as np
     from jaxserve.sampling import SamplingParams
     c, eng, new = config_of(a.shape), llm.engine, a.new
@@ -178,48 +192,86 @@ def _points(a, llm, contexts, batches, out: dict) -> list[dict]:
     floor = json.load(open(os.path.join(a.work, "floor.json")))
     weights = json.load(open(os.path.join(a.work, "make.json")))["weight_bytes"]
     rng = np.random.default_rng(0)
-    greedy = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
     points = out["points"]
     for C in contexts:
         for B in batches:
-            blocks = B * -(-(C + new) // eng.cfg.block_size)
-            if B > eng.cfg.max_num_seqs or blocks > eng.cfg.num_blocks:
+            # the tokens each request asks for: new + slack, as far as the cache holds them (the window then
+            # ends at the first request to finish)
+            bs, room = eng.cfg.block_size, eng.cfg.num_blocks * 99 // 100
+            tokens = min(new + _slack(a, B, C), (room // max(B, 1)) * bs - C)
+            blocks = B * -(-(C + max(tokens, new)) // bs)
+            if B > eng.cfg.max_num_seqs or tokens < new:
                 points.append({"batch": B, "context": C, "skipped": f"the cache holds {eng.cfg.num_blocks} "
                                f"blocks, {eng.cfg.max_num_seqs} requests; this needs {blocks}, {B}"})
                 _save(a, out)
                 continue
-            prompts = [rng.integers(3, c["vocab_size"], C).tolist() for _ in range(B)]
             t_first = time.perf_counter()
-            llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # compiles
+            llm.generate([rng.integers(3, c["vocab_size"], C).tolist() for _ in range(B)],
+                         SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # compiles
             first_s = time.perf_counter() - t_first
-            seqs = [eng.add_request(f"{C}-{B}-{i}", p, greedy)[0] for i, p in enumerate(prompts)]
-            eng.timer.reset()
-            t_pre = time.perf_counter()
-            while any(not s.output for s in seqs):
-                eng.step()
-            prefill_s = time.perf_counter() - t_pre
-            eng.timer.reset()
-            n, t1 = 0, time.perf_counter()
-            while eng.has_work:
-                eng.step()
-                n += 1
-            wall = (time.perf_counter() - t1) / max(n, 1)
-            st = eng.timer.summary().get("decode", {})
-            for s in seqs:
-                eng.release(s)
-            step = st.get("mean_ms", wall * 1e3)
-            kv = B * (C + new / 2) * kv_token
+            recompiled = []
+            for attempt in range(2):
+                point = _point(eng, [rng.integers(3, c["vocab_size"], C).tolist() for _ in range(B)], new,
+                               SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True), f"{C}-{B}-{attempt}")
+                if not point["compiled_in_window"]:
+                    break
+                recompiled = point["compiled_in_window"]  # measured again: what the first pass had not compiled
+            kv = point["mean_context"] * B * kv_token
             floor_ms = (weights + kv) / (floor["copy_GBps"] * 1e9) * 1e3
+            step = point["decode_step_ms"]
             flops = 2 * (weights / 2 - 2 * c["vocab_size"] * c["hidden_size"]) * B * C  # the layers' matmuls
-            points.append({
-                "batch": B, "context": C, "decode_step_ms": round(step, 3), "wall_step_ms": round(wall * 1e3, 3),
-                "floor_ms": round(floor_ms, 3), "step_over_floor": round(step / floor_ms, 2),
-                "phases_ms": st.get("phases_ms", {}), "output_tok_s": round(B / wall, 1),
-                "prefill_s": round(prefill_s, 3), "first_pass_s": round(first_s, 1),
-                "prefill_share_of_bf16": round(flops / prefill_s / 1e12 / floor["bf16_TFLOPs"], 3)})
+            point.update({"batch": B, "context": C, "floor_ms": round(floor_ms, 3),
+                          "step_over_floor": round(step / floor_ms, 2), "output_tok_s": round(B / point["wall_step_ms"] * 1e3, 1),
+                          "first_pass_s": round(first_s, 1), "attempts": attempt + 1, "max_tokens": tokens,
+                          "compiled_in_first_window": recompiled,
+                          "prefill_share_of_bf16": round(flops / point["prefill_s"] / 1e12 / floor["bf16_TFLOPs"], 3),
+                          "prefill_device_share_of_bf16": round(
+                              flops / (point["prefill_device_ms"] / 1e3) / 1e12 / floor["bf16_TFLOPs"], 3)
+                          if point["prefill_device_ms"] else None})
+            points.append(point)
             _save(a, out)
             print(f"== B {B} C {C}: step {step:.2f} ms, floor {floor_ms:.2f} ms, {step / floor_ms:.2f}x", flush=True)
     return points
+
+
+def _point(eng, prompts: list[list[int]], new: int, params, tag: str) -> dict:
+    """One batch: prefilled (the steps until every request has its first token), then up to `new` decode steps
+    timed while every request runs (the window ends at the first to finish), then aborted -> the point's
+    timings."""
+    before = set(eng.runner.programs)
+    seqs = [eng.add_request(f"{tag}-{i}", p, params)[0] for i, p in enumerate(prompts)]
+    eng.timer.reset()
+    t_pre = time.perf_counter()
+    while any(not s.output for s in seqs):
+        eng.step()
+    prefill_s = time.perf_counter() - t_pre
+    pre = eng.timer.summary()
+    # the prefill program's device phase over the prefill and mixed steps (mixed ones carry decode rows too)
+    device_ms = sum(st["count"] * st.get("phases_ms", {}).get("prefill.device", 0.0)
+                    for k, st in pre.items() if k in ("prefill", "mixed"))
+    programs = set(eng.runner.programs)
+    compiled_in_prefill = sorted(map(str, programs - before))
+    context = sum(s.num_tokens for s in seqs)
+    eng.timer.reset()
+    n, t1 = 0, time.perf_counter()
+    while n < new and not any(s.finished for s in seqs):
+        eng.step()
+        n += 1
+    wall = (time.perf_counter() - t1) / n
+    st = eng.timer.summary()
+    context = (context + sum(s.num_tokens for s in seqs)) / 2
+    finished = sum(s.finished for s in seqs)
+    for s in seqs:
+        eng.abort(s.request_id)
+    while eng.has_work:
+        eng.step()
+    dec = st.get("decode", {})
+    return {"decode_step_ms": round(dec.get("mean_ms", wall * 1e3), 3), "wall_step_ms": round(wall * 1e3, 3),
+            "window_steps": n, "steps": {k: v["count"] for k, v in st.items()}, "phases_ms": dec.get("phases_ms", {}),
+            "mean_context": round(context / len(seqs), 1), "finished_in_window": finished,
+            "prefill_s": round(prefill_s, 3), "prefill_device_ms": round(device_ms, 3),
+            "prefill_steps": {k: v["count"] for k, v in pre.items()}, "compiled_in_prefill": compiled_in_prefill,
+            "compiled_in_window": sorted(map(str, set(eng.runner.programs) - programs))}
 
 
 def part_jax(a) -> dict:
@@ -234,29 +286,33 @@ def part_jax(a) -> dict:
 
 
 def _trace(a, llm) -> dict:
-    """The GPU's busy fraction over up to 16 decode steps of the middle batch at the shortest context."""
+    """The GPU's busy fraction over 16 decode steps of the middle batch at the shortest context, every request
+    running (they ask for `_slack` more tokens than the steps before and in the trace, and are aborted after)."""
     import jax
     import numpy as np
     from jaxserve.sampling import SamplingParams
-    eng, c, contexts, batches, new = llm.engine, config_of(a.shape), a.contexts, a.batches, a.new
+    eng, c = llm.engine, config_of(a.shape)
     rng = np.random.default_rng(1)
-    greedy = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
-    # the busy fraction over decode steps of the middle batch at the shortest context
-    B, C = (batches[len(batches) // 2], contexts[0])
-    prompts = [rng.integers(3, c["vocab_size"], C).tolist() for _ in range(B)]
-    seqs = [eng.add_request(f"trace-{i}", p, greedy)[0] for i, p in enumerate(prompts)]
+    B, C = a.batches[len(a.batches) // 2], a.contexts[0]
+    params = SamplingParams(max_tokens=16 + 3 + _slack(a, B, C), temperature=0, ignore_eos=True)
+    seqs = [eng.add_request(f"trace-{i}", rng.integers(3, c["vocab_size"], C).tolist(), params)[0]
+            for i in range(B)]
     while any(not s.output for s in seqs):
         eng.step()
     for _ in range(3):
         eng.step()
     trace = tempfile.mkdtemp(prefix="gpu_decode_trace_")
     jax.profiler.start_trace(trace, create_perfetto_trace=True)
-    for _ in range(min(16, new - 8)):
+    for _ in range(16):
         eng.step()
     jax.profiler.stop_trace()
+    finished = sum(s.finished for s in seqs)
+    for s in seqs:
+        eng.abort(s.request_id)
     while eng.has_work:
         eng.step()
-    return {"batch": B, "context": C, **(busy_fraction(trace) or {"error": "no device events in the trace"})}
+    return {"batch": B, "context": C, "finished_in_trace": finished,
+            **(busy_fraction(trace) or {"error": "no device events in the trace"})}
 
 
 def part_scan(a) -> dict:

@@ -51,8 +51,9 @@ def machine(d: dict) -> str:
     """Where a result ran, in words: the GPU, or the CPU's cores."""
     m = (d.get("stamp") or {}).get("machine") or {}
     gpus = [x for x in m.get("devices", []) if x != "cpu"]
-    if gpus or (d.get("device") or "").startswith("NVIDIA"):
-        return ", ".join(gpus) or d["device"]
+    device = d.get("device") or (d.get("floor") or {}).get("device") or ""  # bench.gpu_decode's, from its part
+    if gpus or device.startswith("NVIDIA"):
+        return ", ".join(gpus) or device
     cores = m.get("affinity") or m.get("cpus") or d.get("cpus")
     return f"CPU, {cores} cores" if cores else "CPU"
 
@@ -64,7 +65,16 @@ def provenance(name: str, d: dict) -> str:
         return f"`{name}`: no stamp (measured before results were stamped; {machine(d)})"
     dirty = " with uncommitted changes" if st.get("dirty") else ""
     commit = (st.get("commit") or "?")[:7]
-    return f"`{name}`: commit `{commit}`{dirty}, {st['date'][:10]}, {machine(d)}: `{st['command']}`"
+    return f"`{name}`: commit `{commit}`{dirty}, {st['date'][:10]}, {machine(d)}: `{command(st)}`"
+
+
+def command(st: dict) -> str:
+    """The stamp's command, its --json naming the result's place here (a lent GPU writes elsewhere: $OUT)."""
+    words = st.get("command", "").split(" ")
+    for i, w in enumerate(words[:-1]):
+        if w == "--json" and not words[i + 1].startswith("bench/results/"):
+            words[i + 1] = "bench/results/" + os.path.basename(words[i + 1])
+    return " ".join(words)
 
 
 def _doc(module: str) -> str:
@@ -97,8 +107,8 @@ def headline_table(results: dict[str, dict]) -> str:
         if d is None:
             continue
         anchor = next(s.anchor for s in SECTIONS if s.title == h.section)
-        command = (d.get("stamp") or {}).get("command", "")
-        rows.append([h.label, f"**{h.value(d)}**", machine(d), f"`{command}`" if command else "-",
+        shown = command(d.get("stamp") or {})
+        rows.append([h.label, f"**{h.value(d)}**", machine(d), f"`{shown}`" if shown else "-",
                      f"[more](docs/benchmarks.md#{anchor})"])
     return "\n".join(table(["figure", "measured", "on", "command", "details"], rows)).rstrip()
 

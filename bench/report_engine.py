@@ -227,10 +227,13 @@ def gpu_decode(r: dict[str, dict]) -> list[str]:
                 f"device copy {num(f['copy_GBps'])} GB/s, bf16 matmul {num(f['bf16_TFLOPs'])} TFLOP/s. The default "
                 f"cache: {num(j['num_blocks'])} blocks, max_num_seqs {j['max_num_seqs']}.", ""]
         rows = [[p["batch"], p["context"], num(p["decode_step_ms"], 2), num(p["floor_ms"], 2),
-                 f"{p['step_over_floor']:.2f}x", num(p["output_tok_s"]), pct(p["prefill_share_of_bf16"])]
+                 f"{p['step_over_floor']:.2f}x{flaws(p)}", num(p["output_tok_s"]),
+                 pct(p.get("prefill_device_share_of_bf16") or p["prefill_share_of_bf16"]) + prefill_flaw(p)]
                 for p in j["points"] if "skipped" not in p]
         out += table(["requests", "context (tokens)", "decode step (ms)", "HBM floor (ms): weights + KV / copy rate",
                       "step / floor", "output tokens/s", "prefill, of the bf16 rate"], rows)
+        marked = "".join(flaws(p) + prefill_flaw(p) for p in j["points"] if "skipped" not in p)
+        out += [x for mark, line in FLAWS.items() if mark in marked for x in (line, "")]
         skipped = [f"{p['batch']} x {p['context']}" for p in j["points"] if "skipped" in p]
         if skipped:
             out += [f"Not run (the cache holds too little): {', '.join(skipped)}.", ""]
@@ -244,6 +247,36 @@ def gpu_decode(r: dict[str, dict]) -> list[str]:
             out += ["transformers `generate` (sdpa, bf16) on the same checkpoint: " + ", ".join(
                 f"{num(x['decode_step_ms'], 1)} ms a step at {x['batch']} requests" for x in hf) + ".", ""]
     return out
+
+
+FLAWS = {
+    "†": "† Not the whole batch: measured before the timed steps were those with every request running (results "
+         "since record `window_steps`), over the steps after the last prompt's first token, by when requests "
+         "prefilled early (prefill steps carry the running requests' decode rows) had finished; the step decoded "
+         "fewer rows than the batch, so its floor is too high.",
+    "‡": "‡ A program compiled inside the timed steps (their host phase `decode.prepare` over 20 ms a step): one "
+         "the untimed first pass had not reached (results since measure such a point again).",
+    "§": "§ Prefill timed with a compile inside (slower than the untimed first pass that should have compiled it).",
+}
+
+
+def prefill_flaw(p: dict) -> str:
+    """"§" where a gpu_decode point's timed prefill compiled a program (results before `compiled_in_prefill`: it
+    took longer than the first pass, which compiles and prefills the same shapes)."""
+    if "compiled_in_prefill" in p:
+        return "§" if p["compiled_in_prefill"] else ""
+    return "§" if p.get("prefill_s", 0) > p.get("first_pass_s", float("inf")) else ""
+
+
+def flaws(p: dict) -> str:
+    """FLAWS' marks of a gpu_decode point: a batch not whole over the timed steps, a compile inside them (results
+    from before 5f2d581 lack `window_steps`: a batch whose prompts took over two 8,192-token prefill steps)."""
+    if "window_steps" in p:
+        whole = not p.get("finished_in_window")
+    else:
+        whole = -(-p["batch"] * p["context"] // 8192) <= 2
+    compiled = p.get("compiled_in_window") or p.get("phases_ms", {}).get("decode.prepare", 0) > 20
+    return ("" if whole else "†") + ("‡" if compiled else "")
 
 
 def gpu_programs(r: dict[str, dict]) -> list[str]:
@@ -366,6 +399,11 @@ HEADLINES = [
     Headline("paged decode attention (32 x 2K context)", "kernels_h200.json",
              lambda d: next(f"{k['kernel_GBps'] / 1e3:.2f} TB/s, {pct(k['fraction_of_hbm_peak'])} of HBM"
                             for k in d["results"] if k["kernel"] == "paged_attention"), "Kernels"),
+    Headline("decode step / HBM floor (weights + KV over the measured copy rate), 8B shape, 256-token prompts: "
+             "1 and 64 requests", "gpu_decode_h200.json",
+             lambda d: " and ".join(f"{p['step_over_floor']:.2f}x" for b in (1, 64) for p in d["jax"]["points"]
+                                    if p.get("batch") == b and p.get("context") == 256 and "skipped" not in p),
+             "Decode against the memory floor on a GPU"),
     Headline("offline output tokens/s (32M Llama)", "offline_h200.json",
              lambda d: num(d["jaxserve"]["output_tokens_per_s"]["median"]), "Offline throughput"),
 ]

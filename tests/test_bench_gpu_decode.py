@@ -69,3 +69,39 @@ def test_the_report_renders_a_result():
             "30.0 s") in text
     assert "(8 groups of 4 layers, max_num_batched_tokens 8192) warmed 17 prefill programs in 61.2 s" in text
     assert "scanned did not finish (rc 124)" in "\n".join(render({"x.json": {**d, "scan": {"error": "rc 124"}}}))
+
+
+def test_the_report_marks_points_that_did_not_decode_the_whole_batch_or_compiled_while_timed():
+    from bench.report_engine import flaws, prefill_flaw
+    old = {"batch": 64, "context": 2048, "phases_ms": {"decode.prepare": 1.4}, "prefill_s": 6.5, "first_pass_s": 5.8}
+    assert flaws(old) == "†" and prefill_flaw(old) == "§"  # 16 prefill steps of 8,192 tokens before the window
+    assert flaws({**old, "context": 256}) == "" and prefill_flaw({**old, "first_pass_s": 30.0}) == ""
+    assert flaws({"batch": 16, "context": 256, "phases_ms": {"decode.prepare": 125.2}}) == "‡"
+    new = {**old, "window_steps": 48, "finished_in_window": 0, "compiled_in_window": [], "compiled_in_prefill": []}
+    assert flaws(new) == "" and prefill_flaw(new) == ""
+    assert flaws({**new, "finished_in_window": 3, "compiled_in_window": ["('decode', 64, 1, 8, None)"]}) == "†‡"
+
+
+def test_a_point_times_steps_that_decode_every_request_of_the_batch(tmp_path):
+    """Sixteen 32-token prompts over 128-token prefill steps: the requests prefilled first decode in the later
+    prefill steps; the timed window is still `new` steps of all sixteen, and the requests are aborted after it."""
+    from jaxserve.engine.llm_engine import EngineConfig
+    from jaxserve.llm import LLM
+    ck, work = str(tmp_path / "ck"), str(tmp_path)
+    made = gpu_decode.part_make(argparse.Namespace(dir=ck, shape="tiny"))
+    json.dump(made, open(f"{work}/make.json", "w"))
+    json.dump({"copy_GBps": 5.0, "bf16_TFLOPs": 0.2}, open(f"{work}/floor.json", "w"))
+    a = argparse.Namespace(shape="tiny", new=6, prefill_tokens=128, work=work, part="jax", batches=[16],
+                           contexts=[32])
+    llm = LLM(ck, progress=False, engine=EngineConfig(max_num_batched_tokens=128, prefix_caching=False,
+                                                      compilation_cache=None, max_model_len=128))
+    out = {"points": []}
+    [p] = gpu_decode._points(a, llm, a.contexts, a.batches, out)
+    assert p["prefill_steps"].get("mixed", 0) >= 3  # the early requests decoded while later prompts prefilled
+    assert p["window_steps"] == 6 and p["steps"] == {"decode": 6} and p["finished_in_window"] == 0
+    assert p["max_tokens"] == 6 + gpu_decode._slack(a, 16, 32) and not p["compiled_in_window"]
+    assert 32 + 1 < p["mean_context"] < 32 + p["max_tokens"]
+    kv_token = 2 * 2 * 2 * 16 * 2  # K and V, 2 layers, 2 KV heads of 16, bf16
+    assert p["floor_ms"] == round((made["weight_bytes"] + p["mean_context"] * 16 * kv_token) / 5e9 * 1e3, 3)
+    assert not llm.engine.has_work and not llm.engine.requests  # aborted, nothing left running
+    assert json.load(open(f"{work}/jax.json"))["points"] == [p]  # saved as measured
