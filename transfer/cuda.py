@@ -50,6 +50,7 @@ class Driver:
                            ("cuIpcOpenMemHandle_v2", [p(u64), _Handle, ctypes.c_uint]),
                            ("cuIpcOpenMemHandle", [p(u64), _Handle, ctypes.c_uint]),
                            ("cuIpcCloseMemHandle", [u64]),
+                           ("cuMemAlloc_v2", [p(u64), ctypes.c_size_t]), ("cuMemFree_v2", [u64]),
                            ("cuDeviceGetUuid_v2", [p(ctypes.c_ubyte * 16), ctypes.c_int]),
                            ("cuDeviceGetUuid", [p(ctypes.c_ubyte * 16), ctypes.c_int])):
             fn = getattr(self._cu, name, None)
@@ -91,6 +92,23 @@ class Driver:
         h = _Handle()
         self._call("cuIpcGetMemHandle", ctypes.byref(h), base)
         return bytes(h.reserved)
+
+    def own_memory_refused(self, nbytes: int = 1 << 21) -> str | None:
+        """Whether the driver shares memory it allocates itself (cuMemAlloc): None where it does, else why not. Tells
+        an allocator that cannot share (JAX's) from a machine where IPC is off altogether."""
+        self._enter()
+        ptr = ctypes.c_uint64()
+        try:
+            self._call("cuMemAlloc_v2", ctypes.byref(ptr), nbytes)
+        except CudaError as e:
+            return str(e)
+        try:
+            self.get_handle(ptr.value)
+            return None
+        except CudaError as e:
+            return str(e)
+        finally:
+            self._call("cuMemFree_v2", ptr.value)
 
     def open_handle(self, handle: bytes) -> int:
         """Map a peer's allocation into this process -> its base pointer here."""

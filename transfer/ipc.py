@@ -35,7 +35,7 @@ import time
 
 import numpy as np
 
-from .cuda import KDL_CUDA, Driver, RawView
+from .cuda import KDL_CUDA, CudaError, Driver, RawView
 
 log = logging.getLogger("jaxserve.transfer")
 IDLE_S = 30.0  # a peer allocation mapped but unused this long is closed
@@ -71,14 +71,19 @@ class CudaIpc:
         self.driver.close_handle(base)
 
 
-def cuda_share(device, alive=None) -> "IpcShare":
+def cuda_share(device, alive=None, driver: Driver | None = None) -> "IpcShare":
     """An IpcShare on `device` (a GPU jax.Device), checked by exporting a small array of its own; raises
-    cuda.CudaError where the driver or the allocator cannot share memory."""
+    cuda.CudaError where the driver or the allocator cannot share memory (saying which)."""
     import jax
     import jax.numpy as jnp
-    mech = CudaIpc(device.local_hardware_id)
+    mech = CudaIpc(device.local_hardware_id, driver)
     probe = jax.device_put(jnp.zeros((256,), jnp.float32), device)
-    mech.export(probe.block_until_ready())
+    try:
+        mech.export(probe.block_until_ready())
+    except CudaError as e:  # say whose memory cannot be shared: JAX's allocator's, or any on this machine
+        own = mech.driver.own_memory_refused()
+        raise CudaError(f"JAX's arrays cannot be shared ({e}); memory the driver allocates itself "
+                        + ("can be" if own is None else f"cannot either ({own})")) from None
     return IpcShare(mech, alive)
 
 

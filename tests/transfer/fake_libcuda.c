@@ -4,16 +4,22 @@
    value, error names) on a machine without a GPU: tests/transfer/test_ipc.py compiles it. */
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef struct { char reserved[64]; } CUipcMemHandle;
 static uint64_t reg_base[64];
 static size_t reg_size[64];
-static int nreg, opened, closed;
+static int nreg, opened, closed, refuse_unowned, owned;
+static uint64_t own_base[64];
 
 int fake_register(uint64_t base, size_t size) { reg_base[nreg] = base; reg_size[nreg] = size; return nreg++; }
 int fake_opened(void) { return opened; }
 int fake_closed(void) { return closed; }
+int fake_owned(void) { return owned; }  /* cuMemAlloc'd blocks not yet freed */
+/* refuse_unowned: cuIpcGetMemHandle refuses the registered ranges (an allocator's memory IPC cannot share), all:
+   every range, the driver's own allocations too (a machine where IPC is off) */
+void fake_refuse(int ranges, int all) { refuse_unowned = ranges ? (all ? 2 : 1) : 0; }
 
 int cuInit(unsigned flags) { return flags == 0 ? 0 : 1; }
 int cuDeviceGet(int *dev, int ordinal) { if (ordinal != 0) return 101; *dev = 7; return 0; }
@@ -36,7 +42,26 @@ int cuMemGetAddressRange_v2(uint64_t *base, size_t *size, uint64_t ptr) {
         }
     return 1;
 }
+int cuMemAlloc_v2(uint64_t *ptr, size_t size) {
+    void *p = malloc(size);
+    if (p == NULL) return 2;
+    *ptr = (uint64_t)(uintptr_t)p;
+    own_base[owned++] = *ptr;
+    return 0;
+}
+int cuMemFree_v2(uint64_t ptr) {
+    for (int i = 0; i < owned; i++)
+        if (own_base[i] == ptr) {
+            free((void *)(uintptr_t)ptr);
+            own_base[i] = own_base[--owned];
+            return 0;
+        }
+    return 1;
+}
 int cuIpcGetMemHandle(CUipcMemHandle *h, uint64_t base) {
+    int own = 0;
+    for (int i = 0; i < owned; i++) own |= own_base[i] == base;
+    if (refuse_unowned == 2 || (refuse_unowned == 1 && !own)) return 1;
     memset(h->reserved, 0, 64);
     memcpy(h->reserved, "fake", 4);
     memcpy(h->reserved + 56, &base, 8);

@@ -313,27 +313,54 @@ def test_the_driver_bindings_pass_what_the_c_signatures_take(fake_driver):
     x.delete()
 
 
+@host_arrays
+def test_a_share_that_cannot_start_says_whether_the_machine_shares_any_memory(fake_driver):
+    """cuda_share's probe: JAX's array refused, then the driver's own cuMemAlloc'd block tried (and freed), so the
+    error tells an allocator that cannot share from a machine where IPC is off."""
+    driver, lib = fake_driver
+    lib.fake_refuse.argtypes = [ctypes.c_int, ctypes.c_int]
+    dev = jax.devices()[0]  # its arrays are no registered range: the fake's address lookup refuses them
+    try:
+        assert driver.own_memory_refused() is None and lib.fake_owned() == 0
+        with pytest.raises(cuda.CudaError, match=r"JAX's arrays cannot be shared \(cuMemGetAddressRange_v2: "
+                           r"CUDA_ERROR_INVALID_VALUE\); memory the driver allocates itself can be$"):
+            ipc_mod.cuda_share(dev, driver=driver)
+        lib.fake_refuse(1, 1)
+        assert driver.own_memory_refused() == "cuIpcGetMemHandle: CUDA_ERROR_INVALID_VALUE"
+        with pytest.raises(cuda.CudaError, match=r"itself cannot either \(cuIpcGetMemHandle: CUDA_ERROR_INVALID"):
+            ipc_mod.cuda_share(dev, driver=driver)
+        assert lib.fake_owned() == 0  # the probe's block freed whatever the handle did
+    finally:
+        lib.fake_refuse(0, 0)
+
+
 def _offer_on_the_gpu(q, done) -> None:
     """Another process on the same GPU: two arrays offered through CUDA IPC, kept until the parent is done."""
     import os
     os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # before JAX starts: both processes share the device
-    share = ipc_mod.cuda_share(jax.local_devices()[0])
-    x = jnp.arange(3 << 20, dtype=jnp.float32).reshape(3, -1) * 0.5
-    y = jnp.full((1000,), 3.0, jnp.bfloat16)
-    q.put((share.key, share.offer(1, [x, y], 60.0)))
+    try:
+        share = ipc_mod.cuda_share(jax.local_devices()[0])
+        x = jnp.arange(3 << 20, dtype=jnp.float32).reshape(3, -1) * 0.5
+        y = jnp.full((1000,), 3.0, jnp.bfloat16)
+        q.put((share.key, share.offer(1, [x, y], 60.0)))
+    except Exception as e:  # the parent fails at once with it rather than waiting out its timeout
+        q.put(f"{type(e).__name__}: {e}")
+        return
     done.wait(120)
 
 
 @on_gpu
 def test_cuda_ipc_copies_another_processs_arrays_on_this_gpu():
     import multiprocessing as mp
+    share = ipc_mod.cuda_share(jax.local_devices()[0])  # fails here, with why, where this machine cannot share
     ctx = mp.get_context("spawn")
     q, done = ctx.Queue(), ctx.Event()
     child = ctx.Process(target=_offer_on_the_gpu, args=(q, done), daemon=True)
     child.start()
     try:
-        key, handles = q.get(timeout=120)
-        share = ipc_mod.cuda_share(jax.local_devices()[0])
+        got = q.get(timeout=120)
+        assert not isinstance(got, str), f"the offering process failed: {got}"
+        key, handles = got
         assert key == share.key  # the same physical GPU
         x, y = share.copy_in("peer", handles, [((3, 1 << 20), "float32"), ((1000,), "bfloat16")],
                              jax.local_devices()[0])
