@@ -29,6 +29,12 @@
 # bench.gpu_disagg's arguments (default "--reps 2": SmolLM2's shape), e.g. the 8B shape at 256 to 8K tokens:
 #     ONLY=ipc_test,gpu_disagg,transfer SHARE_gpu_disagg=460 \
 #         GPU_DISAGG_ARGS="--shape 8b --lengths 256,2048,8000 --reps 2" bash bench/gpu_check.sh
+# The whole check outgrows one call: on the H200 (2026-11-29) the machine started in about 35 s, bench.gpu_decode's
+# checkpoint took 34 s and its unrolled part 203 s, bench.gpu_disagg 110 s, the three families' disaggregated tests
+# and the attention tests over 60 s each. A lent machine's 15 minutes hold two calls, the engine's and the serving's:
+#     ONLY=kernels,gpu_decode,ipc_test,transfer SHARE_gpu_decode=440 bash bench/gpu_check.sh        # timeout_s 600
+#     ONLY=gpu_disagg,disagg_tests,attention_tests,pallas_tests BUDGET_S=300 SHARE_gpu_disagg=280 \
+#         SHARE_disagg_tests=200 SHARE_attention_tests=150 bash bench/gpu_check.sh              # timeout_s 320
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check}

@@ -10,7 +10,9 @@ the GPU (KV across the link leaves the device once, into host memory, for the TC
 - per prompt length (256, 2048 and 4000 tokens by default): TTFT and TPOT of streamed requests, the median over
   `--reps` fresh prompts (no prefix hits), each deployment, and its ratios to colocated; the KV bytes each
   request moved, its backend (cuda_ipc, device, shm or tcp; `--cuda-ipc off` measures JAX's transfer server in
-  CUDA IPC's place) and the instance that prefilled it. The backends' own rates beside the device copy and raw sockets are
+  CUDA IPC's place), the instance that prefilled it, and each instance's engine steps over the timed requests
+  (their kinds, count, mean ms and phases: the workers' step timers as the router's /health reports them), which
+  say where a deployment's TTFT goes. The backends' own rates beside the device copy and raw sockets are
   bench.transfer's (gpu_check runs both);
 - the ready time of each deployment (launch to /health 200, the compilation cache shared, so a later start
   finds the programs an earlier one built).
@@ -43,6 +45,7 @@ from jaxserve.router.launcher import free_ports
 
 
 DEPLOYMENTS = ("colocated", "disaggregated", "prfaas")
+HEARTBEAT_WAIT_S = 1.5  # past a heartbeat (server.heartbeat_s, 1 s): the router's copy of the workers' step times
 
 
 def configs(model: str, max_len: int, cache: str, cpus: bool = False, cuda_ipc: bool = True, link_gbps: float = 25.0,
@@ -94,6 +97,31 @@ def complete(port: int, prompt: list[int], new: int) -> dict:
     return {"tokens": tokens, "ttft_s": stamps[0], "tpot_s": tpot, "jaxserve": meta}
 
 
+def health_steps(port: int) -> dict:
+    """{instance: StepTimer.totals as of its last heartbeat} from the router's /health (a server of one
+    in-process engine: {"local": its totals})."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as r:
+        h = json.load(r)
+    if "instances" not in h:
+        return {"local": h.get("steps") or {}}
+    return {k: v.get("steps") or {} for k, v in h["instances"].items()}
+
+
+def step_window(before: dict, after: dict) -> dict:
+    """{instance: {kind: {"count", "mean_ms", "phases_ms"}}}: each instance's engine steps between two readings
+    of health_steps (the kinds with steps in the window)."""
+    out = {}
+    for name, kinds in after.items():
+        for kind, a in kinds.items():
+            b = before.get(name, {}).get(kind, {"count": 0, "ms": 0.0, "phases_ms": {}})
+            n = a["count"] - b["count"]
+            if n > 0:
+                out.setdefault(name, {})[kind] = {
+                    "count": n, "mean_ms": round((a["ms"] - b["ms"]) / n, 3),
+                    "phases_ms": {p: round((v - b["phases_ms"].get(p, 0.0)) / n, 3) for p, v in a["phases_ms"].items()}}
+    return out
+
+
 def serve_and_measure(config: dict, work: str, name: str, answers: list[list[int]], lengths: list[int],
                       reps: int, new: int, vocab: int, seed: int, timeout_s: float) -> dict:
     import numpy as np
@@ -107,14 +135,19 @@ def serve_and_measure(config: dict, work: str, name: str, answers: list[list[int
         rng = np.random.default_rng(seed)
         for n in lengths:
             complete(port, rng.integers(3, vocab, n).tolist(), new)  # compiles what this length runs
+            time.sleep(HEARTBEAT_WAIT_S)  # the workers' step times as of after it
+            before = health_steps(port)
             runs = [complete(port, rng.integers(3, vocab, n).tolist(), new) for _ in range(reps)]
+            time.sleep(HEARTBEAT_WAIT_S)
+            steps = step_window(before, health_steps(port))
             metas = [r["jaxserve"] or {} for r in runs]
             out["lengths"][str(n)] = {
                 "ttft_s": statistics.median(r["ttft_s"] for r in runs),
                 "tpot_s": statistics.median(r["tpot_s"] for r in runs if r["tpot_s"] is not None),
                 "kv_bytes": statistics.median(m.get("kv_bytes_transferred") or 0 for m in metas),
                 "kv_backend": sorted({m.get("kv_backend") for m in metas if m.get("kv_backend")}),
-                "prefill_instance": sorted({m.get("prefill_instance") for m in metas if m.get("prefill_instance")})}
+                "prefill_instance": sorted({m.get("prefill_instance") for m in metas if m.get("prefill_instance")}),
+                "steps": steps}
             print(f"{name}: {n} tokens: {out['lengths'][str(n)]}", flush=True)
     finally:
         stop(proc)

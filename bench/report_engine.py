@@ -349,15 +349,27 @@ def gpu_disagg(r: dict[str, dict]) -> list[str]:
             out += [f"{dep}: answers equal colocated for {x['answers_equal']} of {d['answers']} prompts; ready after "
                     f"{num(g['ready_s'])} s ({num(c['ready_s'])} s colocated).", ""]
             rows = []
+            steps = any("steps" in g["lengths"][n] for n in x["ratios"])
             for n, y in x["ratios"].items():
                 cn, gn = c["lengths"][n], g["lengths"][n]
                 rows.append([n, f"{num(cn['ttft_s'], 3)} / {num(gn['ttft_s'], 3)}",
                              f"{num(cn['tpot_s'] * 1e3, 1)} / {num(gn['tpot_s'] * 1e3, 1)}",
                              f"{y['ttft']:.2f}x, {y['tpot']:.2f}x", f"{num(gn['kv_bytes'] / 1e6, 1)}, "
-                             f"{', '.join(gn['kv_backend'])}, {', '.join(gn['prefill_instance'])}"])
+                             f"{', '.join(gn['kv_backend'])}, {', '.join(gn['prefill_instance'])}"]
+                            + ([f"{prefill_steps(cn)} / {prefill_steps(gn)}"] if steps else []))
             out += table(["prompt (tokens)", f"TTFT colocated / {dep} (s)", f"TPOT colocated / {dep} (ms)",
-                          f"{dep} / colocated: TTFT, TPOT", "KV per request (MB), backend, prefilled by"], rows)
+                          f"{dep} / colocated: TTFT, TPOT", "KV per request (MB), backend, prefilled by"]
+                         + ([f"prefill steps colocated / {dep}: count x ms (device ms)"] if steps else []), rows)
     return out
+
+
+def prefill_steps(length: dict) -> str:
+    """A gpu_disagg length's prefill steps over its timed requests, on the instances that prefilled them: "count x
+    mean ms (the device phase's ms)"."""
+    got = [st[k] for inst, st in length.get("steps", {}).items()
+           if inst in length["prefill_instance"] or inst == "local" for k in ("prefill", "mixed") if k in st]
+    return ", ".join(f"{p['count']} x {num(p['mean_ms'], 1)} ({num(p['phases_ms'].get('prefill.device', 0), 1)})"
+                     for p in got) or "-"
 
 
 SECTIONS = [

@@ -67,6 +67,7 @@ class WorkerInfo:
     max_model_len: int
     pid: int | None = None
     stats: dict = field(default_factory=dict)
+    steps: dict = field(default_factory=dict)  # its engine's step time by kind (StepTimer.totals)
     links: dict = field(default_factory=dict)
     shm: dict | None = None  # decode: its shared-memory receive pool {"name", "boot", "bytes"}
     pull: bool = False  # decode: takes device pulls
@@ -141,6 +142,7 @@ class Registry:
                 self.events.append((self.now(), name, "up again"))
             w.kv_address, w.max_model_len, w.role = kv, max_len, role
             w.stats = dict(msg.get("stats") or {})
+            w.steps = dict(msg.get("steps") or {})
             w.links = dict(msg.get("links") or {})
             w.shm = dict(msg["shm"]) if msg.get("shm") else None
             w.pull, w.pull_address = bool(msg.get("pull")), msg.get("pull_address")
@@ -211,11 +213,11 @@ class Registry:
         return {w.name: w.peer() for w in self.all()}
 
     def state(self) -> dict:
-        """name -> {"role", "up", "draining", "inflight", "served", "failures", "down_reason", "age_s"} (for
-        /health)."""
+        """name -> {"role", "up", "draining", "inflight", "served", "failures", "down_reason", "age_s", "steps"}
+        (for /health; "steps": where its engine's step time went, as of its last heartbeat: StepTimer.totals)."""
         t = self.now()
         return {w.name: {"role": w.role, "up": self.is_up(w), "draining": w.draining, "inflight": w.inflight,
                          "served": w.served,
                          "failures": w.failures,
                          "down_reason": w.down_reason or (None if self.is_up(w) else "no heartbeat"),
-                         "age_s": round(t - w.last_seen, 3)} for w in self.all()}
+                         "age_s": round(t - w.last_seen, 3), "steps": w.steps} for w in self.all()}

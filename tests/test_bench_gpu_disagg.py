@@ -27,8 +27,13 @@ def test_every_deployment_answers_as_colocated_and_is_timed(checkpoint_dir, tmp_
         # over the threshold: prefilled in the PrfaaS cluster, its KV over the emulated link (TCP); under: at home
         assert x["prefill_instance"] == (["x0"] if int(n) > 30 else ["p0"]) and x["kv_bytes"] > 0
         assert x["kv_backend"] == ["tcp"] if int(n) > 30 else x["kv_backend"] != ["tcp"]
+        # each instance's engine steps over the timed request: prefill on p0, decode on d0, both in one engine
+        assert d["steps"]["p0"]["prefill"]["count"] >= 1 and d["steps"]["d0"]["decode"]["count"] >= 4 - 1, d
+        assert "decode" not in d["steps"]["p0"] and "prefill" not in d["steps"]["d0"]
+        assert {"prefill", "decode"} <= set(c["steps"]["local"]), c
     text = "\n".join(render({"gpu_disagg.json": r}))
     assert "prfaas: answers equal colocated for 3 of 3 prompts" in text and ", x0 |" in text
+    assert "prefill steps colocated / disaggregated: count x ms (device ms)" in text
 
 
 def test_a_failed_deployment_keeps_what_the_others_measured(checkpoint_dir, tmp_path, monkeypatch):

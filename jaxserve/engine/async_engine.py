@@ -58,8 +58,9 @@ class AsyncEngine:
         return encode(self.tokenizer, prompt)
 
     def stats(self) -> dict:
-        """The engine's stats as of its last iteration (no call into the engine thread)."""
-        return self._stats
+        """The engine's stats as of its last iteration (no call into the engine thread), and "steps": where its step
+        time went so far (StepTimer.totals, read from here: no per-step work for it)."""
+        return {**self._stats, "steps": self.engine.timer.totals()}
 
     def metrics_state(self) -> None:
         return None
@@ -128,8 +129,10 @@ class AsyncEngine:
         self._cmds.put((abort, (), None))
 
     def health(self) -> dict:
-        """{"status": "ok"} or {"status": "degraded", "error": ...} after a failed step (/health)."""
-        return {"status": "ok"} if self.error is None else {"status": "degraded", "error": self.error}
+        """{"status": "ok"} or {"status": "degraded", "error": ...} after a failed step, and "steps": where the
+        engine's step time went (StepTimer.totals, as of its last iteration) (/health)."""
+        state = {"status": "ok"} if self.error is None else {"status": "degraded", "error": self.error}
+        return {**state, "steps": self.engine.timer.totals()}
 
     def shutdown(self) -> None:
         self._stop = True

@@ -63,6 +63,16 @@ class StepTimer:
                 self._phases[kind]["other"] += now - self._last
         self._t0 = self._last = None
 
+    def totals(self) -> dict:
+        """{kind: {"count", "ms", "phases_ms": {phase: ms}}}: sums since the last reset (two readings' difference
+        is a window's: bench/gpu_disagg.py reads a worker's over its timed requests). Readable from another thread
+        than the one timing (each dict copied by one list() call, which no other Python thread interleaves)."""
+        out = {}
+        for k, n in list(self._count.items()):
+            out[k] = {"count": n, "ms": round(1e3 * self._total[k], 3),
+                      "phases_ms": {p: round(1e3 * v, 3) for p, v in list(self._phases[k].items())}}
+        return out
+
     def summary(self) -> dict:
         """{kind: {"count", "mean_ms", "phases_ms": {phase: mean ms per step}}}, phases in the order first seen."""
         return {k: {"count": n, "mean_ms": 1e3 * self._total[k] / n,

@@ -215,8 +215,8 @@ class Worker:
         return unary
 
     def _stats(self, eng) -> dict:
-        """Engine thread: the engine's stats and its KV intake's (reservations, receive pool)."""
-        return {**eng.stats(), **self.intake.stats()}
+        """Engine thread: the engine's stats, its step times and its KV intake's (reservations, receive pool)."""
+        return {**eng.stats(), "steps": eng.timer.totals(), **self.intake.stats()}
 
     def _kv_address(self) -> list | None:
         """[host, port] senders dial for this instance's KV server (instance.kv_advertise, else the advertised
@@ -248,9 +248,10 @@ class Worker:
         shm = {"name": pool.shm_name, "boot": boot_id(), "bytes": pool.capacity} if pool.shm_name else None
         copies = self.llm.runner.copies  # compiled on their own thread: the engine's stats may predate them
         stats = {**stats, "store_copies": len(copies) if copies is not None else 0}
+        steps = stats.pop("steps", {})  # nested: a field of its own
         return {"name": self.inst.name, "role": self.role, "address": self.address, "pid": os.getpid(),
                 "kv_address": self._kv_address(),
-                "max_model_len": self.llm.max_model_len, "stats": stats, "links": links, "shm": shm,
+                "max_model_len": self.llm.max_model_len, "stats": stats, "steps": steps, "links": links, "shm": shm,
                 "pull": self.intake.server.puller is not None,
                 "ipc": self.pull_server.ipc.advertised if self.pull_server and self.pull_server.ipc else None,
                 "pull_address": self.pull_server.address if self.pull_server and self.role != "decode" else None,

@@ -205,6 +205,13 @@ class CacheBatch(_Msg):
     next: StrictInt = Field(ge=0)
 
 
+class StepTotals(_Msg):
+    """One kind of engine step's time since the worker started (engine/steptimer.py StepTimer.totals)."""
+    count: StrictInt = Field(ge=0)
+    ms: FiniteFloat = Field(ge=0)
+    phases_ms: Annotated[dict[Annotated[str, Field(max_length=64)], FiniteFloat], Field(max_length=32)] = {}
+
+
 class Register(_Msg):
     """A worker's registration / heartbeat (its Health answer); `kv`: its prefix-cache events since the number
     the router's last answer asked for (`kv_want`), or its full cache state when that was None; `kv_epoch`:
@@ -216,6 +223,7 @@ class Register(_Msg):
     max_model_len: StrictInt = Field(ge=1)
     pid: StrictInt | None = None
     stats: Annotated[dict[Annotated[str, Field(max_length=64)], Scalar], Field(max_length=64)] = {}
+    steps: Annotated[dict[Annotated[str, Field(max_length=64)], StepTotals], Field(max_length=16)] = {}
     links: Annotated[dict[Annotated[str, Field(max_length=600)],
                           Annotated[dict[Annotated[str, Field(max_length=64)], Scalar], Field(max_length=64)]],
                      Field(max_length=256)] = {}

@@ -101,7 +101,13 @@ def test_disaggregated_http_equals_colocated(family, checkpoint_dir):
                 "stream": True, "logprobs": 0}) as r:
             events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
         metrics = client.get("/metrics").text
-        health = client.get("/health").json()
+        deadline = time.monotonic() + 10  # a heartbeat after the requests' steps
+        while True:
+            health = client.get("/health").json()
+            if all(health["instances"][n]["steps"].get(k) for n, k in (("p0", "prefill"), ("d0", "decode"))) \
+                    or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
         stats = worker_stats(cluster.registry.workers.values())
     for p, w, g in zip(PROMPTS, want, got):
         assert tokens(g["choices"][0]) == tokens(w["choices"][0]), (family, p, tokens(w["choices"][0]),
@@ -126,6 +132,10 @@ def test_disaggregated_http_equals_colocated(family, checkpoint_dir):
     assert streamed == tokens(want[2]["choices"][0])
     assert events[-1]["jaxserve"]["decode_instance"] == "d0" and events[-1]["choices"][0]["finish_reason"] == "length"
     assert health["status"] == "ok" and health["instances"]["p0"]["up"] and health["instances"]["d0"]["role"] == "decode"
+    # each worker's step times as of its last heartbeat (0.5 s apart): prefill steps on p0, decode steps on d0
+    steps = {name: st["steps"] for name, st in health["instances"].items()}
+    assert steps["p0"]["prefill"]["count"] >= 1 and "decode" not in steps["p0"], steps
+    assert steps["d0"]["decode"]["phases_ms"]["decode.device"] > 0 and "prefill" not in steps["d0"], steps
     assert 'jaxserve_instance_up{instance="d0",role="decode"} 1.0' in metrics
     assert "jaxserve_kv_bytes_transferred" in metrics and "jaxserve_link_throughput_bytes_s" in metrics
     for name, st in stats.items():  # nothing held once every request is done

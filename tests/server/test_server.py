@@ -156,7 +156,10 @@ def test_return_token_ids(server):
 
 def test_models_health_metrics_profile(server):
     client, engine = server
-    assert client.get("/health").json() == {"status": "ok"}
+    health = client.get("/health").json()
+    assert health["status"] == "ok" and set(health) == {"status", "steps"}
+    steps = health["steps"]  # the module's earlier requests' steps
+    assert steps["decode"]["count"] > 0 and all(v["ms"] > 0 for v in steps.values()), health
     m = client.get("/v1/models").json()
     assert m["data"][0]["id"] == "demo"
     text = client.get("/metrics").text
