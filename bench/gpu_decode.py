@@ -4,7 +4,9 @@ A random checkpoint of Llama-3.1-8B's shape (bf16) is built on the device and wr
 one engine with the default cache sizing (engine.memory_fraction), batches of 1, 16, 64 and 256 requests (where
 the cache holds them) decode at 256- and 2K-token contexts, greedy: per point the engine's decode step (its step
 timer, programs compiled before), the HBM floor of that step (weight bytes + the batch's KV bytes, over the
-device-to-device copy rate measured in the same run) and their ratio. Also: the GPU's busy fraction over decode
+device-to-device copy rate measured in the same run) and their ratio, over steps that decode the whole batch (its
+requests ask for more tokens than they decode while later prompts prefill, and are aborted after the timed
+steps; a point whose timed steps compiled a program is measured again). Also: the GPU's busy fraction over decode
 steps from a profiler trace (the union of the GPU's kernel intervals over the steps' span), prefill's share of
 the bf16 matmul rate measured in the same run, the engine again with its layers scanned (engine.scan_layers, a
 prefill instance's default on a GPU: decode step, prefill and compile seconds at batch 1 and 64 against the
@@ -311,7 +313,7 @@ def _trace(a, llm) -> dict:
         eng.abort(s.request_id)
     while eng.has_work:
         eng.step()
-    return {"batch": B, "context": C, "finished_in_trace": finished,
+    return {"batch": B, "context": C, "steps": 16, "finished_in_trace": finished,
             **(busy_fraction(trace) or {"error": "no device events in the trace"})}
 
 

@@ -239,8 +239,13 @@ def gpu_decode(r: dict[str, dict]) -> list[str]:
             out += [f"Not run (the cache holds too little): {', '.join(skipped)}.", ""]
         t = j.get("trace", {})
         if "busy_fraction" in t:
-            out += [f"The GPU was busy {pct(t['busy_fraction'])} of {num(t['span_ms'], 1)} ms of decode steps "
-                    f"({t['batch']} requests, {t['context']}-token context; profiler trace).", ""]
+            kernel_ms = t["busy_fraction"] * t["span_ms"] / t.get("steps", 16)  # (16 before the count was kept)
+            same = next((p for p in j["points"] if (p["batch"], p["context"]) == (t["batch"], t["context"])
+                         and "skipped" not in p), None)
+            vs = (f"; their kernels, {num(kernel_ms, 2)} ms a step, are {pct(kernel_ms / same['decode_step_ms'])} of "
+                  f"the step measured without the profiler ({num(same['decode_step_ms'], 2)} ms)") if same else ""
+            out += [f"The GPU was busy {pct(t['busy_fraction'])} of {num(t['span_ms'], 1)} ms of decode steps under "
+                    f"the profiler ({t['batch']} requests, {t['context']}-token context){vs}.", ""]
         out += _scanned(j, d.get("scan", {}))
         hf = d.get("hf", {}).get("transformers", [])
         if hf:
