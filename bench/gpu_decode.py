@@ -223,7 +223,8 @@ def _points(a, llm, contexts, batches, out: dict) -> list[dict]:
             step = point["decode_step_ms"]
             flops = 2 * (weights / 2 - 2 * c["vocab_size"] * c["hidden_size"]) * B * C  # the layers' matmuls
             point.update({"batch": B, "context": C, "floor_ms": round(floor_ms, 3),
-                          "step_over_floor": round(step / floor_ms, 2), "output_tok_s": round(B / point["wall_step_ms"] * 1e3, 1),
+                          "step_over_floor": round(step / floor_ms, 2),
+                          "output_tok_s": round(B / point["wall_step_ms"] * 1e3, 1),
                           "first_pass_s": round(first_s, 1), "attempts": attempt + 1, "max_tokens": tokens,
                           "compiled_in_first_window": recompiled,
                           "prefill_share_of_bf16": round(flops / point["prefill_s"] / 1e12 / floor["bf16_TFLOPs"], 3),
@@ -259,7 +260,7 @@ def _point(eng, prompts: list[list[int]], new: int, params, tag: str) -> dict:
     while n < new and not any(s.finished for s in seqs):
         eng.step()
         n += 1
-    wall = (time.perf_counter() - t1) / n
+    wall = (time.perf_counter() - t1) / max(n, 1)  # (no step: a request finished during the prefill steps)
     st = eng.timer.summary()
     context = (context + sum(s.num_tokens for s in seqs)) / 2
     finished = sum(s.finished for s in seqs)

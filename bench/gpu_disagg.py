@@ -212,11 +212,19 @@ def main(argv=None) -> int:
 
 
 def compare(colocated: dict, other: dict, base: list, answers: list) -> dict:
-    """A deployment against colocated: answers equal, TTFT and TPOT ratios per prompt length."""
+    """A deployment against colocated: answers equal, where each other one first differs, TTFT and TPOT ratios per
+    prompt length."""
     return {"answers_equal": sum(x == y for x, y in zip(base, answers)),
+            "differ": [first_difference(i, x, y) for i, (x, y) in enumerate(zip(base, answers)) if x != y],
             "ratios": {n: {"ttft": d["ttft_s"] / colocated["lengths"][n]["ttft_s"],
                            "tpot": d["tpot_s"] / colocated["lengths"][n]["tpot_s"]}
                        for n, d in other["lengths"].items()}}
+
+
+def first_difference(i: int, x: list[int], y: list[int]) -> list:
+    """[prompt i, the first token index where answers x and y differ, x's token there, y's] (None: one ended)."""
+    t = next((t for t, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+    return [i, t, x[t] if t < len(x) else None, y[t] if t < len(y) else None]
 
 
 if __name__ == "__main__":

@@ -52,7 +52,9 @@ def test_a_failed_deployment_keeps_what_the_others_measured(checkpoint_dir, tmp_
                             "--answers", "1", "--json", str(out)]) == 1
     r = json.loads(out.read_text())
     assert r["colocated"]["ready_s"] == 1.0 and r["disaggregated"] == {"error": "RuntimeError: decode worker exited"}
-    assert r["compared"]["prfaas"] == {"answers_equal": 1, "ratios": {"24": {"ttft": 1.0, "tpot": 1.0}}}
+    assert r["compared"]["prfaas"] == {"answers_equal": 1, "differ": [], "ratios": {"24": {"ttft": 1.0, "tpot": 1.0}}}
+    assert gpu_disagg.first_difference(3, [5, 6, 7], [5, 9, 7]) == [3, 1, 6, 9]
+    assert gpu_disagg.first_difference(0, [5, 6], [5]) == [0, 1, 6, None]
     text = "\n".join(render({"x.json": r}))
     assert "disaggregated: failed: RuntimeError: decode worker exited" in text
     assert "prfaas: answers equal colocated for 1 of 1 prompts" in text
