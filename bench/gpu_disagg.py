@@ -6,7 +6,7 @@ PrfaaS cluster's prefill instance joined to a PD cluster's prefill and decode in
 the GPU (KV across the link leaves the device once, into host memory, for the TCP backend).
 
 - answers: a set of prompts (8 to 200 tokens, so some cross the PrfaaS link) decoded each way, their tokens
-  compared with colocated's;
+  compared with colocated's (where one differs: the first token that does);
 - per prompt length (256, 2048 and 4000 tokens by default): TTFT and TPOT of streamed requests, the median over
   `--reps` fresh prompts (no prefix hits), each deployment, and its ratios to colocated; the KV bytes each
   request moved, its backend (cuda_ipc, device, shm or tcp; `--cuda-ipc off` measures JAX's transfer server in

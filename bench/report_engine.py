@@ -274,8 +274,9 @@ def prefill_flaw(p: dict) -> str:
 
 
 def flaws(p: dict) -> str:
-    """FLAWS' marks of a gpu_decode point: a batch not whole over the timed steps, a compile inside them (results
-    from before 5f2d581 lack `window_steps`: a batch whose prompts took over two 8,192-token prefill steps)."""
+    """FLAWS' marks of a gpu_decode point: a batch not whole over the timed steps, a compile inside them (for
+    results without `window_steps`, from before the whole-batch window: a batch whose prompts took over two
+    8,192-token prefill steps)."""
     if "window_steps" in p:
         whole = not p.get("finished_in_window")
     else:

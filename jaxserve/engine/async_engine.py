@@ -130,7 +130,7 @@ class AsyncEngine:
 
     def health(self) -> dict:
         """{"status": "ok"} or {"status": "degraded", "error": ...} after a failed step, and "steps": where the
-        engine's step time went (StepTimer.totals, as of its last iteration) (/health)."""
+        engine's step time went so far (StepTimer.totals) (/health)."""
         state = {"status": "ok"} if self.error is None else {"status": "degraded", "error": self.error}
         return {**state, "steps": self.engine.timer.totals()}
 

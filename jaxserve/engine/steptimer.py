@@ -67,10 +67,10 @@ class StepTimer:
         """{kind: {"count", "ms", "phases_ms": {phase: ms}}}: sums since the last reset (two readings' difference
         is a window's: bench/gpu_disagg.py reads a worker's over its timed requests). Readable from another thread
         than the one timing (each dict copied by one list() call, which no other Python thread interleaves)."""
-        out = {}
+        out, total, phases = {}, self._total, self._phases  # .get: a reader inserts nothing in the defaultdicts
         for k, n in list(self._count.items()):
-            out[k] = {"count": n, "ms": round(1e3 * self._total[k], 3),
-                      "phases_ms": {p: round(1e3 * v, 3) for p, v in list(self._phases[k].items())}}
+            out[k] = {"count": n, "ms": round(1e3 * total.get(k, 0.0), 3),
+                      "phases_ms": {p: round(1e3 * v, 3) for p, v in list(phases.get(k, {}).items())}}
         return out
 
     def summary(self) -> dict:

@@ -209,7 +209,7 @@ class StepTotals(_Msg):
     """One kind of engine step's time since the worker started (engine/steptimer.py StepTimer.totals)."""
     count: StrictInt = Field(ge=0)
     ms: FiniteFloat = Field(ge=0)
-    phases_ms: Annotated[dict[Annotated[str, Field(max_length=64)], FiniteFloat], Field(max_length=32)] = {}
+    phases_ms: Annotated[dict[Annotated[str, Field(max_length=64)], FiniteFloat], Field(max_length=64)] = {}
 
 
 class Register(_Msg):
