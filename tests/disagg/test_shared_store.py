@@ -12,8 +12,10 @@ shared pool."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import sys
 import threading
+import time
 
 import jax
 import numpy as np
@@ -193,14 +195,23 @@ def test_reads_under_a_writer_thread_never_see_a_torn_block(checkpoint_dir):
     st = staging(layout, "float32", 1, [(0, layout.num_layers)])
     views = st.views(aligned_empty(st.nbytes))
     done = threading.Event()
+    counts = {"good": 0, "refused": 0, "last": 0}
 
     def writer():
+        # At least 600 writes, and on until the reader has both succeeded and been refused (a loaded machine's
+        # reader may otherwise lose every race): a short pause every 8 writes leaves it windows to succeed in.
+        deadline = time.monotonic() + 60
         try:
-            for i in range(600):
+            for i in itertools.count():
                 owner.write_blocks([0], [0], [[np.full(shape, float(i), np.float32)]])
                 owner.publish([0], [keys[i % 2]])
                 owner.write_blocks([0], [1], [[np.full(shape, -1.0, np.float32)]])  # block 0 stays put meanwhile
                 owner.publish([1], [keys[2]])
+                counts["last"] = i
+                if i >= 599 and ((counts["good"] and counts["refused"]) or time.monotonic() > deadline):
+                    break
+                if i % 8 == 7:
+                    time.sleep(0.002)
         finally:
             done.set()
     old = sys.getswitchinterval()
@@ -210,6 +221,7 @@ def test_reads_under_a_writer_thread_never_see_a_torn_block(checkpoint_dir):
     good, refused, torn = 0, 0, 0
     try:
         while not done.is_set():
+            counts.update(good=good, refused=refused)
             try:
                 blocks, _, ticket = pool.locate(keys[:1], None)
             except Missed:
@@ -225,10 +237,11 @@ def test_reads_under_a_writer_thread_never_see_a_torn_block(checkpoint_dir):
             good += 1
         t.join()
         g = owner.gens[:2].copy()
-        owner.publish([0, 1], [keys[599 % 2], keys[2]])  # as they are (a put sharing them): readers unaffected
+        owner.publish([0, 1], [keys[counts["last"] % 2], keys[2]])  # as they are (a put sharing them): readers unaffected
         assert (owner.gens[:2] == g).all()
-        owner.publish([0], [keys[0]])  # another hash: a write
-        assert owner.gens[0] == g[0] + 2 and pool.locate(keys[:1], None)[0] == [0]
+        other = keys[1 - counts["last"] % 2]
+        owner.publish([0], [other])  # another hash: a write
+        assert owner.gens[0] == g[0] + 2 and pool.locate([other], None)[0] == [0]
     finally:
         done.wait()
         t.join()
