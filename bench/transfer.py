@@ -340,7 +340,9 @@ def efficiency(mb: int, conns: int, reps: int) -> dict:
                                     "bytes copied per second, median of 5 per repetition: the rate the device "
                                     "backends compare with", "bytes_per_s_median": copy, "bytes_per_s": copies},
             "cuda_ipc": {"what": "the same array shared through CUDA IPC (transfer/ipc.py): the receiver maps the "
-                                 "sender's allocation and copies the array out of it on the GPU both processes share",
+                                 "sender's allocation and copies the array out of it on the GPU both processes share "
+                                 "(staged: the sender first copies it into driver memory, JAX's being unshareable)",
+                         "staged": share.staged,
                          "bytes_per_s_median": statistics.median(ipc), "vs_device_copy": statistics.median(ipc) / copy,
                          "vs_device_backend": statistics.median(ipc) / statistics.median(dev), "bytes_per_s": ipc}
             if ipc else {"not_measured": no_ipc},

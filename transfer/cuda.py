@@ -2,8 +2,9 @@
 
 `Driver` binds the few calls IPC needs from the driver library every NVIDIA machine has (libcuda.so.1, no
 CUDA toolkit, no extra package): the allocation a pointer lies in, an IPC handle for it, opening a peer's
-handle, closing it, the device's UUID. Each call first makes the device's primary context (the one XLA's client
-runs in) current on the calling thread. Errors raise `CudaError` with the driver's error name.
+handle, closing it, the device's UUID; and, for a staging arena of its own (arena.py), allocating and freeing
+device memory and copying device to device on a stream of its own. Each call first makes the device's primary
+context (the one XLA's client runs in) current on the calling thread. Errors raise `CudaError` with the driver's error name.
 
 `RawView` is an array-like with `__dlpack__` / `__dlpack_device__` over memory this process did not allocate
 through JAX (a mapped peer allocation, or any host buffer on a CPU): `jax.dlpack.from_dlpack` wraps it without
@@ -22,6 +23,7 @@ KDL_CPU, KDL_CUDA = 1, 2  # DLDeviceType
 _KDL_INT, _KDL_UINT, _KDL_FLOAT, _KDL_BFLOAT, _KDL_BOOL = 0, 1, 2, 4, 6
 HANDLE_BYTES = 64  # CUipcMemHandle
 _LAZY_PEER_ACCESS = 1  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+_STREAM_NON_BLOCKING = 1  # CU_STREAM_NON_BLOCKING: no implicit order with the legacy default stream
 
 
 class CudaError(RuntimeError):
@@ -51,6 +53,9 @@ class Driver:
                            ("cuIpcOpenMemHandle", [p(u64), _Handle, ctypes.c_uint]),
                            ("cuIpcCloseMemHandle", [u64]),
                            ("cuMemAlloc_v2", [p(u64), ctypes.c_size_t]), ("cuMemFree_v2", [u64]),
+                           ("cuStreamCreate", [p(ctypes.c_void_p), ctypes.c_uint]),
+                           ("cuStreamSynchronize", [ctypes.c_void_p]),
+                           ("cuMemcpyDtoDAsync_v2", [u64, u64, ctypes.c_size_t, ctypes.c_void_p]),
                            ("cuDeviceGetUuid_v2", [p(ctypes.c_ubyte * 16), ctypes.c_int]),
                            ("cuDeviceGetUuid", [p(ctypes.c_ubyte * 16), ctypes.c_int])):
             fn = getattr(self._cu, name, None)
@@ -62,6 +67,8 @@ class Driver:
         self._ctx = ctypes.c_void_p()
         self._call("cuDevicePrimaryCtxRetain", ctypes.byref(self._ctx), dev)
         self._current = threading.local()
+        self._stream: ctypes.c_void_p | None = None  # copy(): one non-blocking stream of ours, made on first use
+        self._stream_lock = threading.Lock()
         uuid = (ctypes.c_ubyte * 16)()
         self._call("cuDeviceGetUuid_v2" if hasattr(self._cu, "cuDeviceGetUuid_v2") else "cuDeviceGetUuid",
                    ctypes.byref(uuid), dev)
@@ -93,22 +100,46 @@ class Driver:
         self._call("cuIpcGetMemHandle", ctypes.byref(h), base)
         return bytes(h.reserved)
 
+    def alloc(self, nbytes: int) -> int:
+        """Device memory of the driver's own (cuMemAlloc, outside JAX's allocator) -> its pointer."""
+        self._enter()
+        ptr = ctypes.c_uint64()
+        self._call("cuMemAlloc_v2", ctypes.byref(ptr), nbytes)
+        return ptr.value
+
+    def free(self, ptr: int) -> None:
+        self._enter()
+        self._call("cuMemFree_v2", ptr)
+
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        """Enqueue a device-to-device copy on this driver's stream (`sync` waits for every copy enqueued)."""
+        self._enter()
+        with self._stream_lock:
+            if self._stream is None:
+                stream = ctypes.c_void_p()
+                self._call("cuStreamCreate", ctypes.byref(stream), _STREAM_NON_BLOCKING)
+                self._stream = stream
+        self._call("cuMemcpyDtoDAsync_v2", dst, src, nbytes, self._stream)
+
+    def sync(self) -> None:
+        if self._stream is not None:
+            self._enter()
+            self._call("cuStreamSynchronize", self._stream)
+
     def own_memory_refused(self, nbytes: int = 1 << 21) -> str | None:
         """Whether the driver shares memory it allocates itself (cuMemAlloc): None where it does, else why not. Tells
         an allocator that cannot share (JAX's) from a machine where IPC is off altogether."""
-        self._enter()
-        ptr = ctypes.c_uint64()
         try:
-            self._call("cuMemAlloc_v2", ctypes.byref(ptr), nbytes)
+            ptr = self.alloc(nbytes)
         except CudaError as e:
             return str(e)
         try:
-            self.get_handle(ptr.value)
+            self.get_handle(ptr)
             return None
         except CudaError as e:
             return str(e)
         finally:
-            self._call("cuMemFree_v2", ptr.value)
+            self.free(ptr)
 
     def open_handle(self, handle: bytes) -> int:
         """Map a peer's allocation into this process -> its base pointer here."""

@@ -11,6 +11,10 @@ an array of its own, checked to lie inside the mapped allocation and to be the s
 copies have completed it acknowledges the frame, and the acknowledgement releases the sender's arrays
 (`release`). An offer never acknowledged (its transfer failed) is dropped after twice the transfer's deadline
 plus a margin, so a receiver, which copies only within that deadline, never reads memory its sender freed.
+Where the driver refuses handles for JAX's allocations but gives them for memory it allocates itself (seen on an
+H200 VM: `cuIpcGetMemHandle` answered CUDA_ERROR_INVALID_VALUE for JAX's arrays under every allocator setting),
+the sender stages each offered array in an arena of driver memory (`StagedCudaIpc`, arena.py) and names the copy;
+an offer that finds the arena full goes through the transfer server (pull.PullLink.offer).
 
 Which device: both ends compare the physical device's id (`key`, the GPU's UUID) before they choose this path;
 the receiver checks it again on every PULL. Mappings of a peer whose transfer server stops answering (the
@@ -21,7 +25,8 @@ offering the path (`advertised` None: the worker's registration then leaves it o
 transfer server); the transfer that found it fails and is retried by the router.
 
 The mechanism is pluggable (`CudaIpc` here; the tests' stand-in exports host buffers): `key`, `dl_device`,
-`export(array) -> (handle, offset)`, `open(handle) -> (base, bytes)`, `close(base)`.
+`export(array) -> (handle, offset)`, `open(handle) -> (base, bytes)`, `close(base)`; a staging one also `staged`,
+`settle()`, `unexport(handle, offset)` and `shutdown()`.
 Concurrency: `offer`/`release` run on the prefill worker's feeder and link threads, `copy_in` on the KV
 server's connection threads, the sweeper on its own; one lock guards the tables (never held across a copy or a
 driver call), a second serializes the mapping calls.
@@ -35,6 +40,7 @@ import time
 
 import numpy as np
 
+from .arena import Arena, ArenaFull  # noqa: F401 - ArenaFull: what StagedCudaIpc.export raises
 from .cuda import KDL_CUDA, CudaError, Driver, RawView
 
 log = logging.getLogger("jaxserve.transfer")
@@ -71,9 +77,51 @@ class CudaIpc:
         self.driver.close_handle(base)
 
 
+class StagedCudaIpc(CudaIpc):
+    """CUDA IPC where JAX's allocations cannot be shared but the driver's own can: each offered array is copied,
+    device to device on a stream of ours, into a place in an arena of driver memory (arena.py), and named by that
+    chunk's handle and the place's offset. `settle` waits for an offer's copies; the place goes back to the arena
+    when the peer acknowledges (or the offer expires), so the array itself need not be kept. One device copy
+    more than sharing arrays in place; the arena's memory is outside JAX's share of the device."""
+
+    staged = True
+
+    def __init__(self, ordinal: int, driver: Driver | None = None, chunk_bytes: int = 64 << 20,
+                 limit_bytes: int = 4 << 30):
+        super().__init__(ordinal, driver)
+        self.arena = Arena(self.driver.alloc, self.driver.free, chunk_bytes, limit_bytes)
+        self._handles: dict[int, bytes] = {}  # chunk base -> its IPC handle (the chunks live as long as we do)
+        self._bases: dict[bytes, int] = {}
+
+    def export(self, x) -> tuple[bytes, int]:
+        """Raises ArenaFull where the arena has no room (the caller offers the array another way)."""
+        base, offset = self.arena.take(x.nbytes)
+        try:
+            handle = self._handles.get(base)
+            if handle is None:
+                handle = self._handles[base] = self.driver.get_handle(base)
+                self._bases[handle] = base
+            self.driver.copy(base + offset, x.unsafe_buffer_pointer(), x.nbytes)
+        except BaseException:
+            self.arena.give(base, offset)
+            raise
+        return handle, offset
+
+    def settle(self) -> None:
+        self.driver.sync()
+
+    def unexport(self, handle: bytes, offset: int) -> None:
+        self.arena.give(self._bases[handle], offset)
+
+    def shutdown(self) -> None:
+        self.driver.sync()
+        self.arena.close()
+
+
 def cuda_share(device, alive=None, driver: Driver | None = None) -> "IpcShare":
-    """An IpcShare on `device` (a GPU jax.Device), checked by exporting a small array of its own; raises
-    cuda.CudaError where the driver or the allocator cannot share memory (saying which)."""
+    """An IpcShare on `device` (a GPU jax.Device), checked by exporting a small array of its own; where JAX's
+    allocations cannot be shared but the driver's own memory can, one that stages the arrays there
+    (StagedCudaIpc). Raises cuda.CudaError where no memory can be shared (saying why)."""
     import jax
     import jax.numpy as jnp
     mech = CudaIpc(device.local_hardware_id, driver)
@@ -82,8 +130,11 @@ def cuda_share(device, alive=None, driver: Driver | None = None) -> "IpcShare":
         mech.export(probe.block_until_ready())
     except CudaError as e:  # say whose memory cannot be shared: JAX's allocator's, or any on this machine
         own = mech.driver.own_memory_refused()
-        raise CudaError(f"JAX's arrays cannot be shared ({e}); memory the driver allocates itself "
-                        + ("can be" if own is None else f"cannot either ({own})")) from None
+        if own is not None:
+            raise CudaError(f"JAX's arrays cannot be shared ({e}); memory the driver allocates itself "
+                            f"cannot either ({own})") from None
+        log.info("JAX's arrays cannot be shared through CUDA IPC (%s): offers are staged in driver memory", e)
+        return IpcShare(StagedCudaIpc(device.local_hardware_id, mech.driver), alive)
     return IpcShare(mech, alive)
 
 
@@ -106,27 +157,50 @@ class IpcShare:
         """The device key peers may share through (None once mapping failed: they use the transfer server)."""
         return None if self.broken else self.key
 
+    @property
+    def staged(self) -> bool:
+        """Offers are copies in an arena of driver memory (StagedCudaIpc), not the arrays in place."""
+        return getattr(self.mech, "staged", False)
+
     # ---- sender
     def offer(self, uuid: int, arrays: list, timeout_s: float) -> list[list]:
-        """Keep `arrays` (single-device jax.Arrays, this share's device) for a peer to copy -> [[handle hex,
-        offset, bytes]] per array. Waits until they are computed (the peer reads them through no stream of ours)."""
+        """Keep `arrays` (single-device jax.Arrays, this share's device), or their staged copies, for a peer to
+        copy -> [[handle hex, offset, bytes]] per array. Waits until they are computed and any staging copies made
+        (the peer reads them through no stream of ours). Raises arena.ArenaFull where a staging arena has no
+        room (nothing of this offer is kept)."""
         import jax
         jax.block_until_ready(arrays)
-        entries = []
-        for x in arrays:
-            handle, offset = self.mech.export(x)
-            entries.append([handle.hex(), int(offset), int(x.nbytes)])
+        places = []
+        try:
+            for x in arrays:
+                places.append(self.mech.export(x))
+            if self.staged:
+                self.mech.settle()
+        except BaseException:
+            self._unexport(places)
+            raise
+        entries = [[h.hex(), int(off), int(x.nbytes)] for (h, off), x in zip(places, arrays)]
+        kept = places if self.staged else list(arrays)
         now = time.monotonic()
         with self._lock:
-            for u in [u for u, (_, drop) in self._offers.items() if drop <= now]:
-                del self._offers[u]  # never acknowledged: its transfer failed or was abandoned
-            self._offers[uuid] = (list(arrays), now + 2 * timeout_s + EXPIRY_MARGIN_S)
+            expired = [u for u, (_, drop) in self._offers.items() if drop <= now]
+            gone = [self._offers.pop(u)[0] for u in expired]  # never acknowledged: failed or abandoned
+            self._offers[uuid] = (kept, now + 2 * timeout_s + EXPIRY_MARGIN_S)
+        for k in gone:
+            self._unexport(k)
         return entries
 
+    def _unexport(self, kept: list) -> None:
+        if self.staged:
+            for handle, offset in kept:
+                self.mech.unexport(handle, offset)
+
     def release(self, uuid: int) -> None:
-        """The peer acknowledged its copies of offer `uuid`: its arrays may go."""
+        """The peer acknowledged its copies of offer `uuid`: its arrays (or staging places) may go."""
         with self._lock:
-            self._offers.pop(uuid, None)
+            kept = self._offers.pop(uuid, (None,))[0]
+        if kept is not None:
+            self._unexport(kept)
 
     def offered(self) -> int:
         with self._lock:
@@ -229,3 +303,5 @@ class IpcShare:
         self._close(lambda o, m: True)
         with self._lock:
             self._offers.clear()
+        if self.staged:
+            self.mech.shutdown()

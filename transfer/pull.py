@@ -11,7 +11,8 @@ receiving KV server checks the frame against the plan, `pull`s the arrays onto i
 acknowledges; the arrays go to the import program as they are (no DLPack, no receive region). Where both
 ends share one GPU and this process has an `ipc.IpcShare`, a PullLink made with `ipc=True` names the arrays by
 CUDA IPC handles in the PULL frame instead of offering them to the transfer server, and the receiver copies them
-device to device out of the sender's memory (ipc.py); the control path is the same.
+device to device out of the sender's memory (ipc.py; an offer a staging arena has no room for goes to the
+transfer server instead); the control path is the same.
 
 Block arrays cross with their padded row count (the export programs are bucketed to powers of two); the
 transfer's byte count is the staged payload, as for the other backends.
@@ -29,11 +30,15 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import logging
 import socket
 import threading
 import time
 
+from .arena import ArenaFull
 from .tcp import TcpLink
+
+log = logging.getLogger("jaxserve.transfer")
 
 PROBE_S = 0.2  # while a pull waits: how often the peer's transfer server is checked for life
 
@@ -171,8 +176,13 @@ class PullLink(TcpLink):
         through CUDA IPC, the handles (arrays on this process's own device only: a tensor-parallel pool's parts on
         its other GPUs go through the transfer server)."""
         if self.ipc and all(x.devices() == {self.server.device} for x in arrays):
-            uuid, handles = self.server.offer_ipc(arrays, self.offer_timeout_s)
-            return {"uuid": uuid, "addr": self.server.address, "ipc": {"dev": self.server.ipc.key, "handles": handles}}
+            try:
+                uuid, handles = self.server.offer_ipc(arrays, self.offer_timeout_s)
+            except ArenaFull as e:  # a staging arena with no room now: this offer goes through the transfer server
+                log.info("CUDA IPC staging full (%s): %d arrays offered to the transfer server", e, len(arrays))
+            else:
+                return {"uuid": uuid, "addr": self.server.address,
+                        "ipc": {"dev": self.server.ipc.key, "handles": handles}}
         return {"uuid": self.server.offer(arrays, self.offer_timeout_s), "addr": self.server.address}
 
     def release(self, meta: dict) -> None:

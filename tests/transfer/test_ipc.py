@@ -314,24 +314,89 @@ def test_the_driver_bindings_pass_what_the_c_signatures_take(fake_driver):
 
 
 @host_arrays
-def test_a_share_that_cannot_start_says_whether_the_machine_shares_any_memory(fake_driver):
-    """cuda_share's probe: JAX's array refused, then the driver's own cuMemAlloc'd block tried (and freed), so the
-    error tells an allocator that cannot share from a machine where IPC is off."""
+def test_a_share_stages_in_driver_memory_where_only_that_can_be_shared(fake_driver):
+    """cuda_share's probe: JAX's array refused, then the driver's own cuMemAlloc'd block tried (and freed): where
+    that can be shared the share stages its offers there (StagedCudaIpc); where not, the error says the machine
+    shares no memory at all."""
     driver, lib = fake_driver
     lib.fake_refuse.argtypes = [ctypes.c_int, ctypes.c_int]
     dev = jax.devices()[0]  # its arrays are no registered range: the fake's address lookup refuses them
     try:
         assert driver.own_memory_refused() is None and lib.fake_owned() == 0
-        with pytest.raises(cuda.CudaError, match=r"JAX's arrays cannot be shared \(cuMemGetAddressRange_v2: "
-                           r"CUDA_ERROR_INVALID_VALUE\); memory the driver allocates itself can be$"):
-            ipc_mod.cuda_share(dev, driver=driver)
+        share = ipc_mod.cuda_share(dev, driver=driver)
+        assert share.staged and isinstance(share.mech, ipc_mod.StagedCudaIpc) and share.advertised == share.key
+        share.close()
         lib.fake_refuse(1, 1)
         assert driver.own_memory_refused() == "cuIpcGetMemHandle: CUDA_ERROR_INVALID_VALUE"
-        with pytest.raises(cuda.CudaError, match=r"itself cannot either \(cuIpcGetMemHandle: CUDA_ERROR_INVALID"):
+        with pytest.raises(cuda.CudaError, match=r"JAX's arrays cannot be shared \(cuMemGetAddressRange_v2: "
+                           r"CUDA_ERROR_INVALID_VALUE\); memory the driver allocates itself cannot either "
+                           r"\(cuIpcGetMemHandle: CUDA_ERROR_INVALID"):
             ipc_mod.cuda_share(dev, driver=driver)
         assert lib.fake_owned() == 0  # the probe's block freed whatever the handle did
     finally:
         lib.fake_refuse(0, 0)
+
+
+@host_arrays
+def test_a_staged_offer_is_a_copy_in_driver_memory_given_back_on_acknowledgement(fake_driver, monkeypatch):
+    """StagedCudaIpc over the driver bindings: an offer's arrays copied (on the driver's stream) into one chunk of
+    its arena, named by the chunk's handle; the receiver copies them out as from any allocation; acknowledged or
+    expired, the places go back; closing frees the chunk."""
+    driver, lib = fake_driver
+    monkeypatch.setattr(ipc_mod, "EXPIRY_MARGIN_S", 0.0)
+    dev = jax.devices()[0]
+    share = IpcShare(ipc_mod.StagedCudaIpc(0, driver, chunk_bytes=1 << 20, limit_bytes=2 << 20))
+    share.mech.dl_device = (KDL_CPU, 0)
+    x = jnp.arange(3000, dtype=jnp.float32).reshape(3, 1000)
+    y = jnp.full((100,), 3.0, jnp.bfloat16)
+    copies = lib.fake_copies()
+    entries = share.offer(1, [x, y], 10.0)
+    (hx, ox, nx), (hy, oy, ny) = entries
+    assert hx == hy and (ox, nx, oy, ny) == (0, x.nbytes, 12288, y.nbytes)  # one chunk, 512-byte aligned places
+    base = struct.unpack_from("<Q", bytes.fromhex(hx), 56)[0]  # the fake's handle carries the allocation's base
+    assert base not in (x.unsafe_buffer_pointer(), y.unsafe_buffer_pointer())
+    assert lib.fake_copies() == copies + 2 and lib.fake_owned() == 1 and share.mech.arena.used == 12800
+    receiver = IpcShare(ipc_mod.CudaIpc(0, driver))
+    receiver.mech.dl_device = (KDL_CPU, 0)
+    gx, gy = receiver.copy_in("peer:1", entries, [((3, 1000), "float32"), ((100,), "bfloat16")], dev)
+    np.testing.assert_array_equal(np.asarray(gx), np.asarray(x))
+    np.testing.assert_array_equal(np.asarray(gy, np.float32), np.full(100, 3.0, np.float32))
+    share.release(1)
+    assert share.offered() == 0 and share.mech.arena.used == 0
+    share.offer(2, [x], 0.05)  # never acknowledged: its place goes back when a later offer finds it expired
+    time.sleep(0.15)
+    share.offer(3, [y], 10.0)
+    assert share.offered() == 1 and share.mech.arena.used == 512
+    with pytest.raises(ipc_mod.ArenaFull):  # past the limit: nothing of the offer is kept
+        share.offer(4, [y, jnp.zeros((3 << 18,), jnp.float32)], 10.0)
+    assert share.offered() == 1 and share.mech.arena.used == 512
+    receiver.close()
+    share.close()
+    assert lib.fake_owned() == 0
+
+
+@host_arrays
+def test_an_offer_the_staging_arena_has_no_room_for_goes_through_the_transfer_server():
+    class Full(HostIpc):
+        staged = True
+
+        def export(self, x):
+            raise ipc_mod.ArenaFull("no room")
+
+        def shutdown(self):
+            pass
+    p, src, dst = ipc_pair()
+    src.ipc = IpcShare(Full())
+    try:
+        r = p.receiver("a", [7, 8, 9, 20])
+        s, st, arrays = pull_send(p, "a", [3, 4, 9, 10], [7, 8, 9, 20])
+        assert s.wait(10) is KVPoll.DONE and r.state.wait(10) is KVPoll.DONE
+        _assert_same(st, [np.asarray(g) for g in r.arrays()], arrays)
+        assert src.ipc.offered() == 0 and dst.ipc.mapped() == 0  # none went by IPC
+    finally:
+        p.close()
+        src.close()
+        dst.close()
 
 
 def _offer_on_the_gpu(q, done) -> None:
