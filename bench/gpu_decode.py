@@ -8,11 +8,13 @@ device-to-device copy rate measured in the same run) and their ratio, over steps
 requests ask for more tokens than they decode while later prompts prefill, and are aborted after the timed
 steps; a point whose timed steps compiled a program is measured again). Also: the GPU's busy fraction over decode
 steps from a profiler trace (the union of the GPU's kernel intervals over the steps' span), prefill's share of
-the bf16 matmul rate measured in the same run, the engine again with its layers scanned (engine.scan_layers, a
-prefill instance's default on a GPU: decode step, prefill and compile seconds at batch 1 and 64 against the
-unrolled points, and a layer-wise prefill instance's programs and warm-up seconds), and transformers' `generate`
-on the same checkpoint (sdpa, bf16) at batch 1 and 64. Each part runs in a process of its own (JAX and torch
-do not share the card); the parts' JSON is merged into one result, stamped, written after every part.
+the bf16 matmul rate measured in the same run, one prompt of the longest context prefilled under the profiler
+(the step's phases, the GPU's busy fraction and its kernels by time: where prefill's time goes), the engine
+again with its layers scanned (engine.scan_layers, a prefill instance's default on a GPU: decode step, prefill
+and compile seconds at batch 1 and 64 against the unrolled points, and a layer-wise prefill instance's programs
+and warm-up seconds), and transformers' `generate` on the same checkpoint (sdpa, bf16) at batch 1 and 64. Each
+part runs in a process of its own (JAX and torch do not share the card); the parts' JSON is merged into one
+result, stamped, written after every part.
 
     python -m bench.gpu_decode --json bench/results/gpu_decode_h200.json            # on the GPU (bench/gpu_check.sh)
     python -m bench.gpu_decode --shape tiny --batches 1,4 --contexts 32,64 --no-hf  # anywhere, to try it
@@ -147,6 +149,30 @@ def busy_fraction(trace_dir: str) -> dict | None:
     busy += cur_hi - cur_lo
     total = max(hi for _, hi in spans) - spans[0][0]
     return {"busy_fraction": round(busy / total, 3), "span_ms": round(total / 1e3, 2), "kernels": len(spans)}
+
+
+def top_kernels(trace_dir: str, n: int = 12) -> list[dict] | None:
+    """The GPU's kernels in a perfetto trace by total time, longest first: [{"name", "ms", "count"}] (the first
+    n; the rest summed as "(others)")."""
+    files = glob.glob(os.path.join(trace_dir, "**", "*trace.json.gz"), recursive=True)
+    if not files:
+        return None
+    with gzip.open(files[0]) as f:
+        events = json.load(f)
+    events = events.get("traceEvents", events) if isinstance(events, dict) else events
+    names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpu = {p for p, name in names.items() if "GPU" in name or "gpu" in name}
+    by: dict[str, list] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in gpu:
+            t = by.setdefault(e.get("name", "?"), [0.0, 0])
+            t[0] += float(e.get("dur", 0))
+            t[1] += 1
+    rows = sorted(([k, v[0], v[1]] for k, v in by.items()), key=lambda r: -r[1])
+    if len(rows) > n:
+        rows = rows[:n] + [["(others)", sum(r[1] for r in rows[n:]), sum(r[2] for r in rows[n:])]]
+    return [{"name": k, "ms": round(us / 1e3, 3), "count": c} for k, us, c in rows]
 
 
 def _engine(a, scan_layers: bool | None):
@@ -284,8 +310,40 @@ def part_jax(a) -> dict:
     _points(a, llm, a.contexts[:1], a.batches, out)
     out["trace"] = _trace(a, llm)
     _save(a, out)
+    out["trace_prefill"] = _trace_prefill(a, llm)
+    _save(a, out)
     _points(a, llm, a.contexts[1:], a.batches, out)
     return out
+
+
+def _trace_prefill(a, llm) -> dict:
+    """One prompt of the longest context prefilled under the profiler (its programs compiled by an untimed one
+    first): the step's wall and device-phase milliseconds, the GPU's busy fraction and its kernels by time: where
+    prefill's time goes when it is short of the bf16 rate."""
+    import jax
+    import numpy as np
+    from jaxserve.sampling import SamplingParams
+    eng, c = llm.engine, config_of(a.shape)
+    rng = np.random.default_rng(2)
+    C = max(a.contexts)
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    prompt = lambda: rng.integers(3, c["vocab_size"], C).tolist()  # noqa: E731
+    llm.generate([prompt()], params)  # compiles
+    eng.timer.reset()
+    t0 = time.perf_counter()
+    llm.generate([prompt()], params)
+    wall_ms = (time.perf_counter() - t0) * 1e3
+    unprofiled = eng.timer.summary()
+    trace = tempfile.mkdtemp(prefix="gpu_decode_prefill_trace_")
+    jax.profiler.start_trace(trace, create_perfetto_trace=True)
+    llm.generate([prompt()], params)
+    jax.profiler.stop_trace()
+    steps = {k: {"count": v["count"], "mean_ms": round(v["mean_ms"], 3),
+                 "phases_ms": {p: round(x, 3) for p, x in v.get("phases_ms", {}).items()}}
+             for k, v in unprofiled.items()}
+    return {"batch": 1, "context": C, "wall_ms": round(wall_ms, 3), "steps": steps,
+            **(busy_fraction(trace) or {"error": "no device events in the trace"}),
+            "top_kernels": top_kernels(trace)}
 
 
 def _trace(a, llm) -> dict:

@@ -246,12 +246,28 @@ def gpu_decode(r: dict[str, dict]) -> list[str]:
                   f"the step measured without the profiler ({num(same['decode_step_ms'], 2)} ms)") if same else ""
             out += [f"The GPU was busy {pct(t['busy_fraction'])} of {num(t['span_ms'], 1)} ms of decode steps under "
                     f"the profiler ({t['batch']} requests, {t['context']}-token context){vs}.", ""]
+        out += _prefill_trace(j.get("trace_prefill", {}))
         out += _scanned(j, d.get("scan", {}))
         hf = d.get("hf", {}).get("transformers", [])
         if hf:
             out += ["transformers `generate` (sdpa, bf16) on the same checkpoint: " + ", ".join(
                 f"{num(x['decode_step_ms'], 1)} ms a step at {x['batch']} requests" for x in hf) + ".", ""]
     return out
+
+
+def _prefill_trace(t: dict) -> list[str]:
+    """gpu_decode's prefill under the profiler: wall and device phase, busy fraction, the kernels by time."""
+    if "wall_ms" not in t:
+        return []
+    st = t["steps"].get("prefill", {})
+    device = st.get("phases_ms", {}).get("prefill.device")
+    busy = (f"; under the profiler the GPU was busy {pct(t['busy_fraction'])} of {num(t['span_ms'], 1)} ms"
+            if "busy_fraction" in t else "")
+    kern = ", ".join(f"`{k['name']}` {num(k['ms'], 2)} ms ({k['count']})" for k in t.get("top_kernels") or [])
+    return [f"One {t['context']}-token prompt prefilled in {num(t['wall_ms'], 1)} ms ({st.get('count', 0)} prefill "
+            f"step{'s' if st.get('count', 0) != 1 else ''}"
+            + (f", device phase {num(device, 1)} ms a step" if device is not None else "") + f"){busy}"
+            + (f"; its kernels by time: {kern}." if kern else "."), ""]
 
 
 FLAWS = {

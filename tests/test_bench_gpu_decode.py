@@ -45,6 +45,16 @@ def test_the_busy_fraction_is_the_union_of_the_gpus_kernels_over_their_span(tmp_
     assert gpu_decode.busy_fraction(str(tmp_path / "b")) is None
 
 
+def test_the_kernels_by_time_sum_each_names_gpu_events(tmp_path):
+    gpu = [{"ph": "X", "pid": 1, "ts": 0, "dur": d, "name": n} for n, d in
+           (("gemm_a", 300), ("scatter_b", 900), ("gemm_a", 200), ("tiny", 5), ("tiny2", 4))]
+    _trace(str(tmp_path / "a"), gpu + [{"ph": "X", "pid": 7, "ts": 0, "dur": 5000, "name": "host"}])
+    assert gpu_decode.top_kernels(str(tmp_path / "a"), n=2) == [
+        {"name": "scatter_b", "ms": 0.9, "count": 1}, {"name": "gemm_a", "ms": 0.5, "count": 2},
+        {"name": "(others)", "ms": 0.009, "count": 2}]
+    assert gpu_decode.top_kernels(str(tmp_path / "none")) is None
+
+
 def test_the_report_renders_a_result():
     from bench.report_engine import gpu_decode as render
     d = {"shape": "8b", "make": {"weight_bytes": 16.06e9}, "floor": {"device": "NVIDIA H200", "copy_GBps": 4178.5,
@@ -58,6 +68,14 @@ def test_the_report_renders_a_result():
     text = "\n".join(render({"gpu_decode_h200.json": d}))
     assert "| 1 | 256 | 4.90 | 3.85 | 1.27x | 204 | 2% |" in text and "Not run (the cache holds too little): 256 x 2048" in text
     assert "busy 91% of 80.5 ms" in text and "106.7 ms a step at 1 requests" in text
+    assert "One " not in text  # no prefill trace in this result
+    d["jax"]["trace_prefill"] = {"context": 2048, "wall_ms": 61.25, "busy_fraction": 0.5, "span_ms": 70.0,
+                                 "steps": {"prefill": {"count": 1, "mean_ms": 60.0,
+                                                       "phases_ms": {"prefill.device": 58.0}}},
+                                 "top_kernels": [{"name": "scatter", "ms": 31.0, "count": 32}]}
+    assert ("One 2048-token prompt prefilled in 61.2 ms (1 prefill step, device phase 58.0 ms a step); under the "
+            "profiler the GPU was busy 50% of 70.0 ms; its kernels by time: `scatter` 31.00 ms (32).") in \
+        "\n".join(render({"gpu_decode_h200.json": d}))
     assert "did not finish (rc 1)" in "\n".join(render({"x.json": {**d, "jax": {"error": "rc 1"}}}))
     d["jax"]["points"][0].update(prefill_s=0.5, first_pass_s=30.0)
     d["scan"] = {"points": [{"batch": 1, "context": 256, "decode_step_ms": 5.39, "prefill_s": 0.55,
