@@ -4,8 +4,8 @@ Export gathers, for one layer group, what the staging layout (plan.py) names fro
 request's blocks in request order (padded to the bucketed row count), the sliding rings and the linear state
 of its state row. The result is a fresh device array per staged array; `to_host` wraps it with
 `np.from_dlpack`, which on CPU aliases the device buffer (no copy), and the sender writes the socket straight
-from it; on an accelerator it is one device-to-host copy of the whole array, started as the export is
-dispatched (`start_host_copy`), never a copy per block. Import is the reverse: the receive region's views enter
+from it; on an accelerator it is one device-to-host copy of the whole array into pinned host memory, started as
+the export is dispatched (`host_copies`), which `to_host` views the same way: never a copy per block. Import is the reverse: the receive region's views enter
 JAX with `jnp.from_dlpack` on a CPU (the region is 64-byte aligned, so again no copy), with one host-to-device
 copy each onto an accelerator's pool, and one jitted program, with the pool donated, scatters them into the
 reserved blocks and the slot's state rows. bfloat16 crosses as uint16 bits.
@@ -226,17 +226,38 @@ def _on_cpu(x: jax.Array) -> bool:
     return next(iter(x.devices())).platform == "cpu"
 
 
-def start_host_copy(items: list[tuple[int, jax.Array]]) -> None:
-    """Start the device-to-host copy of exported arrays on an accelerator as soon as they are dispatched, so it
-    runs while later layer groups compute (`to_host` then finds it done); nothing to do on a CPU."""
-    for _, x in items:
+def _pinned(x: jax.Array) -> bool:
+    return x.sharding.memory_kind == "pinned_host"
+
+
+def host_copies(items: list[tuple[int, jax.Array]], pinned: bool | None = None) -> list[tuple[int, jax.Array]]:
+    """Exported arrays with, on an accelerator, each one's copy into pinned host memory started as they are
+    dispatched (one device-to-host DMA, running while later layer groups compute; `to_host` then views it without
+    another copy); on a CPU the arrays themselves (already host memory). pinned: True copies a CPU's arrays too
+    (what tests exercise), False none (the arrays go to host memory when read)."""
+    out = []
+    for i, x in items:
         x = whole(x)
-        if not _on_cpu(x):
-            x.copy_to_host_async()
+        if pinned if pinned is not None else not _on_cpu(x):
+            kinds = {m.kind for m in next(iter(x.devices())).addressable_memories()}
+            if "pinned_host" in kinds:
+                x = jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
+            elif not _on_cpu(x):
+                x.copy_to_host_async()  # a device without pinned host memory: its own copy to host, started now
+        out.append((i, x))
+    return out
 
 
 def to_host(x: jax.Array) -> np.ndarray:
-    """`whole(x)` as numpy (waits until it is computed): on a CPU a view of the device buffer (no copy); on an
-    accelerator its one device-to-host copy (np.from_dlpack takes only host memory)."""
+    """`whole(x)` as numpy (waits until it is computed): on a CPU, and for an array in pinned host memory
+    (`host_copies`), a view of its buffer (no copy); on an accelerator's own memory one device-to-host copy
+    (np.from_dlpack takes only host memory)."""
     x = whole(x)
-    return np.from_dlpack(x) if _on_cpu(x) else np.asarray(x)
+    if _on_cpu(x) and not _pinned(x):
+        return np.from_dlpack(x)
+    if _pinned(x):
+        try:
+            return np.from_dlpack(x)  # (waits for the copy: JAX's DLPack export is ready-synchronized)
+        except (BufferError, RuntimeError, TypeError):  # a consumer that refuses the device kind: copy
+            pass
+    return np.asarray(x)

@@ -8,7 +8,7 @@ sender (the plan frame goes out). With `layers_per_group` the step then runs as
 one program per layer group and, as each is dispatched, `export(k)` dispatches that group's export program: the
 device arrays go to the `Feeder` thread, which waits for each (JAX dispatch is asynchronous: group k's KV is sent
 while groups k+1.. still compute; on an accelerator the group's copy to host memory is started as it is
-dispatched), wraps it with DLPack and queues its sends (on the device backend it offers the
+dispatched, into pinned host memory), wraps it with DLPack and queues its sends (on the device backend it offers the
 group's arrays for decode to pull instead: transfer/pull.py). `finish` sends what is left and the first-token
 record. Concurrency: the engine thread builds and dispatches; one feeder thread per instance blocks on device
 results and sockets.
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from jax.profiler import TraceAnnotation
 
-from jaxserve.transfer.device import start_host_copy, to_host, whole
+from jaxserve.transfer.device import host_copies, to_host, whole
 from jaxserve.transfer.plan import TransferPlan, layer_groups
 from jaxserve.transfer.pull import PullLink
 from jaxserve.transfer.sender import KVSender
@@ -135,8 +135,8 @@ class Handoff:
             return
         self._exported.add(k)
         items = self._kv.export(self._staging, k, self._blocks, self._row)
-        if not isinstance(self.link, PullLink):  # sent from host memory: its copy there starts now
-            start_host_copy(items)
+        if not isinstance(self.link, PullLink):  # sent from host memory: its copy there (pinned) starts now
+            items = host_copies(items)
         self.feeder.put(self.sender, items, None)
         for c in self.copies:
             c.export(k)

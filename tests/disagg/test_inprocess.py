@@ -186,6 +186,27 @@ def test_device_backend_matches_colocated(checkpoint_dir, family, tp):
         assert h.sender.bytes_acked == dec.cache_spec.transfer_bytes(len(p), CFG.block_size, 4, skip)
 
 
+def test_kv_sent_over_tcp_from_pinned_host_copies_matches_colocated(checkpoint_dir, monkeypatch):
+    """The TCP backend's path on an accelerator, with this CPU's arrays: each layer group's exported arrays copied
+    once into pinned host memory as they are dispatched (transfer/device.py `host_copies`), the sender writing the
+    socket from views of those copies; the answers are colocated's."""
+    from jaxserve.disagg import prefill_side
+    from jaxserve.transfer import device
+    copied = []
+
+    def pinned(items):
+        out = device.host_copies(items, pinned=True)
+        copied.extend(x for _, x in out)
+        return out
+    monkeypatch.setattr(prefill_side, "host_copies", pinned)
+    path = checkpoint_dir("llama")
+    want = [o.token_ids for o in LLM(path, progress=False, engine=CFG).generate(PROMPTS[:2], GREEDY)]
+    got, handoffs, _, _ = run_disagg(path, PROMPTS[:2], GREEDY, layers_per_group=2)
+    assert got == want
+    assert copied and all(x.sharding.memory_kind == "pinned_host" for x in copied)
+    assert sum(h.sender.sends for h in handoffs) >= len(copied)  # every staged array went out from its copy
+
+
 def test_last_prompt_token_left_to_decode(checkpoint_dir):
     path = checkpoint_dir("qwen3_next")
     want = [o.token_ids for o in LLM(path, progress=False, engine=CFG).generate(PROMPTS, GREEDY)]

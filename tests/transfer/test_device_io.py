@@ -1,6 +1,6 @@
 """transfer/device.py with the pool on a device other than the one numpy's DLPack views land on (as an
-accelerator's pool is): the export reaches host memory once (`start_host_copy`, `to_host`), the import lands the
-received arrays on the pool's own device, and the round trip moves exactly the request's KV."""
+accelerator's pool is): the export reaches host memory once (`host_copies`: pinned host memory, `to_host`), the
+import lands the received arrays on the pool's own device, and the round trip moves exactly the request's KV."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 
 from tests import in_place
 from tests.transfer.helpers import export, layout, random_pool
-from jaxserve.transfer.device import DeviceIO, start_host_copy, to_host
+from jaxserve.transfer.device import DeviceIO, host_copies, to_host
 from jaxserve.transfer.plan import TransferPlan, layer_groups
 
 
@@ -24,8 +24,11 @@ def test_a_pool_off_the_default_device_exports_and_imports_in_place():
     sender = jax.device_put(random_pool(lay, seed=0), dev)
     items = [it for k in range(len(groups)) for it in io.export(sender, st, k, src, 1)]
     assert all(x.devices() == {dev} for _, x in items)
-    start_host_copy(items)
+    assert host_copies(items) == items  # a CPU's arrays are host memory already: sent as they are
+    items = host_copies(items, pinned=True)  # as on an accelerator: one copy each into pinned host memory
+    assert all(x.sharding.memory_kind == "pinned_host" and x.devices() == {dev} for _, x in items)
     sent = dict((i, to_host(x)) for i, x in items)
+    assert all(sent[i].ctypes.data == x.unsafe_buffer_pointer() for i, x in items)  # viewed, not copied again
     want = export(lay, random_pool(lay, seed=0), st, src, 1)  # numpy's own staging of the same KV
     assert sorted(sent) == list(range(len(want)))
     for i, x in enumerate(want):
