@@ -258,6 +258,6 @@ def to_host(x: jax.Array) -> np.ndarray:
     if _pinned(x):
         try:
             return np.from_dlpack(x)  # (waits for the copy: JAX's DLPack export is ready-synchronized)
-        except (BufferError, RuntimeError, TypeError):  # a consumer that refuses the device kind: copy
+        except (BufferError, RuntimeError, TypeError, ValueError):  # a consumer refusing the device kind: copy
             pass
     return np.asarray(x)
