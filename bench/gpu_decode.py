@@ -125,9 +125,8 @@ def part_floor(a) -> dict:
             "bf16_TFLOPs": round(2 * m ** 3 / best(mm, w) / 1e12, 1)}
 
 
-def busy_fraction(trace_dir: str) -> dict | None:
-    """The GPU's busy share of the traced span: the union of the device's kernel intervals over the span from its
-    first to its last (perfetto trace that jax.profiler writes)."""
+def _gpu_events(trace_dir: str) -> list[dict] | None:
+    """The GPU's complete events ("X") in the perfetto trace jax.profiler wrote under trace_dir (None: no trace)."""
     files = glob.glob(os.path.join(trace_dir, "**", "*trace.json.gz"), recursive=True)
     if not files:
         return None
@@ -137,8 +136,13 @@ def busy_fraction(trace_dir: str) -> dict | None:
     names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
              if e.get("ph") == "M" and e.get("name") == "process_name"}
     gpu = {p for p, n in names.items() if "GPU" in n or "gpu" in n}
-    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in events
-                   if e.get("ph") == "X" and e.get("pid") in gpu)
+    return [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu]
+
+
+def busy_fraction(trace_dir: str) -> dict | None:
+    """The GPU's busy share of the traced span: the union of the device's kernel intervals over the span from its
+    first to its last (perfetto trace that jax.profiler writes)."""
+    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in _gpu_events(trace_dir) or [])
     if not spans:
         return None
     busy, cur_lo, cur_hi = 0.0, *spans[0]
@@ -154,21 +158,14 @@ def busy_fraction(trace_dir: str) -> dict | None:
 def top_kernels(trace_dir: str, n: int = 12) -> list[dict] | None:
     """The GPU's kernels in a perfetto trace by total time, longest first: [{"name", "ms", "count"}] (the first
     n; the rest summed as "(others)")."""
-    files = glob.glob(os.path.join(trace_dir, "**", "*trace.json.gz"), recursive=True)
-    if not files:
+    events = _gpu_events(trace_dir)
+    if events is None:
         return None
-    with gzip.open(files[0]) as f:
-        events = json.load(f)
-    events = events.get("traceEvents", events) if isinstance(events, dict) else events
-    names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-    gpu = {p for p, name in names.items() if "GPU" in name or "gpu" in name}
     by: dict[str, list] = {}
     for e in events:
-        if e.get("ph") == "X" and e.get("pid") in gpu:
-            t = by.setdefault(e.get("name", "?"), [0.0, 0])
-            t[0] += float(e.get("dur", 0))
-            t[1] += 1
+        t = by.setdefault(e.get("name", "?"), [0.0, 0])
+        t[0] += float(e.get("dur", 0))
+        t[1] += 1
     rows = sorted(([k, v[0], v[1]] for k, v in by.items()), key=lambda r: -r[1])
     if len(rows) > n:
         rows = rows[:n] + [["(others)", sum(r[1] for r in rows[n:]), sum(r[2] for r in rows[n:])]]
