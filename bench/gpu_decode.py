@@ -11,8 +11,8 @@ steps from a profiler trace (the union of the GPU's kernel intervals over the st
 the bf16 matmul rate measured in the same run, one prompt of the longest context prefilled under the profiler
 (the step's phases, the GPU's busy fraction and its kernels by time: where prefill's time goes), the engine
 again with its layers scanned (engine.scan_layers, a prefill instance's default on a GPU: decode step, prefill
-and compile seconds at batch 1 and 64 against the unrolled points, and a layer-wise prefill instance's programs
-and warm-up seconds), and transformers' `generate` on the same checkpoint (sdpa, bf16) at batch 1 and 64. Each
+and compile seconds at batch 1 and 64 against the unrolled points, and a layer-wise prefill instance's programs,
+warm-up seconds and its prefill of the longest context), and transformers' `generate` on the same checkpoint (sdpa, bf16) at batch 1 and 64. Each
 part runs in a process of its own (JAX and torch do not share the card); the parts' JSON is merged into one
 result, stamped, written after every part.
 
@@ -392,7 +392,29 @@ def part_scan(a) -> dict:
                                "max_num_batched_tokens": a.prefill_tokens,
                                "warmup_s": round(time.perf_counter() - t0, 1)}
     print(f"== scanned prefill instance: {len(made)} programs in {out['prefill_instance']['warmup_s']} s", flush=True)
+    _save(a, out)
+    out["prefill_instance"].update(_layerwise_prefill(a, llm))
     return out
+
+
+def _layerwise_prefill(a, llm) -> dict:
+    """One prompt of the longest context prefilled as the prefill instance runs it (its layer groups, one
+    program each; the warm-up compiled them): wall and device-phase milliseconds, to set against part_jax's
+    unrolled prefill of the same length (bench/gpu_disagg.py's TTFT: is a disaggregated prefill slower?)."""
+    import numpy as np
+    from jaxserve.sampling import SamplingParams
+    eng, c = llm.engine, config_of(a.shape)
+    rng = np.random.default_rng(3)
+    C = max(a.contexts)
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    llm.generate([rng.integers(3, c["vocab_size"], C).tolist()], params)  # any program the warm-up left
+    eng.timer.reset()
+    t0 = time.perf_counter()
+    llm.generate([rng.integers(3, c["vocab_size"], C).tolist()], params)
+    wall_ms = (time.perf_counter() - t0) * 1e3
+    st = eng.timer.summary().get("prefill", {})
+    return {"context": C, "prefill_wall_ms": round(wall_ms, 3), "prefill_steps": st.get("count", 0),
+            "prefill_device_ms": round(st.get("phases_ms", {}).get("prefill.device", 0.0) * st.get("count", 0), 3)}
 
 
 def part_hf(a) -> dict:

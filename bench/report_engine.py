@@ -348,6 +348,13 @@ def _scanned(unrolled: dict, scan: dict) -> list[str]:
         out[0] += (f" A layer-wise prefill instance ({pi['layer_groups']} groups of {pi['layers_per_group']} layers, "
                    f"max_num_batched_tokens {pi['max_num_batched_tokens']}) warmed {pi['programs']} prefill programs "
                    f"in {num(pi['warmup_s'], 1)} s, the compilation cache off.")
+        if "prefill_wall_ms" in pi:
+            one = next((p for p in unrolled["points"] if (p["batch"], p["context"]) == (1, pi["context"])
+                        and "skipped" not in p), None)
+            vs = (f" (unrolled, whole: {num(one['prefill_s'] * 1e3, 1)} ms, device "
+                  f"{num(one.get('prefill_device_ms', 0), 1)} ms)") if one else ""
+            out[0] += (f" It prefilled one {pi['context']}-token prompt in {num(pi['prefill_wall_ms'], 1)} ms, device "
+                       f"{num(pi['prefill_device_ms'], 1)} ms, over {pi['prefill_steps']} steps{vs}.")
     return out + [""]
 
 

@@ -86,6 +86,12 @@ def test_the_report_renders_a_result():
     assert ("1 x 256: decode step 5.39 ms (1.10x unrolled), prefill 1.10x, first pass (compiling) 6.0 s against "
             "30.0 s") in text
     assert "(8 groups of 4 layers, max_num_batched_tokens 8192) warmed 17 prefill programs in 61.2 s" in text
+    d["jax"]["points"].append({"batch": 1, "context": 2048, "prefill_s": 0.1231, "prefill_device_ms": 120.5,
+                               "decode_step_ms": 5.1, "first_pass_s": 9.0, "floor_ms": 4.4, "step_over_floor": 1.16,
+                               "output_tok_s": 196, "prefill_share_of_bf16": 0.36})
+    d["scan"]["prefill_instance"].update(context=2048, prefill_wall_ms=180.25, prefill_device_ms=176.0, prefill_steps=1)
+    assert ("It prefilled one 2048-token prompt in 180.2 ms, device 176.0 ms, over 1 steps (unrolled, whole: 123.1 "
+            "ms, device 120.5 ms).") in "\n".join(render({"gpu_decode_h200.json": d}))
     assert "scanned did not finish (rc 124)" in "\n".join(render({"x.json": {**d, "scan": {"error": "rc 124"}}}))
 
 
