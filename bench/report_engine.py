@@ -379,17 +379,25 @@ def gpu_disagg(r: dict[str, dict]) -> list[str]:
                     f"{num(g['ready_s'])} s ({num(c['ready_s'])} s colocated).", ""]
             rows = []
             steps = any("steps" in g["lengths"][n] for n in x["ratios"])
+            where = any(g["lengths"][n].get("placed_s") is not None for n in x["ratios"])
             for n, y in x["ratios"].items():
                 cn, gn = c["lengths"][n], g["lengths"][n]
                 rows.append([n, f"{num(cn['ttft_s'], 3)} / {num(gn['ttft_s'], 3)}",
                              f"{num(cn['tpot_s'] * 1e3, 1)} / {num(gn['tpot_s'] * 1e3, 1)}",
                              f"{y['ttft']:.2f}x, {y['tpot']:.2f}x", f"{num(gn['kv_bytes'] / 1e6, 1)}, "
                              f"{', '.join(gn['kv_backend'])}, {', '.join(gn['prefill_instance'])}"]
+                            + ([f"{_ms(cn.get('placed_s'))} / {_ms(gn.get('placed_s'))}",
+                                f"{_ms(cn.get('engine_ttft_s'))} / {_ms(gn.get('engine_ttft_s'))}"] if where else [])
                             + ([f"{prefill_steps(cn)} / {prefill_steps(gn)}"] if steps else []))
             out += table(["prompt (tokens)", f"TTFT colocated / {dep} (s)", f"TPOT colocated / {dep} (ms)",
                           f"{dep} / colocated: TTFT, TPOT", "KV per request (MB), backend, prefilled by"]
+                         + ([f"placed colocated / {dep} (ms)", f"engine TTFT colocated / {dep} (ms)"] if where else [])
                          + ([f"prefill steps colocated / {dep}: count x ms (device ms)"] if steps else []), rows)
     return out
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else num(seconds * 1e3, 1)
 
 
 def prefill_steps(length: dict) -> str:
