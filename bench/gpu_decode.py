@@ -12,9 +12,9 @@ the bf16 matmul rate measured in the same run, one prompt of the longest context
 (the step's phases, the GPU's busy fraction and its kernels by time: where prefill's time goes), the engine
 again with its layers scanned (engine.scan_layers, a prefill instance's default on a GPU: decode step, prefill
 and compile seconds at batch 1 and 64 against the unrolled points, and a layer-wise prefill instance's programs,
-warm-up seconds and its prefill of the longest context), and transformers' `generate` on the same checkpoint (sdpa, bf16) at batch 1 and 64. Each
-part runs in a process of its own (JAX and torch do not share the card); the parts' JSON is merged into one
-result, stamped, written after every part.
+warm-up seconds and its prefill of the longest context), and transformers' `generate` on the same checkpoint
+(sdpa, bf16) at batch 1 and 64. Each part runs in a process of its own (JAX and torch do not share the card);
+the parts' JSON is merged into one result, stamped, written after every part.
 
     python -m bench.gpu_decode --json bench/results/gpu_decode_h200.json            # on the GPU (bench/gpu_check.sh)
     python -m bench.gpu_decode --shape tiny --batches 1,4 --contexts 32,64 --no-hf  # anywhere, to try it

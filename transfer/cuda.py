@@ -4,7 +4,8 @@
 CUDA toolkit, no extra package): the allocation a pointer lies in, an IPC handle for it, opening a peer's
 handle, closing it, the device's UUID; and, for a staging arena of its own (arena.py), allocating and freeing
 device memory and copying device to device on a stream of its own. Each call first makes the device's primary
-context (the one XLA's client runs in) current on the calling thread. Errors raise `CudaError` with the driver's error name.
+context (the one XLA's client runs in) current on the calling thread. Errors raise `CudaError` with the driver's
+error name.
 
 `RawView` is an array-like with `__dlpack__` / `__dlpack_device__` over memory this process did not allocate
 through JAX (a mapped peer allocation, or any host buffer on a CPU): `jax.dlpack.from_dlpack` wraps it without

@@ -5,10 +5,11 @@ request's blocks in request order (padded to the bucketed row count), the slidin
 of its state row. The result is a fresh device array per staged array; `to_host` wraps it with
 `np.from_dlpack`, which on CPU aliases the device buffer (no copy), and the sender writes the socket straight
 from it; on an accelerator it is one device-to-host copy of the whole array into pinned host memory, started as
-the export is dispatched (`host_copies`), which `to_host` views the same way: never a copy per block. Import is the reverse: the receive region's views enter
-JAX with `jnp.from_dlpack` on a CPU (the region is 64-byte aligned, so again no copy), with one host-to-device
-copy each onto an accelerator's pool, and one jitted program, with the pool donated, scatters them into the
-reserved blocks and the slot's state rows. bfloat16 crosses as uint16 bits.
+the export is dispatched (`host_copies`), which `to_host` views the same way: never a copy per block. Import is
+the reverse: the receive region's views enter JAX with `jnp.from_dlpack` on a CPU (the region is 64-byte
+aligned, so again no copy), with one host-to-device copy each onto an accelerator's pool, and one jitted program,
+with the pool donated, scatters them into the reserved blocks and the slot's state rows. bfloat16 crosses as
+uint16 bits.
 
 Sharded pools (tensor parallelism, KV heads split over the mesh's devices): prefill and decode may shard
 differently (TP=2 -> TP=1 and the reverse). A sender whose pool splits a group's heads over P ranks stages
@@ -256,8 +257,9 @@ def to_host(x: jax.Array) -> np.ndarray:
     if _on_cpu(x) and not _pinned(x):
         return np.from_dlpack(x)
     if _pinned(x):
+        x.block_until_ready()  # the copy has landed (a view of a host buffer has no stream to order it by)
         try:
-            return np.from_dlpack(x)  # (waits for the copy: JAX's DLPack export is ready-synchronized)
+            return np.from_dlpack(x)
         except (BufferError, RuntimeError, TypeError, ValueError):  # a consumer refusing the device kind: copy
             pass
     return np.asarray(x)

@@ -8,8 +8,8 @@ sender (the plan frame goes out). With `layers_per_group` the step then runs as
 one program per layer group and, as each is dispatched, `export(k)` dispatches that group's export program: the
 device arrays go to the `Feeder` thread, which waits for each (JAX dispatch is asynchronous: group k's KV is sent
 while groups k+1.. still compute; on an accelerator the group's copy to host memory is started as it is
-dispatched, into pinned host memory), wraps it with DLPack and queues its sends (on the device backend it offers the
-group's arrays for decode to pull instead: transfer/pull.py). `finish` sends what is left and the first-token
+dispatched, into pinned host memory), wraps it with DLPack and queues its sends (on the device backend it offers
+the group's arrays for decode to pull instead: transfer/pull.py). `finish` sends what is left and the first-token
 record. Concurrency: the engine thread builds and dispatches; one feeder thread per instance blocks on device
 results and sockets.
 """

@@ -237,7 +237,8 @@ def test_reads_under_a_writer_thread_never_see_a_torn_block(checkpoint_dir):
             good += 1
         t.join()
         g = owner.gens[:2].copy()
-        owner.publish([0, 1], [keys[counts["last"] % 2], keys[2]])  # as they are (a put sharing them): readers unaffected
+        # as they are (a put sharing them): readers unaffected
+        owner.publish([0, 1], [keys[counts["last"] % 2], keys[2]])
         assert (owner.gens[:2] == g).all()
         other = keys[1 - counts["last"] % 2]
         owner.publish([0], [other])  # another hash: a write
