@@ -11,9 +11,11 @@ the GPU (KV across the link leaves the device once, into host memory, for the TC
   `--reps` fresh prompts (no prefix hits), each deployment, and its ratios to colocated; the KV bytes each
   request moved, its backend (cuda_ipc, device, shm or tcp; `--cuda-ipc off` measures JAX's transfer server in
   CUDA IPC's place), the instance that prefilled it, the router's time to place it (`placed_s`: a disaggregated
-  request's decode reservation included; none for colocated, one in-process engine) and the engine's own TTFT
-  (`engine_ttft_s`, from its arrival at the instance that prefilled it), and each instance's engine steps over
-  the timed requests (their kinds, count, mean ms and phases: the workers' step timers as the router's /health
+  request's decode reservation included; none for colocated, one in-process engine), the TTFT of the engine that
+  answered from the request's arrival there (`engine_ttft_s`: colocated's own; a disaggregated request's decode
+  instance, from its reservation to the first token it recorded once the KV was in) and the prefill engine's own
+  (`prefill_ttft_s`: its arrival there to its first token), and each instance's engine steps over the timed
+  requests (their kinds, count, mean ms and phases: the workers' step timers as the router's /health
   reports them), which say where a deployment's TTFT goes. The backends' own rates beside the device copy and
   raw sockets are bench.transfer's (gpu_check runs both);
 - the ready time of each deployment (launch to /health 200, the compilation cache shared, so a later start
@@ -149,8 +151,9 @@ def serve_and_measure(config: dict, work: str, name: str, answers: list[list[int
                 "kv_bytes": statistics.median(m.get("kv_bytes_transferred") or 0 for m in metas),
                 "kv_backend": sorted({m.get("kv_backend") for m in metas if m.get("kv_backend")}),
                 "prefill_instance": sorted({m.get("prefill_instance") for m in metas if m.get("prefill_instance")}),
-                "placed_s": _median(m.get("placed_s") for m in metas), "engine_ttft_s": _median(m.get("ttft_s")
-                                                                                                for m in metas),
+                "placed_s": _median(m.get("placed_s") for m in metas),
+                "engine_ttft_s": _median(m.get("ttft_s") for m in metas),
+                "prefill_ttft_s": _median(m.get("prefill_ttft_s") for m in metas),
                 "steps": steps}
             print(f"{name}: {n} tokens: {out['lengths'][str(n)]}", flush=True)
     finally:

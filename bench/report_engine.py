@@ -387,11 +387,13 @@ def gpu_disagg(r: dict[str, dict]) -> list[str]:
                              f"{y['ttft']:.2f}x, {y['tpot']:.2f}x", f"{num(gn['kv_bytes'] / 1e6, 1)}, "
                              f"{', '.join(gn['kv_backend'])}, {', '.join(gn['prefill_instance'])}"]
                             + ([f"{_ms(cn.get('placed_s'))} / {_ms(gn.get('placed_s'))}",
-                                f"{_ms(cn.get('engine_ttft_s'))} / {_ms(gn.get('engine_ttft_s'))}"] if where else [])
+                                f"{_ms(cn.get('engine_ttft_s'))} / {_ms(gn.get('prefill_ttft_s'))}",
+                                _ms(gn.get('engine_ttft_s'))] if where else [])
                             + ([f"{prefill_steps(cn)} / {prefill_steps(gn)}"] if steps else []))
             out += table(["prompt (tokens)", f"TTFT colocated / {dep} (s)", f"TPOT colocated / {dep} (ms)",
                           f"{dep} / colocated: TTFT, TPOT", "KV per request (MB), backend, prefilled by"]
-                         + ([f"placed colocated / {dep} (ms)", f"engine TTFT colocated / {dep} (ms)"] if where else [])
+                         + ([f"placed colocated / {dep} (ms)", f"prefilling engine's TTFT colocated / {dep} (ms)",
+                             f"{dep}: decode's reservation to its first token (ms)"] if where else [])
                          + ([f"prefill steps colocated / {dep}: count x ms (device ms)"] if steps else []), rows)
     return out
 

@@ -293,6 +293,7 @@ class Router:
                 call.cancel()
                 raise Retry(f"{w.name} answered Decode without a reservation: {str(first)[:200]}")
         s.call, s.it, s.worker, s.method, s.prefill, s.kv_bytes, s.kv_backend = call, it, w, method, None, 0, None
+        s.prefill_ttft_s = None
         # where prefill sends the KV: the decode instance by name (the worker looks its addresses up in the
         # registry's peer table) and the reservation's blocks, skip and region offset
         s.reserved = {"instance": w.name, **first["reserved"]} if first else None
@@ -336,6 +337,7 @@ class Router:
                 if not computed:  # the prompt is computed: its tokens leave p's queue and time its rate
                     computed = True
                     p.prefill.end(n, t0, time.monotonic(), True)
+                s.prefill_ttft_s = res["first"].get("ttft_s")
                 on_first(Update(**res["first"]))
         except grpc.aio.AioRpcError as e:
             self.workers.down(p, e)

@@ -107,6 +107,7 @@ class Sub:
     ttft_s: float | None = None
     arrival: float = 0.0  # time.monotonic() when the request came
     placed_s: float | None = None  # from the arrival to the placement's stream opened (Decode: its reservation)
+    prefill_ttft_s: float | None = None  # the prefill engine's own TTFT (its arrival there to its first token)
     errors: list = field(default_factory=list)
     sent: Update | None = None  # the last update the client got (updates are cumulative)
 
@@ -141,4 +142,5 @@ class Sub:
                 else pl.prefix_source if pl.move_prefix is None else None,
                 "prefix_move": self.moved,
                 "kv_bytes_transferred": self.kv_bytes, "kv_backend": self.kv_backend, "attempts": self.attempts,
-                "placed_s": None if self.placed_s is None else round(self.placed_s, 6)}
+                "placed_s": None if self.placed_s is None else round(self.placed_s, 6),
+                "prefill_ttft_s": None if self.prefill_ttft_s is None else round(self.prefill_ttft_s, 6)}

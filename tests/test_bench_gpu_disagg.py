@@ -25,9 +25,10 @@ def test_every_deployment_answers_as_colocated_and_is_timed(checkpoint_dir, tmp_
         assert d["kv_bytes"] > 0 == c["kv_bytes"] and d["kv_backend"] and not c["kv_backend"]
         assert d["ttft_s"] > 0 and d["tpot_s"] > 0 and r["compared"]["disaggregated"]["ratios"][n]["ttft"] > 0
         # where TTFT goes: the router's placement (decode's reservation; colocated is one in-process engine, no
-        # router) and the prefilling engine's own TTFT
+        # router), the prefilling engine's own TTFT, and decode's from its reservation to the KV in
         assert c["placed_s"] is None and 0 < d["placed_s"] < d["ttft_s"], (c, d)
-        assert 0 < c["engine_ttft_s"] < c["ttft_s"] and 0 < d["engine_ttft_s"] < d["ttft_s"], (c, d)
+        assert 0 < c["engine_ttft_s"] < c["ttft_s"] and c["prefill_ttft_s"] is None, c
+        assert 0 < d["prefill_ttft_s"] < d["ttft_s"] - d["placed_s"] and d["prefill_ttft_s"] < d["engine_ttft_s"], d
         # over the threshold: prefilled in the PrfaaS cluster, its KV over the emulated link (TCP); under: at home
         assert x["prefill_instance"] == (["x0"] if int(n) > 30 else ["p0"]) and x["kv_bytes"] > 0
         assert x["kv_backend"] == ["tcp"] if int(n) > 30 else x["kv_backend"] != ["tcp"]
@@ -38,7 +39,8 @@ def test_every_deployment_answers_as_colocated_and_is_timed(checkpoint_dir, tmp_
     text = "\n".join(render({"gpu_disagg.json": r}))
     assert "prfaas: answers equal colocated for 3 of 3 prompts" in text and ", x0 |" in text
     assert "prefill steps colocated / disaggregated: count x ms (device ms)" in text
-    assert "| placed colocated / disaggregated (ms) | engine TTFT colocated / disaggregated (ms) |" in text
+    assert ("| placed colocated / disaggregated (ms) | prefilling engine's TTFT colocated / disaggregated (ms) | "
+            "disaggregated: decode's reservation to its first token (ms) |") in text
 
 
 def test_a_failed_deployment_keeps_what_the_others_measured(checkpoint_dir, tmp_path, monkeypatch):

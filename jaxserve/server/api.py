@@ -162,7 +162,8 @@ class Api:
                 "cached_tokens": cached, "uncached_tokens": updates[0].prompt_tokens - cached,
                 "prefix_source": route.get("prefix_source"), "prefix_move": route.get("prefix_move"),
                 "kv_bytes_transferred": kv, "ttft_s": round(min(ttft), 6) if ttft else None,
-                "placed_s": route.get("placed_s"), "migrations": [m for i, m in enumerate(moves) if m not in moves[:i]]}
+                "placed_s": route.get("placed_s"), "prefill_ttft_s": route.get("prefill_ttft_s"),
+                "migrations": [m for i, m in enumerate(moves) if m not in moves[:i]]}
 
     def usage(self, updates: list[Update]):
         p = updates[0].prompt_tokens

@@ -216,6 +216,7 @@ def test_disaggregated_request_and_registration():
             assert u.token_ids == [3, 0] and u.error is None
             placed = u.route.pop("placed_s")  # arrival to d0's reservation: before the prefill, so before TTFT
             assert 0 < placed <= u.ttft_s, (placed, u.ttft_s)
+            assert u.route.pop("prefill_ttft_s") == 0.01  # p0's own, from its first-token message (update())
             assert u.route == {"route": "pd", "prefill_instance": "p0", "decode_instance": "d0",
                                "prefill_cluster": "c", "decode_cluster": "c", "prefix_source": None,
                                "prefix_move": None,
