@@ -25,7 +25,9 @@ class _Strict(BaseModel):
 class ModelSection(_Strict):
     path: str = Field("bundled", description="checkpoint directory, a .gguf file, 'smollm2' (SmolLM2-135M-Instruct, "
                       "GGUF) or 'bundled' (a small random Kimi Linear)")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="the weights' and KV cache's dtype")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="the weights' and KV cache's dtype (on a CPU float32: there a bfloat16 cache's every "
+                               "write converts the whole cache to float32 and back)")
     name: str | None = Field(None, description="served model name (default: the directory name)")
 
 

@@ -71,5 +71,8 @@ def test_the_engine_sizes_its_cache_unless_told(checkpoint_dir, caplog):
     told = LLMEngine(path, config=EngineConfig(num_blocks=40, compilation_cache=None), progress=False)
     assert told.cfg.num_blocks == 40 and told.cfg.max_num_seqs == 8  # explicit wins; slots from its cache
     assert told.cache_line == "KV cache: 40 blocks of 16 tokens (engine.num_blocks); max_num_seqs 8"
+    assert "bfloat16 on a CPU" not in caplog.text  # float32: no word about it
+    LLMEngine(path, "bfloat16", EngineConfig(num_blocks=40, compilation_cache=None), progress=False)
+    assert "bfloat16 on a CPU: each step's KV write converts the whole cache (40 blocks)" in caplog.text
     with pytest.raises(ValueError, match="memory_fraction must be in"):
         EngineConfig(memory_fraction=1.5)
