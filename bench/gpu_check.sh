@@ -2,14 +2,15 @@
 # The GPU checks in one run, for a lent GPU machine that reaches no package index: the Pallas kernels compiled
 # and timed against their references (bench.kernels: decode attention's share of HBM bandwidth, prefill
 # attention's of bf16 peak), the kernel tests compiled for the GPU (tests/pallas_kernels), the engine's decode
-# step against the memory floor on an 8B-shaped checkpoint with transformers beside it, and the same engine with
-# its layers scanned (decode and prefill against unrolled, a layer-wise prefill instance's programs and warm-up
-# seconds: bench.gpu_decode),
+# step against the memory floor on an 8B-shaped checkpoint with transformers beside it, a 2K-token prefill's
+# kernels by time, and the same engine with its layers scanned (decode and prefill against unrolled, a layer-wise
+# prefill instance's programs, warm-up seconds and prefill: bench.gpu_decode),
 # CUDA IPC between two processes on the GPU (tests/transfer/test_ipc.py: arrays copied out of another process's
-# memory), `jaxserve serve` disaggregated (a prefill and a decode worker sharing the GPU, KV through CUDA IPC, or
-# through JAX's transfer server where the IPC test failed) and the PrfaaS deployment (a prefill cluster over an
-# emulated link) against colocated, SmolLM2-shaped (bench.gpu_disagg: answers, TTFT, TPOT), tiny Llama, Kimi Linear and gpt-oss checkpoints answering the same
-# disaggregated as colocated there (tests/router/test_cluster_http.py), and with the time left the device transfer
+# memory, staged through driver memory where JAX's cannot be shared), `jaxserve serve` disaggregated (a prefill
+# and a decode worker sharing the GPU, KV through CUDA IPC, or through JAX's transfer server where the IPC test
+# failed) and the PrfaaS deployment (a prefill cluster over an emulated link) against colocated, SmolLM2-shaped
+# (bench.gpu_disagg: answers, TTFT and where it goes, TPOT), tiny Llama, Kimi Linear and gpt-oss checkpoints
+# answering the same disaggregated as colocated there (tests/router/test_cluster_http.py), and with the time left the device transfer
 # backend's tests and its bytes/s (transfer server and CUDA IPC) beside raw sockets and the device's own copy
 # (tests/transfer/test_pull.py, bench.transfer part a). The
 # launch-parameter sweep (bench.kernel_tune) runs when TUNE_SWEEPS names sweeps (candidates, hopper, paged: swept
