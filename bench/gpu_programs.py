@@ -232,9 +232,11 @@ def ensure_venv(venv: str) -> str:
 
 def _engine(path: str, gpu: bool):
     from jaxserve.engine import llm_engine
-    from jaxserve.engine.llm_engine import EngineConfig
+    from jaxserve.engine.llm_engine import EngineConfig, default_chunk_size
     from jaxserve.llm import LLM
+    # the chunk a GPU's engine takes (its prefill kernels compiled), for the interpreted engine that serves too
     cfg = EngineConfig(block_size=16, num_blocks=160, max_num_seqs=64, max_num_batched_tokens=1024,
+                       chunk_size=default_chunk_size(False, 1024, 16, compiled_prefill=True),
                        prefix_caching=False, kernels="interpret", scan_layers=False, compilation_cache=None)
     plan = llm_engine.check.plan
     if gpu:  # a GPU's choice of kernels, taken without the self-test (which would run them here)
@@ -247,10 +249,10 @@ def _engine(path: str, gpu: bool):
     return llm
 
 
-def part_compile(path: str, target: str, batches, hlo: str | None = None) -> list[dict]:
-    """Serve batches ((prompts, tokens each), ...) on the checkpoint at `path` recording each program call, then
-    compile every distinct call for the GPU of `target` -> a row per program (each program's optimized HLO text
-    into the folder `hlo`, when given)."""
+def part_compile(path: str, target: str, batches, hlo: str | None = None, prompt_tokens: int = 16) -> list[dict]:
+    """Serve batches ((prompts, tokens each), ...) of `prompt_tokens`-token prompts on the checkpoint at `path`
+    recording each program call, then compile every distinct call for the GPU of `target` -> a row per program
+    (each program's optimized HLO text into the folder `hlo`, when given)."""
     import jax
     import numpy as np
     from jax.experimental import topologies
@@ -272,7 +274,7 @@ def part_compile(path: str, target: str, batches, hlo: str | None = None) -> lis
     rng = np.random.default_rng(0)
     vocab, layers = served.engine.model_config.vocab_size, served.engine.model_config.num_layers
     for batch, new in batches:
-        served.generate([rng.integers(3, vocab, 16).tolist() for _ in range(batch)],
+        served.generate([rng.integers(3, vocab, prompt_tokens).tolist() for _ in range(batch)],
                         SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True))
     del served, runner
     gpu = _engine(path, gpu=True).engine.runner
@@ -315,11 +317,12 @@ def main(argv=None) -> int:
                     help="where the families' checkpoints are built (once)")
     ap.add_argument("--hlo", help="a folder for each program's optimized HLO text (<checkpoint>/<n><program>.txt)")
     ap.add_argument("--batches", default=BATCHES_8B, help=argparse.SUPPRESS)
+    ap.add_argument("--prompt-tokens", type=int, default=16, help=argparse.SUPPRESS)
     ap.add_argument("--part", nargs=2, metavar=("CHECKPOINT", "OUT"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.part:  # in the GPU environment
         with open(a.part[1], "w") as f:
-            json.dump(part_compile(a.part[0], a.target, json.loads(a.batches), a.hlo), f)
+            json.dump(part_compile(a.part[0], a.target, json.loads(a.batches), a.hlo, a.prompt_tokens), f)
         return 0
     from bench.families import NAMES, checkpoint
     families = {"none": [], "all": NAMES}.get(a.families) or a.families.split(",")

@@ -49,7 +49,8 @@ class EngineSection(_Strict):
         "their tokens (default: max_num_batched_tokens)")
     chunk_size: int | None = Field(ENGINE["chunk_size"], ge=1, description="prefill tokens per request per step, a "
         "multiple of block_size (default: max_num_batched_tokens where the model prefills over the paged cache in one "
-        "packed program, every full-attention GQA model on the native CPU kernels; 256 otherwise)")
+        "packed program, every full-attention GQA model on the native CPU kernels, or with its prefill kernels "
+        "compiled, the Pallas kernels on a GPU; 256 otherwise)")
     max_prefill_seqs: int = Field(ENGINE["max_prefill_seqs"], ge=1, description="first chunks one prefill step takes "
         "where the model's prefill programs are dense [rows, chunk] shapes: packed into one program where every layer "
         "is GQA attention, a program each otherwise")
