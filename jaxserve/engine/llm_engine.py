@@ -95,11 +95,14 @@ def default_chunk_size(paged_prefill: bool, max_num_batched_tokens: int, block_s
     are compiled, up to COMPILED_CHUNK (compiled_prefill: the Pallas kernels on a GPU, where a step's host work
     and weight reads are what a small chunk multiplies: on an H200, 256-token chunks made a 2,048-token prompt 8
     steps, a SmolLM2-shaped TTFT of 51.6 ms, and held an 8B's 1 x 2,048 prefill to 36% of the bf16 rate). Other
-    dense [B, T] prefill
-    programs (the references, interpreted kernels) keep DENSE_CHUNK: their shapes, and warm-up's programs, grow
-    with the chunk."""
-    chunk = (max_num_batched_tokens if paged_prefill else min(max_num_batched_tokens, COMPILED_CHUNK)
-             if compiled_prefill else DENSE_CHUNK)
+    dense [B, T] prefill programs (the references, interpreted kernels) keep DENSE_CHUNK: their shapes, and
+    warm-up's programs, grow with the chunk."""
+    if paged_prefill:
+        chunk = max_num_batched_tokens
+    elif compiled_prefill:
+        chunk = min(max_num_batched_tokens, COMPILED_CHUNK)
+    else:
+        chunk = DENSE_CHUNK
     return max(block_size, chunk // block_size * block_size)
 
 
