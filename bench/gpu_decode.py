@@ -313,32 +313,38 @@ def part_jax(a) -> dict:
     return out
 
 
-def _trace_prefill(a, llm) -> dict:
-    """One prompt of the longest context prefilled under the profiler (its programs compiled by an untimed one
-    first): the step's wall and device-phase milliseconds, the GPU's busy fraction and its kernels by time: where
-    prefill's time goes when it is short of the bf16 rate."""
-    import jax
+def _timed_prefill(a, llm, seed: int):
+    """One prompt of the longest context prefilled (one alike before it, untimed: anything it needs compiled) ->
+    (its wall ms, the engine's step timer summary over it, the prompt maker for more)."""
     import numpy as np
     from jaxserve.sampling import SamplingParams
     eng, c = llm.engine, config_of(a.shape)
-    rng = np.random.default_rng(2)
-    C = max(a.contexts)
+    rng = np.random.default_rng(seed)
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    prompt = lambda: rng.integers(3, c["vocab_size"], C).tolist()  # noqa: E731
-    llm.generate([prompt()], params)  # compiles
+
+    def prefill():
+        llm.generate([rng.integers(3, c["vocab_size"], max(a.contexts)).tolist()], params)
+    prefill()
     eng.timer.reset()
     t0 = time.perf_counter()
-    llm.generate([prompt()], params)
-    wall_ms = (time.perf_counter() - t0) * 1e3
-    unprofiled = eng.timer.summary()
+    prefill()
+    return (time.perf_counter() - t0) * 1e3, eng.timer.summary(), prefill
+
+
+def _trace_prefill(a, llm) -> dict:
+    """One prompt of the longest context prefilled, then another under the profiler: the step's wall and
+    device-phase milliseconds, the GPU's busy fraction and its kernels by time: where prefill's time goes when it
+    is short of the bf16 rate."""
+    import jax
+    wall_ms, unprofiled, prefill = _timed_prefill(a, llm, 2)
     trace = tempfile.mkdtemp(prefix="gpu_decode_prefill_trace_")
     jax.profiler.start_trace(trace, create_perfetto_trace=True)
-    llm.generate([prompt()], params)
+    prefill()
     jax.profiler.stop_trace()
     steps = {k: {"count": v["count"], "mean_ms": round(v["mean_ms"], 3),
                  "phases_ms": {p: round(x, 3) for p, x in v.get("phases_ms", {}).items()}}
              for k, v in unprofiled.items()}
-    return {"batch": 1, "context": C, "wall_ms": round(wall_ms, 3), "steps": steps,
+    return {"batch": 1, "context": max(a.contexts), "wall_ms": round(wall_ms, 3), "steps": steps,
             **(busy_fraction(trace) or {"error": "no device events in the trace"}),
             "top_kernels": top_kernels(trace)}
 
@@ -401,19 +407,9 @@ def _layerwise_prefill(a, llm) -> dict:
     """One prompt of the longest context prefilled as the prefill instance runs it (its layer groups, one
     program each; the warm-up compiled them): wall and device-phase milliseconds, to set against part_jax's
     unrolled prefill of the same length (bench/gpu_disagg.py's TTFT: is a disaggregated prefill slower?)."""
-    import numpy as np
-    from jaxserve.sampling import SamplingParams
-    eng, c = llm.engine, config_of(a.shape)
-    rng = np.random.default_rng(3)
-    C = max(a.contexts)
-    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    llm.generate([rng.integers(3, c["vocab_size"], C).tolist()], params)  # any program the warm-up left
-    eng.timer.reset()
-    t0 = time.perf_counter()
-    llm.generate([rng.integers(3, c["vocab_size"], C).tolist()], params)
-    wall_ms = (time.perf_counter() - t0) * 1e3
-    st = eng.timer.summary().get("prefill", {})
-    return {"context": C, "prefill_wall_ms": round(wall_ms, 3), "prefill_steps": st.get("count", 0),
+    wall_ms, summary, _ = _timed_prefill(a, llm, 3)
+    st = summary.get("prefill", {})
+    return {"context": max(a.contexts), "prefill_wall_ms": round(wall_ms, 3), "prefill_steps": st.get("count", 0),
             "prefill_device_ms": round(st.get("phases_ms", {}).get("prefill.device", 0.0) * st.get("count", 0), 3)}
 
 
