@@ -230,14 +230,15 @@ def ensure_venv(venv: str) -> str:
     return py
 
 
-def _engine(path: str, gpu: bool):
+def _engine(path: str, gpu: bool, packed: bool | None = None):
     from jaxserve.engine import llm_engine
     from jaxserve.engine.llm_engine import EngineConfig, default_chunk_size
     from jaxserve.llm import LLM
     # the chunk a GPU's engine takes (its prefill kernels compiled), for the interpreted engine that serves too
     cfg = EngineConfig(block_size=16, num_blocks=160, max_num_seqs=64, max_num_batched_tokens=1024,
                        chunk_size=default_chunk_size(False, 1024, 16, compiled_prefill=True),
-                       prefix_caching=False, kernels="interpret", scan_layers=False, compilation_cache=None)
+                       prefix_caching=False, kernels="interpret", scan_layers=False, compilation_cache=None,
+                       packed_prefill=packed)
     plan = llm_engine.check.plan
     if gpu:  # a GPU's choice of kernels, taken without the self-test (which would run them here)
         llm_engine.check.plan = lambda requested, cases, progress=False: ("pallas", {})
@@ -249,7 +250,8 @@ def _engine(path: str, gpu: bool):
     return llm
 
 
-def part_compile(path: str, target: str, batches, hlo: str | None = None, prompt_tokens: int = 16) -> list[dict]:
+def part_compile(path: str, target: str, batches, hlo: str | None = None, prompt_tokens: int = 16,
+                 packed: bool | None = None) -> list[dict]:
     """Serve batches ((prompts, tokens each), ...) of `prompt_tokens`-token prompts on the checkpoint at `path`
     recording each program call, then compile every distinct call for the GPU of `target` -> a row per program
     (each program's optimized HLO text into the folder `hlo`, when given)."""
@@ -264,7 +266,7 @@ def part_compile(path: str, target: str, batches, hlo: str | None = None, prompt
     on_gpu = SingleDeviceSharding(device)
     shaped = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_gpu) if hasattr(a, "shape") else a  # noqa
     calls: list = []
-    served = _engine(path, gpu=False)
+    served = _engine(path, gpu=False, packed=packed)
     runner = served.engine.runner
     for name in PROGRAMS:
         def record(*args, _fn=getattr(runner, name), _name=name, **static):
@@ -277,7 +279,7 @@ def part_compile(path: str, target: str, batches, hlo: str | None = None, prompt
         served.generate([rng.integers(3, vocab, prompt_tokens).tolist() for _ in range(batch)],
                         SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True))
     del served, runner
-    gpu = _engine(path, gpu=True).engine.runner
+    gpu = _engine(path, gpu=True, packed=packed).engine.runner
     # Pallas' Triton lowering asks which GPU it targets: the abstract one named as the device is (Hopper)
     mesh = AbstractMesh((1,), ("gpu",), axis_types=(AxisType.Auto,),
                         abstract_device=AbstractDevice("NVIDIA H100", None, "gpu"))
@@ -319,10 +321,12 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default=BATCHES_8B, help=argparse.SUPPRESS)
     ap.add_argument("--prompt-tokens", type=int, default=16, help=argparse.SUPPRESS)
     ap.add_argument("--part", nargs=2, metavar=("CHECKPOINT", "OUT"), help=argparse.SUPPRESS)
+    ap.add_argument("--packed-prefill", action="store_true", help=argparse.SUPPRESS)  # engine.packed_prefill
     a = ap.parse_args(argv)
     if a.part:  # in the GPU environment
         with open(a.part[1], "w") as f:
-            json.dump(part_compile(a.part[0], a.target, json.loads(a.batches), a.hlo, a.prompt_tokens), f)
+            json.dump(part_compile(a.part[0], a.target, json.loads(a.batches), a.hlo, a.prompt_tokens,
+                                   a.packed_prefill or None), f)
         return 0
     from bench.families import NAMES, checkpoint
     families = {"none": [], "all": NAMES}.get(a.families) or a.families.split(",")

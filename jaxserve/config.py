@@ -72,6 +72,10 @@ class EngineSection(_Strict):
         "layer-wise prefill share programs (default: on with the CPU kernels, and on an accelerator for prefill "
         "instances, whose start waits on compiling; off elsewhere on an accelerator, where decode steps run their "
         "layers unrolled)")
+    packed_prefill: bool | None = Field(ENGINE["packed_prefill"], description="prefill a model of full-attention "
+        "GQA layers only in one packed program per step over the paged cache, a step's decode tokens in it too (the "
+        "weights read once for both; one program per token bucket); default: with the native CPU kernels; true: with "
+        "the Pallas kernels too (their paged prefill kernel for first chunks, not flash attention)")
     warmup: bool = Field(True, description="compile the decode programs before serving")
     compilation_cache: str | None = Field(ENGINE["compilation_cache"], description="XLA's persistent compilation cache "
         "directory: a restart compiles nothing it compiled before (null: off; JAX_COMPILATION_CACHE_DIR, when set, "

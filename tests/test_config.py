@@ -239,3 +239,15 @@ def test_prefill_instances_scan_their_layers_unless_told_otherwise():
         assert {engine_settings(cfg, i).scan_layers for i in cfg.instances()} == {value}
     with pytest.raises(ConfigFileError, match="engine.scan_layers"):
         parse({"engine": {"scan_layers": "sometimes"}})
+
+
+def test_packed_prefill_reaches_the_engine_and_a_wrong_value_names_it():
+    """engine.packed_prefill: null (the engine's choice), true or false reach EngineConfig; anything else is an
+    error naming the key, from the config file and from EngineConfig alike."""
+    from jaxserve.engine.settings import EngineConfig
+    for value in (None, True, False):
+        assert parse({"engine": {"packed_prefill": value}}).engine.engine_config(8).packed_prefill is value
+    with pytest.raises(ConfigFileError, match="engine.packed_prefill"):
+        parse({"engine": {"packed_prefill": "sometimes"}})
+    with pytest.raises(ValueError, match="engine.packed_prefill"):
+        EngineConfig(packed_prefill="yes")

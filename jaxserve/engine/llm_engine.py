@@ -168,7 +168,9 @@ class LLMEngine:
         # the native and the Pallas decode kernels read only the blocks in use (decode tables of one width, the
         # programs keyed by their rows alone); with the native kernels a model whose every layer is full GQA
         # attention prefills over the pool in one packed program per step (runner.paged_prefill)
-        paged_prefill = (mode_of("paged_prefill_attention", self.kernels) == "native"
+        packs = {"native"} if cfg.packed_prefill is None else {"native", "pallas", "interpret"} \
+            if cfg.packed_prefill else set()
+        paged_prefill = (mode_of("paged_prefill_attention", self.kernels) in packs
                          and not self.layout.has_request_state and not any(g.mla for g in self.layout.groups))
         # where gathering a whole context of the full-attention layers is cheap (hybrid models: few such layers),
         # a chunk after cached tokens reads the full table: one program per chunk bucket instead of one per width

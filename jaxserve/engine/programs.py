@@ -48,10 +48,10 @@ class StepPrograms:
 
 
 def step_programs(layout: PoolLayout, stack: LayerStack, merge: Callable, num_slots: int, *, paged_prefill: bool,
-                  inplace_prefill: bool, inplace_first: bool) -> StepPrograms:
+                  inplace_prefill: bool, inplace_first: bool, chunk: int) -> StepPrograms:
     """The programs over `layout`'s pool: merge(leaves) -> (the model, its stacked runs); num_slots the decode
     slots (the penalty state has one more row, the padding rows'); paged_prefill, inplace_prefill, inplace_first
-    as the runner's (runner.py)."""
+    as the runner's (runner.py); chunk: a paged prefill's row width T (its tokens come packed: Batch.spread)."""
     places = layer_places(layout)
 
     def prefill_fn(params, pool, x, shift, batch, table, src, dst, snap, *, lo, hi, last):
@@ -59,6 +59,7 @@ def step_programs(layout: PoolLayout, stack: LayerStack, merge: Callable, num_sl
         # [B, 1, H] out, for `first_fn`): the whole model in one program, or one layer group of a layer-wise
         # prefill (its layers shifted by `shift`: one program for the groups of a run, `_stage`)
         m, stacks = merge(params)
+        batch = batch.spread(chunk)
         inplace = inplace_prefill and (inplace_first or not batch.fresh)  # first chunks: their own keys, or in place
         if stack.classes and shift is not None:
             # layers shift..shift+hi-1 of a class-stacked model (`_stage`): one program for every group of

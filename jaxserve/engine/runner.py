@@ -141,7 +141,7 @@ class ModelRunner:
         self._merge = merge
 
         p = step_programs(layout, self.stack, merge, num_slots, paged_prefill=paged_prefill,
-                          inplace_prefill=inplace_prefill, inplace_first=inplace_first)
+                          inplace_prefill=inplace_prefill, inplace_first=inplace_first, chunk=chunk_size)
         self._prefill, self._decode, self._step, self._first, self._sample, self._insert = (
             p.prefill, p.decode, p.step, p.first, p.sample, p.insert)
         self.split = SplitStep(p.forward, p.pick)
@@ -317,7 +317,7 @@ class ModelRunner:
         takes at layer 0, where it embeds the tokens instead (`_stage`)."""
         key = tuple(a.shape for a in jax.tree.leaves(batch))
         if key not in self._zeros:
-            s = jax.eval_shape(lambda p, b: self._merge(p)[0].embed(b), self._leaves, batch)
+            s = jax.eval_shape(lambda p, b: self._merge(p)[0].embed(b.spread(self.chunk_size)), self._leaves, batch)
             self._zeros[key] = jnp.zeros(s.shape, s.dtype, device=self._replicated)
         return self._zeros[key]
 
@@ -340,14 +340,16 @@ class ModelRunner:
         fresh = not paged and not (self.inplace_first and B == 1) and all(r.start == 0 for _, r in real)
         T = self.chunk_size if B > 1 else pow2_bucket(len(rows[0].tokens), 16, self.chunk_size)
         bs = self.layout.block_size
-        tokens = np.zeros((B, T), np.int32)
+        # a paged step's tokens go up as packed (Batch.spread), not as B rows of a whole chunk each
+        tokens = np.zeros((0,) if paged else (B, T), np.int32)
         start, lengths = np.zeros(B, np.int32), np.zeros(B, np.int32)
         scratch = self.layout.scratch_row
         src, dst, snap = (np.full(B, scratch, np.int32) for _ in range(3))
         pmask: list[np.ndarray | None] = [None] * S  # the prompts' tokens where a repetition penalty reads them
         blocks = [[] for _ in range(B)]
         for i, r in real:
-            tokens[i, :len(r.tokens)] = r.tokens
+            if not paged:
+                tokens[i, :len(r.tokens)] = r.tokens
             start[i], lengths[i] = r.start, len(r.tokens)
             src[i], dst[i] = r.src_row, r.dst_row
             snap[i] = scratch if r.snap_row is None else r.snap_row
@@ -381,6 +383,9 @@ class ModelRunner:
             packed = np.full(N, B * T, np.int32)
             packed[:int(lengths.sum())] = np.concatenate([i * T + np.arange(n, dtype=np.int32)
                                                           for i, n in enumerate(lengths) if n])
+            if paged:
+                tokens = np.zeros(N, np.int32)
+                tokens[:int(lengths.sum())] = [t for _, r in real for t in r.tokens]
             packed = jnp.asarray(packed)
         batch = Batch(jnp.asarray(tokens), jnp.asarray(start), jnp.asarray(lengths), packed, fresh)
         args = (batch, jnp.asarray(table), jnp.asarray(src), jnp.asarray(dst), jnp.asarray(snap))

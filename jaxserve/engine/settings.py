@@ -45,6 +45,10 @@ class EngineConfig:
     overlap: bool = True  # dispatch a steady decode step before reading the one in flight (engine/overlap.py)
     # runs of identical layers as one lax.scan (models/stack.py); None: with the CPU kernels, not with Pallas ones
     scan_layers: bool | None = None
+    # a model of full GQA attention layers only prefills in one packed program per step over the pool, a mixed
+    # step's decode tokens in it too (runner.paged_prefill); None: with the native kernels (a CPU), not the Pallas
+    # ones; true: with either
+    packed_prefill: bool | None = None
 
     def __post_init__(self):
         if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
@@ -54,8 +58,9 @@ class EngineConfig:
         if (self.spill_dir is None) != (self.spill_mb is None):
             raise ValueError("engine.spill_dir and engine.spill_mb go together")
         from jaxserve.pallas_kernels.select import MODES
-        if self.scan_layers not in (None, True, False):
-            raise ValueError(f"engine.scan_layers must be true, false or null, got {self.scan_layers!r}")
+        for name in ("scan_layers", "packed_prefill"):
+            if getattr(self, name) not in (None, True, False):
+                raise ValueError(f"engine.{name} must be true, false or null, got {getattr(self, name)!r}")
         if self.kernels not in MODES:
             raise ValueError(f"engine.kernels must be one of {', '.join(MODES)}, got {self.kernels!r}")
         for f in dataclasses.fields(self):

@@ -17,7 +17,7 @@ padding; GQA attention projects the packed tokens and unpacks only for attention
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 @jax.tree_util.register_dataclass
 @dataclass
 class Batch:
-    tokens: jax.Array  # [B, T] int32, right-padded
+    tokens: jax.Array  # [B, T] int32, right-padded (or, as uploaded for a paged prefill, [N] packed: `spread`)
     start: jax.Array  # [B] int32: tokens of this sequence already in the cache
     lengths: jax.Array  # [B] int32: valid new tokens (<= T)
     packed: jax.Array | None = None  # [N] int32: packed token i is [B, T] token packed[i] // T, packed[i] % T,
@@ -42,6 +42,15 @@ class Batch:
         flat = x.reshape((-1,) + x.shape[2:])
         flat = jnp.concatenate([flat, jnp.zeros((1,) + flat.shape[1:], flat.dtype)])
         return flat[self.packed][None]
+
+    def spread(self, width: int) -> "Batch":
+        """A packed batch whose tokens came as they are packed ([N], what a paged prefill step uploads: not its
+        [B, T] padding) -> the same batch with tokens [B, width] (the padding zeros). Otherwise itself."""
+        if self.tokens.ndim == 2:
+            return self
+        B = self.start.shape[0]
+        rows = jnp.zeros(B * width + 1, self.tokens.dtype).at[self.packed].set(self.tokens)
+        return replace(self, tokens=rows[:B * width].reshape(B, width))
 
     def unpack(self, x):
         """[1, N, ...] packed -> [B, T, ...] (padding zeros); x itself unpacked."""

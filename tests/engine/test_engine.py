@@ -266,16 +266,24 @@ def test_engine_with_pallas_kernels_matches_references(engines, family):
 
 
 @pytest.mark.parametrize("kernels", ["reference", pytest.param("native", marks=pytest.mark.skipif(
-    not (shutil.which("g++") or shutil.which("c++")), reason="no C++ compiler for the native kernels"))])
+    not (shutil.which("g++") or shutil.which("c++")), reason="no C++ compiler for the native kernels")),
+    "interpret-packed"])
 def test_a_varied_workload_compiles_nothing_after_warmup(engines, kernels):
     """After warm-up (runner.warmup: every prefill_groups and decode_batch shape), traffic of varied lengths runs
     only programs warm-up compiled: prompts from 1 token to several chunks and block-table widths, together
     (first chunks batched, later chunks after cached tokens, decode in every batch bucket) and alone, and
     prompts that extend cached ones (a first chunk after prefix-cache hits). Answers equal the dense path's.
-    With the native kernels every prefill step is one packed program over the pool and every table one width."""
+    With the native kernels, and with the Pallas ones (interpreted here) where engine.packed_prefill asks, every
+    prefill step is one packed program over the pool, its tokens uploaded packed, and every table one width."""
+    packed = kernels == "interpret-packed"
     llm = engines("llama", dataclasses.replace(ENGINE, max_model_len=80, max_num_seqs=8, max_prefill_seqs=3,
-                                              max_num_batched_tokens=24, num_blocks=256, kernels=kernels))
+                                              max_num_batched_tokens=24, num_blocks=256,
+                                              kernels="interpret" if packed else kernels, packed_prefill=packed or None))
     runner = llm.engine.runner
+    if packed:  # a step's tokens go up as packed, not as its 11 rows of a whole chunk each
+        uploads = []
+        prepare = runner._prefill_inputs
+        runner._prefill_inputs = lambda rows: uploads.append(prepare(rows)) or uploads[-1]
     runner.warmup(progress=False)
     warmed, runner.programs = set(runner.programs), set()
     rng = np.random.default_rng(0)
@@ -309,6 +317,8 @@ def test_a_varied_workload_compiles_nothing_after_warmup(engines, kernels):
         assert {k for k in ran if k[0] == "sample" and k[2] == 3}  # a mixed step's decode rows, after the 3
         assert "decode.device" not in llm.engine.timer.summary()["mixed"]["phases_ms"]
         assert len(warmed) < 26  # 6 decode + 3 token-bucket prefill programs, their samplers, not widths x buckets
+    if packed:
+        assert uploads and all(args[0].tokens.shape == (N,) for (_, _, _, N, _), args, *_ in uploads)
 
 
 @pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")), reason="no C++ compiler for the native kernels")
