@@ -10,6 +10,8 @@ steps; a point whose timed steps compiled a program is measured again). Also: th
 steps from a profiler trace (the union of the GPU's kernel intervals over the steps' span), prefill's share of
 the bf16 matmul rate measured in the same run, one prompt of the longest context prefilled under the profiler
 (the step's phases, the GPU's busy fraction and its kernels by time: where prefill's time goes), the engine
+again with engine.packed_prefill (one packed program per prefill step over the pool, a mixed step's decode tokens
+in it: prefill and decode at batches 16 and 64 and the longest prompt's prefill against the default's), the engine
 again with its layers scanned (engine.scan_layers, a prefill instance's default on a GPU: decode step, prefill
 and compile seconds at batch 1 and 64 against the unrolled points, and a layer-wise prefill instance's programs,
 warm-up seconds and its prefill of the longest context), and transformers' `generate` on the same checkpoint
@@ -172,7 +174,7 @@ def top_kernels(trace_dir: str, n: int = 12) -> list[dict] | None:
     return [{"name": k, "ms": round(us / 1e3, 3), "count": c} for k, us, c in rows]
 
 
-def _engine(a, scan_layers: bool | None):
+def _engine(a, scan_layers: bool | None, packed_prefill: bool | None = None):
     """(LLM on the checkpoint, the part's first facts): the default cache sizing, compilation cache off."""
     from jaxserve.engine.llm_engine import EngineConfig
     from jaxserve.llm import LLM
@@ -180,11 +182,11 @@ def _engine(a, scan_layers: bool | None):
     llm = LLM(a.dir, dtype="bfloat16", progress=False, engine=EngineConfig(
         max_num_batched_tokens=a.prefill_tokens, prefix_caching=False, compilation_cache=None,
         max_model_len=max(a.contexts) + a.new + _slack(a, max(a.batches), max(a.contexts)) + 16,
-        scan_layers=scan_layers))
+        scan_layers=scan_layers, packed_prefill=packed_prefill))
     eng = llm.engine
     return llm, {"load_s": round(time.perf_counter() - t0, 1), "num_blocks": eng.cfg.num_blocks,
                  "max_num_seqs": eng.cfg.max_num_seqs, "kernels": str(eng.kernels),
-                 "scan_layers": bool(eng.runner.stack.runs), "points": []}
+                 "scan_layers": bool(eng.runner.stack.runs), "packed_prefill": eng.runner.paged_prefill, "points": []}
 
 
 def _save(a, out: dict) -> None:
@@ -379,6 +381,18 @@ def _trace(a, llm) -> dict:
             **(busy_fraction(trace) or {"error": "no device events in the trace"})}
 
 
+def part_packed(a) -> dict:
+    """The engine with engine.packed_prefill (a prefill step one packed program over the pool: first chunks through
+    the paged prefill kernel instead of flash attention, a mixed step's decode tokens in the same program, the
+    weights read once for both): the points of batches 16 and 64 (where asked; steps of several prompts, mixed
+    steps) at the shortest context and one prompt of the longest context prefilled, to set against part_jax's
+    (whether a GPU's engine should pack by default)."""
+    llm, out = _engine(a, None, packed_prefill=True)
+    _points(a, llm, a.contexts[:1], [b for b in a.batches if b in (16, 64)] or a.batches[-1:], out)
+    out["long_prefill"] = _long_prefill(a, llm)
+    return out
+
+
 def part_scan(a) -> dict:
     """The engine with its layers scanned (engine.scan_layers, a prefill instance's default on a GPU): the decode
     step and prefill at the goal's batches (1 and 64, where asked) at the shortest context, to set against
@@ -399,13 +413,13 @@ def part_scan(a) -> dict:
                                "warmup_s": round(time.perf_counter() - t0, 1)}
     print(f"== scanned prefill instance: {len(made)} programs in {out['prefill_instance']['warmup_s']} s", flush=True)
     _save(a, out)
-    out["prefill_instance"].update(_layerwise_prefill(a, llm))
+    out["prefill_instance"].update(_long_prefill(a, llm))
     return out
 
 
-def _layerwise_prefill(a, llm) -> dict:
-    """One prompt of the longest context prefilled as the prefill instance runs it (its layer groups, one
-    program each; the warm-up compiled them): wall and device-phase milliseconds, to set against part_jax's
+def _long_prefill(a, llm) -> dict:
+    """One prompt of the longest context prefilled as the engine runs it (a prefill instance: its layer groups,
+    one program each, the warm-up compiled them): wall and device-phase milliseconds, to set against part_jax's
     unrolled prefill of the same length (bench/gpu_disagg.py's TTFT: is a disaggregated prefill slower?)."""
     wall_ms, summary, _ = _timed_prefill(a, llm, 3)
     st = summary.get("prefill", {})
@@ -438,7 +452,8 @@ def part_hf(a) -> dict:
     return {"transformers": out}
 
 
-PARTS = {"make": part_make, "floor": part_floor, "jax": part_jax, "scan": part_scan, "hf": part_hf}
+PARTS = {"make": part_make, "floor": part_floor, "jax": part_jax, "packed": part_packed, "scan": part_scan,
+         "hf": part_hf}
 
 
 def main(argv=None) -> int:
@@ -451,6 +466,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-tokens", type=int, default=8192, help="engine.max_num_batched_tokens")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
     ap.add_argument("--no-scan", action="store_true", help="skip the engine with its layers scanned")
+    ap.add_argument("--no-packed", action="store_true", help="skip the engine with engine.packed_prefill")
     ap.add_argument("--part", choices=list(PARTS), help=argparse.SUPPRESS)  # one part, in this process
     ap.add_argument("--dir", help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
@@ -464,7 +480,8 @@ def main(argv=None) -> int:
     ck = os.path.join(work, "checkpoint")
     result = {"shape": a.shape, "batches": a.batches, "contexts": a.contexts, "new": a.new}
     # the issue's figures first, where a run is cut at its share; transformers, measured before, last
-    for part in ["make", "floor", "jax"] + ([] if a.no_scan else ["scan"]) + ([] if a.no_hf else ["hf"]):
+    for part in (["make", "floor", "jax"] + ([] if a.no_packed else ["packed"]) + ([] if a.no_scan else ["scan"])
+                 + ([] if a.no_hf else ["hf"])):
         cmd = [sys.executable, "-m", "bench.gpu_decode", "--part", part, "--dir", ck, "--work", work,
                "--shape", a.shape, "--batches", ",".join(map(str, a.batches)),
                "--contexts", ",".join(map(str, a.contexts)), "--new", str(a.new),

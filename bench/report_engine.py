@@ -247,6 +247,7 @@ def gpu_decode(r: dict[str, dict]) -> list[str]:
             out += [f"The GPU was busy {pct(t['busy_fraction'])} of {num(t['span_ms'], 1)} ms of decode steps under "
                     f"the profiler ({t['batch']} requests, {t['context']}-token context){vs}.", ""]
         out += _prefill_trace(j.get("trace_prefill", {}))
+        out += _packed(j, d.get("packed", {}))
         out += _scanned(j, d.get("scan", {}))
         hf = d.get("hf", {}).get("transformers", [])
         if hf:
@@ -327,6 +328,31 @@ def gpu_programs(r: dict[str, dict]) -> list[str]:
             out += table(["family", "programs compiled", "Pallas kernels in a program, at most", "copies of 1 MiB "
                           "or more", "pool and state writes, whole", "products outside gemms"], fams)
     return out
+
+
+def _packed(default: dict, packed: dict) -> list[str]:
+    """The engine with engine.packed_prefill against the default engine's points and longest prefill."""
+    if not packed:
+        return []
+    if "points" not in packed:
+        return [f"The engine with packed prefill did not finish ({packed.get('error', 'no result')}).", ""]
+    base = {(p["batch"], p["context"]): p for p in default["points"] if "skipped" not in p}
+    share = lambda p: p.get("prefill_device_share_of_bf16") or p["prefill_share_of_bf16"]  # noqa: E731
+    parts = [f"{p['batch']} x {p['context']}: prefill {num(p['prefill_s'] * 1e3, 1)} ms "
+             f"({p['prefill_s'] / b['prefill_s']:.2f}x the default's; {pct(share(p))} of the bf16 rate against "
+             f"{pct(share(b))}), decode step {p['decode_step_ms'] / b['decode_step_ms']:.2f}x"
+             for p in packed["points"] if "skipped" not in p
+             for b in [base.get((p["batch"], p["context"]))] if b is not None]
+    out = ["With packed prefill (engine.packed_prefill: a prefill step one program over the pool, first chunks "
+           "through the paged prefill kernel, a mixed step's decode tokens in it): "
+           + ("; ".join(parts) if parts else "no point to set against the default's") + "."]
+    lp = packed.get("long_prefill")
+    if lp:
+        one = default.get("trace_prefill", {})
+        vs = f" (the default: {num(one['wall_ms'], 1)} ms)" if "wall_ms" in one else ""
+        out[0] += (f" It prefilled one {lp['context']}-token prompt in {num(lp['prefill_wall_ms'], 1)} ms, device "
+                   f"{num(lp['prefill_device_ms'], 1)} ms, over {lp['prefill_steps']} steps{vs}.")
+    return out + [""]
 
 
 def _scanned(unrolled: dict, scan: dict) -> list[str]:

@@ -93,6 +93,16 @@ def test_the_report_renders_a_result():
     assert ("It prefilled one 2048-token prompt in 180.2 ms, device 176.0 ms, over 1 steps (unrolled, whole: 123.1 "
             "ms, device 120.5 ms).") in "\n".join(render({"gpu_decode_h200.json": d}))
     assert "scanned did not finish (rc 124)" in "\n".join(render({"x.json": {**d, "scan": {"error": "rc 124"}}}))
+    d["packed"] = {"points": [{"batch": 1, "context": 256, "decode_step_ms": 4.9, "prefill_s": 0.4,
+                               "prefill_share_of_bf16": 0.03, "prefill_device_share_of_bf16": 0.04}],
+                   "long_prefill": {"context": 2048, "prefill_wall_ms": 50.5, "prefill_device_ms": 49.0,
+                                    "prefill_steps": 1}}
+    assert ("With packed prefill (engine.packed_prefill: a prefill step one program over the pool, first chunks "
+            "through the paged prefill kernel, a mixed step's decode tokens in it): 1 x 256: prefill 400.0 ms "
+            "(0.80x the default's; 4% of the bf16 rate against 2%), decode step 1.00x. It prefilled one 2048-token "
+            "prompt in 50.5 ms, device 49.0 ms, over 1 steps (the default: 61.2 ms).") in \
+        "\n".join(render({"gpu_decode_h200.json": d}))
+    assert "packed prefill did not finish (rc 1)" in "\n".join(render({"x.json": {**d, "packed": {"error": "rc 1"}}}))
 
 
 def test_the_report_marks_points_that_did_not_decode_the_whole_batch_or_compiled_while_timed():
