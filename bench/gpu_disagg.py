@@ -6,7 +6,8 @@ PrfaaS cluster's prefill instance joined to a PD cluster's prefill and decode in
 the GPU (KV across the link leaves the device once, into host memory, for the TCP backend).
 
 - answers: a set of prompts (8 to 200 tokens, so some cross the PrfaaS link) decoded each way, their tokens
-  compared with colocated's (where one differs: the first token that does);
+  compared with colocated's (where one differs: the first token that does, and colocated's log-probability gap
+  between its two likeliest tokens there: a near tie, which bf16 programs of another shape may break otherwise);
 - per prompt length (256, 2048 and 4000 tokens by default): TTFT and TPOT of streamed requests, the median over
   `--reps` fresh prompts (no prefix hits), each deployment, and its ratios to colocated; the KV bytes each
   request moved, its backend (cuda_ipc, device, shm or tcp; `--cuda-ipc off` measures JAX's transfer server in
@@ -76,29 +77,39 @@ def configs(model: str, max_len: int, cache: str, cpus: bool = False, cuda_ipc: 
                        "policy": {"name": "prfaas", "threshold_tokens": threshold, "adaptive": False}}}
 
 
-def complete(port: int, prompt: list[int], new: int) -> dict:
-    """One streamed greedy completion -> {"tokens", "ttft_s", "tpot_s", "jaxserve"}."""
+def complete(port: int, prompt: list[int], new: int, top: int = 0) -> dict:
+    """One streamed greedy completion -> {"tokens", "ttft_s", "tpot_s", "jaxserve", "gaps"}: gaps, with top >= 2,
+    each token's log-probability gap between its two likeliest tokens (None where they decode alike)."""
     body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": new, "temperature": 0, "ignore_eos": True,
-                       "stream": True, "logprobs": 0}).encode()
+                       "stream": True, "logprobs": top}).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
                                  {"Content-Type": "application/json"})
     t0 = time.perf_counter()
-    stamps, tokens, meta = [], [], None
+    stamps, tokens, meta, gaps = [], [], None, []
     with urllib.request.urlopen(req, timeout=600) as r:
         for line in r:
             line = line.decode().strip()
             if not line.startswith("data: {"):
                 continue
             ev = json.loads(line[6:])
-            got = (ev["choices"][0].get("logprobs") or {}).get("tokens") or []
+            lp = ev["choices"][0].get("logprobs") or {}
+            got = lp.get("tokens") or []
             if got:
                 stamps.append(time.perf_counter() - t0)
                 tokens += got
+                gaps += [top_gap(t) for t in lp.get("top_logprobs") or [{}] * len(got)]
             meta = ev.get("jaxserve", meta)
     if not stamps:
         raise RuntimeError(f"no tokens streamed for a prompt of {len(prompt)} tokens")
     tpot = (stamps[-1] - stamps[0]) / (len(tokens) - 1) if len(tokens) > 1 else None
-    return {"tokens": tokens, "ttft_s": stamps[0], "tpot_s": tpot, "jaxserve": meta}
+    return {"tokens": tokens, "ttft_s": stamps[0], "tpot_s": tpot, "jaxserve": meta, "gaps": gaps}
+
+
+def top_gap(top: dict) -> float | None:
+    """A token's {piece: log-probability} of its likeliest tokens -> the gap between the first two (None: fewer
+    than two pieces, as where two tokens decode to one piece)."""
+    lps = sorted(top.values(), reverse=True)
+    return round(lps[0] - lps[1], 5) if len(lps) > 1 else None
 
 
 def health_steps(port: int) -> dict:
@@ -135,7 +146,9 @@ def serve_and_measure(config: dict, work: str, name: str, answers: list[list[int
     port = free_ports("127.0.0.1")
     proc, ready = launch(path, port, timeout_s)
     try:
-        out = {"ready_s": ready, "answers": [complete(port, p, new)["tokens"] for p in answers], "lengths": {}}
+        got = [complete(port, p, new, top=2) for p in answers]  # the top two: how near a tie a difference is
+        out = {"ready_s": ready, "answers": [g["tokens"] for g in got], "gaps": [g["gaps"] for g in got],
+               "lengths": {}}
         rng = np.random.default_rng(seed)
         for n in lengths:
             complete(port, rng.integers(3, vocab, n).tolist(), new)  # compiles what this length runs
@@ -207,7 +220,7 @@ def main(argv=None) -> int:
     result = {"model": a.model or f"random, {a.shape} shape (bench/gpu_decode.py)", "max_model_len": max_len,
               "lengths": lengths, "reps": a.reps, "new": a.new, "cuda_ipc": a.cuda_ipc, "link_gbps": a.link_gbps,
               "threshold_tokens": a.threshold, "answers": len(answers), "compared": {}}
-    tokens, failed = {}, False
+    tokens, gaps, failed = {}, {}, False
     for name in names:
         try:
             out = serve_and_measure(cfgs[name], work, name, answers, lengths, a.reps, a.new, mc.vocab_size, 1,
@@ -216,28 +229,33 @@ def main(argv=None) -> int:
             result[name], failed = {"error": f"{type(e).__name__}: {e}"}, True
             print(f"{name} failed: {e}", flush=True)
         else:
-            tokens[name], result[name] = out.pop("answers"), out
+            tokens[name], gaps[name], result[name] = out.pop("answers"), out.pop("gaps", None), out
             if name != "colocated" and "colocated" in tokens:
-                result["compared"][name] = compare(result["colocated"], out, tokens["colocated"], tokens[name])
+                result["compared"][name] = compare(result["colocated"], out, tokens["colocated"], tokens[name],
+                                                   gaps["colocated"])
         write(a.json, result)  # kept if the next deployment does not finish in the time a run has
     print(json.dumps(result["compared"]))
     return 1 if failed else 0
 
 
-def compare(colocated: dict, other: dict, base: list, answers: list) -> dict:
-    """A deployment against colocated: answers equal, where each other one first differs, TTFT and TPOT ratios per
-    prompt length."""
+def compare(colocated: dict, other: dict, base: list, answers: list, gaps: list | None = None) -> dict:
+    """A deployment against colocated: answers equal, where each other one first differs (with colocated's gap
+    between its two likeliest tokens there, from `gaps`, per answer and token), TTFT and TPOT ratios per prompt
+    length."""
     return {"answers_equal": sum(x == y for x, y in zip(base, answers)),
-            "differ": [first_difference(i, x, y) for i, (x, y) in enumerate(zip(base, answers)) if x != y],
+            "differ": [first_difference(i, x, y, gaps[i] if gaps else None)
+                       for i, (x, y) in enumerate(zip(base, answers)) if x != y],
             "ratios": {n: {"ttft": d["ttft_s"] / colocated["lengths"][n]["ttft_s"],
                            "tpot": d["tpot_s"] / colocated["lengths"][n]["tpot_s"]}
                        for n, d in other["lengths"].items()}}
 
 
-def first_difference(i: int, x: list[int], y: list[int]) -> list:
-    """[prompt i, the first token index where answers x and y differ, x's token there, y's] (None: one ended)."""
+def first_difference(i: int, x: list[int], y: list[int], gaps: list | None = None) -> list:
+    """[prompt i, the first token index where answers x and y differ, x's token there, y's] (None: one ended), and
+    where x's per-token gaps are given, x's gap between its two likeliest tokens there (None: not known)."""
     t = next((t for t, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
-    return [i, t, x[t] if t < len(x) else None, y[t] if t < len(y) else None]
+    out = [i, t, x[t] if t < len(x) else None, y[t] if t < len(y) else None]
+    return out if gaps is None else out + [gaps[t] if t < len(gaps) else None]
 
 
 if __name__ == "__main__":

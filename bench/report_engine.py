@@ -401,8 +401,9 @@ def gpu_disagg(r: dict[str, dict]) -> list[str]:
                 out += [f"{dep}: {'not run' if g is None else 'failed: ' + g['error']}.", ""]
                 continue
             x = d["compared"][dep]
-            out += [f"{dep}: answers equal colocated for {x['answers_equal']} of {d['answers']} prompts; ready after "
-                    f"{num(g['ready_s'])} s ({num(c['ready_s'])} s colocated).", ""]
+            out += [f"{dep}: answers equal colocated for {x['answers_equal']} of {d['answers']} prompts"
+                    f"{_differences(x.get('differ', []))}; ready after {num(g['ready_s'])} s ({num(c['ready_s'])} s "
+                    "colocated).", ""]
             rows = []
             steps = any("steps" in g["lengths"][n] for n in x["ratios"])
             where = any(g["lengths"][n].get("placed_s") is not None for n in x["ratios"])
@@ -422,6 +423,16 @@ def gpu_disagg(r: dict[str, dict]) -> list[str]:
                              f"{dep}: decode's reservation to its first token (ms)"] if where else [])
                          + ([f"prefill steps colocated / {dep}: count x ms (device ms)"] if steps else []), rows)
     return out
+
+
+def _differences(differ: list) -> str:
+    """Where each answer that differs first differs, and colocated's top-two gap there where recorded."""
+    if not differ:
+        return ""
+    said = [f"prompt {d[0]} at token {d[1]}" + (f" (colocated's two likeliest tokens there {d[4]:.4f} apart in "
+                                                  "log-probability)" if len(d) > 4 and d[4] is not None else "")
+            for d in differ]
+    return " (the others first differ: " + "; ".join(said) + ")"
 
 
 def _ms(seconds: float | None) -> str:

@@ -11,8 +11,11 @@ from bench.report_engine import gpu_disagg as render
 
 
 @pytest.mark.slow
-def test_every_deployment_answers_as_colocated_and_is_timed(checkpoint_dir, tmp_path):
+def test_every_deployment_answers_as_colocated_and_is_timed(checkpoint_dir, tmp_path, monkeypatch):
     out = tmp_path / "gpu_disagg.json"
+    answered, complete = [], gpu_disagg.complete
+    monkeypatch.setattr(gpu_disagg, "complete", lambda *a, **k: answered.append((k, complete(*a, **k))) or
+                        answered[-1][1])
     assert gpu_disagg.main(["--model", checkpoint_dir("llama"), "--lengths", "24,40", "--new", "4", "--reps", "1",
                             "--answers", "3", "--threshold", "30", "--json", str(out)]) == 0
     r = json.loads(out.read_text())
@@ -36,8 +39,12 @@ def test_every_deployment_answers_as_colocated_and_is_timed(checkpoint_dir, tmp_
         assert d["steps"]["p0"]["prefill"]["count"] >= 1 and d["steps"]["d0"]["decode"]["count"] >= 4 - 1, d
         assert "decode" not in d["steps"]["p0"] and "prefill" not in d["steps"]["d0"]
         assert {"prefill", "decode"} <= set(c["steps"]["local"]), c
+    # the answers come with each token's gap between its two likeliest tokens (where a difference would be a tie)
+    tops = [got for k, got in answered if k.get("top") == 2]
+    assert len(tops) == 3 * 3 and all(len(g["gaps"]) == len(g["tokens"]) == 4 for g in tops)
+    assert all(x is None or x >= 0 for g in tops for x in g["gaps"]) and any(x for g in tops for x in g["gaps"])
     text = "\n".join(render({"gpu_disagg.json": r}))
-    assert "prfaas: answers equal colocated for 3 of 3 prompts" in text and ", x0 |" in text
+    assert "prfaas: answers equal colocated for 3 of 3 prompts;" in text and ", x0 |" in text
     assert "prefill steps colocated / disaggregated: count x ms (device ms)" in text
     assert ("| placed colocated / disaggregated (ms) | prefilling engine's TTFT colocated / disaggregated (ms) | "
             "disaggregated: decode's reservation to its first token (ms) |") in text
@@ -62,8 +69,15 @@ def test_a_failed_deployment_keeps_what_the_others_measured(checkpoint_dir, tmp_
     assert r["compared"]["prfaas"] == {"answers_equal": 1, "differ": [], "ratios": {"24": {"ttft": 1.0, "tpot": 1.0}}}
     assert gpu_disagg.first_difference(3, [5, 6, 7], [5, 9, 7]) == [3, 1, 6, 9]
     assert gpu_disagg.first_difference(0, [5, 6], [5]) == [0, 1, 6, None]
+    assert gpu_disagg.first_difference(3, [5, 6, 7], [5, 9, 7], [0.5, 0.0123, 0.2]) == [3, 1, 6, 9, 0.0123]
+    assert gpu_disagg.first_difference(0, [5, 6], [5], [0.5]) == [0, 1, 6, None, None]
+    assert gpu_disagg.top_gap({"a": -0.25, "b": -1.0, "c": -2.0}) == 0.75 and gpu_disagg.top_gap({"a": 0.0}) is None
     text = "\n".join(render({"x.json": r}))
     assert "disaggregated: failed: RuntimeError: decode worker exited" in text
     assert "prfaas: answers equal colocated for 1 of 1 prompts" in text
+    r["compared"]["prfaas"].update(answers_equal=0, differ=[[0, 5, 11, 12, 0.0042], [2, 0, 3, 4, None]])
+    assert ("prfaas: answers equal colocated for 0 of 1 prompts (the others first differ: prompt 0 at token 5 "
+            "(colocated's two likeliest tokens there 0.0042 apart in log-probability); prompt 2 at token 0); ready "
+            "after 1 s") in "\n".join(render({"x.json": r}))
     with pytest.raises(SystemExit):
         gpu_disagg.main(["--model", checkpoint_dir("llama"), "--deployments", "prfaas,colocated"])
