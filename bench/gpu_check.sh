@@ -3,9 +3,9 @@
 # and timed against their references (bench.kernels: decode attention's share of HBM bandwidth, prefill
 # attention's of bf16 peak), the kernel tests compiled for the GPU (tests/pallas_kernels), the engine's decode
 # step against the memory floor on an 8B-shaped checkpoint with transformers beside it, a 2K-token prefill's
-# kernels by time, the same engine with packed prefill (engine.packed_prefill: prefill and mixed steps as one
-# program over the pool) and with its layers scanned (decode and prefill against the default's, a layer-wise
-# prefill instance's programs, warm-up seconds and prefill: bench.gpu_decode),
+# kernels by time, the same engine with its layers scanned and with packed prefill (engine.packed_prefill: prefill
+# and mixed steps as one program over the pool; decode and prefill against the default's, a layer-wise prefill
+# instance's programs, warm-up seconds and prefill: bench.gpu_decode),
 # CUDA IPC between two processes on the GPU (tests/transfer/test_ipc.py: arrays copied out of another process's
 # memory, staged through driver memory where JAX's cannot be shared), `jaxserve serve` disaggregated (a prefill
 # and a decode worker sharing the GPU, KV through CUDA IPC, or through JAX's transfer server where the IPC test

@@ -10,11 +10,11 @@ steps; a point whose timed steps compiled a program is measured again). Also: th
 steps from a profiler trace (the union of the GPU's kernel intervals over the steps' span), prefill's share of
 the bf16 matmul rate measured in the same run, one prompt of the longest context prefilled under the profiler
 (the step's phases, the GPU's busy fraction and its kernels by time: where prefill's time goes), the engine
-again with engine.packed_prefill (one packed program per prefill step over the pool, a mixed step's decode tokens
-in it: prefill and decode at batches 16 and 64 and the longest prompt's prefill against the default's), the engine
 again with its layers scanned (engine.scan_layers, a prefill instance's default on a GPU: decode step, prefill
 and compile seconds at batch 1 and 64 against the unrolled points, and a layer-wise prefill instance's programs,
-warm-up seconds and its prefill of the longest context), and transformers' `generate` on the same checkpoint
+warm-up seconds and its prefill of the longest context), the engine again with engine.packed_prefill (one packed
+program per prefill step over the pool, a mixed step's decode tokens in it: prefill and decode at batches 16 and
+64 and the longest prompt's prefill against the default's), and transformers' `generate` on the same checkpoint
 (sdpa, bf16) at batch 1 and 64. Each part runs in a process of its own (JAX and torch do not share the card);
 the parts' JSON is merged into one result, stamped, written after every part.
 
@@ -480,7 +480,7 @@ def main(argv=None) -> int:
     ck = os.path.join(work, "checkpoint")
     result = {"shape": a.shape, "batches": a.batches, "contexts": a.contexts, "new": a.new}
     # the issue's figures first, where a run is cut at its share; transformers, measured before, last
-    for part in (["make", "floor", "jax"] + ([] if a.no_packed else ["packed"]) + ([] if a.no_scan else ["scan"])
+    for part in (["make", "floor", "jax"] + ([] if a.no_scan else ["scan"]) + ([] if a.no_packed else ["packed"])
                  + ([] if a.no_hf else ["hf"])):
         cmd = [sys.executable, "-m", "bench.gpu_decode", "--part", part, "--dir", ck, "--work", work,
                "--shape", a.shape, "--batches", ",".join(map(str, a.batches)),
