@@ -446,7 +446,8 @@ def test_the_default_chunk_is_the_step_budget_where_the_prefill_kernels_are_comp
 
 
 @pytest.mark.parametrize("family,chunk,kernels", [("llama", 8, "auto"), ("llama", None, "auto"),
-                                                  ("deepseek_v3", 8, "auto"), ("deepseek_v3", 8, "reference")])
+                                                  ("llama", 8, "interpret-packed"), ("deepseek_v3", 8, "auto"),
+                                                  ("deepseek_v3", 8, "reference")])
 def test_layerwise_warmup_covers_a_streamed_prompts_chunks(engines, family, chunk, kernels):
     """A layer-wise prefill instance (LLMEngine.stream_layers) gives every prefill step its layer groups: a
     program shape at least stage_min_tokens long runs layer group by layer group whatever its rows, a shorter one
@@ -454,11 +455,14 @@ def test_layerwise_warmup_covers_a_streamed_prompts_chunks(engines, family, chun
     never both, and covers every chunk of streamed prompts; the staged result is the dense path's. Paged prefill
     (llama) and in-place prefill (MLA, native kernels: every table as wide as the longest context) run every shape
     as layer groups; dense programs over dense views (MLA, references) the short ones whole. Also with the default
-    chunk (the step budget, 16)."""
+    chunk (the step budget, 16), and with the Pallas kernels (interpreted) prefilling packed (engine.packed_prefill)
+    with the layers scanned, as a GPU's prefill instance runs them."""
     from jaxserve.engine.rows import PrefillRow
     from jaxserve.transfer.plan import layer_groups
+    packed = kernels == "interpret-packed"
     llm = engines(family, dataclasses.replace(ENGINE, max_model_len=80, num_blocks=96, prefix_caching=False,
-                                              chunk_size=chunk, kernels=kernels))
+                                              chunk_size=chunk, kernels="interpret" if packed else kernels,
+                                              packed_prefill=packed or None, scan_layers=packed or None))
     runner = llm.engine.runner
     C = runner.chunk_size
     assert C == (chunk or ENGINE.max_num_batched_tokens)
