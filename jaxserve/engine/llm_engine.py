@@ -166,10 +166,10 @@ class LLMEngine:
         scan = paged <= {"reference", "native"} if cfg.scan_layers is None else cfg.scan_layers
         ragged = paged == {"reference"}
         # the native and the Pallas decode kernels read only the blocks in use (decode tables of one width, the
-        # programs keyed by their rows alone); with the native kernels a model whose every layer is full GQA
-        # attention prefills over the pool in one packed program per step (runner.paged_prefill)
-        packs = {"native"} if cfg.packed_prefill is None else {"native", "pallas", "interpret"} \
-            if cfg.packed_prefill else set()
+        # programs keyed by their rows alone); with the native kernels (and the Pallas ones where
+        # engine.packed_prefill asks) a model whose every layer is full GQA attention prefills over the pool in one
+        # packed program per step (runner.paged_prefill)
+        packs = {None: {"native"}, True: {"native", "pallas", "interpret"}, False: set()}[cfg.packed_prefill]
         paged_prefill = (mode_of("paged_prefill_attention", self.kernels) in packs
                          and not self.layout.has_request_state and not any(g.mla for g in self.layout.groups))
         # where gathering a whole context of the full-attention layers is cheap (hybrid models: few such layers),

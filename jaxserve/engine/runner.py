@@ -25,10 +25,10 @@ decode in `decode_batch` rows (with full tables the powers of two and their midp
 for up to 4 requests, then from max(16, slots / 4)) times the block-table widths (ragged attention: the
 buckets of the blocks in use). With the native and the Pallas kernels decode tables are max_blocks_per_seq wide
 (the kernels read only the blocks in use; past FULL_TABLE_BLOCKS, that many or a wider power of two): decode
-programs are keyed by their rows alone, and with the native kernels a model of
-full-attention GQA layers only prefills in one packed program per step over the pool (`paged_prefill`), keyed
-by its token bucket (`buckets`), and a step that also decodes runs its decode tokens in the same program
-(`mixed`). `programs` records the shapes run.
+programs are keyed by their rows alone, and with the native kernels (the Pallas ones where engine.packed_prefill
+asks) a model of full-attention GQA layers only prefills in one packed program per step over the pool
+(`paged_prefill`), keyed by its token bucket (`buckets`), and a step that also decodes runs its decode tokens in
+the same program (`mixed`). `programs` records the shapes run.
 
 Colocated mode uses one ModelRunner for both roles: prefill writes straight into the blocks and state row that
 decode then reads, so `insert` only records the slot's sampling state. Disaggregated, the prefill instance's
@@ -77,8 +77,9 @@ class ModelRunner:
         (the decode programs are keyed by the batch's total blocks instead of the table width). full_tables: the
         decode attention (the native or the Pallas kernel) reads only the blocks in use, so every decode table is
         max_blocks_per_seq wide (the programs are keyed by the rows alone). paged_prefill: every layer is full
-        attention over the pool with the native kernels: a prefill step is one packed program whatever its
-        rows (first chunks and chunks after cached tokens together), keyed by its token bucket alone.
+        attention over the pool with the native kernels (or the Pallas ones: engine.packed_prefill): a prefill step
+        is one packed program whatever its rows (first chunks and chunks after cached tokens together), keyed by
+        its token bucket alone, its tokens uploaded packed.
         stack: runs of identical layers to stack and scan (models/stack.py); the runner then holds the only copy
         of their weights (`params`): drop `state` after this. max_batched_tokens: the most prompt tokens of one
         prefill step (the scheduler's budget; warm-up compiles the packed buckets up to it). wide_cached: a
@@ -385,7 +386,7 @@ class ModelRunner:
                                                           for i, n in enumerate(lengths) if n])
             if paged:
                 tokens = np.zeros(N, np.int32)
-                tokens[:int(lengths.sum())] = [t for _, r in real for t in r.tokens]
+                tokens[:int(lengths.sum())] = np.concatenate([np.asarray(r.tokens, np.int32) for _, r in real])
             packed = jnp.asarray(packed)
         batch = Batch(jnp.asarray(tokens), jnp.asarray(start), jnp.asarray(lengths), packed, fresh)
         args = (batch, jnp.asarray(table), jnp.asarray(src), jnp.asarray(dst), jnp.asarray(snap))
