@@ -45,7 +45,7 @@ import grpc
 
 from jaxserve.config import Config
 from jaxserve.engine.client import EngineUnavailable as Unavailable
-from jaxserve.engine.client import QueueFull, RequestError, Update, encode
+from jaxserve.engine.client import QueueFull, RequestError, Update, encode, update_of
 from jaxserve.sampling import SamplingParams
 
 from . import policies
@@ -423,7 +423,7 @@ class Router:
                             s.avoid_prefill.add(name)
                             raise Retry(f"prefill instance {name} went down before its Prefill call")
                         pre = asyncio.ensure_future(self._prefill(s, p, relay))
-                    kv_pending = s.method == "Decode"
+                    kv_pending, held = s.method == "Decode", None  # held: the open stream's last update
                     while True:
                         try:
                             msg = await self._next(s, pre, kv_pending)
@@ -432,7 +432,10 @@ class Router:
                         except Silent as e:
                             s.avoid.add(s.worker.name)
                             raise Retry(f"{s.method} on {e}") from None
-                        u = Update(**msg["update"])
+                        try:
+                            u = held = update_of(msg["update"], held)
+                        except (TypeError, ValueError) as e:
+                            raise Retry(f"{s.worker.name} sent an update out of order: {e}") from None
                         if u.finished and u.error:
                             raise Retry(f"{s.worker.name}: {u.error}")
                         kv_pending = False

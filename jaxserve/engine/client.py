@@ -64,6 +64,38 @@ class Update:
     migrations: list[dict] | None = None  # the final update's: the migrations it went through (kind, src, dst)
 
 
+def update_message(u: Update, sent: tuple[int, str]) -> tuple[dict, tuple[int, str]]:
+    """An Update as a worker's stream sends it (JSON) -> (the message, `sent` for the next). Updates are
+    cumulative; the message carries what the receiver does not hold yet: token_ids and logprobs from `offset`
+    on, the text from character `text_from` on (from 0 where the text does not extend what was sent). So a step
+    costs a stream its new tokens, not the whole output again (docs/08-worker-protocol.md). sent: (tokens, text)
+    the receiver holds, (0, "") before the first; the finished update goes whole."""
+    n, text = (0, "") if u.finished else sent
+    if len(u.token_ids) < n or len(u.logprobs) < n:
+        n = 0
+    tf = len(text) if u.text.startswith(text) else 0
+    msg = {"index": u.index, "token_ids": u.token_ids[n:], "offset": n, "text": u.text[tf:], "text_from": tf,
+           "finished": u.finished, "finish_reason": u.finish_reason, "logprobs": u.logprobs[n:],
+           "cached_tokens": u.cached_tokens, "prompt_tokens": u.prompt_tokens, "error": u.error, "ttft_s": u.ttft_s,
+           "route": u.route, "migrations": u.migrations}
+    return msg, (len(u.token_ids), u.text)
+
+
+def update_of(msg: dict, held: Update | None) -> Update:
+    """The cumulative Update of a stream message (`update_message`) after `held`, the stream's one before it
+    (None: none yet). Raises ValueError for a message that does not follow what is held."""
+    msg = dict(msg)
+    n, tf = msg.pop("offset", 0), msg.pop("text_from", 0)
+    have = held.token_ids if held is not None else []
+    text = held.text if held is not None else ""
+    if n > len(have) or tf > len(text):
+        raise ValueError(f"an update from token {n} (text {tf}) after {len(have)} tokens ({len(text)} characters)")
+    msg["token_ids"] = have[:n] + list(msg["token_ids"])
+    msg["logprobs"] = (held.logprobs[:n] if held is not None else []) + list(msg["logprobs"])
+    msg["text"] = text[:tf] + msg["text"]
+    return Update(**msg)
+
+
 def encode(tokenizer: Tokenizer | None, prompt) -> list[int]:
     """A text prompt (needs the tokenizer) or a token-id list -> token ids. Raises RequestError."""
     if isinstance(prompt, str):

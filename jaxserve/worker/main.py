@@ -260,11 +260,15 @@ class Worker:
                 "reads_pool": self.reads_pool}
 
     async def _updates(self, q, rid):
-        """The request's Updates as stream messages until it finishes; leaving early aborts it."""
+        """The request's Updates as stream messages until it finishes, each with what the one before did not
+        carry (engine/client.py `update_message`); leaving early aborts it."""
+        from ..engine.client import update_message
+        sent = (0, "")
         try:
             while True:
                 u = await q.get()
-                yield {"update": dataclasses.asdict(u)}
+                msg, sent = update_message(u, sent)
+                yield {"update": msg}
                 if u.finished:
                     return
         finally:

@@ -85,3 +85,30 @@ def test_a_model_goes_as_the_json_its_schema_takes():
     wire = json.loads(rpc._enc(msg))
     assert wire["dst"] == {"instance": "d0", "blocks": [7], "skip": 0} and "store" not in wire  # unset: left out
     assert messages.Prefill.model_validate(wire) == msg
+
+
+def test_an_update_stream_carries_each_steps_new_tokens_and_rebuilds_the_cumulative_updates():
+    """A worker's stream sends each Update as what the one before did not carry (engine/client.py
+    update_message): the receiver rebuilds every cumulative Update exactly, through JSON; a text that does not
+    extend what was sent goes whole, the finished update whole; a message that does not follow what the receiver
+    holds is refused."""
+    from jaxserve.engine.client import Update, update_message, update_of
+    steps, ids, lps = [], [], []
+    for k, text in enumerate(["He", "Hell", "Hello", "Hello", "Hi!", "Hi! there"]):
+        ids, lps = ids + [10 + k], lps + [[-0.5 * k, [[10 + k, -0.5 * k], [3, -2.0]]]]
+        steps.append(Update(0, list(ids), text, k == 5, "length" if k == 5 else None, list(lps), 4, 9,
+                            ttft_s=0.25))
+    sent, held, sizes = (0, ""), None, []
+    for u in steps:
+        msg, sent = update_message(u, sent)
+        msg = json.loads(json.dumps(msg))
+        sizes.append((len(msg["token_ids"]), len(msg["logprobs"]), msg["text"]))
+        held = update_of(msg, held)
+        assert held == u
+    # one token a step, the text's new characters (whole where "Hi!" does not extend "Hello"), the last whole
+    assert sizes == [(1, 1, "He"), (1, 1, "ll"), (1, 1, "o"), (1, 1, ""), (1, 1, "Hi!"), (6, 6, "Hi! there")]
+    msg, _ = update_message(steps[3], (2, "Hell"))
+    with pytest.raises(ValueError, match="from token 2"):
+        update_of(msg, None)  # a stream's first message must start at 0
+    with pytest.raises(ValueError, match="text 4"):
+        update_of(msg, Update(0, [10, 11], "He", False, None, lps[:2], 4, 9))
