@@ -114,16 +114,17 @@ class Sub:
     @property
     def output(self) -> list[int]:
         """Tokens the client already has: a placement after a failure resumes from them."""
-        return self.sent.token_ids if self.sent is not None else []
+        return list(self.sent.token_ids) if self.sent is not None else []
 
     def kv(self) -> int:
         """Tokens whose KV prefill sends: the prompt (but its last token with transfer.leave_last_token), or, when
         resuming, the prompt and the output but its last token (decode computes that one and samples on)."""
-        return len(self.prompt) + len(self.output) - 1 if self.output else self.kv_tokens
+        n = len(self.sent.token_ids) if self.sent is not None else 0
+        return len(self.prompt) + n - 1 if n else self.kv_tokens
 
     def resume(self) -> dict:
         """The placement message's fields that resume the request (worker/main.py: "output", "logprobs")."""
-        return {"output": self.output, "logprobs": self.sent.logprobs} if self.output else {}
+        return {"output": self.output, "logprobs": list(self.sent.logprobs)} if self.output else {}
 
     def route(self, topo: Topology) -> dict:
         """Where it ran: `colocated` (whole on one instance), `pd` (prefill and decode in one cluster, or a

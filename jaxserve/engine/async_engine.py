@@ -18,7 +18,7 @@ import threading
 from dataclasses import dataclass, field
 
 from ..sampling import SamplingParams
-from .client import RequestError, Update, encode
+from .client import Grown, RequestError, Update, encode
 from .llm_engine import LLMEngine
 from .sequence import Sequence
 
@@ -192,8 +192,11 @@ class AsyncEngine:
             for s in seqs:
                 idx = req.seqs.index(s)
                 ttft = None if s.first_token_time is None else s.first_token_time - s.arrival
-                u = Update(idx, list(s.output), s.detok.text, s.finished, s.finish_reason,
-                           list(s.logprobs), s.num_cached, len(s.prompt), error=s.error, ttft_s=ttft,
+                # a running request's output and logprobs as views (they only grow): no copy of its whole
+                # output each step; the finished one's as lists
+                ids, lps = (list(s.output), list(s.logprobs)) if s.finished else (Grown(s.output), Grown(s.logprobs))
+                u = Update(idx, ids, s.detok.text, s.finished, s.finish_reason,
+                           lps, s.num_cached, len(s.prompt), error=s.error, ttft_s=ttft,
                            migrations=list(s.migrations) if s.finished and s.migrations else None)
                 req.loop.call_soon_threadsafe(req.queue.put_nowait, u)
                 if s.finished:

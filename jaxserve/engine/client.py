@@ -23,6 +23,7 @@ engine (a thread, gRPC streams).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -47,9 +48,57 @@ class EngineUnavailable(RuntimeError):
     """Nothing can take the request now (the server answers 503): e.g. no worker of a cluster is up."""
 
 
+class Grown(Sequence):
+    """The first n items of a list that only grows (a running request's output tokens and logprobs), read without
+    copying it: what a running request's Update holds, so that publishing a step costs each request its new
+    tokens, not its whole output again. Items before n never change; slices are lists."""
+    __slots__ = ("_items", "_n")
+
+    def __init__(self, items: list, n: int | None = None):
+        self._items, self._n = items, len(items) if n is None else n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            lo, hi, step = i.indices(self._n)
+            return self._items[lo:hi] if step == 1 else [self._items[k] for k in range(lo, hi, step)]
+        k = i + self._n if i < 0 else i
+        if not 0 <= k < self._n:
+            raise IndexError("Grown index out of range")
+        return self._items[k]
+
+    def __iter__(self):
+        return iter(self._items[:self._n])
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (list, tuple, Grown)):
+            return len(other) == self._n and self[:] == list(other)
+        return NotImplemented
+
+    def __add__(self, other) -> list:
+        return self[:] + list(other)
+
+    def __radd__(self, other) -> list:
+        return list(other) + self[:]
+
+    def __repr__(self) -> str:
+        return f"Grown({self[:]!r})"
+
+    def after(self, n: int, more) -> "Grown":
+        """The first n of these items and then `more`, sharing the list where n is all of it and nothing was added
+        since."""
+        if n == self._n == len(self._items):
+            self._items.extend(more)
+            return Grown(self._items)
+        return Grown(self[:n] + list(more))
+
+
 @dataclass
 class Update:
-    """A snapshot of one sequence after a step (safe to read on the loop: nothing in it is shared)."""
+    """A snapshot of one sequence after a step, safe to read on the loop: its token_ids and logprobs are lists, or
+    while it runs `Grown` views of lists its engine only appends to."""
     index: int  # choice index (0..n-1)
     token_ids: list[int]
     text: str
@@ -71,7 +120,7 @@ def update_message(u: Update, sent: tuple[int, str]) -> tuple[dict, tuple[int, s
     costs a stream its new tokens, not the whole output again (docs/08-worker-protocol.md). sent: (tokens, text)
     the receiver holds, (0, "") before the first; the finished update goes whole."""
     n, text = (0, "") if u.finished else sent
-    if len(u.token_ids) < n or len(u.logprobs) < n:
+    if len(u.token_ids) < n or 0 < len(u.logprobs) < n:  # (no logprobs: the request asked for none)
         n = 0
     tf = len(text) if u.text.startswith(text) else 0
     msg = {"index": u.index, "token_ids": u.token_ids[n:], "offset": n, "text": u.text[tf:], "text_from": tf,
@@ -86,12 +135,15 @@ def update_of(msg: dict, held: Update | None) -> Update:
     (None: none yet). Raises ValueError for a message that does not follow what is held."""
     msg = dict(msg)
     n, tf = msg.pop("offset", 0), msg.pop("text_from", 0)
-    have = held.token_ids if held is not None else []
-    text = held.text if held is not None else ""
+    have, lps, text = (held.token_ids, held.logprobs, held.text) if held is not None else ([], [], "")
     if n > len(have) or tf > len(text):
         raise ValueError(f"an update from token {n} (text {tf}) after {len(have)} tokens ({len(text)} characters)")
-    msg["token_ids"] = have[:n] + list(msg["token_ids"])
-    msg["logprobs"] = (held.logprobs[:n] if held is not None else []) + list(msg["logprobs"])
+    for key, old in (("token_ids", have), ("logprobs", lps)):  # a running request's: views (`Grown`); else lists
+        more = msg[key]
+        if msg["finished"]:
+            msg[key] = list(old[:n]) + list(more)
+        else:
+            msg[key] = old.after(n, more) if isinstance(old, Grown) else Grown(list(old[:n]) + list(more))
     msg["text"] = text[:tf] + msg["text"]
     return Update(**msg)
 

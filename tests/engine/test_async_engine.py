@@ -1,7 +1,8 @@
 """AsyncEngine's command path when callers go away (a client disconnecting while its Prefill or Decode call
 waits on the engine thread): the engine thread survives, a command cancelled before it ran never runs, and a
 request attached for a caller that was cancelled meanwhile is aborted, not left running for nobody. The
-engine-thread side is a stand-in here: these are properties of the thread and its queue, not of a model."""
+engine-thread side is a stand-in here: these are properties of the thread and its queue, not of a model. And
+the Updates a real engine's thread publishes: a running request's are views of its output, not copies."""
 
 from __future__ import annotations
 
@@ -94,3 +95,32 @@ def test_a_request_attached_for_a_cancelled_caller_is_aborted():
         asyncio.run(go())
     finally:
         ae.shutdown()
+
+
+def test_a_running_requests_updates_view_its_output_and_the_finished_one_holds_lists(checkpoint_dir):
+    """Each step's Update of a running request reads the request's output and logprobs in place (engine/client.py
+    Grown: publishing a step does not copy a whole output per request), yet stays the snapshot of its step after
+    later steps append; the finished Update holds lists of the whole answer."""
+    from jaxserve.engine.client import Grown
+    from jaxserve.llm import LLM
+    from jaxserve.sampling import SamplingParams
+    ae = AsyncEngine(LLM(checkpoint_dir("llama"), progress=False).engine)
+
+    async def go():
+        q = await ae.add("r", [5, 9, 13, 2], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                                                             logprobs=1))
+        got = [await asyncio.wait_for(q.get(), 60)]
+        while not got[-1].finished:
+            got.append(await asyncio.wait_for(q.get(), 60))
+        return got
+    try:
+        ups = asyncio.run(go())
+    finally:
+        ae.shutdown()
+    final, running = ups[-1], ups[:-1]
+    assert type(final.token_ids) is list and type(final.logprobs) is list and len(final.token_ids) == 6
+    assert running and all(isinstance(u.token_ids, Grown) and isinstance(u.logprobs, Grown) for u in running)
+    assert len({id(u.token_ids._items) for u in running}) == 1  # one list, the sequence's own: no copies
+    for u in running:
+        n = len(u.token_ids)
+        assert 0 < n < 6 and u.token_ids == final.token_ids[:n] and u.logprobs == final.logprobs[:n]

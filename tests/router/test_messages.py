@@ -112,3 +112,23 @@ def test_an_update_stream_carries_each_steps_new_tokens_and_rebuilds_the_cumulat
         update_of(msg, None)  # a stream's first message must start at 0
     with pytest.raises(ValueError, match="text 4"):
         update_of(msg, Update(0, [10, 11], "He", False, None, lps[:2], 4, 9))
+
+
+def test_a_grown_view_reads_the_first_items_of_a_growing_list_as_a_list_would():
+    """Grown (a running request's token_ids and logprobs in an Update): indexing, slices, iteration, equality and
+    concatenation as a list of its first n items, whatever was appended after; `after` shares the list only where
+    the view is all of it."""
+    from jaxserve.engine.client import Grown
+    items = [10, 11, 12]
+    g = Grown(items)
+    items.append(13)  # the engine appends the next step's token
+    assert len(g) == 3 and g == [10, 11, 12] and [10, 11, 12] == g and list(g) == [10, 11, 12]
+    assert g[-1] == 12 and g[1:] == [11, 12] and g[::-2] == [12, 10] and g[5:] == [] and [1] + g == [1, 10, 11, 12]
+    with pytest.raises(IndexError):
+        g[3]
+    assert g != [10, 11, 12, 13] and not g == [10, 11]
+    shared = Grown(items).after(4, [14])
+    assert shared == [10, 11, 12, 13, 14] and items[-1] == 14  # extended in place: the view was the whole list
+    copied = g.after(2, [99])
+    assert copied == [10, 11, 99] and items == [10, 11, 12, 13, 14]  # an older view copies
+    assert json.dumps(g[:]) == "[10, 11, 12]"
