@@ -100,3 +100,27 @@ def test_uncache_drops_a_cached_block_that_no_request_holds():
     assert ev.since(seq)["events"] == [["removed", [first.hex()]]]  # the router's KV index hears of it
     assert m.uncache(7) is True  # neither cached nor held: nothing to do
     m.check()
+
+
+def test_held_blocks_are_counted_without_a_pass_over_the_pool_and_a_leak_is_still_caught():
+    """num_referenced (the engine's stats ask each step) is the pool less its free and evictable blocks, equal to
+    counting the held ones through allocation, sharing, caching, eviction and freeing; check() counts them one by
+    one, so a block lost from every list is still found."""
+    m = BlockManager(32, 4)
+    counted = lambda: sum(1 for r in m.ref if r > 0)  # noqa: E731
+    p = list(range(17))
+    a = m.allocate([], len(p))
+    m.register(a, p, len(p))
+    b = m.allocate(m.match(p, False)[0], len(p) + 3)  # shares a's cached blocks
+    assert m.num_referenced() == counted() == len(set(a) | set(b))
+    m.free(a)
+    assert m.num_referenced() == counted() == len(b)
+    m.free(b)
+    assert m.num_referenced() == counted() == 0 and len(m.evictable) > 0
+    c = m.allocate([], 4 * 32)  # evicts every cached block
+    assert m.num_referenced() == counted() == 32
+    m.free(c)
+    m.check()
+    m.ref[c[0]] = 1  # held by nobody's list: a leak
+    with pytest.raises(AssertionError, match="block leak"):
+        m.check()
