@@ -132,9 +132,13 @@ def update_message(u: Update, sent: tuple[int, str]) -> tuple[dict, tuple[int, s
 
 def update_of(msg: dict, held: Update | None) -> Update:
     """The cumulative Update of a stream message (`update_message`) after `held`, the stream's one before it
-    (None: none yet). Raises ValueError for a message that does not follow what is held."""
+    (None: none yet). Raises ValueError for a message that does not follow what is held, TypeError for one that
+    is no update."""
     msg = dict(msg)
     n, tf = msg.pop("offset", 0), msg.pop("text_from", 0)
+    missing = {"token_ids", "logprobs", "text", "finished"} - set(msg)
+    if missing:  # as Update(**msg) would say of any other field
+        raise TypeError(f"an update without {', '.join(sorted(missing))}")
     have, lps, text = (held.token_ids, held.logprobs, held.text) if held is not None else ([], [], "")
     if n > len(have) or tf > len(text):
         raise ValueError(f"an update from token {n} (text {tf}) after {len(have)} tokens ({len(text)} characters)")

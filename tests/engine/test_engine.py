@@ -426,25 +426,6 @@ def test_the_default_chunk_is_the_step_budget_where_prefill_is_paged(engines, ke
     assert eng.timer.summary()["prefill"]["count"] == 1
 
 
-def test_the_default_chunk_is_the_step_budget_where_the_prefill_kernels_are_compiled(checkpoint_dir, monkeypatch):
-    """With the Pallas kernels compiled (a GPU's plan, taken here without running them, as bench/gpu_programs.py
-    does) a request's chunk is the step's budget too, up to COMPILED_CHUNK: a 2,048-token prompt is one step, not
-    eight; interpreted kernels (and the references) keep DENSE_CHUNK."""
-    from jaxserve.engine import llm_engine
-    from jaxserve.engine.llm_engine import COMPILED_CHUNK, DENSE_CHUNK, LLMEngine, default_chunk_size
-    cfg = EngineConfig(max_num_batched_tokens=96, num_blocks=64, compilation_cache=None)
-    plan = llm_engine.check.plan
-    monkeypatch.setattr(llm_engine.check, "plan", lambda requested, cases, progress=False: ("pallas", {}))
-    gpu = LLMEngine(checkpoint_dir("llama"), "float32", cfg, progress=False)
-    assert gpu.cfg.chunk_size == gpu.runner.chunk_size == gpu.scheduler.cfg.chunk_size == 96
-    assert default_chunk_size(False, 8192, 16, compiled_prefill=True) == COMPILED_CHUNK == 2048
-    assert default_chunk_size(True, 8192, 16) == 8192  # one packed program over the pool: the whole budget
-    monkeypatch.setattr(llm_engine.check, "plan", plan)
-    interpreted = LLMEngine(checkpoint_dir("llama"), "float32", dataclasses.replace(cfg, kernels="interpret"),
-                            progress=False)
-    assert interpreted.cfg.chunk_size == DENSE_CHUNK
-
-
 @pytest.mark.parametrize("family,chunk,kernels", [("llama", 8, "auto"), ("llama", None, "auto"),
                                                   ("llama", 8, "interpret-packed"), ("deepseek_v3", 8, "auto"),
                                                   ("deepseek_v3", 8, "reference")])

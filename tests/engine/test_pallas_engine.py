@@ -1,9 +1,11 @@
 """The engine on the Pallas kernels (interpreted here, compiled on a GPU): chunks after cached tokens attend over
-the pool in place, and scanned layers (engine.scan_layers) share one program per layer-group size. Answers are
-compared with the dense path's (tests/engine/test_engine.py's helpers)."""
+the pool in place, scanned layers (engine.scan_layers) share one program per layer-group size, and a GPU's plan
+takes the step budget as its chunk. Answers are compared with the dense path's (tests/engine/test_engine.py's
+helpers)."""
 
 import dataclasses
 
+from jaxserve.engine.llm_engine import EngineConfig
 from tests.engine.test_engine import ENGINE, answers_with_prefix_hits, engines  # noqa: F401 - engines: a fixture
 
 
@@ -55,3 +57,22 @@ def test_scanned_layers_with_the_pallas_kernels_share_the_layer_groups_programs(
     L = 4
     assert groups[False] == {(i, i + 1) for i in range(L)}
     assert groups[True] == {(0, 1)}  # every group runs the program of layer 0, shifted
+
+
+def test_the_default_chunk_is_the_step_budget_where_the_prefill_kernels_are_compiled(checkpoint_dir, monkeypatch):
+    """With the Pallas kernels compiled (a GPU's plan, taken here without running them, as bench/gpu_programs.py
+    does) a request's chunk is the step's budget too, up to COMPILED_CHUNK: a 2,048-token prompt is one step, not
+    eight; interpreted kernels (and the references) keep DENSE_CHUNK."""
+    from jaxserve.engine import llm_engine
+    from jaxserve.engine.llm_engine import COMPILED_CHUNK, DENSE_CHUNK, LLMEngine, default_chunk_size
+    cfg = EngineConfig(max_num_batched_tokens=96, num_blocks=64, compilation_cache=None)
+    plan = llm_engine.check.plan
+    monkeypatch.setattr(llm_engine.check, "plan", lambda requested, cases, progress=False: ("pallas", {}))
+    gpu = LLMEngine(checkpoint_dir("llama"), "float32", cfg, progress=False)
+    assert gpu.cfg.chunk_size == gpu.runner.chunk_size == gpu.scheduler.cfg.chunk_size == 96
+    assert default_chunk_size(False, 8192, 16, compiled_prefill=True) == COMPILED_CHUNK == 2048
+    assert default_chunk_size(True, 8192, 16) == 8192  # one packed program over the pool: the whole budget
+    monkeypatch.setattr(llm_engine.check, "plan", plan)
+    interpreted = LLMEngine(checkpoint_dir("llama"), "float32", dataclasses.replace(cfg, kernels="interpret"),
+                            progress=False)
+    assert interpreted.cfg.chunk_size == DENSE_CHUNK
