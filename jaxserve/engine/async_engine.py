@@ -3,10 +3,10 @@
 Concurrency model: one engine thread owns the LLMEngine (scheduler, block manager, device programs) and is
 the only code that touches it. Callers on the asyncio loop send commands (add, abort, call) through a
 thread-safe queue and get results back as concurrent futures; per-request updates are pushed onto the
-request's asyncio.Queue, a step's updates with one `loop.call_soon_threadsafe` per loop (one each cost the
-engine thread 2-3 ms a step at 256 requests on this CPU: a wake-up of the loop per request). The thread blocks on the command queue when there
-is no work, so an idle server uses no CPU. If a step raises, every in-flight request fails with the error
-(and its blocks are released) rather than hanging.
+request's asyncio.Queue, a step's updates with one `loop.call_soon_threadsafe` per loop (one each had cost the
+engine thread 2-3 ms a step at 256 requests on this CPU: a wake-up of the loop per request). The thread blocks
+on the command queue when there is no work, so an idle server uses no CPU. If a step raises, every in-flight
+request fails with the error (and its blocks are released) rather than hanging.
 """
 
 from __future__ import annotations

@@ -278,7 +278,8 @@ def test_a_varied_workload_compiles_nothing_after_warmup(engines, kernels):
     packed = kernels == "interpret-packed"
     llm = engines("llama", dataclasses.replace(ENGINE, max_model_len=80, max_num_seqs=8, max_prefill_seqs=3,
                                               max_num_batched_tokens=24, num_blocks=256,
-                                              kernels="interpret" if packed else kernels, packed_prefill=packed or None))
+                                              kernels="interpret" if packed else kernels,
+                                              packed_prefill=packed or None))
     runner = llm.engine.runner
     if packed:  # a step's tokens go up as packed, not as its 11 rows of a whole chunk each
         uploads = []
