@@ -143,11 +143,11 @@ def update_of(msg: dict, held: Update | None) -> Update:
     if n > len(have) or tf > len(text):
         raise ValueError(f"an update from token {n} (text {tf}) after {len(have)} tokens ({len(text)} characters)")
     for key, old in (("token_ids", have), ("logprobs", lps)):  # a running request's: views (`Grown`); else lists
-        more = msg[key]
-        if msg["finished"]:
-            msg[key] = list(old[:n]) + list(more)
-        else:
-            msg[key] = old.after(n, more) if isinstance(old, Grown) else Grown(list(old[:n]) + list(more))
+        more = list(msg[key])
+        if isinstance(old, Grown) and not msg["finished"]:
+            msg[key] = old.after(n, more)
+        else:  # old[:n]: a list, of a list or a Grown
+            msg[key] = old[:n] + more if msg["finished"] else Grown(old[:n] + more)
     msg["text"] = text[:tf] + msg["text"]
     return Update(**msg)
 

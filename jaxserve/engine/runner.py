@@ -341,8 +341,8 @@ class ModelRunner:
         fresh = not paged and not (self.inplace_first and B == 1) and all(r.start == 0 for _, r in real)
         T = self.chunk_size if B > 1 else pow2_bucket(len(rows[0].tokens), 16, self.chunk_size)
         bs = self.layout.block_size
-        # a paged step's tokens go up as packed (Batch.spread), not as B rows of a whole chunk each
-        tokens = np.zeros((0,) if paged else (B, T), np.int32)
+        # a paged step's tokens go up as packed (Batch.spread, below), not as B rows of a whole chunk each
+        tokens = None if paged else np.zeros((B, T), np.int32)
         start, lengths = np.zeros(B, np.int32), np.zeros(B, np.int32)
         scratch = self.layout.scratch_row
         src, dst, snap = (np.full(B, scratch, np.int32) for _ in range(3))
