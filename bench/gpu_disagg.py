@@ -19,6 +19,11 @@ the GPU (KV across the link leaves the device once, into host memory, for the TC
   requests (their kinds, count, mean ms and phases: the workers' step timers as the router's /health
   reports them), which say where a deployment's TTFT goes. The backends' own rates beside the device copy and
   raw sockets are bench.transfer's (gpu_check runs both);
+- under load (`--load N`, 16 by default, the engines' `max_num_seqs`): N streamed requests of `--load-prompt`
+  tokens sent at once, each decoding `--load-new`, after one untimed round of the same shape (the decode batch's
+  programs): TPOT median and 90th percentile over the requests, TTFT median, output tokens per second over the
+  round, and each instance's engine steps: whether a disaggregated decode worker keeps colocated's step under a
+  full batch (its per-request messages to the router are on its host beside the engine's loop);
 - the ready time of each deployment (launch to /health 200, the compilation cache shared, so a later start
   finds the programs an earlier one built).
 A deployment that fails is recorded with its error and the next one still runs; the JSON is written after each.
@@ -54,11 +59,11 @@ HEARTBEAT_WAIT_S = 1.5  # past a heartbeat (server.heartbeat_s, 1 s): the router
 
 
 def configs(model: str, max_len: int, cache: str, cpus: bool = False, cuda_ipc: bool = True, link_gbps: float = 25.0,
-            threshold: int = 128) -> dict[str, dict]:
+            threshold: int = 128, max_num_seqs: int = 16) -> dict[str, dict]:
     """{deployment: config mapping}, the same model and engine section in each; the workers of one deployment
     share device 0 (the default split of its memory) and move KV inside a cluster through CUDA IPC (or, cuda_ipc
     False, JAX's transfer server); the PrfaaS cluster's over a link of `link_gbps`."""
-    engine = {"block_size": 16, "max_num_seqs": 16, "max_num_batched_tokens": 2048, "max_model_len": max_len,
+    engine = {"block_size": 16, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": 2048, "max_model_len": max_len,
               "prefix_caching": False, "warmup": False, "compilation_cache": cache}
     base = {"model": {"path": model, "name": "m", "dtype": "bfloat16"},
             "engine": engine, "server": {"host": "127.0.0.1", "max_tokens_limit": 4096}}
@@ -137,8 +142,25 @@ def step_window(before: dict, after: dict) -> dict:
     return out
 
 
+def under_load(port: int, prompts: list[list[int]], new: int) -> dict:
+    """`prompts` streamed at once, each decoding `new` tokens -> TPOT median and 90th percentile over the requests,
+    TTFT median, output tokens per second from the first request sent to the last token received."""
+    from concurrent.futures import ThreadPoolExecutor
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        runs = list(pool.map(lambda p: complete(port, p, new), prompts))
+    wall = time.perf_counter() - t0
+    tpots = sorted(r["tpot_s"] for r in runs if r["tpot_s"] is not None)
+    return {"requests": len(prompts), "tpot_s": statistics.median(tpots),
+            "tpot_p90_s": tpots[min(len(tpots) - 1, int(0.9 * len(tpots)))],
+            "ttft_s": statistics.median(r["ttft_s"] for r in runs),
+            "tokens_per_s": sum(len(r["tokens"]) for r in runs) / wall}
+
+
 def serve_and_measure(config: dict, work: str, name: str, answers: list[list[int]], lengths: list[int],
-                      reps: int, new: int, vocab: int, seed: int, timeout_s: float) -> dict:
+                      reps: int, new: int, vocab: int, seed: int, timeout_s: float,
+                      load: tuple[int, int, int] = (0, 0, 0)) -> dict:
+    """One deployment served and measured; load = (requests at once, prompt tokens, tokens each decodes)."""
     import numpy as np
     path = os.path.join(work, f"{name}.yaml")
     with open(path, "w") as f:
@@ -169,6 +191,16 @@ def serve_and_measure(config: dict, work: str, name: str, answers: list[list[int
                 "prefill_ttft_s": _median(m.get("prefill_ttft_s") for m in metas),
                 "steps": steps}
             print(f"{name}: {n} tokens: {out['lengths'][str(n)]}", flush=True)
+        if load[0]:
+            def batch():
+                return [rng.integers(3, vocab, load[1]).tolist() for _ in range(load[0])]
+            under_load(port, batch(), load[2])  # compiles the decode batch's programs
+            time.sleep(HEARTBEAT_WAIT_S)
+            before = health_steps(port)
+            out["load"] = under_load(port, batch(), load[2])
+            time.sleep(HEARTBEAT_WAIT_S)
+            out["load"]["steps"] = step_window(before, health_steps(port))
+            print(f"{name}: under load: {out['load']}", flush=True)
     finally:
         stop(proc)
     return out
@@ -197,6 +229,10 @@ def main(argv=None) -> int:
                     "disaggregated, prfaas")
     ap.add_argument("--link-gbps", type=float, default=25.0, help="the PrfaaS -> PD link's emulated bandwidth")
     ap.add_argument("--threshold", type=int, default=128, help="uncached prompt tokens over which PrfaaS prefills")
+    ap.add_argument("--load", type=int, default=16, help="requests sent at once for TPOT under load (0: none); "
+                    "the engines' max_num_seqs when over 16")
+    ap.add_argument("--load-prompt", type=int, default=256, help="prompt tokens of each request under load")
+    ap.add_argument("--load-new", type=int, default=128, help="tokens each request under load decodes")
     a = ap.parse_args(argv)
     names = a.deployments.split(",")
     if names[0] != "colocated" or not set(names) <= set(DEPLOYMENTS) or len(set(names)) != len(names):
@@ -216,15 +252,18 @@ def main(argv=None) -> int:
     lengths = [n for n in lengths if n + a.new < max_len]
     rng = np.random.default_rng(0)
     answers = [rng.integers(3, mc.vocab_size, int(rng.integers(8, 200))).tolist() for _ in range(a.answers)]
-    cfgs = configs(path, max_len, os.path.join(work, "xla"), a.pin, a.cuda_ipc == "on", a.link_gbps, a.threshold)
+    cfgs = configs(path, max_len, os.path.join(work, "xla"), a.pin, a.cuda_ipc == "on", a.link_gbps, a.threshold,
+                   max(16, a.load))
+    load = (a.load, min(a.load_prompt, max_len - a.load_new - 1), a.load_new)
     result = {"model": a.model or f"random, {a.shape} shape (bench/gpu_decode.py)", "max_model_len": max_len,
               "lengths": lengths, "reps": a.reps, "new": a.new, "cuda_ipc": a.cuda_ipc, "link_gbps": a.link_gbps,
-              "threshold_tokens": a.threshold, "answers": len(answers), "compared": {}}
+              "threshold_tokens": a.threshold, "answers": len(answers), "load": dict(zip(("requests", "prompt", "new"),
+                                                                                           load)), "compared": {}}
     tokens, gaps, failed = {}, {}, False
     for name in names:
         try:
             out = serve_and_measure(cfgs[name], work, name, answers, lengths, a.reps, a.new, mc.vocab_size, 1,
-                                    a.timeout_s)
+                                    a.timeout_s, load)
         except Exception as e:  # noqa: BLE001 - recorded; the other deployments still run
             result[name], failed = {"error": f"{type(e).__name__}: {e}"}, True
             print(f"{name} failed: {e}", flush=True)
@@ -241,13 +280,16 @@ def main(argv=None) -> int:
 def compare(colocated: dict, other: dict, base: list, answers: list, gaps: list | None = None) -> dict:
     """A deployment against colocated: answers equal, where each other one first differs (with colocated's gap
     between its two likeliest tokens there, from `gaps`, per answer and token), TTFT and TPOT ratios per prompt
-    length."""
-    return {"answers_equal": sum(x == y for x, y in zip(base, answers)),
-            "differ": [first_difference(i, x, y, gaps[i] if gaps else None)
-                       for i, (x, y) in enumerate(zip(base, answers)) if x != y],
-            "ratios": {n: {"ttft": d["ttft_s"] / colocated["lengths"][n]["ttft_s"],
-                           "tpot": d["tpot_s"] / colocated["lengths"][n]["tpot_s"]}
-                       for n, d in other["lengths"].items()}}
+    length, and under load (TPOT median and 90th percentile, output tokens per second) where both were loaded."""
+    out = {"answers_equal": sum(x == y for x, y in zip(base, answers)),
+           "differ": [first_difference(i, x, y, gaps[i] if gaps else None)
+                      for i, (x, y) in enumerate(zip(base, answers)) if x != y],
+           "ratios": {n: {"ttft": d["ttft_s"] / colocated["lengths"][n]["ttft_s"],
+                          "tpot": d["tpot_s"] / colocated["lengths"][n]["tpot_s"]}
+                      for n, d in other["lengths"].items()}}
+    if "load" in colocated and "load" in other:
+        out["load"] = {k: other["load"][k] / colocated["load"][k] for k in ("tpot_s", "tpot_p90_s", "tokens_per_s")}
+    return out
 
 
 def first_difference(i: int, x: list[int], y: list[int], gaps: list | None = None) -> list:

@@ -86,6 +86,19 @@ def interference(r: dict[str, dict]) -> list[str]:
     return out + [f"p99 TPOT colocated / disaggregated: **{d['p99_tpot_ratio']:.1f}x** (goal {d['goal']:g}x).", ""]
 
 
+def update_streams(r: dict[str, dict]) -> list[str]:
+    d = r["update_streams.json"]
+    def pair(x: dict, key: str) -> str:
+        return f"{x['per_request'][key]:.2f} / {x['one_stream'][key]:.2f}"
+    rows = [[x["requests"], pair(x, "worker_cpu_ms_per_step"), f"{x['worker_cpu_ratio']:.2f}x",
+             pair(x, "worker_wall_ms_per_step"), pair(x, "router_cpu_ms_per_step"), f"{x['router_cpu_ratio']:.2f}x"]
+            for x in d["rounds"]]
+    return [f"{d['steps']} steps of {d['step_ms']:g} ms; each pair: a stream per request / one Updates stream per "
+            "worker.", ""] + table(
+        ["requests", "worker CPU ms a step", "one stream / per request", "worker wall ms a step",
+         "router CPU ms a step", "one stream / per request"], rows)
+
+
 def kv_footprint(r: dict[str, dict]) -> list[str]:
     d = r["kv_footprint.json"]
     names = {1024: "1K", 8192: "8K", 32768: "32K", 131072: "128K"}
@@ -301,6 +314,8 @@ def soak(r: dict[str, dict]) -> list[str]:
 SECTIONS = [
     Section("KV transfer", "bench.transfer", ("transfer.json", "transfer_tls.json", "transfer_h200.json"), transfer),
     Section("Prefill/decode interference", "bench.interference", ("interference.json",), interference),
+    Section("Requests' updates from a worker to the router", "bench.update_streams", ("update_streams.json",),
+            update_streams),
     Section("KV footprint by architecture", "bench.kv_footprint", ("kv_footprint.json",), kv_footprint),
     Section("PrfaaS live", "bench.prfaas_live", ("prfaas_live.json", "prfaas_live_drop.json"), prfaas_live),
     Section("PrfaaS at datacenter scale, simulated", "bench.prfaas_sim", ("prfaas_sim.json",), prfaas_sim),

@@ -422,7 +422,21 @@ def gpu_disagg(r: dict[str, dict]) -> list[str]:
                          + ([f"placed colocated / {dep} (ms)", f"prefilling engine's TTFT colocated / {dep} (ms)",
                              f"{dep}: decode's reservation to its first token (ms)"] if where else [])
                          + ([f"prefill steps colocated / {dep}: count x ms (device ms)"] if steps else []), rows)
+            if "load" in x:
+                out += [_load(d["load"], c["load"], g["load"], dep, x["load"]), ""]
     return out
+
+
+def _load(how: dict, c: dict, g: dict, dep: str, ratio: dict) -> str:
+    """A gpu_disagg deployment under load against colocated: TPOT median and p90, output tokens/s, decode steps."""
+    def step(r: dict) -> str:
+        got = [st["decode"] for st in r.get("steps", {}).values() if "decode" in st]
+        return ", ".join(f"{p['count']} x {num(p['mean_ms'], 1)} ms" for p in got) or "-"
+    return (f"Under load ({how['requests']} requests at once, {how['prompt']}-token prompts, {how['new']} tokens "
+            f"each): TPOT colocated / {dep} {num(c['tpot_s'] * 1e3, 1)} / {num(g['tpot_s'] * 1e3, 1)} ms "
+            f"({ratio['tpot_s']:.2f}x; 90th percentile {ratio['tpot_p90_s']:.2f}x), output "
+            f"{num(c['tokens_per_s'])} / {num(g['tokens_per_s'])} tokens/s ({ratio['tokens_per_s']:.2f}x); decode "
+            f"steps {step(c)} / {step(g)}.")
 
 
 def _differences(differ: list) -> str:

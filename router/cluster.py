@@ -1,20 +1,21 @@
 """The router: the engine-client protocol (jaxserve/engine/client.py) the HTTP app uses, over worker processes.
 
 Per request (the KV Messenger flow): the placement policy (policies/, `policy.name`) picks the decode and the
-prefill instance from a snapshot of the cluster (snapshot.py); open the decode instance's `Decode` stream,
-which reserves cache space and validates the request (a bad one is refused before any prefill work), then the
-prefill instance's `Prefill` call with the reservation, and relay both to the request's queue: the
-prefill call sends the first token the moment it is sampled (the client has it while the KV travels), then
-answers once decode has acknowledged every KV byte; the decode stream's Updates follow (its report of that
-first token is dropped). n > 1 fans out into n requests with seeds seed, seed + 1, ... (as the colocated
-engine does). A placement without a prefill instance runs the request whole on the decode instance
-(`Generate`: it holds most of the prompt already, or no prefill instance is up). A placement that names a
-cached prefix to move (`move_prefix`) copies it into the prefill instance (`Import` there, `Export` on its
-holder): before the Prefill call, or, for a pipelined load (BanaServe's global KV store), from the placement
-on, beside the decode reservation, with the Prefill call running over the prefix as it lands (prefix.py); a
-failed move only means the prefill computes those tokens. With a store up, the prompt's whole blocks go to it as
-the prefill computes them (`Put`: an Import on the store, opened beside the decode reservation, that the
-Prefill call names), or after the prefill (`store_put`) when that could not be.
+prefill instance from a snapshot of the cluster (snapshot.py); open the decode instance's `Decode` stream, which
+reserves cache space and validates the request (a bad one is refused before any prefill work), then the prefill
+instance's `Prefill` call with the reservation, and relay both to the request's queue: the prefill call sends the
+first token the moment it is sampled (the client has it while the KV travels), then answers once decode has
+acknowledged every KV byte; the decode instance's Updates follow (its report of that first token is dropped):
+running ones in one message a step for all of that worker's requests, on its Updates stream (updates.py), the
+finished one on the request's own stream. n > 1 fans out into n requests with seeds seed, seed + 1, ... (as the
+colocated engine does). A placement without a prefill instance runs the request whole on the decode instance
+(`Generate`: it holds most of the prompt already, or no prefill instance is up). A placement that names a cached
+prefix to move (`move_prefix`) copies it into the prefill instance (`Import` there, `Export` on its holder): before
+the Prefill call, or, for a pipelined load (BanaServe's global KV store), from the placement on, beside the decode
+reservation, with the Prefill call running over the prefix as it lands (prefix.py); a failed move only means the
+prefill computes those tokens. With a store up, the prompt's whole blocks go to it as the prefill computes them
+(`Put`: an Import on the store, opened beside the decode reservation, that the Prefill call names), or after the
+prefill (`store_put`) when that could not be.
 
 Faults: a prefill that fails (its worker died, or the transfer failed) before decode has the KV closes the
 reservation (decode frees its blocks at once) and the request is placed again, on another prefill instance,
@@ -58,6 +59,7 @@ from .prefix import PrefixMoves
 from .registry import Registry, WorkerInfo
 from .requests import Retry, Silent, Sub
 from .snapshot import Topology
+from .updates import Ended, UpdateStreams
 
 log = logging.getLogger("jaxserve.router")
 Code = grpc.StatusCode
@@ -83,6 +85,7 @@ class Router:
         self.retries = 0
         self.kv_bytes_per_token: float | None = None  # measured on the transfers so far
         self.workers = Workers(cfg, self.registry, self.index)
+        self.updates = UpdateStreams(self.workers)  # the workers' Updates streams: a step's updates in one message
         self.prefixes = PrefixMoves(cfg, self.registry, self.topology, self.index, self.workers)
         self.admin = Admin(cfg, self.registry, self.topology, self.workers, lambda: self.policy,
                            lambda: self.kv_bytes_per_token)
@@ -127,6 +130,7 @@ class Router:
         for tasks in list(self.tasks.values()):
             for t in tasks:
                 t.cancel()
+        self.updates.close()
         await self.workers.close()
         if self._port is not None:
             await asyncio.to_thread(self._port.stop)
@@ -272,6 +276,12 @@ class Router:
         s.serial += 1
         s.xid = f"{s.rid}.{s.serial}"
         more = dict(kv_tokens=s.kv(), deadline_s=self.cfg.transfer.deadline_s) if method == "Decode" else {}
+        try:
+            stream = await self.updates.stream(w)
+        except Silent as e:
+            raise Retry(f"Updates on {e}") from None
+        if stream is not None:
+            more["updates"] = stream.name
         msg = message(method, request_id=s.xid, prompt=s.prompt, params=s.params, **s.resume(), **more)
         call = self.workers.client(w).stream(method, msg)
         it = call.__aiter__()
@@ -293,6 +303,8 @@ class Router:
                 call.cancel()
                 raise Retry(f"{w.name} answered Decode without a reservation: {str(first)[:200]}")
         s.call, s.it, s.worker, s.method, s.prefill, s.kv_bytes, s.kv_backend = call, it, w, method, None, 0, None
+        # its running updates come from here on (a Decode's only once its KV is in: after its reservation)
+        s.stream, s.feed, s.read, s.fget = stream, stream.subscribe(s.xid) if stream is not None else None, None, None
         s.prefill_ttft_s = None
         # where prefill sends the KV: the decode instance by name (the worker looks its addresses up in the
         # registry's peer table) and the reservation's blocks, skip and region offset
@@ -304,6 +316,13 @@ class Router:
     def _close(self, s: Sub) -> None:
         self.prefixes.drop_load(s)
         self.prefixes.drop_put(s)
+        for fut in (s.read, s.fget):
+            if fut is not None:
+                fut.cancel()
+        s.read = s.fget = None
+        if s.stream is not None:
+            s.stream.unsubscribe(s.xid)
+            s.stream = s.feed = None
         if s.call is not None:
             s.call.cancel()  # the worker's stream ends: it aborts the request and frees its blocks
             s.worker.inflight -= 1
@@ -363,19 +382,31 @@ class Router:
         self.prefixes.settle_put(s, p, tokens, store, res, missed)
 
     async def _next(self, s: Sub, pre: asyncio.Future | None, kv_pending: bool) -> dict:
-        """The open stream's next message. While the request's prefill call (`pre`) runs and decode has not yet
-        reported the KV in (kv_pending), the call is awaited alongside: its failure raises (its Retry) at once
-        rather than when decode's deadline for the KV passes. Raises StopAsyncIteration, Silent."""
-        read = asyncio.ensure_future(self.workers.watch(s.worker, s.it.__anext__()))
-        try:
+        """The placement's next message: from its feed on the worker's Updates stream (its running updates, where
+        it has one) or its own call (the rest). While the request's prefill call (`pre`) runs and decode has not
+        yet reported the KV in (kv_pending), the call is awaited alongside: its failure raises (its Retry) at once
+        rather than when decode's deadline for the KV passes. Raises StopAsyncIteration, Silent, and Retry when the
+        Updates stream ended. A read still pending stays for the next call (_close cancels it)."""
+        while True:
+            if s.read is None:
+                s.read = asyncio.ensure_future(self.workers.watch(s.worker, s.it.__anext__()))
+            if s.feed is not None and s.fget is None:
+                s.fget = asyncio.ensure_future(s.feed.get())
+            waits = {s.read} | ({s.fget} if s.fget is not None else set())
             if kv_pending and pre is not None and not pre.done():
-                await asyncio.wait({read, pre}, return_when=asyncio.FIRST_COMPLETED)
-            if kv_pending and pre is not None and pre.done() and not read.done() and pre.exception() is not None:
+                waits.add(pre)
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            if s.fget is not None and s.fget.done():
+                got, s.fget = s.fget.result(), None
+                if isinstance(got, Ended):
+                    s.avoid.add(s.worker.name)
+                    raise Retry(f"{s.worker.name}'s Updates stream {got.why}")
+                return {"update": got}
+            if s.read.done():
+                read, s.read = s.read, None
+                return read.result()
+            if kv_pending and pre is not None and pre.done() and pre.exception() is not None:
                 raise pre.exception()
-            return await read
-        except BaseException:
-            read.cancel()
-            raise
 
     async def _prefilled(self, s: Sub, pre: asyncio.Future | None) -> None:
         """The request finished on decode: wait for its prefill call's answer (the route's KV numbers). Decode

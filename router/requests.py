@@ -93,6 +93,10 @@ class Sub:
     worker: WorkerInfo | None = None
     call: object = None  # the open stream
     it: object = None
+    read: object = None  # the open stream's next message, while awaited (a read cancelled would cancel the call)
+    stream: object = None  # the worker's Updates stream (router/updates.py) its running updates come on, if any
+    feed: object = None  # ... its feed there (an asyncio.Queue)
+    fget: object = None  # the feed's next message, while awaited
     reserved: dict | None = None
     prefill: str | None = None
     prefilling: str | None = None  # the prefill instance whose Prefill call for it is running now

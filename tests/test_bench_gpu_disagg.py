@@ -17,7 +17,8 @@ def test_every_deployment_answers_as_colocated_and_is_timed(checkpoint_dir, tmp_
     monkeypatch.setattr(gpu_disagg, "complete", lambda *a, **k: answered.append((k, complete(*a, **k))) or
                         answered[-1][1])
     assert gpu_disagg.main(["--model", checkpoint_dir("llama"), "--lengths", "24,40", "--new", "4", "--reps", "1",
-                            "--answers", "3", "--threshold", "30", "--json", str(out)]) == 0
+                            "--answers", "3", "--threshold", "30", "--load", "3", "--load-prompt", "16",
+                            "--load-new", "5", "--json", str(out)]) == 0
     r = json.loads(out.read_text())
     for dep in ("disaggregated", "prfaas"):
         assert r["compared"][dep]["answers_equal"] == r["answers"] == 3, dep
@@ -39,6 +40,13 @@ def test_every_deployment_answers_as_colocated_and_is_timed(checkpoint_dir, tmp_
         assert d["steps"]["p0"]["prefill"]["count"] >= 1 and d["steps"]["d0"]["decode"]["count"] >= 4 - 1, d
         assert "decode" not in d["steps"]["p0"] and "prefill" not in d["steps"]["d0"]
         assert {"prefill", "decode"} <= set(c["steps"]["local"]), c
+    # under load: three requests at once each way, decoded in one batch on the decode instance
+    assert r["load"] == {"requests": 3, "prompt": 16, "new": 5}
+    for dep, where in (("colocated", "local"), ("disaggregated", "d0"), ("prfaas", "d0")):
+        ld = r[dep]["load"]
+        assert ld["requests"] == 3 and 0 < ld["tpot_s"] <= ld["tpot_p90_s"] and ld["tokens_per_s"] > 0, ld
+        assert ld["steps"][where]["decode"]["count"] >= 4, ld  # (5 tokens: the first from prefill)
+    assert set(r["compared"]["disaggregated"]["load"]) == {"tpot_s", "tpot_p90_s", "tokens_per_s"}
     # the answers come with each token's gap between its two likeliest tokens (where a difference would be a tie)
     tops = [got for k, got in answered if k.get("top") == 2]
     assert len(tops) == 3 * 3 and all(len(g["gaps"]) == len(g["tokens"]) == 4 for g in tops)
@@ -46,6 +54,7 @@ def test_every_deployment_answers_as_colocated_and_is_timed(checkpoint_dir, tmp_
     text = "\n".join(render({"gpu_disagg.json": r}))
     assert "prfaas: answers equal colocated for 3 of 3 prompts;" in text and ", x0 |" in text
     assert "prefill steps colocated / disaggregated: count x ms (device ms)" in text
+    assert "Under load (3 requests at once, 16-token prompts, 5 tokens each): TPOT colocated / disaggregated" in text
     assert ("| placed colocated / disaggregated (ms) | prefilling engine's TTFT colocated / disaggregated (ms) | "
             "disaggregated: decode's reservation to its first token (ms) |") in text
 

@@ -29,7 +29,7 @@ log = logging.getLogger("jaxserve.engine")
 @dataclass
 class _Request:
     seqs: list[Sequence]
-    queue: asyncio.Queue
+    queue: asyncio.Queue  # or anything with its put_nowait (a worker's worker/fanout.py Sink)
     loop: asyncio.AbstractEventLoop
     done: set = field(default_factory=set)
 
@@ -93,19 +93,21 @@ class AsyncEngine:
         self._cmds.put((fn, args, fut))
         return await asyncio.wrap_future(fut)
 
-    async def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, **resume) -> asyncio.Queue:
+    async def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, queue=None,
+                  **resume) -> asyncio.Queue:
         """Queue a request; returns the asyncio.Queue its Updates arrive on. Raises RequestError / QueueFull.
-        resume: output= and logprobs= of a request resumed (LLMEngine.add_request)."""
+        resume: output= and logprobs= of a request resumed (LLMEngine.add_request); queue: as attach's."""
         if self.error is not None and not self.engine.has_work:
             self.error = None  # the failed step's requests are gone; try again
         q, _ = await self.attach(request_id,
-                                 lambda eng: (eng.add_request(request_id, prompt_ids, params, **resume), None))
+                                 lambda eng: (eng.add_request(request_id, prompt_ids, params, **resume), None), queue)
         return q
 
-    async def attach(self, request_id: str, make) -> tuple[asyncio.Queue, object]:
+    async def attach(self, request_id: str, make, queue=None) -> tuple[asyncio.Queue, object]:
         """Run make(engine) -> (sequences, result) on the engine thread and stream the sequences' Updates to the
-        returned queue (how the disaggregated sides queue their requests). Returns (queue, result)."""
-        q: asyncio.Queue = asyncio.Queue()
+        returned queue (how the disaggregated sides queue their requests). Returns (queue, result). queue: where
+        the Updates go instead of a new asyncio.Queue (anything with its put_nowait, called on this loop)."""
+        q = asyncio.Queue() if queue is None else queue
         loop = asyncio.get_running_loop()
 
         def attach(eng: LLMEngine):

@@ -24,6 +24,7 @@ import time
 from ..config import Config, InstanceSection
 
 from . import peers
+from .fanout import StepStreams
 from .heartbeat import Heartbeat
 from .peers import Peers
 from .prefixes import PrefixCalls
@@ -102,6 +103,7 @@ class Worker:
         import concurrent.futures
         self._migrations = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="migration")  # as a helper
         self.prefixes = PrefixCalls(self)  # Import, Export, Load
+        self.steps = StepStreams()  # the Updates streams: running requests' updates, one message a step
 
     def _stream(self, role: str) -> None:
         """Where `role` sends KV layer group by layer group, every prefill step runs its long shapes as the
@@ -247,7 +249,8 @@ class Worker:
         pool = self.intake.pool
         shm = {"name": pool.shm_name, "boot": boot_id(), "bytes": pool.capacity} if pool.shm_name else None
         copies = self.llm.runner.copies  # compiled on their own thread: the engine's stats may predate them
-        stats = {**stats, "store_copies": len(copies) if copies is not None else 0}
+        stats = {**stats, "store_copies": len(copies) if copies is not None else 0,
+                 "updates_streamed": self.steps.carried}  # running updates sent in Updates streams' step messages
         steps = stats.pop("steps", {})  # nested: a field of its own
         return {"name": self.inst.name, "role": self.role, "address": self.address, "pid": os.getpid(),
                 "kv_address": self._kv_address(),
@@ -261,7 +264,8 @@ class Worker:
 
     async def _updates(self, q, rid):
         """The request's Updates as stream messages until it finishes, each with what the one before did not
-        carry (engine/client.py `update_message`); leaving early aborts it."""
+        carry (engine/client.py `update_message`); leaving early aborts it. A request that named an Updates
+        stream finds only its finished update here (fanout.py)."""
         from ..engine.client import update_message
         sent = (0, "")
         try:
@@ -284,7 +288,9 @@ class Worker:
         rid = req.request_id
         try:
             params = req.params.sampling()
-            q, (blocks, skip, base) = await self.engine.attach(rid, lambda eng: self._reserve(req, params))
+            q = asyncio.Queue()
+            _, (blocks, skip, base) = await self.engine.attach(rid, lambda eng: self._reserve(req, params),
+                                                               self.steps.queue_for(req.updates, rid, q))
         except (RequestError, ValueError) as e:
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except (OutOfBlocks, PoolFull) as e:  # no room right now
@@ -307,7 +313,9 @@ class Worker:
             params = req.params.sampling()
             if params.n != 1:
                 raise ValueError("Generate takes n = 1 (the router fans out n > 1)")
-            q = await self.engine.add(req.request_id, list(req.prompt), params, **req.resume())
+            q = asyncio.Queue()
+            await self.engine.add(req.request_id, list(req.prompt), params,
+                                  self.steps.queue_for(req.updates, req.request_id, q), **req.resume())
         except (RequestError, ValueError) as e:
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except QueueFull as e:
@@ -448,6 +456,16 @@ class Worker:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._migrations, self.llm.guests.handle, payload)
 
+    async def updates(self, req, ctx):
+        """Updates (fanout.py): each step's running updates of the requests that name this stream. Not counted
+        in flight: it lasts as long as the router's connection (a role change waits for its requests)."""
+        import grpc
+        try:
+            async for msg in self.steps.serve(req.stream):
+                yield msg
+        except ValueError as e:
+            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
     async def profile(self, req, ctx) -> dict:
         """Profile: a JAX trace of this process over the window asked for (the router's POST /debug/profile
         asks every worker for the same one) -> its folder, on this worker's host."""
@@ -473,6 +491,7 @@ class Worker:
         streams = {name: self._counted(fn, True) for name, fn in (
             ("Decode", self.decode), ("Generate", self.generate), ("Prefill", self.prefill),
             ("Import", self.prefixes.import_prefix))}
+        streams["Updates"] = self.updates
         server.add_generic_rpc_handlers((rpc.handler(unary, streams, messages.WORKER,
                                                      {"MigrateCall": self.migrate_call}),))
         port = rpc.listen(server, f"{self.inst.host}:{self.inst.port}", self.tls)

@@ -69,6 +69,7 @@ class _Request(_Msg):
 class _Resumable(_Request):
     output: Ids = []  # a resumed request's output so far (worker/main.py)
     logprobs: Logprobs | None = None
+    updates: Name | None = None  # the Updates stream its running updates leave on (worker/fanout.py)
 
     def resume(self) -> dict:
         """LLMEngine's resume arguments (output=, logprobs=), empty for a fresh request."""
@@ -247,6 +248,11 @@ class Migrate(_Msg):
                                                                                  max_length=2)] | None = None
 
 
+class Updates(_Msg):
+    """Open the Updates stream `stream` (worker/fanout.py): the running updates of the requests that name it."""
+    stream: Name
+
+
 class Profile(_Msg):
     """Trace this worker's process for `seconds` into `<server.profile_dir>/<stamp>/<instance>` (trace.py)."""
     seconds: FiniteFloat = Field(gt=0, le=300)
@@ -255,5 +261,5 @@ class Profile(_Msg):
 
 WORKER = {"Health": Health, "Decode": Decode, "Prefill": Prefill, "Generate": Generate, "SetLink": SetLink,
           "SetRole": SetRole, "Import": Import, "Export": Export, "Migrate": Migrate, "Load": Load,
-          "Profile": Profile}
+          "Profile": Profile, "Updates": Updates}
 ROUTER = {"Register": Register}

@@ -138,6 +138,8 @@ def test_disaggregated_http_equals_colocated(family, checkpoint_dir):
     assert steps["d0"]["decode"]["phases_ms"]["decode.device"] > 0 and "prefill" not in steps["d0"], steps
     assert 'jaxserve_instance_up{instance="d0",role="decode"} 1.0' in metrics
     assert "jaxserve_kv_bytes_transferred" in metrics and "jaxserve_link_throughput_bytes_s" in metrics
+    # decode's running updates left in its Updates stream's step messages (worker/fanout.py), not one per request
+    assert stats["d0"]["updates_streamed"] >= len(PROMPTS) and stats["p0"]["updates_streamed"] == 0, stats
     for name, st in stats.items():  # nothing held once every request is done
         assert st["blocks_used"] == 0 and st["running"] == 0 and st["waiting"] == 0, (name, st)
 

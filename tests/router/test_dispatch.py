@@ -164,14 +164,16 @@ def update(tokens, finished):
 
 
 @contextlib.asynccontextmanager
-async def cluster(fakes: dict, **router):
+async def cluster(fakes: dict, make=None, **router):
+    """The router and fake workers {name: (role, Fake's options)}; make(name, role, board, **options): another kind
+    of fake (Fake by default)."""
     cfg = parse({"clusters": [{"name": "c", "instances": [{"name": n, "role": f[0]} for n, f in fakes.items()]}],
                  "transfer": {"token": TOKEN},
                  # down after 2 s without a heartbeat (every 50 ms here): a suite on two busy cores stalls a loop
                  # for over a second now and then, which marked a beating worker down
                  "router": {"heartbeat_s": 0.1, "down_after_s": 2.0, "busy_wait_s": 0.2, **router}})
     board: dict = {}
-    workers = {n: Fake(n, role, board, **kw) for n, (role, kw) in fakes.items()}
+    workers = {n: (make or Fake)(n, role, board, **kw) for n, (role, kw) in fakes.items()}
     ce = Router(cfg, tokenizer=None)
     await ce.start()
     for w in workers.values():
