@@ -205,7 +205,8 @@ class ModelRunner:
     # ---- protocol
     def prefill_groups(self, rows: list[PrefillRow]) -> list[list[PrefillRow]]:
         """The programs a prefill step over `rows` runs. Paged prefill: one, B max_prefill_seqs + num_slots, T
-        chunk_size, W max_blocks_per_seq, N = the rows' tokens' bucket in `buckets`. Otherwise the first chunks
+        chunk_size, W a full table's (full_width, or a wider power of two past it), N = the rows' tokens' bucket
+        in `buckets`. Otherwise the first chunks
         (nothing cached) together (pack_first; else each alone), each chunk that reads cached tokens alone, so
         that every prefill program has one of the shapes warm-up compiles:
           first chunks, one     B 1, T = pow2 bucket of its length, W from T, unpacked
@@ -359,9 +360,14 @@ class ModelRunner:
             # the row's table up to the block holding its chunk's end (the blocks after it are not read)
             blocks[i] = r.block_ids[:-(-(r.start + len(r.tokens)) // bs)]
         # first chunks' tables as wide as T (their keys are the chunk's own): the width follows the chunk, not the
-        # prompt; paged prefill's as wide as the longest sequence
-        table = self._table(blocks, B, -(-T // bs) if fresh else max(map(len, blocks)),
-                            self.max_blocks_per_seq if paged or (self.wide_cached and not fresh) else None)
+        # prompt; paged prefill's as a full decode table (max_blocks_per_seq, but past FULL_TABLE_BLOCKS that many
+        # or the power of two that holds the longest row: a long-context model's B rows of its whole table would
+        # be megabytes built and uploaded every step)
+        if paged:
+            table = self._table(blocks, B, self.full_width)
+        else:
+            table = self._table(blocks, B, -(-T // bs) if fresh else max(map(len, blocks)),
+                                self.max_blocks_per_seq if self.wide_cached and not fresh else None)
         st = pack_sampling([r.params if r else IDLE for r in rows[:S]], [r.step if r else 0 for r in rows[:S]], S,
                            spare=self.num_slots)
         if any(m is not None for m in pmask):

@@ -7,6 +7,8 @@ starts.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 
@@ -23,7 +25,8 @@ def compile_steps(runner, progress: bool = True, stages: list[tuple[int, int]] |
               packed token bucket, where the runner packs them: pack_first), and chunks after cached tokens
               (every chunk bucket and table width that can follow; wide_cached: the one width; inplace_first:
               the first chunks alone run these programs, compiled once); paged prefill:
-              every token bucket up to the step's token budget
+              every token bucket up to the step's token budget, at the full table's width and at each wider
+              one past runner.full_width (a long-context model)
       stages  a layer-wise prefill instance's layer groups: the shapes at least stage_min_tokens long
               (`_long`) are compiled as layer groups instead of whole, and with stage_cached every chunk
               after cached tokens is compiled as layer groups too (a prefill over a prefix loaded as it runs)
@@ -75,6 +78,9 @@ def compile_steps(runner, progress: bool = True, stages: list[tuple[int, int]] |
         last = runner._bucket(most + (runner.num_slots if decode else 0)) if most else 0
         prefills = [("first", rows(n)) if n <= most else ("mixed", (rows(most), min(n - most, runner.num_slots)))
                     for n in runner.buckets if n <= last]
+        # tables past FULL_TABLE_BLOCKS (a long-context model): each bucket's program again per wider width, the
+        # first row's table that wide
+        prefills += [("wide", (kind, n, w)) for w in widths if w > runner.full_width for kind, n in prefills]
         cached, short = [], prefills
         if decode and most:
             mixes = [("mixed", ([1], b), None) for b in batches]
@@ -111,20 +117,28 @@ def compile_steps(runner, progress: bool = True, stages: list[tuple[int, int]] |
     if reverse:
         jobs.reverse()
     modes = (IDLE, DRAWN) if runner.static_sampling else (IDLE,)
+    def firsts(lens: list[int], p, w: int | None = None) -> list[PrefillRow]:
+        """Prompts' first chunks of these lengths; w: the first one's last token in block w (its table w wide)."""
+        out = [PrefillRow("warmup", [0] * t, 0, [0] * -(-t // bs), scratch, scratch, None, True, p, 0, [0])
+               for t in lens]
+        if w is not None:
+            out[0] = dataclasses.replace(out[0], start=w * bs - lens[0], block_ids=[0] * w)
+        return out
     for kind, n, st, staged in tqdm(jobs, desc="compiling", unit="program", disable=not progress):
         for p in modes:
+            w = None
+            if kind == "wide":  # n: (the kind and shape of a paged prefill's job, its first row's table width)
+                kind, n, w = n
             if kind == "decode":  # n: blocks, st: rows; full tables: one token attended, the table n blocks wide
                 runner.generate([DecodeRow(0, 0, (bs if runner.full_tables else n * bs) - 1, [0] * n, p, 0)] * st)
             elif kind == "mixed":  # n: (the prefill rows' lengths, decode rows)
-                runner.mixed([PrefillRow("warmup", [0] * t, 0, [0] * -(-t // bs), scratch, scratch, None, True, p,
-                                       0, [0]) for t in n[0]], [DecodeRow(0, 0, bs - 1, [0], p, 0)] * n[1])
+                runner.mixed(firsts(n[0], p, w), [DecodeRow(0, 0, bs - 1, [0], p, 0)] * n[1])
             elif kind == "cached":  # n: (tokens, blocks to the chunk's end)
                 t, w = n
                 runner.prefill([PrefillRow("warmup", [0] * t, w * bs - t, [0] * w, scratch, scratch, None, True,
                                          p, 0, [0])], st, staged=staged)
             else:  # n: the rows' lengths
-                runner.prefill([PrefillRow("warmup", [0] * t, 0, [0] * -(-t // bs), scratch, scratch, None, True,
-                                         p, 0, [0]) for t in n], st, staged=staged)
+                runner.prefill(firsts(n, p, w), st, staged=staged)
     if decode:  # the programs that start a step's new decoders (`insert`), every row bucket, on the spare row
         for k in sorted({pow2_bucket(n, 1, runner.max_prefill_seqs) for n in range(1, runner.max_prefill_seqs + 1)}):
             ids = runner._upload(np.full((2, k), runner.num_slots, np.int32))

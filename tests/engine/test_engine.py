@@ -351,7 +351,8 @@ def test_full_decode_tables_past_their_cap_widen_in_powers_of_two(engines, monke
     """With full tables (the native kernels here, the Pallas ones on a GPU) a decode table is max_blocks_per_seq
     wide up to FULL_TABLE_BLOCKS; past it (a long-context model, whose whole table would be megabytes a step to
     upload) the cap or a power of two above it: warm-up compiles those widths, a short and a long request decode
-    in them, nothing else compiles, and the answers equal the dense path's."""
+    in them, nothing else compiles, and the answers equal the dense path's. Paged prefill's tables (the native
+    kernels' packed program over the pool) are bounded the same way: a short prompt's steps upload [B, 4]."""
     from jaxserve.engine import runner as runner_module
     monkeypatch.setattr(runner_module, "FULL_TABLE_BLOCKS", 4)
     llm = engines("llama", dataclasses.replace(ENGINE, max_num_seqs=1, num_blocks=80))
@@ -360,13 +361,18 @@ def test_full_decode_tables_past_their_cap_widen_in_powers_of_two(engines, monke
     runner.warmup(progress=False)
     warmed, runner.programs = set(runner.programs), set()
     assert {k[3] for k in warmed if k[0] == "decode"} == {4, 8, 16, 32, 64, 80}
+    assert runner.paged_prefill and {k[3] for k in warmed if k[0] == "prefill"} == {4, 8, 16, 32, 64, 80}
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     prompts = [BASE[:5], [t % 97 + 3 for t in range(150)]]
+    tables, inputs = [], runner._prefill_inputs
+    runner._prefill_inputs = lambda rows: (lambda got: tables.append(got[1][1].shape) or got)(inputs(rows))
     for p in prompts:
         out, = llm.generate([p], params)
         assert out.token_ids == reference_greedy(llm, p, 3)
     assert runner.programs <= warmed, sorted(runner.programs - warmed)
     assert {k[3] for k in runner.programs if k[0] == "decode"} == {4, 64}
+    B = runner.max_prefill_seqs + runner.num_slots
+    assert tables[0] == (B, 4) and (B, 64) in tables and all(w <= 64 for _, w in tables), tables
 
 
 def test_first_chunks_of_a_hybrid_model_run_alone(engines):
