@@ -28,8 +28,10 @@ whose call fails at the transport level is marked down (registry.py) until its n
 ends with a final Update (tokens or an error): nothing hangs; at most `router.max_attempts` placements per
 request.
 
-Concurrency: requests run on the router's asyncio loop (uvicorn's), one task per (sub-)request; gRPC channels are
-`grpc.aio`, one per worker address, each call presenting the cluster token. Registrations (heartbeats) arrive on
+Concurrency: requests run on the router's asyncio loop (uvicorn's), one task per (sub-)request, which reads one
+queue (its feed: a task reads the placement's call into it, a worker's Updates stream its running updates, so a
+message costs the request one wake-up); gRPC channels are `grpc.aio`, one per worker address, each call presenting
+the cluster token. Registrations (heartbeats) arrive on
 the control port's own thread (control_port.py), so a busy request path cannot starve them; the registry they update
 is thread-safe (registry.py).
 """
@@ -59,7 +61,7 @@ from .prefix import PrefixMoves
 from .registry import Registry, WorkerInfo
 from .requests import Retry, Silent, Sub
 from .snapshot import Topology
-from .updates import Ended, UpdateStreams
+from .updates import END, Ended, Failed, UpdateStreams
 
 log = logging.getLogger("jaxserve.router")
 Code = grpc.StatusCode
@@ -302,9 +304,13 @@ class Router:
             if not isinstance(first, dict) or not isinstance(first.get("reserved"), dict):
                 call.cancel()
                 raise Retry(f"{w.name} answered Decode without a reservation: {str(first)[:200]}")
-        s.call, s.it, s.worker, s.method, s.prefill, s.kv_bytes, s.kv_backend = call, it, w, method, None, 0, None
-        # its running updates come from here on (a Decode's only once its KV is in: after its reservation)
-        s.stream, s.feed, s.read, s.fget = stream, stream.subscribe(s.xid) if stream is not None else None, None, None
+        s.call, s.worker, s.method, s.prefill, s.kv_bytes, s.kv_backend = call, w, method, None, 0, None
+        # one feed of what comes next: the call's messages (a task reads them) and, on the worker's Updates stream,
+        # its running updates (from here on: a Decode's come only once its KV is in, after its reservation)
+        s.feed, s.stream = asyncio.Queue(), stream
+        if stream is not None:
+            stream.subscribe(s.xid, s.feed)
+        s.pump = asyncio.ensure_future(self._pump(w, it, s.feed))
         s.prefill_ttft_s = None
         # where prefill sends the KV: the decode instance by name (the worker looks its addresses up in the
         # registry's peer table) and the reservation's blocks, skip and region offset
@@ -316,13 +322,12 @@ class Router:
     def _close(self, s: Sub) -> None:
         self.prefixes.drop_load(s)
         self.prefixes.drop_put(s)
-        for fut in (s.read, s.fget):
-            if fut is not None:
-                fut.cancel()
-        s.read = s.fget = None
+        if s.pump is not None:
+            s.pump.cancel()
+            s.pump = None
         if s.stream is not None:
             s.stream.unsubscribe(s.xid)
-            s.stream = s.feed = None
+            s.stream = None
         if s.call is not None:
             s.call.cancel()  # the worker's stream ends: it aborts the request and frees its blocks
             s.worker.inflight -= 1
@@ -381,32 +386,45 @@ class Router:
             self.kv_bytes_per_token = x if old is None else 0.8 * old + 0.2 * x
         self.prefixes.settle_put(s, p, tokens, store, res, missed)
 
+    async def _pump(self, w: WorkerInfo, it, feed: asyncio.Queue) -> None:
+        """A placement's call to w, read into its feed: each message, then END when the call ends, or what it
+        raised (grpc.aio.AioRpcError, or Silent once w stops heartbeating)."""
+        try:
+            while True:
+                feed.put_nowait(await self.workers.watch(w, it.__anext__()))
+        except StopAsyncIteration:
+            feed.put_nowait(END)
+        except Exception as e:  # noqa: BLE001 - handed to the request's task (_drive), which never waits in vain
+            feed.put_nowait(Failed(e))
+
     async def _next(self, s: Sub, pre: asyncio.Future | None, kv_pending: bool) -> dict:
-        """The placement's next message: from its feed on the worker's Updates stream (its running updates, where
-        it has one) or its own call (the rest). While the request's prefill call (`pre`) runs and decode has not
-        yet reported the KV in (kv_pending), the call is awaited alongside: its failure raises (its Retry) at once
-        rather than when decode's deadline for the KV passes. Raises StopAsyncIteration, Silent, and Retry when the
-        Updates stream ended. A read still pending stays for the next call (_close cancels it)."""
-        while True:
-            if s.read is None:
-                s.read = asyncio.ensure_future(self.workers.watch(s.worker, s.it.__anext__()))
-            if s.feed is not None and s.fget is None:
-                s.fget = asyncio.ensure_future(s.feed.get())
-            waits = {s.read} | ({s.fget} if s.fget is not None else set())
-            if kv_pending and pre is not None and not pre.done():
-                waits.add(pre)
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            if s.fget is not None and s.fget.done():
-                got, s.fget = s.fget.result(), None
-                if isinstance(got, Ended):
-                    s.avoid.add(s.worker.name)
-                    raise Retry(f"{s.worker.name}'s Updates stream {got.why}")
-                return {"update": got}
-            if s.read.done():
-                read, s.read = s.read, None
-                return read.result()
-            if kv_pending and pre is not None and pre.done() and pre.exception() is not None:
+        """The placement's next message from its feed (its call's, and its running updates from the worker's
+        Updates stream where it has one). While the request's prefill call (`pre`) runs and decode has not yet
+        reported the KV in (kv_pending), the call is awaited alongside: its failure raises (its Retry) at once
+        rather than when decode's deadline for the KV passes. Raises StopAsyncIteration (the call ended), the
+        call's failure (grpc.aio.AioRpcError, Silent), and Retry when the Updates stream ended."""
+        if kv_pending and pre is not None and not pre.done():
+            get = asyncio.ensure_future(s.feed.get())
+            try:
+                await asyncio.wait({get, pre}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                get.cancel()  # (a get cancelled leaves its item in the queue)
+            if get.done() and not get.cancelled():
+                return self._message(s, get.result())
+            if pre.exception() is not None:
                 raise pre.exception()
+        return self._message(s, await s.feed.get())
+
+    @staticmethod
+    def _message(s: Sub, got) -> dict:
+        if got is END:
+            raise StopAsyncIteration
+        if isinstance(got, Failed):
+            raise got.error
+        if isinstance(got, Ended):
+            s.avoid.add(s.worker.name)
+            raise Retry(f"{s.worker.name}'s Updates stream {got.why}")
+        return got
 
     async def _prefilled(self, s: Sub, pre: asyncio.Future | None) -> None:
         """The request finished on decode: wait for its prefill call's answer (the route's KV numbers). Decode

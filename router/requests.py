@@ -92,11 +92,9 @@ class Sub:
     method: str = ""  # "Decode" (disaggregated) or "Generate" (whole request on one instance)
     worker: WorkerInfo | None = None
     call: object = None  # the open stream
-    it: object = None
-    read: object = None  # the open stream's next message, while awaited (a read cancelled would cancel the call)
+    feed: object = None  # an asyncio.Queue of what comes next: the call's messages and its running updates
+    pump: object = None  # the task reading the call into the feed
     stream: object = None  # the worker's Updates stream (router/updates.py) its running updates come on, if any
-    feed: object = None  # ... its feed there (an asyncio.Queue)
-    fget: object = None  # the feed's next message, while awaited
     reserved: dict | None = None
     prefill: str | None = None
     prefilling: str | None = None  # the prefill instance whose Prefill call for it is running now

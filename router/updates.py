@@ -32,6 +32,17 @@ class Ended:
         return f"Ended({self.why!r})"
 
 
+class Failed:
+    """What a feed gets when the request's own call fails: the error (grpc.aio.AioRpcError, or calls' Silent)."""
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+END = object()  # what a feed gets when the request's own call ends
+
+
 class Stream:
     """One worker's Updates stream: `name` (what requests name in their `updates` field), the feeds by request id."""
 
@@ -45,12 +56,11 @@ class Stream:
         self.call = client.stream("Updates", message("Updates", stream=self.name))
         self.task = asyncio.ensure_future(self._read())
 
-    def subscribe(self, rid: str) -> asyncio.Queue:
-        """The feed of request rid's running updates (stream messages; an `Ended` last if the stream ends)."""
-        q = self.feeds[rid] = asyncio.Queue()
+    def subscribe(self, rid: str, feed: asyncio.Queue) -> None:
+        """Put request rid's running updates on feed as `{"update": message}` (an `Ended` if the stream ends)."""
+        self.feeds[rid] = feed
         if self.closed:
-            q.put_nowait(Ended("had ended"))
-        return q
+            feed.put_nowait(Ended("had ended"))
 
     def unsubscribe(self, rid: str) -> None:
         self.feeds.pop(rid, None)
@@ -66,7 +76,7 @@ class Stream:
                 for rid, msg in m["updates"]:
                     q = self.feeds.get(rid)
                     if q is not None:  # (a request that has ended or moved on: its late updates are dropped)
-                        q.put_nowait(msg)
+                        q.put_nowait({"update": msg})
         except grpc.aio.AioRpcError as e:
             why = f"failed: {e.code().name}: {e.details()}"
             if self.failed is not None:
