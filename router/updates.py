@@ -1,6 +1,8 @@
 """The router's end of the workers' Updates streams (worker/fanout.py): one stream per worker address, opened when a
 request is first placed there, whose step messages go to each request's feed by its id on that worker. A request
-whose worker has no such stream (it could not be opened) gets every update on its own call, as before.
+whose worker has no such stream (it could not be opened; a worker without the method is not asked again) gets
+every update on its own call, as before. A request's feed also gets what its own call brings (router/cluster.py
+`_pump`): its messages, then END, or `Failed`.
 
 When a stream ends (its worker died, or the router's channel to it closed), every feed on it gets an `Ended`: its
 request is placed again (router/cluster.py `_drive`), and the next request placed on the worker opens a new stream.
@@ -53,6 +55,7 @@ class Stream:
         self.feeds: dict[str, asyncio.Queue] = {}
         self.ready: asyncio.Future = asyncio.get_running_loop().create_future()  # True once open, False: failed
         self.closed = False
+        self.code = None  # the status it failed with
         self.call = client.stream("Updates", message("Updates", stream=self.name))
         self.task = asyncio.ensure_future(self._read())
 
@@ -78,7 +81,7 @@ class Stream:
                     if q is not None:  # (a request that has ended or moved on: its late updates are dropped)
                         q.put_nowait({"update": msg})
         except grpc.aio.AioRpcError as e:
-            why = f"failed: {e.code().name}: {e.details()}"
+            why, self.code = f"failed: {e.code().name}: {e.details()}", e.code()
             if self.failed is not None:
                 self.failed(e)
         except asyncio.CancelledError:
@@ -105,17 +108,23 @@ class UpdateStreams:
     def __init__(self, workers):
         self.workers = workers  # calls.Workers: the channels, and `watch` for a worker that goes silent
         self._open: dict[str, Stream] = {}
+        self._without: set[str] = set()  # addresses of workers without the method (UNIMPLEMENTED)
 
     async def stream(self, w) -> Stream | None:
         """Worker w's open stream, opened now if it has none; None where it cannot be (the request's updates
         then all come on its own call). Raises calls' Silent when w stops heartbeating meanwhile."""
+        if w.address in self._without:
+            return None
         s = self._open.get(w.address)
         if s is None or s.closed:
             for address in [a for a, x in self._open.items() if x.closed]:  # (workers gone or restarted)
                 del self._open[address]
             s = self._open[w.address] = Stream(self.workers.client(w), w.name, lambda e: self.workers.down(w, e))
         if not await self.workers.watch(w, asyncio.shield(s.ready)):
-            log.warning("%s: no Updates stream; each request's updates come on its own call", w.name)
+            if s.code == grpc.StatusCode.UNIMPLEMENTED:
+                self._without.add(w.address)
+            log.warning("%s: no Updates stream (%s); each request's updates come on its own call", w.name,
+                        s.code.name if s.code else "it ended")
             return None
         return s
 

@@ -1,8 +1,8 @@
 """A step's running updates in one message per router connection (the `Updates` stream).
 
 A request streamed on its own Decode or Generate call costs the worker one gRPC message per engine step, and the
-router one more read: ~40 us of this process's loop each on a CPU core, ~9 ms a step at 256 requests, time the
-engine thread's host work shares a GIL with. So the router opens one `Updates` stream per worker and names it
+router one more read: about 10 ms of this process's CPU a step at 256 requests on a CPU core (bench.update_streams),
+time the engine thread's host work shares a GIL with. So the router opens one `Updates` stream per worker and names it
 (`updates`) in each Decode and Generate call: that request's running updates then leave in one message per step
 with every other request named to the same stream, `{"updates": [[request_id, message], ...]}` (each message as
 `engine/client.py update_message` makes it, from what that request's earlier ones carried), and its own call
@@ -62,7 +62,7 @@ class Sink:
 class StepStreams:
     def __init__(self):
         self._streams: dict[str, _Stream] = {}
-        self.messages = self.carried = 0  # step messages sent, running updates they carried
+        self.carried = 0  # running updates sent in step messages
 
     def __len__(self) -> int:
         return len(self._streams)
@@ -79,7 +79,7 @@ class StepStreams:
                 batch = await s.queue.get()
                 while not s.queue.empty():  # steps the caller has not read yet go as one
                     batch += s.queue.get_nowait()
-                self.messages, self.carried = self.messages + 1, self.carried + len(batch)
+                self.carried += len(batch)
                 yield {"updates": batch}
         finally:
             del self._streams[name]

@@ -134,6 +134,18 @@ def test_running_updates_come_on_the_workers_updates_stream():
     asyncio.run(go())
 
 
+def test_a_worker_without_the_updates_method_streams_each_request_on_its_own_call(caplog):
+    async def go():
+        async with cluster({"p0": ("prefill", {}), "d0": ("decode", {})}) as (ce, w):  # Fake: no Updates method
+            for r in ("r", "s"):
+                ups = await updates(await ce.add(r, [1, 2, 3], GREEDY))
+                assert ups[-1].token_ids == [3, 0] and ups[-1].error is None
+            assert [q["updates"] for q in w["d0"].requests] == [None, None]
+    asyncio.run(go())
+    said = [r.message for r in caplog.records if "no Updates stream" in r.message]
+    assert len(said) == 1 and "UNIMPLEMENTED" in said[0], said  # asked once, not per request
+
+
 def test_an_updates_stream_that_breaks_sends_its_requests_elsewhere_resumed():
     async def go():
         cut = ("decode", {"cut": True})
