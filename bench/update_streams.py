@@ -94,7 +94,10 @@ async def router(port: int, n: int, batched: bool, out) -> None:
     async def one(i: int):
         nonlocal c0
         rid = f"r{i}"
-        feed = stream.subscribe(rid) if stream else None
+        feed: asyncio.Queue | None = None
+        if stream is not None:
+            feed = asyncio.Queue()
+            stream.subscribe(rid, feed)
         msg = message("Generate", request_id=rid, prompt=[1], **({"updates": stream.name} if stream else {}))
         call = client.stream("Generate", msg)
         held, it = None, call.__aiter__()
@@ -105,7 +108,7 @@ async def router(port: int, n: int, batched: bool, out) -> None:
             if c0 is None:
                 c0 = _cpu()
             if fget is not None and fget.done():
-                held, fget = update_of(fget.result(), held), asyncio.ensure_future(feed.get())
+                held, fget = update_of(fget.result()["update"], held), asyncio.ensure_future(feed.get())
                 continue
             held = update_of(read.result()["update"], held)
             if held.finished:
@@ -131,19 +134,25 @@ def measure(n: int, steps: int, step_ms: float, batched: bool) -> dict:
     w = ctx.Process(target=_run, args=(worker, port, n, steps, step_ms, ws))
     w.start()
 
+    r = ctx.Process(target=_run, args=(router, port, n, batched, rs))
+
     def answer(pipe, what: str):
-        if not pipe.poll(300):
-            raise RuntimeError(f"no answer from the {what} process in 300 s")
+        deadline = time.monotonic() + 300
+        while not pipe.poll(0.2):
+            dead = [p for p in (w, r) if p.pid is not None and not p.is_alive() and p.exitcode != 0]
+            if dead or time.monotonic() > deadline:
+                raise RuntimeError(f"no answer from the {what} process" + (" (a process failed: its traceback is "
+                                                                           "above)" if dead else " in 300 s"))
         return pipe.recv()
     try:
         answer(wr, "worker")  # serving
-        r = ctx.Process(target=_run, args=(router, port, n, batched, rs))
         r.start()
         wres, rres = answer(wr, "worker"), answer(rr, "router")
-        r.join(30)
     finally:
-        w.join(30)
-        w.kill()
+        for p in (r, w):
+            if p.pid is not None:
+                p.join(10)
+                p.kill()
     if rres["tokens"] != [steps + 1]:
         raise RuntimeError(f"the router rebuilt {rres['tokens']} tokens per request, not {steps + 1}")
     return {"requests": n, "worker_cpu_ms_per_step": round(wres["cpu_ms"], 3),
