@@ -30,6 +30,7 @@ from .protocol import APIError, ChatRequest, CompletionRequest, LinkUpdate, Migr
 from .streaming import logprobs_block, stream
 
 _work = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="http-work")
+CHECK = object()  # put on a waiting request's queue once a second (`collect`)
 
 
 async def _off_loop(fn, *args):
@@ -124,23 +125,34 @@ class Api:
         return rid, ids, q
 
     async def collect(self, request: Request, rid: str, q: asyncio.Queue, n: int):
+        """The request's n final updates. Once a second a timer puts CHECK on its queue: the client gone or the
+        deadline past ends it (one timer a request, not a timeout per update: a running update costs the request
+        its queue's wake-up)."""
         final: dict[int, Update] = {}
-        deadline = time.monotonic() + self.srv.request_timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.srv.request_timeout_s
+        timer = None
+
+        def check():
+            nonlocal timer
+            q.put_nowait(CHECK)
+            timer = loop.call_later(1.0, check)
+        timer = loop.call_later(1.0, check)
         try:
             while len(final) < n:
-                try:
-                    u = await asyncio.wait_for(q.get(), timeout=1.0)
-                except asyncio.TimeoutError:
+                u = await q.get()
+                if u is CHECK:
                     if await request.is_disconnected():
                         raise APIError(499, "client disconnected")
-                    if time.monotonic() > deadline:
+                    if loop.time() > deadline:
                         raise APIError(408, f"request timed out after {self.srv.request_timeout_s}s", "timeout")
-                    continue
-                if u.finished:
+                elif u.finished:
                     final[u.index] = u
         except BaseException:
             self.engine.abort(rid)
             raise
+        finally:
+            timer.cancel()
         errors = [u.error for u in final.values() if u.error]
         if errors:
             raise APIError(503, f"the engine failed: {errors[0]}", "server_error", code="engine_error")

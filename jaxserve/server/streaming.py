@@ -26,10 +26,15 @@ def logprobs_block(u: Update, start: int, tokenizer, chat: bool):
             "top_logprobs": [{piece(i): v for i, v in top} for _, top in items], "text_offset": []}
 
 
+TIMED_OUT = object()  # put on a request's queue at its deadline (server.request_timeout_s)
+
+
 async def stream(api, rid: str, q, chat: bool, body, ids: list[int]):
     """The request's server-sent events: a chunk per update that adds text, logprobs or token ids (chat: content
     and tool-call deltas, server/tools.py), the last with the `jaxserve` object (and usage when asked), then
-    [DONE]. Leaving early aborts the request."""
+    [DONE]. Updates are cumulative: when the client is behind, the chunk says what the latest one adds. At the
+    deadline a timer puts TIMED_OUT on the queue (one timer a request, not a timeout per update: a request costs
+    its queue's wake-up a step). Leaving early aborts the request."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     created, sent_text, sent_lp, sent_ids = int(time.time()), "", 0, 0
     want_lp = bool(body.logprobs) if chat else body.logprobs is not None
@@ -53,21 +58,20 @@ async def stream(api, rid: str, q, chat: bool, body, ids: list[int]):
             d.update(extra)
         return f"data: {json.dumps(d)}\n\n"
 
+    timer = None
     try:
         if chat:
             d = {"id": rid, "object": obj, "created": created, "model": api.model_name,
                  "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
             yield f"data: {json.dumps(d)}\n\n"
-        deadline = time.monotonic() + api.srv.request_timeout_s
+        timer = asyncio.get_running_loop().call_later(api.srv.request_timeout_s, q.put_nowait, TIMED_OUT)
         while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            u = await q.get()
+            while u is not TIMED_OUT and not u.finished and not q.empty():
+                u = q.get_nowait()  # the client is behind: the latest update holds what the others did
+            if u is TIMED_OUT:
                 yield f"data: {json.dumps(APIError(408, 'request timed out', 'timeout').body())}\n\n"
                 break
-            try:
-                u = await asyncio.wait_for(q.get(), timeout=remaining)
-            except asyncio.TimeoutError:
-                continue
             if u.error:
                 yield f"data: {json.dumps(APIError(503, u.error, 'server_error').body())}\n\n"
                 break
@@ -94,4 +98,6 @@ async def stream(api, rid: str, q, chat: bool, body, ids: list[int]):
                 sent_text, sent_lp, sent_ids = text, len(u.logprobs), len(u.token_ids)
         yield "data: [DONE]\n\n"
     finally:
+        if timer is not None:
+            timer.cancel()
         api.engine.abort(rid)  # no-op when finished; frees the slot when the client went away
