@@ -22,8 +22,10 @@ def update(ids: list[int], finished=False, error=None) -> Update:
 
 def fake_api(timeout_s: float):
     aborted = []
+    def decode(ids, skip_special_tokens):
+        return "".join(chr(97 + t) for t in ids)
     api = SimpleNamespace(srv=SimpleNamespace(request_timeout_s=timeout_s), model_name="m",
-                          tok=SimpleNamespace(decode=lambda ids, skip_special_tokens: "".join(chr(97 + t) for t in ids)),
+                          tok=SimpleNamespace(decode=decode),
                           meta=lambda us: {"n": len(us)}, usage=lambda us: {}, engine=SimpleNamespace(
                               abort=aborted.append))
     return api, aborted
