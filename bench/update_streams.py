@@ -3,7 +3,7 @@ against one Updates stream per worker (worker/fanout.py, router/updates.py), two
 
 The worker process serves Generate the way a worker does (its updates into worker/fanout.py's queue_for: the
 request's own queue, or a Sink into the Updates stream the request names; its own call carries what its queue gets,
-as `update_message`s) and an engine thread that makes a step every `--step-ms`: one Update per request (a `Grown`
+as fanout.py `own_messages`) and an engine thread that makes a step every `--step-ms`: one Update per request (a `Grown`
 view of its tokens, the text grown by a piece), handed to the loop in one callback as AsyncEngine does. The router
 process opens the N calls (and, batched, the Updates stream through router/updates.py's Stream) and rebuilds each
 request's updates with `update_of`, as the router's request tasks do. Each side's CPU time over the steps (both
@@ -31,9 +31,9 @@ def _cpu() -> float:
 
 async def worker(port: int, n: int, steps: int, step_ms: float, out) -> None:
     from jaxserve.engine.async_engine import _deliver
-    from jaxserve.engine.client import Grown, Update, update_message
+    from jaxserve.engine.client import Grown, Update
     from jaxserve.worker import messages, rpc
-    from jaxserve.worker.fanout import StepStreams
+    from jaxserve.worker.fanout import StepStreams, own_messages
     streams, queues, loop = StepStreams(), {}, asyncio.get_running_loop()
     opened = asyncio.Event()
 
@@ -42,13 +42,8 @@ async def worker(port: int, n: int, steps: int, step_ms: float, out) -> None:
         queues[req.request_id] = streams.queue_for(req.updates, req.request_id, own)
         if len(queues) == n:
             opened.set()
-        sent = (0, "")
-        while True:
-            u = await own.get()
-            msg, sent = update_message(u, sent)
-            yield {"update": msg}
-            if u.finished:
-                return
+        async for msg in own_messages(own):
+            yield msg
     server = rpc.server(TOKEN)
     server.add_generic_rpc_handlers((rpc.handler({}, {"Generate": generate, "Updates": lambda r, c: streams.serve(
         r.stream)}, messages.WORKER),))

@@ -59,6 +59,18 @@ class Sink:
         self.stream.add(self.rid, msg)
 
 
+async def own_messages(q: asyncio.Queue):
+    """A request's own call: its Updates from q as stream messages until it finishes, each with what the one before
+    did not carry (`update_message`); a request that named an Updates stream finds only its finished one in q."""
+    sent = (0, "")
+    while True:
+        u = await q.get()
+        msg, sent = update_message(u, sent)
+        yield {"update": msg}
+        if u.finished:
+            return
+
+
 class StepStreams:
     def __init__(self):
         self._streams: dict[str, _Stream] = {}

@@ -24,7 +24,7 @@ import time
 from ..config import Config, InstanceSection
 
 from . import peers
-from .fanout import StepStreams
+from .fanout import StepStreams, own_messages
 from .heartbeat import Heartbeat
 from .peers import Peers
 from .prefixes import PrefixCalls
@@ -263,18 +263,10 @@ class Worker:
                 "reads_pool": self.reads_pool}
 
     async def _updates(self, q, rid):
-        """The request's Updates as stream messages until it finishes, each with what the one before did not
-        carry (engine/client.py `update_message`); leaving early aborts it. A request that named an Updates
-        stream finds only its finished update here (fanout.py)."""
-        from ..engine.client import update_message
-        sent = (0, "")
+        """The request's own call's messages (fanout.py `own_messages`); leaving early aborts it."""
         try:
-            while True:
-                u = await q.get()
-                msg, sent = update_message(u, sent)
-                yield {"update": msg}
-                if u.finished:
-                    return
+            async for msg in own_messages(q):
+                yield msg
         finally:
             self.engine.abort(rid)
 
