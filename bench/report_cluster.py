@@ -23,6 +23,8 @@ def transfer(r: dict[str, dict]) -> list[str]:
     out = []
     rows = []
     for name, d in r.items():
+        if "efficiency" not in d:
+            continue
         e = d["efficiency"]
         ratios = [k / w for k, w in zip(e["kv_bytes_per_s"], e["raw_bytes_per_s"])]
         rows.append([f"`{name}`", f"{e['bytes'] / 2 ** 20:.0f} MiB over {e['connections']}",
@@ -46,10 +48,27 @@ def transfer(r: dict[str, dict]) -> list[str]:
     out += [f"(b) Sends per request, on block lists from the real block managers under churn ({s['requests']} "
             f"requests, {s['layers']} layers): {num(s['per_block_per_layer_sends_mean'])} per block per layer -> "
             f"{s['aligned_sends_mean']:.2f} aligned runs (at most {s['aligned_sends_max']}).", ""]
-    t = d["ttft"]
+    for name, other in r.items():
+        if "ttft" in other:
+            out += _ttft(name, other["ttft"])
+    p = d["phi_kv"]
+    lengths = [str(n) for n in d["ttft"]["lengths"]]  # (d) measured at (c)'s lengths
+    out += [f"(d) Phi_kv(l) = S_kv(l) / T_prefill(l) per family, {p['dtype']}, MB/s (the KV link: "
+            f"{p['link_bytes_per_s'] / 1e9:.2f} GB/s):", ""]
+    out += table(["family"] + lengths, [[fam, *(num(f["by_length"][n]["phi_kv_bytes_per_s"] / 1e6, 1) for n in lengths)]
+                                         for fam, f in p["families"].items()])
+    return out
+
+
+def _ttft(name: str, t: dict) -> list[str]:
+    """Part (c) of one result file: TTFT and the second token's time per setup and prompt length."""
     lengths = [str(n) for n in t["lengths"]]
-    out += [f"(c) TTFT and the second token's time, disaggregated against colocated through the router (median of "
-            f"{t['reps']} per length, ms; overhead over colocated):", ""]
+    whole = max(t["lengths"])
+    chunks = ("" if t.get("chunk_size", whole) >= whole else
+              f", prompts prefilled in chunks of {t['chunk_size']} tokens (the KV of a chunk's whole blocks leaves as "
+              "the next chunks compute)")
+    out = [f"(c) TTFT and the second token's time, disaggregated against colocated through the router (`{name}`"
+           f"{chunks}; median of {t['reps']} per length, ms; overhead over colocated):", ""]
     rows = []
     for key, c in t["setups"].items():
         cells = []
@@ -58,13 +77,7 @@ def transfer(r: dict[str, dict]) -> list[str]:
                 x = 100 * c[over][n] if over in c else None
                 cells.append(ms(c[f][n]) + ("" if x is None else f" ({x:+.0f}%)" if abs(x) >= 10 else f" ({x:+.1f}%)"))
         rows.append([_setup(key, c)] + cells)
-    out += table(["setup"] + [f"TTFT {n}" for n in lengths] + [f"2nd token {n}" for n in lengths], rows)
-    p = d["phi_kv"]
-    out += [f"(d) Phi_kv(l) = S_kv(l) / T_prefill(l) per family, {p['dtype']}, MB/s (the KV link: "
-            f"{p['link_bytes_per_s'] / 1e9:.2f} GB/s):", ""]
-    out += table(["family"] + lengths, [[fam, *(num(f["by_length"][n]["phi_kv_bytes_per_s"] / 1e6, 1) for n in lengths)]
-                                         for fam, f in p["families"].items()])
-    return out
+    return out + table(["setup"] + [f"TTFT {n}" for n in lengths] + [f"2nd token {n}" for n in lengths], rows)
 
 
 def _setup(key: str, c: dict) -> str:
@@ -312,7 +325,8 @@ def soak(r: dict[str, dict]) -> list[str]:
 
 
 SECTIONS = [
-    Section("KV transfer", "bench.transfer", ("transfer.json", "transfer_tls.json", "transfer_h200.json"), transfer),
+    Section("KV transfer", "bench.transfer", ("transfer.json", "transfer_tls.json", "transfer_h200.json",
+                                              "transfer_chunked.json"), transfer),
     Section("Prefill/decode interference", "bench.interference", ("interference.json",), interference),
     Section("Requests' updates from a worker to the router", "bench.update_streams", ("update_streams.json",),
             update_streams),

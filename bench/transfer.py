@@ -386,12 +386,14 @@ def sends_per_request(num_requests: int, seed: int = 0) -> dict:
             "reduction": float(np.mean(naive) / np.mean(aligned))}
 
 
-def _engine_section(max_len: int, warmup: bool = False) -> dict:
-    chunk = 16
-    while chunk < max_len:
-        chunk *= 2
-    return dict(block_size=16, num_blocks=2 * chunk // 16 + 16, max_num_seqs=4, max_num_batched_tokens=chunk,
-                chunk_size=chunk, max_prefill_seqs=1, max_model_len=chunk + 64, prefix_caching=False,
+def _engine_section(max_len: int, warmup: bool = False, chunk: int | None = None) -> dict:
+    """chunk: the prefill's chunk (None: the longest prompt's power of two, one chunk a prompt)."""
+    whole = 16
+    while whole < max_len:
+        whole *= 2
+    chunk = chunk or whole
+    return dict(block_size=16, num_blocks=2 * whole // 16 + 16, max_num_seqs=4, max_num_batched_tokens=chunk,
+                chunk_size=chunk, max_prefill_seqs=1, max_model_len=whole + 64, prefix_caching=False,
                 num_snapshots=0, warmup=warmup)
 
 
@@ -409,9 +411,9 @@ TTFT_SETUPS = {  # name -> (instances, transfer.layers_per_group, emulated link 
 
 
 def ttft(path: str, lengths: list[int], reps: int, connections: int, setups: list[str], seed: int = 0,
-         pinned: bool = True) -> dict:
+         pinned: bool = True, chunk: int | None = None) -> dict:
     """Median router-measured TTFT per prompt length for each of `setups` (TTFT_SETUPS; real worker processes,
-    pinned as listed there, or on any core)."""
+    pinned as listed there, or on any core); chunk: every engine's prefill chunk (None: one a prompt)."""
     from bench import clusters
     from jaxserve.config import TransferSection
     from jaxserve.models.config import load_config
@@ -421,7 +423,7 @@ def ttft(path: str, lengths: list[int], reps: int, connections: int, setups: lis
 
     def one_setup(instances, per_group, gbps):
         link = [{"src": "b", "dst": "b", "bandwidth_gbps": gbps, "connections": connections}] if gbps else []
-        config = {"model": {"path": path}, "engine": _engine_section(max(lengths)),
+        config = {"model": {"path": path}, "engine": _engine_section(max(lengths), chunk=chunk),
                   "clusters": [{"name": "b", "instances": instances}], "links": link,
                   "transfer": {"token": TOKEN, "connections": connections, "layers_per_group": per_group},
                   "router": {"ready_timeout_s": 600}}
@@ -457,7 +459,7 @@ def ttft(path: str, lengths: list[int], reps: int, connections: int, setups: lis
         res[name]["second_token_overhead"] = {L: res[name]["second_token_s_median"][L] / co2[L] - 1
                                               for L in lengths}
     return {"model": os.path.basename(path), "lengths": lengths, "reps": reps, "goal_overhead": 0.10,
-            "pinned": pinned, "setups": res}
+            "pinned": pinned, "chunk_size": _engine_section(max(lengths), chunk=chunk)["chunk_size"], "setups": res}
 
 
 def phi_kv(families: list[str], root: str, lengths: list[int], reps: int, link_bytes_per_s: float | None) -> dict:
@@ -509,6 +511,8 @@ def main(argv=None):
     ap.add_argument("--ttft-lengths", default="256,1024,2048")
     ap.add_argument("--ttft-reps", type=int, default=7)
     ap.add_argument("--ttft-setups", default=",".join(TTFT_SETUPS), help="which setups (colocated always runs)")
+    ap.add_argument("--ttft-chunk", type=int, default=None, help="(c) the engines' prefill chunk in tokens "
+                    "(default: a prompt in one chunk)")
     ap.add_argument("--phi-families", default="llama,qwen3,deepseek_v3,kimi_linear,qwen3_next,gpt_oss,mimo_v2_flash")
     ap.add_argument("--phi-lengths", default="256,1024,2048")
     ap.add_argument("--phi-reps", type=int, default=3)
@@ -531,7 +535,7 @@ def main(argv=None):
         if unknown:
             ap.error(f"--ttft-setups: unknown {sorted(unknown)}; have {list(TTFT_SETUPS)}")
         out["ttft"] = ttft(checkpoint(args.ttft_family, args.models), ints(args.ttft_lengths), args.ttft_reps,
-                           args.connections, setups, pinned=not args.unpinned)
+                           args.connections, setups, pinned=not args.unpinned, chunk=args.ttft_chunk)
     if "d" in parts:
         link = out.get("efficiency", {}).get("kv_bytes_per_s_median")
         out["phi_kv"] = phi_kv(args.phi_families.split(","), args.models, ints(args.phi_lengths), args.phi_reps, link)

@@ -40,11 +40,13 @@ def test_ttft_phi_and_interference_benches_smoke(tmp_path, checkpoint_dir):
     os.symlink(checkpoint_dir("llama"), models / "bench-llama")  # bench/families.py finds it built
     out = tmp_path / "t.json"
     transfer.main(["--json", str(out), "--parts", "c,d", "--models", str(models), "--ttft-lengths", "32",
-                   "--ttft-reps", "1", "--ttft-setups", "disagg_link_layerwise", "--phi-families", "llama",
+                   "--ttft-reps", "1", "--ttft-setups", "disagg_link_layerwise", "--ttft-chunk", "16",
+                   "--phi-families", "llama",
                    "--phi-lengths", "16,32", "--phi-reps", "1", "--connections", "2", "--unpinned"])
     r = json.loads(out.read_text())
     c = r["ttft"]["setups"]
     assert set(c) == {"colocated", "disagg_link_layerwise"} and r["ttft"]["pinned"] is False
+    assert r["ttft"]["chunk_size"] == 16  # 32-token prompts in two chunks
     assert c["colocated"]["route"]["prefill_instance"] == "c0"
     assert c["disagg_link_layerwise"]["route"]["prefill_instance"] == "p0"
     assert c["disagg_link_layerwise"]["route"]["kv_bytes_transferred"] > 0
