@@ -69,74 +69,91 @@ class DeviceIO:
         self._import: dict[tuple, object] = {}
 
     # ---- export (sender)
-    def export(self, pool: list, st: Staging, layer_group: int, blocks: list[int], row: int) -> list[tuple[int, jax.Array]]:
+    def export(self, pool: list, st: Staging, layer_group: int, blocks: list[int], row: int,
+               spans=None) -> list[tuple[int, jax.Array]]:
         """Staged arrays of one layer group: [(index, device array)], dispatched asynchronously; an array split
         in head parts comes as its parts, each the single-device array of the rank holding those heads.
 
-        blocks: the sender's block ids of the rows sent (len == rows); row: the request's state row."""
-        arrays = [(w, parts) for w, parts in st.logical if w.layer_group == layer_group]
-        if not arrays:
-            return []
+        blocks: the sender's block ids of the rows sent (len == rows); row: the request's state row; spans: the
+        spans whose arrays to export (None: all; the rings and state go with the last), one program call each."""
         mesh = _mesh(pool)
-        # one program for the layer groups of equal structure: the groups' first layers are an argument
-        key = (_key([p for _, parts in arrays for p in parts], layers=False), mesh)
-        fn = self._export.get(key)
-        if fn is None:
-            def take(pool, ids, row, j0s):
-                out = []
-                for i, (w, parts) in enumerate(arrays):
-                    x = _to_wire(_take(pool, w, ids, row, j0s[i]))
-                    if mesh is not None:  # where each result lives is fixed: split in its parts, or replicated
-                        where = (_head_sharding(mesh, x.ndim) if len(parts) > 1
-                                 else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-                        x = jax.lax.with_sharding_constraint(x, where)
-                    out.append(x)
-                return out
-            fn = self._export[key] = jax.jit(take)
-        # a group without block arrays takes a [1] id vector: one program for every row count
-        ids = _ids(st, blocks, 0) if any(w.kind == "blocks" for w, _ in arrays) else np.zeros(1, np.int32)
         items = []
-        j0s = np.array([w.j0 for w, _ in arrays], np.int32)  # [arrays] each array's first layer
-        for (w, parts), x in zip(arrays, fn(pool, ids, np.int32(row), j0s)):  # host arguments: jit places them
-            items += zip((p.index for p in parts), _head_shards(x, len(parts)) if len(parts) > 1 else [x])
+        for s, arrays in st.units({layer_group}):
+            final = s == len(st.spans) - 1
+            if (spans is not None and s not in spans) or not any(final or w.kind == "blocks" for w, _ in arrays):
+                continue
+            # one program for the layer groups of equal structure: the groups' first layers are an argument
+            key = (_key([p for _, parts in arrays for p in parts], layers=False), mesh)
+            fn = self._export.get(key)
+            if fn is None:
+                fn = self._export[key] = jax.jit(_taker([w for w, _ in arrays], [len(p) for _, p in arrays], mesh))
+            # a group without block arrays takes a [1] id vector: one program for every row count
+            ids = _ids(arrays, blocks, 0)
+            j0s = np.array([w.j0 for w, _ in arrays], np.int32)  # [arrays] each array's first layer
+            for (w, parts), x in zip(arrays, fn(pool, ids, np.int32(row), j0s)):  # host arguments: jit places them
+                if w.kind == "blocks" or final:  # an earlier span's rings and state are not final: dropped
+                    items += zip((p.index for p in parts), _head_shards(x, len(parts)) if len(parts) > 1 else [x])
         return items
 
     # ---- import (receiver)
     def import_(self, pool: list, st: Staging, views: list, blocks: list[int], row: int, num_blocks: int,
-                layer_groups=None) -> list:
+                layer_groups=None, spare_row: int | None = None) -> list:
         """The pool with the staged arrays written into `blocks` (the reserved blocks after the skipped prefix)
         and state row `row`; the pool is donated. views: the receive region's typed views (staging order), or
-        pulled device arrays (pull.py); layer_groups: only the arrays of these layer groups (None: all)."""
-        arrays = [(w, parts) for w, parts in st.logical if layer_groups is None or w.layer_group in layer_groups]
-        if not arrays:
-            return pool
-        key = _key([w for w, _ in arrays])
-        fn = self._import.get(key)
-        if fn is None:
-            specs = [w for w, _ in arrays]
-
-            def put(pool, xs, ids, row):
-                pool = list(pool)
-                for a, x in zip(specs, xs):
-                    g = pool[a.group]
-                    if a.kind == "blocks":
-                        pool[a.group] = g.at[ids, a.j0:a.j1].set(from_wire(x, g.dtype), mode="drop")
-                    elif a.kind == "ring":
-                        pool[a.group] = g.at[row, a.j0:a.j1].set(from_wire(x, g.dtype))
-                    else:
-                        part = g[a.kind].at[row, a.j0:a.j1].set(from_wire(x, g[a.kind].dtype))
-                        pool[a.group] = {**g, a.kind: part}
-                return pool
-            fn = self._import[key] = jax.jit(put, donate_argnums=(0,))
-        ids = _ids(st, blocks, num_blocks)  # pad rows land out of range and are dropped
+        pulled device arrays (pull.py); layer_groups: only the arrays of these layer groups (None: all). A staging
+        in spans is written one program call per span; the calls before the last write the rings and state to
+        `spare_row` (None: `row` again, the same values)."""
         mesh = _mesh(pool)
-        if mesh is not None:
-            rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-            ids, row = _place(ids, rep), _place(np.int32(row), rep)
-        else:
-            row = np.int32(row)  # host arguments: jit places them (cheaper than jnp.asarray)
-        xs = [_assemble(w, [views[p.index] for p in parts], pool[w.group], mesh) for w, parts in arrays]
-        return fn(pool, xs, ids, row)
+        units = st.units(layer_groups)
+        for s, arrays in units:
+            if not arrays:
+                continue
+            key = _key([w for w, _ in arrays])
+            fn = self._import.get(key)
+            if fn is None:
+                fn = self._import[key] = jax.jit(_putter([w for w, _ in arrays]), donate_argnums=(0,))
+            ids = _ids(arrays, blocks, num_blocks)  # pad rows land out of range and are dropped
+            r = row if s == len(units) - 1 or spare_row is None else spare_row
+            if mesh is not None:
+                rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+                ids, r = _place(ids, rep), _place(np.int32(r), rep)
+            else:
+                r = np.int32(r)  # host arguments: jit places them (cheaper than jnp.asarray)
+            xs = [_assemble(w, [views[p.index] for p in parts], pool[w.group], mesh) for w, parts in arrays]
+            pool = fn(pool, xs, ids, r)
+        return pool
+
+
+def _taker(specs: list[ArraySpec], nparts: list[int], mesh):
+    """The export program of one unit: its arrays gathered from the pool, on the wire dtype, placed."""
+    def take(pool, ids, row, j0s):
+        out = []
+        for i, (w, n) in enumerate(zip(specs, nparts)):
+            x = _to_wire(_take(pool, w, ids, row, j0s[i]))
+            if mesh is not None:  # where each result lives is fixed: split in its parts, or replicated
+                where = (_head_sharding(mesh, x.ndim) if n > 1
+                         else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+                x = jax.lax.with_sharding_constraint(x, where)
+            out.append(x)
+        return out
+    return take
+
+
+def _putter(specs: list[ArraySpec]):
+    """The import program of one unit: its arrays written into the (donated) pool."""
+    def put(pool, xs, ids, row):
+        pool = list(pool)
+        for a, x in zip(specs, xs):
+            g = pool[a.group]
+            if a.kind == "blocks":
+                pool[a.group] = g.at[ids, a.j0:a.j1].set(from_wire(x, g.dtype), mode="drop")
+            elif a.kind == "ring":
+                pool[a.group] = g.at[row, a.j0:a.j1].set(from_wire(x, g.dtype))
+            else:
+                part = g[a.kind].at[row, a.j0:a.j1].set(from_wire(x, g[a.kind].dtype))
+                pool[a.group] = {**g, a.kind: part}
+        return pool
+    return put
 
 
 def _head_shards(x: jax.Array, parts: int) -> list[jax.Array]:
@@ -193,12 +210,15 @@ def _assemble(w: ArraySpec, parts: list, pool_group, mesh) -> jax.Array:
     return x if target is None else jax.device_put(x, target)
 
 
-def _ids(st: Staging, blocks: list[int], pad: int) -> np.ndarray:
-    """Block ids of the staged rows, padded to the bucketed row count ([1] unused when no block array)."""
-    M = next((a.shape[0] for a in st.arrays if a.kind == "blocks"), 0)
-    ids = np.full(max(M, 1), pad, np.int32)
-    if M:
-        ids[:len(blocks)] = blocks
+def _ids(arrays: list, blocks: list[int], pad: int) -> np.ndarray:
+    """Block ids of one unit's staged rows (its span's part of `blocks`), padded to the span's bucketed row count
+    with `pad` ([1] unused when the unit has no block array)."""
+    w = next((w for w, _ in arrays if w.kind == "blocks"), None)
+    if w is None:
+        return np.zeros(1, np.int32)
+    ids = np.full(w.shape[0], pad, np.int32)
+    sel = blocks[w.row0:w.row0 + w.rows]
+    ids[:len(sel)] = sel
     return ids
 
 

@@ -9,7 +9,8 @@ layer groups (prefill streams layer group by layer group), so a transfer needs n
   for each layer group k, for each cache group with layers in k (in pool order):
     full     "blocks" [M, L_k, E, block_size, H, D]  row i = the request's block (skip + i); M = rows rounded
              up to a power of two so the device import compiles a bounded number of programs (pad rows are
-             never sent)
+             never sent); with `span_rows` P, one such array per span of P rows (the last holds the rest),
+             back to back
     sliding  "ring"   [L_k, E, window, H, D]
     linear   "conv"   [L_k, K-1, C] and "ssm" [L_k, H, Dk, Dv] (float32)
 Arrays sit back to back at 64-byte-aligned offsets in one receive region. bfloat16 travels as its uint16
@@ -20,6 +21,13 @@ the plan says so (`head_parts`) and each of that group's blocks / ring arrays is
 holding heads [p H/P, (p+1) H/P) (HND: each rank's heads are one contiguous array), back to back, so every
 rank's export is sent as it is, with no gather on the sender. The parts together take exactly the bytes of
 the whole array; the receiver reassembles them (transfer/device.py).
+
+Spans (a prompt prefilled in several chunks): the sender may split the block rows into spans of P rows (a power
+of two, `TransferPlan.span_rows`) so that a span whose tokens an earlier chunk computed travels while later chunks
+compute, as SGLang sends a chunked prefill's KV chunk by chunk. A span's arrays have the shapes of a staging of
+its own rows alone, so the export and import programs of spans are those of unsplit transfers of P rows (and of
+the last span's rows): nothing more to compile. The sliding rings and the linear state belong to the last span
+(they are final only after the last chunk). Without span_rows, or with no more rows than P, one span.
 
 The *plan* (the PLAN frame) adds the block runs from FlowKV alignment (align.py): one send per run per
 block array, one per state array. The receiver checks a plan against its reservation before any byte is
@@ -66,6 +74,8 @@ class ArraySpec:
     rows: int | None = None  # blocks: rows sent (shape[0] is the padded count)
     part: int = 0  # which head part of its array this is (plan.head_parts)
     parts: int = 1
+    span: int = 0  # which span of its layer group's rows (rings and state: the last span)
+    row0: int = 0  # blocks: the first of the request's sent rows this array holds
 
     HEAD_AXIS = -2  # blocks [M, L, E, block, H, D] and ring [L, E, window, H, D]
 
@@ -106,6 +116,24 @@ class Staging:
                 heads[ArraySpec.HEAD_AXIS] *= a.parts
             out.append((replace(a, shape=tuple(heads), parts=1), [a]))
         return out
+
+    @functools.cached_property
+    def spans(self) -> list[tuple[int, int]]:
+        """[(first row, rows)] of each span (one span: (0, the rows sent))."""
+        out: dict[int, tuple[int, int]] = {}
+        for a in self.arrays:
+            if a.kind == "blocks":
+                out.setdefault(a.span, (a.row0, a.rows))
+        return [out[k] for k in sorted(out)] or [(0, 0)]
+
+    def units(self, layer_groups=None) -> list[tuple[int, list[tuple[ArraySpec, list[ArraySpec]]]]]:
+        """What one export or import program call moves: per span s, [(s, the `logical` arrays of span s's blocks
+        and every ring and state array)] of the layer groups `layer_groups` (None: all). Each unit has the
+        structure of an unsplit staging of its span's rows, so it runs that staging's program; the rings and state
+        are real only in the last unit (an earlier unit's are read or written on a spare row)."""
+        arrays = [(w, parts) for w, parts in self.logical if layer_groups is None or w.layer_group in layer_groups]
+        return [(s, [(w, parts) for w, parts in arrays if w.kind != "blocks" or w.span == s])
+                for s in range(len(self.spans))]
 
     def views(self, buf: np.ndarray) -> list[np.ndarray]:
         """Typed views of a uint8 region laid out by this staging."""
@@ -149,13 +177,29 @@ def check_head_parts(layout, head_parts) -> list[int]:
     return parts
 
 
-def staging(layout, dtype: str, nblocks: int, groups: list[tuple[int, int]], head_parts=None) -> Staging:
+def spans(nblocks: int, span_rows: int | None) -> list[tuple[int, int]]:
+    """[(first row, rows)] of nblocks rows in spans of span_rows (None, or no more rows than that: one span)."""
+    if not span_rows or nblocks <= span_rows:
+        return [(0, nblocks)]
+    return [(r, min(span_rows, nblocks - r)) for r in range(0, nblocks, span_rows)]
+
+
+def check_span_rows(span_rows) -> int | None:
+    if span_rows is not None and (type(span_rows) is not int or span_rows < 1 or span_rows & (span_rows - 1)):
+        raise PlanError(f"span_rows {span_rows!r} is not a power of two")
+    return span_rows
+
+
+def staging(layout, dtype: str, nblocks: int, groups: list[tuple[int, int]], head_parts=None,
+            span_rows: int | None = None) -> Staging:
     """The staging layout for `nblocks` transferred blocks (layout: cache.layout.PoolLayout); head_parts: per
-    cache group, the head parts its attention arrays are sent in (None: whole)."""
+    cache group, the head parts its attention arrays are sent in (None: whole); span_rows: the block rows split in
+    spans of that many (a power of two; None: one span). A split staging takes no more bytes than the unsplit one
+    (each span's rows are padded to a power of two no larger than the whole's)."""
     wire = WIRE_DTYPES[dtype]
     parts = check_head_parts(layout, head_parts)
+    cuts = spans(nblocks, check_span_rows(span_rows))
     arrays, off, sent = [], 0, 0
-    M = bucket(max(nblocks, 1))
     for k, (a, b) in enumerate(groups):
         for gi, gl in enumerate(layout.groups):
             g = gl.group
@@ -163,24 +207,27 @@ def staging(layout, dtype: str, nblocks: int, groups: list[tuple[int, int]], hea
             if j0 == j1:
                 continue
             L = j1 - j0
+            last = len(cuts) - 1
             if g.kind == "full":
                 if nblocks == 0:
                     continue
-                specs = [("blocks", (M, L, gl.entries, layout.block_size, g.kv_heads, gl.width), wire, nblocks)]
+                specs = [("blocks", (bucket(max(rows, 1)), L, gl.entries, layout.block_size, g.kv_heads, gl.width),
+                          wire, rows, s, row0) for s, (row0, rows) in enumerate(cuts)]
             elif g.kind == "sliding":
-                specs = [("ring", (L, gl.entries, g.window, g.kv_heads, gl.width), wire, None)]
+                specs = [("ring", (L, gl.entries, g.window, g.kv_heads, gl.width), wire, None, last, 0)]
             else:
-                specs = [("conv", (L,) + tuple(g.conv_shape), wire, None),
-                         ("ssm", (L,) + tuple(g.ssm_shape), "float32", None)]
-            for kind, shape, dt, rows in specs:
+                specs = [("conv", (L,) + tuple(g.conv_shape), wire, None, last, 0),
+                         ("ssm", (L,) + tuple(g.ssm_shape), "float32", None, last, 0)]
+            for kind, shape, dt, rows, s, row0 in specs:
                 P = parts[gi] if kind in ("blocks", "ring") else 1
                 shape = shape[:-2] + (shape[-2] // P, shape[-1])
                 for p in range(P):  # the parts back to back: together, the whole array's bytes
-                    spec = ArraySpec(len(arrays), gi, k, kind, j0, j1, shape, dt, off, rows, p, P)
+                    spec = ArraySpec(len(arrays), gi, k, kind, j0, j1, shape, dt, off, rows, p, P, s, row0)
                     arrays.append(spec)
                     off += spec.padded_bytes
                     sent += spec.sent_bytes
-                off = -(-off // ALIGN) * ALIGN
+                if kind != "blocks" or s == last:  # a cache group's spans back to back, then aligned
+                    off = -(-off // ALIGN) * ALIGN
     return Staging(tuple(arrays), off, sent)
 
 
@@ -205,25 +252,32 @@ class TransferPlan:
     runs: list[Run] = field(default_factory=list)
     head_parts: list[int] | None = None  # per cache group: the sender's KV-head shards (None: whole)
     shm_base: int | None = None  # the sender writes into the receiver's shared-memory region at this offset
+    span_rows: int | None = None  # block rows sent in spans of this many (None: one span)
 
     @staticmethod
     def build(layout, dtype: str, num_tokens: int, src: list[int], dst: list[int], skip: int,
-              groups: list[tuple[int, int]], head_parts: list[int] | None = None) -> "TransferPlan":
+              groups: list[tuple[int, int]], head_parts: list[int] | None = None,
+              span_rows: int | None = None) -> "TransferPlan":
         """src / dst: the request's blocks in each pool, covering `num_tokens` tokens; head_parts: how the
-        sender's pool splits each group's KV heads (cache.layout.head_parts)."""
+        sender's pool splits each group's KV heads (cache.layout.head_parts); span_rows: rows per span, kept only
+        where the rows sent are more (a power of two; None: one span)."""
         n = -(-num_tokens // layout.block_size)
         if len(src) < n or len(dst) < n:
             raise PlanError(f"{num_tokens} tokens need {n} blocks: sender has {len(src)}, receiver {len(dst)}")
         runs = align(list(src[skip:n]), list(dst[skip:n]))
         parts = None if head_parts is None or all(p == 1 for p in head_parts) else list(head_parts)
+        span_rows = check_span_rows(span_rows) if span_rows is not None and n - skip > span_rows else None
         return TransferPlan(layout_signature(layout, dtype), dtype, num_tokens, skip, n - skip, list(groups), runs,
-                            parts)
+                            parts, span_rows=span_rows)
 
     def to_meta(self) -> dict:
-        return {"signature": self.signature, "dtype": self.dtype, "num_tokens": self.num_tokens, "skip": self.skip,
-                "nblocks": self.nblocks, "layer_groups": [list(g) for g in self.layer_groups],
-                "runs": [[r.index, r.src, r.dst, r.length] for r in self.runs], "head_parts": self.head_parts,
-                "shm_base": self.shm_base}
+        m = {"signature": self.signature, "dtype": self.dtype, "num_tokens": self.num_tokens, "skip": self.skip,
+             "nblocks": self.nblocks, "layer_groups": [list(g) for g in self.layer_groups],
+             "runs": [[r.index, r.src, r.dst, r.length] for r in self.runs], "head_parts": self.head_parts,
+             "shm_base": self.shm_base}
+        if self.span_rows is not None:  # an unsplit plan's frame is as before spans
+            m["span_rows"] = self.span_rows
+        return m
 
     @staticmethod
     def from_meta(m: dict) -> "TransferPlan":
@@ -236,26 +290,31 @@ class TransferPlan:
                   "layer_groups": lambda v: isinstance(v, list) and 0 < len(v) <= 4096 and all(ints(g, 2) for g in v),
                   "runs": lambda v: isinstance(v, list) and all(ints(r, 4) for r in v),
                   "head_parts": lambda v: v is None or (ints(v) and len(v) <= 4096),
-                  "shm_base": lambda v: v is None or (type(v) is int and v >= 0)}
+                  "shm_base": lambda v: v is None or (type(v) is int and v >= 0),
+                  "span_rows": lambda v: v is None or (type(v) is int and 0 < v <= 1 << 30 and not v & (v - 1))}
         for name in m:
             if name not in fields:
                 raise PlanError(f"malformed plan: unknown field {name!r}")
         for name, ok in fields.items():
-            if name not in m and name not in ("head_parts", "shm_base"):
+            if name not in m and name not in ("head_parts", "shm_base", "span_rows"):
                 raise PlanError(f"malformed plan: missing field {name!r}")
             if not ok(m.get(name)):
                 raise PlanError(f"malformed plan: bad value of {name!r}: {str(m.get(name))[:80]}")
         return TransferPlan(m["signature"], m["dtype"], m["num_tokens"], m["skip"], m["nblocks"],
                             [tuple(g) for g in m["layer_groups"]], [Run(*r) for r in m["runs"]], m.get("head_parts"),
-                            m.get("shm_base"))
+                            m.get("shm_base"), m.get("span_rows"))
 
     def sends(self, st: Staging) -> list[tuple[int, int, int]]:
         """The logical sends (array index, byte offset, bytes): one per run of each block array (of each head
-        part), one per ring or state array (part), in layer-group order."""
+        part; a span's array: per run, its part inside the span), one per ring or state array (part), in
+        layer-group order."""
         out = []
         for a in st.arrays:
             if a.kind == "blocks":
-                out.extend((a.index, r.index * a.row_bytes, r.length * a.row_bytes) for r in self.runs)
+                for r in self.runs:
+                    lo, hi = max(r.index, a.row0), min(r.index + r.length, a.row0 + a.rows)
+                    if lo < hi:
+                        out.append((a.index, (lo - a.row0) * a.row_bytes, (hi - lo) * a.row_bytes))
             else:
                 out.append((a.index, 0, a.padded_bytes))
         return out
@@ -282,5 +341,7 @@ class TransferPlan:
             pos += r.length
         if pos != len(want):
             raise PlanError(f"runs cover {pos} blocks, {len(want)} reserved")
+        if self.span_rows is not None and self.span_rows >= self.nblocks:
+            raise PlanError(f"spans of {self.span_rows} rows for {self.nblocks} rows: one span needs no span_rows")
         groups = check_layer_groups(self.layer_groups, layout.num_layers)
-        return staging(layout, dtype, self.nblocks, groups, self.head_parts)
+        return staging(layout, dtype, self.nblocks, groups, self.head_parts, self.span_rows)

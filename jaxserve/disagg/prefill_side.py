@@ -4,7 +4,10 @@ A `Handoff` is attached to the sequence (`Sequence.transfer.out`) when the reque
 reserved the KV (its block ids, the prefix blocks it already holds) and the link to it. Before the step that runs
 the request's last prompt chunk, the engine thread calls `begin` with the engine's KVConnector (engine/connector.py,
 all of the engine this module uses): it builds the plan (FlowKV runs of sender vs receiver blocks) and starts the
-sender (the plan frame goes out). With `layers_per_group` the step then runs as
+sender (the plan frame goes out). A prompt longer than a chunk begins at its first chunk instead, its rows in
+spans of a chunk's blocks (transfer/plan.py): after each earlier chunk, `export_computed` dispatches the export
+of the spans that chunk completed, so they travel while the later chunks compute (SGLang sends a chunked
+prefill's KV chunk by chunk the same way). With `layers_per_group` the last chunk's step then runs as
 one program per layer group and, as each is dispatched, `export(k)` dispatches that group's export program: the
 device arrays go to the `Feeder` thread, which waits for each (JAX dispatch is asynchronous: group k's KV is sent
 while groups k+1.. still compute; on an accelerator the group's copy to host memory is started as it is
@@ -98,8 +101,9 @@ class Handoff:
         return groups if len(groups) > 1 else None
 
     def begin(self, kv, seq) -> None:
-        """Plan the transfer and send the plan (kv: the engine's KVConnector)."""
-        self._start(kv, seq.block_ids, seq.slot, self.request_id or seq.request_id)
+        """Plan the transfer and send the plan (kv: the engine's KVConnector), before the request's first chunk
+        that computes any of its KV (or its last)."""
+        self._start(kv, seq.block_ids, seq.slot, self.request_id or seq.request_id, kv.span_rows)
         for c in self.copies:
             c.begin(kv, seq)
 
@@ -115,31 +119,60 @@ class Handoff:
             self.export(k)
         self.feeder.put(self.sender, [], {"token": None})
 
-    def _start(self, kv, blocks: list[int], row: int, request_id: str) -> None:
+    def _start(self, kv, blocks: list[int], row: int, request_id: str, span_rows: int | None = None) -> None:
         layout, dtype = kv.layout, kv.dtype_name
         self._groups = layer_groups(layout.num_layers, self.layers_per_group)
         plan = TransferPlan.build(layout, dtype, self.kv_tokens, blocks, self.dst_blocks, self.skip,
-                                  self._groups, kv.head_parts)
+                                  self._groups, kv.head_parts, span_rows)
         plan.shm_base = self.shm_base  # the receiver refuses the plan unless that is its region's offset
         self._staging = plan.check(layout, dtype, self.dst_blocks, self.kv_tokens, self.skip)
         self.sender = KVSender(request_id, self.link, plan, self._staging, shm_base=self.shm_base)
         self.sender.start()
         self._kv, self._row = kv, row
         self._blocks = blocks[self.skip:self.skip + plan.nblocks]
-        self._exported: set[int] = set()
+        self._block_size = layout.block_size
+        self._exported: set[int] = set()  # layer groups exported whole
+        self._sent: set[tuple[int, int]] = set()  # (layer group, span) exported
+
+    def follow(self, seq) -> None:
+        """Before a step that runs a chunk of the request: its rows are read from where its blocks and state row are
+        now (a request preempted after its hand-off began is recomputed in other blocks; what it sent stays)."""
+        if self.sender is not None:
+            self._blocks, self._row = seq.block_ids[self.skip:self.skip + self.sender.plan.nblocks], seq.slot
+        for c in self.copies:
+            c.follow(seq)
 
     def export(self, k: int) -> None:
-        """Dispatch layer group k's export (its program reads the pool as the step's group k left it) and
-        queue the arrays to the feeder, which sends each as soon as it is computed."""
+        """Dispatch layer group k's export (its program reads the pool as the step's group k left it: the spans
+        of its rows not exported yet, with its rings and state) and queue the arrays to the feeder, which sends
+        each as soon as it is computed."""
         if k in self._exported:
             return
         self._exported.add(k)
-        items = self._kv.export(self._staging, k, self._blocks, self._row)
+        self._send(k, range(len(self._staging.spans)))
+        for c in self.copies:
+            c.export(k)
+
+    def export_computed(self, tokens: int) -> None:
+        """After a chunk before the last, whose end is token `tokens`: every layer group's spans whose rows that
+        chunk or an earlier one computed, exported now (the last span, which holds the rings and state, waits for
+        the last chunk)."""
+        rows = tokens // self._block_size - self.skip
+        spans = [s for s, (r0, n) in enumerate(self._staging.spans[:-1]) if r0 + n <= rows]
+        for k in range(len(self._groups)) if spans else ():
+            self._send(k, spans)
+        for c in self.copies:
+            c.export_computed(tokens)
+
+    def _send(self, k: int, spans) -> None:
+        spans = [s for s in spans if (k, s) not in self._sent]
+        if not spans:
+            return
+        self._sent.update((k, s) for s in spans)
+        items = self._kv.export(self._staging, k, self._blocks, self._row, spans)
         if not isinstance(self.link, PullLink):  # sent from host memory: its copy there (pinned) starts now
             items = host_copies(items)
         self.feeder.put(self.sender, items, None)
-        for c in self.copies:
-            c.export(k)
 
     def finish(self, prefix) -> None:
         for k in range(len(self._groups)):

@@ -8,9 +8,10 @@ and a worker's prefix calls may ask of the engine, and all they may ask (`LLMEng
 - **Sending side** (a prefill instance, the store): `export` dispatches a layer group's export from the pool;
   `cached_prefix` finds a prefix of the prefix cache to send with no step.
 - **Step side** (LLMEngine.step calls these): `stage` plans how a prefill step runs for the transfers of its
-  requests (the hand-offs of those whose last prompt chunk runs begin; the prefixes still arriving are waited for
-  layer group by layer group); after it ran, `settle_chunk` ends each chunk's wait for its prefix (one that failed to
-  arrive sends its request back to be computed here) and `hand_off` finishes a hand-off with the first token.
+  requests (the hand-offs of those whose prompt chunks run begin; the prefixes still arriving are waited for
+  layer group by layer group); once its programs are dispatched, `send_computed` exports what an earlier chunk of
+  a longer prompt completed; after it ran, `settle_chunk` ends each chunk's wait for its prefix (one that failed
+  to arrive sends its request back to be computed here) and `hand_off` finishes a hand-off with the first token.
 
 A request's transfer is its `Sequence.transfer` (sequence.py `Transfer`): where its KV goes (`out`, an
 `Outgoing`: a disagg.prefill_side.Handoff) and the cached prefix arriving for it (`into`, an `Incoming`: a
@@ -50,6 +51,7 @@ class Stages:
     after: Callable[[int], None] | None  # as group k is dispatched: the streamed hand-offs export it
     due: list  # [(Outgoing, Sequence)]: the hand-offs of the requests whose last prompt chunk runs
     fetching: list  # the requests whose cached prefix is still arriving
+    earlier: list  # [(Outgoing, PrefillChunk)]: the hand-offs of the requests whose earlier chunk runs
     spoiled: dict = field(default_factory=dict)  # fetching requests whose prefix did not arrive: why
 
     @property
@@ -242,9 +244,17 @@ class KVConnector:
         return st, views
 
     # ---- sending side
-    def export(self, staging, k: int, blocks: list[int], row: int) -> list:
-        """Dispatch layer group k's export of `blocks` (and the state in `row`) -> [(array index, device array)]."""
-        return self._llm.runner.export_kv(staging, k, blocks, row)
+    def export(self, staging, k: int, blocks: list[int], row: int, spans=None) -> list:
+        """Dispatch layer group k's export of `blocks` (and the state in `row`; spans: only these spans of the
+        rows, None: all) -> [(array index, device array)]."""
+        return self._llm.runner.export_kv(staging, k, blocks, row, spans)
+
+    @property
+    def span_rows(self) -> int:
+        """The rows of a hand-off's spans (transfer/plan.py): the largest power of two of blocks that one prefill
+        chunk fills, so an earlier chunk's KV leaves while the later chunks compute."""
+        n = max(self._llm.runner.chunk_size // self._llm.layout.block_size, 1)
+        return 1 << (n.bit_length() - 1)
 
     def cached_prefix(self, tokens) -> tuple[list[int], int] | None:
         """(block ids, state row) holding the KV of `tokens` (whole blocks) and, for a model with request-level
@@ -286,11 +296,12 @@ class KVConnector:
     # ---- step side (LLMEngine.step)
     def stage(self, plan: StepPlan) -> Stages:
         """How this prefill step runs for the transfers of its requests. A prefix that has landed whole is
-        imported now (its prefill runs unstaged). The hand-offs of the requests whose last prompt chunk runs
-        begin (one whose prefix is still arriving, once its first group is in); with layer-wise streaming the
-        step runs as layer groups and each group's KV is exported as soon as its program is dispatched, so it
-        travels while the later groups compute; a request whose cached prefix is still arriving waits for each
-        group's part of it before that group runs: fetch, compute and export overlap."""
+        imported now (its prefill runs unstaged). The hand-offs of the requests whose prompt chunks run begin
+        (one whose prefix is still arriving, once its first group is in; an earlier chunk's spans leave after the
+        step, `send_computed`); with layer-wise streaming the last chunk's step runs as layer groups and each
+        group's KV is exported as soon as its program is dispatched, so it travels while the later groups compute;
+        a request whose cached prefix is still arriving waits for each group's part of it before that group runs:
+        fetch, compute and export overlap."""
         llm = self._llm
         L = llm.layout.num_layers
         for c in plan.prefills:
@@ -298,11 +309,18 @@ class KVConnector:
             if inc is not None and inc.pending and inc.landed and inc.take(self, L, c.seq.slot):
                 c.seq.transfer.into = None
         due = [(c.seq.transfer.out, c.seq) for c in plan.prefills if c.last and c.seq.transfer.out is not None]
+        earlier = [(c.seq.transfer.out, c) for c in plan.prefills if not c.last and c.seq.transfer.out is not None]
         fetching = [c.seq for c in plan.prefills if c.seq.transfer.into is not None]
         groups, streamed, staged = None, [], {s.request_id for s in fetching}
+        for h, seq in [(h, c.seq) for h, c in earlier] + due:
+            if h.begun:  # its rows are read where they are now
+                h.follow(seq)
+        for h, c in earlier:  # a longer prompt's hand-off begins with its first chunk (its prefix arrived)
+            if c.seq.transfer.into is None and not h.begun:
+                h.begin(self, c.seq)
         for h, seq in due:
             g = h.groups(self)
-            if seq.transfer.into is None:
+            if seq.transfer.into is None and not h.begun:
                 h.begin(self, seq)
             if g is not None and (groups is None or g == groups):
                 groups = g
@@ -310,7 +328,7 @@ class KVConnector:
                 staged.add(seq.request_id)
         if groups is None and fetching:
             groups = next((s.transfer.into.groups for s in fetching if s.transfer.into.groups), None)
-        st = Stages(groups or llm.stage_groups, staged, None, None, due, fetching)
+        st = Stages(groups or llm.stage_groups, staged, None, None, due, fetching, earlier)
         if fetching:
             deferred = {seq for _, seq in due if seq.transfer.into is not None}  # hand-offs begun by `_fetch`
             st.before = lambda k: self._fetch(st, (st.groups or [(0, L)])[k][1], k, deferred)
@@ -327,12 +345,19 @@ class KVConnector:
                 continue
             if not seq.transfer.into.take(self, hi, seq.slot):
                 st.spoiled[seq] = seq.transfer.into.error
-            elif k == 0 and seq in deferred:
+            elif k == 0 and seq in deferred and not seq.transfer.out.begun:
                 seq.transfer.out.begin(self, seq)
+
+    def send_computed(self, st: Stages) -> None:
+        """Once the step's programs are dispatched: each begun hand-off whose earlier chunk ran exports the spans
+        of rows computed by now (their export programs run after the step's on the device)."""
+        for h, c in st.earlier:
+            if h.begun and c.seq not in st.spoiled:
+                h.export_computed(c.end)
 
     def abort(self, st: Stages, why: str) -> None:
         """The step failed: the hand-offs it began fail with it."""
-        for h, _ in st.due:
+        for h, _ in st.due + st.earlier:
             h.abort(why)
 
     def settle_chunk(self, st: Stages, c: PrefillChunk, changed: list) -> bool:

@@ -401,6 +401,7 @@ class LLMEngine:
             except BaseException as e:
                 self.connector.abort(st, f"prefill step failed: {type(e).__name__}: {e}")
                 raise
+        self.connector.send_computed(st)
         inserts = []
         for c, prefix in zip(plan.prefills, prefixes):
             if not self.connector.settle_chunk(st, c, changed):

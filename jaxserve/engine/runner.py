@@ -630,10 +630,12 @@ class ModelRunner:
         jax.block_until_ready(self._reads)
         self._reads = []
 
-    def export_kv(self, staging, layer_group: int, blocks: list[int], row: int) -> list[tuple[int, jax.Array]]:
-        """A request's staged KV for one layer group (dispatched; read before any later step writes the pool)."""
+    def export_kv(self, staging, layer_group: int, blocks: list[int], row: int,
+                  spans=None) -> list[tuple[int, jax.Array]]:
+        """A request's staged KV for one layer group (dispatched; read before any later step writes the pool);
+        spans: only these spans of its rows (None: all)."""
         with jax.profiler.TraceAnnotation("kv.export", layer_group=layer_group, blocks=len(blocks)):
-            items = self._io.export(self.pool, staging, layer_group, blocks, row)
+            items = self._io.export(self.pool, staging, layer_group, blocks, row, spans)
         if self.shared is not None:
             self._reads = [x for x in self._reads if not x.is_ready()] + [x for _, x in items]
         return items
@@ -648,7 +650,7 @@ class ModelRunner:
                 self.shared.import_(staging, views, blocks, row, layer_groups)
                 return
             self.pool = self._io.import_(self.pool, staging, views, blocks, row, self.layout.num_blocks,
-                                         layer_groups)
+                                         layer_groups, self.layout.scratch_row)
             if wait:
                 self.settle()
 

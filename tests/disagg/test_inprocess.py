@@ -38,7 +38,7 @@ def compiled_transfer_programs(pre, dec) -> tuple[int, int]:
 
 def run_disagg(path, prompts, params, *, sample=True, layers_per_group=None, warm_decode=None, tp=(1, 1),
                shm=False, pull=False, warm_transfer=False, exported=None, failing_imports=0, seqs=None,
-               resumed=None, cfg=CFG):
+               resumed=None, cfg=CFG, after_step=None):
     """tp: (prefill, decode) tensor parallelism, over the two fake CPU devices; shm: the local backend; pull:
     the device backend (each side its own JAX transfer server); warm_transfer: compile the export / import
     programs first, and check the transfers compile no more; exported: a list that collects every
@@ -46,7 +46,7 @@ def run_disagg(path, prompts, params, *, sample=True, layers_per_group=None, war
     that many imports raise; seqs: a list that collects decode's sequences; resumed: per prompt the output a
     failed first placement streamed, resumed as the router resumes it (router/cluster.py): prefill gets prompt +
     output and sends the KV of all but the last token, unsampled, and decode gets the output; cfg: both engines'
-    settings."""
+    settings; after_step: called with the prefill engine and the hand-offs after each prefill step."""
     def mesh(n):
         return None if n == 1 else jax.make_mesh((n,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,),
                                                  devices=jax.devices()[:n])
@@ -104,6 +104,8 @@ def run_disagg(path, prompts, params, *, sample=True, layers_per_group=None, war
             skips.append(skip)
         while pre.has_work:
             pre.step()
+            if after_step is not None:
+                after_step(pre, handoffs)
         for h in handoffs:
             assert h.sender.wait(30) is KVPoll.DONE, h.sender.state.reason
         while dec.has_work or intake.receivers:
@@ -173,8 +175,9 @@ def test_shared_memory_backend_matches_colocated(checkpoint_dir):
 @pytest.mark.parametrize("family,tp", [("kimi_linear", (1, 1)), ("llama", (2, 1))])
 def test_device_backend_matches_colocated(checkpoint_dir, family, tp):
     """The device backend: decode pulls each layer group's staged arrays through JAX's transfer server (one
-    PULL frame per group, no bytes on the KV connections), for a hybrid model and from a sharded (TP=2) pool;
-    the transfers compile nothing beyond the warmed programs; the counted bytes are the plan's."""
+    PULL frame per group for the last chunk, and one per group for the spans an earlier chunk completed; no
+    bytes on the KV connections), for a hybrid model and from a sharded (TP=2) pool; the transfers compile
+    nothing beyond the warmed programs; the counted bytes are the plan's."""
     path = checkpoint_dir(family)
     want = [o.token_ids for o in LLM(path, progress=False, engine=CFG).generate(PROMPTS, GREEDY)]
     got, handoffs, skips, dec = run_disagg(path, PROMPTS, GREEDY, layers_per_group=2, pull=True, tp=tp,
@@ -182,8 +185,14 @@ def test_device_backend_matches_colocated(checkpoint_dir, family, tp):
     assert got == want
     groups = len(layer_groups(dec.layout.num_layers, 2))
     for p, h, skip in zip(PROMPTS, handoffs, skips):
-        assert h.sender.sends == groups and h.sender.frames == groups + 2  # plan + one PULL per group + record
+        assert h.sender.frames == h.sender.sends + 2  # plan + the PULLs + record
+        # the last chunk's export one PULL per group; each earlier chunk's that completed a span one per group
+        # holding attention blocks (the spans of a linear-attention group's state all go with the last)
+        early, with_blocks = len(h.sender.staging.spans) - 1, len({a.layer_group for a in h.sender.staging.arrays
+                                                                   if a.kind == "blocks"})
+        assert (h.sender.sends - groups) % with_blocks == 0 and 0 <= (h.sender.sends - groups) // with_blocks <= early
         assert h.sender.bytes_acked == dec.cache_spec.transfer_bytes(len(p), CFG.block_size, 4, skip)
+    assert any(h.sender.sends > groups for h in handoffs)  # a longer prompt's spans left before its last chunk
 
 
 def test_kv_sent_over_tcp_from_pinned_host_copies_matches_colocated(checkpoint_dir, monkeypatch):
@@ -205,6 +214,60 @@ def test_kv_sent_over_tcp_from_pinned_host_copies_matches_colocated(checkpoint_d
     assert got == want
     assert copied and all(x.sharding.memory_kind == "pinned_host" for x in copied)
     assert sum(h.sender.sends for h in handoffs) >= len(copied)  # every staged array went out from its copy
+
+
+@pytest.mark.parametrize("pull", [False, True])
+def test_a_longer_prompts_kv_leaves_chunk_by_chunk(checkpoint_dir, pull):
+    """A 21-token prompt prefilled in chunks of 8 (blocks of 4: spans of 2 rows): the rows its first chunk
+    computed are at decode before its second chunk runs, the first two chunks' before its last, every layer
+    group's (TCP, and pulled device to device); the answer is colocated's."""
+    import time
+    path = checkpoint_dir("llama")
+    prompt = BASE[:21]
+    want = LLM(path, progress=False, engine=CFG).generate([prompt], GREEDY)[0].token_ids
+    arrived = []
+
+    def landed(pre, handoffs):
+        (h,) = handoffs
+        st = h.sender.staging
+        if len(arrived) < 2:  # after chunk k (k = 1, 2): spans 0..k-1, all groups, and nothing else
+            spans = range(len(arrived) + 1)
+            want_bytes = sum(a.sent_bytes for a in st.arrays if a.span in spans)
+            end = time.monotonic() + 30
+            while h.sender.bytes_acked < want_bytes and time.monotonic() < end:
+                time.sleep(0.002)
+            time.sleep(0.05)  # nothing more is on its way
+        arrived.append(h.sender.bytes_acked)
+    got, handoffs, _, _ = run_disagg(path, [prompt], GREEDY, layers_per_group=2, pull=pull, after_step=landed)
+    assert got == [want]
+    st = handoffs[0].sender.staging
+    assert st.spans == [(0, 2), (2, 2), (4, 2)] and len(arrived) == 3
+    assert arrived[:2] == [sum(a.sent_bytes for a in st.arrays if a.span < k) for k in (1, 2)]
+    assert arrived[1] < st.sent_bytes
+
+
+def test_a_hand_off_preempted_between_its_chunks_reads_its_rows_where_they_are_then(checkpoint_dir):
+    """The prefill instance preempts a request after its first chunk's rows left (recomputed in other blocks):
+    what it sent stays, the rest is read from its new blocks, and the answer is colocated's."""
+    path = checkpoint_dir("llama")
+    prompt = BASE[:21]
+    want = LLM(path, progress=False, engine=CFG).generate([prompt], GREEDY)[0].token_ids
+    moved = []
+
+    def preempt(pre, handoffs):
+        if not moved:
+            (seq,) = pre.scheduler.running
+            old = list(seq.block_ids)
+            pre.scheduler.requeue(seq)
+            moved.append((old, pre.blocks.allocate([], len(old) * CFG.block_size)))  # its blocks taken meanwhile
+        elif len(moved) == 1:
+            (seq,) = pre.scheduler.running
+            # recomputed elsewhere in the pool (the first chunk's two blocks are its prefix cache hit)
+            assert seq.block_ids[:2] == moved[0][0][:2] and not set(seq.block_ids[2:]) & set(moved[0][0])
+            moved.append(seq)
+    got, handoffs, _, _ = run_disagg(path, [prompt], GREEDY, layers_per_group=2, after_step=preempt)
+    assert got == [want] and len(moved) == 2 and moved[1].num_preemptions == 1
+    assert handoffs[0].sender.bytes_acked == handoffs[0].sender.staging.sent_bytes
 
 
 def test_last_prompt_token_left_to_decode(checkpoint_dir):

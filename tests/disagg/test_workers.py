@@ -212,8 +212,10 @@ def test_device_backend_between_worker_processes(device_cluster):
         assert reserved["pull"] is True
         assert last["token_ids"] == w and last["finished"] and not last["error"]
         assert res["backend"] == "device" and res["token"] == w[0] and res["kv_bytes"] > 0
-        # one PULL per layer group (streamed), plus the plan and the record
-        assert res["sends"] == groups and res["frames"] == groups + 2
+        # one PULL per layer group (streamed), and after the first chunk one per group with attention blocks (13
+        # tokens in chunks of 8, blocks of 4: the first 2 rows leave then); plus the plan and the record
+        assert (res["sends"] > groups if len(p) > 8 else res["sends"] == groups), (res, p)
+        assert res["frames"] == res["sends"] + 2
     ph, dh = health(pinfo["address"], dinfo["address"])
     assert ph["stats"]["blocks_used"] == 0 and dh["stats"]["blocks_used"] == 0
 

@@ -38,7 +38,7 @@ def export(lay: PoolLayout, pool: list, st: Staging, blocks: list[int], row: int
         arr = pool[w.group]
         if w.kind == "blocks":
             x = np.zeros(w.shape, np.float32)
-            x[:w.rows] = arr[blocks][:, w.j0:w.j1]
+            x[:w.rows] = arr[blocks[w.row0:w.row0 + w.rows]][:, w.j0:w.j1]  # its span's rows
         elif w.kind == "ring":
             x = arr[row, w.j0:w.j1]
         else:

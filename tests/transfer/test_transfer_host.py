@@ -18,7 +18,7 @@ from jaxserve.transfer.align import Run, align, contiguous_runs
 from jaxserve.transfer.bufpool import PoolFull, RecvPool
 from jaxserve.transfer.link import LinkEmulation, TokenBucket
 from jaxserve.transfer.net import Timeouts
-from jaxserve.transfer.plan import PlanError, TransferPlan, layer_groups
+from jaxserve.transfer.plan import PlanError, TransferPlan, layer_groups, staging
 from jaxserve.transfer.receiver import KVReceiver, region_bytes
 from jaxserve.transfer.sender import KVSender
 from jaxserve.transfer.state import IllegalTransition, KVPoll, TransferState
@@ -212,6 +212,68 @@ def test_head_parts_stage_each_ranks_heads_contiguously_and_cross_whole():
         assert s.wait(10) is KVPoll.DONE and r.state.wait(10) is KVPoll.DONE
         got = [np.concatenate([r.arrays()[q.index] for q in parts], axis=-2) for _, parts in st.logical]
         _assert_same(whole, got, export(lay, p.pool, whole, src, 1))
+    finally:
+        p.close()
+
+
+def test_spans_split_the_rows_into_unsplit_shapes_and_cross_as_the_unsplit_plan():
+    """A plan in spans of 4 rows (11 blocks: 4 + 4 + 3): each span's arrays have the shapes of an unsplit staging
+    of its own rows (the programs are those), the rings and state go with the last span, the split staging takes
+    no more bytes than the unsplit one (nor than the receiver's worst-case region, for any rows and span), its
+    sends tile each array once, and a transfer whose earlier spans go first delivers exactly the unsplit KV."""
+    lay = layout()
+    src = [3, 4, 9, 10, 11, 12, 13, 14, 25, 26, 27]
+    dst = [7, 8, 9, 20, 21, 22, 23, 28, 29, 30, 31]
+    n, groups = 43, layer_groups(lay.num_layers, 2)
+    whole = TransferPlan.build(lay, "float32", n, src, dst, 0, groups).check(lay, "float32", dst, n, 0)
+    plan = TransferPlan.from_meta(TransferPlan.build(lay, "float32", n, src, dst, 0, groups, span_rows=4).to_meta())
+    st = plan.check(lay, "float32", dst, n, 0)
+    assert plan.span_rows == 4 and st.spans == [(0, 4), (4, 4), (8, 3)] and whole.spans == [(0, 11)]
+    assert st.sent_bytes == whole.sent_bytes and st.nbytes <= whole.nbytes
+    def shape(arrays):
+        return [(w.group, w.kind, w.j0, w.j1, w.shape) for w, _ in arrays]
+    for s, arrays in st.units():
+        rows = st.spans[s][1]
+        assert shape(arrays) == shape(staging(lay, "float32", rows, groups).logical), s
+    assert {a.span for a in st.arrays if a.kind != "blocks"} == {2}
+    covered: dict[int, list] = {}
+    for a, off, nb in plan.sends(st):
+        covered.setdefault(a, []).append((off, nb))
+    for a in st.arrays:  # each array's sends: back to back from 0 to its bytes
+        pos = 0
+        for off, nb in sorted(covered[a.index]):
+            assert off == pos and nb > 0
+            pos += nb
+        assert pos == a.sent_bytes, a
+    for rows in range(1, 40):
+        for P in (1, 2, 4, 8, 16):
+            split = staging(lay, "float32", rows, layer_groups(lay.num_layers, 2), span_rows=P)
+            assert split.nbytes <= region_bytes(lay, "float32", rows * lay.block_size, 0), (rows, P)
+    # an unsplit plan's frame is as before spans; spans no smaller than the rows are no spans
+    assert "span_rows" not in TransferPlan.build(lay, "float32", n, src, dst, 0, groups).to_meta()
+    assert TransferPlan.build(lay, "float32", n, src, dst, 0, groups, span_rows=16).span_rows is None
+    for bad in (3, 0, "4"):
+        with pytest.raises(PlanError, match="span_rows"):
+            TransferPlan.from_meta({**plan.to_meta(), "span_rows": bad})
+    with pytest.raises(PlanError, match="one span"):
+        TransferPlan.from_meta({**plan.to_meta(), "span_rows": 16}).check(lay, "float32", dst, n, 0)
+    p = Pair()
+    try:
+        r = p.receiver("s", dst, n)
+        sender = KVSender("s", p.link, plan, st)
+        sender.start()
+        arrays = export(lay, p.pool, st, src, 1)
+        order = sorted(range(len(arrays)), key=lambda i: -st.arrays[i].span)  # the earlier spans last, even
+        for i in order:
+            sender.send_array(i, arrays[i])
+        sender.finish({"token": 3})
+        assert sender.wait(10) is KVPoll.DONE and r.state.wait(10) is KVPoll.DONE
+        got = r.arrays()
+        for (w, _), rows in zip(whole.logical, export(lay, p.pool, whole, src, 1)):  # the unsplit KV, rebuilt
+            mine = [got[a.index][:a.rows] if a.kind == "blocks" else got[a.index] for a in st.arrays
+                    if (a.layer_group, a.group, a.kind) == (w.layer_group, w.group, w.kind)]
+            np.testing.assert_array_equal(np.concatenate(mine) if w.kind == "blocks" else mine[0],
+                                          rows[:w.rows] if w.kind == "blocks" else rows)
     finally:
         p.close()
 
