@@ -78,8 +78,10 @@ class Feeder:
 @dataclass
 class Handoff:
     """Where one request's KV goes, and its transfer. The engine thread calls `begin` before the step that
-    runs the request's last prompt chunk, `export(k)` as layer group k's program is dispatched (layer-wise
-    streaming), and `finish` after the step with the sampled first token; `abort` if the step fails."""
+    runs the request's first prompt chunk (a prompt in one chunk: its last), `follow` before each later one,
+    `export_computed` after each chunk but the last, `export(k)` as the last chunk's layer group k's program is
+    dispatched (layer-wise streaming), and `finish` after that step with the sampled first token; `abort` if a
+    step fails."""
     link: object  # transfer backend link to the decode instance
     feeder: Feeder
     dst_blocks: list[int]
