@@ -76,15 +76,18 @@ def _ttft(name: str, t: dict) -> list[str]:
             for n in lengths:
                 x = 100 * c[over][n] if over in c else None
                 cells.append(ms(c[f][n]) + ("" if x is None else f" ({x:+.0f}%)" if abs(x) >= 10 else f" ({x:+.1f}%)"))
-        rows.append([_setup(key, c)] + cells)
+        rows.append([_setup(key, c, bool(chunks))] + cells)
     return out + table(["setup"] + [f"TTFT {n}" for n in lengths] + [f"2nd token {n}" for n in lengths], rows)
 
 
-def _setup(key: str, c: dict) -> str:
+def _setup(key: str, c: dict, chunked: bool = False) -> str:
     where = f"emulated {c['link_gbps']} Gb/s link" if c.get("link_gbps") else "shared memory"
     if key == "colocated":
         return "colocated"
-    how = f"layer groups of {c['layers_per_group']}" if c.get("layers_per_group") else "sent after prefill"
+    if c.get("layers_per_group"):
+        how = f"layer groups of {c['layers_per_group']}" + (" in the last chunk" if chunked else "")
+    else:
+        how = "sent after each chunk" if chunked else "sent after prefill"
     return f"disaggregated, {where}, {how}"
 
 
