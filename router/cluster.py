@@ -175,8 +175,10 @@ class Router:
             out["prefix_hit_rate"] /= len(workers)
         return out
 
-    async def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> asyncio.Queue:
-        """Place the request (raises RequestError / QueueFull / Unavailable) and stream its Updates to a queue."""
+    async def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                  final_only: bool = False) -> asyncio.Queue:
+        """Place the request (raises RequestError / QueueFull / Unavailable) and stream its Updates to a queue
+        (final_only: each sequence's finished one alone; the running ones are still followed, to resume it)."""
         arrival = time.monotonic()
         seed = params.seed
         if params.n > 1 and seed is None:
@@ -184,7 +186,7 @@ class Router:
         kv = len(prompt_ids) - 1 if self.cfg.transfer.leave_last_token and len(prompt_ids) > 1 else len(prompt_ids)
         subs = [Sub(request_id if params.n == 1 else f"{request_id}-{i}", i, list(prompt_ids),
                      dataclasses.asdict(dataclasses.replace(params, n=1, seed=None if seed is None else seed + i)), kv,
-                     arrival=arrival)
+                     arrival=arrival, final_only=final_only)
                 for i in range(params.n)]
         try:
             for s in subs:
@@ -459,7 +461,8 @@ class Router:
             prefill already delivered) is dropped."""
             if s.sent is None or len(u.token_ids) > len(s.sent.token_ids):
                 s.sent = stamp(u)
-                q.put_nowait(u)
+                if not s.final_only:
+                    q.put_nowait(u)
 
         pre = None  # the request's Prefill call, running while the decode stream is read
         try:

@@ -111,11 +111,12 @@ class Sub:
     placed_s: float | None = None  # from the arrival to the placement's stream opened (Decode: its reservation)
     prefill_ttft_s: float | None = None  # the prefill engine's own TTFT (its arrival there to its first token)
     errors: list = field(default_factory=list)
-    sent: Update | None = None  # the last update the client got (updates are cumulative)
+    sent: Update | None = None  # the last update relayed to the client (or held: final_only); cumulative
+    final_only: bool = False  # the client takes only the finished update (a request that does not stream)
 
     @property
     def output(self) -> list[int]:
-        """Tokens the client already has: a placement after a failure resumes from them."""
+        """Tokens the client already has (or will, final_only): a placement after a failure resumes from them."""
         return list(self.sent.token_ids) if self.sent is not None else []
 
     def kv(self) -> int:

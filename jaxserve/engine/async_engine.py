@@ -31,6 +31,7 @@ class _Request:
     seqs: list[Sequence]
     queue: asyncio.Queue  # or anything with its put_nowait (a worker's worker/fanout.py Sink)
     loop: asyncio.AbstractEventLoop
+    final_only: bool = False  # only each sequence's finished Update is made and delivered
     done: set = field(default_factory=set)
 
 
@@ -94,25 +95,29 @@ class AsyncEngine:
         return await asyncio.wrap_future(fut)
 
     async def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, queue=None,
-                  **resume) -> asyncio.Queue:
+                  final_only: bool = False, **resume) -> asyncio.Queue:
         """Queue a request; returns the asyncio.Queue its Updates arrive on. Raises RequestError / QueueFull.
-        resume: output= and logprobs= of a request resumed (LLMEngine.add_request); queue: as attach's."""
+        resume: output= and logprobs= of a request resumed (LLMEngine.add_request); queue, final_only: as
+        attach's."""
         if self.error is not None and not self.engine.has_work:
             self.error = None  # the failed step's requests are gone; try again
         q, _ = await self.attach(request_id,
-                                 lambda eng: (eng.add_request(request_id, prompt_ids, params, **resume), None), queue)
+                                 lambda eng: (eng.add_request(request_id, prompt_ids, params, **resume), None), queue,
+                                 final_only)
         return q
 
-    async def attach(self, request_id: str, make, queue=None) -> tuple[asyncio.Queue, object]:
+    async def attach(self, request_id: str, make, queue=None, final_only: bool = False) -> tuple[asyncio.Queue, object]:
         """Run make(engine) -> (sequences, result) on the engine thread and stream the sequences' Updates to the
         returned queue (how the disaggregated sides queue their requests). Returns (queue, result). queue: where
-        the Updates go instead of a new asyncio.Queue (anything with its put_nowait, called on this loop)."""
+        the Updates go instead of a new asyncio.Queue (anything with its put_nowait, called on this loop);
+        final_only: only each sequence's finished Update (a request that does not stream: the engine thread
+        makes no Update of it while it runs, and the loop wakes for it once)."""
         q = asyncio.Queue() if queue is None else queue
         loop = asyncio.get_running_loop()
 
         def attach(eng: LLMEngine):
             seqs, result = make(eng)
-            self._requests[request_id] = _Request(list(seqs), q, loop)
+            self._requests[request_id] = _Request(list(seqs), q, loop, final_only)
             self._owner.update((s.request_id, request_id) for s in seqs)
             return result
         try:
@@ -211,6 +216,8 @@ class AsyncEngine:
             if req is None:
                 continue
             for s in seqs:
+                if req.final_only and not s.finished:
+                    continue
                 idx = req.seqs.index(s)
                 ttft = None if s.first_token_time is None else s.first_token_time - s.arrival
                 # a running request's output and logprobs as views (they only grow): no copy of its whole

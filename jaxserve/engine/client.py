@@ -172,9 +172,11 @@ class EngineClient(Protocol):
     def encode(self, prompt) -> list[int]:
         """Text or token ids -> token ids (raises RequestError)."""
 
-    async def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> asyncio.Queue:
-        """Queue a request; its Updates arrive on the returned queue. Raises RequestError, QueueFull,
-        EngineUnavailable."""
+    async def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                  final_only: bool = False) -> asyncio.Queue:
+        """Queue a request; its Updates arrive on the returned queue (final_only: each sequence's finished one
+        alone, for a request that does not stream, as vLLM's FINAL_ONLY output kind). Raises RequestError,
+        QueueFull, EngineUnavailable."""
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free what it holds (no-op once finished)."""

@@ -107,7 +107,7 @@ class Api:
             self._grammars = Grammars(self.tok.to_json(), self.tok.vocab_size, [])
         return self._grammars
 
-    async def submit(self, prompt, params):
+    async def submit(self, prompt, params, stream: bool):
         rid = uuid.uuid4().hex
         try:
             limit = self.engine.max_model_len
@@ -115,7 +115,7 @@ class Api:
                 raise RequestError(f"prompt of {len(prompt)} tokens exceeds the maximum context length {limit}",
                                    "prompt")
             ids = await _off_loop(self.engine.encode, prompt)
-            q = await self.engine.add(rid, ids, params)
+            q = await self.engine.add(rid, ids, params, final_only=not stream)
         except RequestError as e:
             raise APIError(400, str(e), param=e.param) from None
         except QueueFull as e:
@@ -215,7 +215,7 @@ class Api:
         if isinstance(prompt, str) and self.tok is None:
             raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
         params = self.sampling(body, body.logprobs)
-        rid, ids, q = await self.submit(prompt, params)
+        rid, ids, q = await self.submit(prompt, params, body.stream)
         if body.stream:
             return StreamingResponse(stream(self, rid, q, False, body, ids), media_type="text/event-stream")
         ups = await self.collect(request, rid, q, params.n)
@@ -239,7 +239,7 @@ class Api:
             raise APIError(400, f"the chat template failed on these messages: {type(e).__name__}: {e}",
                            param="messages") from None
         params = self.sampling(body, (body.top_logprobs or 0) if body.logprobs else None)
-        rid, ids, q = await self.submit(prompt, params)
+        rid, ids, q = await self.submit(prompt, params, body.stream)
         if body.stream:
             return StreamingResponse(stream(self, rid, q, True, body, ids), media_type="text/event-stream")
         ups = await self.collect(request, rid, q, params.n)

@@ -160,3 +160,47 @@ def test_a_steps_updates_reach_their_loop_in_one_call(checkpoint_dir):
     for ups in got:  # every step's update of each request, in order
         assert [len(u.token_ids) for u in ups] == list(range(1, 6)) and ups[-1].finished
     assert max(calls) == 4 and sum(calls) == 4 * 5 and len(calls) < 4 * 5
+
+
+def test_a_request_that_does_not_stream_gets_its_final_update_alone(checkpoint_dir):
+    """final_only (the HTTP app's non-streamed requests): the engine thread makes no Update of the request while
+    it runs (vLLM's FINAL_ONLY), its queue gets the finished one alone, equal to a streamed twin's last; n > 1:
+    one final Update per sequence."""
+    from jaxserve.engine.client import Update
+    from jaxserve.llm import LLM
+    from jaxserve.sampling import SamplingParams
+    ae = AsyncEngine(LLM(checkpoint_dir("llama"), progress=False).engine)
+    made: list[int] = []
+    real = Update.__init__
+
+    def count(self, index, *a, **kw):
+        made.append(index)
+        real(self, index, *a, **kw)
+
+    async def drain(q, n=1):
+        got = [await asyncio.wait_for(q.get(), 60)]
+        while sum(u.finished for u in got) < n:
+            got.append(await asyncio.wait_for(q.get(), 60))
+        await asyncio.sleep(0.1)
+        assert q.empty()  # nothing after the finished ones
+        return got
+
+    async def go():
+        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1)
+        streamed = await drain(await ae.add("s", [5, 9, 13, 2], params))
+        Update.__init__ = count
+        try:
+            final = await drain(await ae.add("f", [5, 9, 13, 2], params, final_only=True))
+            two = await drain(await ae.add("t", [5, 9, 13, 2], SamplingParams(
+                n=2, max_tokens=4, temperature=0.8, seed=3, ignore_eos=True), final_only=True), 2)
+        finally:
+            Update.__init__ = real
+        return streamed, final, two
+    try:
+        streamed, final, two = asyncio.run(go())
+    finally:
+        ae.shutdown()
+    assert len(streamed) == 6 and len(final) == 1 and final[0].finished
+    assert final[0].token_ids == streamed[-1].token_ids and final[0].logprobs == streamed[-1].logprobs
+    assert sorted(u.index for u in two) == [0, 1] and all(u.finished and len(u.token_ids) == 4 for u in two)
+    assert sorted(made) == [0, 0, 1]  # the three finished Updates, none while running

@@ -160,3 +160,19 @@ def test_an_updates_stream_that_breaks_sends_its_requests_elsewhere_resumed():
             assert ups[-1].route["decode_instance"] == second and ups[-1].route["attempts"] == 2
             assert ce.retries == 1
     asyncio.run(go())
+
+
+def test_a_request_that_does_not_stream_gets_its_final_update_alone_and_still_resumes():
+    """final_only through the router: the client's queue gets the finished update alone, while the router still
+    follows the running ones, so a placement whose stream breaks is resumed after the tokens decoded so far."""
+    async def go():
+        cut = ("decode", {"cut": True})
+        async with cluster({"p0": ("prefill", {}), "d0": cut, "d1": cut}, make=fakes) as (ce, w):
+            q = await ce.add("r", [1, 2, 3], GREEDY, final_only=True)
+            u = await asyncio.wait_for(q.get(), 30)
+            assert u.finished and u.token_ids == [3, 0, 7, 8] and u.error is None, u
+            await asyncio.sleep(0.1)
+            assert q.empty()
+            second = next(n for n in ("d0", "d1") if w[n].opened == ["r.2"])
+            assert w[second].requests[0]["output"][:1] == [3] and ce.retries == 1  # resumed, not restarted
+    asyncio.run(go())

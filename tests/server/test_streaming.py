@@ -98,3 +98,19 @@ def test_collect_takes_the_final_updates_and_gives_up_on_a_gone_client_or_the_de
             assert e.value.status == want and aborted == ["r"]
             gone.clear()
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+def test_a_request_that_does_not_stream_asks_the_engine_for_its_final_update_alone(streamed):
+    """Api.submit queues a non-streamed request final_only (the engine makes and delivers no running update of
+    it: engine/async_engine.py, router/cluster.py), a streamed one with every update."""
+    async def go():
+        asked = []
+
+        async def add(rid, ids, params, final_only=False):
+            asked.append((ids, final_only))
+            return asyncio.Queue()
+        api = SimpleNamespace(engine=SimpleNamespace(max_model_len=64, encode=list, add=add))
+        await api_module.Api.submit(api, [1, 2], None, streamed)
+        assert asked == [([1, 2], not streamed)]
+    asyncio.run(go())
