@@ -10,8 +10,9 @@
 # memory, staged through driver memory where JAX's cannot be shared), `jaxserve serve` disaggregated (a prefill
 # and a decode worker sharing the GPU, KV through CUDA IPC, or through JAX's transfer server where the IPC test
 # failed) and the PrfaaS deployment (a prefill cluster over an emulated link) against colocated, SmolLM2-shaped
-# (bench.gpu_disagg: answers, TTFT and where it goes, TPOT, and TPOT under a batch of 16), tiny Llama, Kimi
-# Linear and gpt-oss checkpoints answering the same disaggregated as colocated there
+# (bench.gpu_disagg: answers, TTFT and where it goes, the wait for the second token (the KV's transfer; a
+# 4,000-token prompt's first chunk sent while its second computes), TPOT, and TPOT under a batch of 16), tiny
+# Llama, Kimi Linear and gpt-oss checkpoints answering the same disaggregated as colocated there
 # (tests/router/test_cluster_http.py), and with the time left
 # the device transfer backend's tests and its bytes/s (transfer server and CUDA IPC) beside raw sockets and the
 # device's own copy (tests/transfer/test_pull.py, bench.transfer part a). The

@@ -15,7 +15,10 @@ the GPU (KV across the link leaves the device once, into host memory, for the TC
   request's decode reservation included; none for colocated, one in-process engine), the TTFT of the engine that
   answered from the request's arrival there (`engine_ttft_s`: colocated's own; a disaggregated request's decode
   instance, from its reservation to the first token it recorded once the KV was in) and the prefill engine's own
-  (`prefill_ttft_s`: its arrival there to its first token), and each instance's engine steps over the timed
+  (`prefill_ttft_s`: its arrival there to its first token), the wait from the first token to the second
+  (`second_s`: disaggregated, the first token leaves the prefill instance at once, so the KV's transfer and import
+  show here; a prompt longer than a chunk sends its earlier chunks' KV while the later ones compute), and each
+  instance's engine steps over the timed
   requests (their kinds, count, mean ms and phases: the workers' step timers as the router's /health
   reports them), which say where a deployment's TTFT goes. The backends' own rates beside the device copy and
   raw sockets are bench.transfer's (gpu_check runs both);
@@ -83,8 +86,10 @@ def configs(model: str, max_len: int, cache: str, cpus: bool = False, cuda_ipc: 
 
 
 def complete(port: int, prompt: list[int], new: int, top: int = 0) -> dict:
-    """One streamed greedy completion -> {"tokens", "ttft_s", "tpot_s", "jaxserve", "gaps"}: gaps, with top >= 2,
-    each token's log-probability gap between its two likeliest tokens (None where they decode alike)."""
+    """One streamed greedy completion -> {"tokens", "ttft_s", "second_s", "tpot_s", "jaxserve", "gaps"}: second_s
+    the wait from the first token to the second (disaggregated: where the KV's transfer shows, the first token
+    coming from the prefill instance at once); gaps, with top >= 2, each token's log-probability gap between its
+    two likeliest tokens (None where they decode alike)."""
     body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": new, "temperature": 0, "ignore_eos": True,
                        "stream": True, "logprobs": top}).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
@@ -100,14 +105,15 @@ def complete(port: int, prompt: list[int], new: int, top: int = 0) -> dict:
             lp = ev["choices"][0].get("logprobs") or {}
             got = lp.get("tokens") or []
             if got:
-                stamps.append(time.perf_counter() - t0)
+                stamps += [time.perf_counter() - t0] * len(got)  # each token when its chunk came
                 tokens += got
                 gaps += [top_gap(t) for t in lp.get("top_logprobs") or [{}] * len(got)]
             meta = ev.get("jaxserve", meta)
     if not stamps:
         raise RuntimeError(f"no tokens streamed for a prompt of {len(prompt)} tokens")
     tpot = (stamps[-1] - stamps[0]) / (len(tokens) - 1) if len(tokens) > 1 else None
-    return {"tokens": tokens, "ttft_s": stamps[0], "tpot_s": tpot, "jaxserve": meta, "gaps": gaps}
+    return {"tokens": tokens, "ttft_s": stamps[0], "second_s": stamps[1] - stamps[0] if len(stamps) > 1 else None,
+            "tpot_s": tpot, "jaxserve": meta, "gaps": gaps}
 
 
 def top_gap(top: dict) -> float | None:
@@ -183,6 +189,7 @@ def serve_and_measure(config: dict, work: str, name: str, answers: list[list[int
             out["lengths"][str(n)] = {
                 "ttft_s": statistics.median(r["ttft_s"] for r in runs),
                 "tpot_s": statistics.median(r["tpot_s"] for r in runs if r["tpot_s"] is not None),
+                "second_s": _median(r["second_s"] for r in runs),
                 "kv_bytes": statistics.median(m.get("kv_bytes_transferred") or 0 for m in metas),
                 "kv_backend": sorted({m.get("kv_backend") for m in metas if m.get("kv_backend")}),
                 "prefill_instance": sorted({m.get("prefill_instance") for m in metas if m.get("prefill_instance")}),

@@ -407,6 +407,7 @@ def gpu_disagg(r: dict[str, dict]) -> list[str]:
             rows = []
             steps = any("steps" in g["lengths"][n] for n in x["ratios"])
             where = any(g["lengths"][n].get("placed_s") is not None for n in x["ratios"])
+            second = any(g["lengths"][n].get("second_s") is not None for n in x["ratios"])
             for n, y in x["ratios"].items():
                 cn, gn = c["lengths"][n], g["lengths"][n]
                 rows.append([n, f"{num(cn['ttft_s'], 3)} / {num(gn['ttft_s'], 3)}",
@@ -416,11 +417,13 @@ def gpu_disagg(r: dict[str, dict]) -> list[str]:
                             + ([f"{_ms(cn.get('placed_s'))} / {_ms(gn.get('placed_s'))}",
                                 f"{_ms(cn.get('engine_ttft_s'))} / {_ms(gn.get('prefill_ttft_s'))}",
                                 _ms(gn.get('engine_ttft_s'))] if where else [])
+                            + ([f"{_ms(cn.get('second_s'))} / {_ms(gn.get('second_s'))}"] if second else [])
                             + ([f"{prefill_steps(cn)} / {prefill_steps(gn)}"] if steps else []))
             out += table(["prompt (tokens)", f"TTFT colocated / {dep} (s)", f"TPOT colocated / {dep} (ms)",
                           f"{dep} / colocated: TTFT, TPOT", "KV per request (MB), backend, prefilled by"]
                          + ([f"placed colocated / {dep} (ms)", f"prefilling engine's TTFT colocated / {dep} (ms)",
                              f"{dep}: decode's reservation to its first token (ms)"] if where else [])
+                         + ([f"first token to the second colocated / {dep} (ms)"] if second else [])
                          + ([f"prefill steps colocated / {dep}: count x ms (device ms)"] if steps else []), rows)
             if "load" in x:
                 out += [_load(d["load"], c["load"], g["load"], dep, x["load"]), ""]

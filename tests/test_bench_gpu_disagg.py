@@ -28,6 +28,7 @@ def test_every_deployment_answers_as_colocated_and_is_timed(checkpoint_dir, tmp_
         assert d["prefill_instance"] == ["p0"] and c["prefill_instance"] == ["solo"]
         assert d["kv_bytes"] > 0 == c["kv_bytes"] and d["kv_backend"] and not c["kv_backend"]
         assert d["ttft_s"] > 0 and d["tpot_s"] > 0 and r["compared"]["disaggregated"]["ratios"][n]["ttft"] > 0
+        assert c["second_s"] > 0 and d["second_s"] > 0  # the first token to the second
         # where TTFT goes: the router's placement (decode's reservation; colocated is one in-process engine, no
         # router), the prefilling engine's own TTFT, and decode's from its reservation to the KV in
         assert c["placed_s"] is None and 0 < d["placed_s"] < d["ttft_s"], (c, d)
@@ -56,7 +57,8 @@ def test_every_deployment_answers_as_colocated_and_is_timed(checkpoint_dir, tmp_
     assert "prefill steps colocated / disaggregated: count x ms (device ms)" in text
     assert "Under load (3 requests at once, 16-token prompts, 5 tokens each): TPOT colocated / disaggregated" in text
     assert ("| placed colocated / disaggregated (ms) | prefilling engine's TTFT colocated / disaggregated (ms) | "
-            "disaggregated: decode's reservation to its first token (ms) |") in text
+            "disaggregated: decode's reservation to its first token (ms) | first token to the second colocated / "
+            "disaggregated (ms) |") in text
 
 
 def test_a_failed_deployment_keeps_what_the_others_measured(checkpoint_dir, tmp_path, monkeypatch):
