@@ -13,8 +13,8 @@ layer groups (prefill streams layer group by layer group), so a transfer needs n
              back to back
     sliding  "ring"   [L_k, E, window, H, D]
     linear   "conv"   [L_k, K-1, C] and "ssm" [L_k, H, Dk, Dv] (float32)
-Arrays sit back to back at 64-byte-aligned offsets in one receive region. bfloat16 travels as its uint16
-bits (DLPack does not carry bfloat16 into numpy).
+Arrays sit back to back at 64-byte-aligned offsets in one receive region (an array's head parts and spans back to
+back inside its aligned place). bfloat16 travels as its uint16 bits (DLPack does not carry bfloat16 into numpy).
 
 Head parts (sharded senders): when the sender's pool splits a group's KV heads over P tensor-parallel ranks,
 the plan says so (`head_parts`) and each of that group's blocks / ring arrays is staged as P parts, part p
@@ -199,6 +199,7 @@ def staging(layout, dtype: str, nblocks: int, groups: list[tuple[int, int]], hea
     wire = WIRE_DTYPES[dtype]
     parts = check_head_parts(layout, head_parts)
     cuts = spans(nblocks, check_span_rows(span_rows))
+    last = len(cuts) - 1  # the span the rings and state belong to
     arrays, off, sent = [], 0, 0
     for k, (a, b) in enumerate(groups):
         for gi, gl in enumerate(layout.groups):
@@ -207,7 +208,6 @@ def staging(layout, dtype: str, nblocks: int, groups: list[tuple[int, int]], hea
             if j0 == j1:
                 continue
             L = j1 - j0
-            last = len(cuts) - 1
             if g.kind == "full":
                 if nblocks == 0:
                     continue
