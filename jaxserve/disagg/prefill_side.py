@@ -176,9 +176,14 @@ class Handoff:
             items = host_copies(items)
         self.feeder.put(self.sender, items, None)
 
-    def finish(self, prefix) -> None:
+    def export_all(self) -> None:
+        """Every layer group's export not dispatched yet (a hand-off not streamed layer by layer: as the step's last
+        programs are dispatched, before its first token is read)."""
         for k in range(len(self._groups)):
             self.export(k)
+
+    def finish(self, prefix) -> None:
+        self.export_all()
         record = ({"token": prefix.token, "logprob": prefix.logprob, "top": [list(t) for t in prefix.top]}
                   if self.sample else {"token": None})
         self.feeder.put(self.sender, [], record)

@@ -332,8 +332,20 @@ class KVConnector:
         if fetching:
             deferred = {seq for _, seq in due if seq.transfer.into is not None}  # hand-offs begun by `_fetch`
             st.before = lambda k: self._fetch(st, (st.groups or [(0, L)])[k][1], k, deferred)
-        if streamed:
-            st.after = lambda k: [h.export(k) for h, seq in streamed if seq not in st.spoiled]
+        # as group k's programs are dispatched, a streamed hand-off exports group k; once the last group's are
+        # (before the step reads its first tokens back), every other hand-off exports all of it: the export runs
+        # right after the prefill on the device and the first token waits for no export dispatch
+        last = len(st.groups or [None]) - 1
+        whole = [(h, seq) for h, seq in due if all(h is not x for x, _ in streamed)]
+        if streamed or whole:
+            def after(k: int) -> None:
+                for h, seq in streamed:
+                    if seq not in st.spoiled:
+                        h.export(k)
+                for h, seq in whole if k == last else ():
+                    if h.begun and seq not in st.spoiled:
+                        h.export_all()
+            st.after = after
         return st
 
     def _fetch(self, st: Stages, hi: int, k: int, deferred: set) -> None:

@@ -270,6 +270,31 @@ def test_a_hand_off_preempted_between_its_chunks_reads_its_rows_where_they_are_t
     assert handoffs[0].sender.bytes_acked == handoffs[0].sender.staging.sent_bytes
 
 
+def test_a_hand_off_in_one_group_is_exported_before_the_first_token_is_read(checkpoint_dir, monkeypatch):
+    """A prompt sent in one layer group after its step: its export is dispatched with the step's programs, before
+    the step reads its first token back (the device runs it right after the prefill; the first token waits for
+    no export dispatch); the answer is colocated's."""
+    from jaxserve.engine.runner import ModelRunner
+    path = checkpoint_dir("llama")
+    prompt = BASE[:7]  # one chunk
+    want = LLM(path, progress=False, engine=CFG).generate([prompt], GREEDY)[0].token_ids
+    order = []
+    export_kv, read = ModelRunner.export_kv, ModelRunner._read
+
+    def exporting(self, *a, **kw):
+        order.append("export")
+        return export_kv(self, *a, **kw)
+
+    def reading(x):
+        order.append("read")
+        return read(x)
+    monkeypatch.setattr(ModelRunner, "export_kv", exporting)
+    monkeypatch.setattr(ModelRunner, "_read", staticmethod(reading))
+    got, handoffs, _, _ = run_disagg(path, [prompt], GREEDY)
+    assert got == [want] and handoffs[0].sender.bytes_acked == handoffs[0].sender.staging.sent_bytes
+    assert order[:2] == ["export", "read"], order  # the prefill step's: then decode's reads
+
+
 def test_last_prompt_token_left_to_decode(checkpoint_dir):
     path = checkpoint_dir("qwen3_next")
     want = [o.token_ids for o in LLM(path, progress=False, engine=CFG).generate(PROMPTS, GREEDY)]
