@@ -333,18 +333,21 @@ class KVConnector:
             deferred = {seq for _, seq in due if seq.transfer.into is not None}  # hand-offs begun by `_fetch`
             st.before = lambda k: self._fetch(st, (st.groups or [(0, L)])[k][1], k, deferred)
         # as group k's programs are dispatched, a streamed hand-off exports group k; once the last group's are
-        # (before the step reads its first tokens back), every other hand-off exports all of it: the export runs
-        # right after the prefill on the device and the first token waits for no export dispatch
+        # (before the step reads its first tokens back), every other hand-off exports all of it and an earlier
+        # chunk's the spans it completed: the exports run right after the prefill on the device, and neither the
+        # first token nor the next step waits for their dispatch
         last = len(st.groups or [None]) - 1
         whole = [(h, seq) for h, seq in due if all(h is not x for x, _ in streamed)]
-        if streamed or whole:
+        if streamed or whole or earlier:
             def after(k: int) -> None:
                 for h, seq in streamed:
                     if seq not in st.spoiled:
                         h.export(k)
-                for h, seq in whole if k == last else ():
-                    if h.begun and seq not in st.spoiled:
-                        h.export_all()
+                if k == last:
+                    for h, seq in whole:
+                        if h.begun and seq not in st.spoiled:
+                            h.export_all()
+                    self.send_computed(st)
             st.after = after
         return st
 
@@ -361,8 +364,9 @@ class KVConnector:
                 seq.transfer.out.begin(self, seq)
 
     def send_computed(self, st: Stages) -> None:
-        """Once the step's programs are dispatched: each begun hand-off whose earlier chunk ran exports the spans
-        of rows computed by now (their export programs run after the step's on the device)."""
+        """Once the step's programs are dispatched (its after-hook; LLMEngine again after a step that ran none, a
+        packed mixed one): each begun hand-off whose earlier chunk ran exports the spans of rows computed by now
+        (their export programs run after the step's on the device; a span is exported once)."""
         for h, c in st.earlier:
             if h.begun and c.seq not in st.spoiled:
                 h.export_computed(c.end)

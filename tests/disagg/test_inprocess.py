@@ -271,12 +271,13 @@ def test_a_hand_off_preempted_between_its_chunks_reads_its_rows_where_they_are_t
 
 
 def test_a_hand_off_in_one_group_is_exported_before_the_first_token_is_read(checkpoint_dir, monkeypatch):
-    """A prompt sent in one layer group after its step: its export is dispatched with the step's programs, before
-    the step reads its first token back (the device runs it right after the prefill; the first token waits for
-    no export dispatch); the answer is colocated's."""
+    """A prompt sent in one layer group, prefilled in two chunks: each step's export (the span its first chunk
+    completed, then the rest) is dispatched with the step's programs, before the step reads its tokens back (the
+    device runs it right after the prefill; neither the first token nor the next step waits for its dispatch);
+    the answer is colocated's."""
     from jaxserve.engine.runner import ModelRunner
     path = checkpoint_dir("llama")
-    prompt = BASE[:7]  # one chunk
+    prompt = BASE[:13]  # chunks of 8 and 5 tokens
     want = LLM(path, progress=False, engine=CFG).generate([prompt], GREEDY)[0].token_ids
     order = []
     export_kv, read = ModelRunner.export_kv, ModelRunner._read
@@ -292,7 +293,8 @@ def test_a_hand_off_in_one_group_is_exported_before_the_first_token_is_read(chec
     monkeypatch.setattr(ModelRunner, "_read", staticmethod(reading))
     got, handoffs, _, _ = run_disagg(path, [prompt], GREEDY)
     assert got == [want] and handoffs[0].sender.bytes_acked == handoffs[0].sender.staging.sent_bytes
-    assert order[:2] == ["export", "read"], order  # the prefill step's: then decode's reads
+    assert handoffs[0].sender.staging.spans == [(0, 2), (2, 2)]
+    assert order[:4] == ["export", "read", "export", "read"], order  # the two prefill steps': then decode's reads
 
 
 def test_last_prompt_token_left_to_decode(checkpoint_dir):
