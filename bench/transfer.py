@@ -29,7 +29,9 @@
     streamed in layer groups of 2 (from transfer.stream_min_tokens, 512 by default: shorter prompts go in one
     group after the step). TTFT is when the router hands the client its first token: disaggregated, that is
     the prefill call's first message, sent as soon as the token is sampled, so the transfer shows in the
-    second token's time (max_tokens = 2: the request's end), reported with its overhead too.
+    second token's time (max_tokens = 2: the request's end), reported with its overhead too. `--ttft-chunk N`:
+    every engine prefills in chunks of N tokens (default: a prompt in one chunk), so a longer prompt's KV leaves
+    chunk by chunk while its later chunks compute.
 (d) Phi_kv(l) = S_kv(l) / T_prefill(l) per model family (the PrfaaS document's Table 3, on this machine):
     S_kv from the model's cache groups (what a transfer of a fresh prompt of l tokens moves, float32), T_prefill
     the time of one prefill step of l tokens (one chunk) in-process, median of `--phi-reps` after a warm-up;
