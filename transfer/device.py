@@ -217,7 +217,7 @@ def _ids(arrays: list, blocks: list[int], pad: int) -> np.ndarray:
     if w is None:
         return np.zeros(1, np.int32)
     ids = np.full(w.shape[0], pad, np.int32)
-    sel = blocks[w.row0:w.row0 + w.rows]
+    sel = w.span_of(blocks)
     ids[:len(sel)] = sel
     return ids
 

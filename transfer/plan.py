@@ -79,6 +79,10 @@ class ArraySpec:
 
     HEAD_AXIS = -2  # blocks [M, L, E, block, H, D] and ring [L, E, window, H, D]
 
+    def span_of(self, rows: list):
+        """A block array's part of the request's sent rows `rows` (its span's)."""
+        return rows[self.row0:self.row0 + self.rows]
+
     @property
     def itemsize(self) -> int:
         return np.dtype(self.dtype).itemsize

@@ -237,7 +237,7 @@ class SharedPool:
                 raise ValueError("a shared pool is read into one device: its staging splits no heads")
             g, out = self.arrays[w.group], views[parts[0].index]
             if w.kind == "blocks":  # one gather (vectorised: a layer group's blocks are many small copies)
-                sel = ids[w.row0:w.row0 + w.rows]  # its span's rows
+                sel = w.span_of(ids)
                 out[:len(sel)] = g[sel, w.j0:w.j1]  # the padding rows are left (their ids drop)
             elif w.kind == "ring":
                 out[...] = g[row, w.j0:w.j1]
@@ -258,7 +258,7 @@ class SharedPool:
                  np.concatenate([np.asarray(views[p.index]) for p in parts], axis=ArraySpec.HEAD_AXIS))
             g = self.arrays[w.group]
             if w.kind == "blocks":
-                sel = ids[w.row0:w.row0 + w.rows]  # its span's rows
+                sel = w.span_of(ids)
                 g[sel, w.j0:w.j1] = x[:len(sel)]
             elif w.kind == "ring":
                 g[row, w.j0:w.j1] = x

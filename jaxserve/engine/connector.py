@@ -364,9 +364,9 @@ class KVConnector:
                 seq.transfer.out.begin(self, seq)
 
     def send_computed(self, st: Stages) -> None:
-        """Once the step's programs are dispatched (its after-hook; LLMEngine again after a step that ran none, a
-        packed mixed one): each begun hand-off whose earlier chunk ran exports the spans of rows computed by now
-        (their export programs run after the step's on the device; a span is exported once)."""
+        """Once the step's programs are dispatched (its after-hook; LLMEngine after a packed mixed step, which runs
+        none): each begun hand-off whose earlier chunk ran exports the spans of rows computed by now (their export
+        programs run after the step's on the device)."""
         for h, c in st.earlier:
             if h.begun and c.seq not in st.spoiled:
                 h.export_computed(c.end)

@@ -395,13 +395,13 @@ class LLMEngine:
         decoded = None
         if self.runner.paged_prefill and local and not st.transfers:
             prefixes, decoded = self.runner.mixed(rows, self._decode_rows(local), self._masks)
+            self.connector.send_computed(st)  # a packed mixed step runs no after-hook: its spans leave now
         else:
             try:
                 prefixes = self.runner.prefill(rows, st.groups, st.after, st.staged, st.before, self._masks)
             except BaseException as e:
                 self.connector.abort(st, f"prefill step failed: {type(e).__name__}: {e}")
                 raise
-        self.connector.send_computed(st)
         inserts = []
         for c, prefix in zip(plan.prefills, prefixes):
             if not self.connector.settle_chunk(st, c, changed):

@@ -38,7 +38,7 @@ def export(lay: PoolLayout, pool: list, st: Staging, blocks: list[int], row: int
         arr = pool[w.group]
         if w.kind == "blocks":
             x = np.zeros(w.shape, np.float32)
-            x[:w.rows] = arr[blocks[w.row0:w.row0 + w.rows]][:, w.j0:w.j1]  # its span's rows
+            x[:w.rows] = arr[w.span_of(blocks)][:, w.j0:w.j1]
         elif w.kind == "ring":
             x = arr[row, w.j0:w.j1]
         else:
