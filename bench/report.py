@@ -65,15 +65,16 @@ def provenance(name: str, d: dict) -> str:
         return f"`{name}`: no stamp (measured before results were stamped; {machine(d)})"
     dirty = " with uncommitted changes" if st.get("dirty") else ""
     commit = (st.get("commit") or "?")[:7]
-    return f"`{name}`: commit `{commit}`{dirty}, {st['date'][:10]}, {machine(d)}: `{command(st)}`"
+    return f"`{name}`: commit `{commit}`{dirty}, {st['date'][:10]}, {machine(d)}: `{command(st, name)}`"
 
 
-def command(st: dict) -> str:
-    """The stamp's command, its --json naming the result's place here (a lent GPU writes elsewhere: $OUT)."""
+def command(st: dict, name: str) -> str:
+    """The stamp's command, its --json naming the result's place here, bench/results/`name` (a lent GPU writes
+    elsewhere: $OUT; a run may write a scratch file first)."""
     words = st.get("command", "").split(" ")
     for i, w in enumerate(words[:-1]):
-        if w == "--json" and not words[i + 1].startswith("bench/results/"):
-            words[i + 1] = "bench/results/" + os.path.basename(words[i + 1])
+        if w == "--json":
+            words[i + 1] = "bench/results/" + name
     return " ".join(words)
 
 
@@ -107,7 +108,7 @@ def headline_table(results: dict[str, dict]) -> str:
         if d is None:
             continue
         anchor = next(s.anchor for s in SECTIONS if s.title == h.section)
-        shown = command(d.get("stamp") or {})
+        shown = command(d.get("stamp") or {}, h.file)
         rows.append([h.label, f"**{h.value(d)}**", machine(d), f"`{shown}`" if shown else "-",
                      f"[more](docs/benchmarks.md#{anchor})"])
     return "\n".join(table(["figure", "measured", "on", "command", "details"], rows)).rstrip()

@@ -32,6 +32,9 @@ def offline(r: dict[str, dict]) -> list[str]:
                                                 else "-" for _, d in cpu],
                  ["requests with the same tokens as vLLM / transformers"] +
                  [f"{d['same_tokens_vllm']}, {d.get('same_tokens_transformers', '-')}" for _, d in cpu],
+                 ["jaxserve's KV cache (tokens), max_num_seqs"] +
+                 [f"{num(c['num_blocks'] * c['block_size'])}, {c['max_num_seqs']}" for c in
+                  (d["jaxserve_config"] for _, d in cpu)],
                  ["programs compiled inside a timed pass"] +
                  [str(sum(p["compiled_during"] for p in d["jaxserve"]["passes"])) for _, d in cpu]]
         out += table(head, rows)
@@ -467,7 +470,8 @@ def prefill_steps(length: dict) -> str:
 
 SECTIONS = [
     Section("Offline throughput", "bench.offline", ("offline.json", "offline_smollm2.json", "offline_defaults.json",
-                                                    "offline_defaults_smollm2.json", "offline_h100.json",
+                                                    "offline_defaults_smollm2.json", "offline_defaults_qwen3.json",
+                                                    "offline_h100.json",
                                                     "offline_h200.json"), offline),
     Section("Online serving against vLLM's server", "bench.online", ("online_smollm2.json",
                                                                      "online_smollm2_mixed128.json"), online),
@@ -495,6 +499,8 @@ HEADLINES = [
              lambda d: spread(d["ratio_vs_vllm"]), "Offline throughput"),
     Headline("offline output tokens/s, jaxserve / vLLM's CPU build, each with its defaults (SmolLM2-135M)",
              "offline_defaults_smollm2.json", lambda d: spread(d["ratio_vs_vllm"]), "Offline throughput"),
+    Headline("offline output tokens/s, jaxserve / vLLM's CPU build, each with its defaults (Qwen3-0.6B's shape)",
+             "offline_defaults_qwen3.json", lambda d: spread(d["ratio_vs_vllm"]), "Offline throughput"),
     Headline("online TTFT p50 / TPOT p50, jaxserve / vLLM's server (SmolLM2-135M)", "online_smollm2.json",
              lambda d: f"{d['ratio_jaxserve_over_vllm']['ttft_s_p50']['median']:.2f}x / "
                        f"{d['ratio_jaxserve_over_vllm']['tpot_s_p50']['median']:.2f}x",

@@ -30,3 +30,25 @@ def test_the_transformers_peer_generates_eos_when_it_is_the_greedy_choice(tmp_pa
     peer = offline.Transformers(str(tmp_path), max_tokens=5, batch=2)
     got = peer.run([[5, 6, 7], [8, 9, 10, 11, 12]])["tokens"]
     assert got == [[0] * 5, [0] * 5]
+
+
+def test_a_built_shape_is_its_familys_checkpoint_built_once(tmp_path, monkeypatch):
+    import json
+    import os
+
+    import tests.tiny_models as tiny
+    built = []
+
+    def build(family, path, common=None, overrides=None):  # writes the config only: the shape, not its weights
+        built.append(family)
+        os.makedirs(path)
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(common, f)
+    monkeypatch.setattr(tiny, "build_checkpoint", build)
+    path = offline.checkpoint(str(tmp_path), "qwen3-0.6b")
+    assert path == str(tmp_path / "bench-qwen3-0.6b") and built == ["qwen3"]
+    with open(os.path.join(path, "config.json")) as f:
+        c = json.load(f)
+    assert (c["num_hidden_layers"], c["hidden_size"], c["head_dim"], c["vocab_size"]) == (28, 1024, 128, 151936)
+    assert offline.checkpoint(str(tmp_path), "qwen3-0.6b") == path and built == ["qwen3"]  # built once
+    assert offline.checkpoint(str(tmp_path)) == str(tmp_path / "bench-llama-32m") and built == ["qwen3", "llama"]
