@@ -264,7 +264,8 @@ def main(argv=None):
                 p = s.run(timed)
                 n = sum(map(len, p["tokens"]))
                 out[s.name]["passes"].append({"seconds": p["seconds"], "output_tokens_per_s": n / p["seconds"],
-                                              **{k: p[k] for k in ("compiled_during", "steps") if k in p}})
+                                              **{k: p[k] for k in ("compiled_during", "steps", "cache_tokens")
+                                                 if k in p}})
                 out[s.name]["tokens"] = p["tokens"]
     finally:
         for s in systems:

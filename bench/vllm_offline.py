@@ -3,8 +3,9 @@
 
 argv[1] names a JSON file {"model", "max_tokens", "max_num_seqs"}; the engine is built once. Then each line on
 stdin names a JSON file of prompts (token ids): `LLM.generate` runs them (greedy, EOS ignored, prefix caching off,
-no tokenizer: the checkpoint may have none), writes {"seconds", "output_tokens", "tokens"} (the time of the whole
-call) to that name + ".out" and prints DONE on stdout. End of input ends the process.
+no tokenizer: the checkpoint may have none), writes {"seconds", "output_tokens", "tokens", "cache_tokens"} (the
+time of the whole call; the tokens its KV cache holds) to that name + ".out" and prints DONE on stdout. End of
+input ends the process.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ def main(job_path: str) -> None:
               max_num_seqs=job["max_num_seqs"], gpu_memory_utilization=job.get("gpu_memory_utilization", 0.3),
               max_model_len=job.get("max_model_len", 2048))
     sp = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True, detokenize=False)
+    cc = llm.llm_engine.vllm_config.cache_config  # the cache vLLM sized (its engine process reports the blocks)
+    cache_tokens = (cc.num_gpu_blocks or 0) * cc.block_size
     for line in sys.stdin:
         path = line.strip()
         with open(path) as f:
@@ -34,7 +37,8 @@ def main(job_path: str) -> None:
         dt = time.perf_counter() - t0
         toks = [list(r.outputs[0].token_ids) for r in res]
         with open(path + ".out", "w") as f:
-            json.dump({"seconds": dt, "output_tokens": sum(map(len, toks)), "tokens": toks}, f)
+            json.dump({"seconds": dt, "output_tokens": sum(map(len, toks)), "tokens": toks,
+                       "cache_tokens": cache_tokens}, f)
         print(DONE, flush=True)
 
 
