@@ -35,10 +35,13 @@
 #         GPU_DISAGG_ARGS="--shape 8b --lengths 256,2048,8000 --reps 2" bash bench/gpu_check.sh
 # The whole check outgrows one call: on the H200 (2026-11-29) the machine started in about 35 s, bench.gpu_decode's
 # checkpoint took 34 s and its unrolled part 203 s, bench.gpu_disagg 110 s, the three families' disaggregated tests
-# and the attention tests over 60 s each. A lent machine's 15 minutes hold two calls, the engine's and the serving's:
+# and the attention tests over 60 s each. A lent machine's 15 minutes (its start included) hold two calls, the
+# engine's and the serving's, the second sized from what the device tool's status says is left (budget_left_s, B)
+# and sent at once, while the machine is still warm:
 #     ONLY=kernels,gpu_decode,ipc_test,transfer SHARE_gpu_decode=440 bash bench/gpu_check.sh        # timeout_s 600
-#     ONLY=gpu_disagg,disagg_tests,attention_tests,pallas_tests BUDGET_S=300 SHARE_gpu_disagg=280 \
-#         SHARE_disagg_tests=200 SHARE_attention_tests=150 bash bench/gpu_check.sh              # timeout_s 320
+#     ONLY=gpu_disagg,disagg_tests,attention_tests,pallas_tests BUDGET_S=$((B - 40)) SHARE_gpu_disagg=280 \
+#         SHARE_disagg_tests=200 SHARE_attention_tests=150 bash bench/gpu_check.sh              # timeout_s B - 20
+# (the shares are of the default budget and scale with BUDGET_S; a cut step still leaves what it wrote in $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check}
