@@ -12,6 +12,7 @@ using `smollm2_dir`) run long enough to compile with XLA's optimisation, as serv
 fusion code generator is set per process, so they keep the older one).
 """
 
+import gc
 import importlib.metadata
 import os
 import shutil
@@ -95,6 +96,29 @@ def pytest_runtest_setup(item):
         light = "smollm2_dir" not in item.fixturenames
         os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = str(int(light))
         jax.config.update("jax_disable_most_optimizations", light)
+
+
+# XLA:CPU maps each compiled object's code and data into three memory regions of its own (a small program: about 20),
+# unmapped only once JAX's caches let its executable go. One process running tests/engine held 60,440 mappings,
+# against the kernel's limit (vm.max_map_count, 65,530 by default); past it a mapping fails and XLA crashed the
+# worker (a segmentation fault compiling or serialising a program). So after a test, a process holding many
+# mappings empties JAX's caches (the live engines' programs come back from the persistent compilation cache).
+MAX_MAPS = 40_000
+
+
+def _mappings() -> int:
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux
+        return 0
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    if _mappings() > MAX_MAPS:
+        jax.clear_caches()
+        gc.collect()
 
 
 FIRST = ("tests/test_soak.py",)  # the longest: under make test's two workers it runs beside the rest, not after
