@@ -102,7 +102,7 @@ def pytest_runtest_setup(item):
 # unmapped only once JAX's caches let its executable go. One process running tests/engine held 60,440 mappings,
 # against the kernel's limit (vm.max_map_count, 65,530 by default); past it a mapping fails and XLA crashed the
 # worker (a segmentation fault compiling or serialising a program). So after a test, a process holding many
-# mappings empties JAX's caches (the live engines' programs come back from the persistent compilation cache).
+# mappings empties JAX's caches (a live engine's programs compile again, from the persistent cache where it is on).
 MAX_MAPS = 40_000
 
 
