@@ -241,7 +241,7 @@ def _engine(path: str, gpu: bool, packed: bool | None = None):
                        packed_prefill=packed)
     plan = llm_engine.check.plan
     if gpu:  # a GPU's choice of kernels, taken without the self-test (which would run them here)
-        llm_engine.check.plan = lambda requested, cases, progress=False: ("pallas", {})
+        llm_engine.check.plan = lambda requested, cases, progress=False, store=None: ("pallas", {})
     try:
         llm = LLM(path, dtype="bfloat16", engine=cfg, progress=False)
     finally:

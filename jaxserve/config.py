@@ -78,8 +78,8 @@ class EngineSection(_Strict):
         "the Pallas kernels too (their paged prefill kernel for first chunks, not flash attention)")
     warmup: bool = Field(True, description="compile the decode programs before serving")
     compilation_cache: str | None = Field(ENGINE["compilation_cache"], description="XLA's persistent compilation cache "
-        "directory: a restart compiles nothing it compiled before (null: off; JAX_COMPILATION_CACHE_DIR, when set, "
-        "wins)")
+        "directory: a restart compiles nothing it compiled before, and the kernel self-test's passes are kept there "
+        "(null: off; JAX_COMPILATION_CACHE_DIR, when set, wins)")
 
     @model_validator(mode="after")
     def _chunk(self):

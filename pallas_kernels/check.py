@@ -9,7 +9,8 @@ is built with: under `auto` a kernel that fails runs as its reference (the other
 `pallas` refuses to start instead. Agreement is judged at a tolerance that admits the device's matmul
 rounding (TF32 for float32 on GPUs, bf16 accumulation order) and nothing like a wrong answer.
 
-Pure functions over small arrays; called once per engine, before the model is built.
+Pure functions over small arrays; called once per engine, before the model is built. A case that passed before
+on the same device and stack is taken as passed (verdicts.py: the passes kept beside the compilation cache).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import native
+from . import native, verdicts
 from .select import KERNELS, KernelPlan, resolve
 
 TOLERANCE = {"float32": 5e-3, "bfloat16": 3e-2, "float16": 1e-2}  # max |kernel - ref| / (1 + max |ref|)
@@ -225,10 +226,27 @@ def gpu_lowering(case: Case) -> str | None:
     return None if calls == 1 else f"lowers to {calls} Triton kernel calls, not one"
 
 
-def self_test(cases, mode: str, progress: bool = False) -> dict[str, str]:
-    """{kernel name: reason} for the kernels that fail any of `cases` in `mode`."""
+def _name(f) -> str:
+    """A function's module and qualified name (a partial's: its function's and its bound arguments)."""
+    if isinstance(f, functools.partial):
+        return f"{_name(f.func)}{f.args}{sorted(f.keywords.items())}"
+    return f"{getattr(f, '__module__', None)}.{getattr(f, '__qualname__', None)}"
+
+
+def _checked(case: Case, mode: str) -> str:
+    """What a verdict on `case` in `mode` is of: the case and the functions compared (by name, so a kernel
+    replaced at run time is checked afresh)."""
+    ref, kernel = KERNELS[case.kernel]
+    if mode == "native":
+        kernel = native.KERNELS[case.kernel]
+    return f"{case} {_name(kernel)} {_name(ref)}"
+
+
+def self_test(cases, mode: str, progress: bool = False, store: str | None = None) -> dict[str, str]:
+    """{kernel name: reason} for the kernels that fail any of `cases` in `mode`. store: a directory of earlier
+    passes (verdicts.py): a case that passed there on this device and stack is not checked again."""
     failed: dict[str, str] = {}
-    cases = sorted(set(cases), key=str)
+    cases = [c for c in sorted(set(cases), key=str) if not verdicts.passed(store, mode, _checked(c, mode))]
     if progress:
         from tqdm.auto import tqdm
         cases = tqdm(cases, desc="kernel self-test", unit="case")
@@ -238,12 +256,15 @@ def self_test(cases, mode: str, progress: bool = False) -> dict[str, str]:
         why = run_case(c, mode)
         if why is not None:
             failed[c.kernel] = f"{c}: {why}"
+        else:
+            verdicts.record_pass(store, mode, _checked(c, mode))
     return failed
 
 
-def plan(requested: str, cases, progress: bool = False) -> tuple[str | KernelPlan, dict[str, str]]:
+def plan(requested: str, cases, progress: bool = False,
+         store: str | None = None) -> tuple[str | KernelPlan, dict[str, str]]:
     """The kernel choice for an `engine.kernels` setting and the model's cases -> (mode or KernelPlan,
-    {kernel: why it runs as its reference}).
+    {kernel: why it runs as its reference}). store: where earlier passes are kept (`self_test`).
 
     reference, interpret: taken as they are (interpret is the test mode: the kernel bodies on the CPU).
     pallas, native: every kernel is checked; one that fails raises KernelCheckError.
@@ -265,7 +286,7 @@ def plan(requested: str, cases, progress: bool = False) -> tuple[str | KernelPla
             elif dict(c.dims).get("dtype") != "float32":
                 failed[c.kernel] = f"{c}: the native kernels take float32"
         cases = [c for c in cases if c.kernel not in failed]
-    failed.update(self_test(cases, mode, progress))
+    failed.update(self_test(cases, mode, progress, store))
     if failed and requested != "auto":
         raise KernelCheckError(f"engine.kernels: {requested}, but on this device " + "; ".join(failed.values())
                                + " (engine.kernels: auto runs such kernels as their references)")

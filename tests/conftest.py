@@ -45,6 +45,10 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 2)
 
+from jaxserve.engine.xla_cache import cheap_eviction  # noqa: E402
+
+cheap_eviction()  # the suite's cache holds thousands of entries: JAX lists them all on every write
+
 import pytest  # noqa: E402
 
 from tests.tiny_models import build_checkpoint  # noqa: E402

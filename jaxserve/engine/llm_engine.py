@@ -12,7 +12,6 @@ the engine's KV connector takes them (the seams issue). Single-threaded: the off
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import logging
 import os
 import time
@@ -48,32 +47,11 @@ from .scheduler import Scheduler, SchedulerConfig
 from .settings import EngineConfig
 from .sequence import Sequence
 from .steptimer import StepTimer
+from .xla_cache import use_compilation_cache
 
 log = logging.getLogger("jaxserve.engine")
 
 DTYPES = {"float32": jax.numpy.float32, "bfloat16": jax.numpy.bfloat16}
-XLA_CACHE_MAX_BYTES = 32 << 30  # the persistent compilation cache's bound (`use_compilation_cache`)
-
-
-def use_compilation_cache(path: str | None) -> str | None:
-    """XLA's persistent compilation cache in `path`, every program cached however fast it compiled, so a
-    restart on the same model and config compiles nothing. A cache JAX already has (JAX_COMPILATION_CACHE_DIR,
-    or an earlier engine in this process) is kept; None or "" leaves it off. Returns the directory in use.
-
-    The cache is bounded (XLA_CACHE_MAX_BYTES, least recently used entries evicted past it) unless a bound is
-    set already: bounded, JAX reads and writes its entries under a file lock. Unbounded it writes an entry in
-    place, and another process reading it meanwhile (instances sharing a host warm up from one cache) loads a
-    partial executable: a worker crashed so, in a segmentation fault."""
-    current = jax.config.jax_compilation_cache_dir
-    if jax.config.jax_compilation_cache_max_size == -1 and importlib.util.find_spec("filelock") is not None:
-        jax.config.update("jax_compilation_cache_max_size", XLA_CACHE_MAX_BYTES)  # JAX locks with filelock
-    if current or not path:
-        return current or None
-    d = os.path.abspath(os.path.expanduser(path))
-    os.makedirs(d, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", d)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    return d
 
 
 # a chunk after cached tokens gathers the whole context (one program per chunk bucket) where the full-attention
@@ -136,7 +114,7 @@ class LLMEngine:
                                  f"{mesh.size}) takes auto or reference")
             kernels = "reference"
         self.kernels, self.kernel_fallbacks = check.plan(
-            kernels, kernel_cases(self.model_config, self.dtype, cfg.block_size), progress)
+            kernels, kernel_cases(self.model_config, self.dtype, cfg.block_size), progress, self.compilation_cache)
         for why in self.kernel_fallbacks.values():
             log.warning("kernel replaced by its jnp reference: %s", why)
         if dtype == "bfloat16" and jax.default_backend() == "cpu":

@@ -43,7 +43,7 @@ def _engine(path: str, kernels: str, scan: bool) -> LLM:
                        kernels="interpret", scan_layers=scan)
     with pytest.MonkeyPatch.context() as mp:
         if kernels == "pallas":  # the GPU's choice, taken without the self-test (which would run the kernels here)
-            mp.setattr(llm_engine.check, "plan", lambda requested, cases, progress=False: ("pallas", {}))
+            mp.setattr(llm_engine.check, "plan", lambda requested, cases, progress=False, store=None: ("pallas", {}))
         llm = LLM(path, engine=cfg, progress=False)
     llm.engine.runner.static_sampling = True  # as on a GPU: the samplers compiled for their rows' mode
     return llm

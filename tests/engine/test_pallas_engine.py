@@ -67,7 +67,7 @@ def test_the_default_chunk_is_the_step_budget_where_the_prefill_kernels_are_comp
     from jaxserve.engine.llm_engine import COMPILED_CHUNK, DENSE_CHUNK, LLMEngine, default_chunk_size
     cfg = EngineConfig(max_num_batched_tokens=96, num_blocks=64, compilation_cache=None)
     plan = llm_engine.check.plan
-    monkeypatch.setattr(llm_engine.check, "plan", lambda requested, cases, progress=False: ("pallas", {}))
+    monkeypatch.setattr(llm_engine.check, "plan", lambda requested, cases, progress=False, store=None: ("pallas", {}))
     gpu = LLMEngine(checkpoint_dir("llama"), "float32", cfg, progress=False)
     assert gpu.cfg.chunk_size == gpu.runner.chunk_size == gpu.scheduler.cfg.chunk_size == 96
     assert default_chunk_size(False, 8192, 16, compiled_prefill=True) == COMPILED_CHUNK == 2048
