@@ -124,7 +124,10 @@ def test_running_updates_come_on_the_workers_updates_stream():
             for ups in got:
                 assert ups[-1].token_ids == [3, 0, 7, 8] and ups[-1].error is None
                 tokens = [u.token_ids for u in ups]
-                assert tokens[0] == [3] and all(len(a) < len(b) for a, b in zip(tokens, tokens[1:])), tokens
+                # prefill's first token, then decode's; under load decode's [3, 0] can reach the router before
+                # prefill's [3], which is then not passed on (it adds nothing)
+                assert tokens[0] in ([3], [3, 0]) and all(len(a) < len(b) for a, b in zip(tokens, tokens[1:])), \
+                    tokens
             d0 = w["d0"]
             names = {r["updates"] for r in d0.requests}
             assert len(names) == 1 and None not in names  # one stream for both requests
