@@ -3,10 +3,11 @@ on a device and software stack is not checked again at the next engine start. A 
 and runs a kernel and its reference: about a second of a CPU worker's start for a model's few kernels, and
 Triton compilations on a GPU, paid by every worker process of a cluster at every start.
 
-A pass is stored under a hash of everything its outcome depends on: the mode, the case, the device's platform and
-kind, JAX's and jaxlib's versions, this package's sources (the Pallas kernels, their references, the native
-kernels' C++ and the check itself) and, for the native kernels, the CPU they are built for. A failure is not
-stored: the next start checks again and says why. One file per pass, written whole (a temporary file renamed into
+A pass is stored under a hash of everything its outcome depends on: the mode, the case (with the functions
+compared), the device's platform, kind and runtime version (on a GPU: CUDA's), JAX's and jaxlib's versions, this
+package's sources (the Pallas kernels, their references, the native kernels' C++ and the check itself) and, for
+the native kernels, the CPU they are built for. A failure is not stored: the next start checks again and says
+why. One file per pass, written whole (a temporary file renamed into
 place), so processes sharing the directory need no lock; anything unreadable counts as not checked.
 """
 
@@ -43,8 +44,9 @@ def _sources() -> str:
 @functools.lru_cache(maxsize=None)
 def _stack(mode: str) -> str:
     device = jax.devices()[0]
-    parts = [mode, device.platform, device.device_kind, jax.__version__, importlib.metadata.version("jaxlib"),
-             _sources()]
+    runtime = getattr(getattr(device, "client", None), "platform_version", "")  # a GPU's: its CUDA and driver
+    parts = [mode, device.platform, device.device_kind, runtime, jax.__version__,
+             importlib.metadata.version("jaxlib"), _sources()]
     if mode == "native":
         from . import native
         parts.append(native.library_path())  # named by the sources, flags, CPU and JAX it is built for
