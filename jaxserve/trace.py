@@ -38,12 +38,19 @@ def folder(base: str, name: str, instance: str | None = None) -> str:
     return os.path.abspath(os.path.join(base, name, *([instance] if instance else [])))
 
 
-def start(out: str) -> None:
-    """Start tracing this process into folder `out`. Raises Busy while another capture runs."""
+def start(out: str, host_only: bool = False) -> None:
+    """Start tracing this process into folder `out`. Raises Busy while another capture runs. host_only: a
+    process that runs no model (a cluster's router, which imports JAX only here): JAX, if it has not started, starts
+    on the CPU, so the capture never takes an accelerator's memory from the workers (a JAX process on a GPU claims
+    75% of it)."""
     global _active
     if _active:
         raise Busy("a profile is already being captured")
     import jax
+    if host_only:
+        from jax._src import xla_bridge
+        if not xla_bridge.backends_are_initialized():
+            jax.config.update("jax_platforms", "cpu")
     try:
         jax.profiler.start_trace(out, create_perfetto_trace=True)
     except RuntimeError as e:  # a trace this module did not start (jax.profiler.trace in user code)

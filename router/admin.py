@@ -89,7 +89,7 @@ class Admin:
             except grpc.aio.AioRpcError as e:
                 return {"role": w.role, "error": f"{e.code().name}: {e.details()}"}
         workers = self.registry.up()
-        trace.start(mine)  # raises Busy before any worker is asked
+        trace.start(mine, host_only=True)  # raises Busy before any worker is asked
         try:
             *theirs, _ = await asyncio.gather(*(one(w) for w in workers), asyncio.sleep(seconds))
         finally:

@@ -23,15 +23,6 @@ from .cluster import Router
 from .start import workers
 
 
-def _host_only() -> None:
-    """The router runs no model: JAX in its process (a bundled model's build, a profile capture) stays on the
-    CPU, so it never takes an accelerator's memory from the workers (a JAX process on a GPU claims 75% of it)."""
-    import jax
-    from jax._src import xla_bridge
-    if not xla_bridge.backends_are_initialized():
-        jax.config.update("jax_platforms", "cpu")
-
-
 def build(cfg: Config, progress: bool = True, echo=None, on_ready=None, ray_address: str | None = None):
     """(FastAPI app, engine client, served model name): an AsyncEngine for a colocated config, else a Router
     whose workers start with the app (lifespan). echo: prints the workers' output lines (None: keep quiet);
@@ -41,7 +32,6 @@ def build(cfg: Config, progress: bool = True, echo=None, on_ready=None, ray_addr
             raise ConfigFileError("--launcher ray: this config is served in-process (one colocated instance); "
                                   "there are no workers to place")
         return build_colocated(cfg, progress, on_ready)
-    _host_only()
     path = resolve(cfg.model.path, progress)  # before the workers start, so they find the bundled model built
     name = cfg.model.name or os.path.basename(os.path.normpath(path))
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": path})})

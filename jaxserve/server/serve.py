@@ -11,8 +11,6 @@ import os
 
 from ..bundled import resolve
 from ..config import Config, ConfigFileError
-from ..engine.async_engine import AsyncEngine
-from ..engine.llm_engine import LLMEngine
 from .app import create_app
 from .metrics import Metrics
 
@@ -39,6 +37,8 @@ def make_mesh(inst, local: bool = False):
 def build_colocated(cfg: Config, progress: bool = True, on_ready=None):
     """(FastAPI app, AsyncEngine, served model name) for a config of one colocated instance. on_ready: called
     once the server can take requests."""
+    from ..engine.async_engine import AsyncEngine  # here: a router serving a cluster runs no model, imports no JAX
+    from ..engine.llm_engine import LLMEngine
     inst = cfg.instances()[0]
     mesh = make_mesh(inst)
     path = resolve(cfg.model.path, progress)

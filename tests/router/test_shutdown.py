@@ -1,8 +1,9 @@
-"""A clean stop: `jaxserve serve` of a disaggregated config, stopped as Ctrl-C stops it (SIGINT to the whole process
-group: the router and its workers) after it served a request, exits with no traceback in any process's output (the
-workers' lines reach the router's stderr), gRPC's `Event loop is closed` included, and leaves no worker behind; a
-worker whose router is unreachable, stopped by SIGTERM or SIGINT while its heartbeat retries, stops as cleanly (its
-heartbeat task ends, closing its channel, before its loop closes: worker/rpc.py `LoopThread.stop`)."""
+"""A clean stop: `jaxserve serve` of a disaggregated config (its router process never loading JAX), stopped as
+Ctrl-C stops it (SIGINT to the whole process group: the router and its workers) after it served a request, exits
+with no traceback in any process's output (the workers' lines reach the router's stderr), gRPC's `Event loop is
+closed` included, and leaves no worker behind; a worker whose router is unreachable, stopped by SIGTERM or SIGINT
+while its heartbeat retries, stops as cleanly (its heartbeat task ends, closing its channel, before its loop closes:
+worker/rpc.py `LoopThread.stop`)."""
 
 from __future__ import annotations
 
@@ -82,6 +83,9 @@ def test_ctrl_c_stops_every_process_without_a_traceback(checkpoint_dir, tmp_path
                                      {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=120) as r:
             assert json.load(r)["jaxserve"]["decode_instance"] == "d0"
+        # the router runs no model: it has not loaded JAX (its import would delay the workers' start by seconds)
+        with open(f"/proc/{proc.pid}/maps") as f:
+            assert not [line for line in f if "jaxlib" in line], "the router process loaded jaxlib"
         time.sleep(1.5)  # a few heartbeats in flight when the signal comes
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
         out, _ = proc.communicate(timeout=120)

@@ -216,3 +216,28 @@ def test_a_profile_call_writes_only_under_the_profile_dir(msg, field):
         with pytest.raises(ValueError, match="name"):
             trace.folder("/tmp/profiles", msg["stamp"], "p0")
     assert trace.folder("/tmp/profiles", "20261128-120000", "p0") == "/tmp/profiles/20261128-120000/p0"
+
+
+HOST_ONLY = r"""
+import asyncio, json, sys
+from jaxserve import trace
+trace.start(sys.argv[1], host_only=True)
+asyncio.run(trace.stop())
+import jax
+print(json.dumps({"platforms": jax.config.jax_platforms, "devices": [d.platform for d in jax.devices()]}))
+"""
+
+
+def test_a_routers_capture_starts_jax_on_the_host(tmp_path):
+    """A router's profile (trace.start host_only, the only place its process imports JAX) starts JAX on the CPU,
+    so on a GPU machine it takes none of the device's memory from the workers; the trace is written."""
+    import json
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    out = subprocess.run([sys.executable, "-c", HOST_ONLY, str(tmp_path / "t")], capture_output=True, text=True,
+                         timeout=300, env={**env, "PYTHONPATH": os.getcwd()}, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"platforms": "cpu", "devices": ["cpu"]}, got
+    assert any(name.endswith(".xplane.pb") for _, _, files in os.walk(tmp_path / "t") for name in files)
