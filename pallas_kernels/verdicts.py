@@ -7,8 +7,8 @@ A pass is stored under a hash of everything its outcome depends on: the mode, th
 compared), the device's platform, kind and runtime version (on a GPU: CUDA's), JAX's and jaxlib's versions, this
 package's sources (the Pallas kernels, their references, the native kernels' C++ and the check itself) and, for
 the native kernels, the CPU they are built for. A failure is not stored: the next start checks again and says
-why. One file per pass, written whole (a temporary file renamed into
-place), so processes sharing the directory need no lock; anything unreadable counts as not checked.
+why. One file per pass, written whole (a temporary file renamed into place), so processes sharing the directory
+need no lock; anything unreadable counts as not checked.
 """
 
 from __future__ import annotations
