@@ -12,7 +12,8 @@ the GPU (KV across the link leaves the device once, into host memory, for the TC
   `--reps` fresh prompts (no prefix hits), each deployment, and its ratios to colocated; the KV bytes each
   request moved, its backend (cuda_ipc, device, shm or tcp; `--cuda-ipc off` measures JAX's transfer server in
   CUDA IPC's place), the instance that prefilled it, the router's time to place it (`placed_s`: a disaggregated
-  request's decode reservation included; none for colocated, one in-process engine), the TTFT of the engine that
+  request's decode reservation included, which its prefill no longer waits for unless `--early-prefill off`; none
+  for colocated, one in-process engine), the TTFT of the engine that
   answered from the request's arrival there (`engine_ttft_s`: colocated's own; a disaggregated request's decode
   instance, from its reservation to the first token it recorded once the KV was in) and the prefill engine's own
   (`prefill_ttft_s`: its arrival there to its first token), the wait from the first token to the second
@@ -62,14 +63,16 @@ HEARTBEAT_WAIT_S = 1.5  # past a heartbeat (server.heartbeat_s, 1 s): the router
 
 
 def configs(model: str, max_len: int, cache: str, cpus: bool = False, cuda_ipc: bool = True, link_gbps: float = 25.0,
-            threshold: int = 128, max_num_seqs: int = 16) -> dict[str, dict]:
+            threshold: int = 128, max_num_seqs: int = 16, early_prefill: bool = True) -> dict[str, dict]:
     """{deployment: config mapping}, the same model and engine section in each; the workers of one deployment
     share device 0 (the default split of its memory) and move KV inside a cluster through CUDA IPC (or, cuda_ipc
-    False, JAX's transfer server); the PrfaaS cluster's over a link of `link_gbps`."""
+    False, JAX's transfer server); the PrfaaS cluster's over a link of `link_gbps`; early_prefill: the router's
+    Prefill call beside its Decode call (router.early_prefill)."""
     engine = {"block_size": 16, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": 2048, "max_model_len": max_len,
               "prefix_caching": False, "warmup": False, "compilation_cache": cache}
     base = {"model": {"path": model, "name": "m", "dtype": "bfloat16"},
-            "engine": engine, "server": {"host": "127.0.0.1", "max_tokens_limit": 4096}}
+            "engine": engine, "server": {"host": "127.0.0.1", "max_tokens_limit": 4096},
+            "router": {"early_prefill": early_prefill}}
     transfer = {"token": "gpu-disagg", "layers_per_group": 4, "stream_min_tokens": 512, "cuda_ipc": cuda_ipc}
 
     def inst(name: str, role: str, core: int) -> dict:
@@ -235,6 +238,8 @@ def main(argv=None) -> int:
     ap.add_argument("--deployments", default=",".join(DEPLOYMENTS), help="colocated first, then any of "
                     "disaggregated, prfaas")
     ap.add_argument("--link-gbps", type=float, default=25.0, help="the PrfaaS -> PD link's emulated bandwidth")
+    ap.add_argument("--early-prefill", choices=("on", "off"), default="on",
+                    help="the router's Prefill call beside its Decode call (router.early_prefill), or after it")
     ap.add_argument("--threshold", type=int, default=128, help="uncached prompt tokens over which PrfaaS prefills")
     ap.add_argument("--load", type=int, default=16, help="requests sent at once for TPOT under load (0: none); "
                     "the engines' max_num_seqs when over 16")
@@ -260,10 +265,11 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     answers = [rng.integers(3, mc.vocab_size, int(rng.integers(8, 200))).tolist() for _ in range(a.answers)]
     cfgs = configs(path, max_len, os.path.join(work, "xla"), a.pin, a.cuda_ipc == "on", a.link_gbps, a.threshold,
-                   max(16, a.load))
+                   max(16, a.load), a.early_prefill == "on")
     load = (a.load, min(a.load_prompt, max_len - a.load_new - 1), a.load_new)
     result = {"model": a.model or f"random, {a.shape} shape (bench/gpu_decode.py)", "max_model_len": max_len,
-              "lengths": lengths, "reps": a.reps, "new": a.new, "cuda_ipc": a.cuda_ipc, "link_gbps": a.link_gbps,
+              "lengths": lengths, "reps": a.reps, "new": a.new, "cuda_ipc": a.cuda_ipc,
+              "early_prefill": a.early_prefill, "link_gbps": a.link_gbps,
               "threshold_tokens": a.threshold, "answers": len(answers), "load": dict(zip(("requests", "prompt", "new"),
                                                                                            load)), "compared": {}}
     tokens, gaps, failed = {}, {}, False

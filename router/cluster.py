@@ -2,10 +2,13 @@
 
 Per request (the KV Messenger flow): the placement policy (policies/, `policy.name`) picks the decode and the
 prefill instance from a snapshot of the cluster (snapshot.py); open the decode instance's `Decode` stream, which
-reserves cache space and validates the request (a bad one is refused before any prefill work), then the prefill
-instance's `Prefill` call with the reservation, and relay both to the request's queue: the prefill call sends the
-first token the moment it is sampled (the client has it while the KV travels), then answers once decode has
-acknowledged every KV byte; the decode instance's Updates follow (its report of that first token is dropped):
+reserves cache space and validates the request, and the prefill instance's `Prefill` call beside it
+(`router.early_prefill`, as SGLang's router sends a request to both servers at once: the prefill starts while decode
+reserves, and a `Bind` call gives it the reservation when it comes; the first token is held until then), or after
+it where decode holds a cached prefix of the prompt (the Prefill call then carries the reservation, whose skipped
+blocks do not travel) or a store load or write-back is planned; both are relayed to the request's queue: the prefill
+call sends the first token the moment it is sampled (the client has it while the KV travels), then answers once
+decode has acknowledged every KV byte; the decode instance's Updates follow (its report of that first token is dropped):
 running ones in one message a step for all of that worker's requests, on its Updates stream (updates.py), the
 finished one on the request's own stream. n > 1 fans out into n requests with seeds seed, seed + 1, ... (as the
 colocated engine does). A placement without a prefill instance runs the request whole on the decode instance
@@ -208,10 +211,13 @@ class Router:
         return q
 
     def abort(self, request_id: str) -> None:
-        """The client went away: cancel its tasks, which close their streams (the workers abort and free)."""
-        self.sequences.pop(request_id, None)
+        """The client went away: cancel its tasks and close their streams (the workers abort and free): a task
+        cancelled before it ran never closes them itself."""
+        subs = self.sequences.pop(request_id, [])
         for t in self.tasks.pop(request_id, []):
             t.cancel()
+        for s in subs:
+            self._close(s)
 
     # ---- placement
     def _snapshot(self, s: Sub, exclude: set):
@@ -261,7 +267,7 @@ class Router:
             self.prefixes.start_load(s, pl)
             self.prefixes.start_put(s, pl)
             try:
-                await self._open(s, w, method)
+                await self._open(s, w, method, self._early(s, snap, pl) if method == "Decode" else None)
                 return
             except grpc.aio.AioRpcError as e:
                 if e.code() == Code.INVALID_ARGUMENT:
@@ -276,10 +282,31 @@ class Router:
                 s.avoid.add(w.name)
                 s.errors.append(str(e))
 
-    async def _open(self, s: Sub, w: WorkerInfo, method: str) -> None:
+    def _early(self, s: Sub, snap, pl: Placement) -> WorkerInfo | None:
+        """The prefill instance to call beside decode's reservation (router.early_prefill), or None: the Prefill
+        call follows the reservation where decode holds a cached prefix of the prompt (a prefill bound later sends
+        every block, so that prefix would travel again) or a store load or write-back is planned."""
+        if not self.cfg.router.early_prefill or pl.move_prefix is not None or s.load is not None or s.put is not None:
+            return None
+        held = next((i.cached_tokens for i in snap.instances if i.name == pl.decode), 0)
+        p = self.registry.get(pl.prefill)
+        return p if held < self.cfg.engine.block_size and p is not None and self.registry.is_up(p) else None
+
+    def _drop_early(self, s: Sub) -> None:
+        """An early Prefill call not taken by _drive (its reservation failed, or the request ended): cancelled."""
+        self._stop(s.pre)
+        if s.bound is not None and not s.bound.done():
+            s.bound.cancel()
+        s.pre, s.bound, s.firsts = None, None, []
+
+    async def _open(self, s: Sub, w: WorkerInfo, method: str, early: WorkerInfo | None = None) -> None:
+        """Open the placement's stream on w; early: a prefill instance whose Prefill call starts now, beside the
+        Decode call, and is bound to the reservation when it comes (_prefill)."""
         s.serial += 1
         s.xid = f"{s.rid}.{s.serial}"
         more = dict(kv_tokens=s.kv(), deadline_s=self.cfg.transfer.deadline_s) if method == "Decode" else {}
+        if early is not None:  # the prefill, bound later, sends every block
+            more["max_skip"] = 0
         try:
             stream = await self.updates.stream(w)
         except Silent as e:
@@ -290,22 +317,15 @@ class Router:
         call = self.workers.client(w).stream(method, msg)
         it = call.__aiter__()
         first = None
+        if early is not None:
+            s.bound, s.firsts, s.on_first = asyncio.get_running_loop().create_future(), [], None
+            s.pre = asyncio.ensure_future(self._prefill(s, early, s.first, s.bound, w.name))
         if method == "Decode":
             try:
-                # a stopped process accepts the call and never answers: give up when its heartbeats stop
-                first = await self.workers.watch(w, it.__anext__())
-            except StopAsyncIteration:
-                call.cancel()
-                raise Retry(f"{w.name} closed its Decode stream without a reservation") from None
-            except Silent as e:
-                call.cancel()
-                raise Retry(f"Decode on {e}") from None
+                first = await self._reservation(w, call, it)
             except BaseException:
-                call.cancel()
+                self._drop_early(s)
                 raise
-            if not isinstance(first, dict) or not isinstance(first.get("reserved"), dict):
-                call.cancel()
-                raise Retry(f"{w.name} answered Decode without a reservation: {str(first)[:200]}")
         s.call, s.worker, s.method, s.prefill, s.kv_bytes, s.kv_backend = call, w, method, None, 0, None
         # one feed of what comes next: the call's messages (a task reads them) and, on the worker's Updates stream,
         # its running updates (from here on: a Decode's come only once its KV is in, after its reservation)
@@ -317,11 +337,33 @@ class Router:
         # where prefill sends the KV: the decode instance by name (the worker looks its addresses up in the
         # registry's peer table) and the reservation's blocks, skip and region offset
         s.reserved = {"instance": w.name, **first["reserved"]} if first else None
+        if s.bound is not None:
+            s.bound.set_result(s.reserved)
         s.placed_s = time.monotonic() - s.arrival
         s.attempts += 1
         w.inflight += 1
 
+    async def _reservation(self, w: WorkerInfo, call, it) -> dict:
+        """A Decode call's first message, its reservation (the call is cancelled when it does not come)."""
+        try:
+            # a stopped process accepts the call and never answers: give up when its heartbeats stop
+            first = await self.workers.watch(w, it.__anext__())
+        except StopAsyncIteration:
+            call.cancel()
+            raise Retry(f"{w.name} closed its Decode stream without a reservation") from None
+        except Silent as e:
+            call.cancel()
+            raise Retry(f"Decode on {e}") from None
+        except BaseException:
+            call.cancel()
+            raise
+        if not isinstance(first, dict) or not isinstance(first.get("reserved"), dict):
+            call.cancel()
+            raise Retry(f"{w.name} answered Decode without a reservation: {str(first)[:200]}")
+        return first
+
     def _close(self, s: Sub) -> None:
+        self._drop_early(s)
         self.prefixes.drop_load(s)
         self.prefixes.drop_put(s)
         if s.pump is not None:
@@ -335,10 +377,12 @@ class Router:
             s.worker.inflight -= 1
             s.call = None
 
-    async def _prefill(self, s: Sub, p: WorkerInfo, on_first) -> None:
+    async def _prefill(self, s: Sub, p: WorkerInfo, on_first, bound: asyncio.Future | None = None,
+                       decode: str | None = None) -> None:
         """Run the prompt on prefill instance p into the reservation (after moving a cached prefix to p when
         the placement says so); on_first(Update) gets the first token as soon as it is sampled; returns once
-        decode acknowledged every KV byte. Raises Retry."""
+        decode acknowledged every KV byte. Raises Retry. bound: called before decode reserved (early), the
+        reservation on instance `decode` to come, sent to p by a Bind call when it does."""
         load = await self.prefixes.move_prefix(s, p) if s.placement.move_prefix is not None else None
         tokens = s.prompt + s.output  # resuming: the output so far is prompt to this prefill
         params = {**s.params, "max_tokens": s.params["max_tokens"] - len(s.output)}
@@ -347,15 +391,17 @@ class Router:
         n, t0, computed = max(1, s.placement.uncached_tokens or len(tokens)), time.monotonic(), False
         p.prefill.start(n)
         store = self.prefixes.name_put(s)
+        dst = {"dst": s.reserved} if bound is None else {"pending_dst": decode}
         msg = message("Prefill", request_id=s.xid, prompt=tokens, params=params, kv_tokens=s.kv(),
-                      sample=s.kv() == len(tokens), dst=s.reserved, **({"prefix_from": load} if load else {}),
+                      sample=s.kv() == len(tokens), **dst, **({"prefix_from": load} if load else {}),
                       **({"store": store} if store else {}))
         call = self.workers.client(p).stream("Prefill", msg, timeout=self.cfg.server.request_timeout_s)
+        binding = None if bound is None else asyncio.ensure_future(self._bind(p, s.xid, bound))
         try:
             it = call.__aiter__()
             while True:
                 try:
-                    res = await self.workers.watch(p, it.__anext__())
+                    res = await self._answer(p, it, binding)
                 except StopAsyncIteration:
                     raise Retry(f"{p.name} ended its Prefill call without an answer") from None
                 if "first" not in res:
@@ -374,6 +420,7 @@ class Router:
             raise Retry(f"prefill on {e}") from None
         finally:
             call.cancel()  # nothing once it has ended
+            Router._stop(binding)
             p.inflight -= 1
             s.prefilling = None
             if not computed:
@@ -387,6 +434,24 @@ class Router:
             x, old = s.kv_bytes / sent, self.kv_bytes_per_token
             self.kv_bytes_per_token = x if old is None else 0.8 * old + 0.2 * x
         self.prefixes.settle_put(s, p, tokens, store, res, missed)
+
+    async def _bind(self, p: WorkerInfo, xid: str, bound: asyncio.Future) -> None:
+        """An early Prefill call's reservation, sent to p once decode made it."""
+        dst = await bound
+        await self.workers.watch(p, self.workers.client(p).call("Bind", message("Bind", request_id=xid, dst=dst)))
+
+    async def _answer(self, p: WorkerInfo, it, binding: asyncio.Future | None) -> dict:
+        """A Prefill call's next message; while its Bind call runs, that call's failure raises at once."""
+        nxt = asyncio.ensure_future(self.workers.watch(p, it.__anext__()))
+        try:
+            while binding is not None and not binding.done() and not nxt.done():
+                await asyncio.wait({nxt, binding}, return_when=asyncio.FIRST_COMPLETED)
+            if binding is not None and binding.done() and not binding.cancelled() and not nxt.done() \
+                    and binding.exception() is not None:
+                raise binding.exception()
+            return await nxt
+        finally:
+            nxt.cancel()
 
     async def _pump(self, w: WorkerInfo, it, feed: asyncio.Queue) -> None:
         """A placement's call to w, read into its feed: each message, then END when the call ends, or what it
@@ -468,7 +533,12 @@ class Router:
         try:
             while True:
                 try:
-                    if s.method == "Decode":
+                    if s.method == "Decode" and s.pre is not None:  # called beside the reservation: relayed now
+                        pre, s.pre, s.on_first = s.pre, None, relay
+                        for u in s.firsts:
+                            relay(u)
+                        s.firsts = []
+                    elif s.method == "Decode":
                         name = s.placement.prefill
                         p = self.registry.get(name)
                         if p is None or not self.registry.is_up(p):

@@ -111,8 +111,19 @@ class Sub:
     placed_s: float | None = None  # from the arrival to the placement's stream opened (Decode: its reservation)
     prefill_ttft_s: float | None = None  # the prefill engine's own TTFT (its arrival there to its first token)
     errors: list = field(default_factory=list)
+    pre: asyncio.Future | None = None  # a Prefill call started beside the Decode call (early), until _drive takes it
+    bound: asyncio.Future | None = None  # that call's reservation, once decode made it
+    firsts: list = field(default_factory=list)  # its first token, held until the reservation came and _drive relays
+    on_first: object = None  # _drive's relay, once it runs
     sent: Update | None = None  # the last update relayed to the client (or held: final_only); cumulative
     final_only: bool = False  # the client takes only the finished update (a request that does not stream)
+
+    def first(self, u: Update) -> None:
+        """A Prefill call's first token: relayed, or held until the placement's stream is read (early prefill)."""
+        if self.on_first is not None:
+            self.on_first(u)
+        else:
+            self.firsts.append(u)
 
     @property
     def output(self) -> list[int]:

@@ -56,12 +56,13 @@ class KVIntake:
         return self.server.address
 
     def reserve(self, request_id: str, prompt: list[int], params, kv_tokens: int, deadline_s: float | None = None,
-                **resume):
+                max_skip: int | None = None, **resume):
         """-> (sequence, dst block ids, skip). Raises RequestError (bad request) or OutOfBlocks / PoolFull (busy).
         The receiver is `self.receivers[request_id]` (its region's offset: where a local sender writes).
-        resume: output= and logprobs= of a resumed request (KVConnector.reserve)."""
+        max_skip: at most this many cached leading blocks reused; resume: output= and logprobs= of a resumed
+        request (KVConnector.reserve)."""
         kv = self.kv
-        seq, skip = kv.reserve(request_id, prompt, params, kv_tokens, **resume)
+        seq, skip = kv.reserve(request_id, prompt, params, kv_tokens, max_skip=max_skip, **resume)
         try:
             region = self.pool.allocate(region_bytes(kv.layout, kv.dtype_name, kv_tokens, skip))
         except PoolFull:

@@ -89,10 +89,11 @@ class KVConnector:
 
     # ---- receiving side: a request's KV
     def reserve(self, request_id: str, prompt: list[int], params: SamplingParams, kv_tokens: int,
-                output: list[int] | None = None, logprobs: list | None = None) -> tuple[Sequence, int]:
+                output: list[int] | None = None, logprobs: list | None = None,
+                max_skip: int | None = None) -> tuple[Sequence, int]:
         """Take a slot and blocks for a request whose first `kv_tokens` tokens of KV (of prompt + output: a
         resumed request, as in add_request) another instance sends. Returns (sequence, leading blocks already
-        held, which are not sent). Raises RequestError, OutOfBlocks (no room now)."""
+        held, at most `max_skip`, which are not sent). Raises RequestError, OutOfBlocks (no room now)."""
         llm = self._llm
         ids = llm.encode(prompt)
         llm.validate(ids, params, output)
@@ -104,7 +105,7 @@ class KVConnector:
         if request_id in llm.requests:
             raise RequestError(f"duplicate request id {request_id!r}", "request_id")
         seq = llm._sequence(request_id, ids, dataclasses.replace(params, n=1), output, logprobs)
-        skip = llm.scheduler.reserve(seq, kv_tokens)
+        skip = llm.scheduler.reserve(seq, kv_tokens, max_skip)
         llm.requests[request_id] = seq
         return seq, skip
 

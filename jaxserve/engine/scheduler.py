@@ -148,14 +148,15 @@ class Scheduler:
         return any(not _gated(s) for s in self.waiting) or any(not s.awaiting_kv for s in self.running)
 
     # ---- disaggregated decode
-    def reserve(self, seq: Sequence, kv_tokens: int) -> int:
+    def reserve(self, seq: Sequence, kv_tokens: int, max_skip: int | None = None) -> int:
         """Admit `seq` now, its first `kv_tokens` tokens to arrive by transfer. Returns the leading blocks already
-        held (prefix cache hits: not sent). Raises OutOfBlocks when there is no slot or too few blocks."""
+        held (prefix cache hits, at most `max_skip` of them: not sent). Raises OutOfBlocks when there is no slot or
+        too few blocks."""
         if not self.free_slots:
             raise OutOfBlocks(f"all {self.cfg.max_num_seqs} decode slots are taken")
         hits, _, _ = self.blocks.match(seq.tokens, False)  # transferred state is whole: no snapshot needed
         bs = self.cfg.block_size
-        hits = hits[:kv_tokens // bs]
+        hits = hits[:kv_tokens // bs if max_skip is None else min(kv_tokens // bs, max_skip)]
         seq.block_ids = self.blocks.allocate(hits, len(seq.tokens))
         self.blocks.record_query(len(seq.tokens), len(hits) * bs)
         seq.slot = self.free_slots.pop()

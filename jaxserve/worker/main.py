@@ -1,7 +1,8 @@
 """A worker: one instance of a cluster serving the worker protocol over gRPC. Around it: the process, its
 pinning and lifetime (process.py); what it does before JAX starts (setup.py); its peer table and KV links
 (peers.py); its registration with the router (heartbeat.py); the prefix calls Import, Export and Load
-(prefixes.py). Here: the engine and its warm-up, role changes, Decode, Generate, Prefill, Migrate and the server.
+(prefixes.py); Prefill and Bind (prefill_calls.py). Here: the engine and its warm-up, role changes, Decode,
+Generate, Migrate and the server.
 
 The protocol (every method, its messages and who may call it: JSON over gRPC, rpc.py; every request checked
 against its schema in messages.py) is docs/08-worker-protocol.md.
@@ -14,7 +15,6 @@ transfer threads, and a thread compiling the copies out of each store pool on th
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import os
@@ -23,10 +23,10 @@ import time
 
 from ..config import Config, InstanceSection
 
-from . import peers
 from .fanout import StepStreams, own_messages
 from .heartbeat import Heartbeat
 from .peers import Peers
+from .prefill_calls import PrefillCalls
 from .prefixes import PrefixCalls
 from .setup import READY, build_engine
 
@@ -103,6 +103,7 @@ class Worker:
         import concurrent.futures
         self._migrations = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="migration")  # as a helper
         self.prefixes = PrefixCalls(self)  # Import, Export, Load
+        self.prefills = PrefillCalls(self)  # Prefill, Bind
         self.steps = StepStreams()  # the Updates streams: running requests' updates, one message a step
 
     def _stream(self, role: str) -> None:
@@ -317,101 +318,8 @@ class Worker:
 
     def _reserve(self, req, params):
         seq, blocks, skip = self.intake.reserve(req.request_id, list(req.prompt), params, req.kv_tokens,
-                                                req.deadline_s, **req.resume())
+                                                req.deadline_s, req.max_skip, **req.resume())
         return [seq], (blocks, skip, self.intake.shm_base(req.request_id))
-
-    async def prefill(self, req, ctx):
-        import grpc
-        from ..disagg.prefill_side import Handoff
-        from ..engine.client import RequestError
-        if self.role in ("decode", "store"):
-            await ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.inst.name} is a {self.role} instance")
-        rid, kv, dst = req.request_id, req.kv_tokens, req.dst
-        t = self.cfg.transfer
-        peer = await self.peers.get(dst.instance, decode=True)
-        why = self.peers.check_dst(peer, dst, kv, self.llm.layout, self.llm.dtype_name)
-        pf = req.prefix_from
-        if why is None and pf is not None:
-            why = self._check_prefix_from(pf, kv)
-        sc, store_peer = req.store, None
-        if why is None and sc is not None:
-            store_peer = await self.peers.get(sc.dst.instance)
-            why = self._check_store_copy(store_peer, sc, kv)
-        if why is not None:
-            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
-        prompt = list(req.prompt)[:kv]
-        over = []  # the IncomingPrefix the prefill runs over (none when that Import has ended)
-        # or a Load here from the store's shared pool, under way: its copy is queued on the engine thread already
-        # (Load queues it before it first awaits), so the prefill, queued after it, finds the prefix cached
-        loading = self.prefixes.loads.get(pf.import_id) if pf is not None else None
-        try:
-            params = req.params.sampling()
-            link, shm_base = self.peers.link_to(peer, dst)
-            copies, per_group = [], t.groups_of(kv)
-            # the store's copy leaves group by group beside decode's; a model with request-level state would
-            # need the state at the copy's end, a snapshot the step does not export: the router puts it after
-            if sc is not None and not self.llm.layout.has_request_state:
-                store_link, store_base = self.peers.link_to(store_peer, sc.dst)
-                copies.append(Handoff(store_link, self.feeder, list(sc.dst.blocks), sc.dst.skip, sc.tokens, False,
-                                      per_group, request_id=sc.import_id, shm_base=store_base))
-            handoff = Handoff(link, self.feeder, list(dst.blocks), dst.skip, kv, req.sample, per_group,
-                              request_id=rid, shm_base=shm_base, copies=copies)
-
-            def add(eng):
-                inc = self.intake.prefixes.get(pf.import_id) if pf is not None else None
-                if inc is not None and inc.tokens != prompt[:pf.tokens]:
-                    raise RequestError(f"prefix_from.import_id: {pf.import_id!r} carries another prefix than the "
-                                       f"prompt's first {pf.tokens} tokens")
-                seqs = eng.add_request(rid, prompt, params)
-                seqs[0].transfer.out = handoff
-                if inc is not None and inc.pending:
-                    seqs[0].transfer.into = inc
-                    over.append(inc)
-                return seqs, None
-            q, _ = await self.engine.attach(rid, add)
-        except (RequestError, ValueError) as e:
-            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        try:
-            while True:
-                u = await q.get()
-                if u.finished:
-                    break
-        finally:
-            self.engine.abort(rid)
-        if u.error or u.finish_reason != "handoff":
-            await ctx.abort(grpc.StatusCode.ABORTED, f"prefill failed: {u.error or u.finish_reason}")
-        sender = handoff.sender
-        if handoff.sample and not handoff.ends:  # the client may see the first token while its KV travels
-            yield {"first": dataclasses.asdict(dataclasses.replace(u, finished=False, finish_reason=None))}
-        sent = await peers.sent(sender, ctx, self.cfg.transfer.deadline_s)
-        prefix = None
-        if loading is not None:
-            prefix = {"tokens": pf.tokens, "streamed_groups": 0, "error": await asyncio.shield(loading),
-                      "via": "shared"}
-        elif pf is not None:  # what arrived while the prefill ran (none: the Import had ended before it began)
-            prefix = {"tokens": pf.tokens, "streamed_groups": len(over[0].imported) if over else 0,
-                      "error": over[0].error if over else None, "via": "transfer"}
-        store = None if sc is None else {"streamed": bool(copies)}  # False: the router puts it after the prefill
-        yield {**sent, "token": u.token_ids[0] if u.token_ids and handoff.sample else None, "ttft_s": u.ttft_s,
-               **({"prefix": prefix} if prefix is not None else {}), **({"store": store} if store else {})}
-
-    def _check_store_copy(self, peer: dict | None, sc, kv: int) -> str | None:
-        """Why the prompt's KV cannot also go to the store's reservation `sc` (None: it can)."""
-        bs = self.llm.layout.block_size
-        if sc.tokens % bs or sc.tokens > kv:
-            return f"store.tokens: {sc.tokens} is not whole blocks of {bs} tokens within the {kv} tokens prefilled"
-        if peer is not None and peer.get("role") != "store":
-            return f"store.dst.instance: {sc.dst.instance!r} is a {peer.get('role')} instance, not the store"
-        why = self.peers.check_dst(peer, sc.dst, sc.tokens, self.llm.layout, self.llm.dtype_name, decode=False)
-        return None if why is None else "store." + why
-
-    def _check_prefix_from(self, pf, kv: int) -> str | None:
-        """Why the prompt cannot run over the prefix pf names (None: it can)."""
-        bs = self.llm.layout.block_size
-        if pf.tokens % bs or pf.tokens >= kv:
-            return (f"prefix_from.tokens: {pf.tokens} is not whole blocks of {bs} tokens shorter than the "
-                    f"{kv} tokens prefilled")
-        return None
 
     # ---- migration (engine/migration.py)
     async def migrate(self, req, ctx):
@@ -479,9 +387,10 @@ class Worker:
         self._idle.set()
         unary = {"Health": self.health, "SetLink": self.set_link, "SetRole": self.set_role,
                  "Export": self._counted(self.prefixes.export_prefix, False), "Migrate": self.migrate,
-                 "Load": self._counted(self.prefixes.load_prefix, False), "Profile": self.profile}
+                 "Load": self._counted(self.prefixes.load_prefix, False), "Profile": self.profile,
+                 "Bind": self.prefills.bind}
         streams = {name: self._counted(fn, True) for name, fn in (
-            ("Decode", self.decode), ("Generate", self.generate), ("Prefill", self.prefill),
+            ("Decode", self.decode), ("Generate", self.generate), ("Prefill", self.prefills.prefill),
             ("Import", self.prefixes.import_prefix))}
         streams["Updates"] = self.updates
         server.add_generic_rpc_handlers((rpc.handler(unary, streams, messages.WORKER,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, StrictBool, StrictInt, StrictStr, model_validator
 
 from ..cache.events import KINDS
 from ..sampling import SamplingParams
@@ -98,6 +98,9 @@ class SetLink(_Msg):
 class Decode(_Resumable):
     kv_tokens: StrictInt = Field(ge=1, le=MAX_TOKENS)
     deadline_s: FiniteFloat | None = Field(None, gt=0, le=3600)
+    # reuse at most this many leading blocks of this instance's prefix cache (a prefill already under way sends
+    # the KV from that block on); None: as many as it holds
+    max_skip: StrictInt | None = Field(None, ge=0, le=MAX_BLOCKS)
 
 
 class Reservation(_Msg):
@@ -126,11 +129,30 @@ class StoreCopy(_Msg):
 
 
 class Prefill(_Request):
+    """dst: where decode reserved the KV; or, the prefill starting while decode reserves, `pending_dst` names the
+    decode instance and a Bind call brings its reservation (whose skip is then 0)."""
     kv_tokens: StrictInt = Field(ge=1, le=MAX_TOKENS)
     sample: StrictBool = True
-    dst: Reservation
+    dst: Reservation | None = None
+    pending_dst: Name | None = None
     prefix_from: PrefixFrom | None = None
     store: StoreCopy | None = None
+
+    @model_validator(mode="after")
+    def _one_dst(self):
+        if (self.dst is None) == (self.pending_dst is None):
+            raise ValueError("a Prefill names its destination once: dst (the reservation) or pending_dst (the "
+                             "decode instance whose reservation a Bind call brings)")
+        if self.pending_dst is not None and (self.prefix_from is not None or self.store is not None):
+            raise ValueError("pending_dst: a Prefill over a prefix_from or with a store copy takes its dst at once")
+        return self
+
+
+class Bind(_Msg):
+    """The reservation a Prefill called with `pending_dst` sends its KV into (its skip 0: that prefill sends every
+    block)."""
+    request_id: Name
+    dst: Reservation
 
 
 class Import(_Msg):
@@ -259,7 +281,7 @@ class Profile(_Msg):
     stamp: Annotated[StrictStr, Field(pattern=r"^[0-9A-Za-z_.-]{1,64}$")]
 
 
-WORKER = {"Health": Health, "Decode": Decode, "Prefill": Prefill, "Generate": Generate, "SetLink": SetLink,
+WORKER = {"Health": Health, "Decode": Decode, "Prefill": Prefill, "Bind": Bind, "Generate": Generate, "SetLink": SetLink,
           "SetRole": SetRole, "Import": Import, "Export": Export, "Migrate": Migrate, "Load": Load,
           "Profile": Profile, "Updates": Updates}
 ROUTER = {"Register": Register}

@@ -64,7 +64,7 @@ class Peers:
         t = self.cfg.transfer
         address = peer["kv_address"]
         lk = self.cfg.link(self.cluster, dst_cluster)
-        pull = lk is None and self.pull_server is not None and bool(peer.get("pull"))
+        pull = self._pulls(peer, lk)
         ipc = pull and self.pull_server.ipc is not None and peer.get("ipc") == self.pull_server.ipc.key
         shm = peer.get("shm") if t.shared_memory and lk is None and not pull and shm_base is not None else None
         if shm is not None and not same_host(shm.get("boot")):
@@ -94,10 +94,20 @@ class Peers:
         self.links[key] = (link, now)
         return link, (shm_base if shm else None)
 
+    def _pulls(self, peer: dict, lk) -> bool:
+        return lk is None and self.pull_server is not None and bool(peer.get("pull"))
+
+    def _cluster_of(self, instance: str) -> str:
+        return self.cfg.cluster_of(instance) if instance in self._names else self.cluster
+
     def link_to(self, peer: dict, dst):
         """(link, shm region base) for a reservation on instance dst.instance (`peer`: its peer-table entry)."""
-        return self.link(peer, self.cfg.cluster_of(dst.instance) if dst.instance in self._names else self.cluster,
-                         dst.shm_base)
+        return self.link(peer, self._cluster_of(dst.instance), dst.shm_base)
+
+    def pulls(self, peer: dict, instance: str) -> bool:
+        """Whether the link to `instance` (`peer`: its peer-table entry) will pull device arrays (a PullLink), as
+        `link` decides before any reservation is known."""
+        return self._pulls(peer, self.cfg.link(self.cluster, self._cluster_of(instance)))
 
     def set_bandwidth(self, dst: str, gbps: float) -> int:
         """SetLink: the emulated bandwidth of the links to cluster dst, now and for links built later -> how
@@ -114,19 +124,28 @@ class Peers:
         """Each open link's traffic (transfer/link.py), for the heartbeat."""
         return {v.metrics.name: v.metrics.snapshot() for v, _ in list(self.links.values())}
 
-    def check_dst(self, peer: dict | None, dst, kv: int, layout, dtype_name: str, decode: bool = True) -> str | None:
-        """Why a reservation cannot be sent to (None: it can): the instance must be a registered instance (a
-        decode instance, for a request's KV), its blocks must cover the KV, and a shared-memory region must lie
-        page aligned inside the instance's segment, with exactly the room the transfer's staging takes."""
-        from jaxserve.transfer.bufpool import PAGE
-        from jaxserve.transfer.receiver import region_bytes
+    def check_peer(self, peer: dict | None, instance: str, field: str = "dst.instance",
+                   decode: bool = True) -> str | None:
+        """Why KV cannot go to `instance` (None: it can): it must be a registered instance (a decode instance,
+        for a request's KV) with a KV server."""
         if peer is None:
-            return (f"dst.instance: {dst.instance!r} is not an instance registered with the router"
+            return (f"{field}: {instance!r} is not an instance registered with the router"
                     + ("" if self.refresh is not None else " (this worker has no router: start it with --router)"))
         if decode and peer.get("role") not in ("decode", "both"):
-            return f"dst.instance: {dst.instance!r} is a {peer.get('role')} instance, not a decode instance"
+            return f"{field}: {instance!r} is a {peer.get('role')} instance, not a decode instance"
         if not peer.get("kv_address"):
-            return f"dst.instance: {dst.instance!r} has no KV server"
+            return f"{field}: {instance!r} has no KV server"
+        return None
+
+    def check_dst(self, peer: dict | None, dst, kv: int, layout, dtype_name: str, decode: bool = True) -> str | None:
+        """Why a reservation cannot be sent to (None: it can): the instance as check_peer says, its blocks must
+        cover the KV, and a shared-memory region must lie page aligned inside the instance's segment, with exactly
+        the room the transfer's staging takes."""
+        from jaxserve.transfer.bufpool import PAGE
+        from jaxserve.transfer.receiver import region_bytes
+        why = self.check_peer(peer, dst.instance, decode=decode)
+        if why is not None:
+            return why
         n = -(-kv // layout.block_size)
         if len(dst.blocks) < n or dst.skip > n:
             return f"dst.blocks: {len(dst.blocks)} blocks (skipping {dst.skip}) do not hold {kv} tokens ({n} blocks)"

@@ -38,7 +38,7 @@ def compiled_transfer_programs(pre, dec) -> tuple[int, int]:
 
 def run_disagg(path, prompts, params, *, sample=True, layers_per_group=None, warm_decode=None, tp=(1, 1),
                shm=False, pull=False, warm_transfer=False, exported=None, failing_imports=0, seqs=None,
-               resumed=None, cfg=CFG, after_step=None):
+               resumed=None, cfg=CFG, after_step=None, bind_after=None):
     """tp: (prefill, decode) tensor parallelism, over the two fake CPU devices; shm: the local backend; pull:
     the device backend (each side its own JAX transfer server); warm_transfer: compile the export / import
     programs first, and check the transfers compile no more; exported: a list that collects every
@@ -46,7 +46,9 @@ def run_disagg(path, prompts, params, *, sample=True, layers_per_group=None, war
     that many imports raise; seqs: a list that collects decode's sequences; resumed: per prompt the output a
     failed first placement streamed, resumed as the router resumes it (router/cluster.py): prefill gets prompt +
     output and sends the KV of all but the last token, unsampled, and decode gets the output; cfg: both engines'
-    settings; after_step: called with the prefill engine and the hand-offs after each prefill step."""
+    settings; after_step: called with the prefill engine and the hand-offs after each prefill step; bind_after: the
+    hand-offs are made before decode's reservation (the router's early prefill: no link, no blocks, decode asked to
+    skip nothing) and bound to it after that many prefill steps (or once all ran)."""
     def mesh(n):
         return None if n == 1 else jax.make_mesh((n,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,),
                                                  devices=jax.devices()[:n])
@@ -88,13 +90,18 @@ def run_disagg(path, prompts, params, *, sample=True, layers_per_group=None, war
             dec.add_request("warm", warm_decode, params)
             while dec.has_work:
                 dec.step()
-        dseqs, handoffs, skips = [], [], []
+        dseqs, handoffs, skips, unbound = [], [], [], []
         for i, p in enumerate(prompts):
             out = list(resumed[i]) if resumed else []
             kv = len(p) + len(out) - 1 if out else len(p) if sample else len(p) - 1
-            seq, dst, skip = intake.reserve(f"r{i}", p, params, kv, **({"output": out} if out else {}))
-            h = Handoff(link, feeder, dst, skip, kv, sample and not out, layers_per_group,
-                        shm_base=intake.shm_base(f"r{i}") if shm else None)
+            seq, dst, skip = intake.reserve(f"r{i}", p, params, kv, max_skip=0 if bind_after is not None else None,
+                                            **({"output": out} if out else {}))
+            base = intake.shm_base(f"r{i}") if shm else None
+            if bind_after is None:
+                h = Handoff(link, feeder, dst, skip, kv, sample and not out, layers_per_group, shm_base=base)
+            else:
+                h = Handoff(None, feeder, None, 0, kv, sample and not out, layers_per_group, pull=pull)
+                unbound.append((h, dst, base))
             (pseq,) = pre.add_request(f"r{i}", (p + out)[:kv], params)
             pseq.transfer.out = h
             dseqs.append(seq)
@@ -102,10 +109,17 @@ def run_disagg(path, prompts, params, *, sample=True, layers_per_group=None, war
                 seqs.append(seq)
             handoffs.append(h)
             skips.append(skip)
+        steps = 0
         while pre.has_work:
             pre.step()
+            steps += 1
             if after_step is not None:
                 after_step(pre, handoffs)
+            if steps == bind_after:
+                for h, dst, base in unbound:
+                    h.bind(link, dst, base)
+        for h, dst, base in unbound if steps < (bind_after or 0) else ():
+            h.bind(link, dst, base)
         for h in handoffs:
             assert h.sender.wait(30) is KVPoll.DONE, h.sender.state.reason
         while dec.has_work or intake.receivers:
@@ -244,6 +258,33 @@ def test_a_longer_prompts_kv_leaves_chunk_by_chunk(checkpoint_dir, pull):
     assert st.spans == [(0, 2), (2, 2), (4, 2)] and len(arrived) == 3
     assert arrived[:2] == [sum(a.sent_bytes for a in st.arrays if a.span < k) for k in (1, 2)]
     assert arrived[1] < st.sent_bytes
+
+
+@pytest.mark.parametrize("pull", [False, True])
+@pytest.mark.parametrize("bind_after", [1, 9])
+def test_a_hand_off_bound_after_its_prefill_began_sends_what_waited(checkpoint_dir, pull, bind_after):
+    """The router's early prefill: hand-offs made before decode reserved compute at once; what they export
+    waits in them, in order, until decode's reservation is bound (after the first prefill step: an earlier chunk's
+    spans waited; or after the last: every group and the first-token record waited), then it all goes. The
+    answers are colocated's, over TCP and pulled device to device; a binding of the wrong kind of link fails."""
+    path = checkpoint_dir("llama")
+    prompts = [BASE[:21], BASE[:6]]
+    want = [o.token_ids for o in LLM(path, progress=False, engine=CFG).generate(prompts, GREEDY)]
+    seen = []
+
+    def waited(pre, handoffs):
+        seen.append([(h.bound, h.sender is None, len(h._parked)) for h in handoffs])
+    got, handoffs, skips, _ = run_disagg(path, prompts, GREEDY, layers_per_group=2, pull=pull, after_step=waited,
+                                         bind_after=bind_after)
+    assert got == want and skips == [0, 0]
+    # after the first step, before any binding: both computed (the short prompt whole, the long one's first
+    # chunk), their exports waiting in them with no sender
+    assert [(bound, unsent, parked > 0) for bound, unsent, parked in seen[0]] == [(False, True, True)] * 2
+    assert len(seen) == 3 and all(h.bound and not h._parked for h in handoffs)  # 21 tokens: three chunks
+    h = Handoff(None, None, None, 0, 8, pull=not pull)  # its exports made for the other kind of link
+    with pytest.raises(ValueError, match="destination refused: the link to decode"):
+        h.bind(PullLink.__new__(PullLink) if pull else object(), [0, 1], None)
+    assert "the link to decode" in h.failed and h.sender is None and not h.bound
 
 
 def test_a_hand_off_preempted_between_its_chunks_reads_its_rows_where_they_are_then(checkpoint_dir):

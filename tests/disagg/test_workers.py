@@ -220,6 +220,123 @@ def test_device_backend_between_worker_processes(device_cluster):
     assert ph["stats"]["blocks_used"] == 0 and dh["stats"]["blocks_used"] == 0
 
 
+async def early_request(p_addr, d_addr, rid, prompt, params, late: bool):
+    """The router's early prefill: the Prefill call first (pending_dst, no reservation yet), then decode reserves
+    (max_skip 0) and a Bind call gives the prefill the reservation; late: the Bind only after the prefill sampled
+    its first token (its KV exported and waiting in the hand-off). -> as disagg_request."""
+    d, p = Client(d_addr), Client(p_addr)
+    try:
+        pre = p.stream("Prefill", {"request_id": rid, "prompt": prompt, "params": params, "kv_tokens": len(prompt),
+                                   "pending_dst": "d0"}, timeout=300)
+        pit = pre.__aiter__()
+        msgs = [await pit.__anext__()] if late else []
+        stream = d.stream("Decode", {"request_id": rid, "prompt": prompt, "params": params,
+                                     "kv_tokens": len(prompt), "max_skip": 0})
+        it = stream.__aiter__()
+        first = await it.__anext__()
+        assert await p.call("Bind", {"request_id": rid, "dst": {"instance": "d0", **first["reserved"]}}) == {
+            "bound": True}
+        msgs += [m async for m in pit]
+        last = None
+        async for msg in it:
+            last = msg["update"]
+        return first["reserved"], msgs[-1], last, msgs[0]["first"] if len(msgs) == 2 else None
+    finally:
+        await d.close()
+        await p.close()
+
+
+@pytest.mark.parametrize("backend", ["cluster", "device_cluster"])
+def test_a_prefill_started_before_decode_reserved_matches_colocated(backend, request):
+    """The Prefill call before the reservation (the router's early prefill): the prefill computes at once, its
+    exports wait in the hand-off until the Bind call brings decode's reservation, bound while it runs or only after
+    its first token; decode asked for max_skip 0 reserves every block though it holds the prompt's prefix (a
+    reservation without max_skip skips it), and the tokens equal colocated's, with no block held afterwards."""
+    path, procs, _ = request.getfixturevalue(backend)
+    p_addr, d_addr = procs["p0"][1]["address"], procs["d0"][1]["address"]
+    want = colocated_tokens(path)
+
+    async def run():
+        cached = await disagg_request(p_addr, d_addr, "cached", PROMPTS[0], GREEDY)  # decode now holds it
+        again = await disagg_request(p_addr, d_addr, "again", PROMPTS[0], GREEDY)
+        early = []
+        for late in (False, True):  # three at a time: decode has four slots
+            early += await asyncio.gather(*(early_request(p_addr, d_addr, f"early{i}{late}", p, GREEDY, late)
+                                            for i, p in enumerate(PROMPTS)))
+        return cached, again, early
+    cached, again, early = asyncio.run(run())
+    assert cached[2]["token_ids"] == want[0] and again[2]["token_ids"] == want[0] and again[0]["skip"] > 0
+    for (reserved, res, last, first), w in zip(early, want + want):
+        assert reserved["skip"] == 0 and res["kv_bytes"] > 0
+        assert last["token_ids"] == w and last["finished"] and not last["error"]
+        assert res["token"] == w[0] and first["token_ids"] == w[:1]
+        assert res["backend"] == ("device" if backend == "device_cluster" else "tcp")
+    for _ in range(100):  # the last acknowledgements
+        ph, dh = health(p_addr, d_addr)
+        if not ph["stats"]["blocks_used"] and not dh["stats"]["blocks_used"]:
+            break
+        time.sleep(0.05)
+    assert ph["stats"]["blocks_used"] == 0 and dh["stats"]["blocks_used"] == 0
+
+
+def test_a_bind_that_does_not_fit_fails_the_prefill(cluster):
+    """A Bind for no waiting prefill is NOT_FOUND; one whose reservation cannot take the KV (skipping blocks, on
+    another instance) is refused and the Prefill call it was for fails (ABORTED), decode's reservation given back
+    when its stream closes; a Prefill naming both or neither destination, or a prefill instance as pending_dst, is
+    refused before any work."""
+    _, procs, _ = cluster
+    p_addr, d_addr = procs["p0"][1]["address"], procs["d0"][1]["address"]
+    prompt = BASE[:13]
+    pre = {"request_id": "b", "prompt": prompt, "params": GREEDY, "kv_tokens": len(prompt)}
+
+    async def run():
+        out = {}
+        d, p = Client(d_addr), Client(p_addr)
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await p.call("Bind", {"request_id": "nobody", "dst": {"instance": "d0", "blocks": [0], "skip": 0}})
+            out["unknown"] = e.value.code(), e.value.details()
+            for name, extra in (("both", {"pending_dst": "d0", "dst": {"instance": "d0", "blocks": [0], "skip": 0}}),
+                                ("neither", {}), ("prefill", {"pending_dst": "p0"})):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await p.stream("Prefill", {**pre, "request_id": name, **extra}).read()
+                out[name] = e.value.code(), e.value.details()
+            for name, bad in (("skip", {"skip": 1}), ("instance", {"instance": "p0"})):
+                stream = d.stream("Decode", {**pre, "request_id": name, "max_skip": 0})
+                reserved = (await stream.read())["reserved"]
+                call = p.stream("Prefill", {**pre, "request_id": name, "pending_dst": "d0"})
+                first = await call.read()  # computed; its KV waits for the reservation
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await p.call("Bind", {"request_id": name, "dst": {"instance": "d0", **reserved, **bad}})
+                out["bind", name] = e.value.code(), e.value.details()
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await call.read()
+                out["prefill", name] = e.value.code(), e.value.details(), "first" in first
+                stream.cancel()
+            for _ in range(100):
+                hp, hd = await p.call("Health", {}), await d.call("Health", {})
+                if not hp["stats"]["blocks_used"] and not hd["stats"]["blocks_used"]:
+                    break
+                await asyncio.sleep(0.05)
+            return out, hp, hd
+        finally:
+            await d.close()
+            await p.close()
+    out, hp, hd = asyncio.run(run())
+    assert out["unknown"][0] == grpc.StatusCode.NOT_FOUND and "no prefill of 'nobody'" in out["unknown"][1]
+    assert out["both"][0] == out["neither"][0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert "names its destination once" in out["both"][1] and "names its destination once" in out["neither"][1]
+    assert out["prefill"] == (grpc.StatusCode.INVALID_ARGUMENT,
+                              "pending_dst: 'p0' is a prefill instance, not a decode instance")
+    assert out["bind", "skip"][0] == grpc.StatusCode.INVALID_ARGUMENT and "dst.skip: 1" in out["bind", "skip"][1]
+    assert out["bind", "instance"][0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert "dst.instance: 'p0', the Prefill named 'd0'" in out["bind", "instance"][1]
+    for name in ("skip", "instance"):
+        code, why, sampled = out["prefill", name]
+        assert code == grpc.StatusCode.ABORTED and "destination refused" in why and sampled
+    assert hp["stats"]["blocks_used"] == 0 and hd["stats"]["blocks_used"] == 0 and hd["stats"]["running"] == 0
+
+
 def test_wrong_role_is_refused(cluster):
     _, procs, _ = cluster
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 
 import grpc
 import pytest
@@ -17,6 +18,7 @@ from jaxserve.engine.client import EngineUnavailable, QueueFull, RequestError
 from jaxserve.sampling import SamplingParams
 from jaxserve.worker import messages, rpc
 from jaxserve.router.cluster import Router
+from jaxserve.router.requests import Sub
 
 TOKEN = "tok"
 
@@ -28,15 +30,21 @@ class Fake:
     | after_import (the reservation waits until an Import was opened on any instance); `await_put`: the request
     ids whose reservation waits until the router holds the store's answer to their write-back's Import (an event
     the test sets); `export` in ok | fail (a store no longer holding the prefix; a prefill instance's read of the
-    store's shared pool too). Import answers its reservation, then `imported` once an Export filled it (or a
+    store's shared pool too); `bind` in ok | refuse (INVALID_ARGUMENT: a Prefill called before decode reserved
+    then fails, ABORTED, as the worker's does). A Prefill named with `pending_dst` sends its KV once its Bind came;
+    `reserve_wait`: the request ids whose Decode answers its reservation only once the test sets
+    board[("reserve", id)]. Import answers its reservation, then `imported` once an Export filled it (or a
     Prefill naming it, with `streams`: a prefill instance that writes the store's copy as it computes). `shared`:
     a store advertises a shared KV pool, a prefill instance reads such pools (both on this host)."""
 
-    def __init__(self, name, role, board, prefill="ok", decode="ok", export="ok", shared=False, streams=False):
+    def __init__(self, name, role, board, prefill="ok", decode="ok", export="ok", shared=False, streams=False,
+                 bind="ok"):
         self.name, self.role, self.board = name, role, board
         self.streams = streams
         self.await_put: set = set()
-        self.prefill_mode, self.decode_mode, self.export_mode = prefill, decode, export
+        self.reserve_wait: set = set()
+        self.prefill_mode, self.decode_mode, self.export_mode, self.bind_mode = prefill, decode, export, bind
+        self.binds = []  # (request id, its reservation's instance) of each Bind
         self.shared = shared
         self.opened, self.closed, self.prefills, self.generated = [], [], [], []
         self.imports, self.imports_closed, self.exports, self.loads = [], [], [], []
@@ -47,7 +55,7 @@ class Fake:
     async def start(self):
         self.server = rpc.server(TOKEN)
         self.server.add_generic_rpc_handlers((rpc.handler(
-            {"Export": self.export, "Load": self.load},
+            {"Export": self.export, "Load": self.load, "Bind": self.bind},
             {"Prefill": self.prefill, "Decode": self.decode, "Generate": self.generate,
                                       "Import": self.import_}, messages.WORKER),))
         self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
@@ -85,6 +93,8 @@ class Fake:
         xid = req["request_id"]
         if xid in self.await_put:  # answered once the router holds the store's answer to the write-back's Import
             await asyncio.wait_for(self.board.setdefault(("router reserved", f"{xid}.put"), asyncio.Event()).wait(), 5)
+        if xid in self.reserve_wait:
+            await asyncio.wait_for(self.board.setdefault(("reserve", xid), asyncio.Event()).wait(), 5)
         self.opened.append(xid)
         self.requests.append(req)
         arrived = self.board.setdefault(xid, asyncio.Event())
@@ -116,12 +126,23 @@ class Fake:
             yield {"first": update(self.output(req)[:1], False)}
         if self.prefill_mode == "hold":
             await self.release.wait()
+        if req["pending_dst"] is not None:  # the KV goes once the reservation is bound
+            await asyncio.wait_for(self.board.setdefault(("bound", req["request_id"]), asyncio.Event()).wait(), 5)
+            if self.bind_mode == "refuse":
+                await ctx.abort(grpc.StatusCode.ABORTED, "KV transfer failed: destination refused: injected")
         self.board.setdefault(req["request_id"], asyncio.Event()).set()
         store = req["store"]
         if store is not None and self.streams:  # the KV went to the store's reservation too
             self.board.setdefault(("exported", store["import_id"]), asyncio.Event()).set()
         yield {"kv_bytes": 100, "frames": 1, "sends": 1, "resends": 0, "token": 0, "ttft_s": 0.0, "backend": "tcp",
                **({"store": {"streamed": self.streams}} if store is not None else {})}
+
+    async def bind(self, req, ctx):
+        self.binds.append((req.request_id, req.dst.instance))
+        self.board.setdefault(("bound", req.request_id), asyncio.Event()).set()
+        if self.bind_mode == "refuse":
+            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "dst.blocks: injected")
+        return {"bound": True}
 
     async def import_(self, req, ctx):
         rid = req.request_id
@@ -328,12 +349,88 @@ def test_a_decode_instance_that_hangs_before_reserving_is_abandoned_at_its_heart
     asyncio.run(go())
 
 
+def test_the_prefill_starts_while_decode_reserves():
+    """router.early_prefill (the default): the Prefill call goes out beside the Decode call, naming the decode
+    instance (pending_dst) before its reservation exists, and decode is asked to skip no block (max_skip 0); once
+    the reservation comes a Bind call gives it to the prefill instance, and the request completes as before. Off,
+    the Prefill call follows the reservation and carries it."""
+    async def go():
+        async with cluster({"p0": P, "d0": D}) as (ce, w):
+            w["d0"].reserve_wait.add("r.1")
+            add = asyncio.ensure_future(ce.add("r", [1, 2, 3], GREEDY))
+            for _ in range(500):
+                if w["p0"].prefills:
+                    break
+                await asyncio.sleep(0.01)
+            assert w["p0"].prefills == ["r.1"] and w["d0"].opened == [] and not add.done()  # decode still reserving
+            pre, = w["p0"].requests
+            assert pre["pending_dst"] == "d0" and pre["dst"] is None and w["p0"].binds == []
+            w["d0"].board.setdefault(("reserve", "r.1"), asyncio.Event()).set()
+            u, = await result(await add)
+            assert u.token_ids == [3, 0] and u.error is None and u.route["attempts"] == 1
+            assert w["p0"].binds == [("r.1", "d0")] and w["d0"].requests[0]["max_skip"] == 0
+            assert 0 < u.route["placed_s"] <= u.ttft_s  # the first token is relayed once the reservation is in
+        async with cluster({"p0": P, "d0": D}, early_prefill=False) as (ce, w):
+            u, = await result(await ce.add("r", [1, 2, 3], GREEDY))
+            assert u.token_ids == [3, 0] and u.error is None and w["p0"].binds == []
+            pre, = w["p0"].requests
+            assert pre["pending_dst"] is None and pre["dst"]["instance"] == "d0"
+            assert w["d0"].requests[0]["max_skip"] is None
+    asyncio.run(go())
+
+
+def test_a_prefill_begun_early_follows_its_placement_through_failures():
+    """A decode instance without room: the Prefill call begun beside its reservation is cancelled unbound and
+    the request placed again (a fresh early prefill, bound to the other decode instance's reservation); a Bind the
+    prefill instance refuses fails that prefill, and the request is placed again on another prefill instance."""
+    async def go():
+        async with cluster({"p0": P, "d0": ("decode", {"decode": "full"}), "d1": D}) as (ce, w):
+            u, = await result(await ce.add("r", [1, 2, 3], GREEDY))
+            assert u.error is None and u.token_ids == [3, 0] and u.route["decode_instance"] == "d1"
+            assert w["p0"].binds == [(w["p0"].prefills[-1], "d1")] and len(w["p0"].prefills) >= 2
+            assert ce.registry.workers["p0"].inflight == 0
+        async with cluster({"p0": ("prefill", {"bind": "refuse"}), "p1": P, "d0": D}) as (ce, w):
+            u, = await result(await ce.add("r", [1, 2, 3], GREEDY))
+            assert u.error is None and u.token_ids == [3, 0] and u.route["prefill_instance"] == "p1"
+            assert u.route["attempts"] == 2 and w["p0"].binds == [("r.1", "d0")] and w["p1"].binds == [("r.2", "d0")]
+            assert "r.1" in w["d0"].closed  # the first reservation was given back
+    asyncio.run(go())
+
+
+def test_decode_holding_a_prefix_of_the_prompt_gets_the_prefill_call_after_its_reservation():
+    """Where the global KV index says the decode instance holds a whole block of the prompt, its reservation
+    skips it and the Prefill call follows with it (an early prefill would send it again)."""
+    async def go():
+        async with cluster({"p0": P, "d0": D}) as (ce, w):
+            s = Sub("r", 0, list(range(1, 40)), {}, 39)
+            snap = ce._snapshot(s, set())
+            pl = ce.policy.place(snap)
+            assert ce._early(s, snap, pl) is ce.registry.get("p0")
+            bs = ce.cfg.engine.block_size
+            held = dataclasses.replace(snap, instances=tuple(
+                dataclasses.replace(i, cached_tokens=bs if i.name == "d0" else 0) for i in snap.instances))
+            assert ce._early(s, held, pl) is None
+            partial = dataclasses.replace(snap, instances=tuple(
+                dataclasses.replace(i, cached_tokens=bs - 1) for i in snap.instances))
+            assert ce._early(s, partial, pl) is ce.registry.get("p0")
+    asyncio.run(go())
+
+
 def test_refusals_busy_invalid_and_attempts():
     async def go():
-        async with cluster({"p0": P, "d0": ("decode", {"decode": "invalid"})}) as (ce, w):
+        async with cluster({"p0": P, "d0": ("decode", {"decode": "invalid"})}, early_prefill=False) as (ce, w):
             with pytest.raises(RequestError, match="prompt too long"):
                 await ce.add("r", [1, 2, 3], GREEDY)
             assert w["p0"].prefills == []  # refused before any prefill work
+        async with cluster({"p0": P, "d0": ("decode", {"decode": "invalid"})}) as (ce, w):
+            with pytest.raises(RequestError, match="prompt too long"):
+                await ce.add("r", [1, 2, 3], GREEDY)
+            # the Prefill call began beside the reservation: cancelled with it, never bound
+            for _ in range(100):
+                if not ce.registry.workers["p0"].inflight:
+                    break
+                await asyncio.sleep(0.01)
+            assert w["p0"].prefills == ["r.1"] and w["p0"].binds == [] and ce.registry.workers["p0"].inflight == 0
         async with cluster({"p0": P, "d0": ("decode", {"decode": "full"})}) as (ce, w):
             with pytest.raises(QueueFull, match="no decode instance had room"):
                 await ce.add("r", [1, 2, 3], GREEDY)
