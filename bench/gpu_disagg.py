@@ -12,8 +12,8 @@ the GPU (KV across the link leaves the device once, into host memory, for the TC
   `--reps` fresh prompts (no prefix hits), each deployment, and its ratios to colocated; the KV bytes each
   request moved, its backend (cuda_ipc, device, shm or tcp; `--cuda-ipc off` measures JAX's transfer server in
   CUDA IPC's place), the instance that prefilled it, the router's time to place it (`placed_s`: a disaggregated
-  request's decode reservation included, which its prefill no longer waits for unless `--early-prefill off`; none
-  for colocated, one in-process engine), the TTFT of the engine that
+  request's decode reservation included, which its prefill does not wait for: router.early_prefill; none for
+  colocated, one in-process engine), the TTFT of the engine that
   answered from the request's arrival there (`engine_ttft_s`: colocated's own; a disaggregated request's decode
   instance, from its reservation to the first token it recorded once the KV was in) and the prefill engine's own
   (`prefill_ttft_s`: its arrival there to its first token), the wait from the first token to the second
@@ -28,9 +28,14 @@ the GPU (KV across the link leaves the device once, into host memory, for the TC
   programs): TPOT median and 90th percentile over the requests, TTFT median, output tokens per second over the
   round, and each instance's engine steps: whether a disaggregated decode worker keeps colocated's step under a
   full batch (its per-request messages to the router are on its host beside the engine's loop);
+- with decode busy (`--busy N`): `--reps` prompts of the first length timed one at a time while N requests keep
+  decoding: the TTFT, the placement and the prefilling engine's TTFT (a decode reservation is made by decode's
+  engine thread, after its current step);
 - the ready time of each deployment (launch to /health 200, the compilation cache shared, so a later start
   finds the programs an earlier one built).
 A deployment that fails is recorded with its error and the next one still runs; the JSON is written after each.
+`--deployments colocated,disaggregated,sequential` adds the router's early prefill's A/B: `sequential` is the
+disaggregated deployment with its Prefill call after the decode reservation (router.early_prefill off).
 
 The model is a random bf16 checkpoint of SmolLM2-135M's shape (`--shape small`, bench/gpu_decode.py writes it on
 the device; the GGUF package is larger than what travels to a lent GPU) or a checkpoint directory (`--model`).
@@ -58,21 +63,21 @@ from bench.startup import launch, stop
 from jaxserve.router.launcher import free_ports
 
 
-DEPLOYMENTS = ("colocated", "disaggregated", "prfaas")
+DEPLOYMENTS = ("colocated", "disaggregated", "sequential", "prfaas")
+DEFAULT = ("colocated", "disaggregated", "prfaas")  # sequential: the router's early prefill's A/B, on request
 HEARTBEAT_WAIT_S = 1.5  # past a heartbeat (server.heartbeat_s, 1 s): the router's copy of the workers' step times
 
 
 def configs(model: str, max_len: int, cache: str, cpus: bool = False, cuda_ipc: bool = True, link_gbps: float = 25.0,
-            threshold: int = 128, max_num_seqs: int = 16, early_prefill: bool = True) -> dict[str, dict]:
+            threshold: int = 128, max_num_seqs: int = 16) -> dict[str, dict]:
     """{deployment: config mapping}, the same model and engine section in each; the workers of one deployment
     share device 0 (the default split of its memory) and move KV inside a cluster through CUDA IPC (or, cuda_ipc
-    False, JAX's transfer server); the PrfaaS cluster's over a link of `link_gbps`; early_prefill: the router's
-    Prefill call beside its Decode call (router.early_prefill)."""
+    False, JAX's transfer server); the PrfaaS cluster's over a link of `link_gbps`; `sequential` is
+    `disaggregated` with the router's Prefill call after the decode reservation (router.early_prefill off)."""
     engine = {"block_size": 16, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": 2048, "max_model_len": max_len,
               "prefix_caching": False, "warmup": False, "compilation_cache": cache}
     base = {"model": {"path": model, "name": "m", "dtype": "bfloat16"},
-            "engine": engine, "server": {"host": "127.0.0.1", "max_tokens_limit": 4096},
-            "router": {"early_prefill": early_prefill}}
+            "engine": engine, "server": {"host": "127.0.0.1", "max_tokens_limit": 4096}}
     transfer = {"token": "gpu-disagg", "layers_per_group": 4, "stream_min_tokens": 512, "cuda_ipc": cuda_ipc}
 
     def inst(name: str, role: str, core: int) -> dict:
@@ -80,6 +85,8 @@ def configs(model: str, max_len: int, cache: str, cpus: bool = False, cuda_ipc: 
     pd = [inst("p0", "prefill", 0), inst("d0", "decode", 1)]
     return {"colocated": {**base, "clusters": [{"name": "c", "instances": [{"name": "solo", "role": "both"}]}]},
             "disaggregated": {**base, "clusters": [{"name": "c", "instances": pd}], "transfer": transfer},
+            "sequential": {**base, "clusters": [{"name": "c", "instances": pd}], "transfer": transfer,
+                           "router": {"early_prefill": False}},
             "prfaas": {**base, "transfer": transfer,
                        "clusters": [{"name": "prfaas", "kind": "prfaas", "instances": [inst("x0", "prefill", 2)]},
                                     {"name": "pd", "kind": "pd", "instances": pd}],
@@ -166,10 +173,43 @@ def under_load(port: int, prompts: list[list[int]], new: int) -> dict:
             "tokens_per_s": sum(len(r["tokens"]) for r in runs) / wall}
 
 
+def while_busy(port: int, probes: list[list[int]], background: list[list[int]], busy_new: int) -> dict:
+    """TTFT of `probes` sent one at a time while the `background` requests decode (each streamed for `busy_new`
+    tokens and sent again as it ends) -> medians of the probes' TTFT, the router's placement time and the
+    prefilling engine's TTFT (where a reservation that waits for decode's step shows)."""
+    import threading
+    stopping = threading.Event()
+
+    def loop(p):
+        while not stopping.is_set():
+            complete(port, p, busy_new)
+    threads = [threading.Thread(target=loop, args=(p,), daemon=True) for p in background]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(1.0)  # all of them decoding
+        for p in probes[:3]:  # untimed: what a probe beside the batch compiles
+            complete(port, p, 2)
+        runs = []
+        for p in probes[3:]:
+            runs.append(complete(port, p, 2))
+            time.sleep(0.05)
+    finally:
+        stopping.set()
+        for t in threads:
+            t.join(600)
+    metas = [r["jaxserve"] or {} for r in runs]
+    return {"requests": len(background), "prompt": len(probes[0]), "probes": len(runs),
+            "ttft_s": statistics.median(r["ttft_s"] for r in runs),
+            "placed_s": _median(m.get("placed_s") for m in metas),
+            "prefill_ttft_s": _median(m.get("prefill_ttft_s") for m in metas)}
+
+
 def serve_and_measure(config: dict, work: str, name: str, answers: list[list[int]], lengths: list[int],
                       reps: int, new: int, vocab: int, seed: int, timeout_s: float,
-                      load: tuple[int, int, int] = (0, 0, 0)) -> dict:
-    """One deployment served and measured; load = (requests at once, prompt tokens, tokens each decodes)."""
+                      load: tuple[int, int, int] = (0, 0, 0), busy: tuple[int, int] = (0, 0)) -> dict:
+    """One deployment served and measured; load = (requests at once, prompt tokens, tokens each decodes); busy =
+    (requests decoding, tokens each) behind `reps` probes of the first length (while_busy)."""
     import numpy as np
     path = os.path.join(work, f"{name}.yaml")
     with open(path, "w") as f:
@@ -211,6 +251,10 @@ def serve_and_measure(config: dict, work: str, name: str, answers: list[list[int
             time.sleep(HEARTBEAT_WAIT_S)
             out["load"]["steps"] = step_window(before, health_steps(port))
             print(f"{name}: under load: {out['load']}", flush=True)
+        if busy[0]:
+            out["busy"] = while_busy(port, [rng.integers(3, vocab, lengths[0]).tolist() for _ in range(reps + 3)],
+                                     [rng.integers(3, vocab, 32).tolist() for _ in range(busy[0])], busy[1])
+            print(f"{name}: with {busy[0]} requests decoding: {out['busy']}", flush=True)
     finally:
         stop(proc)
     return out
@@ -235,16 +279,18 @@ def main(argv=None) -> int:
     ap.add_argument("--pin", action="store_true", help="pin the workers to cores 0, 1 (and the PrfaaS one to 2)")
     ap.add_argument("--cuda-ipc", choices=("on", "off"), default="on",
                     help="disaggregated KV through CUDA IPC (on) or JAX's transfer server (off), on a GPU")
-    ap.add_argument("--deployments", default=",".join(DEPLOYMENTS), help="colocated first, then any of "
-                    "disaggregated, prfaas")
+    ap.add_argument("--deployments", default=",".join(DEFAULT), help="colocated first, then any of "
+                    "disaggregated, sequential (disaggregated without the router's early prefill), prfaas")
     ap.add_argument("--link-gbps", type=float, default=25.0, help="the PrfaaS -> PD link's emulated bandwidth")
-    ap.add_argument("--early-prefill", choices=("on", "off"), default="on",
-                    help="the router's Prefill call beside its Decode call (router.early_prefill), or after it")
     ap.add_argument("--threshold", type=int, default=128, help="uncached prompt tokens over which PrfaaS prefills")
     ap.add_argument("--load", type=int, default=16, help="requests sent at once for TPOT under load (0: none); "
                     "the engines' max_num_seqs when over 16")
     ap.add_argument("--load-prompt", type=int, default=256, help="prompt tokens of each request under load")
     ap.add_argument("--load-new", type=int, default=128, help="tokens each request under load decodes")
+    ap.add_argument("--busy", type=int, default=0, help="requests kept decoding (32-token prompts, --busy-new tokens "
+                    "each, sent again as they end) while --reps prompts of the first length are timed one at a time "
+                    "(0: not measured)")
+    ap.add_argument("--busy-new", type=int, default=300, help="tokens each of the --busy requests decodes")
     a = ap.parse_args(argv)
     names = a.deployments.split(",")
     if names[0] != "colocated" or not set(names) <= set(DEPLOYMENTS) or len(set(names)) != len(names):
@@ -265,18 +311,17 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     answers = [rng.integers(3, mc.vocab_size, int(rng.integers(8, 200))).tolist() for _ in range(a.answers)]
     cfgs = configs(path, max_len, os.path.join(work, "xla"), a.pin, a.cuda_ipc == "on", a.link_gbps, a.threshold,
-                   max(16, a.load), a.early_prefill == "on")
+                   max(16, a.load))
     load = (a.load, min(a.load_prompt, max_len - a.load_new - 1), a.load_new)
     result = {"model": a.model or f"random, {a.shape} shape (bench/gpu_decode.py)", "max_model_len": max_len,
-              "lengths": lengths, "reps": a.reps, "new": a.new, "cuda_ipc": a.cuda_ipc,
-              "early_prefill": a.early_prefill, "link_gbps": a.link_gbps,
+              "lengths": lengths, "reps": a.reps, "new": a.new, "cuda_ipc": a.cuda_ipc, "link_gbps": a.link_gbps,
               "threshold_tokens": a.threshold, "answers": len(answers), "load": dict(zip(("requests", "prompt", "new"),
                                                                                            load)), "compared": {}}
     tokens, gaps, failed = {}, {}, False
     for name in names:
         try:
             out = serve_and_measure(cfgs[name], work, name, answers, lengths, a.reps, a.new, mc.vocab_size, 1,
-                                    a.timeout_s, load)
+                                    a.timeout_s, load, (a.busy, a.busy_new))
         except Exception as e:  # noqa: BLE001 - recorded; the other deployments still run
             result[name], failed = {"error": f"{type(e).__name__}: {e}"}, True
             print(f"{name} failed: {e}", flush=True)
@@ -302,6 +347,8 @@ def compare(colocated: dict, other: dict, base: list, answers: list, gaps: list 
                       for n, d in other["lengths"].items()}}
     if "load" in colocated and "load" in other:
         out["load"] = {k: other["load"][k] / colocated["load"][k] for k in ("tpot_s", "tpot_p90_s", "tokens_per_s")}
+    if "busy" in colocated and "busy" in other:
+        out["busy"] = {"ttft_s": other["busy"]["ttft_s"] / colocated["busy"]["ttft_s"]}
     return out
 
 

@@ -396,20 +396,27 @@ def gpu_disagg(r: dict[str, dict]) -> list[str]:
     out = []
     for name, d in r.items():
         c = d.get("colocated", {"error": "not run"})
-        via = "CUDA IPC" if d["cuda_ipc"] == "on" else "JAX's transfer server"
+        backends = {b for dep in ("disaggregated", "sequential") for x in d.get(dep, {}).get("lengths", {}).values()
+                    for b in x["kv_backend"]}
+        via = ("CUDA IPC" if d["cuda_ipc"] == "on" else "JAX's transfer server") if backends & {"device", "cuda_ipc"} \
+            else ", ".join(sorted(backends)) or "-"
+        prfaas = (f"; PrfaaS: prompts over {d['threshold_tokens']} uncached tokens prefilled across a "
+                  f"{num(d['link_gbps'])} Gbit/s link" if "prfaas" in d else "")
         out += [f"`{name}`: {d['model']}, greedy, {d['new']} tokens per request, medians of {d['reps']}; KV inside a "
-                f"cluster through {via}; PrfaaS: prompts over {d['threshold_tokens']} uncached tokens prefilled across "
-                f"a {num(d['link_gbps'])} Gbit/s link." + (f" Colocated failed: {c['error']}." if "error" in c else ""),
-                ""]
+                f"cluster through {via}{prfaas}." + (f" Colocated failed: {c['error']}." if "error" in c else ""), ""]
         if "error" in c:
             continue
-        for dep in ("disaggregated", "prfaas"):
+        for dep in ("disaggregated", "sequential", "prfaas"):
             g = d.get(dep)
-            if g is None or "error" in g:
-                out += [f"{dep}: {'not run' if g is None else 'failed: ' + g['error']}.", ""]
+            if g is None:  # not asked for (--deployments)
+                continue
+            if "error" in g:
+                out += [f"{dep}: failed: {g['error']}.", ""]
                 continue
             x = d["compared"][dep]
-            out += [f"{dep}: answers equal colocated for {x['answers_equal']} of {d['answers']} prompts"
+            what = (" (disaggregated with the Prefill call after decode's reservation: router.early_prefill off)"
+                    if dep == "sequential" else "")
+            out += [f"{dep}{what}: answers equal colocated for {x['answers_equal']} of {d['answers']} prompts"
                     f"{_differences(x.get('differ', []))}; ready after {num(g['ready_s'])} s ({num(c['ready_s'])} s "
                     "colocated).", ""]
             rows = []
@@ -435,7 +442,17 @@ def gpu_disagg(r: dict[str, dict]) -> list[str]:
                          + ([f"prefill steps colocated / {dep}: count x ms (device ms)"] if steps else []), rows)
             if "load" in x:
                 out += [_load(d["load"], c["load"], g["load"], dep, x["load"]), ""]
+            if "busy" in x:
+                out += [_busy(c["busy"], g["busy"], dep, x["busy"]), ""]
     return out
+
+
+def _busy(c: dict, g: dict, dep: str, ratio: dict) -> str:
+    """A gpu_disagg deployment's TTFT with decode busy against colocated's."""
+    return (f"With {g['requests']} requests decoding: a {g['prompt']}-token prompt's TTFT colocated / {dep} "
+            f"{num(c['ttft_s'] * 1e3, 1)} / {num(g['ttft_s'] * 1e3, 1)} ms ({ratio['ttft_s']:.2f}x; median of "
+            f"{g['probes']}), {dep}'s placement {_ms(g.get('placed_s'))} ms and its prefilling engine's TTFT "
+            f"{_ms(g.get('prefill_ttft_s'))} ms.")
 
 
 def _load(how: dict, c: dict, g: dict, dep: str, ratio: dict) -> str:
@@ -491,7 +508,8 @@ SECTIONS = [
                                                                              "gpu_decode_h100.json"), gpu_decode),
     Section("GPU programs compiled without a GPU", "bench.gpu_programs", ("gpu_programs_h200.json",), gpu_programs),
     Section("Disaggregated against colocated on one GPU", "bench.gpu_disagg", ("gpu_disagg_h200.json",
-                                                                               "gpu_disagg_h100.json"), gpu_disagg),
+                                                                               "gpu_disagg_h100.json",
+                                                                               "gpu_disagg_early_cpu.json"), gpu_disagg),
     Section("Kernels", "bench.kernels", ("kernels_h200.json", "kernels_h100.json", "kernels.json"), kernels),
     Section("Kernel launch parameters", "bench.kernel_tune", ("kernel_tune_h200.json", "kernel_tune_hopper_h200.json",
                                                               "kernel_tune_h100.json"), kernel_tune),

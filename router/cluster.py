@@ -441,13 +441,15 @@ class Router:
         await self.workers.watch(p, self.workers.client(p).call("Bind", message("Bind", request_id=xid, dst=dst)))
 
     async def _answer(self, p: WorkerInfo, it, binding: asyncio.Future | None) -> dict:
-        """A Prefill call's next message; while its Bind call runs, that call's failure raises at once."""
+        """A Prefill call's next message; a failure of its Bind call (binding) raises as soon as it is known."""
+        if binding is None or binding.done():
+            if binding is not None and not binding.cancelled() and binding.exception() is not None:
+                raise binding.exception()
+            return await self.workers.watch(p, it.__anext__())
         nxt = asyncio.ensure_future(self.workers.watch(p, it.__anext__()))
         try:
-            while binding is not None and not binding.done() and not nxt.done():
-                await asyncio.wait({nxt, binding}, return_when=asyncio.FIRST_COMPLETED)
-            if binding is not None and binding.done() and not binding.cancelled() and not nxt.done() \
-                    and binding.exception() is not None:
+            await asyncio.wait({nxt, binding}, return_when=asyncio.FIRST_COMPLETED)
+            if not nxt.done() and not binding.cancelled() and binding.exception() is not None:
                 raise binding.exception()
             return await nxt
         finally:
