@@ -62,7 +62,8 @@ from .kv_index import KVIndex
 from .policies.base import Placement, least_loaded
 from .prefix import PrefixMoves
 from .registry import Registry, WorkerInfo
-from .requests import Retry, Silent, Sub
+from .prefill_call import Prefills
+from .requests import Retry, Silent, Sub, settle
 from .snapshot import Topology
 from .updates import END, Ended, Failed, UpdateStreams
 
@@ -92,6 +93,7 @@ class Router:
         self.workers = Workers(cfg, self.registry, self.index)
         self.updates = UpdateStreams(self.workers)  # the workers' Updates streams: a step's updates in one message
         self.prefixes = PrefixMoves(cfg, self.registry, self.topology, self.index, self.workers)
+        self.prefills = Prefills(self)  # each request's Prefill call
         self.admin = Admin(cfg, self.registry, self.topology, self.workers, lambda: self.policy,
                            lambda: self.kv_bytes_per_token)
         # the admin operations of the engine-client protocol (server/app.py's /admin and /debug routes)
@@ -301,7 +303,7 @@ class Router:
 
     async def _open(self, s: Sub, w: WorkerInfo, method: str, early: WorkerInfo | None = None) -> None:
         """Open the placement's stream on w; early: a prefill instance whose Prefill call starts now, beside the
-        Decode call, and is bound to the reservation when it comes (_prefill)."""
+        Decode call, and is bound to the reservation when it comes (prefill_call.py)."""
         s.serial += 1
         s.xid = f"{s.rid}.{s.serial}"
         more = dict(kv_tokens=s.kv(), deadline_s=self.cfg.transfer.deadline_s) if method == "Decode" else {}
@@ -319,7 +321,7 @@ class Router:
         first = None
         if early is not None:
             s.bound, s.firsts, s.on_first = asyncio.get_running_loop().create_future(), [], None
-            s.pre = asyncio.ensure_future(self._prefill(s, early, s.first, s.bound, w.name))
+            s.pre = asyncio.ensure_future(self.prefills.run(s, early, s.first, s.bound, w.name))
         if method == "Decode":
             try:
                 first = await self._reservation(w, call, it)
@@ -376,84 +378,6 @@ class Router:
             s.call.cancel()  # the worker's stream ends: it aborts the request and frees its blocks
             s.worker.inflight -= 1
             s.call = None
-
-    async def _prefill(self, s: Sub, p: WorkerInfo, on_first, bound: asyncio.Future | None = None,
-                       decode: str | None = None) -> None:
-        """Run the prompt on prefill instance p into the reservation (after moving a cached prefix to p when
-        the placement says so); on_first(Update) gets the first token as soon as it is sampled; returns once
-        decode acknowledged every KV byte. Raises Retry. bound: called before decode reserved (early), the
-        reservation on instance `decode` to come, sent to p by a Bind call when it does."""
-        load = await self.prefixes.move_prefix(s, p) if s.placement.move_prefix is not None else None
-        tokens = s.prompt + s.output  # resuming: the output so far is prompt to this prefill
-        params = {**s.params, "max_tokens": s.params["max_tokens"] - len(s.output)}
-        p.inflight += 1
-        s.prefilling = p.name
-        n, t0, computed = max(1, s.placement.uncached_tokens or len(tokens)), time.monotonic(), False
-        p.prefill.start(n)
-        store = self.prefixes.name_put(s)
-        dst = {"dst": s.reserved} if bound is None else {"pending_dst": decode}
-        msg = message("Prefill", request_id=s.xid, prompt=tokens, params=params, kv_tokens=s.kv(),
-                      sample=s.kv() == len(tokens), **dst, **({"prefix_from": load} if load else {}),
-                      **({"store": store} if store else {}))
-        call = self.workers.client(p).stream("Prefill", msg, timeout=self.cfg.server.request_timeout_s)
-        binding = None if bound is None else asyncio.ensure_future(self._bind(p, s.xid, bound))
-        try:
-            it = call.__aiter__()
-            while True:
-                try:
-                    res = await self._answer(p, it, binding)
-                except StopAsyncIteration:
-                    raise Retry(f"{p.name} ended its Prefill call without an answer") from None
-                if "first" not in res:
-                    break
-                if not computed:  # the prompt is computed: its tokens leave p's queue and time its rate
-                    computed = True
-                    p.prefill.end(n, t0, time.monotonic(), True)
-                s.prefill_ttft_s = res["first"].get("ttft_s")
-                on_first(Update(**res["first"]))
-        except grpc.aio.AioRpcError as e:
-            self.workers.down(p, e)
-            s.avoid_prefill.add(p.name)
-            raise Retry(f"prefill on {p.name} failed: {e.code().name}: {e.details()}") from None
-        except Silent as e:
-            s.avoid_prefill.add(p.name)
-            raise Retry(f"prefill on {e}") from None
-        finally:
-            call.cancel()  # nothing once it has ended
-            Router._stop(binding)
-            p.inflight -= 1
-            s.prefilling = None
-            if not computed:
-                p.prefill.end(n, t0, time.monotonic(), False)
-        missed = await self.prefixes.settle_load(s, p, res) if load else False
-        p.served += 1
-        s.prefill, s.kv_bytes, s.kv_backend = p.name, int(res["kv_bytes"]), res.get("backend")
-        self.kv_bytes_transferred += s.kv_bytes
-        sent = s.kv() - int(s.reserved.get("skip", 0)) * self.cfg.engine.block_size  # tokens beyond decode's own
-        if sent > 0 and s.kv_bytes > 0:  # the policies' bytes per token (a moving average over transfers)
-            x, old = s.kv_bytes / sent, self.kv_bytes_per_token
-            self.kv_bytes_per_token = x if old is None else 0.8 * old + 0.2 * x
-        self.prefixes.settle_put(s, p, tokens, store, res, missed)
-
-    async def _bind(self, p: WorkerInfo, xid: str, bound: asyncio.Future) -> None:
-        """An early Prefill call's reservation, sent to p once decode made it."""
-        dst = await bound
-        await self.workers.watch(p, self.workers.client(p).call("Bind", message("Bind", request_id=xid, dst=dst)))
-
-    async def _answer(self, p: WorkerInfo, it, binding: asyncio.Future | None) -> dict:
-        """A Prefill call's next message; a failure of its Bind call (binding) raises as soon as it is known."""
-        if binding is None or binding.done():
-            if binding is not None and not binding.cancelled() and binding.exception() is not None:
-                raise binding.exception()
-            return await self.workers.watch(p, it.__anext__())
-        nxt = asyncio.ensure_future(self.workers.watch(p, it.__anext__()))
-        try:
-            await asyncio.wait({nxt, binding}, return_when=asyncio.FIRST_COMPLETED)
-            if not nxt.done() and not binding.cancelled() and binding.exception() is not None:
-                raise binding.exception()
-            return await nxt
-        finally:
-            nxt.cancel()
 
     async def _pump(self, w: WorkerInfo, it, feed: asyncio.Queue) -> None:
         """A placement's call to w, read into its feed: each message, then END when the call ends, or what it
@@ -546,7 +470,7 @@ class Router:
                         if p is None or not self.registry.is_up(p):
                             s.avoid_prefill.add(name)
                             raise Retry(f"prefill instance {name} went down before its Prefill call")
-                        pre = asyncio.ensure_future(self._prefill(s, p, relay))
+                        pre = asyncio.ensure_future(self.prefills.run(s, p, relay))
                     kv_pending, held = s.method == "Decode", None  # held: the open stream's last update
                     while True:
                         try:
@@ -599,8 +523,4 @@ class Router:
     @staticmethod
     def _stop(pre: asyncio.Future | None) -> None:
         """Cancel a prefill call still running (its transfer has nowhere to go), or collect its outcome."""
-        if pre is not None:
-            if pre.done():
-                pre.cancelled() or pre.exception()
-            else:
-                pre.cancel()
+        settle(pre)

@@ -78,6 +78,15 @@ class Put:
     task: asyncio.Future | None = None
 
 
+def settle(f: asyncio.Future | None) -> None:
+    """Cancel a task still running, or collect its outcome (so none is left unretrieved)."""
+    if f is not None:
+        if f.done():
+            f.cancelled() or f.exception()
+        else:
+            f.cancel()
+
+
 @dataclass
 class Sub:
     """One sequence of a request, and where it runs now."""
