@@ -277,8 +277,8 @@ class RouterSection(_Strict):
                                                    "one instance rather than failing it")
     early_prefill: bool = Field(True, description="send a request's Prefill call beside its Decode call, so the "
                                 "prefill starts while decode reserves (its KV waits for the reservation); off, or "
-                                "where decode holds a cached prefix of the prompt, a store load or write-back is "
-                                "planned: the Prefill call follows the reservation")
+                                "where decode holds a cached prefix of the prompt or a store load or write-back is "
+                                "planned, the Prefill call follows the reservation")
     role_change_timeout_s: float = Field(600.0, gt=0, description="how long a role change may take (the instance "
                                          "drains what it has in flight, then compiles its new role's programs)")
     store_write: Literal["streamed", "after"] = Field(
