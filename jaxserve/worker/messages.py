@@ -281,7 +281,7 @@ class Profile(_Msg):
     stamp: Annotated[StrictStr, Field(pattern=r"^[0-9A-Za-z_.-]{1,64}$")]
 
 
-WORKER = {"Health": Health, "Decode": Decode, "Prefill": Prefill, "Bind": Bind, "Generate": Generate, "SetLink": SetLink,
-          "SetRole": SetRole, "Import": Import, "Export": Export, "Migrate": Migrate, "Load": Load,
+WORKER = {"Health": Health, "Decode": Decode, "Prefill": Prefill, "Bind": Bind, "Generate": Generate,
+          "SetLink": SetLink, "SetRole": SetRole, "Import": Import, "Export": Export, "Migrate": Migrate, "Load": Load,
           "Profile": Profile, "Updates": Updates}
 ROUTER = {"Register": Register}
