@@ -339,7 +339,7 @@ class Router:
         # where prefill sends the KV: the decode instance by name (the worker looks its addresses up in the
         # registry's peer table) and the reservation's blocks, skip and region offset
         s.reserved = {"instance": w.name, **first["reserved"]} if first else None
-        if s.bound is not None:
+        if s.bound is not None and not s.bound.done():
             s.bound.set_result(s.reserved)
         s.placed_s = time.monotonic() - s.arrival
         s.attempts += 1
@@ -396,7 +396,10 @@ class Router:
         reported the KV in (kv_pending), the call is awaited alongside: its failure raises (its Retry) at once
         rather than when decode's deadline for the KV passes. Raises StopAsyncIteration (the call ended), the
         call's failure (grpc.aio.AioRpcError, Silent), and Retry when the Updates stream ended."""
-        if kv_pending and pre is not None and not pre.done():
+        if kv_pending and pre is not None and pre.done():  # (an early prefill may have ended before this read)
+            if not pre.cancelled() and pre.exception() is not None:
+                raise pre.exception()
+        elif kv_pending and pre is not None:
             get = asyncio.ensure_future(s.feed.get())
             try:
                 await asyncio.wait({get, pre}, return_when=asyncio.FIRST_COMPLETED)

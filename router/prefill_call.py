@@ -88,7 +88,7 @@ class Prefills:
 
     async def _bind(self, p: WorkerInfo, xid: str, bound: asyncio.Future) -> None:
         """An early Prefill call's reservation, sent to p once decode made it."""
-        dst = await bound
+        dst = await asyncio.shield(bound)  # (cancelling this call leaves the reservation's future to its owner)
         await self.workers.watch(p, self.workers.client(p).call("Bind", message("Bind", request_id=xid, dst=dst)))
 
     async def _answer(self, p: WorkerInfo, it, binding: asyncio.Future | None) -> dict:

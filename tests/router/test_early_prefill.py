@@ -79,3 +79,23 @@ def test_decode_holding_a_prefix_of_the_prompt_gets_the_prefill_call_after_its_r
                 dataclasses.replace(i, cached_tokens=bs - 1) for i in snap.instances))
             assert ce._early(s, partial, pl) is ce.registry.get("p0")
     asyncio.run(go())
+
+
+def test_an_early_prefill_that_failed_before_the_reservation_came_is_placed_again_at_once():
+    """The prefill instance refuses the early Prefill call while decode is still reserving: once the reservation
+    comes, the request is placed again on the other prefill instance at once (decode, given no KV, would otherwise
+    hold the request until its transfer deadline; this fake decode never gives up)."""
+    async def go():
+        async with cluster({"p0": ("prefill", {"prefill": "abort"}), "p1": P, "d0": D}) as (ce, w):
+            w["d0"].reserve_wait.add("r.1")
+            add = asyncio.ensure_future(ce.add("r", [1, 2, 3], GREEDY))
+            for _ in range(500):
+                if w["p0"].prefills and not ce.registry.workers["p0"].inflight:  # its call has failed
+                    break
+                await asyncio.sleep(0.01)
+            assert w["p0"].prefills == ["r.1"] and not add.done()
+            w["d0"].board.setdefault(("reserve", "r.1"), asyncio.Event()).set()
+            u, = await result(await add)
+            assert u.error is None and u.token_ids == [3, 0] and u.route["prefill_instance"] == "p1"
+            assert u.route["attempts"] == 2 and "r.1" in w["d0"].closed and w["p1"].binds == [("r.2", "d0")]
+    asyncio.run(go())
