@@ -12,7 +12,7 @@
 # failed) and the PrfaaS deployment (a prefill cluster over an emulated link) against colocated, SmolLM2-shaped
 # (bench.gpu_disagg: answers, TTFT and where it goes, the wait for the second token (the KV's transfer; a
 # 4,000-token prompt's first chunk sent while its second computes), TPOT, TPOT under a batch of 16, and TTFT with
-# 16 requests decoding: the decode reservation the router's early prefill does not wait for), tiny
+# 12 requests decoding: the decode reservation the router's early prefill does not wait for), tiny
 # Llama, Kimi Linear and gpt-oss checkpoints answering the same disaggregated as colocated there
 # (tests/router/test_cluster_http.py), and with the time left
 # the device transfer backend's tests and its bytes/s (transfer server and CUDA IPC) beside raw sockets and the
@@ -31,7 +31,7 @@
 # kernels_h200.json, ...), to be copied into bench/results/ (make bench does).
 # A run that spends its GPU on part of the check: ONLY names the steps to run (comma-separated; the rest are
 # skipped and take no time), SHARE_<step> sets a step's share in seconds, GPU_DISAGG_ARGS replaces
-# bench.gpu_disagg's arguments (default "--reps 2 --busy 16": SmolLM2's shape), e.g. the 8B shape at 256 to 8K
+# bench.gpu_disagg's arguments (default "--reps 2 --busy 12": SmolLM2's shape), e.g. the 8B shape at 256 to 8K
 # tokens:
 #     ONLY=ipc_test,gpu_disagg,transfer SHARE_gpu_disagg=460 \
 #         GPU_DISAGG_ARGS="--shape 8b --lengths 256,2048,8000 --reps 2" bash bench/gpu_check.sh
@@ -103,7 +103,7 @@ step gpu_decode 230 $PY -m bench.gpu_decode --json "$OUT/gpu_decode_$TAG.json"
 # that leaves the test out keeps JAX's transfer server)
 IPC=off
 step ipc_test 20 $PY -m pytest -v -p no:cacheprovider tests/transfer/test_ipc.py && chosen ipc_test && IPC=on
-step gpu_disagg 90 $PY -m bench.gpu_disagg ${GPU_DISAGG_ARGS:---reps 2 --busy 16} --cuda-ipc $IPC --json "$OUT/gpu_disagg_$TAG.json"
+step gpu_disagg 90 $PY -m bench.gpu_disagg ${GPU_DISAGG_ARGS:---reps 2 --busy 12} --cuda-ipc $IPC --json "$OUT/gpu_disagg_$TAG.json"
 step disagg_tests 50 env JAXSERVE_DISAGG_FAMILIES=llama,kimi_linear,gpt_oss $PY -m pytest -v -p no:cacheprovider \
     tests/router/test_cluster_http.py -k equals_colocated
 if [ -n "${TUNE_SWEEPS:-}" ]; then

@@ -295,6 +295,9 @@ def main(argv=None) -> int:
     names = a.deployments.split(",")
     if names[0] != "colocated" or not set(names) <= set(DEPLOYMENTS) or len(set(names)) != len(names):
         ap.error(f"--deployments: colocated first, then any of {DEPLOYMENTS[1:]}, each once; got {a.deployments!r}")
+    if a.busy >= max(16, a.load):  # a timed prompt beside a full batch would wait for a slot, not a reservation
+        ap.error(f"--busy {a.busy}: fewer than the engines' max_num_seqs ({max(16, a.load)}), a slot left for the "
+                 "timed prompt")
     import numpy as np
 
     from jaxserve.models.config import load_config

@@ -109,3 +109,5 @@ def test_a_failed_deployment_keeps_what_the_others_measured(checkpoint_dir, tmp_
             "after 1 s") in "\n".join(render({"x.json": r}))
     with pytest.raises(SystemExit):
         gpu_disagg.main(["--model", checkpoint_dir("llama"), "--deployments", "prfaas,colocated"])
+    with pytest.raises(SystemExit):  # no slot left for the timed prompt
+        gpu_disagg.main(["--model", checkpoint_dir("llama"), "--busy", "16"])
