@@ -306,6 +306,7 @@ class Router:
         Decode call, and is bound to the reservation when it comes (prefill_call.py)."""
         s.serial += 1
         s.xid = f"{s.rid}.{s.serial}"
+        s.prefill_ttft_s = None  # (an early prefill may report its own before the reservation comes)
         more = dict(kv_tokens=s.kv(), deadline_s=self.cfg.transfer.deadline_s) if method == "Decode" else {}
         if early is not None:  # the prefill, bound later, sends every block
             more["max_skip"] = 0
@@ -335,7 +336,6 @@ class Router:
         if stream is not None:
             stream.subscribe(s.xid, s.feed)
         s.pump = asyncio.ensure_future(self._pump(w, it, s.feed))
-        s.prefill_ttft_s = None
         # where prefill sends the KV: the decode instance by name (the worker looks its addresses up in the
         # registry's peer table) and the reservation's blocks, skip and region offset
         s.reserved = {"instance": w.name, **first["reserved"]} if first else None

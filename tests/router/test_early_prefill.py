@@ -30,9 +30,14 @@ def test_the_prefill_starts_while_decode_reserves():
             assert w["p0"].prefills == ["r.1"] and w["d0"].opened == [] and not add.done()  # decode still reserving
             pre, = w["p0"].requests
             assert pre["pending_dst"] == "d0" and pre["dst"] is None and w["p0"].binds == []
+            for _ in range(500):  # its first token is back at the router (held) before decode has reserved
+                if ce.registry.workers["p0"].prefill.last_end:
+                    break
+                await asyncio.sleep(0.01)
             w["d0"].board.setdefault(("reserve", "r.1"), asyncio.Event()).set()
             u, = await result(await add)
             assert u.token_ids == [3, 0] and u.error is None and u.route["attempts"] == 1
+            assert u.route["prefill_ttft_s"] == 0.01  # p0's own TTFT, kept though it came before the reservation
             assert w["p0"].binds == [("r.1", "d0")] and w["d0"].requests[0]["max_skip"] == 0
             assert 0 < u.route["placed_s"] <= u.ttft_s  # the first token is relayed once the reservation is in
         async with cluster({"p0": P, "d0": D}, early_prefill=False) as (ce, w):
