@@ -83,10 +83,9 @@ def configs(model: str, max_len: int, cache: str, cpus: bool = False, cuda_ipc: 
     def inst(name: str, role: str, core: int) -> dict:
         return {"name": name, "role": role, **({"cpus": [core]} if cpus else {})}
     pd = [inst("p0", "prefill", 0), inst("d0", "decode", 1)]
+    disaggregated = {**base, "clusters": [{"name": "c", "instances": pd}], "transfer": transfer}
     return {"colocated": {**base, "clusters": [{"name": "c", "instances": [{"name": "solo", "role": "both"}]}]},
-            "disaggregated": {**base, "clusters": [{"name": "c", "instances": pd}], "transfer": transfer},
-            "sequential": {**base, "clusters": [{"name": "c", "instances": pd}], "transfer": transfer,
-                           "router": {"early_prefill": False}},
+            "disaggregated": disaggregated, "sequential": {**disaggregated, "router": {"early_prefill": False}},
             "prfaas": {**base, "transfer": transfer,
                        "clusters": [{"name": "prfaas", "kind": "prfaas", "instances": [inst("x0", "prefill", 2)]},
                                     {"name": "pd", "kind": "pd", "instances": pd}],

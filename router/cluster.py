@@ -296,7 +296,7 @@ class Router:
 
     def _drop_early(self, s: Sub) -> None:
         """An early Prefill call not taken by _drive (its reservation failed, or the request ended): cancelled."""
-        self._stop(s.pre)
+        settle(s.pre)
         if s.bound is not None and not s.bound.done():
             s.bound.cancel()
         s.pre, s.bound, s.firsts = None, None, []
@@ -504,7 +504,7 @@ class Router:
                 except Retry as e:
                     err = str(e)
                 s.errors.append(err)
-                self._stop(pre)
+                settle(pre)
                 pre = None
                 self._close(s)
                 self.retries += 1
@@ -520,10 +520,6 @@ class Router:
             final(Update(s.index, [], "", True, "error", [], 0, len(s.prompt),
                          error=f"router error: {type(e).__name__}: {e}", ttft_s=s.ttft_s))
         finally:
-            self._stop(pre)
+            settle(pre)
             self._close(s)
 
-    @staticmethod
-    def _stop(pre: asyncio.Future | None) -> None:
-        """Cancel a prefill call still running (its transfer has nowhere to go), or collect its outcome."""
-        settle(pre)

@@ -171,15 +171,10 @@ class Handoff:
         plan.shm_base = self.shm_base  # the receiver refuses the plan unless that is its region's offset
         return plan
 
-    def _open(self, plan: TransferPlan | None = None) -> None:
-        """(Under the lock, begun and bound.) The sender, its plan sent, and what waited for it queued; plan: the
-        one `_start` built and checked against the reservation (None: built and checked here)."""
-        layout, dtype, *_, request_id = self._planned
-        if plan is None:
-            plan = self._plan(self.dst_blocks)
-            if plan.check(layout, dtype, self.dst_blocks, self.kv_tokens, self.skip) != self._staging:
-                raise ValueError("the reservation's staging differs from the one exported")
-        self.sender = KVSender(request_id, self.link, plan, self._staging, shm_base=self.shm_base)
+    def _open(self, plan: TransferPlan) -> None:
+        """(Under the lock, begun and bound.) The sender of `plan` (checked against the reservation), its plan
+        sent, and what waited for it queued."""
+        self.sender = KVSender(self._planned[-1], self.link, plan, self._staging, shm_base=self.shm_base)
         self.sender.start()
         for items, record in self._parked:
             self.feeder.put(self.sender, items, record)
@@ -199,8 +194,11 @@ class Handoff:
                     raise ValueError(f"the link to decode {'does not pull' if self.pull else 'pulls'} device "
                                      "arrays as the exports made for it expect")
                 self.link, self.dst_blocks, self.shm_base = link, list(dst_blocks), shm_base
-                if self._begun:
-                    self._open()
+                if self._begun:  # (the staging exported is the one the plan checks: both are of the same rows)
+                    plan = self._plan(self.dst_blocks)
+                    layout, dtype = self._planned[:2]
+                    plan.check(layout, dtype, self.dst_blocks, self.kv_tokens, self.skip)
+                    self._open(plan)
             except Exception as e:
                 self._failed = f"destination refused: {e}"
                 self._parked.clear()

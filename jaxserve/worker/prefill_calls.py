@@ -28,7 +28,6 @@ class _Pending:
     handoff: object
     instance: str
     peer: dict
-    kv: int
     bound: asyncio.Event
 
 
@@ -38,7 +37,7 @@ class PrefillCalls:
         self.w = worker
         self.cfg = worker.cfg
         self.pending: dict[str, _Pending] = {}
-        self._waiting: dict[str, list[asyncio.Future]] = {}  # Binds that came before their Prefill call
+        self._waiting: dict[str, asyncio.Event] = {}  # set when the Prefill call a waiting Bind names comes
 
     async def prefill(self, req, ctx):
         import grpc
@@ -88,9 +87,9 @@ class PrefillCalls:
             else:  # bound when the reservation comes (bind), every block sent
                 handoff = Handoff(None, w.feeder, None, 0, kv, req.sample, per_group, request_id=rid,
                                   pull=w.peers.pulls(peer, name))
-                pending = self.pending[rid] = _Pending(handoff, name, peer, kv, asyncio.Event())
-                for f in self._waiting.pop(rid, []):
-                    f.done() or f.set_result(None)
+                pending = self.pending[rid] = _Pending(handoff, name, peer, asyncio.Event())
+                if rid in self._waiting:
+                    self._waiting.pop(rid).set()
 
             def add(eng):
                 inc = w.intake.prefixes.get(pf.import_id) if pf is not None else None
@@ -155,25 +154,19 @@ class PrefillCalls:
         w, dst, rid = self.w, req.dst, req.request_id
         p = self.pending.get(rid)
         if p is None:  # its Prefill call may not have been handled yet
-            f = asyncio.get_running_loop().create_future()
-            self._waiting.setdefault(rid, []).append(f)
+            came = self._waiting.setdefault(rid, asyncio.Event())
             try:
-                await asyncio.wait_for(f, BIND_WAIT_S)
+                await asyncio.wait_for(came.wait(), BIND_WAIT_S)
             except asyncio.TimeoutError:
-                pass
-            finally:
-                waits = self._waiting.get(rid, [])
-                if f in waits:
-                    waits.remove(f)
-                if not waits:
-                    self._waiting.pop(rid, None)
+                if self._waiting.get(rid) is came:
+                    del self._waiting[rid]
             p = self.pending.get(rid)
         if p is None:
             await ctx.abort(grpc.StatusCode.NOT_FOUND, f"no prefill of {req.request_id!r} waits for its reservation "
                                                        "here")
         why = (f"dst.instance: {dst.instance!r}, the Prefill named {p.instance!r}" if dst.instance != p.instance
                else f"dst.skip: {dst.skip}: a prefill bound later sends every block (skip 0)" if dst.skip
-               else w.peers.check_dst(p.peer, dst, p.kv, w.llm.layout, w.llm.dtype_name))
+               else w.peers.check_dst(p.peer, dst, p.handoff.kv_tokens, w.llm.layout, w.llm.dtype_name))
         try:
             if why is not None:
                 p.handoff.abort(f"destination refused: {why}")
