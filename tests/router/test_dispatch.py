@@ -22,18 +22,19 @@ TOKEN = "tok"
 
 
 class Fake:
-    """A worker whose answers are scripted: `prefill` in ok | abort | hang | hold (the first token goes out, the
-    KV waits for `release`), `decode` in ok | full | invalid | garbage (a malformed update after the KV arrived)
-    | die (the stream breaks after the first token) | hang (no reservation, no heartbeat: a stopped process)
-    | after_import (the reservation waits until an Import was opened on any instance); `await_put`: the request
-    ids whose reservation waits until the router holds the store's answer to their write-back's Import (an event
-    the test sets); `export` in ok | fail (a store no longer holding the prefix; a prefill instance's read of the
-    store's shared pool too); `bind` in ok | refuse (INVALID_ARGUMENT: a Prefill called before decode reserved
-    then fails, ABORTED, as the worker's does). A Prefill named with `pending_dst` sends its KV once its Bind came;
-    `reserve_wait`: the request ids whose Decode answers its reservation only once the test sets
-    board[("reserve", id)]. Import answers its reservation, then `imported` once an Export filled it (or a
-    Prefill naming it, with `streams`: a prefill instance that writes the store's copy as it computes). `shared`:
-    a store advertises a shared KV pool, a prefill instance reads such pools (both on this host)."""
+    """A worker whose answers are scripted: `prefill` in ok | abort | hang | hold (the first token goes out, the KV
+    waits for `release`), `decode` in ok | full | full_late (full, refused once the request's Prefill call came to a
+    prefill instance) | invalid | garbage (a malformed update after the KV arrived) | die (the stream breaks after
+    the first token) | hang (no reservation, no heartbeat: a stopped process) | after_import (the reservation waits
+    until an Import was opened on any instance); `await_put`: the request ids whose reservation waits until the
+    router holds the store's answer to their write-back's Import (an event the test sets); `export` in ok | fail (a
+    store no longer holding the prefix; a prefill instance's read of the store's shared pool too); `bind` in ok |
+    refuse (INVALID_ARGUMENT: a Prefill called before decode reserved then fails, ABORTED, as the worker's does). A
+    Prefill named with `pending_dst` sends its KV once its Bind came; `reserve_wait`: the request ids whose Decode
+    answers its reservation only once the test sets board[("reserve", id)]. Import answers its reservation, then
+    `imported` once an Export filled it (or a Prefill naming it, with `streams`: a prefill instance that writes the
+    store's copy as it computes). `shared`: a store advertises a shared KV pool, a prefill instance reads such pools
+    (both on this host)."""
 
     def __init__(self, name, role, board, prefill="ok", decode="ok", export="ok", shared=False, streams=False,
                  bind="ok"):
@@ -76,7 +77,10 @@ class Fake:
         return [len(req["prompt"]), seed if seed is not None else 0]
 
     async def decode(self, req, ctx):
-        if self.decode_mode == "full":
+        if self.decode_mode == "full_late":  # refused once the request's early Prefill call reached its worker
+            came = self.board.setdefault(("prefill came", req.request_id), asyncio.Event())
+            await asyncio.wait_for(came.wait(), 5)
+        if self.decode_mode in ("full", "full_late"):
             await ctx.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "OutOfBlocks: no room")
         if self.decode_mode == "invalid":
             await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt too long")
@@ -113,6 +117,7 @@ class Fake:
         req = req.model_dump()
         self.prefills.append(req["request_id"])
         self.requests.append(req)
+        self.board.setdefault(("prefill came", req["request_id"]), asyncio.Event()).set()
         if req["prefix_from"] is not None:
             self.board.setdefault(("prefill names", req["prefix_from"]["import_id"]), asyncio.Event()).set()
         if self.prefill_mode == "abort":
