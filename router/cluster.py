@@ -60,10 +60,10 @@ from .calls import Workers, message
 from .control_port import ControlPort
 from .kv_index import KVIndex
 from .policies.base import Placement, least_loaded
+from .prefill_call import Prefills
 from .prefix import PrefixMoves
 from .registry import Registry, WorkerInfo
-from .prefill_call import Prefills
-from .requests import Retry, Silent, Sub, settle
+from .requests import Retry, Silent, Sub, raise_failure, settle
 from .snapshot import Topology
 from .updates import END, Ended, Failed, UpdateStreams
 
@@ -397,8 +397,7 @@ class Router:
         rather than when decode's deadline for the KV passes. Raises StopAsyncIteration (the call ended), the
         call's failure (grpc.aio.AioRpcError, Silent), and Retry when the Updates stream ended."""
         if kv_pending and pre is not None and pre.done():  # (an early prefill may have ended before this read)
-            if not pre.cancelled() and pre.exception() is not None:
-                raise pre.exception()
+            raise_failure(pre)
         elif kv_pending and pre is not None:
             get = asyncio.ensure_future(s.feed.get())
             try:

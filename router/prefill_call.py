@@ -18,7 +18,7 @@ from jaxserve.engine.client import Update
 
 from .calls import message
 from .registry import WorkerInfo
-from .requests import Retry, Silent, Sub, settle
+from .requests import Retry, Silent, Sub, raise_failure, settle
 
 
 class Prefills:
@@ -94,15 +94,13 @@ class Prefills:
     async def _answer(self, p: WorkerInfo, it, binding: asyncio.Future | None) -> dict:
         """A Prefill call's next message; a failure of its Bind call (binding) raises as soon as it is known."""
         if binding is None or binding.done():
-            if binding is not None and not binding.cancelled() and binding.exception() is not None:
-                raise binding.exception()
+            raise_failure(binding)
             return await self.workers.watch(p, it.__anext__())
         nxt = asyncio.ensure_future(self.workers.watch(p, it.__anext__()))
         try:
             await asyncio.wait({nxt, binding}, return_when=asyncio.FIRST_COMPLETED)
-            if not nxt.done() and not binding.cancelled() and binding.exception() is not None:
-                raise binding.exception()
+            if not nxt.done():
+                raise_failure(binding)
             return await nxt
         finally:
             nxt.cancel()
-

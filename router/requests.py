@@ -87,6 +87,12 @@ def settle(f: asyncio.Future | None) -> None:
             f.cancel()
 
 
+def raise_failure(f: asyncio.Future | None) -> None:
+    """Raise what the done future f raised (nothing where f is None, not done, cancelled or succeeded)."""
+    if f is not None and f.done() and not f.cancelled() and f.exception() is not None:
+        raise f.exception()
+
+
 @dataclass
 class Sub:
     """One sequence of a request, and where it runs now."""

@@ -21,6 +21,7 @@ from . import peers
 
 BIND_WAIT_S = 10.0  # a Bind that comes before its Prefill call (two calls, either may be handled first) waits this long
 
+
 @dataclass
 class _Pending:
     """A Prefill's hand-off waiting for its reservation: the decode instance, its peer-table entry, and an event set
