@@ -16,7 +16,7 @@ def test_presets_load(path, disaggregated):
         assert len({i.cpus[0] for i in cfg.instances()}) == 2
     else:  # one colocated instance, served inside the server process
         assert [i.role for i in cfg.instances()] == ["both"]
-    assert cfg.engine.chunk_size % cfg.engine.block_size == 0
+    assert cfg.engine.chunk_size is None or cfg.engine.chunk_size % cfg.engine.block_size == 0  # None: the engine's
     cfg.engine.engine_config(cfg.server.max_waiting)  # the engine accepts it too
 
 

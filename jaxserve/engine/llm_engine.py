@@ -44,7 +44,7 @@ from .migration import Guests, MigrationError, RemoteFailed, facts as migration_
 from .rows import DecodeRow, PrefillRow
 from .runner import ModelRunner
 from .scheduler import Scheduler, SchedulerConfig
-from .settings import EngineConfig
+from .settings import EngineConfig, default_batched_tokens
 from .sequence import Sequence
 from .steptimer import StepTimer
 from .xla_cache import use_compilation_cache
@@ -84,6 +84,12 @@ def default_chunk_size(paged_prefill: bool, max_num_batched_tokens: int, block_s
     return max(block_size, chunk // block_size * block_size)
 
 
+def device_platform(mesh=None) -> str:
+    """The platform (jax's: cpu, gpu, tpu) of the devices an engine on `mesh` (None: the first local device) runs
+    on."""
+    return (mesh.devices.flat[0] if mesh is not None else jax.local_devices()[0]).platform
+
+
 class LLMEngine:
     def __init__(self, model: str, dtype: str = "float32", config: EngineConfig | None = None, mesh=None,
                  progress: bool = True):
@@ -94,6 +100,12 @@ class LLMEngine:
         if not os.path.isdir(model):
             raise FileNotFoundError(f"{model}: not a model directory")
         self.cfg = cfg = config or EngineConfig()
+        platform = device_platform(mesh)
+        budget = f"; max_num_batched_tokens {cfg.max_num_batched_tokens}"
+        if cfg.max_num_batched_tokens is None:  # the step's budget from the device (engine/settings.py)
+            self.cfg = cfg = dataclasses.replace(cfg, max_num_batched_tokens=default_batched_tokens(platform))
+            budget = (f"; max_num_batched_tokens {cfg.max_num_batched_tokens} (on a {platform}: "
+                      "engine.max_num_batched_tokens sets it)")
         self.path, self.dtype, self.dtype_name, self.mesh = model, DTYPES[dtype], dtype, mesh
         self.compilation_cache = use_compilation_cache(cfg.compilation_cache)  # before anything compiles
         self.model_config = load_config(model)
@@ -104,6 +116,8 @@ class LLMEngine:
         else:
             self.cache_line = (f"KV cache: {cfg.num_blocks} blocks of {cfg.block_size} tokens (engine.num_blocks); "
                                f"max_num_seqs {cfg.max_num_seqs}")
+        self.cache_line += budget  # what the worker and the server print at start-up
+        log.info("%s", self.cache_line)
         # kernels: auto compiles each kernel the model uses and runs any that fails as its reference. The native
         # CPU kernels are opaque to XLA's partitioner, which would gather the sharded pool for them: a mesh of
         # several devices runs the references (auto) or is refused (native)
@@ -177,7 +191,7 @@ class LLMEngine:
                                   inplace_prefill=inplace, inplace_first=inplace and needs == {"native"},
                                   max_batched_tokens=cfg.max_num_batched_tokens,
                                   stack=layer_stack(self.model_config, scan=scan,
-                                                    switch=jax.local_devices()[0].platform == "cpu"))
+                                                    switch=platform == "cpu"))
         del state  # the runner's params hold the weights (stacked runs: their only copy)
         self.connector = KVConnector(self)  # what disaggregation may ask of the engine (connector.py)
         self.scheduler = Scheduler(SchedulerConfig(
@@ -228,7 +242,6 @@ class LLMEngine:
         sized = dataclasses.replace(cfg, num_blocks=size.num_blocks)
         self.cache_line = (f"{size.line}; max_num_seqs {sized.max_num_seqs}"
                            + ("" if cfg.max_num_seqs else " (from the cache: engine.max_num_seqs sets it)"))
-        log.info("%s", self.cache_line)
         return sized
 
     # ---- requests

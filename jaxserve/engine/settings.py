@@ -15,6 +15,17 @@ XLA_CACHE = "~/.cache/jaxserve/xla"  # engine.compilation_cache's default
 MIN_DEFAULT_SEQS = 8  # the fewest concurrent requests a default takes
 
 SLOT_TOKENS = 256  # the cache a default-sized slot can count on
+# a step's token budget when not configured: on a CPU a step's time follows its tokens, and 512 keeps the running
+# requests' stall short; on an accelerator a step of few tokens is bound by its weight reads and host work (an
+# H200's 8B prefill at 256-token chunks: 36% of the bf16 rate), and 2,048 keeps an 8B's step compute-bound and a
+# 2,048-token prompt one step (vLLM's default on GPUs of <70 GB is 2,048 for its server, 8,192 offline)
+CPU_BATCHED_TOKENS = 512
+ACCELERATOR_BATCHED_TOKENS = 2048
+
+
+def default_batched_tokens(platform: str) -> int:
+    """engine.max_num_batched_tokens when not configured, for a device of `platform` (jax's: cpu, gpu, tpu)."""
+    return CPU_BATCHED_TOKENS if platform == "cpu" else ACCELERATOR_BATCHED_TOKENS
 
 
 def default_max_num_seqs(num_blocks: int, block_size: int) -> int:
@@ -30,7 +41,7 @@ class EngineConfig:
     num_blocks: int | None = None  # default: sized from the memory the instance may use (engine/memory.py)
     memory_fraction: float | None = None  # ... that memory: 0.9 of an accelerator's, 0.05 of a CPU host's
     max_num_seqs: int | None = None  # default: sized from the cache (default_max_num_seqs)
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int | None = None  # default: from the device (default_batched_tokens)
     mixed_batched_tokens: int | None = None  # prefill tokens in a step that also decodes (None: the step budget)
     chunk_size: int | None = None  # default: sized from the model and budget (default_chunk_size)
     max_prefill_seqs: int = 4

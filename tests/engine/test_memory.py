@@ -70,7 +70,12 @@ def test_the_engine_sizes_its_cache_unless_told(checkpoint_dir, caplog):
     assert sized.cfg.max_num_seqs == 256 and sized.cfg.num_blocks == 256 * 32  # 256 slots from the cache
     told = LLMEngine(path, config=EngineConfig(num_blocks=40, compilation_cache=None), progress=False)
     assert told.cfg.num_blocks == 40 and told.cfg.max_num_seqs == 8  # explicit wins; slots from its cache
-    assert told.cache_line == "KV cache: 40 blocks of 16 tokens (engine.num_blocks); max_num_seqs 8"
+    assert told.cache_line == ("KV cache: 40 blocks of 16 tokens (engine.num_blocks); max_num_seqs 8; "
+                               "max_num_batched_tokens 512 (on a cpu: engine.max_num_batched_tokens sets it)")
+    assert told.cfg.max_num_batched_tokens == told.scheduler.cfg.max_num_batched_tokens == 512  # a CPU's budget
+    budget = LLMEngine(path, config=EngineConfig(num_blocks=40, max_num_batched_tokens=64, compilation_cache=None),
+                       progress=False)
+    assert budget.cache_line.endswith("; max_num_batched_tokens 64")  # explicit: said as it is
     assert "bfloat16 on a CPU" not in caplog.text  # float32: no word about it
     LLMEngine(path, "bfloat16", EngineConfig(num_blocks=40, compilation_cache=None), progress=False)
     assert "bfloat16 on a CPU: each step's KV write converts the whole cache (40 blocks)" in caplog.text

@@ -66,13 +66,19 @@ def test_the_default_chunk_is_the_step_budget_where_the_prefill_kernels_are_comp
     from jaxserve.engine import llm_engine
     from jaxserve.engine.llm_engine import COMPILED_CHUNK, DENSE_CHUNK, LLMEngine, default_chunk_size
     cfg = EngineConfig(max_num_batched_tokens=96, num_blocks=64, compilation_cache=None)
-    plan = llm_engine.check.plan
     monkeypatch.setattr(llm_engine.check, "plan", lambda requested, cases, progress=False, store=None: ("pallas", {}))
     gpu = LLMEngine(checkpoint_dir("llama"), "float32", cfg, progress=False)
     assert gpu.cfg.chunk_size == gpu.runner.chunk_size == gpu.scheduler.cfg.chunk_size == 96
     assert default_chunk_size(False, 8192, 16, compiled_prefill=True) == COMPILED_CHUNK == 2048
     assert default_chunk_size(True, 8192, 16) == 8192  # one packed program over the pool: the whole budget
-    monkeypatch.setattr(llm_engine.check, "plan", plan)
+    # unconfigured, the step's budget comes from the device: on a GPU 2,048 tokens, a 2,048-token prompt one step
+    monkeypatch.setattr(llm_engine, "device_platform", lambda mesh=None: "gpu")
+    sized = LLMEngine(checkpoint_dir("llama"), "float32", dataclasses.replace(cfg, max_num_batched_tokens=None),
+                      progress=False)
+    assert sized.cfg.max_num_batched_tokens == sized.scheduler.cfg.max_num_batched_tokens == 2048
+    assert sized.cfg.chunk_size == sized.runner.chunk_size == 2048
+    assert sized.cache_line.endswith("; max_num_batched_tokens 2048 (on a gpu: engine.max_num_batched_tokens sets it)")
+    monkeypatch.undo()  # the CPU's platform and kernel plan again
     interpreted = LLMEngine(checkpoint_dir("llama"), "float32", dataclasses.replace(cfg, kernels="interpret"),
                             progress=False)
     assert interpreted.cfg.chunk_size == DENSE_CHUNK
