@@ -425,7 +425,7 @@ def ttft(path: str, lengths: list[int], reps: int, connections: int, setups: lis
 
     def one_setup(instances, per_group, gbps):
         link = [{"src": "b", "dst": "b", "bandwidth_gbps": gbps, "connections": connections}] if gbps else []
-        config = {"model": {"path": path}, "engine": _engine_section(max(lengths), chunk=chunk),
+        config = {"model": {"path": path, "dtype": "float32"}, "engine": _engine_section(max(lengths), chunk=chunk),
                   "clusters": [{"name": "b", "instances": instances}], "links": link,
                   "transfer": {"token": TOKEN, "connections": connections, "layers_per_group": per_group},
                   "router": {"ready_timeout_s": 600}}

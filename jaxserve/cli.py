@@ -34,7 +34,8 @@ def generate(model: str = typer.Argument(..., help="checkpoint directory (Huggin
              prompt: str = typer.Option(None, help="text prompt (needs tokenizer.json)"),
              token_ids: str = typer.Option(None, help="comma-separated token ids instead of text"),
              max_tokens: int = 32, temperature: float = 0.0, seed: int = 0,
-             dtype: str = typer.Option("float32", help="float32 | bfloat16")):
+             dtype: str = typer.Option("auto", help="auto (float32 on a CPU, bfloat16 on an accelerator) | float32 "
+                                                    "| bfloat16")):
     """Generate a completion from the terminal."""
     from . import LLM, SamplingParams
     if (prompt is None) == (token_ids is None):

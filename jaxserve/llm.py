@@ -30,7 +30,7 @@ def bucket(n: int, minimum: int = 16) -> int:
 
 
 class LLM:
-    def __init__(self, model: str, dtype: str = "float32", tp: int = 1, mesh: Mesh | None = None,
+    def __init__(self, model: str, dtype: str = "auto", tp: int = 1, mesh: Mesh | None = None,
                  progress: bool = True, engine: EngineConfig | None = None):
         if mesh is None and tp > 1:
             devs = jax.devices()

@@ -179,7 +179,7 @@ def profile(cfg, instance: str, lengths: list[int] | None = None, batches: list[
         "prefill": {"tokens": Ls, "seconds": seconds, "kv_bytes": kv, **({"prefix": prefix} if prefix else {})},
         "decode": {"step_seconds": steps[best], "max_batch": Bs[best], "tpot_slo_s": tpot_slo_s,
                    "batch": Bs, "batch_step_seconds": steps},
-        "instance": instance, "role": inst.role, "model": cfg.model.path, "dtype": cfg.model.dtype,
+        "instance": instance, "role": inst.role, "model": cfg.model.path, "dtype": llm.dtype_name,
         "cores": sorted(os.sched_getaffinity(0)), "reps": reps, "min_seconds": min_seconds,
         "decode_steps": decode_steps,
         "programs_compiled": len(llm.runner.programs) - programs, "seconds_total": time.perf_counter() - t_start,

@@ -44,7 +44,7 @@ from .migration import Guests, MigrationError, RemoteFailed, facts as migration_
 from .rows import DecodeRow, PrefillRow
 from .runner import ModelRunner
 from .scheduler import Scheduler, SchedulerConfig
-from .settings import EngineConfig, default_batched_tokens
+from .settings import EngineConfig, default_batched_tokens, default_dtype
 from .sequence import Sequence
 from .steptimer import StepTimer
 from .xla_cache import use_compilation_cache
@@ -91,16 +91,17 @@ def device_platform(mesh=None) -> str:
 
 
 class LLMEngine:
-    def __init__(self, model: str, dtype: str = "float32", config: EngineConfig | None = None, mesh=None,
+    def __init__(self, model: str, dtype: str = "auto", config: EngineConfig | None = None, mesh=None,
                  progress: bool = True):
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        if dtype != "auto" and dtype not in DTYPES:
+            raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
         from ..bundled import resolve
         model = resolve(model, progress)  # a GGUF file or a named model -> its checkpoint directory
         if not os.path.isdir(model):
             raise FileNotFoundError(f"{model}: not a model directory")
         self.cfg = cfg = config or EngineConfig()
         platform = device_platform(mesh)
+        dtype = default_dtype(platform) if dtype == "auto" else dtype
         budget = f"; max_num_batched_tokens {cfg.max_num_batched_tokens}"
         if cfg.max_num_batched_tokens is None:  # the step's budget from the device (engine/settings.py)
             self.cfg = cfg = dataclasses.replace(cfg, max_num_batched_tokens=default_batched_tokens(platform))

@@ -23,6 +23,13 @@ CPU_BATCHED_TOKENS = 512
 ACCELERATOR_BATCHED_TOKENS = 2048
 
 
+def default_dtype(platform: str) -> str:
+    """The weights' and cache's dtype `auto` stands for on a device of `platform`: float32 on a CPU (XLA's CPU
+    backend computes a bfloat16 KV write in float32 over the whole cache), bfloat16 on an accelerator (half the
+    bytes every decode step reads; vLLM's auto is a 16-bit dtype there too)."""
+    return "float32" if platform == "cpu" else "bfloat16"
+
+
 def default_batched_tokens(platform: str) -> int:
     """engine.max_num_batched_tokens when not configured, for a device of `platform` (jax's: cpu, gpu, tpu)."""
     return CPU_BATCHED_TOKENS if platform == "cpu" else ACCELERATOR_BATCHED_TOKENS

@@ -73,6 +73,7 @@ def test_the_engine_sizes_its_cache_unless_told(checkpoint_dir, caplog):
     assert told.cache_line == ("KV cache: 40 blocks of 16 tokens (engine.num_blocks); max_num_seqs 8; "
                                "max_num_batched_tokens 512 (on a cpu: engine.max_num_batched_tokens sets it)")
     assert told.cfg.max_num_batched_tokens == told.scheduler.cfg.max_num_batched_tokens == 512  # a CPU's budget
+    assert told.dtype_name == "float32"  # dtype auto on a CPU
     budget = LLMEngine(path, config=EngineConfig(num_blocks=40, max_num_batched_tokens=64, compilation_cache=None),
                        progress=False)
     assert budget.cache_line.endswith("; max_num_batched_tokens 64")  # explicit: said as it is

@@ -5,6 +5,9 @@ helpers)."""
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
+
 from jaxserve.engine.llm_engine import EngineConfig
 from tests.engine.test_engine import ENGINE, answers_with_prefix_hits, engines  # noqa: F401 - engines: a fixture
 
@@ -62,7 +65,8 @@ def test_scanned_layers_with_the_pallas_kernels_share_the_layer_groups_programs(
 def test_the_default_chunk_is_the_step_budget_where_the_prefill_kernels_are_compiled(checkpoint_dir, monkeypatch):
     """With the Pallas kernels compiled (a GPU's plan, taken here without running them, as bench/gpu_programs.py
     does) a request's chunk is the step's budget too, up to COMPILED_CHUNK: a 2,048-token prompt is one step, not
-    eight; interpreted kernels (and the references) keep DENSE_CHUNK."""
+    eight; interpreted kernels (and the references) keep DENSE_CHUNK. Unconfigured on a GPU (its platform faked),
+    the step budget is 2,048 tokens and dtype auto bfloat16."""
     from jaxserve.engine import llm_engine
     from jaxserve.engine.llm_engine import COMPILED_CHUNK, DENSE_CHUNK, LLMEngine, default_chunk_size
     cfg = EngineConfig(max_num_batched_tokens=96, num_blocks=64, compilation_cache=None)
@@ -71,10 +75,14 @@ def test_the_default_chunk_is_the_step_budget_where_the_prefill_kernels_are_comp
     assert gpu.cfg.chunk_size == gpu.runner.chunk_size == gpu.scheduler.cfg.chunk_size == 96
     assert default_chunk_size(False, 8192, 16, compiled_prefill=True) == COMPILED_CHUNK == 2048
     assert default_chunk_size(True, 8192, 16) == 8192  # one packed program over the pool: the whole budget
-    # unconfigured, the step's budget comes from the device: on a GPU 2,048 tokens, a 2,048-token prompt one step
+    # unconfigured, the step's budget comes from the device: on a GPU 2,048 tokens, a 2,048-token prompt one step;
+    # dtype auto is bfloat16 there
     monkeypatch.setattr(llm_engine, "device_platform", lambda mesh=None: "gpu")
-    sized = LLMEngine(checkpoint_dir("llama"), "float32", dataclasses.replace(cfg, max_num_batched_tokens=None),
+    sized = LLMEngine(checkpoint_dir("llama"), config=dataclasses.replace(cfg, max_num_batched_tokens=None),
                       progress=False)
+    assert sized.dtype_name == "bfloat16" and sized.dtype == jnp.bfloat16
+    assert {x.dtype for x in jax.tree.leaves(sized.runner.params) if jnp.issubdtype(x.dtype, jnp.floating)} == \
+        {jnp.dtype(jnp.bfloat16)}
     assert sized.cfg.max_num_batched_tokens == sized.scheduler.cfg.max_num_batched_tokens == 2048
     assert sized.cfg.chunk_size == sized.runner.chunk_size == 2048
     assert sized.cache_line.endswith("; max_num_batched_tokens 2048 (on a gpu: engine.max_num_batched_tokens sets it)")

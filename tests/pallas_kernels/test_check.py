@@ -22,7 +22,7 @@ GREEDY = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
 
 
 def _tokens(path, kernels):
-    llm = LLM(path, progress=False, engine=dataclasses.replace(ENGINE, kernels=kernels))
+    llm = LLM(path, "float32", progress=False, engine=dataclasses.replace(ENGINE, kernels=kernels))
     return llm, [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
 
 

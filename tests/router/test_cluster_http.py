@@ -32,7 +32,8 @@ ENGINE = dict(block_size=BS, num_blocks=64, chunk_size=8, max_num_batched_tokens
 
 
 def config(path: str, instances: list[dict], **sections) -> dict:
-    return {"model": {"path": path, "name": "m"}, "engine": ENGINE,
+    # float32 on a GPU too (gpu_check runs the families' equals_colocated there): greedy answers compared exactly
+    return {"model": {"path": path, "name": "m", "dtype": "float32"}, "engine": ENGINE,
             "clusters": [{"name": "c", "instances": instances}], **sections}
 
 
