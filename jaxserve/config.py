@@ -26,9 +26,10 @@ class ModelSection(_Strict):
     path: str = Field("bundled", description="checkpoint directory, a .gguf file, 'smollm2' (SmolLM2-135M-Instruct, "
                       "GGUF) or 'bundled' (a small random Kimi Linear)")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="the weights' and KV cache's dtype; auto: float32 on a CPU (there a bfloat16 cache's every "
-                            "write converts the whole cache to float32 and back), bfloat16 on an accelerator, each instance by its own "
-                            "device (a cluster of CPU and GPU instances names one: KV moves only between equal dtypes)")
+        "auto", description="the weights' and KV cache's dtype; auto: float32 on a CPU (there a bfloat16 cache's "
+                            "every write converts the whole cache to float32 and back), bfloat16 on an accelerator, "
+                            "each instance by its own device (a cluster of CPU and GPU instances names one: KV moves "
+                            "only between equal dtypes)")
     name: str | None = Field(None, description="served model name (default: the directory name)")
 
 

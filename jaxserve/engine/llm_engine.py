@@ -101,6 +101,7 @@ class LLMEngine:
             raise FileNotFoundError(f"{model}: not a model directory")
         self.cfg = cfg = config or EngineConfig()
         platform = device_platform(mesh)
+        told = "" if dtype != "auto" else f" (dtype auto on a {platform})"
         dtype = default_dtype(platform) if dtype == "auto" else dtype
         budget = f"; max_num_batched_tokens {cfg.max_num_batched_tokens}"
         if cfg.max_num_batched_tokens is None:  # the step's budget from the device (engine/settings.py)
@@ -117,7 +118,7 @@ class LLMEngine:
         else:
             self.cache_line = (f"KV cache: {cfg.num_blocks} blocks of {cfg.block_size} tokens (engine.num_blocks); "
                                f"max_num_seqs {cfg.max_num_seqs}")
-        self.cache_line += budget  # what the worker and the server print at start-up
+        self.cache_line += f"{budget}; {dtype}{told}"  # what the worker and the server print at start-up
         log.info("%s", self.cache_line)
         # kernels: auto compiles each kernel the model uses and runs any that fails as its reference. The native
         # CPU kernels are opaque to XLA's partitioner, which would gather the sharded pool for them: a mesh of

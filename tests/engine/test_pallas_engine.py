@@ -85,7 +85,8 @@ def test_the_default_chunk_is_the_step_budget_where_the_prefill_kernels_are_comp
         {jnp.dtype(jnp.bfloat16)}
     assert sized.cfg.max_num_batched_tokens == sized.scheduler.cfg.max_num_batched_tokens == 2048
     assert sized.cfg.chunk_size == sized.runner.chunk_size == 2048
-    assert sized.cache_line.endswith("; max_num_batched_tokens 2048 (on a gpu: engine.max_num_batched_tokens sets it)")
+    assert sized.cache_line.endswith("; max_num_batched_tokens 2048 (on a gpu: engine.max_num_batched_tokens sets "
+                                     "it); bfloat16 (dtype auto on a gpu)")
     monkeypatch.undo()  # the CPU's platform and kernel plan again
     interpreted = LLMEngine(checkpoint_dir("llama"), "float32", dataclasses.replace(cfg, kernels="interpret"),
                             progress=False)
