@@ -45,7 +45,7 @@ class EngineSection(_Strict):
     max_num_seqs: int | None = Field(ENGINE["max_num_seqs"], ge=1, description="concurrent requests (default: as many "
         "as the cache holds at 256 tokens each, 8 to 256)")
     max_num_batched_tokens: int | None = Field(ENGINE["max_num_batched_tokens"], ge=1, description="tokens one "
-        "engine step runs, prefill and decode together (default: 512 on a CPU, where a step's time follows its "
+        "engine step runs, prefill and decode together (default: 1024 on a CPU, where a step's time follows its "
         "tokens; 2048 on an accelerator, where a smaller step is bound by its weight reads)")
     mixed_batched_tokens: int | None = Field(ENGINE["mixed_batched_tokens"], ge=1, description="prefill tokens in a "
         "step that also decodes: the running requests wait for that step's prefill, so this bounds the gap between "

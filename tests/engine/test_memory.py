@@ -71,9 +71,9 @@ def test_the_engine_sizes_its_cache_unless_told(checkpoint_dir, caplog):
     told = LLMEngine(path, config=EngineConfig(num_blocks=40, compilation_cache=None), progress=False)
     assert told.cfg.num_blocks == 40 and told.cfg.max_num_seqs == 8  # explicit wins; slots from its cache
     assert told.cache_line == ("KV cache: 40 blocks of 16 tokens (engine.num_blocks); max_num_seqs 8; "
-                               "max_num_batched_tokens 512 (on a cpu: engine.max_num_batched_tokens sets it); "
+                               "max_num_batched_tokens 1024 (on a cpu: engine.max_num_batched_tokens sets it); "
                                "float32 (dtype auto on a cpu)")
-    assert told.cfg.max_num_batched_tokens == told.scheduler.cfg.max_num_batched_tokens == 512  # a CPU's budget
+    assert told.cfg.max_num_batched_tokens == told.scheduler.cfg.max_num_batched_tokens == 1024  # a CPU's budget
     assert told.dtype_name == "float32"  # dtype auto on a CPU
     budget = LLMEngine(path, "float32", EngineConfig(num_blocks=40, max_num_batched_tokens=64, compilation_cache=None),
                        progress=False)
