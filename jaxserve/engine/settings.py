@@ -17,10 +17,11 @@ MIN_DEFAULT_SEQS = 8  # the fewest concurrent requests a default takes
 SLOT_TOKENS = 256  # the cache a default-sized slot can count on
 # a step's token budget when not configured: on a CPU a step's time follows its tokens (LLM.generate, 48 prompts
 # of ~145 tokens, 64 tokens each, on 2 cores: 1,024 against 512 made 1.05x the tokens/s on bench-llama-32m,
-# 1.04x on SmolLM2-135M, 1.03x on Qwen3-0.6B's shape; 2,048 no more), and a step of 1,024 keeps the running
-# requests' stall short; on an accelerator a step of few tokens is bound by its weight reads and host work (an
-# H200's 8B prefill at 256-token chunks: 36% of the bf16 rate), and 2,048 keeps an 8B's step compute-bound and a
-# 2,048-token prompt one step (vLLM's default on GPUs of <70 GB is 2,048 for its server, 8,192 offline)
+# 1.04x on SmolLM2-135M, 1.03x on Qwen3-0.6B's shape; 2,048 no more; served, SmolLM2 at 0.5 requests/s: TTFT p50
+# 0.97x, TPOT p50 1.06x, the decodes beside a prefill waiting for a longer step); on an accelerator a step of few
+# tokens is bound by its weight reads and host work (an H200's 8B prefill at 256-token chunks: 36% of the bf16
+# rate), and 2,048 keeps an 8B's step compute-bound and a 2,048-token prompt one step (vLLM's default on GPUs of
+# <70 GB is 2,048 for its server, 8,192 offline)
 CPU_BATCHED_TOKENS = 1024
 ACCELERATOR_BATCHED_TOKENS = 2048
 
