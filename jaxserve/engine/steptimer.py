@@ -54,13 +54,13 @@ class StepTimer:
         self._recent.append((self._t0, now))
         while self._recent[0][1] < now - self.BUSY_WINDOW_S:  # kept to the window whether or not busy() is read
             self._recent.popleft()
-        if kind:
-            self._count[kind] += 1
-            self._total[kind] += now - self._t0
+        if kind:  # the count last: a reader on another thread (totals) sees a counted kind's phases
             for p, v in self._cur.items():
                 self._phases[kind][p] += v
             if now > self._last:
                 self._phases[kind]["other"] += now - self._last
+            self._total[kind] += now - self._t0
+            self._count[kind] += 1
         self._t0 = self._last = None
 
     def totals(self) -> dict:
