@@ -67,9 +67,11 @@ class EngineSection(_Strict):
         "Pallas kernels (GPU), native C++ kernels (CPU) or jnp references; auto: pallas on a GPU, native elsewhere, "
         "each kernel the model uses checked against its reference at start-up and one that fails run as the reference; "
         "pallas, native: such a kernel stops the start"))
-    overlap: bool = Field(ENGINE["overlap"], description="while the device runs a steady decode step, dispatch the "
-        "next one before reading its tokens (asynchronous scheduling: a request's extra token after its end is "
-        "dropped); false: every step waits for its tokens")
+    overlap: bool | None = Field(ENGINE["overlap"], description="while the device runs a steady decode step, "
+        "dispatch the next one before reading its tokens (asynchronous scheduling: a request's extra token after its "
+        "end is dropped; a request that arrives meanwhile waits for the step dispatched ahead); false: every step "
+        "waits for its tokens (default: on an accelerator, off on a CPU, whose cores run both the step and the host's "
+        "work)")
     scan_layers: bool | None = Field(ENGINE["scan_layers"], description="run each run of identical layers as one "
         "lax.scan: its layer compiled once, so programs compile in a fraction of the time and the layer groups of a "
         "layer-wise prefill share programs (default: on with the CPU kernels, and on an accelerator for prefill "

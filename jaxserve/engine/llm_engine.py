@@ -44,7 +44,7 @@ from .migration import Guests, MigrationError, RemoteFailed, facts as migration_
 from .rows import DecodeRow, PrefillRow
 from .runner import ModelRunner
 from .scheduler import Scheduler, SchedulerConfig
-from .settings import EngineConfig, default_batched_tokens, default_dtype
+from .settings import EngineConfig, default_batched_tokens, default_dtype, default_overlap
 from .sequence import Sequence
 from .steptimer import StepTimer
 from .xla_cache import use_compilation_cache
@@ -108,6 +108,8 @@ class LLMEngine:
             self.cfg = cfg = dataclasses.replace(cfg, max_num_batched_tokens=default_batched_tokens(platform))
             budget = (f"; max_num_batched_tokens {cfg.max_num_batched_tokens} (on a {platform}: "
                       "engine.max_num_batched_tokens sets it)")
+        if cfg.overlap is None:  # steps left in flight where the device is not the host's own cores
+            self.cfg = cfg = dataclasses.replace(cfg, overlap=default_overlap(platform))
         self.path, self.dtype, self.dtype_name, self.mesh = model, DTYPES[dtype], dtype, mesh
         self.compilation_cache = use_compilation_cache(cfg.compilation_cache)  # before anything compiles
         self.model_config = load_config(model)

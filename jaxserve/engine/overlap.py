@@ -29,7 +29,8 @@ there.
 Anything else (a request to admit or prefill, a migration) reads the step in flight first, and the engine steps
 synchronously until steady again. A multi-host instance steps ahead as one process does: its
 followers repeat each `dispatch` (worker/group.py), and the leader reads the tokens. Outputs are those of the
-synchronous loop (tests/engine/test_overlap.py).
+synchronous loop (tests/engine/test_overlap.py). On by default on an accelerator, not on a CPU (settings.py
+`default_overlap`: there a request arriving while step n runs waits for step n + 1 too, and nothing pays for it).
 
 Single-threaded: the engine loop's thread.
 """

@@ -26,7 +26,7 @@ from jaxserve.transfer.plan import layer_groups
 from tests import in_place
 
 CFG = EngineConfig(block_size=4, num_blocks=64, chunk_size=8, max_num_batched_tokens=16, max_prefill_seqs=2,
-                   max_num_seqs=4, num_snapshots=8)
+                   max_num_seqs=4, num_snapshots=8, overlap=True)  # the overlapped loop, an accelerator's default
 PROGRAMS = ("_step", "_decode", "_sample", "_first", "_insert", "_prefill")
 
 
@@ -128,7 +128,8 @@ def test_a_constrained_step_adds_its_bitmask_and_is_split_ahead(smollm2_dir, mon
     """A constrained row's mask follows its last token: a steady step dispatches its model (one upload, one
     program) before the step in flight is read, and its sampling (the mask's upload, one program) after; while
     those two programs compile (the first time a shape runs), and on a CPU, the whole step runs after the read."""
-    llm = LLM(smollm2_dir, progress=False, engine=EngineConfig(num_blocks=64, max_num_seqs=4, num_snapshots=0))
+    llm = LLM(smollm2_dir, progress=False, engine=EngineConfig(num_blocks=64, max_num_seqs=4, num_snapshots=0,
+                                                                overlap=True))
     eng = llm.engine
     from jaxserve.structured import Guided
     seq, = eng.add_request("g", "Reply with JSON:", SamplingParams(max_tokens=12, temperature=0, guided=Guided(
@@ -210,7 +211,8 @@ def test_a_batch_of_ones_state_read_sits_behind_a_barrier_where_the_program_is_f
 
 
 def test_split_programs_that_fail_to_compile_leave_the_whole_step(smollm2_dir, monkeypatch, caplog):
-    llm = LLM(smollm2_dir, progress=False, engine=EngineConfig(num_blocks=64, max_num_seqs=4, num_snapshots=0))
+    llm = LLM(smollm2_dir, progress=False, engine=EngineConfig(num_blocks=64, max_num_seqs=4, num_snapshots=0,
+                                                                overlap=True))
     from jaxserve.structured import Guided
     runner = llm.engine.runner
     sp = SamplingParams(max_tokens=8, temperature=0, guided=Guided("regex", "[a-z]{8}"))

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from jaxserve.engine import memory
+from jaxserve.engine import memory, overlap
 from jaxserve.engine.llm_engine import EngineConfig, LLMEngine
 
 GiB = memory.GiB
@@ -75,6 +75,7 @@ def test_the_engine_sizes_its_cache_unless_told(checkpoint_dir, caplog):
                                "float32 (dtype auto on a cpu)")
     assert told.cfg.max_num_batched_tokens == told.scheduler.cfg.max_num_batched_tokens == 1024  # a CPU's budget
     assert told.dtype_name == "float32"  # dtype auto on a CPU
+    assert told.cfg.overlap is False and not overlap.enabled(told)  # synchronous steps on a CPU (settings.py)
     budget = LLMEngine(path, "float32", EngineConfig(num_blocks=40, max_num_batched_tokens=64, compilation_cache=None),
                        progress=False)
     assert budget.cache_line.endswith("; max_num_batched_tokens 64; float32")  # explicit: said as it is

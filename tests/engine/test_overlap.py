@@ -15,7 +15,7 @@ from jaxserve.engine.llm_engine import EngineConfig
 from jaxserve.structured import Guided
 
 CFG = EngineConfig(block_size=4, num_blocks=96, chunk_size=8, max_num_batched_tokens=16, max_prefill_seqs=2,
-                   max_num_seqs=6, num_snapshots=8, prefix_caching=True)
+                   max_num_seqs=6, num_snapshots=8, prefix_caching=True, overlap=True)
 BASE = [5, 7, 9, 11, 13, 2, 3, 4, 8, 10, 12, 14, 15, 6, 16, 17, 18, 19, 20, 21, 22]
 
 
@@ -130,7 +130,7 @@ def test_stop_strings_and_constrained_requests_beside_free_ones(smollm2_dir, mon
     flight is read, its sampling once the grammars have taken that step's tokens (engine/split_step.py); the
     first time a shape runs, and always on a CPU, the whole step runs right after the read. Every way gives the
     synchronous loop's outputs, a request whose grammar ends sampling one dropped token freely."""
-    cfg = EngineConfig(num_blocks=128, max_num_seqs=6, num_snapshots=0, compilation_cache=None)
+    cfg = EngineConfig(num_blocks=128, max_num_seqs=6, num_snapshots=0, compilation_cache=None, overlap=True)
     sync = LLM(smollm2_dir, progress=False, engine=dataclasses.replace(cfg, overlap=False))
     over = LLM(smollm2_dir, progress=False, engine=cfg)
     schema = '{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}'

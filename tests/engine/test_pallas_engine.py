@@ -66,8 +66,8 @@ def test_the_default_chunk_is_the_step_budget_where_the_prefill_kernels_are_comp
     """With the Pallas kernels compiled (a GPU's plan, taken here without running them, as bench/gpu_programs.py
     does) a request's chunk is the step's budget too, up to COMPILED_CHUNK: a 2,048-token prompt is one step, not
     eight; interpreted kernels (and the references) keep DENSE_CHUNK. Unconfigured on a GPU (its platform faked),
-    the step budget is 2,048 tokens and dtype auto bfloat16."""
-    from jaxserve.engine import llm_engine
+    the step budget is 2,048 tokens, dtype auto bfloat16, and decode steps overlap."""
+    from jaxserve.engine import llm_engine, overlap
     from jaxserve.engine.llm_engine import COMPILED_CHUNK, DENSE_CHUNK, LLMEngine, default_chunk_size
     cfg = EngineConfig(max_num_batched_tokens=96, num_blocks=64, compilation_cache=None)
     monkeypatch.setattr(llm_engine.check, "plan", lambda requested, cases, progress=False, store=None: ("pallas", {}))
@@ -85,6 +85,7 @@ def test_the_default_chunk_is_the_step_budget_where_the_prefill_kernels_are_comp
         {jnp.dtype(jnp.bfloat16)}
     assert sized.cfg.max_num_batched_tokens == sized.scheduler.cfg.max_num_batched_tokens == 2048
     assert sized.cfg.chunk_size == sized.runner.chunk_size == 2048
+    assert sized.cfg.overlap is True and overlap.enabled(sized)  # decode steps left in flight there
     assert sized.cache_line.endswith("; max_num_batched_tokens 2048 (on a gpu: engine.max_num_batched_tokens sets "
                                      "it); bfloat16 (dtype auto on a gpu)")
     monkeypatch.undo()  # the CPU's platform and kernel plan again

@@ -28,7 +28,7 @@ BASE = [5, 7, 9, 11, 13, 2, 3, 4, 8, 10, 12, 14, 15, 6, 16, 17, 18, 19, 20, 21, 
 PROMPTS = [BASE[:13], BASE[:3], [30, 31] + BASE[:11], BASE[:21]]
 BS = 4
 ENGINE = dict(block_size=BS, num_blocks=64, chunk_size=8, max_num_batched_tokens=16, max_prefill_seqs=2,
-              max_num_seqs=4, num_snapshots=8, max_model_len=64, warmup=False)
+              max_num_seqs=4, num_snapshots=8, max_model_len=64, warmup=False, overlap=True)  # as on a GPU
 
 
 def config(path: str, instances: list[dict], **sections) -> dict:
