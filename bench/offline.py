@@ -48,7 +48,12 @@ QWEN3_CONFIG = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
                     num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
                     initializer_range=0.02, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True,
                     rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
-BUILT = {"llama-32m": ("llama", CONFIG), "qwen3-0.6b": ("qwen3", QWEN3_CONFIG)}  # name -> (family, config)
+# a gpt-oss-family checkpoint with gpt-oss-20b's experts and attention (32 experts, 4 a token, biases; layers
+# alternating a 128-token sliding window and full attention, sinks; 64-wide heads, GQA 8/2) at hidden 512
+GPT_OSS_CONFIG = dict(CONFIG, intermediate_size=256, num_local_experts=32, num_experts_per_tok=4, head_dim=64,
+                      sliding_window=128, rope_parameters=None)
+BUILT = {"llama-32m": ("llama", CONFIG), "qwen3-0.6b": ("qwen3", QWEN3_CONFIG),  # name -> (family, config)
+         "gpt-oss-mini": ("gpt_oss", GPT_OSS_CONFIG)}
 
 
 def checkpoint(root: str, name: str = "llama-32m") -> str:

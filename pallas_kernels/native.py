@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .grouped_matmul import tiled_grouped_matmul
 from .matmul import check_matmul, ref_matmul
 from .paged_attention import (GRID_ORDER, _check_mla, _views, gqa_args, mla_prefill_args, prefill_args,
                               ref_paged_attention, ref_paged_mla_attention, ref_paged_mla_prefill_attention,
@@ -198,4 +199,6 @@ def matmul(x, w, *, transposed: bool = False):
 
 KERNELS = {"paged_attention": paged_attention, "paged_mla_attention": paged_mla_attention,  # for select.py
            "paged_prefill_attention": paged_prefill_attention,
-           "paged_mla_prefill_attention": paged_mla_prefill_attention, "matmul": matmul}
+           "paged_mla_prefill_attention": paged_mla_prefill_attention, "matmul": matmul,
+           "grouped_matmul": tiled_grouped_matmul}
+LIBRARY_FREE = frozenset({"grouped_matmul"})  # the CPU's own form in jnp: no library, any dtype

@@ -5,8 +5,8 @@ callable for a mode:
   reference   the jnp references (what XLA compiles on any backend)
   pallas      the Pallas kernels, compiled (GPU)
   interpret   the Pallas kernels in interpret mode: the kernel bodies evaluated on the CPU (tests)
-  native      the CPU kernels compiled from C++ (native.py) where one exists and the library builds, the
-              references for the others
+  native      the CPU kernels compiled from C++ (native.py) where one exists and the library builds (the
+              grouped products of experts: a jnp form for the CPU), the references for the others
   auto        pallas on GPU, native on CPU, reference elsewhere
 A `KernelPlan` is a resolved mode with exceptions: the kernels named in its `reference` run as their
 references (check.py puts there those that fail their self-test on this device). Models take a mode or a plan
@@ -24,6 +24,7 @@ import jax
 
 from . import native
 from .flash_attention import batched_attention, flash_attention, ref_batched_attention, ref_flash_attention
+from .grouped_matmul import ref_grouped_matmul
 from .gated_delta_rule import (chunk_gated_delta_rule, recurrent_gated_delta_rule, ref_chunk_gated_delta_rule,
                                ref_recurrent_gated_delta_rule)
 from .matmul import ref_matmul
@@ -44,6 +45,7 @@ KERNELS = {  # name -> (reference, Pallas kernel or None: native only)
     "chunk_gated_delta_rule": (ref_chunk_gated_delta_rule, chunk_gated_delta_rule),
     "recurrent_gated_delta_rule": (ref_recurrent_gated_delta_rule, recurrent_gated_delta_rule),
     "matmul": (ref_matmul, None),
+    "grouped_matmul": (ref_grouped_matmul, None),
 }
 
 
@@ -78,7 +80,8 @@ def mode_of(name: str, mode) -> str:
     mode = resolve(mode)
     if isinstance(mode, KernelPlan):
         mode = "reference" if name in mode.reference else mode.mode
-    if mode == "native" and (name not in native.KERNELS or not native.available()[0]):
+    if mode == "native" and (name not in native.KERNELS
+                             or (name not in native.LIBRARY_FREE and not native.available()[0])):
         return "reference"
     if mode in ("pallas", "interpret") and KERNELS[name][1] is None:
         return "reference"

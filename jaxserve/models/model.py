@@ -18,12 +18,12 @@ from jaxserve.pallas_kernels.select import resolve, select
 
 from .attention import GQAAttention, MLAAttention
 from .batch import Batch
-from .config import GDNSpec, GQASpec, KDASpec, MLASpec, MLPSpec, ModelConfig
+from .config import GDNSpec, GQASpec, KDASpec, MLASpec, MLPSpec, ModelConfig, MoESpec
 from .linear_attention import GatedDeltaNet, KimiDeltaAttention
 from .modules import MLP, Linear, MoE, RMSNorm
 from .paged import PagedKV, scatter
 from .params import ParamInfo, declare
-from .stack import LayerStack, Switched
+from .stack import LayerStack, Switched, take_layer
 
 # Alternative spellings of checkpoint tensor names, per family: (regex, replacement) tried in order when
 # the canonical name is absent. Kimi Linear's hub checkpoints keep `block_sparse_moe` and w1/w2/w3.
@@ -69,7 +69,8 @@ class DecoderLayer(nnx.Module):
         else:
             gpt = cfg.model_type == "gpt_oss"
             self.mlp = MoE(f"{p}.mlp", H, spec.mlp, dtype, router_name="router" if gpt else "gate",
-                           shared_name="shared_expert" if cfg.model_type == "qwen3_next" else "shared_experts")
+                           shared_name="shared_expert" if cfg.model_type == "qwen3_next" else "shared_experts",
+                           kernels=kernels)
 
     def __call__(self, x, batch: Batch, cache: dict):
         """x [B, T, H], or [1, N, H] packed (models/batch.py): a mixer that takes packed input (GQA attention:
@@ -160,7 +161,7 @@ def _scan_layers(x, batch: Batch, cache: list, new_cache: list, shared: dict, gr
     -> x. Dense caches are stacked into the scan and out again; paged ones (one group, consecutive layers in
     it) carry the group's pool array through it, the layer index traced."""
     ks = jnp.arange(hi - lo) + k0
-    layer = lambda k: nnx.merge(graphdef, jax.tree.map(lambda a: a[k], stacked))  # noqa: E731
+    layer = lambda k: take_layer(graphdef, stacked, k)  # noqa: E731
 
     first = cache[lo]
     if isinstance(first, PagedKV):
@@ -263,7 +264,7 @@ def _switch_scan(x, batch: Batch, sw: Switched, present: list[int], view_of: lis
 
     def layer_of(c, m):
         graphdef, stacked = sw.layers[c]
-        return nnx.merge(graphdef, jax.tree.map(lambda a: a[m], stacked))
+        return take_layer(graphdef, stacked, m)
 
     def branch(c, v):
         def run(x, pools, dense, m, j):
@@ -325,11 +326,19 @@ def model_graphdef(cfg: ModelConfig, dtype, kernels: str):
 def kernel_cases(cfg: ModelConfig, dtype, block_size: int) -> list[Case]:
     """The kernels the model calls, each with the dims of its layers, for the self-test (pallas_kernels/check.py):
     attention over dense caches and over the paged pool, MLA over the latent pool, the delta rule chunked
-    (prefill) and recurrent (decode); the products of GQA layers' projections, dense MLPs and the LM head."""
+    (prefill) and recurrent (decode); the products of GQA layers' projections, dense and shared MLPs, the experts
+    and the LM head."""
     hidden = cfg.hidden_size  # the LM head's product on part of the vocabulary: its lowering is the same
     cases = {Case.of("matmul", K=hidden, N=min(cfg.vocab_size, 4096), transposed=cfg.tie_word_embeddings, dtype=dtype)}
     for spec in (layer.mlp for layer in cfg.layers):
-        if isinstance(spec, MLPSpec):  # gate and up fused (models/fuse.py), and down
+        if isinstance(spec, MoESpec):  # the experts' grouped products (gpt-oss: gate and up as one), a shared MLP
+            E, I, S = min(spec.num_experts, 4), spec.intermediate_size, spec.shared_intermediate_size  # 4 suffice
+            cases |= {Case.of("grouped_matmul", E=E, K=hidden, N=2 * I if spec.expert_style == "gpt_oss" else I,
+                              dtype=dtype), Case.of("grouped_matmul", E=E, K=I, N=hidden, dtype=dtype)}
+            if S:  # not fused: gate, up and down
+                cases |= {Case.of("matmul", K=hidden, N=S, transposed=False, dtype=dtype),
+                          Case.of("matmul", K=S, N=hidden, transposed=False, dtype=dtype)}
+        elif isinstance(spec, MLPSpec):  # gate and up fused (models/fuse.py), and down
             cases |= {Case.of("matmul", K=hidden, N=2 * spec.intermediate_size, transposed=False, dtype=dtype),
                       Case.of("matmul", K=spec.intermediate_size, N=hidden, transposed=False, dtype=dtype)}
     for spec in (layer.mixer for layer in cfg.layers):

@@ -8,6 +8,8 @@ comments: B batch, T tokens, H hidden, I intermediate, E experts, K top-k.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -90,15 +92,18 @@ class MLP(nnx.Module):
 
 class MoE(nnx.Module):
     """Routed experts (+ optional shared expert), dispatched by sorting token-expert pairs by expert and
-    running grouped matmuls (`lax.ragged_dot`), so compute scales with top-k, not with the expert count.
+    running grouped matmuls (the "grouped_matmul" kernel: `lax.ragged_dot`, on a CPU its tiled form), so compute
+    scales with top-k, not with the expert count; the pairs' outputs come back to their tokens by a gather (the
+    inverse of the sort), weighted and summed in float32.
 
     Routers: "sigmoid_group" (DeepSeek-V3 noaux: sigmoid scores + correction bias, group-limited top-k),
     "softmax" (Qwen: softmax then top-k), "topk_softmax" (gpt-oss: top-k logits then softmax).
     """
 
     def __init__(self, prefix: str, hidden: int, spec: MoESpec, dtype, *, router_name="gate",
-                 expert_names=("gate_proj", "up_proj", "down_proj"), shared_name="shared_experts"):
-        self.spec = spec
+                 expert_names=("gate_proj", "up_proj", "down_proj"), shared_name="shared_experts", kernels="reference"):
+        self.spec, self.kernels = spec, kernels
+        self.stack_at = None  # inside a scan: the layer's index in its stack, its experts left whole (models/stack.py)
         E, I = spec.num_experts, spec.intermediate_size
 
         def alts(suffix):
@@ -129,7 +134,8 @@ class MoE(nnx.Module):
             declare(self, "w_down", (E, I, hidden), dtype, stacked(d, 1))
         self.has_shared = spec.shared_intermediate_size > 0
         if self.has_shared:
-            self.shared = MLP(f"{prefix}.{shared_name}", hidden, MLPSpec(spec.shared_intermediate_size), dtype)
+            self.shared = MLP(f"{prefix}.{shared_name}", hidden, MLPSpec(spec.shared_intermediate_size), dtype,
+                              kernels=kernels)
         if spec.shared_expert_gate:
             self.shared_gate = Linear(f"{prefix}.shared_expert_gate", hidden, 1, dtype)
 
@@ -163,33 +169,28 @@ class MoE(nnx.Module):
         top, idx = jax.lax.top_k(logits, s.top_k)
         return jax.nn.softmax(top, axis=-1), idx
 
-    @staticmethod
-    def _gmm(x, w, sizes):  # grouped matmul with float32 accumulation, result in x's dtype
-        return jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32).astype(x.dtype)
-
-    def experts(self, x, weights, idx):  # x [N, H], weights/idx [N, K] -> [N, H]
+    def experts(self, x, weights, idx):  # x [N, H], weights/idx [N, K] -> [N, H] float32
         s = self.spec
         N, H = x.shape
         K = idx.shape[1]
+        gmm = functools.partial(select("grouped_matmul", self.kernels), layer=self.stack_at)
         flat = idx.reshape(-1)
-        order = jnp.argsort(flat)
-        token_of = order // K
-        expert_of = flat[order]  # [N*K] expert of each sorted row
-        xs = x[token_of]  # [N*K, H] sorted by expert
-        sizes = jnp.bincount(flat, length=s.num_experts).astype(jnp.int32)
+        order = jnp.argsort(flat)  # [N*K] the token-expert pairs sorted by expert
+        xs = x[order // K]  # [N*K, H]
+        sizes = (flat[:, None] == jnp.arange(s.num_experts, dtype=flat.dtype)).sum(0, dtype=jnp.int32)  # [E]
         if s.expert_style == "gpt_oss":
-            gu = self._gmm(xs, self.w_gate_up[...], sizes)
-            gu = gu + self.b_gate_up[...][expert_of]
+            expert_of = flat[order]
+            gu = gmm(xs, self.w_gate_up[...], sizes) + self.b_gate_up[...][expert_of]
             gate, up = gu[:, ::2], gu[:, 1::2]
             gate = jnp.minimum(gate, s.swiglu_limit)
             up = jnp.clip(up, -s.swiglu_limit, s.swiglu_limit)
             h = (up + 1) * (gate * jax.nn.sigmoid(gate * s.swiglu_alpha))
-            y = self._gmm(h, self.w_down[...], sizes) + self.b_down[...][expert_of]
+            y = gmm(h, self.w_down[...], sizes) + self.b_down[...][expert_of]
         else:
-            h = jax.nn.silu(self._gmm(xs, self.w_gate[...], sizes)) * self._gmm(xs, self.w_up[...], sizes)
-            y = self._gmm(h, self.w_down[...], sizes)
-        y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
-        return jnp.zeros((N, H), y.dtype).at[token_of].add(y)
+            h = jax.nn.silu(gmm(xs, self.w_gate[...], sizes)) * gmm(xs, self.w_up[...], sizes)
+            y = gmm(h, self.w_down[...], sizes)
+        y = y[jnp.argsort(order)].reshape(N, K, H)  # each pair back at its token (a gather, no scatter)
+        return jnp.einsum("nkh,nk->nh", y.astype(jnp.float32), weights.astype(jnp.float32))
 
     def __call__(self, x):  # [B, T, H] -> [B, T, H]
         shape = x.shape

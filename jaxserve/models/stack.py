@@ -83,6 +83,23 @@ def switch_compiler_options() -> dict | None:
     return dict(_SWITCH_OPTIONS)
 
 
+EXPERTS = frozenset({"w_gate_up", "w_gate", "w_up", "w_down"})  # an MoE layer's expert weights (models/modules.py)
+
+
+def take_layer(graphdef, stacked, m):
+    """Layer m (traced) of a stack, inside a scan: its weights sliced, but an MoE layer's experts left whole in
+    their stack [L, E, K, N], the layer told its index (`MoE.stack_at`): its grouped products read each expert
+    where it lies, where a slice would copy every expert of the layer at every step (on a CPU, a gpt-oss-shaped
+    decode step spent a quarter of its time in those copies)."""
+    def take(path, a):
+        return a if any(getattr(k, "key", None) in EXPERTS for k in path) else a[m]
+    layer = nnx.merge(graphdef, jax.tree_util.tree_map_with_path(take, stacked))
+    for _, module in layer.iter_modules():
+        if hasattr(module, "stack_at"):
+            object.__setattr__(module, "stack_at", m)
+    return layer
+
+
 @dataclass(frozen=True)
 class Switched:
     """Switch mode's stacks inside a program: per class, its layers and (graphdef of one layer, stacked state)."""

@@ -8,7 +8,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.llm_engine import EngineConfig
-from jaxserve.models.config import MLPSpec, load_config
+from jaxserve.models.config import MLPSpec, MoESpec, load_config
 from jaxserve.models.model import kernel_cases
 from jaxserve.pallas_kernels import check, select
 from jaxserve.pallas_kernels.select import KernelPlan
@@ -29,16 +29,21 @@ def _tokens(path, kernels):
 def test_cases_follow_the_model_and_pass_in_interpret_mode(checkpoint_dir):
     cfg = load_config(checkpoint_dir("kimi_linear"))
     cases = kernel_cases(cfg, jnp.float32, 4)
-    assert sorted({c.kernel for c in cases}) == ["batched_attention", "chunk_gated_delta_rule", "matmul",
-                                                 "paged_mla_attention", "paged_mla_prefill_attention",
+    assert sorted({c.kernel for c in cases}) == ["batched_attention", "chunk_gated_delta_rule", "grouped_matmul",
+                                                 "matmul", "paged_mla_attention", "paged_mla_prefill_attention",
                                                  "recurrent_gated_delta_rule"]
     by = {c.kernel: dict(c.dims) for c in cases}
     assert by["paged_mla_attention"]["L"] == 16 and by["chunk_gated_delta_rule"]["per_channel"] is True
-    # the products of the dense MLP layers (gate and up fused: models/fuse.py) and of the LM head (no Pallas
-    # kernel: XLA's dot on a GPU)
+    # the products of the dense MLP layers (gate and up fused: models/fuse.py), of the MoE layers' shared expert
+    # (gate, up and down) and of the LM head (no Pallas kernel: XLA's dot on a GPU); the experts' grouped products
     H, I = cfg.hidden_size, next(s.mlp.intermediate_size for s in cfg.layers if isinstance(s.mlp, MLPSpec))
+    moe = next(s.mlp for s in cfg.layers if isinstance(s.mlp, MoESpec))
+    S, E, J = moe.shared_intermediate_size, moe.num_experts, moe.intermediate_size
     assert {(d["K"], d["N"], d["transposed"]) for c in cases if c.kernel == "matmul" for d in [dict(c.dims)]} == \
-        {(H, 2 * I, False), (I, H, False), (H, min(cfg.vocab_size, 4096), cfg.tie_word_embeddings)}
+        {(H, 2 * I, False), (I, H, False), (H, S, False), (S, H, False),
+         (H, min(cfg.vocab_size, 4096), cfg.tie_word_embeddings)}
+    assert {(d["E"], d["K"], d["N"]) for c in cases if c.kernel == "grouped_matmul" for d in [dict(c.dims)]} == \
+        {(E, H, J), (E, J, H)}
     # the kernels with a Pallas implementation (matmul and the MLA prefill have none: native or XLA's)
     assert check.self_test([c for c in cases if select.KERNELS[c.kernel][1] is not None], "interpret") == {}
 
