@@ -4,7 +4,10 @@ CPU build (same run, same checkpoint, same token ids), and where a jaxserve step
 Workload (the speed issue's): a random Llama-family checkpoint of 32M parameters (hidden 512, 8 layers, GQA 8/2,
 intermediate 1536, vocabulary 8192, float32; `--model qwen3-0.6b`: a random Qwen3 checkpoint of Qwen3-0.6B's
 shape, 28 layers, hidden 1024, GQA 16/8 of head_dim 128 with q/k norms, intermediate 3072, vocabulary 151,936,
-tied embeddings, float32; each built once as `--root`/bench-NAME), 48 prompts of 16-900 random tokens
+tied embeddings, float32; `--model gpt-oss-mini`: a random gpt-oss checkpoint with gpt-oss-20b's experts and
+attention, 32 experts of intermediate 256, 4 a token, layers alternating a 128-token sliding window and full
+attention, sinks, GQA 8/2 of head_dim 64, at hidden 512, 8 layers, vocabulary 8192; each built once as
+`--root`/bench-NAME), 48 prompts of 16-900 random tokens
 (log-normal lengths, about 6,500 tokens in all), 64 greedy tokens each with EOS ignored, prefix caching off. A
 warm-up pass over same-length prompts of other tokens runs first and is not timed.
 

@@ -493,7 +493,7 @@ def prefill_steps(length: dict) -> str:
 SECTIONS = [
     Section("Offline throughput", "bench.offline", ("offline.json", "offline_smollm2.json", "offline_defaults.json",
                                                     "offline_defaults_smollm2.json", "offline_defaults_qwen3.json",
-                                                    "offline_h100.json",
+                                                    "offline_defaults_gpt_oss.json", "offline_h100.json",
                                                     "offline_h200.json"), offline),
     Section("Online serving against vLLM's server", "bench.online", ("online_smollm2.json",
                                                                      "online_smollm2_mixed128.json"), online),
@@ -523,6 +523,8 @@ HEADLINES = [
              "offline_defaults_smollm2.json", lambda d: spread(d["ratio_vs_vllm"]), "Offline throughput"),
     Headline("offline output tokens/s, jaxserve / vLLM's CPU build, each with its defaults (Qwen3-0.6B's shape)",
              "offline_defaults_qwen3.json", lambda d: spread(d["ratio_vs_vllm"]), "Offline throughput"),
+    Headline("offline output tokens/s, jaxserve / vLLM's CPU build, each with its defaults (gpt-oss-mini: 32 experts)",
+             "offline_defaults_gpt_oss.json", lambda d: spread(d["ratio_vs_vllm"]), "Offline throughput"),
     Headline("online TTFT p50 / TPOT p50, jaxserve / vLLM's server (SmolLM2-135M)", "online_smollm2.json",
              lambda d: f"{d['ratio_jaxserve_over_vllm']['ttft_s_p50']['median']:.2f}x / "
                        f"{d['ratio_jaxserve_over_vllm']['tpot_s_p50']['median']:.2f}x",
