@@ -1,6 +1,8 @@
 """Kernel benchmark: each Pallas kernel against its jnp reference, same inputs, same run (paged prefill
 attention, a chunk after cached tokens, against the engine's path without it: the row's blocks gathered into a
-dense cache, then flash attention).
+dense cache, then flash attention; the experts' grouped products, XLA's `ragged_dot` against the CPU's tiled loop
+of pallas_kernels/grouped_matmul.py, which has no Pallas kernel: whether XLA's GPU backend runs ragged_dot as its
+CPU backend does, a product over every expert).
 
 Per kernel and shape: the time per call at steady state (`_time`: groups of `--iters` calls dispatched back to
 back, the median group; compile and warm-up excluded), the bytes a kernel must at least move (inputs read
@@ -44,13 +46,17 @@ SHAPES = {
                 mla=dict(B=32, ctx=2048, H=16, L=512, R=64, bs=16),
                 prefill=[dict(T=256, ctx=8192, Hq=32, Hkv=8, D=128, bs=16)],  # the engine's chunk after 8K cached
                 gdn=dict(B=1, T=4096, H=16, Dk=128, Dv=128, C=64),
-                rec=dict(B=64, H=16, Dk=128, Dv=128)),
+                rec=dict(B=64, H=16, Dk=128, Dv=128),
+                # gpt-oss-20b's experts (gate and up as one product): a 64-request decode step's rows (4 experts a
+                # token: every expert read, 1.06 GB) and a 2,048-token prefill's
+                moe=[dict(E=32, K=2880, N=5760, M=256), dict(E=32, K=2880, N=5760, M=8192)]),
     "cpu": dict(flash=[dict(lens=[96, 160], Hq=8, Hkv=2, D=64)],
                 paged=[dict(B=8, ctx=256, Hq=8, Hkv=2, D=64, bs=16)],
                 mla=dict(B=8, ctx=256, H=8, L=64, R=16, bs=16),
                 prefill=[dict(T=32, ctx=256, Hq=8, Hkv=2, D=64, bs=16)],
                 gdn=dict(B=1, T=256, H=4, Dk=64, Dv=64, C=64),
-                rec=dict(B=8, H=4, Dk=64, Dv=64)),
+                rec=dict(B=8, H=4, Dk=64, Dv=64),
+                moe=[dict(E=8, K=128, N=256, M=64)]),
 }
 
 
@@ -80,6 +86,7 @@ def _cases(shapes: dict, dtype, triton: bool = False):
 
     from jaxserve.pallas_kernels.check import inputs
     from jaxserve.pallas_kernels.gated_delta_rule import SUB
+    from jaxserve.pallas_kernels.grouped_matmul import tiled_grouped_matmul
     r = np.random.RandomState(0)
     it = jnp.dtype(dtype).itemsize
     rnd = lambda *s: jnp.asarray(r.randn(*s) * 0.5, dtype)  # noqa: E731
@@ -109,6 +116,13 @@ def _cases(shapes: dict, dtype, triton: bool = False):
            f"block={m['bs']}", "paged_mla_attention", args, kw,
            it * (m["B"] * m["ctx"] * Dm + m["B"] * m["H"] * (Dm + m["L"])),
            2 * m["B"] * m["ctx"] * m["H"] * (Dm + m["L"]), "memory")
+    for e in shapes["moe"]:  # XLA's ragged_dot (the reference: the GPU's path) against the CPU's tiled loop
+        E, K, N, M = e["E"], e["K"], e["N"], e["M"]
+        sizes = np.bincount(np.sort(r.randint(0, E, M)), minlength=E).astype(np.int32)
+        w = jnp.asarray(r.randn(E, K, N) * K ** -0.5, dtype)
+        yield ("grouped_matmul", f"E={E} K={K} N={N} rows={M}", "grouped_matmul", (rnd(M, K), w, jnp.asarray(sizes)),
+               dict(_kernel=tiled_grouped_matmul), it * (int((sizes > 0).sum()) * K * N + M * (K + N)),
+               2.0 * M * K * N, "memory" if M <= 64 * E else "compute")
     q = shapes["rec"]
     Br, H, Dk, Dv = q["B"], q["H"], q["Dk"], q["Dv"]
     args, kw = inputs("recurrent_gated_delta_rule", r, H=H, Dk=Dk, Dv=Dv, dtype=dtype, per_channel=True, B=Br)
@@ -226,7 +240,11 @@ def run(mode: str | None, iters: int, dtype_name: str, emit=None) -> dict:
         if "_reference" in kw:  # a baseline other than the jnp reference (paged prefill: the dense path)
             kw = dict(kw)
             ref = functools.partial(kw.pop("_reference"), interpret=mode == "interpret")
-        kfn = jax.jit(functools.partial(kernel, interpret=mode == "interpret", **kw))
+        if "_kernel" in kw:  # a jnp form other than a Pallas kernel (the experts' products: the CPU's loop)
+            kw = dict(kw)
+            kfn = jax.jit(functools.partial(kw.pop("_kernel"), **kw))
+        else:
+            kfn = jax.jit(functools.partial(kernel, interpret=mode == "interpret", **kw))
         rfn = jax.jit(functools.partial(ref, **kw))
         ro = rfn(*args)
         try:

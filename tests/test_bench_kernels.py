@@ -12,12 +12,12 @@ def test_kernel_benchmark_writes_json(tmp_path, monkeypatch):
     monkeypatch.setattr(stamp, "write", lambda path, o, **kw: (written.append(len(o["results"])),
                                                                real_write(path, o, **kw)))
     kernels.main(["--json", str(out), "--iters", "1", "--dtype", "float32"])
-    assert written == [1, 2, 3, 4, 5, 6, 7]
+    assert written == [1, 2, 3, 4, 5, 6, 7, 8]
     data = json.loads(out.read_text())
     assert data["mode"] == "interpret" and "interpret mode" in data["note"]
     names = [r["kernel"] for r in data["results"]]
     assert names == ["flash_attention", "paged_attention", "paged_prefill_attention", "paged_mla_attention",
-                     "recurrent_gated_delta_rule", "chunk_gated_delta_rule",
+                     "grouped_matmul", "recurrent_gated_delta_rule", "chunk_gated_delta_rule",
                      "chunk_gated_delta_rule"]  # the slowest to compile last
     assert "gather + batched_attention" in data["results"][2]["shape"]  # against the engine's dense path
     for r in data["results"]:
