@@ -24,9 +24,9 @@ import jax
 
 from . import native
 from .flash_attention import batched_attention, flash_attention, ref_batched_attention, ref_flash_attention
-from .grouped_matmul import ref_grouped_matmul
 from .gated_delta_rule import (chunk_gated_delta_rule, recurrent_gated_delta_rule, ref_chunk_gated_delta_rule,
                                ref_recurrent_gated_delta_rule)
+from .grouped_matmul import ref_grouped_matmul
 from .matmul import ref_matmul
 from .paged_attention import (paged_attention, paged_mla_attention, ref_paged_attention, ref_paged_mla_attention,
                               ref_paged_mla_prefill_attention, ref_paged_prefill_attention)

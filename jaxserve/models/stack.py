@@ -89,8 +89,8 @@ EXPERTS = frozenset({"w_gate_up", "w_gate", "w_up", "w_down"})  # an MoE layer's
 def take_layer(graphdef, stacked, m):
     """Layer m (traced) of a stack, inside a scan: its weights sliced, but an MoE layer's experts left whole in
     their stack [L, E, K, N], the layer told its index (`MoE.stack_at`): its grouped products read each expert
-    where it lies, where a slice would copy every expert of the layer at every step (on a CPU, a gpt-oss-shaped
-    decode step spent a quarter of its time in those copies)."""
+    where it lies, where a slice would copy every expert of the layer at every step (on a CPU, bench.offline's
+    gpt-oss-mini: a decode step of 48 requests took 154 ms with those copies, 82 ms without)."""
     def take(path, a):
         return a if any(getattr(k, "key", None) in EXPERTS for k in path) else a[m]
     layer = nnx.merge(graphdef, jax.tree_util.tree_map_with_path(take, stacked))

@@ -81,12 +81,29 @@ MIXED = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
          SamplingParams(max_tokens=6, temperature=1.2, seed=5, logprobs=2, repetition_penalty=1.3, ignore_eos=True)]
 
 
+def same_up_to_rounding(a, b, tol: float = 1e-4):
+    """Two runs of one request, (tokens, logprobs), from two compiled programs of the same model: the same tokens,
+    logprobs within tol, until a step where the two picks' logprobs lie within tol of each other (a near tie that
+    the programs' rounding may break either way; after it the runs may part). A step without logprobs to show
+    such a tie must agree exactly."""
+    (ta, la), (tb, lb) = a, b
+    for s, (x, y) in enumerate(zip(ta, tb)):
+        if x != y:
+            top = dict(la[s][1]) if la else {}
+            assert y in top and abs(top[y] - la[s][0]) < tol, (s, a, b)
+            return
+        if la and lb:
+            assert abs(la[s][0] - lb[s][0]) < tol, (s, a, b)
+    assert len(ta) == len(tb), (a, b)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3_next"])
 def test_samplers_specialised_to_their_rows_answer_as_the_device_decides(checkpoint_dir, family):
     """Where a conditional would hold the dispatching thread (a GPU: runner.static_sampling), each program that
     samples is compiled for what its rows ask (greedy or drawn, top logprobs or not: sampler.py `mode`); its
-    tokens and logprobs equal the one program's that decides on the device, greedy, seeded and logprob
-    requests batched together and each alone, prefill's first tokens and decode steps."""
+    tokens and logprobs equal the one program's that decides on the device (up to the two programs' rounding:
+    `same_up_to_rounding`), greedy, seeded and logprob requests batched together and each alone, prefill's first
+    tokens and decode steps."""
     def run(static: bool):
         llm = LLM(checkpoint_dir(family), progress=False, engine=CFG)
         eng = llm.engine
@@ -101,7 +118,9 @@ def test_samplers_specialised_to_their_rows_answer_as_the_device_decides(checkpo
         return got, eng.runner.programs
     decided, programs = run(False)
     specialised, static_programs = run(True)
-    assert specialised == decided
+    assert len(specialised) == len(decided)
+    for a, b in zip(specialised, decided):
+        same_up_to_rounding(a, b)
     modes = {key[-1] for key in static_programs if key[0] in ("decode", "first")}
     assert modes == {"greedy", "draw", "greedy+top", "draw+top"}, static_programs
     assert not any(k in ("greedy", "draw", "greedy+top", "draw+top") for key in programs for k in key)
