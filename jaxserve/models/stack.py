@@ -94,7 +94,7 @@ def take_layer(graphdef, stacked, m):
     def take(path, a):
         return a if any(getattr(k, "key", None) in EXPERTS for k in path) else a[m]
     layer = nnx.merge(graphdef, jax.tree_util.tree_map_with_path(take, stacked))
-    for _, module in layer.iter_modules():
+    for _, module in nnx.iter_modules(layer):
         if hasattr(module, "stack_at"):
             object.__setattr__(module, "stack_at", m)
     return layer
