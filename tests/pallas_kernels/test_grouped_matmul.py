@@ -3,6 +3,8 @@
 rows past the last group; the engine's MoE layers run the tiled form under the native mode and give the
 references' tokens."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +15,8 @@ from jaxserve.models.model import CausalLM, kernel_cases
 from jaxserve.pallas_kernels import check, native, select
 from jaxserve.pallas_kernels.grouped_matmul import ref_grouped_matmul, tile_rows, tiled_grouped_matmul
 from jaxserve.pallas_kernels.select import KernelPlan
-from tests.pallas_kernels.test_check import _tokens
+from jaxserve import LLM
+from tests.pallas_kernels.test_check import ENGINE, GREEDY, PROMPTS, _tokens
 
 
 def _float64(x, w, sizes):
@@ -96,14 +99,19 @@ def test_native_mode_runs_the_tiled_form_without_the_library(monkeypatch):
     assert "differs from its reference" in check.run_case(case, "native")
 
 
-@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_next"])
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_next", "deepseek_v3"])
 def test_moe_engine_on_the_cpu_runs_the_tiled_form_with_the_references_tokens(checkpoint_dir, family):
-    """gpt-oss (gate and up as one product, biases) and Qwen3-Next (gate, up, down; a gated shared expert): the
-    engine under native gives the tokens of the references (ragged_dot), and its model graph has no ragged_dot."""
+    """gpt-oss (gate and up as one product, biases) and Qwen3-Next (gate, up, down; a gated shared expert), their
+    layers scanned by class, and DeepSeek-V3 (a run of identical MoE layers scanned): the engine under native gives
+    the tokens of the references (ragged_dot) and of its layers unscanned (each layer's own experts, not read
+    from a stack: models/stack.py take_layer), and its model graph has no ragged_dot."""
     path = checkpoint_dir(family)
     _, want = _tokens(path, "reference")
     llm, got = _tokens(path, "native")
     assert got == want and llm.engine.kernels == KernelPlan("native")
+    unscanned = LLM(path, "float32", progress=False, engine=dataclasses.replace(ENGINE, kernels="native",
+                                                                                  scan_layers=False))
+    assert [o.token_ids for o in unscanned.generate(PROMPTS, GREEDY)] == want
     cfg = load_config(path)
     assert any(c.kernel == "grouped_matmul" for c in kernel_cases(cfg, jnp.float32, 4))
     x = jnp.zeros((1, 6, cfg.hidden_size))
