@@ -97,7 +97,8 @@ def step_programs(layout: PoolLayout, stack: LayerStack, merge: Callable, num_sl
             x, cache = m.run_layers(m.embed(batch), batch, cache, 0, L, stacks)
         elif remote.kind == "heads":
             cache = [dataclasses.replace(c, split=remote.split, since=mig["since"], mid=mig["mid"],
-                                         gidx=mig["gidx"]) if isinstance(c, PagedKV) else c for c in cache]
+                                         gidx=mig["gidx"]) if isinstance(c, PagedKV) and
+                     layout.groups[c.group].kind == "full" else c for c in cache]  # sliding rings stay whole
             x, cache = m.run_layers(m.embed(batch), batch, cache, 0, L, stacks)
         else:  # layers lo..hi-1 run on the helper, the hidden states crossing there and back
             lo, hi = remote.span
@@ -106,7 +107,7 @@ def step_programs(layout: PoolLayout, stack: LayerStack, merge: Callable, num_sl
             x = remote_hidden(x, mig, batch.start)
             x, cache = m.run_layers(x, batch, cache, hi, L, stacks)
             cache = _latest_pools(cache, [*range(lo), *range(hi, L)])
-        return scatter(layout, pool, cache, rows, snap), x
+        return scatter(layout, pool, cache, rows, snap, after=x), x
 
     # a prefill's LM head and sampling are a program of its own, keyed by the rows only: every prefill shape
     # shares it (compiled once, not once per shape); a decode step runs the model and sampling as one program

@@ -6,7 +6,8 @@ Cache layouts (one dict per layer):
   full MLA     {"kv": [B, S, 1, L + R]}                        compressed latent (L) + rope key (R)
 MLA runs in the absorbed form: queries are projected into the latent space, attention is multi-query
 over the latent cache, and the value up-projection is applied to the attended latent.
-In engine decode a full layer gets a `PagedKV` view of the block pool instead (models/paged.py).
+In engine decode a layer gets a `PagedKV` view of the block pool instead (models/paged.py; a sliding layer's
+ring as one block of `window` tokens, cache/layout.py `ring_table`).
 Attention itself comes from pallas_kernels: `batched_attention` over dense caches, `paged_attention` /
 `paged_mla_attention` over the pool, and in an engine prefill that reads the pool in place (`PagedKV.inplace`)
 `paged_prefill_attention` / `paged_mla_prefill_attention`; the jnp reference, the Pallas kernel or the native

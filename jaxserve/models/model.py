@@ -255,12 +255,14 @@ def _switch_scan(x, batch: Batch, sw: Switched, present: list[int], view_of: lis
     dense stack [n, ...] (row p read and written; the other views' rows pass through). -> (x, views after)
 
     A pool that layers of two classes or more write is written outside the switch: XLA copies a buffer that
-    branches of a conditional update in place (the whole pool, each layer of each step). A first switch runs
+    branches of a conditional update in place (the whole pool, each layer of each step). So is every pool where
+    the scan carries two or more (gpt-oss: full attention's blocks and the sliding layers' rings): XLA copies
+    all but one of the buffers a conditional's branches update in place or pass through. A first switch runs
     the layer's class up to its write, captured (`PagedKV.deferred`; XLA drops the rest of that branch), the
     entries are written, and the layer then runs over the written pool, reading it only."""
     pools = {v: views[v].pool for v in set(view_of) if isinstance(views[v], PagedKV)}
     dense = {v: views[v] for v in set(view_of) if v not in pools}
-    shared = sorted(v for v in pools if view_of.count(v) > 1)
+    shared = sorted(v for v in pools if view_of.count(v) > 1 or len(pools) > 1)
 
     def layer_of(c, m):
         graphdef, stacked = sw.layers[c]

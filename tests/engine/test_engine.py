@@ -155,7 +155,7 @@ def test_decode_batches_and_ragged_attention_match_reference(engines, family):
         assert sum(s["phases_ms"].values()) == pytest.approx(s["mean_ms"], rel=1e-6)
 
 
-@pytest.mark.parametrize("family", ["llama", "kimi_linear"])
+@pytest.mark.parametrize("family", ["llama", "kimi_linear", "gpt_oss"])
 def test_next_turn_reuses_the_kv_of_the_answer(engines, family):
     """Generated tokens' full blocks join the prefix cache (and, for a hybrid model, decode saves its linear /
     sliding state at each block boundary): a conversation's next turn (prompt + answer + a new message) reuses
