@@ -14,12 +14,14 @@ slice of an [M, E * K] operand): E times the work, and the memory of that operan
 layer (32 experts, hidden 1,024, 2,048 outputs, 2 cores) a 64-request decode step's 256 rows took 326 ms against
 31 ms here, a 1,024-token prefill's 4,096 rows 4.0 s against 0.17 s.
 
-`tiled_grouped_matmul` (the CPU's, under the "native" mode, pure jnp) cuts the sorted rows into tiles of T rows
-and runs one product per (tile, group) pair that meets: at most ceil(M / T) + E - 1 of them, as many as the
-groups' rows need (a loop whose trip count the device computes: groups without rows cost nothing). Each pair
-reads its expert's weight once and a tile of rows, so a decode step reads the weights of the experts its rows
-chose, and a prefill's work is its rows' plus at most a tile per group. T follows the rows per group (static:
-M and E), between 8 and 64.
+`tiled_grouped_matmul` (the CPU's, under the "native" mode, pure jnp) cuts each group's rows into tiles of T rows
+from the group's first row on, and runs one product per tile: at most M / T + E of them, as many as the groups'
+rows need (a loop whose trip count the device computes: groups without rows cost nothing). Each reads its
+expert's weight once and T rows, so a decode step whose groups hold at most T rows reads the weight of each expert
+its rows chose once, and a prefill's work is its rows' plus less than a tile per group. T follows the rows per
+group (static: M and E), between 8 and 64. (Tiles cut from row 0 on, shared by the groups that meet in them, read
+the weights of a decode step's experts up to twice: at gpt-oss-mini's experts, 32 of 512 x 512, 2 cores, the
+192 rows of a 48-request step took 4.8 ms a product so against 3.6 ms.)
 """
 
 from __future__ import annotations
@@ -58,27 +60,24 @@ def tiled_grouped_matmul(x, w, sizes, *, layer=None):
     E, _, N = w.shape[-3:]
     expert = (lambda g: w[g]) if layer is None else (lambda g: w[layer, g])  # noqa: E731
     T = tile_rows(M, E)
-    Mp = -(-M // T) * T
-    xp = jnp.pad(x, ((0, Mp - M), (0, 0)))
+    xp = jnp.pad(x, ((0, T), (0, 0)))  # a group's last tile may run past the rows
     sizes = sizes.astype(jnp.int32)
     ends = jnp.cumsum(sizes)
     starts = ends - sizes
-    first = starts // T  # [E] the first tile of each group's rows
-    pairs = jnp.where(sizes > 0, (ends - 1) // T - first + 1, 0)  # [E] tiles each group meets
+    pairs = -(-sizes // T)  # [E] tiles of each group's rows (none for an empty group)
     pair_end = jnp.cumsum(pairs)
-    P = Mp // T + E - 1  # the most pairs there can be
+    P = M // T + E  # the most pairs there can be
     i = jnp.arange(P, dtype=jnp.int32)
     group = jnp.minimum(jnp.searchsorted(pair_end, i, side="right", method="compare_all"), E - 1).astype(jnp.int32)
-    tile = first[group] + i - (pair_end[group] - pairs[group])  # [P] pair i's tile (valid for i < pair_end[-1])
+    row0 = starts[group] + (i - (pair_end[group] - pairs[group])) * T  # [P] pair i's first row
     rows = jnp.arange(T, dtype=jnp.int32)
 
-    def pair(p, out):  # out [Mp, N] float32 += pair p's product, its group's rows of its tile
-        g, t = group[p], tile[p]
-        y = jnp.dot(jax.lax.dynamic_slice_in_dim(xp, t * T, T), expert(g), preferred_element_type=jnp.float32)
-        r = t * T + rows
-        keep = (r >= starts[g]) & (r < ends[g])
-        cur = jax.lax.dynamic_slice_in_dim(out, t * T, T)
-        return jax.lax.dynamic_update_slice_in_dim(out, cur + jnp.where(keep[:, None], y, 0.0), t * T, 0)
+    def pair(p, out):  # out [M + T, N] float32 += pair p's product: the rows of its tile that are its group's
+        g, r0 = group[p], row0[p]
+        y = jnp.dot(jax.lax.dynamic_slice_in_dim(xp, r0, T), expert(g), preferred_element_type=jnp.float32)
+        cur = jax.lax.dynamic_slice_in_dim(out, r0, T)
+        keep = (r0 + rows < ends[g])[:, None]
+        return jax.lax.dynamic_update_slice_in_dim(out, cur + jnp.where(keep, y, 0.0), r0, 0)
 
-    out = jax.lax.fori_loop(0, pair_end[-1], pair, jnp.zeros((Mp, N), jnp.float32))
+    out = jax.lax.fori_loop(0, pair_end[-1], pair, jnp.zeros((M + T, N), jnp.float32))
     return out[:M].astype(x.dtype)

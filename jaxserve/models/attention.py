@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxserve.pallas_kernels.select import select
+from jaxserve.pallas_kernels.select import mode_of, select
 
 from .batch import Batch
 from .config import GQASpec, MLASpec
@@ -100,6 +100,10 @@ def kv_attention(q, k_new, v_new, cache: dict, batch: Batch, *, scale, window, s
             k = write_full(cache["k"], k_new, batch)
             v = write_full(cache["v"], v_new, batch)
         return _attend_full(q, k, v, batch, scale, sinks, kernels), {"k": k, "v": v}
+    new_cache = {"k": ring_update(cache["k"], k_new, batch), "v": ring_update(cache["v"], v_new, batch)}
+    if mode_of("paged_prefill_attention", kernels) == "native":
+        return ring_prefill(q, k_new, v_new, cache, batch, scale=scale, window=window, sinks=sinks,
+                            kernels=kernels), new_cache
     W = cache["k"].shape[1]
     r_pos, r_valid = ring_positions(batch.start, W)
     k_all = jnp.concatenate([cache["k"], k_new.astype(cache["k"].dtype)], axis=1)
@@ -107,7 +111,44 @@ def kv_attention(q, k_new, v_new, cache: dict, batch: Batch, *, scale, window, s
     k_pos = jnp.concatenate([r_pos, batch.positions], axis=1)
     k_valid = jnp.concatenate([r_valid, batch.valid], axis=1)
     out = attend(q, k_all, v_all, batch.positions, k_pos, k_valid, scale=scale, window=window, sinks=sinks)
-    return out, {"k": ring_update(cache["k"], k_new, batch), "v": ring_update(cache["v"], v_new, batch)}
+    return out, new_cache
+
+
+RING_BLOCK = 16  # tokens per block of `ring_prefill`'s scratch pool
+
+
+def ring_prefill(q, k_new, v_new, cache: dict, batch: Batch, *, scale, window, sinks, kernels):
+    """A chunk's sliding-window attention with paged prefill attention (on a CPU the native kernel, which reads
+    only each query's window) -> out [B, T, Hq, Dv]. q [B, T, Hq, Dk], k_new [B, T, Hkv, Dk], v_new [B, T, Hkv, Dv]
+    the chunk's; cache the layer's rings {"k": [B, W, Hkv, Dk], "v": [B, W, Hkv, Dv]} before it.
+
+    The dense path attends every query over the whole ring and chunk ([T, W + T] scores a head, most of them
+    masked); the chunk cannot be written into the ring first, as its later tokens would overwrite keys its earlier
+    ones see. So each row's ring and chunk are laid out in position order in a scratch pool of RING_BLOCK-token
+    blocks, from position base = max(start - W, 0) on (the ring holds start - W..start - 1), and the queries
+    attend there with their positions less base: attention depends on positions only through the window, and
+    RoPE was applied before."""
+    B, T, Hq, _ = q.shape
+    W = cache["k"].shape[1]
+    nb = -(-(W + T) // RING_BLOCK)
+    base = jnp.maximum(batch.start - W, 0)  # [B] position of each row's first scratch slot
+    pos = base[:, None] + jnp.arange(nb * RING_BLOCK, dtype=jnp.int32)[None, :]  # [B, S] each slot's position
+    chunk = (pos >= batch.start[:, None])[..., None, None]
+    t = jnp.clip(pos - batch.start[:, None], 0, T - 1)[..., None, None]
+
+    def fill(ring, new):  # -> [B, S, Hkv, D]: the ring's tokens, then the chunk's
+        return jnp.where(chunk, jnp.take_along_axis(new.astype(ring.dtype), t, axis=1),
+                         jnp.take_along_axis(ring, (pos % W)[..., None, None], axis=1))
+    k, v = fill(cache["k"], k_new), fill(cache["v"], v_new)
+    x = PagedKV.pack(k, v, 2 if k.shape[-1] == v.shape[-1] else 1)  # [B, S, E, Hkv, D]
+    x = x.reshape((B, nb, RING_BLOCK) + x.shape[2:]).swapaxes(2, 3)  # [B, nb, E, bs, Hkv, D]
+    pool = x.reshape((B * nb, 1) + x.shape[2:])
+    table = jnp.arange(B * nb, dtype=jnp.int32).reshape(B, nb)
+    rows, positions = PagedKV.packed(batch)
+    out = select("paged_prefill_attention", kernels)(q.reshape((B * T,) + q.shape[2:]), pool, table, rows,
+                                                     positions - jnp.repeat(base, T), layer=0,
+                                                     sliding_window=window, sinks=sinks, scale=scale)
+    return out.reshape((B, T) + out.shape[1:])
 
 
 def paged_prefill(q, k_new, v_new, cache: PagedKV, batch: Batch, *, scale, window, sinks, kernels):

@@ -79,3 +79,36 @@ def test_rings_in_place_equal_the_dense_rings(kernels, dv):
 def test_the_ring_table_names_each_rows_ring_for_every_block():
     got = np.asarray(ring_table(jnp.asarray([3, 0, 6], jnp.int32), capacity=40, window=16))
     np.testing.assert_array_equal(got, [[3, 3, 3], [0, 0, 0], [6, 6, 6]])
+
+
+@pytest.mark.parametrize("kernels", [native, "reference-paged"])
+@pytest.mark.parametrize("dv", [8, 4])
+def test_a_chunk_over_its_ring_equals_the_dense_attention(kernels, dv):
+    """A prefill chunk of a sliding layer laid out in a scratch pool with the ring before it and attended by paged
+    prefill attention (models/attention.py `ring_prefill`: the native kernel; "reference-paged": the same layout
+    with that kernel's jnp reference) equals the dense path's attention over ring and chunk, for rows that start
+    fresh, before the ring is full, after it wraps, chunks longer than the window and padding tokens; the rings
+    after the chunk are the dense path's."""
+    from jaxserve.models import attention
+    window, dk, T = 8, 8, 11
+    rng = np.random.default_rng(dv + 10)
+    start = np.array([0, 5, 8, 30], np.int32)
+    lengths = np.array([11, 4, 11, 7], np.int32)
+    B = len(start)
+    batch = Batch(jnp.zeros((B, T), jnp.int32), jnp.asarray(start), jnp.asarray(lengths))
+    ring = {"k": jnp.asarray(rng.standard_normal((B, window, HKV, dk)), jnp.float32),
+            "v": jnp.asarray(rng.standard_normal((B, window, HKV, dv)), jnp.float32)}
+    q = jnp.asarray(rng.standard_normal((B, T, HQ, dk)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((B, T, HKV, dk)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((B, T, HKV, dv)), jnp.float32)
+    sinks = jnp.asarray(rng.standard_normal(HQ), jnp.float32)
+    kw = dict(scale=0.3, window=window, sinks=sinks)
+    want, want_ring = kv_attention(q, k, v, ring, batch, kernels="reference", **kw)
+    if kernels == "reference-paged":
+        got, got_ring = attention.ring_prefill(q, k, v, ring, batch, kernels="reference", **kw), want_ring
+    else:
+        got, got_ring = jax.jit(lambda q: kv_attention(q, k, v, ring, batch, kernels=kernels, **kw))(q)
+    real = np.arange(T)[None, :] < lengths[:, None]
+    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], rtol=2e-5, atol=2e-5)
+    for name in ("k", "v"):
+        np.testing.assert_array_equal(np.asarray(got_ring[name]), np.asarray(want_ring[name]))

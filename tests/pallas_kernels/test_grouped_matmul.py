@@ -30,7 +30,7 @@ def _float64(x, w, sizes):
 
 CASES = [  # (E, K, N, sizes): a tile of 8 rows unless the groups are larger
     (1, 16, 24, [5]),
-    (4, 32, 48, [3, 0, 9, 1]),  # an empty group, groups sharing tiles
+    (4, 32, 48, [3, 0, 9, 1]),  # an empty group, groups that one tile of 8 rows would hold
     (4, 32, 48, [30, 0, 0, 70]),  # 100 rows over 4: tiles of 16, a group across several
     (8, 24, 40, [0, 0, 0, 0, 0, 0, 0, 6]),  # only the last group has rows
     (32, 16, 24, [1, 0, 2, 0] * 8),  # more groups than tiles (a decode step's few rows)
