@@ -14,7 +14,9 @@ slice of an [M, E * K] operand): E times the work, and the memory of that operan
 layer (32 experts, hidden 1,024, 2,048 outputs, 2 cores) a 64-request decode step's 256 rows took 326 ms against
 31 ms here, a 1,024-token prefill's 4,096 rows 4.0 s against 0.17 s.
 
-`tiled_grouped_matmul` (the CPU's, under the "native" mode, pure jnp) cuts each group's rows into tiles of T rows
+On a CPU the "native" mode runs the C++ kernel (native.py `grouped_matmul`: each expert's weight read where it
+lies, in chunks of 8 rows); where the library does not build, or for dtypes other than float32, it runs
+`tiled_grouped_matmul` (pure jnp), which cuts each group's rows into tiles of T rows
 from the group's first row on, and runs one product per tile: at most M / T + E of them, as many as the groups'
 rows need (a loop whose trip count the device computes: groups without rows cost nothing). Each reads its
 expert's weight once and T rows, so a decode step whose groups hold at most T rows reads the weight of each expert

@@ -3,7 +3,8 @@
 On a CPU the Pallas kernels run only in interpret mode, and the jnp reference of paged decode attention gathers
 every block the batch holds into a dense copy before its products. `native/paged_attention.cc` reads the blocks
 in place instead, and `native/matmul.cc` runs a decode step's few rows against a layer's weights, which XLA's CPU
-dot does at full memory bandwidth only for one row (their headers say how). They are compiled once per machine
+dot does at full memory bandwidth only for one row, and the experts' grouped products, each expert's weight read
+where it lies in its stack (their headers say how). They are compiled once per machine
 with the system's C++ compiler (g++, else c++) against the FFI headers jaxlib ships, into one library in
 `~/.cache/jaxserve/native/` (named by a hash of the sources, the flags and the CPU), and registered with XLA on
 first use.
@@ -11,7 +12,7 @@ first use.
 `available()` says whether it built (and why not); `paged_attention` / `paged_mla_attention` /
 `paged_prefill_attention` / `paged_mla_prefill_attention` have the signatures of their references in
 paged_attention.py, `matmul` that of
-matmul.py's. float32 runs the kernels; another dtype runs the reference (as do products of more than MATMUL_ROWS
+matmul.py's, `grouped_matmul` that of grouped_matmul.py's. float32 runs the kernels; another dtype runs the reference (as do products of more than MATMUL_ROWS
 rows), as does every call where the library is not available. select.py routes "native" mode here;
 check.py compares each kernel with its reference on the model's own dims before an engine uses it.
 
@@ -34,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .grouped_matmul import tiled_grouped_matmul
+from .grouped_matmul import check_grouped, tiled_grouped_matmul
 from .matmul import check_matmul, ref_matmul
 from .paged_attention import (GRID_ORDER, _check_mla, _views, gqa_args, mla_prefill_args, prefill_args,
                               ref_paged_attention, ref_paged_mla_attention, ref_paged_mla_prefill_attention,
@@ -44,7 +45,8 @@ NATIVE_DIR = os.path.join(os.path.dirname(__file__), "native")
 SOURCES = tuple(os.path.join(NATIVE_DIR, f) for f in ("paged_attention.cc", "matmul.cc"))
 HEADERS = tuple(os.path.join(NATIVE_DIR, f) for f in ("run_items.h",))
 TARGETS = {"jaxserve_paged_decode": "JaxservePagedDecode", "jaxserve_paged_prefill": "JaxservePagedPrefill",
-           "jaxserve_matmul": "JaxserveMatmul", "jaxserve_matmul_t": "JaxserveMatmulT"}
+           "jaxserve_matmul": "JaxserveMatmul", "jaxserve_matmul_t": "JaxserveMatmulT",
+           "jaxserve_grouped_matmul": "JaxserveGroupedMatmul"}
 MATMUL_ROWS = 8  # the most rows a native product takes (a decode step's few); more run as XLA's dot
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-fopenmp-simd")
 CACHE_DIR = os.path.expanduser("~/.cache/jaxserve/native")
@@ -197,8 +199,24 @@ def matmul(x, w, *, transposed: bool = False):
     return call(x.reshape(rows, x.shape[-1]), w).reshape(*x.shape[:-1], N)
 
 
+def grouped_matmul(x, w, sizes, *, layer=None):
+    """`ref_grouped_matmul`'s arguments and result (each group of sorted rows x [M, K] times its expert's weight of
+    w [E, K, N] or [L, E, K, N] at `layer`), computed by the native kernel (float32). It reads each chosen expert's
+    weight where it lies in the stack, once per MATMUL_ROWS rows of the group; the jnp loop (`tiled_grouped_matmul`)
+    slices the weight out first, a copy that cost as much as a decode step's product (at gpt-oss-mini's experts,
+    32 of 512 x 512, 2 cores: 192 rows in 2.5 ms against the loop's 4.1, 4,096 rows in 18 ms against 24). Another
+    dtype, or no library: the jnp loop."""
+    check_grouped(x, w, sizes, layer)
+    if not (x.dtype == w.dtype == jnp.float32 and available()[0]):
+        return tiled_grouped_matmul(x, w, sizes, layer=layer)
+    w4 = w[None] if layer is None else w
+    call = jax.ffi.ffi_call("jaxserve_grouped_matmul", jax.ShapeDtypeStruct((x.shape[0], w.shape[-1]), jnp.float32),
+                            vmap_method="sequential")
+    return call(x, w4, sizes.astype(jnp.int32), jnp.asarray(0 if layer is None else layer, jnp.int32))
+
+
 KERNELS = {"paged_attention": paged_attention, "paged_mla_attention": paged_mla_attention,  # for select.py
            "paged_prefill_attention": paged_prefill_attention,
            "paged_mla_prefill_attention": paged_mla_prefill_attention, "matmul": matmul,
-           "grouped_matmul": tiled_grouped_matmul}
-LIBRARY_FREE = frozenset({"grouped_matmul"})  # the CPU's own form in jnp: no library, any dtype
+           "grouped_matmul": grouped_matmul}
+LIBRARY_FREE = frozenset({"grouped_matmul"})  # runs without the library (the jnp loop), in any dtype

@@ -14,10 +14,14 @@
 // into the panel's accumulator [M, panel] in L1, so a weight is read once and each accumulator element is loaded
 // and stored once per kRows multiply-adds.
 // JaxserveMatmulT: work items are kRowsT output features; each is M dot products along contiguous K.
+// JaxserveGroupedMatmul: an MoE layer's grouped products (rows sorted by expert, each group times its expert's
+// weight of the layers' stack [L, E, K, N]): JaxserveMatmul's panels over chunks of at most kMaxRows rows of one
+// group, the weight read where it lies.
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "run_items.h"
 #include "xla/ffi/api/ffi.h"
@@ -175,6 +179,51 @@ ffi::Error MatmulTImpl(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> x, ffi::Bu
   return ffi::Error::Success();
 }
 
+// JaxserveGroupedMatmul: x [M, K] rows sorted by group, w [L, E, K, N], sizes [E] int32 rows per group, layer []
+// int32 -> out [M, N], each group's rows times w[layer, group] (rows past the groups: zeros). Work items are
+// (chunk of at most kMaxRows rows of one group, column panel) pairs: each reads its panel of its expert's weight
+// where it lies in the stack, once per chunk.
+ffi::Error GroupedMatmulImpl(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                             ffi::Buffer<ffi::S32> sizes, ffi::Buffer<ffi::S32> layer,
+                             ffi::ResultBuffer<ffi::F32> out) {
+  auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
+  if (xd.size() != 2 || wd.size() != 4 || od.size() != 2 || sizes.element_count() != wd[1] || wd[2] != xd[1] ||
+      od[0] != xd[0] || od[1] != wd[3]) {
+    return ffi::Error::InvalidArgument("grouped matmul: x [M, K], w [L, E, K, N], sizes [E], out [M, N]");
+  }
+  const int64_t M = xd[0], K = xd[1], E = wd[1], N = wd[3];
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("grouped matmul: layer out of range");
+  const int32_t* sz = sizes.typed_data();
+  struct Chunk {
+    int64_t row, rows, group;
+  };
+  std::vector<Chunk> chunks;
+  int64_t r = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = std::min<int64_t>(std::max<int32_t>(sz[e], 0), M - r);
+    for (int64_t c = 0; c < n; c += kMaxRows) chunks.push_back({r + c, std::min(kMaxRows, n - c), e});
+    r += n;
+  }
+  float* op = out->typed_data();
+  std::memset(op + r * N, 0, sizeof(float) * (M - r) * N);
+  if (chunks.empty()) return ffi::Error::Success();
+  // panels: at least one item per thread when the chunks are fewer than the threads
+  const int64_t workers = threads.num_threads() + 1;
+  const int64_t per = std::max<int64_t>(1, (workers + chunks.size() - 1) / chunks.size());
+  const int64_t share = ((N + per - 1) / per + kLanes - 1) / kLanes * kLanes;
+  const int64_t C = std::max<int64_t>(kLanes, std::min(kPanel, share));
+  const int64_t panels = (N + C - 1) / C;
+  const float *xp = x.typed_data(), *wp = w.typed_data() + l * E * K * N;
+  const Chunk* ch = chunks.data();
+  jaxserve::RunItems(threads, static_cast<int64_t>(chunks.size()) * panels, [=](int64_t i) {
+    const Chunk& c = ch[i / panels];
+    const int64_t n0 = (i % panels) * C;
+    ByRows<PanelOf>(c.rows, xp + c.row * K, wp + c.group * K * N, op + c.row * N, K, N, n0, std::min(C, N - n0));
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 #define JAXSERVE_MATMUL_BINDING                \
@@ -186,3 +235,11 @@ ffi::Error MatmulTImpl(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> x, ffi::Bu
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmul, MatmulImpl, JAXSERVE_MATMUL_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulT, MatmulTImpl, JAXSERVE_MATMUL_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveGroupedMatmul, GroupedMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>() /* x */
+                                  .Arg<ffi::Buffer<ffi::F32>>() /* w */
+                                  .Arg<ffi::Buffer<ffi::S32>>() /* sizes */
+                                  .Arg<ffi::Buffer<ffi::S32>>() /* layer */
+                                  .Ret<ffi::Buffer<ffi::F32>>() /* out */);

@@ -1,7 +1,7 @@
-"""The experts' grouped products (pallas_kernels/grouped_matmul.py): the CPU's tiled form and the reference
-(`lax.ragged_dot`) against a float64 product per group, on groups that are empty, short, longer than a tile, and
-rows past the last group; the engine's MoE layers run the tiled form under the native mode and give the
-references' tokens."""
+"""The experts' grouped products (pallas_kernels/grouped_matmul.py): the CPU's native kernel (native.py), its jnp
+tiled form and the reference (`lax.ragged_dot`) against a float64 product per group, on groups that are empty,
+short, longer than a tile or than the native kernel's 8-row chunks, and rows past the last group; the engine's MoE
+layers run the native kernel under the native mode and give the references' tokens."""
 
 import dataclasses
 
@@ -45,7 +45,7 @@ def test_tiled_and_reference_match_a_float64_product(E, K, N, sizes):
     x, w = jnp.asarray(r.randn(M, K), jnp.float32), jnp.asarray(r.randn(E, K, N) * K ** -0.5, jnp.float32)
     s = jnp.asarray(sizes, jnp.int32)
     want = _float64(x, w, sizes)
-    for f in (tiled_grouped_matmul, ref_grouped_matmul):
+    for f in (native.grouped_matmul, tiled_grouped_matmul, ref_grouped_matmul):
         got = jax.jit(f)(x, w, s)
         assert got.shape == (M, N) and got.dtype == jnp.float32
         np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=0)
@@ -56,19 +56,20 @@ def test_a_layer_of_a_stack_is_read_in_place():
     r = np.random.RandomState(1)
     x, w = jnp.asarray(r.randn(20, 16), jnp.float32), jnp.asarray(r.randn(3, 4, 16, 8) / 4, jnp.float32)
     s = jnp.asarray([5, 0, 7, 8], jnp.int32)
-    for f in (tiled_grouped_matmul, ref_grouped_matmul):
+    for f in (native.grouped_matmul, tiled_grouped_matmul, ref_grouped_matmul):
         for layer in range(3):
             got = jax.jit(lambda x, w, s, i: f(x, w, s, layer=i))(x, w, s, jnp.int32(layer))
             np.testing.assert_allclose(np.asarray(got), _float64(x, w[layer], [5, 0, 7, 8]), atol=2e-5, rtol=0)
-    with pytest.raises(ValueError, match="with a layer"):
-        tiled_grouped_matmul(x, w, s)
+    for f in (native.grouped_matmul, tiled_grouped_matmul):
+        with pytest.raises(ValueError, match="with a layer"):
+            f(x, w, s)
 
 
 def test_bfloat16_accumulates_in_float32_and_shapes_are_checked():
     r = np.random.RandomState(0)
     x, w = jnp.asarray(r.randn(40, 64), jnp.bfloat16), jnp.asarray(r.randn(4, 64, 32) / 8, jnp.bfloat16)
     s = jnp.asarray([10, 10, 0, 20], jnp.int32)
-    got = jax.jit(tiled_grouped_matmul)(x, w, s)
+    got = jax.jit(native.grouped_matmul)(x, w, s)  # not float32: the tiled form
     assert got.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(got, np.float32), _float64(x, w, [10, 10, 0, 20]), atol=3e-2, rtol=0)
     with pytest.raises(ValueError, match=r"x \[M, K\], w \[E, K, N\]"):
@@ -81,16 +82,28 @@ def test_tile_follows_the_rows_per_group():
     assert [tile_rows(M, E) for M, E in [(4, 32), (96, 4), (256, 32), (2048, 4), (4096, 32)]] == [8, 16, 8, 64, 64]
 
 
+@pytest.mark.skipif(not native.available()[0], reason="the native library does not build here")
+def test_the_native_kernel_reads_the_experts_in_place():
+    """Under native the products are the C++ kernel's custom call (float32), reading the stack [L, E, K, N] as it
+    lies: no slice of it in the program."""
+    x, w = jnp.zeros((12, 16), jnp.float32), jnp.zeros((3, 4, 16, 8), jnp.float32)
+    s = jnp.asarray([5, 0, 7, 0], jnp.int32)
+    text = jax.jit(lambda x, w, s, i: native.grouped_matmul(x, w, s, layer=i)).lower(x, w, s, 1).as_text()
+    assert "jaxserve_grouped_matmul" in text and "dynamic_slice" not in text and "ragged_dot" not in text
+
+
 def test_native_mode_runs_the_tiled_form_without_the_library(monkeypatch):
-    """The tiled form is jnp: under native it runs whether or not the C++ library builds, for any dtype, and the
-    self-test compares it with the reference (a wrong one fails its case)."""
-    assert select.select("grouped_matmul", "native") is tiled_grouped_matmul
+    """Under native the products run whether or not the C++ library builds (the tiled form is jnp), for any dtype,
+    and the self-test compares them with the reference (a wrong one fails its case)."""
+    assert select.select("grouped_matmul", "native") is native.grouped_matmul
     assert select.select("grouped_matmul", "reference") is ref_grouped_matmul
     assert select.mode_of("grouped_matmul", "pallas") == "reference"  # on a GPU: XLA's ragged_dot
     case = check.Case.of("grouped_matmul", E=4, K=24, N=40, dtype=jnp.bfloat16)
     assert check.run_case(case, "native") is None
     monkeypatch.setattr(native, "available", lambda *a, **kw: (False, "g++: not found"))
     assert select.mode_of("grouped_matmul", "native") == "native"
+    x, w, s = jnp.ones((6, 8), jnp.float32), jnp.ones((2, 8, 4), jnp.float32), jnp.asarray([2, 4], jnp.int32)
+    assert "jaxserve_grouped_matmul" not in jax.jit(native.grouped_matmul).lower(x, w, s).as_text()
     assert select.mode_of("matmul", "native") == "reference"
     monkeypatch.setattr(select, "auto_mode", lambda: "native")
     got, failed = check.plan("auto", [case, check.Case.of("matmul", K=8, N=8, dtype=jnp.float32)])
@@ -100,7 +113,7 @@ def test_native_mode_runs_the_tiled_form_without_the_library(monkeypatch):
 
 
 @pytest.mark.parametrize("family", ["gpt_oss", "qwen3_next", "deepseek_v3"])
-def test_moe_engine_on_the_cpu_runs_the_tiled_form_with_the_references_tokens(checkpoint_dir, family):
+def test_moe_engine_on_the_cpu_runs_the_native_form_with_the_references_tokens(checkpoint_dir, family):
     """gpt-oss (gate and up as one product, biases) and Qwen3-Next (gate, up, down; a gated shared expert), their
     layers scanned by class, and DeepSeek-V3 (a run of identical MoE layers scanned): the engine under native gives
     the tokens of the references (ragged_dot) and of its layers unscanned (each layer's own experts, not read
