@@ -35,6 +35,7 @@ constexpr int64_t kPanel = 512;  // columns per work item (JaxserveMatmul)
 constexpr int64_t kRows = 8;     // rows of w per step (JaxserveMatmul)
 constexpr int64_t kRowsT = 32;   // output features per work item (JaxserveMatmulT)
 constexpr int64_t kLanes = 16;
+constexpr int64_t kBlock = 32;   // columns of a register block (Block)
 
 typedef float Vec __attribute__((vector_size(64), aligned(4)));
 
@@ -179,10 +180,32 @@ ffi::Error MatmulTImpl(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> x, ffi::Bu
   return ffi::Error::Success();
 }
 
+// out[:, n0:n0+kBlock] = x @ w[:, n0:n0+kBlock] for x of kMaxRows rows, w [K, N]: the accumulators (kMaxRows x
+// kBlock) held in registers over the whole of K, each x value broadcast into its row's multiply-adds. For a
+// prefill's full chunks of an expert's rows: Panel's accumulators go through L1 at every step of 8 weight rows,
+// which bounds it by loads at about half the multiply-add rate.
+void Block(const float* __restrict x, const float* __restrict w, float* __restrict out, int64_t K, int64_t N,
+           int64_t n0) {
+  Vec a[kMaxRows][kBlock / kLanes];
+  for (int64_t m = 0; m < kMaxRows; ++m)
+    for (int64_t b = 0; b < kBlock / kLanes; ++b) a[m][b] = Vec{};
+  for (int64_t k = 0; k < K; ++k) {
+    Vec wv[kBlock / kLanes];
+    for (int64_t b = 0; b < kBlock / kLanes; ++b) wv[b] = Load(w + k * N + n0 + b * kLanes);
+    for (int64_t m = 0; m < kMaxRows; ++m) {
+      const float xv = x[m * K + k];
+      for (int64_t b = 0; b < kBlock / kLanes; ++b) a[m][b] += xv * wv[b];
+    }
+  }
+  for (int64_t m = 0; m < kMaxRows; ++m)
+    for (int64_t b = 0; b < kBlock / kLanes; ++b) Store(out + m * N + n0 + b * kLanes, a[m][b]);
+}
+
 // JaxserveGroupedMatmul: x [M, K] rows sorted by group, w [L, E, K, N], sizes [E] int32 rows per group, layer []
-// int32 -> out [M, N], each group's rows times w[layer, group] (rows past the groups: zeros). Work items are
-// (chunk of at most kMaxRows rows of one group, column panel) pairs: each reads its panel of its expert's weight
-// where it lies in the stack, once per chunk.
+// int32 -> out [M, N], each group's rows times w[layer, group] (rows past the groups: zeros). Work items are (group,
+// column panel) pairs. A group's full chunks of kMaxRows rows run Block by Block, each block of the weight
+// ([K, kBlock], in L2) meeting every chunk before the next is read; its last rows (a decode step's few) run Panel
+// over the panel. The weight is read where it lies in the stack.
 ffi::Error GroupedMatmulImpl(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                              ffi::Buffer<ffi::S32> sizes, ffi::Buffer<ffi::S32> layer,
                              ffi::ResultBuffer<ffi::F32> out) {
@@ -195,31 +218,38 @@ ffi::Error GroupedMatmulImpl(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> x, f
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("grouped matmul: layer out of range");
   const int32_t* sz = sizes.typed_data();
-  struct Chunk {
-    int64_t row, rows, group;
+  struct Group {
+    int64_t row, rows, index;
   };
-  std::vector<Chunk> chunks;
+  std::vector<Group> groups;
   int64_t r = 0;
   for (int64_t e = 0; e < E; ++e) {
     const int64_t n = std::min<int64_t>(std::max<int32_t>(sz[e], 0), M - r);
-    for (int64_t c = 0; c < n; c += kMaxRows) chunks.push_back({r + c, std::min(kMaxRows, n - c), e});
+    if (n > 0) groups.push_back({r, n, e});
     r += n;
   }
   float* op = out->typed_data();
   std::memset(op + r * N, 0, sizeof(float) * (M - r) * N);
-  if (chunks.empty()) return ffi::Error::Success();
-  // panels: at least one item per thread when the chunks are fewer than the threads
+  if (groups.empty()) return ffi::Error::Success();
+  // panels: at least one item per thread when the groups are fewer than the threads
   const int64_t workers = threads.num_threads() + 1;
-  const int64_t per = std::max<int64_t>(1, (workers + chunks.size() - 1) / chunks.size());
-  const int64_t share = ((N + per - 1) / per + kLanes - 1) / kLanes * kLanes;
-  const int64_t C = std::max<int64_t>(kLanes, std::min(kPanel, share));
+  const int64_t per = std::max<int64_t>(1, (workers + groups.size() - 1) / groups.size());
+  const int64_t share = ((N + per - 1) / per + kBlock - 1) / kBlock * kBlock;
+  const int64_t C = std::max<int64_t>(kBlock, std::min(kPanel, share));
   const int64_t panels = (N + C - 1) / C;
   const float *xp = x.typed_data(), *wp = w.typed_data() + l * E * K * N;
-  const Chunk* ch = chunks.data();
-  jaxserve::RunItems(threads, static_cast<int64_t>(chunks.size()) * panels, [=](int64_t i) {
-    const Chunk& c = ch[i / panels];
-    const int64_t n0 = (i % panels) * C;
-    ByRows<PanelOf>(c.rows, xp + c.row * K, wp + c.group * K * N, op + c.row * N, K, N, n0, std::min(C, N - n0));
+  const Group* gp = groups.data();
+  jaxserve::RunItems(threads, static_cast<int64_t>(groups.size()) * panels, [=](int64_t i) {
+    const Group& g = gp[i / panels];
+    const int64_t n0 = (i % panels) * C, n1 = std::min(C, N - n0) + n0;
+    const float* wg = wp + g.index * K * N;
+    const int64_t full = g.rows / kMaxRows * kMaxRows, blocked = n0 + (n1 - n0) / kBlock * kBlock;
+    for (int64_t n = n0; n < blocked; n += kBlock)
+      for (int64_t c = 0; c < full; c += kMaxRows) Block(xp + (g.row + c) * K, wg, op + (g.row + c) * N, K, N, n);
+    for (int64_t c = 0; c < full && blocked < n1; c += kMaxRows)  // the panel's last columns
+      ByRows<PanelOf>(kMaxRows, xp + (g.row + c) * K, wg, op + (g.row + c) * N, K, N, blocked, n1 - blocked);
+    if (full < g.rows)
+      ByRows<PanelOf>(g.rows - full, xp + (g.row + full) * K, wg, op + (g.row + full) * N, K, N, n0, n1 - n0);
   });
   return ffi::Error::Success();
 }
