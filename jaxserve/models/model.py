@@ -327,9 +327,9 @@ def model_graphdef(cfg: ModelConfig, dtype, kernels: str):
 
 def kernel_cases(cfg: ModelConfig, dtype, block_size: int) -> list[Case]:
     """The kernels the model calls, each with the dims of its layers, for the self-test (pallas_kernels/check.py):
-    attention over dense caches and over the paged pool, MLA over the latent pool, the delta rule chunked
-    (prefill) and recurrent (decode); the products of GQA layers' projections, dense and shared MLPs, the experts
-    and the LM head."""
+    attention over dense caches and over the paged pool (sliding layers' also over their rings, blocks of `window`
+    tokens), MLA over the latent pool, the delta rule chunked (prefill) and recurrent (decode); the products of GQA
+    layers' projections, dense and shared MLPs, the experts and the LM head."""
     hidden = cfg.hidden_size  # the LM head's product on part of the vocabulary: its lowering is the same
     cases = {Case.of("matmul", K=hidden, N=min(cfg.vocab_size, 4096), transposed=cfg.tie_word_embeddings, dtype=dtype)}
     for spec in (layer.mlp for layer in cfg.layers):
@@ -349,6 +349,8 @@ def kernel_cases(cfg: ModelConfig, dtype, block_size: int) -> list[Case]:
                         window=spec.window, sinks=spec.sinks, scale=spec.scale)
             qkv = spec.num_heads * spec.head_dim * (2 if spec.output_gate else 1) + spec.num_kv_heads * (
                 spec.head_dim + spec.v_head_dim)  # Q, K and V fused (models/fuse.py)
+            if spec.window:  # decode over the rings in place: a ring is one block of `window` tokens (cache/layout.py)
+                cases.add(Case.of("paged_attention", block_size=spec.window, **dims))
             cases |= {Case.of("batched_attention", **dims), Case.of("paged_attention", block_size=block_size, **dims),
                       Case.of("paged_prefill_attention", block_size=block_size, **dims),
                       Case.of("matmul", K=hidden, N=qkv, transposed=False, dtype=dtype)}
