@@ -269,21 +269,22 @@ def ring_table(rows, capacity: int, window: int):
     return jnp.broadcast_to(rows[:, None], (rows.shape[0], -(-capacity // window))).astype(jnp.int32)
 
 
+RING_SNAPSHOTS = 4  # the most decode rows whose rings one step snapshots (the scheduler asks for no more)
+
+
 def _snapshot(a, rows, snap_rows, scratch: int, after):
     """A sliding group's pool a [R, ...] with the rings of rows [B] copied into snap_rows [B] (the scratch row:
-    none), after the array `after` is computed. On a CPU only a step that takes a snapshot copies (a
-    conditional); elsewhere every step gathers the batch's rings and drops the copies it does not take, as a
-    conditional's branch is read on the host there (a sync).
+    none), after the array `after` is computed: at most RING_SNAPSHOTS of them, the first rows that ask. A step
+    copies that many rings whether or not they are asked for (a conditional's branch is read on the host on a GPU:
+    a sync), not the batch's (on a GPU, gpt-oss-20b's 256-row step: 800 MB).
 
     The layers' attention read the rings, and nothing in the data orders those reads before the snapshots'
     write: XLA then copies the whole pool (an optimization barrier does not order them: XLA lowers it away
     first). The copies' rows depend on `after`, the step's output, which follows every read (a step whose
     output is NaN takes no snapshot)."""
     keep = (snap_rows != scratch) & ~jnp.isnan(after.reshape(-1)[0])
-
-    def copy(a):
-        return a.at[jnp.where(keep, snap_rows, a.shape[0])].set(a[rows], mode="drop")
-    return jax.lax.platform_dependent(a, cpu=lambda a: jax.lax.cond(keep.any(), copy, lambda a: a, a), default=copy)
+    first = jnp.argsort(~keep, stable=True)[:min(RING_SNAPSHOTS, rows.shape[0])]  # the rows that ask, first
+    return a.at[jnp.where(keep[first], snap_rows[first], a.shape[0])].set(a[rows[first]], mode="drop")
 
 
 def layer_places(layout: PoolLayout) -> np.ndarray:

@@ -25,7 +25,7 @@ from jaxserve.pallas_kernels.select import mode_of, resolve as resolve_kernels
 
 from ..cache.block_manager import BlockManager
 from ..cache.events import CacheEvents
-from ..cache.layout import PoolLayout
+from ..cache.layout import RING_SNAPSHOTS, PoolLayout
 from ..checkpoint import load_any
 from ..models.cache_spec import cache_spec
 from ..models.config import load_config
@@ -203,7 +203,9 @@ class LLMEngine:
             chunk_size=cfg.chunk_size, max_prefill_seqs=cfg.max_prefill_seqs, max_waiting=cfg.max_waiting,
             block_size=bs, has_request_state=self.layout.has_request_state,
             mixed_batched_tokens=cfg.mixed_batched_tokens,
-            token_buckets=tuple(self.runner.buckets) if paged_prefill else ()), self.blocks)
+            token_buckets=tuple(self.runner.buckets) if paged_prefill else (),
+            decode_snapshots=RING_SNAPSHOTS if any(g.kind == "sliding" for g in self.layout.groups) else None),
+            self.blocks)
         if cfg.spill_dir is not None:
             from ..cache.disk_tier import DiskTier
             shapes = [(s.shape[1:], s.dtype) for gl, s in zip(self.layout.groups, self.layout.shapes(self.dtype))

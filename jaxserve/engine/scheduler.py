@@ -57,6 +57,9 @@ class SchedulerConfig:
     has_request_state: bool  # linear / sliding layers: snapshots needed for prefix reuse
     # the runner's packed-token buckets (ascending; empty: steps are not packed), see `_fit_bucket`
     token_buckets: tuple[int, ...]
+    # the most requests a decode step snapshots at a block boundary (None: all; sliding rings: cache/layout.py
+    # RING_SNAPSHOTS); a request past them keeps its last snapshot and takes one at a later boundary
+    decode_snapshots: int | None = None
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "max_prefill_seqs", "block_size"):
@@ -289,6 +292,8 @@ class Scheduler:
         if seq.kv_partial or not (self.cfg.has_request_state and self.blocks.snapshots.capacity
                                   and n % self.cfg.block_size == 0):
             return
+        if self.cfg.decode_snapshots is not None and len(pinned) >= self.cfg.decode_snapshots:
+            return  # the step's snapshots are taken (pinned holds them alone until the prefills')
         h = self._hashes(seq, n)[-1]
         row = self.blocks.snapshots.rekey(seq.snapshot_hash, h, pinned)
         if row is not None:

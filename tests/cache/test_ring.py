@@ -76,6 +76,21 @@ def test_rings_in_place_equal_the_dense_rings(kernels, dv):
                                       np.asarray(got_pool[0])[rows[taken]])
 
 
+def test_a_step_snapshots_at_most_ring_snapshots_rings(monkeypatch):
+    """The first RING_SNAPSHOTS rows that ask have their rings copied into their snapshot rows; the rows past them
+    (the scheduler asks for no more, engine/scheduler.py decode_snapshots) and the others are not written."""
+    from jaxserve.cache import layout as layout_mod
+    monkeypatch.setattr(layout_mod, "RING_SNAPSHOTS", 2)
+    a = jnp.arange(10 * 3, dtype=jnp.float32).reshape(10, 3)
+    rows, snap = jnp.asarray([0, 1, 2, 3, 4], jnp.int32), jnp.asarray([9, 5, 9, 6, 7], jnp.int32)  # 9: scratch
+    got = np.asarray(layout_mod._snapshot(a, rows, snap, 9, jnp.zeros(2)))
+    want = np.asarray(a).copy()
+    want[5], want[6] = want[1], want[3]  # rows 1 and 3 ask first; row 4's snapshot is past the two
+    np.testing.assert_array_equal(got, want)
+    got = np.asarray(layout_mod._snapshot(a, rows, snap, 9, jnp.full(2, jnp.nan)))
+    np.testing.assert_array_equal(got, np.asarray(a))  # a step whose output is NaN takes none
+
+
 def test_the_ring_table_names_each_rows_ring_for_every_block():
     got = np.asarray(ring_table(jnp.asarray([3, 0, 6], jnp.int32), capacity=40, window=16))
     np.testing.assert_array_equal(got, [[3, 3, 3], [0, 0, 0], [6, 6, 6]])

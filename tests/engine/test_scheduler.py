@@ -151,6 +151,26 @@ def test_request_state_cuts_prompt_at_last_boundary_and_snapshots():
     s.blocks.check()
 
 
+@pytest.mark.parametrize("cap", [None, 2])
+def test_decode_snapshots_at_boundaries_up_to_the_steps_cap(cap):
+    """Requests whose decode token completes a block save their state there (one pool row each, pinned for the
+    step); with a cap (sliding rings: cache/layout.py RING_SNAPSHOTS) a step takes that many, the rest keep their
+    last snapshot and take one at a later boundary."""
+    s = make(num_blocks=128, snapshots=8, chunk_size=16, max_num_batched_tokens=64, decode_snapshots=cap)
+    seqs = [seq(r, 7, max_tokens=12, start=10 * i) for i, r in enumerate("abcd")]  # 7 tokens: boundaries at 8, 12
+    for q in seqs:
+        s.add(q)
+    taken = []
+    while s.has_work:
+        plan = s.schedule()
+        rows = [q.decode_snapshot for q in plan.decodes if q.decode_snapshot is not None]
+        assert len(set(rows)) == len(rows) and (cap is None or len(rows) <= cap)
+        taken.append(len(rows))
+        run_step(s, plan)
+    assert max(taken) == (4 if cap is None else cap) and sum(taken) > 0
+    s.blocks.check()
+
+
 def test_prefix_hit_without_request_state():
     s = make()
     s.add(seq("a", 10))
