@@ -176,7 +176,8 @@ def test_a_constrained_step_adds_its_bitmask_and_is_split_ahead(smollm2_dir, mon
 
 
 @pytest.mark.parametrize("family,scan", [("llama", False), ("llama", True), ("qwen3_next", False), ("qwen3_next", None),
-                                         ("gpt_oss", False), ("gpt_oss", None), ("deepseek_v3", None), ("mimo_v2_flash", None)])
+                                         ("gpt_oss", False), ("gpt_oss", None), ("deepseek_v3", None),
+                                         ("mimo_v2_flash", None)])
 def test_the_kv_pool_and_request_state_are_written_in_place(checkpoint_dir, family, scan):
     """Every prefill and decode program as XLA compiles it for serving (the whole model, and a layer-wise
     prefill's layer groups): each array of the pool argument (the KV pool; a hybrid's recurrent state and
