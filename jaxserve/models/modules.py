@@ -92,7 +92,7 @@ class MLP(nnx.Module):
 
 class MoE(nnx.Module):
     """Routed experts (+ optional shared expert), dispatched by sorting token-expert pairs by expert and
-    running grouped matmuls (the "grouped_matmul" kernel: `lax.ragged_dot`, on a CPU its tiled form), so compute
+    running grouped matmuls (the "grouped_matmul" kernel: `lax.ragged_dot`, on a CPU the native kernel), so compute
     scales with top-k, not with the expert count; the pairs' outputs come back to their tokens by a gather (the
     inverse of the sort), weighted and summed in float32.
 
