@@ -1,8 +1,9 @@
 """Kernel benchmark: each Pallas kernel against its jnp reference, same inputs, same run (paged prefill
 attention, a chunk after cached tokens, against the engine's path without it: the row's blocks gathered into a
-dense cache, then flash attention; the experts' grouped products, XLA's `ragged_dot` against the CPU's tiled loop
-of pallas_kernels/grouped_matmul.py, which has no Pallas kernel: whether XLA's GPU backend runs ragged_dot as its
-CPU backend does, a product over every expert).
+dense cache, then flash attention; the experts' grouped products, XLA's `ragged_dot` against the CPU's form,
+which has no Pallas kernel (pallas_kernels/native.py `grouped_matmul`: the C++ kernel, or where it does not run,
+a GPU included, the tiled jnp loop): whether XLA's GPU backend runs ragged_dot as its CPU backend does, a product
+over every expert).
 
 Per kernel and shape: the time per call at steady state (`_time`: groups of `--iters` calls dispatched back to
 back, the median group; compile and warm-up excluded), the bytes a kernel must at least move (inputs read
@@ -86,7 +87,7 @@ def _cases(shapes: dict, dtype, triton: bool = False):
 
     from jaxserve.pallas_kernels.check import inputs
     from jaxserve.pallas_kernels.gated_delta_rule import SUB
-    from jaxserve.pallas_kernels.grouped_matmul import tiled_grouped_matmul
+    from jaxserve.pallas_kernels.native import grouped_matmul
     r = np.random.RandomState(0)
     it = jnp.dtype(dtype).itemsize
     rnd = lambda *s: jnp.asarray(r.randn(*s) * 0.5, dtype)  # noqa: E731
@@ -116,12 +117,12 @@ def _cases(shapes: dict, dtype, triton: bool = False):
            f"block={m['bs']}", "paged_mla_attention", args, kw,
            it * (m["B"] * m["ctx"] * Dm + m["B"] * m["H"] * (Dm + m["L"])),
            2 * m["B"] * m["ctx"] * m["H"] * (Dm + m["L"]), "memory")
-    for e in shapes["moe"]:  # XLA's ragged_dot (the reference: the GPU's path) against the CPU's tiled loop
+    for e in shapes["moe"]:  # XLA's ragged_dot (the reference: the GPU's path) against the CPU's form
         E, K, N, M = e["E"], e["K"], e["N"], e["M"]
         sizes = np.bincount(np.sort(r.randint(0, E, M)), minlength=E).astype(np.int32)
         w = jnp.asarray(r.randn(E, K, N) * K ** -0.5, dtype)
         yield ("grouped_matmul", f"E={E} K={K} N={N} rows={M}", "grouped_matmul", (rnd(M, K), w, jnp.asarray(sizes)),
-               dict(_kernel=tiled_grouped_matmul), it * (int((sizes > 0).sum()) * K * N + M * (K + N)),
+               dict(_kernel=grouped_matmul), it * (int((sizes > 0).sum()) * K * N + M * (K + N)),
                2.0 * M * K * N, "memory" if M <= 64 * E else "compute")
     q = shapes["rec"]
     Br, H, Dk, Dv = q["B"], q["H"], q["Dk"], q["Dv"]
@@ -240,7 +241,7 @@ def run(mode: str | None, iters: int, dtype_name: str, emit=None) -> dict:
         if "_reference" in kw:  # a baseline other than the jnp reference (paged prefill: the dense path)
             kw = dict(kw)
             ref = functools.partial(kw.pop("_reference"), interpret=mode == "interpret")
-        if "_kernel" in kw:  # a jnp form other than a Pallas kernel (the experts' products: the CPU's loop)
+        if "_kernel" in kw:  # a form other than a Pallas kernel (the experts' products: the CPU's)
             kw = dict(kw)
             kfn = jax.jit(functools.partial(kw.pop("_kernel"), **kw))
         else:

@@ -16,8 +16,8 @@ layer (32 experts, hidden 1,024, 2,048 outputs, 2 cores) a 64-request decode ste
 
 On a CPU the "native" mode runs the C++ kernel (native.py `grouped_matmul`: each expert's weight read where it
 lies, in chunks of 8 rows); where the library does not build, or for dtypes other than float32, it runs
-`tiled_grouped_matmul` (pure jnp), which cuts each group's rows into tiles of T rows
-from the group's first row on, and runs one product per tile: at most M / T + E of them, as many as the groups'
+`tiled_grouped_matmul` (pure jnp), which cuts each group's rows into tiles of T rows from the group's first row
+on, and runs one product per tile: at most M / T + E of them, as many as the groups'
 rows need (a loop whose trip count the device computes: groups without rows cost nothing). Each reads its
 expert's weight once and T rows, so a decode step whose groups hold at most T rows reads the weight of each expert
 its rows chose once, and a prefill's work is its rows' plus less than a tile per group. T follows the rows per

@@ -13,8 +13,8 @@ first use.
 `paged_prefill_attention` / `paged_mla_prefill_attention` have the signatures of their references in
 paged_attention.py, `matmul` that of matmul.py's, `grouped_matmul` that of grouped_matmul.py's. float32 runs
 the kernels; another dtype runs the reference (as do products of more than MATMUL_ROWS rows; the grouped
-product's other form is the jnp loop), as does every call where the library is not available. select.py routes "native" mode here;
-check.py compares each kernel with its reference on the model's own dims before an engine uses it.
+product's other form is the jnp loop), as does every call where the library is not available. select.py routes
+"native" mode here; check.py compares each kernel with its reference on the model's own dims before an engine uses it.
 
 Thread-safety: the build runs under a lock, once per process; the kernels are pure functions.
 """

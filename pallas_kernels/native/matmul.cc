@@ -15,8 +15,8 @@
 // and stored once per kRows multiply-adds.
 // JaxserveMatmulT: work items are kRowsT output features; each is M dot products along contiguous K.
 // JaxserveGroupedMatmul: an MoE layer's grouped products (rows sorted by expert, each group times its expert's
-// weight of the layers' stack [L, E, K, N]): JaxserveMatmul's panels over chunks of at most kMaxRows rows of one
-// group, the weight read where it lies.
+// weight of the layers' stack [L, E, K, N]), the weight read where it lies: a group's full chunks of kMaxRows rows
+// in register blocks of kBlock columns (Block), its last rows through JaxserveMatmul's panels.
 
 #include <algorithm>
 #include <cstdint>
