@@ -15,7 +15,10 @@ as one scan whose body switches on the layer's class (`Switched`, CausalLM.run_l
 compiled once. A layer-wise prefill's layer groups then share one program per group size, wherever they lie:
 the group's first layer is an argument, and each position's class, stack index and cache row are looked up from
 it (models/model.py `switch_span`). Not on an accelerator: XLA's GPU runtime reads a conditional's branch on the
-host, a sync per layer.
+host, a sync per layer. Where the classes repeat in a period, each class in one run of consecutive layers of it
+(`class_period`: gpt-oss's sliding and full layers; a model whose every class is one run is one period), a span
+of whole periods runs as a scan over the periods, the body running the period's runs in turn: each class still
+compiles once, and no conditional runs (models/model.py `_period_layers`).
 
 `LayerStack.stack` turns a model state into params `(rest, stacks)`: the state without the stacked layers,
 and per run (or class) the stacked state of its layers (the only copy of those weights). `LayerStack.merge`,
@@ -100,11 +103,30 @@ def take_layer(graphdef, stacked, m):
     return layer
 
 
+def class_period(classes: tuple[tuple[int, ...], ...]) -> int | None:
+    """The shortest period P of the layers' classes (layer i's class that of layer i % P; P = L: the model is one
+    period), where each class lies in one run of consecutive layers of the period (gpt-oss: sliding, full;
+    Qwen3-Next: 3 linear, 1 full; DeepSeek-V3: 3 dense, 58 MoE, one period); None where there is none (Kimi
+    Linear: a first layer of its own, then 3 linear, 1 full)."""
+    L = sum(map(len, classes))
+    cls = [0] * L
+    for c, layers in enumerate(classes):
+        for i in layers:
+            cls[i] = c
+    for P in range(1, L + 1):
+        if L % P == 0 and all(cls[i] == cls[i % P] for i in range(L)):
+            runs = [cls[k] for k in range(P) if k == 0 or cls[k] != cls[k - 1]]
+            return P if len(runs) == len(set(runs)) else None  # a longer period repeats the same runs
+    return None
+
+
 @dataclass(frozen=True)
 class Switched:
-    """Switch mode's stacks inside a program: per class, its layers and (graphdef of one layer, stacked state)."""
+    """Switch mode's stacks inside a program: per class, its layers and (graphdef of one layer, stacked state);
+    period: the classes' period (`class_period`), where a span of whole periods runs as a scan over them."""
     classes: tuple[tuple[int, ...], ...]
     layers: list  # [(graphdef, stacked state)] per class
+    period: int | None = None
 
     def where(self, i: int) -> tuple[int, int]:
         """(class, index in its stack) of layer i."""
@@ -129,6 +151,7 @@ def _stack(xs):
 class LayerStack:
     runs: tuple[tuple[int, int], ...]  # () : nothing stacked, every layer runs on its own
     classes: tuple[tuple[int, ...], ...] = ()  # switch mode (runs empty): every layer, by class (layer_classes)
+    periods: bool = True  # switch mode: a span of whole periods (class_period) scans the periods, no conditional
 
     def run_of(self, i: int) -> tuple[int, int] | None:
         return next((r for r in self.runs if r[0] <= i < r[1]), None)
@@ -163,5 +186,6 @@ class LayerStack:
         model = nnx.merge(graphdef, state)
         if self.classes:
             return model, Switched(self.classes, [(nnx.split(model.layers[c[0]])[0], st)
-                                                  for c, st in zip(self.classes, stacks)])
+                                                  for c, st in zip(self.classes, stacks)],
+                                   class_period(self.classes) if self.periods else None)
         return model, {(lo, hi): (nnx.split(model.layers[lo])[0], st) for (lo, hi), st in zip(self.runs, stacks)}

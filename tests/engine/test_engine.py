@@ -78,7 +78,8 @@ def test_greedy_matches_reference_with_chunks_and_prefix_hits(engines, family):
                                     "mimo_v2_flash"])
 def test_scanned_layer_runs_match_the_unrolled_model(engines, checkpoint_dir, family):
     """Runs of identical layers run as one lax.scan over stacked weights (models/stack.py), and on a CPU a model
-    of several layer classes as one scan switching on each layer's class, their projections fused
+    of several layer classes stacked by class (a scan over the classes' periods, or one switching on each layer's
+    class: tests/models/test_periods.py), their projections fused
     (models/fuse.py): the same logits as the model with its own per-layer weights and separate projections,
     every layer unrolled (a separate load of the checkpoint)."""
     import jax.numpy as jnp
